@@ -1,0 +1,1 @@
+"""rpcompile.sim"""
