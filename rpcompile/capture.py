@@ -1,0 +1,705 @@
+"""Capture: any model -> one torch.fx graph of its training loss, grouped into units.
+
+Sections, in reading order:
+  1. Public types: B, S, CaptureReport, Captured, CaptureError
+  2. capture(): wrap the model so that it returns its loss, then try strategies in order
+  3. Units: find the layer list, assign every node to prefix / a layer / tail
+  4. Opaque blocks: MoE and data-dependent modules become one `rpcompile::opaque` node
+
+Why torch.export(strict=False): torch.fx.symbolic_trace fails on transformers 5 models, while
+non-strict export captures them with symbolic batch and sequence sizes, keeps each node's
+``nn_module_stack`` (which is how nodes are grouped into units), and its training-IR graph runs
+bit-identically to the eager model in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import sympy
+import torch
+import torch.utils.flop_counter
+from torch import nn
+
+__all__ = [
+    "B",
+    "CaptureError",
+    "CaptureReport",
+    "Captured",
+    "S",
+    "capture",
+    "is_causal_lm",
+]
+
+# ---------------------------------------------------------------------------------------------
+# 1. Public types
+# ---------------------------------------------------------------------------------------------
+
+B = sympy.Symbol("b", positive=True, integer=True)  # sequences per microbatch
+S = sympy.Symbol("s", positive=True, integer=True)  # sequence length
+
+_WRAPPED = "inner"  # attribute under which the wrapper holds the user's model
+
+
+class CaptureError(RuntimeError):
+    """Every capture strategy failed; the message names the module, the strategies and a fix."""
+
+
+@dataclass(frozen=True)
+class CaptureReport:
+    strategy: str  # the strategy that succeeded
+    node_count: int
+    units: tuple[str, ...]
+    seconds: float
+    opaque: tuple[str, ...] = ()  # module names captured as one opaque node
+    attempts: tuple[tuple[str, str], ...] = ()  # (strategy, why it failed) before success
+    dynamic: tuple[str, ...] = ()  # which sizes stayed symbolic ("b", "s")
+
+    def __str__(self) -> str:
+        lines = [
+            f"captured with {self.strategy!r} in {self.seconds:.2f}s: {self.node_count} nodes, "
+            f"{len(self.units)} units ({self.units[0]}, ..., {self.units[-1]})",
+            f"  symbolic sizes: {', '.join(self.dynamic) or 'none'}",
+        ]
+        if self.opaque:
+            lines.append(f"  opaque blocks: {', '.join(self.opaque)}")
+        for strategy, why in self.attempts:
+            lines.append(f"  tried {strategy!r} first: {why}")
+        return "\n".join(lines)
+
+
+@dataclass
+class Captured:
+    """The captured loss graph and what the later passes need to know about it.
+
+    ``graph_module`` is the lifted graph: placeholders are parameters, then buffers, then the
+    batch inputs; it returns the scalar loss of one microbatch.
+    """
+
+    graph_module: torch.fx.GraphModule
+    units: list[str]
+    params: dict[str, str]  # placeholder name -> parameter name in the user's model
+    buffers: dict[str, str]  # placeholder name -> buffer name in the user's model
+    constants: dict[str, torch.Tensor]  # placeholder name -> lifted tensor constant
+    inputs: list[str]  # placeholder names of the batch inputs, in call order
+    input_keys: list[str]  # the batch key each input comes from (e.g. "input_ids")
+    trainable: dict[str, bool]  # parameter name -> requires_grad
+    subs: dict[sympy.Symbol, sympy.Expr]  # graph shape symbols -> B / S
+    report: CaptureReport
+    example_batch: dict[str, torch.Tensor]
+    model: nn.Module = field(repr=False)
+
+    def parameter(self, name: str) -> torch.Tensor:
+        return self.model.get_parameter(name)
+
+    def value_of(self, placeholder: str) -> torch.Tensor:
+        """The tensor the user's model holds for a parameter/buffer/constant placeholder."""
+        if placeholder in self.params:
+            return self.model.get_parameter(self.params[placeholder])
+        if placeholder in self.buffers:
+            return self.model.get_buffer(self.buffers[placeholder])
+        return self.constants[placeholder]
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. capture()
+# ---------------------------------------------------------------------------------------------
+
+
+def is_causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face causal LM (or a PEFT wrapper of one): takes input_ids and labels."""
+    config = getattr(model, "config", None)
+    return (
+        config is not None
+        and getattr(config, "vocab_size", None) is not None
+        and callable(getattr(model, "get_output_embeddings", None))
+    )
+
+
+class _CausalLMLoss(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        setattr(self, _WRAPPED, model)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        out = getattr(self, _WRAPPED)(input_ids=input_ids, labels=labels, use_cache=False)
+        return out.loss
+
+
+class _LossOf(nn.Module):
+    """Generic models: the last batch item is the target when ``loss_fn`` is given."""
+
+    def __init__(self, model: nn.Module, loss_fn: Callable | None) -> None:
+        super().__init__()
+        setattr(self, _WRAPPED, model)
+        self.loss_fn = loss_fn
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        model = getattr(self, _WRAPPED)
+        if self.loss_fn is None:
+            return model(*args)
+        return self.loss_fn(model(*args[:-1]), args[-1])
+
+
+def example_batch_for(model: nn.Module, batch: int = 2, seq: int = 16) -> dict[str, torch.Tensor]:
+    """A batch synthesized from a causal LM's config (random token ids, labels = ids)."""
+    device = _model_device(model)
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (batch, seq), device="cpu").to(device)
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def normalize_batch(
+    model: nn.Module, batch: Any, loss_fn: Callable | None
+) -> dict[str, torch.Tensor]:
+    """Turn what the user passes into an ordered dict of batch tensors (dim 0 = batch)."""
+    if is_causal_lm(model):
+        if isinstance(batch, torch.Tensor):
+            batch = {"input_ids": batch}
+        if not isinstance(batch, dict) or "input_ids" not in batch:
+            raise ValueError(
+                "a causal LM batch must be a LongTensor of token ids [batch, seq] or a dict with "
+                "'input_ids' (and optionally 'labels'); got " + _describe(batch)
+            )
+        unknown = set(batch) - {"input_ids", "labels"}
+        if unknown:
+            raise ValueError(
+                f"unsupported batch keys {sorted(unknown)}: rpcompile trains on 'input_ids' and "
+                "'labels' only (no padding masks yet); drop the other keys"
+            )
+        ids = batch["input_ids"]
+        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
+            raise ValueError(
+                "input_ids must be an integer tensor of shape [batch, seq]; got " + _describe(ids)
+            )
+        labels = batch.get("labels", ids)
+        if labels.shape != ids.shape:
+            raise ValueError(
+                f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(ids.shape)}"
+            )
+        if ids.shape[1] < 2:
+            raise ValueError("sequences must have at least 2 tokens to have a next-token loss")
+        vocab = model.config.vocab_size
+        if ids.numel() and not ids.is_meta and (int(ids.max()) >= vocab or int(ids.min()) < 0):
+            raise ValueError(
+                f"token ids must lie in [0, {vocab}) (the model's vocab_size); found "
+                f"{int(ids.min())}..{int(ids.max())}"
+            )
+        return {"input_ids": ids, "labels": labels}
+    if isinstance(batch, torch.Tensor):
+        batch = (batch,)
+    if isinstance(batch, dict):
+        raise ValueError("a non-HF model's batch must be a tuple of tensors, not a dict")
+    if not isinstance(batch, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in batch):
+        raise ValueError(
+            "a model's batch must be a tensor or a tuple of tensors (model inputs, then the "
+            "target when loss_fn is given); got " + _describe(batch)
+        )
+    if loss_fn is not None and len(batch) < 2:
+        raise ValueError("with loss_fn, the batch must be (inputs..., target)")
+    sizes = {t.shape[0] if t.dim() else None for t in batch}
+    if len(sizes) != 1 or None in sizes:
+        raise ValueError(
+            "every batch tensor needs the same leading batch dimension; got shapes "
+            + ", ".join(str(tuple(t.shape)) for t in batch)
+        )
+    return {f"arg{i}": t for i, t in enumerate(batch)}
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: Any = None,
+    *,
+    loss_fn: Callable | None = None,
+    units: Sequence[str] | None = None,
+    opaque: Sequence[str] | None = None,
+) -> Captured:
+    """Capture ``model``'s training loss as a torch.fx graph grouped into units.
+
+    ``example_inputs``: for a causal LM, token ids or a dict with ``input_ids``/``labels``
+    (synthesized from the config when omitted); for any other model, a tuple of tensors, the
+    last being the target when ``loss_fn`` is given (otherwise the model must return a scalar
+    loss). ``units``: names of the modules that are the model's repeated layers (default: the
+    largest ``nn.ModuleList``/``nn.Sequential``). ``opaque``: extra module names to keep as
+    one node (MoE blocks are opaque by default).
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    if not any(True for _ in model.parameters()):
+        raise ValueError(
+            f"{type(model).__name__} has no parameters: there is nothing to train; pass the "
+            "model whose weights you want to fine-tune"
+        )
+    causal = is_causal_lm(model)
+    if example_inputs is None:
+        if not causal:
+            raise ValueError(
+                f"{type(model).__name__} is not a Hugging Face causal LM, so rpcompile cannot "
+                "synthesize its inputs: pass example_inputs=(inputs..., target)"
+            )
+        example_inputs = example_batch_for(model)
+    batch = normalize_batch(model, example_inputs, loss_fn)
+    wrapper = _CausalLMLoss(model) if causal else _LossOf(model, loss_fn)
+
+    layer_names = _find_layers(model, units)
+    opaque_names = list(opaque or ()) + [
+        n for n in _default_opaque(model) if n not in (opaque or ())
+    ]
+    for name in opaque_names:
+        _check_module(model, name, "opaque")
+
+    t0 = time.perf_counter()
+    attempts: list[tuple[str, str]] = []
+    ladder = [("export", True), ("export-static", False)]
+    for strategy, dynamic in ladder:
+        extra: list[str] = []
+        while True:
+            try:
+                ep = _export(model, wrapper, batch, causal, opaque_names + extra, dynamic)
+            except Exception as exc:  # capture errors come in many types; each is recorded
+                culprit = _culprit_of(exc)
+                if culprit is not None and _is_data_dependent(exc) and culprit not in extra:
+                    attempts.append((strategy, f"data-dependent code in {culprit!r}; made opaque"))
+                    extra.append(culprit)
+                    continue
+                attempts.append((strategy, _one_line(exc)))
+                break
+            else:
+                opaque_used = tuple(opaque_names + extra)
+                return _finish(
+                    model, ep, layer_names, batch, causal, strategy, dynamic, opaque_used,
+                    attempts, t0,
+                )
+    failed = "; ".join(f"{s}: {why}" for s, why in attempts)
+    raise CaptureError(
+        f"could not capture {type(model).__name__}. Strategies tried -> {failed}. To proceed, "
+        "name the repeated layers with units=[...] and the modules that cannot be traced with "
+        "opaque=[...] (module names as in model.named_modules())."
+    )
+
+
+def _export(model, wrapper, batch, causal, opaque_names, dynamic):
+    args = tuple(batch.values())
+    shapes = None
+    if dynamic:
+        bdim = torch.export.Dim("b", min=1, max=1 << 16)
+        if causal:
+            max_pos = getattr(model.config, "max_position_embeddings", None) or 1 << 17
+            sdim = torch.export.Dim("s", min=2, max=max(int(max_pos), args[0].shape[1]))
+            shapes = tuple({0: bdim, 1: sdim} for _ in args)
+        else:
+            shapes = tuple({0: bdim} if t.dim() else None for t in args)
+    with _opaque_patched(model, opaque_names), _module_tracker(model) as tracker:
+        try:
+            return torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
+        except Exception as exc:
+            exc.rp_module = tracker.innermost()  # type: ignore[attr-defined]
+            raise
+
+
+def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, attempts, t0):
+    gm = ep.graph_module
+    sig = ep.graph_signature
+    prefix = _WRAPPED + "."
+    params = {k: v.removeprefix(prefix) for k, v in sig.inputs_to_parameters.items()}
+    buffers = {k: v.removeprefix(prefix) for k, v in sig.inputs_to_buffers.items()}
+    const_names = dict(sig.inputs_to_lifted_tensor_constants)
+    constants = {k: ep.constants[v] for k, v in const_names.items()}
+    inputs = list(sig.user_inputs)
+    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+
+    unit_names = _assign_units(gm, layer_names)
+    subs = _symbol_map(gm, inputs, causal)
+    dyn = tuple(str(v) for v in (B, S) if v in subs.values())
+    report = CaptureReport(
+        strategy=strategy,
+        node_count=len(gm.graph.nodes),
+        units=tuple(unit_names),
+        seconds=time.perf_counter() - t0,
+        opaque=opaque,
+        attempts=tuple(attempts),
+        dynamic=dyn if dynamic else (),
+    )
+    return Captured(
+        graph_module=gm, units=unit_names, params=params, buffers=buffers, constants=constants,
+        inputs=inputs, input_keys=list(batch), trainable=trainable, subs=subs, report=report,
+        example_batch=batch, model=model,
+    )
+
+
+def _symbol_map(gm: torch.fx.GraphModule, inputs: list[str], causal: bool) -> dict:
+    """Map the export's shape symbols (s0, s1, ...) to B and S via the first batch input."""
+    subs: dict[sympy.Symbol, sympy.Expr] = {}
+    nodes = {n.name: n for n in gm.graph.nodes if n.op == "placeholder"}
+    first = nodes[inputs[0]].meta.get("val")
+    if first is None:
+        return subs
+    for dim, sym in ((0, B), (1, S)) if causal else ((0, B),):
+        if dim < first.dim():
+            expr = first.shape[dim]
+            if isinstance(expr, torch.SymInt):
+                subs[sympy.sympify(expr.node.expr)] = sym
+    return subs
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Units
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_module(model: nn.Module, name: str, what: str) -> None:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        raise ValueError(
+            f"{what}=[...] names {name!r}, which is not a submodule of {type(model).__name__}; "
+            "use names from model.named_modules()"
+        ) from None
+
+
+def _find_layers(model: nn.Module, units: Sequence[str] | None) -> list[str]:
+    """The module names that are one unit each: given, or the children of the largest list."""
+    if units is not None:
+        for name in units:
+            _check_module(model, name, "units")
+        return list(units)
+    best, best_params = None, 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
+            continue
+        n = sum(p.numel() for p in mod.parameters())
+        if n > best_params:
+            best, best_params = name, n
+    if best is None:
+        return []
+    container = model.get_submodule(best)
+    return [f"{best}.{i}" if best else str(i) for i in range(len(container))]
+
+
+def _assign_units(gm: torch.fx.GraphModule, layer_names: list[str]) -> list[str]:
+    """Write ``node.meta['rp_unit']``; return the unit names (prefix, layers..., tail).
+
+    A node inside layer i belongs to unit i+1. A node outside every layer belongs to the
+    latest unit among its inputs (it is computed as soon as its inputs exist), except that
+    once it depends on the last layer it belongs to the tail. Placeholders belong to the
+    prefix; they are re-assigned per use by the split pass.
+    """
+    prefix_len = len(_WRAPPED) + 1
+    owner = {name: i + 1 for i, name in enumerate(layer_names)}
+    tail = len(layer_names) + 1
+    unit_names = ["prefix", *layer_names, "tail"]
+
+    def layer_of(node: torch.fx.Node) -> int | None:
+        for path, _cls in reversed(list((node.meta.get("nn_module_stack") or {}).values())):
+            path = path[prefix_len:] if path.startswith(_WRAPPED + ".") else path
+            while path:
+                if path in owner:
+                    return owner[path]
+                path = path.rpartition(".")[0]
+        return None
+
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            node.meta["rp_unit"] = 0
+            continue
+        if node.op == "output":
+            node.meta["rp_unit"] = tail
+            continue
+        from_inputs = max((a.meta["rp_unit"] for a in node.all_input_nodes), default=0)
+        layer = layer_of(node)
+        if layer is not None and layer >= from_inputs:
+            unit = layer
+        elif from_inputs >= tail - 1 and tail > 1 and from_inputs > 0:
+            unit = tail
+        else:
+            unit = from_inputs
+        node.meta["rp_unit"] = unit
+    loss = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    if loss.meta["rp_unit"] != tail:
+        loss.meta["rp_unit"] = tail
+    return unit_names
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Opaque blocks
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _OpaqueEntry:
+    module: nn.Module
+    forward: Callable
+    param_names: list[str]
+    out_rules: list[tuple[list[tuple[str, int]], torch.dtype]]
+    tuple_out: bool
+    flops_per_token: int
+
+
+_OPAQUE: dict[str, _OpaqueEntry] = {}
+_KEYS = itertools.count()
+
+
+def _run_opaque(entry: _OpaqueEntry, inputs: list[torch.Tensor], params: list[torch.Tensor]):
+    state = dict(zip(entry.param_names, params))
+    with _forward_swapped(entry.module, entry.forward):
+        out = torch.func.functional_call(entry.module, state, tuple(inputs))
+    return list(out) if entry.tuple_out else [out]
+
+
+@torch.library.custom_op("rpcompile::opaque", mutates_args=())
+def _opaque_op(inputs: list[torch.Tensor], params: list[torch.Tensor], key: str) -> list[torch.Tensor]:
+    outs = _run_opaque(_OPAQUE[key], inputs, params)
+    seen = {t.data_ptr() for t in (*inputs, *params)}
+    return [o.clone() if o.data_ptr() in seen else o for o in outs]
+
+
+@_opaque_op.register_fake
+def _(inputs, params, key):
+    entry = _OPAQUE[key]
+    x = inputs[0]
+    outs = []
+    for rule, dtype in entry.out_rules:
+        shape = []
+        for kind, v in rule:
+            if kind == "const":
+                shape.append(v)
+            elif kind == "in":
+                shape.append(x.shape[v])
+            else:  # "tokens": product of every input dimension but the last
+                shape.append(math.prod(x.shape[:-1]))
+        outs.append(x.new_empty(shape, dtype=dtype))
+    return outs
+
+
+def _opaque_setup(ctx, inputs, output):
+    ins, params, key = inputs
+    ctx.n_in = len(ins)
+    ctx.key = key
+    ctx.save_for_backward(*ins, *params)
+
+
+def _opaque_backward(ctx, grads):
+    saved = ctx.saved_tensors
+    entry = _OPAQUE[ctx.key]
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in saved]
+    ins, params = leaves[: ctx.n_in], leaves[ctx.n_in :]
+    with torch.enable_grad():
+        outs = _run_opaque(entry, ins, params)
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    wrt = [t for t in leaves if t.requires_grad]
+    got = torch.autograd.grad(
+        [o for o, _ in pairs], wrt, [g for _, g in pairs], allow_unused=True
+    ) if pairs else [None] * len(wrt)
+    it = iter(got)
+    full = [next(it) if t.requires_grad else None for t in leaves]
+    return full[: ctx.n_in], full[ctx.n_in :], None
+
+
+_opaque_op.register_autograd(_opaque_backward, setup_context=_opaque_setup)
+
+
+def _default_opaque(model: nn.Module) -> list[str]:
+    """Mixture-of-experts blocks: a module with an ``experts`` child and a gate/router."""
+    found = []
+    for name, mod in model.named_modules():
+        kids = dict(mod.named_children())
+        if "experts" in kids and ("gate" in kids or "router" in kids):
+            if not any(name.startswith(f + ".") for f in found):
+                found.append(name)
+    return found
+
+
+@contextlib.contextmanager
+def _forward_swapped(module: nn.Module, forward: Callable):
+    patched = module.__dict__.get("forward")
+    module.__dict__["forward"] = forward
+    try:
+        yield
+    finally:
+        if patched is None:
+            del module.__dict__["forward"]
+        else:
+            module.__dict__["forward"] = patched
+
+
+@contextlib.contextmanager
+def _opaque_patched(model: nn.Module, names: Sequence[str]):
+    """Route each named module's forward through the opaque op while exporting."""
+    saved = []
+    try:
+        for name in names:
+            mod = model.get_submodule(name)
+            original = mod.forward  # bound method of the class's forward
+            entry = _probe_opaque(mod, original)
+            key = f"{name}#{next(_KEYS)}"
+            _OPAQUE[key] = entry
+
+            def call(*args, _key=key, _entry=entry, _mod=mod, _name=name, **kwargs):
+                if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
+                    raise CaptureError(
+                        f"opaque module {_name!r} was called with non-tensor or keyword "
+                        "arguments; opaque blocks take tensors only"
+                    )
+                params = [_mod.get_parameter(p) for p in _entry.param_names]
+                outs = _opaque_op(list(args), params, _key)
+                return tuple(outs) if _entry.tuple_out else outs[0]
+
+            saved.append((mod, mod.__dict__.get("forward")))
+            mod.__dict__["forward"] = call
+        yield
+    finally:
+        for mod, prev in reversed(saved):
+            if prev is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                mod.__dict__["forward"] = prev
+
+
+def _probe_opaque(mod: nn.Module, forward: Callable) -> _OpaqueEntry:
+    """Learn an opaque block's output shapes and FLOPs by running it on two tiny inputs."""
+    param_names = [n for n, _ in mod.named_parameters()]
+    p0 = next(mod.parameters(), None)
+    if p0 is None:
+        raise CaptureError(f"opaque block {type(mod).__name__} has no parameters")
+    hidden = _input_width(mod)
+    device, dtype = p0.device, p0.dtype
+    probes = [(2, 3), (3, 5)]
+    results = []
+    flops = []
+    for b, s in probes:
+        x = torch.randn(b, s, hidden, dtype=dtype) if device.type != "meta" else None
+        x = x.to(device) if x is not None else torch.empty(b, s, hidden, dtype=dtype, device="meta")
+        with torch.no_grad(), torch.utils.flop_counter.FlopCounterMode(display=False) as fc:
+            out = forward(x)
+        flops.append(fc.get_total_flops() / (b * s))
+        results.append((x.shape, out))
+    tuple_out = isinstance(results[0][1], tuple)
+    rules = []
+    outs0 = results[0][1] if tuple_out else (results[0][1],)
+    outs1 = results[1][1] if tuple_out else (results[1][1],)
+    for o0, o1 in zip(outs0, outs1):
+        rule = []
+        for d0, d1 in zip(o0.shape, o1.shape):
+            rule.append(_dim_rule(d0, d1, results[0][0], results[1][0]))
+        rules.append((rule, o0.dtype))
+    # Routing decides which experts run, so FLOPs per token are read off a real run; top-k
+    # routing makes them the same for every token (checked over the two probes).
+    per_token = round(max(flops))
+    return _OpaqueEntry(mod, forward, param_names, rules, tuple_out, per_token)
+
+
+def _dim_rule(d0: int, d1: int, shape0, shape1) -> tuple[str, int]:
+    if d0 == d1:
+        return ("const", d0)
+    for j, (a, b) in enumerate(zip(shape0, shape1)):
+        if (a, b) == (d0, d1):
+            return ("in", j)
+    if shape0[:-1].numel() == d0 and shape1[:-1].numel() == d1:
+        return ("tokens", 0)
+    raise CaptureError(f"cannot express an opaque block's output size {d0}/{d1} in its input")
+
+
+def _input_width(mod: nn.Module) -> int:
+    for attr in ("hidden_size", "hidden_dim", "embed_dim"):
+        v = getattr(mod, attr, None) or getattr(getattr(mod, "config", None), attr, None)
+        if isinstance(v, int):
+            return v
+    for sub in mod.modules():
+        if isinstance(sub, nn.Linear):
+            return sub.in_features
+        cfg = getattr(sub, "config", None)
+        if cfg is not None and isinstance(getattr(cfg, "hidden_size", None), int):
+            return cfg.hidden_size
+    for p in mod.parameters():
+        if p.dim() == 2:
+            return p.shape[-1]
+    raise CaptureError(f"cannot tell the input width of opaque block {type(mod).__name__}")
+
+
+def opaque_flops(node: torch.fx.Node) -> tuple[sympy.Expr, sympy.Expr]:
+    """(forward, backward) FLOPs of an opaque node in B and S.
+
+    Backward recomputes the block's forward and then differentiates it: 1 + 2 forwards.
+    """
+    key = node.args[2]
+    per_token = _OPAQUE[key].flops_per_token
+    fwd = sympy.Integer(per_token) * B * S
+    return fwd, 3 * fwd
+
+
+class _Tracker:
+    def __init__(self) -> None:
+        self.stack: list[str] = []
+
+    def innermost(self) -> str | None:
+        return self.stack[-1] if self.stack else None
+
+
+@contextlib.contextmanager
+def _module_tracker(model: nn.Module):
+    """Keep the stack of modules being run, so a capture failure can name its module."""
+    tracker = _Tracker()
+
+    def pre(name):
+        def hook(_mod, _args):
+            tracker.stack.append(name)
+        return hook
+
+    def post(name):
+        def hook(_mod, _args, _out):
+            if tracker.stack and tracker.stack[-1] == name:
+                tracker.stack.pop()
+        return hook
+
+    handles = []
+    for name, mod in model.named_modules():
+        if name:
+            handles.append(mod.register_forward_pre_hook(pre(name)))
+            handles.append(mod.register_forward_hook(post(name)))
+    try:
+        yield tracker
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _culprit_of(exc: BaseException) -> str | None:
+    return getattr(exc, "rp_module", None)
+
+
+def _is_data_dependent(exc: BaseException) -> bool:
+    text = f"{type(exc).__name__} {exc}"
+    return any(
+        k in text
+        for k in ("GuardOnDataDependentSymNode", "data-dependent", "DataDependentOutputException",
+                  "data dependent", "UserError")
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    where = getattr(exc, "rp_module", None)
+    head = f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+    return head + (f" (in module {where!r})" if where else "")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+def _describe(x: Any) -> str:
+    if isinstance(x, torch.Tensor):
+        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
+    if isinstance(x, dict):
+        return "dict(" + ", ".join(f"{k}={_describe(v)}" for k, v in x.items()) + ")"
+    if isinstance(x, (tuple, list)):
+        return type(x).__name__ + "(" + ", ".join(_describe(v) for v in x) + ")"
+    return type(x).__name__
