@@ -3,7 +3,7 @@
 Sections, in reading order:
   1. UnitProfile  - numeric cost of one unit (prefix, one decoder layer, tail) for one microbatch
   2. Stage, Plan  - the RoundPipe partition: forward stages, the fused tail, backward stages
-  3. Action, Schedule - (see the second half of this file) the schedule as data
+  3. Action, Flow, Edge, Schedule - the schedule as data (docs/schedule.md)
 
 Everything here is a frozen value: passes build new ones instead of editing old ones, and the
 string forms are meant to be read by people and parsed back by tests.
@@ -11,9 +11,27 @@ string forms are meant to be read by people and parsed back by tests.
 
 from __future__ import annotations
 
+import csv
+import dataclasses
+import io
+import json
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
-__all__ = ["Plan", "Stage", "StageKind", "UnitProfile"]
+__all__ = [
+    "Action",
+    "DryRun",
+    "Edge",
+    "Flow",
+    "Plan",
+    "Schedule",
+    "ScheduleError",
+    "Stage",
+    "StageKind",
+    "UnitProfile",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -209,3 +227,508 @@ def _bytes(n: float) -> str:
         if abs(n) >= scale:
             return f"{n / scale:.1f}{unit}"
     return f"{int(n)}B"
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Action, Flow, Edge, Schedule
+# --------------------------------------------------------------------------------------------
+#
+# A Schedule is a list of Actions per worker (plus one host list), the dataflow between stages
+# (Flows) and the dependency edges (events) between actions. Each action runs on one *stream* of
+# its worker; a stream executes its actions in list order, one at a time. Actions on different
+# streams are ordered only by edges. docs/schedule.md describes every action kind and edge kind.
+
+# Compute kinds run on the compute stream: F forward, T fused tail (forward + loss + backward),
+# B backward (RoundPipe: recompute + backward), EVICT frees a job's weights.
+COMPUTE_KINDS = ("F", "T", "B", "EVICT")
+# Transfer kinds: UP uploads a stage's weights, H2D/D2H move activations and gradients.
+TRANSFER_KINDS = ("UP", "H2D", "D2H")
+# Host kinds run on the host's one ordered queue: ACC adds a job's downloaded gradients into
+# the host's fp32 accumulator, OPT runs the optimizer over a stage's masters, SHADOW rewrites a
+# stage's low-precision flat buffer (what UP reads) from the masters.
+HOST_KINDS = ("ACC", "OPT", "SHADOW")
+ACTION_KINDS = COMPUTE_KINDS + TRANSFER_KINDS + HOST_KINDS
+
+# What a transfer carries. weights and grad are bulk (large, chunked); the others are one
+# microbatch's tensor and are latency-critical.
+PAYLOADS = ("weights", "act", "save", "igrad", "grad")
+BULK_PAYLOADS = ("weights", "grad")
+
+STREAMS = ("compute", "h2d_weights", "h2d_act", "d2h_act", "d2h_grad", "host")
+
+EDGE_KINDS = (
+    "data",  # compute -> compute, same microbatch (the value stays on the device if same worker)
+    "weights",  # UP -> first compute of its job
+    "buffer",  # EVICT of job n-2 -> UP of job n on the same worker (two weight slots)
+    "produced",  # compute -> D2H of the value it produced
+    "on_host",  # D2H -> H2D of the same value on the consumer's worker
+    "arrived",  # H2D -> the compute that reads it
+    "grad_ready",  # last compute of a job -> D2H grad of the job
+    "grad_home",  # D2H grad -> host ACC
+    "accumulated",  # ACC -> OPT
+    "updated",  # OPT -> SHADOW of every stage sharing its parameters
+    "shadow",  # SHADOW -> UP that reads that shadow version
+    "shadow_read",  # UP -> SHADOW that overwrites the buffer the UP read (write after read)
+)
+
+
+@dataclass(frozen=True)
+class Action:
+    """One unit of work on one stream of one worker (or on the host).
+
+    String form (parses back with :meth:`parse`), tokens in this order, optional ones omitted::
+
+        w3 F s5 m2 r0                  forward of stage 5, microbatch 2, round 0 (step 0)
+        w3 UP s5 r0 1073741824B x16    upload stage 5's weights, 1 GiB in 16 chunks
+        w0 D2H act s1 m2 r0 @x8        download value x8 (activation after unit 8) of stage 1
+        w1 D2H grad s7 r0 k1           download the job's gradients, step 1
+        host OPT s7                    optimizer update of stage 7's parameters (step 0)
+
+    ``worker`` is None for host actions. ``step`` (``k``) is the optimizer step, printed when
+    not 0. ``value`` names the tensor an activation transfer carries (see :class:`Flow`).
+    ``bytes`` is the whole transfer; ``chunks`` how many pieces a bulk transfer is cut into.
+    """
+
+    worker: int | None
+    kind: str
+    stage: int
+    microbatch: int | None = None
+    round: int | None = None
+    step: int = 0
+    what: str | None = None
+    value: str | None = None
+    bytes: int = 0
+    chunks: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kind not in ACTION_KINDS:
+            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {ACTION_KINDS}")
+        if (self.worker is None) != (self.kind in HOST_KINDS):
+            raise ValueError(f"{self.kind} actions run on {'the host' if self.kind in HOST_KINDS else 'a worker'}")
+        if self.kind == "UP" and self.what is None:
+            object.__setattr__(self, "what", "weights")
+        if self.kind in TRANSFER_KINDS:
+            allowed = ("weights",) if self.kind == "UP" else PAYLOADS[1:]
+            if self.what not in allowed:
+                raise ValueError(f"{self.kind} carries one of {allowed}, not {self.what!r}")
+        elif self.what is not None:
+            raise ValueError(f"{self.kind} actions carry no payload (what={self.what!r})")
+        if self.value is not None and not _VALUE_RE.fullmatch(self.value):
+            raise ValueError(f"value name {self.value!r} must match {_VALUE_RE.pattern}")
+        if self.chunks < 1 or self.bytes < 0:
+            raise ValueError("chunks must be >= 1 and bytes >= 0")
+
+    @property
+    def stream(self) -> str:
+        if self.kind in COMPUTE_KINDS:
+            return "compute"
+        if self.kind in HOST_KINDS:
+            return "host"
+        if self.kind == "UP":
+            return "h2d_weights"
+        if self.kind == "H2D":
+            return "h2d_act"
+        return "d2h_grad" if self.what == "grad" else "d2h_act"
+
+    @property
+    def priority(self) -> str | None:
+        """``critical`` for one microbatch's tensor, ``bulk`` for weights and gradients."""
+        if self.what is None:
+            return None
+        return "bulk" if self.what in BULK_PAYLOADS else "critical"
+
+    @property
+    def is_compute(self) -> bool:
+        return self.kind in ("F", "T", "B")
+
+    @property
+    def job(self) -> tuple[int | None, int, int | None, int]:
+        """(worker, stage, round, step): the job this action belongs to."""
+        return (self.worker, self.stage, self.round, self.step)
+
+    def short(self) -> str:
+        """The string form without the worker, for grid cells."""
+        return str(self).split(" ", 1)[1]
+
+    def __str__(self) -> str:
+        parts = ["host" if self.worker is None else f"w{self.worker}", self.kind]
+        if self.kind in ("H2D", "D2H"):
+            parts.append(str(self.what))
+        parts.append(f"s{self.stage}")
+        if self.microbatch is not None:
+            parts.append(f"m{self.microbatch}")
+        if self.round is not None:
+            parts.append(f"r{self.round}")
+        if self.step:
+            parts.append(f"k{self.step}")
+        if self.value is not None:
+            parts.append(f"@{self.value}")
+        if self.bytes:
+            parts.append(f"{self.bytes}B")
+        if self.chunks != 1:
+            parts.append(f"x{self.chunks}")
+        return " ".join(parts)
+
+    @classmethod
+    def parse(cls, text: str) -> Action:
+        tokens = text.split()
+        if len(tokens) < 3:
+            raise ValueError(f"cannot parse action {text!r}: expected '<worker> <KIND> ... s<stage>'")
+        head, kind, rest = tokens[0], tokens[1], tokens[2:]
+        if head == "host":
+            worker = None
+        elif head.startswith("w") and head[1:].isdigit():
+            worker = int(head[1:])
+        else:
+            raise ValueError(f"cannot parse action {text!r}: worker must be 'w<N>' or 'host'")
+        fields: dict = {"what": None}
+        if kind in ("H2D", "D2H") and rest:
+            fields["what"], rest = rest[0], rest[1:]
+        for tok in rest:
+            m = _TOKEN_RE.fullmatch(tok)
+            if m is None:
+                raise ValueError(f"cannot parse action {text!r}: bad token {tok!r}")
+            key = m.lastgroup
+            fields[key] = tok[1:] if key == "value" else int(m.group(key))
+        if "stage" not in fields:
+            raise ValueError(f"cannot parse action {text!r}: missing s<stage>")
+        return cls(worker=worker, kind=kind, **fields)
+
+
+_VALUE_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
+_TOKEN_RE = re.compile(
+    r"s(?P<stage>\d+)|m(?P<microbatch>\d+)|r(?P<round>\d+)|k(?P<step>\d+)"
+    r"|(?P<value>@[A-Za-z_][A-Za-z0-9_.]*)|(?P<bytes>\d+)B|x(?P<chunks>\d+)"
+)
+
+
+@dataclass(frozen=True)
+class Flow:
+    """One tensor that a compute kind of one stage needs, per microbatch, and where it comes from.
+
+    ``value`` names the tensor (``x8``: activation after unit 8, ``g8``: gradient with respect to
+    it, ``ids``/``labels``: the batch, which lives on the host). Several flows may share a value
+    (an activation that is both the next forward stage's input and a backward stage's saved
+    recompute input); it then leaves its producer once. ``src_kind``/``src_stage`` are None for
+    host-resident values. ``what`` is the payload the consumer's H2D carries.
+    """
+
+    value: str
+    what: str
+    src_kind: str | None
+    src_stage: int | None
+    dst_kind: str
+    dst_stage: int
+    bytes: int
+
+    @property
+    def from_host(self) -> bool:
+        return self.src_kind is None
+
+
+@dataclass(frozen=True)
+class Edge:
+    """``dst`` waits until ``src`` has finished (an event recorded after src, waited before dst)."""
+
+    src: Action
+    dst: Action
+    kind: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in EDGE_KINDS:
+            raise ValueError(f"unknown edge kind {self.kind!r}; expected one of {EDGE_KINDS}")
+
+
+@dataclass(frozen=True)
+class DryRun:
+    """Unit-time replay: every ready queue head runs in one step. ``blocked`` lists the heads
+    left waiting when no queue can move (a deadlock); empty when everything ran."""
+
+    steps: dict[Action, int]
+    blocked: tuple[Action, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.blocked
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-worker action lists, a host action list, the dataflow and the edges between actions.
+
+    ``actions[w]`` is worker ``w``'s list; the actions of one stream run in this order. ``host``
+    is the host queue. ``passes`` names the lowering passes applied so far (empty: compute only).
+    ``stage_units`` is (first unit, last unit) per stage; ``stage_workers`` is the worker a stage
+    is bound to (baselines) or None (RoundPipe: any worker).
+    """
+
+    kind: str
+    workers: int
+    microbatches: int
+    rounds: int
+    steps: int
+    optimizer: str
+    stage_names: tuple[str, ...]
+    stage_units: tuple[tuple[int, int], ...]
+    flows: tuple[Flow, ...]
+    actions: tuple[tuple[Action, ...], ...]
+    host: tuple[Action, ...] = ()
+    edges: tuple[Edge, ...] = ()
+    stage_workers: tuple[int, ...] | None = None
+    passes: tuple[str, ...] = ()
+
+    # -- views ---------------------------------------------------------------------------
+    def all_actions(self) -> Iterator[Action]:
+        for lst in self.actions:
+            yield from lst
+        yield from self.host
+
+    def queues(self) -> dict[tuple[int | None, str], tuple[Action, ...]]:
+        """(worker, stream) -> that stream's actions in order; the host queue is (None, 'host')."""
+        out: dict[tuple[int | None, str], list[Action]] = {}
+        for w, lst in enumerate(self.actions):
+            for a in lst:
+                out.setdefault((w, a.stream), []).append(a)
+        if self.host:
+            out[(None, "host")] = list(self.host)
+        return {k: tuple(v) for k, v in out.items()}
+
+    def compute_actions(self, worker: int) -> tuple[Action, ...]:
+        return tuple(a for a in self.actions[worker] if a.is_compute)
+
+    def waits(self) -> dict[Action, list[Edge]]:
+        """dst action -> the edges it waits on."""
+        out: dict[Action, list[Edge]] = {}
+        for e in self.edges:
+            out.setdefault(e.dst, []).append(e)
+        return out
+
+    def replace(self, **changes: object) -> Schedule:
+        return dataclasses.replace(self, **changes)
+
+    # -- dry run -------------------------------------------------------------------------
+    def dry_run(self) -> DryRun:
+        """Replay with unit durations: at each step every queue whose head has all its waits
+        finished (in earlier steps) runs that head. Proves progress (no deadlock) for in-order
+        streams plus edges, and gives each action a step index used by :meth:`grid`."""
+        queues = list(self.queues().values())
+        preds: dict[Action, list[Action]] = {}
+        for e in self.edges:
+            preds.setdefault(e.dst, []).append(e.src)
+        done: dict[Action, int] = {}
+        heads = [0] * len(queues)
+        remaining = sum(len(q) for q in queues)
+        step = 0
+        while remaining:
+            ran = []
+            for i, q in enumerate(queues):
+                if heads[i] < len(q):
+                    a = q[heads[i]]
+                    if all(done.get(p, step) < step for p in preds.get(a, ())):
+                        ran.append(i)
+            if not ran:
+                blocked = tuple(q[heads[i]] for i, q in enumerate(queues) if heads[i] < len(q))
+                return DryRun(done, blocked)
+            for i in ran:
+                done[queues[i][heads[i]]] = step
+                heads[i] += 1
+            remaining -= len(ran)
+            step += 1
+        return DryRun(done, ())
+
+    # -- text grid -----------------------------------------------------------------------
+    def grid(self, mark: Action | None = None, streams: Sequence[str] | None = None,
+             window: int | None = None, dry: DryRun | None = None) -> str:
+        """Step x worker grid: row t holds what each worker (and the host) runs at dry-run step
+        t. ``mark`` is shown as ``!!<action>!!`` with ``<-- here`` after its row; ``window``
+        keeps that many rows either side of the mark; ``streams`` filters what is shown."""
+        dry = dry or self.dry_run()
+        cols = [f"w{w}" for w in range(self.workers)] + (["host"] if self.host else [])
+        rows: dict[int, dict[str, list[str]]] = {}
+        blocked_row = max(dry.steps.values(), default=-1) + 1
+        for a in self.all_actions():
+            if streams is not None and a.stream not in streams and a != mark:
+                continue
+            t = dry.steps.get(a)
+            if t is None:
+                if a not in dry.blocked and a != mark:
+                    continue
+                t = blocked_row
+            text = f"!!{a.short()}!!" if a == mark else a.short()
+            col = "host" if a.worker is None else f"w{a.worker}"
+            rows.setdefault(t, {}).setdefault(col, []).append(text)
+        steps = sorted(rows)
+        mark_step = next((t for t in steps if any("!!" in c for v in rows[t].values() for c in v)), None)
+        if window is not None and mark_step is not None:
+            steps = [t for t in steps if abs(t - mark_step) <= window]
+        cells = [["step", *cols]]
+        for t in steps:
+            label = "blocked" if t == blocked_row and dry.blocked else str(t)
+            cells.append([label, *(" | ".join(rows[t].get(c, [])) for c in cols)])
+        widths = [max(len(r[i]) for r in cells) for i in range(len(cols) + 1)]
+        lines = []
+        for r, t in zip(cells, [None, *steps]):
+            line = "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
+            lines.append(line + ("   <-- here" if t is not None and t == mark_step else ""))
+        return "\n".join(lines)
+
+    # -- CSV -----------------------------------------------------------------------------
+    def to_csv(self) -> str:
+        """Header lines ``# key: json`` with the metadata, then one row per action:
+        ``worker,index,stream,action,waits`` where waits is ``kind=<action>`` joined by ``;``."""
+        buf = io.StringIO()
+        for key, val in self._meta().items():
+            buf.write(f"# {key}: {json.dumps(val)}\n")
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(["worker", "index", "stream", "action", "waits"])
+        waits = self.waits()
+        for lst, who in [*((lst, str(w)) for w, lst in enumerate(self.actions)), (self.host, "host")]:
+            for i, a in enumerate(lst):
+                w = ";".join(f"{e.kind}={e.src}" for e in waits.get(a, ()))
+                writer.writerow([who, i, a.stream, str(a), w])
+        return buf.getvalue()
+
+    @classmethod
+    def from_csv(cls, text: str) -> Schedule:
+        meta: dict = {}
+        body = []
+        for line in text.splitlines():
+            if line.startswith("# "):
+                key, _, val = line[2:].partition(": ")
+                meta[key] = json.loads(val)
+            elif line.strip():
+                body.append(line)
+        rows = list(csv.DictReader(body))
+        per_worker: list[list[Action]] = [[] for _ in range(meta["workers"])]
+        host: list[Action] = []
+        edges: list[Edge] = []
+        for row in rows:
+            a = Action.parse(row["action"])
+            (host if row["worker"] == "host" else per_worker[int(row["worker"])]).append(a)
+            for item in filter(None, row["waits"].split(";")):
+                kind, _, src = item.partition("=")
+                edges.append(Edge(Action.parse(src), a, kind))
+        return cls._from_meta(meta, per_worker, host, edges)
+
+    # -- JSON (Chrome trace) -------------------------------------------------------------
+    def to_json(self, timeline: Mapping[Action, tuple[float, float]] | None = None) -> dict:
+        """A Chrome trace (``traceEvents``; open in Perfetto or chrome://tracing): one process
+        per worker (and the host), one thread per stream, one ``X`` event per action. Times come
+        from ``timeline`` (action -> (start_ms, end_ms), e.g. from the simulator) or else from
+        the dry run (1 step = 1 ms). The whole schedule rides along under ``rpcompile`` so the
+        file loads back with :meth:`from_json`."""
+        if timeline is None:
+            dry = self.dry_run()
+            timeline = {a: (float(t), float(t) + 1.0) for a, t in dry.steps.items()}
+        events: list[dict] = []
+        host_pid = self.workers
+        for pid in range(self.workers + 1):
+            name = "host" if pid == host_pid else f"worker {pid}"
+            events.append({"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}})
+            for tid, stream in enumerate(STREAMS):
+                events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                               "args": {"name": stream}})
+        waits = self.waits()
+        for a in self.all_actions():
+            if a not in timeline:
+                continue
+            start, end = timeline[a]
+            events.append({
+                "ph": "X", "name": a.short(), "cat": a.kind,
+                "pid": host_pid if a.worker is None else a.worker,
+                "tid": STREAMS.index(a.stream),
+                "ts": start * 1000.0, "dur": max(end - start, 0.0) * 1000.0,
+                "args": {"action": str(a), "waits": [f"{e.kind}={e.src}" for e in waits.get(a, ())]},
+            })
+        doc = {
+            "traceEvents": events,
+            "displayTimeUnit": "ms",
+            "rpcompile": {
+                **self._meta(),
+                "actions": [[str(a) for a in lst] for lst in self.actions],
+                "host": [str(a) for a in self.host],
+                "edges": [[str(e.src), str(e.dst), e.kind] for e in self.edges],
+            },
+        }
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: dict | str) -> Schedule:
+        if isinstance(doc, str):
+            doc = json.loads(doc)
+        body = doc["rpcompile"]
+        per_worker = [[Action.parse(s) for s in lst] for lst in body["actions"]]
+        host = [Action.parse(s) for s in body["host"]]
+        edges = [Edge(Action.parse(s), Action.parse(d), k) for s, d, k in body["edges"]]
+        return cls._from_meta(body, per_worker, host, edges)
+
+    # -- files ---------------------------------------------------------------------------
+    def dump(self, path: str | os.PathLike,
+             timeline: Mapping[Action, tuple[float, float]] | None = None) -> None:
+        """Write by extension: ``.csv``, ``.json`` (Chrome trace), ``.txt`` (grid), ``.png``."""
+        p = os.fspath(path)
+        ext = os.path.splitext(p)[1].lower()
+        if ext == ".csv":
+            text = self.to_csv()
+        elif ext == ".json":
+            text = json.dumps(self.to_json(timeline))
+        elif ext == ".txt":
+            text = self.grid() + "\n"
+        elif ext == ".png":
+            from rpcompile._draw import draw_timeline
+
+            draw_timeline(self, p, timeline)
+            return
+        else:
+            raise ValueError(f"cannot dump a schedule to {p!r}: use .csv, .json, .txt or .png")
+        with open(p, "w") as f:
+            f.write(text)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Schedule:
+        p = os.fspath(path)
+        with open(p) as f:
+            text = f.read()
+        if p.lower().endswith(".csv"):
+            return cls.from_csv(text)
+        if p.lower().endswith(".json"):
+            return cls.from_json(text)
+        raise ValueError(f"cannot load a schedule from {p!r}: use .csv or .json")
+
+    # -- helpers -------------------------------------------------------------------------
+    def _meta(self) -> dict:
+        return {
+            "kind": self.kind, "workers": self.workers, "microbatches": self.microbatches,
+            "rounds": self.rounds, "steps": self.steps, "optimizer": self.optimizer,
+            "stage_names": list(self.stage_names),
+            "stage_units": [list(u) for u in self.stage_units],
+            "stage_workers": None if self.stage_workers is None else list(self.stage_workers),
+            "passes": list(self.passes),
+            "flows": [dataclasses.asdict(f) for f in self.flows],
+        }
+
+    @classmethod
+    def _from_meta(cls, meta: dict, per_worker: list[list[Action]], host: list[Action],
+                   edges: list[Edge]) -> Schedule:
+        sw = meta.get("stage_workers")
+        return cls(
+            kind=meta["kind"], workers=meta["workers"], microbatches=meta["microbatches"],
+            rounds=meta["rounds"], steps=meta["steps"], optimizer=meta["optimizer"],
+            stage_names=tuple(meta["stage_names"]),
+            stage_units=tuple(tuple(u) for u in meta["stage_units"]),
+            flows=tuple(Flow(**f) for f in meta["flows"]),
+            actions=tuple(tuple(lst) for lst in per_worker), host=tuple(host),
+            edges=tuple(edges), stage_workers=None if sw is None else tuple(sw),
+            passes=tuple(meta["passes"]),
+        )
+
+    def __str__(self) -> str:
+        n = sum(len(lst) for lst in self.actions) + len(self.host)
+        lowered = ", ".join(self.passes) or "compute only"
+        return (f"Schedule({self.kind}, {self.workers} workers, {self.microbatches} microbatches"
+                f" x {self.rounds} rounds x {self.steps} steps, {n} actions, {len(self.edges)}"
+                f" edges; {lowered})")
+
+
+class ScheduleError(ValueError):
+    """A schedule broke an invariant; the message names the pass and shows the marked grid."""

@@ -1,0 +1,284 @@
+"""Dispatch: the compute-only schedule of a plan (RoundPipe, and baselines for comparison).
+
+Sections, in reading order:
+  1. build_schedule   - the public entry
+  2. RoundPipe        - jobs dealt round-robin to stateless workers from a global counter
+  3. baselines        - GPipe, 1F1B, interleaved 1F1B, looped BFS, weights bound to workers
+  4. dataflow         - which tensor each stage's compute reads, and from where (Flows)
+
+The result holds compute actions (F, T, B) and ``data`` edges between them (same microbatch,
+producer -> consumer). :mod:`rpcompile.passes.lower` adds transfers, optimizer work and events.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rpcompile.ir import Action, Edge, Flow, Plan, Schedule, Stage
+
+__all__ = ["SCHEDULE_KINDS", "build_schedule", "roundpipe_jobs"]
+
+SCHEDULE_KINDS = ("roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs")
+OPTIMIZER_MODES = ("async", "sync")
+
+
+# --------------------------------------------------------------------------------------------
+# 1. build_schedule
+# --------------------------------------------------------------------------------------------
+
+
+def build_schedule(
+    plan: Plan | Sequence[Stage],
+    workers: int,
+    microbatches: int,
+    rounds: int = 1,
+    steps: int = 1,
+    kind: str = "roundpipe",
+    optimizer: str = "async",
+) -> Schedule:
+    """The compute-only schedule of ``plan`` on ``workers`` workers.
+
+    ``microbatches`` per round, ``rounds`` per optimizer step (gradient accumulation), ``steps``
+    optimizer steps. ``kind="roundpipe"`` needs a :class:`Plan` (forward stages, tail, backward
+    stages). The baselines take any stage list (a Plan's stages are used in order, whatever their
+    kind): each stage runs a forward F and a backward B, stage ``s`` bound to worker
+    ``s % workers``; ``gpipe`` and ``1f1b`` need as many stages as workers, ``interleaved`` and
+    ``looped-bfs`` a multiple of it (``stages // workers`` chunks per worker).
+    ``optimizer`` (async|sync) is recorded for the lowering passes.
+    """
+    if kind not in SCHEDULE_KINDS:
+        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {SCHEDULE_KINDS}")
+    if optimizer not in OPTIMIZER_MODES:
+        raise ValueError(f"optimizer must be one of {OPTIMIZER_MODES}, not {optimizer!r}")
+    for name, v in (("workers", workers), ("microbatches", microbatches), ("rounds", rounds),
+                    ("steps", steps)):
+        if v < 1:
+            raise ValueError(f"{name} must be >= 1, got {v}")
+    if kind == "roundpipe":
+        if not isinstance(plan, Plan):
+            raise TypeError("a roundpipe schedule needs a Plan (forward stages, tail, backward)")
+        plan.validate()
+        return _roundpipe(plan, workers, microbatches, rounds, steps, optimizer)
+    stages = tuple(plan.stages if isinstance(plan, Plan) else plan)
+    seq = plan.microbatch_size * plan.seq_len if isinstance(plan, Plan) else 0
+    return _baseline(kind, stages, workers, microbatches, rounds, steps, optimizer, seq)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. RoundPipe
+# --------------------------------------------------------------------------------------------
+
+
+def roundpipe_jobs(num_stages: int, workers: int, rounds: int, steps: int,
+                   ) -> list[tuple[int, int, int, int]]:
+    """(worker, stage, round, step) of every job in dispatch order.
+
+    A round's jobs are the stages in index order (F1..Fp, B1 the fused tail, B2..Bq). The
+    global counter runs over (step, round, stage) and never restarts, so a round that does not
+    divide evenly among the workers continues where the previous one stopped.
+    """
+    jobs = []
+    counter = 0
+    for k in range(steps):
+        for r in range(rounds):
+            for s in range(num_stages):
+                jobs.append((counter % workers, s, r, k))
+                counter += 1
+    return jobs
+
+
+def _compute_kind(stage: Stage) -> str:
+    return {"forward": "F", "tail": "T", "backward": "B"}[stage.kind]
+
+
+def _roundpipe(plan: Plan, workers: int, microbatches: int, rounds: int, steps: int,
+               optimizer: str) -> Schedule:
+    per_worker: list[list[Action]] = [[] for _ in range(workers)]
+    for w, s, r, k in roundpipe_jobs(len(plan.stages), workers, rounds, steps):
+        ck = _compute_kind(plan.stages[s])
+        per_worker[w].extend(Action(w, ck, s, m, r, k) for m in range(microbatches))
+    flows = roundpipe_flows(plan)
+    sched = Schedule(
+        kind="roundpipe", workers=workers, microbatches=microbatches, rounds=rounds,
+        steps=steps, optimizer=optimizer,
+        stage_names=tuple(plan.stage_name(s.index) for s in plan.stages),
+        stage_units=tuple((s.units[0], s.units[-1]) for s in plan.stages),
+        flows=flows, actions=tuple(tuple(lst) for lst in per_worker),
+    )
+    return sched.replace(edges=tuple(data_edges(sched)))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. baselines (weights bound to workers)
+# --------------------------------------------------------------------------------------------
+
+
+def _baseline(kind: str, stages: tuple[Stage, ...], workers: int, microbatches: int,
+              rounds: int, steps: int, optimizer: str, tokens_per_microbatch: int) -> Schedule:
+    n = len(stages)
+    if kind in ("gpipe", "1f1b") and n != workers:
+        raise ValueError(f"{kind} needs one stage per worker: got {n} stages for {workers} workers")
+    if n % workers or n == 0:
+        raise ValueError(f"{kind} needs a multiple of {workers} stages (one chunk per worker "
+                         f"and loop), got {n}")
+    chunks = n // workers
+    if kind == "interleaved" and microbatches % workers:
+        raise ValueError(f"interleaved 1F1B needs microbatches divisible by workers "
+                         f"({microbatches} % {workers} != 0); choose M = a multiple of {workers}")
+    order_fn = {"gpipe": _gpipe_order, "1f1b": _1f1b_order, "interleaved": _interleaved_order,
+                "looped-bfs": _looped_bfs_order}[kind]
+    per_worker: list[list[Action]] = [[] for _ in range(workers)]
+    for k in range(steps):
+        for r in range(rounds):
+            for w in range(workers):
+                for ck, s, m in order_fn(w, workers, chunks, microbatches):
+                    per_worker[w].append(Action(w, ck, s, m, r, k))
+    sched = Schedule(
+        kind=kind, workers=workers, microbatches=microbatches, rounds=rounds, steps=steps,
+        optimizer=optimizer, stage_names=tuple(f"S{s + 1}" for s in range(n)),
+        stage_units=tuple((st.units[0], st.units[-1]) for st in stages),
+        flows=baseline_flows(stages, tokens_per_microbatch),
+        actions=tuple(tuple(lst) for lst in per_worker),
+        stage_workers=tuple(s % workers for s in range(n)),
+    )
+    return sched.replace(edges=tuple(data_edges(sched)))
+
+
+def _gpipe_order(w: int, g: int, chunks: int, m: int) -> list[tuple[str, int, int]]:
+    """All forwards, then all backwards, microbatches in order."""
+    return [("F", w, i) for i in range(m)] + [("B", w, i) for i in range(m)]
+
+
+def _1f1b_order(w: int, g: int, chunks: int, m: int) -> list[tuple[str, int, int]]:
+    """Warm up with (g - w - 1) forwards, then alternate one forward and one backward, then
+    drain the remaining backwards (PipeDream-flush)."""
+    warm = min(g - w - 1, m)
+    out = [("F", w, i) for i in range(warm)]
+    for j in range(m - warm):
+        out += [("F", w, warm + j), ("B", w, j)]
+    out += [("B", w, i) for i in range(m - warm, m)]
+    return out
+
+
+def _interleaved_order(w: int, g: int, chunks: int, m: int) -> list[tuple[str, int, int]]:
+    """Interleaved 1F1B (Megatron-LM): a worker holds ``chunks`` stages w, w+g, ...; microbatches
+    go through the chunks in groups of g. Virtual forward i runs chunk (i // g) % chunks on
+    microbatch (i // (g*chunks))*g + i % g; backwards visit the chunks in reverse."""
+    total = m * chunks
+
+    def fwd(i: int) -> tuple[str, int, int]:
+        c = (i // g) % chunks
+        return ("F", c * g + w, (i // (g * chunks)) * g + i % g)
+
+    def bwd(i: int) -> tuple[str, int, int]:
+        c = chunks - 1 - (i // g) % chunks
+        return ("B", c * g + w, (i // (g * chunks)) * g + i % g)
+
+    warm = min((g - w - 1) * 2 + (chunks - 1) * g, total)
+    out = [fwd(i) for i in range(warm)]
+    for j in range(total - warm):
+        out += [fwd(warm + j), bwd(j)]
+    out += [bwd(i) for i in range(total - warm, total)]
+    return out
+
+
+def _looped_bfs_order(w: int, g: int, chunks: int, m: int) -> list[tuple[str, int, int]]:
+    """Breadth-first: each chunk runs all microbatches forward, chunks in order; then each
+    chunk all microbatches backward, chunks in reverse."""
+    out = [("F", c * g + w, i) for c in range(chunks) for i in range(m)]
+    out += [("B", c * g + w, i) for c in reversed(range(chunks)) for i in range(m)]
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# 4. dataflow
+# --------------------------------------------------------------------------------------------
+
+
+def activation_bytes(plan: Plan, unit: int) -> int:
+    """Bytes of the activation after ``unit`` for one microbatch, with the shared values
+    (rotary tables, masks) produced up to that unit, which travel along with it."""
+    return plan.units[unit].output_bytes + sum(u.shared_bytes for u in plan.units[: unit + 1])
+
+
+def _ids_bytes(tokens: int) -> int:
+    return tokens * 8  # int64 token ids
+
+
+def roundpipe_flows(plan: Plan) -> tuple[Flow, ...]:
+    """What each stage's compute reads per microbatch.
+
+    Forward stage i reads the activation after its predecessor's last unit (F1: the ids). The
+    tail reads the last forward activation and the labels. A backward stage covering units
+    a..b reads the gradient after unit b from the previous backward stage and, to recompute,
+    its saved input: the activation after unit a-1, produced by the forward stage holding
+    unit a-1 (the ids if a == 0).
+    """
+    tokens = _ids_bytes(plan.microbatch_size * plan.seq_len)
+    fwd = plan.forward_stages
+    owner = {u: s.index for s in fwd for u in s.units}
+    flows: list[Flow] = []
+    for s in plan.stages:
+        ck = _compute_kind(s)
+        first, last = s.units[0], s.units[-1]
+        if s.kind in ("forward", "tail"):
+            if first == 0:
+                flows.append(Flow("ids", "act", None, None, ck, s.index, s.input_bytes or tokens))
+            else:
+                flows.append(Flow(f"x{first - 1}", "act", "F", owner[first - 1], ck, s.index,
+                                  s.input_bytes))
+            if s.kind == "tail":
+                flows.append(Flow("labels", "act", None, None, ck, s.index, tokens))
+            continue
+        prev = plan.stages[s.index - 1]
+        flows.append(Flow(f"g{last}", "igrad", _compute_kind(prev), prev.index, ck, s.index,
+                          plan.units[last].output_bytes))
+        if first == 0:
+            flows.append(Flow("ids", "save", None, None, ck, s.index, tokens))
+        else:
+            flows.append(Flow(f"x{first - 1}", "save", "F", owner[first - 1], ck, s.index,
+                              activation_bytes(plan, first - 1)))
+    return tuple(flows)
+
+
+def baseline_flows(stages: Sequence[Stage], tokens_per_microbatch: int) -> tuple[Flow, ...]:
+    """Pipeline stage s: F reads the previous stage's activation (stage 0: ids; the last stage
+    also the labels for its loss); B reads the next stage's input gradient and the activations
+    its own F stashed on the same worker (``stash<s>``, never transferred)."""
+    tokens = _ids_bytes(tokens_per_microbatch)
+    n = len(stages)
+    flows: list[Flow] = []
+    for s, st in enumerate(stages):
+        if s == 0:
+            flows.append(Flow("ids", "act", None, None, "F", s, st.input_bytes or tokens))
+        else:
+            flows.append(Flow(f"x{stages[s - 1].units[-1]}", "act", "F", s - 1, "F", s,
+                              st.input_bytes))
+        if s == n - 1:
+            flows.append(Flow("labels", "act", None, None, "F", s, tokens))
+        else:
+            flows.append(Flow(f"g{st.units[-1]}", "igrad", "B", s + 1, "B", s,
+                              stages[s + 1].input_bytes))
+        flows.append(Flow(f"stash{s}", "save", "F", s, "B", s, 0))
+    return tuple(flows)
+
+
+def data_edges(sched: Schedule) -> list[Edge]:
+    """A ``data`` edge from each producing compute to each consuming compute of the same
+    microbatch, round and step (host-resident inputs need none)."""
+    where: dict[tuple[str, int, int | None, int | None, int], Action] = {}
+    for lst in sched.actions:
+        for a in lst:
+            if a.is_compute:
+                where[(a.kind, a.stage, a.microbatch, a.round, a.step)] = a
+    by_dst: dict[tuple[str, int], list[Flow]] = {}
+    for f in sched.flows:
+        if not f.from_host:
+            by_dst.setdefault((f.dst_kind, f.dst_stage), []).append(f)
+    edges = []
+    for lst in sched.actions:
+        for a in lst:
+            for f in by_dst.get((a.kind, a.stage), ()) if a.is_compute else ():
+                src = where[(f.src_kind, f.src_stage, a.microbatch, a.round, a.step)]
+                edges.append(Edge(src, a, "data"))
+    return edges
