@@ -1,0 +1,376 @@
+"""Lowering: from the compute-only schedule to one every interpreter can run as is.
+
+Each pass takes a Schedule and returns a new one, adds one concern, stamps its name into
+``Schedule.passes`` and touches no device. In the order :func:`lower` runs them:
+
+  1. upload     - UP of a job's weights (prefetched while the previous job runs, two weight
+                  slots per worker) and EVICT after the job's last compute
+  2. transfers  - activations through host memory: D2H by the producer, H2D by the consumer;
+                  nothing when both run on the same worker (the value stays on the device)
+  3. grads      - per job, one D2H of the fp32 gradients accumulated on the worker over the
+                  job's microbatches; host ACC across rounds
+  4. optimizer  - host OPT per backward stage once its last round is accumulated, SHADOW
+                  rewrites of every stage sharing those parameters, and the waits that make
+                  uploads read the right weights (sync: this step's; async: one step stale)
+  5. events     - drop edges already implied by stream order or by another edge, so that what
+                  remains is the set of events a runtime records and waits on
+
+docs/schedule.md describes the action kinds and edges each pass adds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rpcompile.ir import Action, Edge, Plan, Schedule, Stage
+from rpcompile.passes.manager import PassManager, PassRecord
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "LOWERING_PASSES",
+    "add_activation_transfers",
+    "add_events",
+    "add_gradient_downloads",
+    "add_optimizer",
+    "add_weight_uploads",
+    "lower",
+]
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20  # bulk transfers are cut so a critical one waits <= 1 chunk
+LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "events")
+_BASELINE_PASSES = ("transfers", "events")  # weights and optimizer stay on the bound workers
+
+
+@dataclass(frozen=True)
+class _Job:
+    worker: int
+    stage: int
+    round: int | None
+    step: int
+    computes: tuple[Action, ...]
+
+
+def _jobs(sched: Schedule, worker: int) -> list[_Job]:
+    """The worker's jobs in order: maximal runs of compute actions of one (stage, round, step)."""
+    jobs: list[_Job] = []
+    current: list[Action] = []
+    for a in sched.actions[worker]:
+        if not a.is_compute:
+            continue
+        if current and (a.stage, a.round, a.step) != (current[0].stage, current[0].round,
+                                                       current[0].step):
+            jobs.append(_Job(worker, current[0].stage, current[0].round, current[0].step,
+                             tuple(current)))
+            current = []
+        current.append(a)
+    if current:
+        jobs.append(_Job(worker, current[0].stage, current[0].round, current[0].step,
+                         tuple(current)))
+    return jobs
+
+
+def _splice(sched: Schedule, before: dict[Action, list[Action]],
+            after: dict[Action, list[Action]], front: dict[int, list[Action]] | None = None,
+            ) -> tuple[tuple[Action, ...], ...]:
+    """Worker lists with new actions inserted before / after existing ones."""
+    out = []
+    for w, lst in enumerate(sched.actions):
+        new = list((front or {}).get(w, ()))
+        for a in lst:
+            new.extend(before.get(a, ()))
+            new.append(a)
+            new.extend(after.get(a, ()))
+        out.append(tuple(new))
+    return tuple(out)
+
+
+def _chunks(nbytes: int, chunk_bytes: int) -> int:
+    return max(1, math.ceil(nbytes / chunk_bytes))
+
+
+def _stages(plan: Plan | Sequence[Stage]) -> tuple[Stage, ...]:
+    return tuple(plan.stages if isinstance(plan, Plan) else plan)
+
+
+def _require_roundpipe(sched: Schedule, name: str) -> None:
+    if sched.stage_workers is not None:
+        raise ValueError(f"pass {name!r} applies to RoundPipe schedules; in the {sched.kind} "
+                         "baseline weights, gradients and optimizer stay on the bound workers")
+
+
+# --------------------------------------------------------------------------------------------
+# 1. upload
+# --------------------------------------------------------------------------------------------
+
+
+def add_weight_uploads(sched: Schedule, plan: Plan | Sequence[Stage],
+                       chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Schedule:
+    """UP before each job and EVICT after it, two weight slots per worker.
+
+    The next job's UP is issued right after the current job's first compute, so it runs while
+    the current job computes; it waits (``buffer``) for the EVICT of the job two back on the
+    same worker, which bounds a worker to two resident weight sets. The first compute of a job
+    waits (``weights``) for its UP.
+    """
+    _require_roundpipe(sched, "upload")
+    stages = _stages(plan)
+    before: dict[Action, list[Action]] = {}
+    after: dict[Action, list[Action]] = {}
+    front: dict[int, list[Action]] = {}
+    edges = list(sched.edges)
+    for w in range(sched.workers):
+        jobs = _jobs(sched, w)
+        ups = [Action(w, "UP", j.stage, None, j.round, j.step,
+                      bytes=stages[j.stage].weight_bytes,
+                      chunks=_chunks(stages[j.stage].weight_bytes, chunk_bytes)) for j in jobs]
+        evicts = [Action(w, "EVICT", j.stage, None, j.round, j.step) for j in jobs]
+        for n, j in enumerate(jobs):
+            if n == 0:
+                front.setdefault(w, []).append(ups[0])
+            if n + 1 < len(jobs):
+                after.setdefault(j.computes[0], []).append(ups[n + 1])
+            after.setdefault(j.computes[-1], []).append(evicts[n])
+            edges.append(Edge(ups[n], j.computes[0], "weights"))
+            if n >= 2:
+                edges.append(Edge(evicts[n - 2], ups[n], "buffer"))
+    return sched.replace(actions=_splice(sched, before, after, front), edges=tuple(edges),
+                         passes=(*sched.passes, "upload"))
+
+
+# --------------------------------------------------------------------------------------------
+# 2. transfers
+# --------------------------------------------------------------------------------------------
+
+
+def add_activation_transfers(sched: Schedule) -> Schedule:
+    """D2H/H2D for every flow whose producer and consumer run on different workers.
+
+    A value leaves its producer once (one D2H, issued right after the producing compute), however
+    many remote consumers read it; each consumer's worker brings it in with one H2D issued just
+    before the reading compute. Host-resident values (ids, labels) only need the H2D. Flows
+    between computes on the same worker keep their ``data`` edge and move nothing.
+    """
+    where: dict[tuple, Action] = {}
+    for lst in sched.actions:
+        for a in lst:
+            if a.is_compute:
+                where[(a.kind, a.stage, a.microbatch, a.round, a.step)] = a
+    flows_into: dict[tuple[str, int], list] = {}
+    for f in sched.flows:
+        flows_into.setdefault((f.dst_kind, f.dst_stage), []).append(f)
+    # What a value's single D2H carries: 'act' if any remote consumer reads it as an activation.
+    payload: dict[tuple[str | None, int | None, str], str] = {}
+    size: dict[tuple[str | None, int | None, str], int] = {}
+    for f in sched.flows:
+        key = (f.src_kind, f.src_stage, f.value)
+        if payload.get(key) != "act":
+            payload[key] = f.what
+        size[key] = max(size.get(key, 0), f.bytes)
+
+    before: dict[Action, list[Action]] = {}
+    after: dict[Action, list[Action]] = {}
+    d2h: dict[tuple[Action, str], Action] = {}
+    removed: set[tuple[Action, Action]] = set()
+    edges: list[Edge] = []
+    for lst in sched.actions:
+        for c in lst:
+            if not c.is_compute:
+                continue
+            for f in flows_into.get((c.kind, c.stage), ()):
+                m, r, k = c.microbatch, c.round, c.step
+                h2d = Action(c.worker, "H2D", c.stage, m, r, k, what=f.what, value=f.value,
+                             bytes=f.bytes)
+                if f.from_host:
+                    before.setdefault(c, []).append(h2d)
+                    edges.append(Edge(h2d, c, "arrived"))
+                    continue
+                p = where[(f.src_kind, f.src_stage, m, r, k)]
+                if p.worker == c.worker:
+                    continue
+                key = (f.src_kind, f.src_stage, f.value)
+                down = d2h.get((p, f.value))
+                if down is None:
+                    down = Action(p.worker, "D2H", p.stage, m, r, k, what=payload[key],
+                                  value=f.value, bytes=size[key])
+                    d2h[(p, f.value)] = down
+                    after.setdefault(p, []).append(down)
+                    edges.append(Edge(p, down, "produced"))
+                before.setdefault(c, []).append(h2d)
+                edges.append(Edge(down, h2d, "on_host"))
+                edges.append(Edge(h2d, c, "arrived"))
+                removed.add((p, c))
+    kept = [e for e in sched.edges if not (e.kind == "data" and (e.src, e.dst) in removed)]
+    return sched.replace(actions=_splice(sched, before, after), edges=(*kept, *edges),
+                         passes=(*sched.passes, "transfers"))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. grads
+# --------------------------------------------------------------------------------------------
+
+
+def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
+                           chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Schedule:
+    """One D2H grad per backward job, and a host ACC per (stage, round, step).
+
+    A T or B compute accumulates its microbatch's parameter gradients into the job's fp32
+    gradient buffer on the worker (the job's first microbatch zero-fills it), so the job sends
+    its gradients home once, after its last compute (``grad_ready``). The host adds them into
+    the stage's fp32 accumulator (ACC after ``grad_home``), in dispatch order. Stages without
+    trainable parameters (grad_bytes == 0) send nothing.
+    """
+    _require_roundpipe(sched, "grads")
+    stages = _stages(plan)
+    after: dict[Action, list[Action]] = {}
+    edges = list(sched.edges)
+    acc: list[tuple[tuple, Action]] = []
+    for w in range(sched.workers):
+        for j in _jobs(sched, w):
+            nbytes = stages[j.stage].grad_bytes
+            if j.computes[0].kind == "F" or nbytes == 0:
+                continue
+            down = Action(w, "D2H", j.stage, None, j.round, j.step, what="grad", bytes=nbytes,
+                          chunks=_chunks(nbytes, chunk_bytes))
+            host = Action(None, "ACC", j.stage, None, j.round, j.step, bytes=nbytes)
+            after.setdefault(j.computes[-1], []).append(down)
+            edges += [Edge(j.computes[-1], down, "grad_ready"), Edge(down, host, "grad_home")]
+            acc.append(((j.step, j.round, j.stage), host))
+    acc.sort(key=lambda t: t[0])  # dispatch order: step, round, stage
+    return sched.replace(actions=_splice(sched, {}, after),
+                         host=(*sched.host, *(a for _, a in acc)), edges=tuple(edges),
+                         passes=(*sched.passes, "grads"))
+
+
+# --------------------------------------------------------------------------------------------
+# 4. optimizer
+# --------------------------------------------------------------------------------------------
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
+
+
+def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage]) -> Schedule:
+    """OPT per stage with gradients, SHADOW per stage whose parameters changed, and their edges.
+
+    OPT(s, k) follows the last round's ACC of s (``accumulated``). A stage's shadow (the flat
+    low-precision buffer UP reads) is rewritten once every OPT over parameters it holds is done
+    (``updated``): a forward stage shares parameters with the backward stages overlapping its
+    units. UP of stage x in step k waits (``shadow``) for SHADOW(x, k-1) in sync mode, SHADOW(x,
+    k-2) in async mode (step k computes with weights one step stale, so step k-1's update
+    overlaps step k's compute; the host keeps two shadow buffers, alternating by step parity).
+    SHADOW(x, k) overwrites the buffer step k's uploads read, so it waits for them
+    (``shadow_read``).
+    """
+    _require_roundpipe(sched, "optimizer")
+    stages = _stages(plan)
+    grad_stages = sorted({a.stage for a in sched.host if a.kind == "ACC"})
+    covering = {x: [y for y in grad_stages if _overlaps(sched.stage_units[x],
+                                                        sched.stage_units[y])]
+                for x in range(len(sched.stage_units))}
+    host: list[Action] = []
+    edges = list(sched.edges)
+    accs: dict[tuple[int, int], list[Action]] = {}
+    for a in sched.host:
+        if a.kind == "ACC":
+            accs.setdefault((a.stage, a.step), []).append(a)
+    updated: dict[int, set[int]] = {}  # step -> stages whose OPT is placed
+    shadows: dict[tuple[int, int], Action] = {}
+    for a in sched.host:
+        host.append(a)
+        if a.kind != "ACC" or a.round != sched.rounds - 1:
+            continue
+        s, k = a.stage, a.step
+        opt = Action(None, "OPT", s, None, None, k, bytes=stages[s].grad_bytes)
+        host.append(opt)
+        edges += [Edge(acc, opt, "accumulated") for acc in accs[(s, k)]]
+        done = updated.setdefault(k, set())
+        done.add(s)
+        for x, ys in covering.items():
+            if s in ys and done.issuperset(ys):
+                sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].weight_bytes)
+                host.append(sh)
+                shadows[(x, k)] = sh
+                edges += [Edge(Action(None, "OPT", y, None, None, k,
+                                      bytes=stages[y].grad_bytes), sh, "updated") for y in ys]
+    lag = 1 if sched.optimizer == "sync" else 2
+    for lst in sched.actions:
+        for up in lst:
+            if up.kind != "UP":
+                continue
+            src = shadows.get((up.stage, up.step - lag))
+            if src is not None:
+                edges.append(Edge(src, up, "shadow"))
+            war = shadows.get((up.stage, up.step))
+            if war is not None:
+                edges.append(Edge(up, war, "shadow_read"))
+    return sched.replace(host=tuple(host), edges=tuple(edges),
+                         passes=(*sched.passes, "optimizer"))
+
+
+# --------------------------------------------------------------------------------------------
+# 5. events
+# --------------------------------------------------------------------------------------------
+
+
+def add_events(sched: Schedule) -> Schedule:
+    """Keep only the edges a runtime must turn into events.
+
+    An edge is dropped when its two ends are on the same stream (the stream's order already
+    holds) or when another edge between the same two streams starts no earlier and ends no
+    later (that edge's event already orders these two). Ordering is unchanged: for any two
+    actions, one waits for the other after this pass exactly when it did before.
+    """
+    pos: dict[Action, tuple[tuple[int | None, str], int]] = {}
+    for q, lst in sched.queues().items():
+        for i, a in enumerate(lst):
+            pos[a] = (q, i)
+    groups: dict[tuple, list[tuple[int, int, Edge]]] = {}
+    for e in sched.edges:
+        (qs, i), (qd, j) = pos[e.src], pos[e.dst]
+        if qs == qd and i < j:
+            continue
+        groups.setdefault((qs, qd), []).append((j, -i, e))
+    kept: list[Edge] = []
+    for items in groups.values():
+        items.sort(key=lambda t: (t[0], t[1]))
+        best = -1  # latest source index among edges ending no later than this one
+        for _, neg_i, e in items:
+            if -neg_i > best:
+                kept.append(e)
+                best = -neg_i
+    order = {e: n for n, e in enumerate(sched.edges)}
+    kept.sort(key=order.__getitem__)
+    return sched.replace(edges=tuple(kept), passes=(*sched.passes, "events"))
+
+
+# --------------------------------------------------------------------------------------------
+# lower
+# --------------------------------------------------------------------------------------------
+
+
+def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
+          chunk_bytes: int = DEFAULT_CHUNK_BYTES, passes: Sequence[str] | None = None,
+          validate: bool = True) -> tuple[Schedule, tuple[PassRecord[Schedule], ...]]:
+    """Run the lowering passes (default: all of :data:`LOWERING_PASSES` for RoundPipe, only
+    ``transfers`` and ``events`` for the weight-bound baselines) through a :class:`PassManager`
+    that validates after each pass. Returns the lowered schedule and one record per pass."""
+    from rpcompile.passes.validate import validate as check
+
+    if passes is None:
+        passes = LOWERING_PASSES if schedule.stage_workers is None else _BASELINE_PASSES
+    table = {
+        "upload": lambda s: add_weight_uploads(s, plan, chunk_bytes),
+        "transfers": add_activation_transfers,
+        "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes),
+        "optimizer": lambda s: add_optimizer(s, plan),
+        "events": add_events,
+    }
+    unknown = [p for p in passes if p not in table]
+    if unknown:
+        raise ValueError(f"unknown lowering passes {unknown}; known: {list(table)}")
+    manager = PassManager([(p, table[p]) for p in passes],
+                          check=(lambda s, name: check(s, name)) if validate else None)
+    return manager.run(schedule)

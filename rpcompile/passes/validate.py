@@ -1,0 +1,241 @@
+"""Schedule validation: structure, every read after its write, and a dry run proving progress.
+
+Checks, in order (the first failure raises :class:`ScheduleError` with the pass name, the
+problem and the step x worker grid with the offending cell marked ``!!...!!``):
+
+  1. structure - actions sit on their worker's list, none twice; every wait names an action
+                 that is in the schedule (an event that is recorded)
+  2. coverage  - every (compute kind, stage, microbatch, round, step) runs exactly once, and
+                 on its bound worker in a baseline
+  3. ordering  - every read happens after the write it needs, by stream order or by an edge
+                 from the writer (or a later action on its stream) to the reader (or an
+                 earlier action on its stream); what is read depends on the passes applied
+  4. progress  - a unit-time dry run of the in-order streams and edges finishes (no deadlock)
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import Counter
+
+from rpcompile.ir import Action, Schedule, ScheduleError
+
+__all__ = ["ScheduleError", "validate"]
+
+_GRID_ROWS = 12  # rows either side of the marked cell shown in an error
+
+
+class _Order:
+    """Answers 'does w finish before a starts?' for the one-hop rule above in O(log n)."""
+
+    def __init__(self, sched: Schedule) -> None:
+        self.pos: dict[Action, tuple[tuple[int | None, str], int]] = {}
+        for q, lst in sched.queues().items():
+            for i, a in enumerate(lst):
+                self.pos[a] = (q, i)
+        pairs: dict[tuple, list[tuple[int, int]]] = {}
+        for e in sched.edges:
+            if e.src in self.pos and e.dst in self.pos:
+                (qs, i), (qd, j) = self.pos[e.src], self.pos[e.dst]
+                pairs.setdefault((qs, qd), []).append((j, i))
+        # per stream pair: destination indices ascending and the running max source index
+        self.table: dict[tuple, tuple[list[int], list[int]]] = {}
+        for key, items in pairs.items():
+            items.sort()
+            dst, best, m = [], [], -1
+            for j, i in items:
+                m = max(m, i)
+                dst.append(j)
+                best.append(m)
+            self.table[key] = (dst, best)
+
+    def before(self, w: Action, a: Action) -> bool:
+        (qw, i), (qa, j) = self.pos[w], self.pos[a]
+        if qw == qa:
+            return i < j
+        entry = self.table.get((qw, qa))
+        if entry is None:
+            return False
+        dst, best = entry
+        n = bisect.bisect_right(dst, j)
+        return n > 0 and best[n - 1] >= i
+
+
+def _fail(sched: Schedule, pass_name: str, problem: str, mark: Action | None) -> ScheduleError:
+    dry = sched.dry_run()
+    if mark is not None and mark not in dry.steps and mark not in dry.blocked:
+        mark = None  # an action missing from the lists cannot be drawn
+    grid = sched.grid(mark=mark, window=_GRID_ROWS, dry=dry)
+    return ScheduleError(f"after pass {pass_name!r}: {problem}\n{grid}")
+
+
+def validate(sched: Schedule, pass_name: str = "?") -> None:
+    """Raise :class:`ScheduleError` unless ``sched`` is well formed, ordered and deadlock free."""
+    _check_structure(sched, pass_name)
+    _check_coverage(sched, pass_name)
+    _check_ordering(sched, pass_name)
+    dry = sched.dry_run()
+    if not dry.ok:
+        heads = ", ".join(str(a) for a in dry.blocked[:6])
+        raise _fail(sched, pass_name, f"deadlock: no stream can move; blocked heads: {heads}",
+                    dry.blocked[0])
+
+
+# --------------------------------------------------------------------------------------------
+# 1-2. structure and coverage
+# --------------------------------------------------------------------------------------------
+
+
+def _check_structure(sched: Schedule, pass_name: str) -> None:
+    if len(sched.actions) != sched.workers:
+        raise ScheduleError(f"after pass {pass_name!r}: {len(sched.actions)} worker lists for "
+                            f"{sched.workers} workers")
+    seen: set[Action] = set()
+    for w, lst in [*enumerate(sched.actions), (None, sched.host)]:
+        for a in lst:
+            if a.worker != w:
+                raise _fail(sched, pass_name, f"{a} is on the list of "
+                            f"{'the host' if w is None else f'worker {w}'}", a)
+            if a in seen:
+                raise _fail(sched, pass_name, f"{a} appears twice", a)
+            if not 0 <= a.stage < len(sched.stage_names):
+                raise _fail(sched, pass_name, f"{a} names stage {a.stage} of "
+                            f"{len(sched.stage_names)}", a)
+            seen.add(a)
+    for e in sched.edges:
+        if e.src not in seen:
+            raise _fail(sched, pass_name, f"{e.dst} waits ({e.kind}) for {e.src}, which is not "
+                        "in the schedule: a wait without a matching record", e.dst)
+        if e.dst not in seen:
+            raise _fail(sched, pass_name, f"edge {e.kind} from {e.src} to {e.dst}, which is "
+                        "not in the schedule", e.src)
+
+
+def _check_coverage(sched: Schedule, pass_name: str) -> None:
+    kinds = {(f.dst_kind, f.dst_stage) for f in sched.flows}
+    kinds |= {(f.src_kind, f.src_stage) for f in sched.flows if not f.from_host}
+    count = Counter((a.kind, a.stage, a.microbatch, a.round, a.step)
+                    for lst in sched.actions for a in lst if a.is_compute)
+    for key, n in count.items():
+        if n > 1:
+            raise _fail(sched, pass_name, f"compute {key} runs {n} times", None)
+        if (key[0], key[1]) not in kinds:
+            raise _fail(sched, pass_name, f"compute {key} is not in the dataflow", None)
+    for ck, s in sorted(kinds):
+        for k in range(sched.steps):
+            for r in range(sched.rounds):
+                for m in range(sched.microbatches):
+                    if (ck, s, m, r, k) not in count:
+                        raise _fail(sched, pass_name, f"{ck} of stage {s} microbatch {m} round "
+                                    f"{r} step {k} never runs", None)
+    if sched.stage_workers is not None:
+        for w, lst in enumerate(sched.actions):
+            for a in lst:
+                if a.is_compute and sched.stage_workers[a.stage] != w:
+                    raise _fail(sched, pass_name, f"{a}: stage {a.stage} is bound to worker "
+                                f"{sched.stage_workers[a.stage]}", a)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. ordering
+# --------------------------------------------------------------------------------------------
+
+
+def _check_ordering(sched: Schedule, pass_name: str) -> None:
+    order = _Order(sched)
+    applied = set(sched.passes)
+    index: dict[tuple, Action] = {}
+    for a in sched.all_actions():
+        key = (a.worker, a.kind, a.what, a.stage, a.microbatch, a.round, a.step, a.value)
+        index[key] = a
+    compute: dict[tuple, Action] = {
+        (a.kind, a.stage, a.microbatch, a.round, a.step): a
+        for lst in sched.actions for a in lst if a.is_compute
+    }
+
+    def need(writer: Action | None, reader: Action, what: str) -> None:
+        if writer is None:
+            raise _fail(sched, pass_name, f"{reader} reads {what}, which nothing writes", reader)
+        if not order.before(writer, reader):
+            raise _fail(sched, pass_name, f"{reader} reads {what} written by {writer} without "
+                        "waiting for it (no edge from the writer's stream)", reader)
+
+    flows_into: dict[tuple[str, int], list] = {}
+    for f in sched.flows:
+        flows_into.setdefault((f.dst_kind, f.dst_stage), []).append(f)
+    jobs: dict[tuple, list[Action]] = {}
+    job_worker: dict[tuple, int | None] = {}
+    for c in compute.values():
+        jobs.setdefault((c.worker, c.stage, c.round, c.step), []).append(c)
+        job_worker[(c.stage, c.round, c.step)] = c.worker
+
+    for c in compute.values():
+        m, r, k = c.microbatch, c.round, c.step
+        for f in flows_into.get((c.kind, c.stage), ()):
+            h2d = index.get((c.worker, "H2D", f.what, c.stage, m, r, k, f.value))
+            if f.from_host:
+                if "transfers" in applied:
+                    need(h2d, c, f"host value {f.value}")
+                continue
+            p = compute[(f.src_kind, f.src_stage, m, r, k)]
+            if p.worker == c.worker or "transfers" not in applied:
+                need(p, c, f"{f.value} from {p}")
+                continue
+            need(h2d, c, f"{f.value} brought in by H2D")
+            down = next((index[key] for key in [(p.worker, "D2H", w, p.stage, m, r, k, f.value)
+                                                for w in ("act", "save", "igrad")]
+                         if key in index), None)
+            need(down, h2d, f"{f.value} on the host")
+            need(p, down, f"{f.value} from {p}")
+
+    if "upload" in applied:
+        for w, lst in enumerate(sched.actions):
+            ups = [a for a in lst if a.kind == "UP"]
+            for n, up in enumerate(ups):
+                key = (w, up.stage, up.round, up.step)
+                evict = index.get((w, "EVICT", None, up.stage, None, up.round, up.step, None))
+                for c in jobs.get(key, ()):
+                    need(up, c, f"the weights of stage {up.stage}")
+                    if evict is None or not order.before(c, evict):
+                        raise _fail(sched, pass_name, f"{c} runs after its weights are evicted"
+                                    f" ({evict})", c)
+                if n >= 2:
+                    old = ups[n - 2]
+                    need(index.get((w, "EVICT", None, old.stage, None, old.round, old.step,
+                                    None)), up, "a free weight slot (at most two resident)")
+    if "grads" in applied:
+        for a in sched.all_actions():
+            if a.kind == "D2H" and a.what == "grad":
+                for c in jobs.get((a.worker, a.stage, a.round, a.step), ()):
+                    need(c, a, f"the gradients of {c}")
+            elif a.kind == "ACC":
+                w = job_worker.get((a.stage, a.round, a.step))
+                down = index.get((w, "D2H", "grad", a.stage, None, a.round, a.step, None))
+                need(down, a, f"the gradients of stage {a.stage} round {a.round}")
+    if "optimizer" in applied:
+        lag = 1 if sched.optimizer == "sync" else 2
+        for a in sched.host:
+            if a.kind == "OPT":
+                for r in range(sched.rounds):
+                    acc = index.get((None, "ACC", None, a.stage, None, r, a.step, None))
+                    need(acc, a, f"round {r}'s accumulated gradients")
+        opts = {(a.stage, a.step): a for a in sched.host if a.kind == "OPT"}
+        shadows = {(a.stage, a.step): a for a in sched.host if a.kind == "SHADOW"}
+        for (x, k), sh in shadows.items():
+            for (y, ky), opt in opts.items():
+                if ky == k and _overlap(sched.stage_units[x], sched.stage_units[y]):
+                    need(opt, sh, f"the updated masters of stage {y}")
+        for a in sched.all_actions():
+            if a.kind != "UP":
+                continue
+            src = shadows.get((a.stage, a.step - lag))
+            if src is not None:
+                need(src, a, f"the shadow of stage {a.stage} from step {a.step - lag}")
+            nxt = shadows.get((a.stage, a.step))
+            if nxt is not None and not order.before(a, nxt):
+                raise _fail(sched, pass_name, f"{nxt} overwrites the shadow that {a} reads "
+                            "without waiting for it", a)
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] <= b[1] and b[0] <= a[1]
