@@ -1,0 +1,783 @@
+"""Stateless workers: one CUDA device, or one virtual CPU device backed by threads.
+
+A worker has four streams, ``weight_upload``, ``activation_upload``, ``compute`` and
+``download``. Each stream is one host thread consuming an ordered queue of callables, so work
+on one stream runs in submission order and work on different streams runs concurrently; the
+only thing that orders work across streams (and across workers) is an :class:`Event`. On a
+:class:`CudaWorker` each thread issues its callables under its own CUDA stream, so the device
+work is asynchronous and events are CUDA events; on a :class:`VirtualWorker` the callables run
+on the CPU and events are threading primitives. The executor drives both through the same
+interface.
+
+Sections, in reading order:
+  1. Event, CudaEvent        - one-shot, fail-able, waitable from the host or from a stream
+  2. Worker                  - streams, error capture, shutdown, device-memory accounting
+  3. VirtualWorker           - CPU tensors, chaos mode
+  4. CudaWorker              - CUDA streams and events, pinned staging (nothing CUDA at import)
+  5. make_workers            - ``device="auto" | "cuda" | "virtual"``
+
+Failure model: an exception in a stream item is captured as a :class:`WorkerError` naming the
+worker, stream and item label; the worker then drops every later item (on all its streams) and
+fails the events those items would have recorded, so a wait on such an event anywhere raises
+:class:`UpstreamFailed` instead of hanging. ``check()`` and ``synchronize()`` re-raise the root
+error. ``shutdown()`` wakes every blocked wait (they poll an abort flag) and joins all threads.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import random
+import sys
+import threading
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+
+from rpcompile.runtime.errors import (
+    EventTimeout,
+    UpstreamFailed,
+    WorkerAborted,
+    WorkerError,
+    WorkerOutOfMemory,
+)
+
+__all__ = [
+    "STREAMS",
+    "CudaEvent",
+    "CudaWorker",
+    "Event",
+    "VirtualWorker",
+    "Worker",
+    "make_workers",
+]
+
+STREAMS = ("weight_upload", "activation_upload", "compute", "download")
+
+# How often a blocked wait re-checks its abort flag. A set event wakes the waiter at once; this
+# only bounds how long shutdown (or a failure elsewhere) takes to unblock a wait.
+_POLL_S = 0.02
+
+
+# ============================================================================================
+# 1. Events
+# ============================================================================================
+
+
+class Event:
+    """A one-shot event: it is set once (the work before it is done) or failed once.
+
+    ``is_set()`` is True once the event happened or failed. ``wait()`` blocks the calling host
+    thread until then and raises :class:`UpstreamFailed` if it failed. Host code (the executor,
+    the optimizer thread) creates plain events and sets them itself; workers create them with
+    :meth:`Worker.record`. Callbacks run once, in the thread that sets or fails the event.
+    """
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
+        self._flag = threading.Event()
+        self._lock = threading.Lock()
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Event], None]] = []
+
+    def __repr__(self) -> str:
+        state = "failed" if self._error else ("set" if self._flag.is_set() else "pending")
+        return f"{type(self).__name__}({self.name!r}, {state})"
+
+    # -- producing -----------------------------------------------------------------------
+    def set(self) -> None:
+        self._finish(None)
+
+    def fail(self, error: BaseException) -> None:
+        """Mark the event as never going to happen; waiters raise ``UpstreamFailed(error)``."""
+        self._finish(error)
+
+    def _finish(self, error: BaseException | None) -> None:
+        with self._lock:
+            if self._flag.is_set():
+                return
+            self._error = error
+            self._flag.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback(self)
+
+    # -- observing -----------------------------------------------------------------------
+    def is_set(self) -> bool:
+        return self._flag.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def add_callback(self, callback: Callable[[Event], None]) -> None:
+        """Call ``callback(event)`` when the event is set or failed (now, if it already is)."""
+        with self._lock:
+            if not self._flag.is_set():
+                self._callbacks.append(callback)
+                return
+        callback(self)
+
+    def wait_recorded(
+        self, timeout: float | None = None, abort: Callable[[], bool] | None = None
+    ) -> None:
+        """Block until the event is set on the host (for a CUDA event: recorded on its stream).
+
+        Raises :class:`UpstreamFailed` if it failed, :class:`WorkerAborted` as soon as
+        ``abort()`` returns True, :class:`EventTimeout` after ``timeout`` seconds.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            step = _POLL_S if deadline is None else max(0.0, min(_POLL_S, deadline - time.monotonic()))
+            if self._flag.wait(step):
+                break
+            if abort is not None and abort():
+                raise WorkerAborted(f"wait for event {self.name!r} abandoned")
+            if deadline is not None and time.monotonic() >= deadline:
+                raise EventTimeout(f"event {self.name!r} not set within {timeout} s")
+        if self._error is not None:
+            raise UpstreamFailed(self.name, self._error)
+
+    def wait(self, timeout: float | None = None, abort: Callable[[], bool] | None = None) -> None:
+        """Block the host until the work before the event is complete."""
+        start = time.monotonic()
+        self.wait_recorded(timeout, abort)
+        remaining = None if timeout is None else max(0.0, timeout - (time.monotonic() - start))
+        self._wait_device(remaining)
+
+    def _wait_device(self, timeout: float | None) -> None:
+        """A plain event is complete when set; a CUDA event also waits for the device."""
+
+    @staticmethod
+    def all_of(events: Iterable[Event], name: str = "all_of") -> Event:
+        """A host event set when every one of ``events`` is set, failed when one fails.
+
+        Only for host events: a CUDA event being *recorded* does not mean its work is done, so
+        pass CUDA events to :meth:`Worker.wait` one by one instead.
+        """
+        events = list(events)
+        if any(isinstance(e, CudaEvent) for e in events):
+            raise TypeError("Event.all_of takes host events only; wait on CUDA events one by one")
+        combined = Event(name)
+        remaining = [len(events)]
+        lock = threading.Lock()
+
+        def on_done(event: Event) -> None:
+            if event.error is not None:
+                combined.fail(event.error)
+                return
+            with lock:
+                remaining[0] -= 1
+                last = remaining[0] == 0
+            if last:
+                combined.set()
+
+        if not events:
+            combined.set()
+        for event in events:
+            event.add_callback(on_done)
+        return combined
+
+
+class CudaEvent(Event):
+    """An event recorded on a CUDA stream: set on the host when recorded, complete on the device
+    when the work before it has run. A stream waits on it on the device (``wait_event``)."""
+
+    def __init__(self, name: str = "") -> None:
+        super().__init__(name)
+        self.cuda_event = torch.cuda.Event()
+
+    def _wait_device(self, timeout: float | None) -> None:
+        # Poll rather than synchronize() so a host wait keeps its timeout.
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 1e-5
+        while not self.cuda_event.query():
+            if deadline is not None and time.monotonic() >= deadline:
+                raise EventTimeout(f"CUDA event {self.name!r} not complete within {timeout} s")
+            time.sleep(delay)
+            delay = min(delay * 2, 1e-3)
+
+
+# ============================================================================================
+# 2. Worker
+# ============================================================================================
+
+
+class _Item:
+    __slots__ = ("always", "fn", "label", "produces")
+
+    def __init__(
+        self, fn: Callable[[], Any], label: str, produces: Event | None, always: bool = False
+    ) -> None:
+        self.fn = fn
+        self.label = label
+        self.produces = produces  # the event this item sets; failed if the item is dropped
+        self.always = always  # runs even on a failed worker (recover() markers)
+
+
+class Worker(abc.ABC):
+    """One device: four ordered streams, events, and accounted device memory.
+
+    Public interface (the executor and the transfer engine use only this):
+
+    - ``submit(stream, fn, label)``: run ``fn()`` on ``stream`` after the stream's earlier items.
+    - ``record(stream, label) -> Event``: an event set when the stream's earlier items are done.
+    - ``wait(stream, *events)``: the stream's later items run after ``events``.
+    - ``synchronize(timeout)``, ``check()``, ``recover()``, ``shutdown(timeout)``.
+    - ``alloc(nbytes | shape=, dtype=, tag=)``, ``free(tensor)``, ``free_all()``,
+      ``reserve(nbytes, tag)``; ``memory_in_use``, ``peak_bytes``, ``reset_peak()``.
+    - ``host_empty(shape, dtype)``: a host staging buffer (pinned on CUDA);
+      ``copy_(dst, src)``: a copy issued on the current stream (call it inside an item).
+    """
+
+    kind: str = ""
+
+    def __init__(
+        self,
+        index: int,
+        device: torch.device,
+        name: str,
+        capacity_bytes: int | None,
+        chaos: int | None,
+        chaos_max_delay_s: float,
+    ) -> None:
+        self.index = index
+        self.device = device
+        self.name = name
+        # None means no limit: accounting (and the peak) still happen.
+        self.capacity_bytes = sys.maxsize if capacity_bytes is None else int(capacity_bytes)
+        self.chaos = chaos
+        self.chaos_max_delay_s = chaos_max_delay_s
+        self._queues: dict[str, Any] = {}
+        self._threads: list[threading.Thread] = []
+        self._current: dict[str, str | None] = dict.fromkeys(STREAMS)
+        self._lock = threading.Lock()
+        self._errors: list[WorkerError] = []
+        self._error_listeners: list[Callable[[WorkerError], None]] = []
+        self._failed = False
+        self._stopping = False
+        # Device memory accounting: data_ptr -> (bytes, tag, tensor). Holding the tensor keeps
+        # the memory alive until free(), as device memory would be.
+        self._allocs: dict[int, tuple[int, str, torch.Tensor]] = {}
+        self._reservations: dict[int, tuple[int, str]] = {}
+        self._in_use = 0
+        self._peak = 0
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.name}, device={self.device})"
+
+    def _start_threads(self) -> None:
+        import queue
+
+        for stream in STREAMS:
+            self._queues[stream] = queue.SimpleQueue()
+            # Per-stream RNG from the seed, so a chaos run is reproducible up to OS scheduling.
+            rng = None if self.chaos is None else random.Random(f"{self.chaos}:{self.index}:{stream}")
+            thread = threading.Thread(
+                target=self._stream_main,
+                args=(stream, rng),
+                name=f"rpcompile-{self.name}-{stream}",
+                daemon=True,  # a stuck user callable must never keep the process alive
+            )
+            self._threads.append(thread)
+            thread.start()
+
+    # -- backend hooks -------------------------------------------------------------------
+    @abc.abstractmethod
+    def _stream_context(self, stream: str) -> contextlib.AbstractContextManager[Any]:
+        """Entered once by the stream's thread around its whole loop."""
+
+    @abc.abstractmethod
+    def _new_event(self, name: str) -> Event: ...
+
+    @abc.abstractmethod
+    def _record_current(self, event: Event) -> None:
+        """Runs inside a stream item: mark ``event`` as recorded after the stream's work."""
+
+    @abc.abstractmethod
+    def _device_wait(self, event: Event) -> None:
+        """Runs inside a stream item after ``event`` is recorded: order the device stream."""
+
+    @abc.abstractmethod
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
+
+    @abc.abstractmethod
+    def _release(self, tensor: torch.Tensor) -> None:
+        """Called when a tensor is freed (CUDA: keep its block until the streams used it)."""
+
+    @abc.abstractmethod
+    def host_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A host buffer for staging transfers (pinned on CUDA)."""
+
+    @abc.abstractmethod
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy on the current stream; call it from inside a stream item."""
+
+    @abc.abstractmethod
+    def complete_copies(self) -> None:
+        """Block the calling stream thread until its stream's copies are done."""
+
+    # -- streams -------------------------------------------------------------------------
+    def _stream_main(self, stream: str, rng: random.Random | None) -> None:
+        q = self._queues[stream]
+        with self._stream_context(stream):
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                if (self._failed and not item.always) or self._stopping:
+                    self._drop(item)
+                    continue
+                if rng is not None:
+                    time.sleep(rng.uniform(0.0, self.chaos_max_delay_s))
+                self._current[stream] = item.label
+                try:
+                    item.fn()
+                except BaseException as exc:
+                    self._on_item_error(stream, item, exc)
+                finally:
+                    self._current[stream] = None
+
+    def _drop(self, item: _Item) -> None:
+        if item.produces is not None:
+            root = self._root_error()
+            reason: BaseException = root if root is not None else WorkerAborted(
+                f"worker {self.name} shut down before {item.label!r} ran"
+            )
+            item.produces.fail(reason)
+
+    def _on_item_error(self, stream: str, item: _Item, exc: BaseException) -> None:
+        if isinstance(exc, WorkerAborted) and self._stopping:
+            self._drop(item)
+            return
+        error = WorkerError(
+            self.name,
+            stream,
+            item.label,
+            exc,
+            secondary=isinstance(exc, (UpstreamFailed, WorkerAborted)),
+            traceback_text=traceback.format_exc(),
+        )
+        self.report_error(error)
+        if item.produces is not None:
+            item.produces.fail(error)
+
+    def report_error(self, error: WorkerError) -> None:
+        """Record a failure on this worker (also used by the transfer engine); it stops the
+        worker's streams from running anything more until :meth:`recover`."""
+        with self._lock:
+            self._errors.append(error)
+            self._failed = True
+            listeners = list(self._error_listeners)
+        for listener in listeners:
+            listener(error)
+
+    def add_error_listener(self, listener: Callable[[WorkerError], None]) -> None:
+        """Call ``listener(error)`` (from the failing thread) on every captured error."""
+        with self._lock:
+            self._error_listeners.append(listener)
+
+    def should_abort(self) -> bool:
+        """True once the worker failed or is shutting down: blocked waits give up."""
+        return self._failed or self._stopping
+
+    def _put(self, stream: str, item: _Item) -> None:
+        if stream not in STREAMS:
+            raise ValueError(f"unknown stream {stream!r}; streams are {STREAMS}")
+        if self._stopping:
+            raise WorkerAborted(f"worker {self.name} is shut down; cannot run {item.label!r}")
+        self._queues[stream].put(item)
+
+    def submit(self, stream: str, fn: Callable[[], Any], label: str = "") -> None:
+        """Run ``fn()`` on ``stream`` after everything submitted to it before."""
+        self._put(stream, _Item(fn, label or getattr(fn, "__name__", "item"), None))
+
+    def record(self, stream: str, label: str = "") -> Event:
+        """An event that is set when everything submitted to ``stream`` so far is done."""
+        event = self._new_event(f"{self.name}.{stream}:{label}")
+        self._put(stream, _Item(lambda: self._record_current(event), f"record {label}", event))
+        return event
+
+    def wait(self, stream: str, *events: Event, label: str = "") -> None:
+        """Items submitted to ``stream`` after this call run only after ``events``."""
+
+        def wait_all() -> None:
+            for event in events:
+                event.wait_recorded(abort=self.should_abort)
+                self._device_wait(event)
+
+        names = ", ".join(e.name for e in events)
+        self._put(stream, _Item(wait_all, label or f"wait {names}", None))
+
+    def synchronize(self, timeout: float | None = None) -> None:
+        """Block until every stream has run everything submitted so far; raise its error."""
+        markers = {s: self.record(s, "synchronize") for s in STREAMS}
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for stream, marker in markers.items():
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                marker.wait(remaining)
+            except EventTimeout:
+                raise EventTimeout(
+                    f"worker {self.name}: stream {stream} did not drain within {timeout} s "
+                    f"(running {self._current[stream]!r}, "
+                    f"{self._queues[stream].qsize()} items queued)"
+                ) from None
+            except (UpstreamFailed, WorkerAborted):
+                self.check()
+                raise
+        self.check()
+
+    def _root_error(self) -> WorkerError | None:
+        with self._lock:
+            if not self._errors:
+                return None
+            return next((e for e in self._errors if not e.secondary), self._errors[0])
+
+    @property
+    def errors(self) -> list[WorkerError]:
+        with self._lock:
+            return list(self._errors)
+
+    def check(self) -> None:
+        """Raise the first root error captured on this worker, if any."""
+        root = self._root_error()
+        if root is not None:
+            raise root
+
+    def recover(self, timeout: float = 10.0) -> None:
+        """After a failure: let the streams drop what was queued, then clear the errors and free
+        all device memory so the worker can run the next step."""
+        markers = []
+        for stream in STREAMS:
+            marker = self._new_event(f"{self.name}.{stream}:recover")
+            self._put(stream, _Item(lambda m=marker: self._record_current(m), "recover", marker, True))
+            markers.append(marker)
+        for marker in markers:
+            marker.wait(timeout)
+        with self._lock:
+            self._errors.clear()
+            self._failed = False
+        self.free_all()
+
+    def shutdown(self, timeout: float = 5.0) -> list[str]:
+        """Stop every stream thread and join it; blocked waits wake within ``_POLL_S``.
+
+        Returns the names of threads still alive after ``timeout`` (a user callable that never
+        returns cannot be interrupted; those threads are daemons and do not block exit).
+        """
+        with self._lock:
+            already = self._stopping
+            self._stopping = True
+        if not already:
+            for q in self._queues.values():
+                q.put(None)
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        alive = [t.name for t in self._threads if t.is_alive()]
+        if alive:
+            warnings.warn(
+                f"worker {self.name}: {alive} still running {timeout} s after shutdown "
+                f"(items {self._current}); they are daemon threads",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.free_all()
+        return alive
+
+    def __enter__(self) -> Worker:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # -- device memory -------------------------------------------------------------------
+    def _account(self, nbytes: int, tag: str) -> None:
+        with self._lock:
+            if self._in_use + nbytes > self.capacity_bytes:
+                raise WorkerOutOfMemory(
+                    self.name, tag, nbytes, self._in_use, self.capacity_bytes, self._peak,
+                    self._live_locked(),
+                )
+            self._in_use += nbytes
+            self._peak = max(self._peak, self._in_use)
+
+    def _live_locked(self) -> list[tuple[str, int]]:
+        live = [(tag, n) for n, tag, _ in self._allocs.values()]
+        live += [(tag, n) for n, tag in self._reservations.values()]
+        return sorted(live, key=lambda x: -x[1])
+
+    def alloc(
+        self,
+        nbytes: int | None = None,
+        *,
+        shape: tuple[int, ...] | torch.Size | None = None,
+        dtype: torch.dtype | None = None,
+        tag: str = "",
+    ) -> torch.Tensor:
+        """Allocate device memory, accounted against the capacity at its exact size.
+
+        ``alloc(nbytes)`` gives a flat ``uint8`` buffer; ``alloc(shape=..., dtype=...)`` a
+        typed tensor. ``tag`` names the use (e.g. ``"F3 weights"``) in out-of-memory errors.
+        Raises :class:`WorkerOutOfMemory` when the capacity would be exceeded.
+        """
+        if (nbytes is None) == (shape is None):
+            raise ValueError("alloc() takes either nbytes or shape= (with dtype=)")
+        if nbytes is not None:
+            shape, dtype = (int(nbytes),), torch.uint8
+        shape = tuple(int(d) for d in shape)  # type: ignore[union-attr]
+        dtype = dtype or torch.float32
+        numel = 1
+        for d in shape:
+            numel *= d
+        size = numel * dtype.itemsize
+        self._account(size, tag)
+        try:
+            tensor = self._empty(shape, dtype)
+        except torch.OutOfMemoryError as exc:
+            with self._lock:
+                self._in_use -= size
+                live = self._live_locked()
+            raise WorkerOutOfMemory(
+                self.name, tag, size, self._in_use, self.capacity_bytes, self._peak, live
+            ) from exc
+        if size:
+            with self._lock:
+                self._allocs[tensor.data_ptr()] = (size, tag, tensor)
+        return tensor
+
+    def free(self, tensor: torch.Tensor) -> None:
+        """Give back a tensor from :meth:`alloc` (a view at offset 0 of it also works)."""
+        if tensor.numel() == 0:
+            return
+        with self._lock:
+            entry = self._allocs.pop(tensor.data_ptr(), None)
+            if entry is None:
+                raise ValueError(
+                    f"worker {self.name}: free() of a tensor it did not allocate (or freed twice)"
+                )
+            self._in_use -= entry[0]
+        self._release(entry[2])
+
+    def free_all(self) -> int:
+        """Free every allocation (end of a job or of a failed step); returns the bytes freed."""
+        with self._lock:
+            entries = list(self._allocs.values())
+            self._allocs.clear()
+            freed = sum(e[0] for e in entries)
+            self._in_use -= freed
+        for _, _, tensor in entries:
+            self._release(tensor)
+        return freed
+
+    @contextlib.contextmanager
+    def reserve(self, nbytes: int, tag: str = "") -> Iterator[None]:
+        """Account ``nbytes`` of working memory (e.g. a compute's transients) for the block."""
+        self._account(int(nbytes), tag)
+        key = object()
+        with self._lock:
+            self._reservations[id(key)] = (int(nbytes), tag)
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._reservations.pop(id(key))
+                self._in_use -= int(nbytes)
+
+    @property
+    def memory_in_use(self) -> int:
+        return self._in_use
+
+    @property
+    def peak_bytes(self) -> int:
+        return self._peak
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak = self._in_use
+
+    def live_allocations(self) -> list[tuple[str, int]]:
+        """(tag, bytes) of everything allocated or reserved now, largest first."""
+        with self._lock:
+            return self._live_locked()
+
+
+# ============================================================================================
+# 3. VirtualWorker
+# ============================================================================================
+
+
+class VirtualWorker(Worker):
+    """A CPU stand-in for one GPU: four stream threads, threading events, accounted memory.
+
+    Device tensors are ordinary CPU tensors, distinct from host tensors (uploads and downloads
+    still copy), so a missing transfer or wait shows up as wrong data. ``chaos=seed`` sleeps a
+    random ``[0, chaos_max_delay_s)`` before each item, drawn from an RNG per stream seeded from
+    ``seed``, to shake out orderings that only hold by luck.
+    """
+
+    kind = "virtual"
+
+    def __init__(
+        self,
+        index: int = 0,
+        capacity_bytes: int | None = None,
+        chaos: int | None = None,
+        chaos_max_delay_s: float = 0.002,
+        name: str | None = None,
+    ) -> None:
+        super().__init__(
+            index, torch.device("cpu"), name or f"v{index}", capacity_bytes, chaos,
+            chaos_max_delay_s,
+        )
+        self._start_threads()
+
+    def _stream_context(self, stream: str) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()
+
+    def _new_event(self, name: str) -> Event:
+        return Event(name)
+
+    def _record_current(self, event: Event) -> None:
+        event.set()  # items run synchronously: the stream's earlier work is done
+
+    def _device_wait(self, event: Event) -> None:
+        if isinstance(event, CudaEvent):
+            raise TypeError(f"virtual worker {self.name} cannot wait on CUDA event {event.name!r}")
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def _release(self, tensor: torch.Tensor) -> None:
+        pass
+
+    def host_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src)
+
+    def complete_copies(self) -> None:
+        pass  # CPU copies are synchronous
+
+
+# ============================================================================================
+# 4. CudaWorker
+# ============================================================================================
+
+
+class CudaWorker(Worker):
+    """One GPU: the four streams are CUDA streams, each fed by its own host thread.
+
+    A stream thread runs its items under ``torch.cuda.stream(...)``, so they only enqueue device
+    work; events are CUDA events recorded on those streams; a stream waits on another stream's
+    event on the device. Several workers may share one GPU (``device_index``). Capacity defaults
+    to the device's total memory; accounting covers :meth:`alloc` and :meth:`reserve` only.
+    """
+
+    kind = "cuda"
+
+    def __init__(
+        self,
+        index: int = 0,
+        device_index: int | None = None,
+        capacity_bytes: int | None = None,
+        chaos: int | None = None,
+        chaos_max_delay_s: float = 0.002,
+        name: str | None = None,
+    ) -> None:
+        if not torch.cuda.is_available():
+            raise RuntimeError(
+                "CudaWorker needs a CUDA device, and torch.cuda.is_available() is False; "
+                "use make_workers(n, device='virtual') to run on the CPU"
+            )
+        ordinal = index % torch.cuda.device_count() if device_index is None else device_index
+        device = torch.device("cuda", ordinal)
+        if capacity_bytes is None:
+            capacity_bytes = torch.cuda.get_device_properties(ordinal).total_memory
+        super().__init__(
+            index, device, name or f"cuda{index}", capacity_bytes, chaos, chaos_max_delay_s
+        )
+        self._torch_streams = {s: torch.cuda.Stream(device=device) for s in STREAMS}
+        self._start_threads()
+
+    def torch_stream(self, stream: str) -> torch.cuda.Stream:
+        return self._torch_streams[stream]
+
+    def _stream_context(self, stream: str) -> contextlib.AbstractContextManager[Any]:
+        stack = contextlib.ExitStack()
+        # Current device and current stream are per thread in torch.
+        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.stream(self._torch_streams[stream]))
+        return stack
+
+    def _new_event(self, name: str) -> Event:
+        return CudaEvent(name)
+
+    def _record_current(self, event: Event) -> None:
+        if isinstance(event, CudaEvent):
+            event.cuda_event.record(torch.cuda.current_stream(self.device))
+        event.set()
+
+    def _device_wait(self, event: Event) -> None:
+        if isinstance(event, CudaEvent):
+            # A stream may wait on an event of another device in the same process.
+            torch.cuda.current_stream(self.device).wait_event(event.cuda_event)
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype, device=self.device)
+
+    def _release(self, tensor: torch.Tensor) -> None:
+        # The caching allocator ties a block to the stream it was allocated on; tell it every
+        # stream of this worker may still use the tensor so the block is not reused too early.
+        for stream in self._torch_streams.values():
+            tensor.record_stream(stream)
+
+    def host_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+
+    def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        dst.copy_(src, non_blocking=True)
+
+    def complete_copies(self) -> None:
+        torch.cuda.current_stream(self.device).synchronize()
+
+
+# ============================================================================================
+# 5. make_workers
+# ============================================================================================
+
+
+def make_workers(
+    n: int,
+    device: str = "auto",
+    capacity_bytes: int | None = None,
+    chaos: int | None = None,
+) -> list[Worker]:
+    """``n`` workers. ``device="cuda"`` makes one per GPU (round-robin when ``n`` exceeds the
+    GPU count, so several workers may share one GPU); ``"virtual"`` makes CPU workers;
+    ``"auto"`` picks CUDA when available and otherwise warns and falls back to virtual."""
+    if n < 1:
+        raise ValueError(f"make_workers needs n >= 1, got {n}")
+    if device == "auto":
+        if torch.cuda.is_available():
+            device = "cuda"
+        else:
+            warnings.warn(
+                f"device='auto': no CUDA device (torch.cuda.is_available() is False: torch "
+                f"{torch.__version__} {'has no CUDA build' if torch.version.cuda is None else 'found no GPU'}); "
+                f"running on {n} virtual CPU workers instead",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            device = "virtual"
+    if device == "cuda":
+        return [CudaWorker(i, capacity_bytes=capacity_bytes, chaos=chaos) for i in range(n)]
+    if device == "virtual":
+        return [VirtualWorker(i, capacity_bytes=capacity_bytes, chaos=chaos) for i in range(n)]
+    raise ValueError(f"device must be 'auto', 'cuda' or 'virtual', got {device!r}")
