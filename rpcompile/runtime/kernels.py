@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy
 import torch
 
 __all__ = [
@@ -339,6 +340,18 @@ def _launch(
     if table is None:
         return  # nothing to move: no launch, and the flag stays as it was
     kernels = _triton_kernels(interpret=not out.is_cuda)
+    if out.is_cuda:
+        _run(kernels, op, table, out, flag)
+    else:
+        # The interpreter emulates the kernel with numpy, which warns where IEEE arithmetic
+        # overflows to inf or makes a NaN; on a GPU (and in torch) that is silent and intended.
+        with numpy.errstate(over="ignore", invalid="ignore"):
+            _run(kernels, op, table, out, flag)
+
+
+def _run(
+    kernels: _Kernels, op: str, table: _Table, out: torch.Tensor, flag: torch.Tensor | None
+) -> None:
     tl_dtype = kernels.dtypes
     grid = (table.rows.shape[0],)
     if op == "cast":
