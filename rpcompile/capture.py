@@ -94,6 +94,7 @@ class Captured:
     report: CaptureReport
     example_batch: dict[str, torch.Tensor]
     model: nn.Module = field(repr=False)
+    loss_fn: Callable | None = None
 
     def parameter(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)
@@ -274,7 +275,7 @@ def capture(
                 opaque_used = tuple(opaque_names + extra)
                 return _finish(
                     model, ep, layer_names, batch, causal, strategy, dynamic, opaque_used,
-                    attempts, t0,
+                    attempts, t0, loss_fn,
                 )
     failed = "; ".join(f"{s}: {why}" for s, why in attempts)
     raise CaptureError(
@@ -303,16 +304,25 @@ def _export(model, wrapper, batch, causal, opaque_names, dynamic):
             raise
 
 
-def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, attempts, t0):
+def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, attempts, t0,
+            loss_fn):
     gm = ep.graph_module
     sig = ep.graph_signature
     prefix = _WRAPPED + "."
-    params = {k: v.removeprefix(prefix) for k, v in sig.inputs_to_parameters.items()}
+    # A parameter shared by identity (tied embeddings) has several names; every placeholder
+    # maps to the name named_parameters() reports first, so there is one master per tensor.
+    canonical = {id(p): name for name, p in model.named_parameters()}
+    params = {
+        k: canonical[id(model.get_parameter(v.removeprefix(prefix)))]
+        for k, v in sig.inputs_to_parameters.items()
+    }
     buffers = {k: v.removeprefix(prefix) for k, v in sig.inputs_to_buffers.items()}
     const_names = dict(sig.inputs_to_lifted_tensor_constants)
     constants = {k: ep.constants[v] for k, v in const_names.items()}
     inputs = list(sig.user_inputs)
-    trainable = {name: p.requires_grad for name, p in model.named_parameters()}
+    trainable = {
+        name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)
+    }
 
     unit_names = _assign_units(gm, layer_names)
     subs = _symbol_map(gm, inputs, causal)
@@ -329,7 +339,7 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
     return Captured(
         graph_module=gm, units=unit_names, params=params, buffers=buffers, constants=constants,
         inputs=inputs, input_keys=list(batch), trainable=trainable, subs=subs, report=report,
-        example_batch=batch, model=model,
+        example_batch=batch, model=model, loss_fn=loss_fn,
     )
 
 

@@ -1,0 +1,163 @@
+"""``rpcompile.compile``: run the whole flow and keep every artifact on the result.
+
+capture -> cost -> partition -> split (-> schedule -> lower, see ``Compiled.schedule``)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from rpcompile.capture import Captured, capture
+from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.ir import Plan, UnitProfile
+from rpcompile.passes.cost import UnitCost, annotate_costs
+from rpcompile.passes.manager import PassRecord
+from rpcompile.passes.partition import partition
+from rpcompile.passes.split import StageProgram, split
+from rpcompile.reference import reference_step
+
+__all__ = ["Compiled", "compile"]
+
+
+@dataclass
+class Compiled:
+    """A compiled model: every artifact of the flow, open for inspection."""
+
+    model: nn.Module
+    capture: Captured
+    unit_costs: list[UnitCost]
+    profiles: list[UnitProfile]
+    plan: Plan
+    stages: list[StageProgram]
+    hardware: Hardware
+    workers: int
+    microbatches: int
+    rounds: int
+    history: list[PassRecord]
+
+    # -- inspection ----------------------------------------------------------------------
+    def explain(self) -> str:
+        """Per stage: units, parameters, FLOPs at the planned size, predicted ms, memory."""
+        b, s = self.plan.microbatch_size, self.plan.seq_len
+        rows = [("stage", "kind", "units", "params", "fwd GFLOP", "bwd GFLOP", "ms/mb",
+                 "peak mem")]
+        for prog, st in zip(self.stages, self.plan.stages):
+            fwd = bwd = 0
+            for u in st.units:
+                f, g = self.unit_costs[u].flops_at(b, s)
+                fwd += f
+                if st.kind != "forward":
+                    bwd += g
+            params = sum(self.plan.units[u].params for u in st.units)
+            units = prog.unit_names[0] if len(prog.unit_names) == 1 else (
+                f"{prog.unit_names[0]}..{prog.unit_names[-1]}")
+            rows.append((prog.name, st.kind, units, f"{params:,}", f"{fwd / 1e9:.3f}",
+                         f"{bwd / 1e9:.3f}", f"{st.compute_ms:.3f}",
+                         f"{st.peak_bytes / 2**20:.1f} MiB"))
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        head = (
+            f"{type(self.model).__name__}: {len(self.plan.units)} units, "
+            f"{self.plan.num_forward} forward + {len(self.plan.stages) - self.plan.num_forward} "
+            f"backward stages on {self.workers} workers ({self.hardware.name}), "
+            f"{self.microbatches} microbatches of {b}x{s}, "
+            f"predicted step {self.plan.predicted_step_ms:.2f} ms"
+        )
+        return head + "\n" + "\n".join(lines)
+
+    def timings(self) -> str:
+        return "\n".join(f"{r.name:<10} {r.elapsed_ms:9.1f} ms" for r in self.history)
+
+    # -- reference semantics -----------------------------------------------------------
+    def reference_step(self, batch: Any, params: dict[str, torch.Tensor] | None = None):
+        """Loss and gradients of one step run stage by stage on one device (no update)."""
+        from rpcompile.capture import normalize_batch
+
+        batch = normalize_batch(self.model, batch, self.capture.loss_fn)
+        params = params if params is not None else dict(self.model.named_parameters())
+        return reference_step(
+            self.stages, self.capture, params, batch, self.microbatches, self.rounds
+        )
+
+
+def compile(
+    model: nn.Module,
+    gpus: int = 8,
+    microbatches: int | None = None,
+    hardware: Hardware | str | None = None,
+    example_inputs: Any = None,
+    *,
+    rounds: int = 1,
+    loss_fn: Callable | None = None,
+    units: Sequence[str] | None = None,
+    opaque: Sequence[str] | None = None,
+    compute_dtype: torch.dtype | None = None,
+) -> Compiled:
+    """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
+
+    ``gpus``: workers to plan for. ``microbatches``: per round (default ``gpus + 1``).
+    ``hardware``: a profile name or :class:`Hardware` (default ``"cpu"``, the virtual
+    workers' profile). ``example_inputs``: one global batch; for a Hugging Face causal LM it
+    may be omitted (token ids are synthesized from the config). The plan is made for the
+    example batch's size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch.
+    """
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
+    if microbatches is None:
+        microbatches = gpus + 1
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+    hw = get_hardware(hardware or "cpu").with_gpus(gpus)
+    history: list[PassRecord] = []
+
+    def record(name: str, fn: Callable[[], Any]) -> Any:
+        t0 = time.perf_counter()
+        out = fn()
+        history.append(PassRecord(name, (time.perf_counter() - t0) * 1e3, 0.0, out))
+        return out
+
+    if example_inputs is None and hasattr(getattr(model, "config", None), "vocab_size"):
+        from rpcompile.capture import example_batch_for
+
+        example_inputs = example_batch_for(model, batch=microbatches * rounds, seq=16)
+    captured = record(
+        "capture",
+        lambda: capture(model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque),
+    )
+    unit_costs = record("cost", lambda: annotate_costs(captured))
+    example = next(iter(captured.example_batch.values()))
+    total = microbatches * rounds
+    mb_size = max(1, example.shape[0] // total)
+    seq = example.shape[1] if example.dim() > 1 and "input_ids" in captured.example_batch else 1
+    dtype = compute_dtype or _floating_dtype(model)
+    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    profiles = [u.evaluate(mb_size, seq, hw, dtype_bytes=dtype_bytes) for u in unit_costs]
+    from rpcompile.passes.partition import StageCosting
+
+    costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
+    plan = record(
+        "partition",
+        lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing),
+    )
+    stages = record("split", lambda: split(captured, plan))
+    return Compiled(
+        model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
+        stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
+        history=history,
+    )
+
+
+def _floating_dtype(model: nn.Module) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32

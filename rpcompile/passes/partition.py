@@ -1,0 +1,341 @@
+"""Partition pass: cut a model's units into RoundPipe forward stages, a fused tail and
+backward stages, minimising the predicted step time.
+
+Sections, in reading order:
+  1. partition(): enumerate tail sizes and stage counts, cut each side optimally, keep the best
+  2. Cutting: contiguous min-max partition (exact dynamic programme) under a memory limit
+  3. Stage figures: compute time, transfer bytes and device memory of a stage
+  4. predict_step_ms(): a small event model of round-robin dispatch (compute, weight
+     prefetch, activation hops) used to rank candidate plans
+
+Why not greedy packing: a greedy pack that fills stages up to a budget leaves the last stage
+short, and RoundPipe's round-robin dispatch runs at the pace of its longest job. Here each
+side is cut by an exact min-max dynamic programme for every stage count, and the candidates are
+ranked by a model of the dispatch itself, which also sees weight uploads and activation hops.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cache
+
+from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.ir import Plan, Stage, UnitProfile
+
+__all__ = ["PartitionError", "StageCosting", "build_plan", "partition", "predict_step_ms"]
+
+
+class PartitionError(ValueError):
+    """No plan fits the hardware; the message names the unit and the memory it needs."""
+
+
+@dataclass(frozen=True)
+class StageCosting:
+    """How stage figures are derived from unit profiles."""
+
+    weight_dtype_bytes: int = 2  # the low-precision shadow that gets uploaded
+    grad_dtype_bytes: int = 4  # fp32 gradient accumulator and download
+    act_dtype_bytes: int = 2  # activations cross boundaries in the compute dtype
+    activation_scale: float = 1.0  # rescales UnitProfile byte figures (already in act dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. partition()
+# ---------------------------------------------------------------------------------------------
+
+
+def partition(
+    units: Sequence[UnitProfile],
+    hardware: Hardware | str,
+    workers: int,
+    microbatches: int,
+    microbatch_size: int = 1,
+    seq_len: int = 1,
+    rounds: int = 1,
+    costing: StageCosting | None = None,
+    max_tail_layers: int = 3,
+    shortlist: int = 24,
+) -> Plan:
+    """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
+
+    The last unit is the tail (final norm, LM head, loss); the fused tail stage may also take
+    up to ``max_tail_layers`` units before it. Raises :class:`PartitionError` when some unit
+    cannot fit the GPU even alone.
+    """
+    hw = get_hardware(hardware)
+    costing = costing or StageCosting()
+    units = tuple(units)
+    n = len(units)
+    if n < 2:
+        raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
+    if workers < 1 or microbatches < 1 or rounds < 1:
+        raise ValueError("workers, microbatches and rounds must each be at least 1")
+    limit = hw.usable_memory_bytes
+    _check_units_fit(units, costing, limit)
+
+    candidates: list[tuple[float, tuple[int, ...], tuple[int, ...], int]] = []
+    for tail_len in range(1, min(max_tail_layers + 1, n - 1) + 1):
+        t = n - tail_len  # units 0..t-1 are cut into forward and backward stages
+        tail_mem = _stage_memory(units, tuple(range(t, n)), "tail", costing)
+        if tail_mem > limit:
+            continue
+        fwd_cost = [u.forward_ms for u in units[:t]]
+        bwd_cost = [u.forward_ms + u.backward_ms for u in units[:t]]
+        tail_ms = sum(u.forward_ms + u.backward_ms for u in units[t:])
+        max_stages = min(t, max(4 * workers, 8))
+        fwd_cuts = _all_cuts(units, fwd_cost, "forward", costing, limit, max_stages)
+        bwd_cuts = _all_cuts(units, bwd_cost, "backward", costing, limit, max_stages)
+        for p, (f_max, f_bounds) in fwd_cuts.items():
+            for q, (b_max, b_bounds) in bwd_cuts.items():
+                jobs = p + q + 1
+                work = microbatches * (sum(fwd_cost) + sum(bwd_cost) + tail_ms)
+                longest = max(f_max, b_max, tail_ms)
+                # Cheap lower bound used only to shortlist: total work spread over workers,
+                # and one job stream that can never be shorter than its longest job times
+                # the rounds-robin share that lands on one worker.
+                share = -(-jobs * rounds // workers)
+                bound = max(
+                    work * rounds / workers,
+                    microbatches * longest * share,
+                    sum(fwd_cost) + sum(bwd_cost) + tail_ms + (microbatches - 1) * longest,
+                )
+                candidates.append((bound, f_bounds, b_bounds, t))
+    if not candidates:
+        raise PartitionError(
+            "no partition fits: the tail (final norm, LM head, loss) needs "
+            f"{_gib(_stage_memory(units, (n - 1,), 'tail', costing))} GiB but the GPU has "
+            f"{_gib(limit)} GiB usable; lower the microbatch size or sequence length"
+        )
+    candidates.sort(key=lambda c: c[0])
+    best = None
+    for _bound, f_bounds, b_bounds, t in candidates[:shortlist]:
+        plan = build_plan(
+            units, f_bounds, b_bounds, t, hw, workers, microbatches, microbatch_size, seq_len,
+            rounds, costing,
+        )
+        if best is None or plan.predicted_step_ms < best.predicted_step_ms:
+            best = plan
+    assert best is not None
+    return best
+
+
+def build_plan(
+    units: Sequence[UnitProfile],
+    forward_bounds: Sequence[int],
+    backward_bounds: Sequence[int],
+    tail_start: int,
+    hardware: Hardware | str,
+    workers: int,
+    microbatches: int,
+    microbatch_size: int = 1,
+    seq_len: int = 1,
+    rounds: int = 1,
+    costing: StageCosting | None = None,
+    notes: tuple[str, ...] = (),
+) -> Plan:
+    """A Plan from explicit cuts: ``*_bounds`` are the start units of each stage in model order
+    (both start with 0); units ``tail_start..`` form the fused tail."""
+    hw = get_hardware(hardware)
+    costing = costing or StageCosting()
+    units = tuple(units)
+    n = len(units)
+    fwd_ranges = _ranges(forward_bounds, tail_start)
+    bwd_ranges = list(reversed(_ranges(backward_bounds, tail_start)))
+    specs = [("forward", r) for r in fwd_ranges] + [("tail", tuple(range(tail_start, n)))]
+    specs += [("backward", r) for r in bwd_ranges]
+    stages = tuple(
+        _make_stage(i, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges)
+        for i, (kind, r) in enumerate(specs)
+    )
+    step_ms = predict_step_ms(stages, hw, workers, microbatches, rounds)
+    plan = Plan(
+        units=units, stages=stages, workers=workers, microbatches=microbatches,
+        microbatch_size=microbatch_size, seq_len=seq_len, hardware=hw.name,
+        predicted_step_ms=step_ms, memory_limit_bytes=hw.usable_memory_bytes, notes=notes,
+    )
+    plan.validate()
+    return plan
+
+
+def _ranges(bounds: Sequence[int], end: int) -> list[tuple[int, ...]]:
+    bounds = list(bounds)
+    if not bounds or bounds[0] != 0 or sorted(set(bounds)) != bounds or bounds[-1] >= end:
+        raise ValueError(f"stage starts {bounds} must begin at 0 and increase below {end}")
+    edges = [*bounds, end]
+    return [tuple(range(a, b)) for a, b in itertools.pairwise(edges)]
+
+
+def _check_units_fit(units, costing, limit) -> None:
+    for i, u in enumerate(units):
+        kind = "tail" if i == len(units) - 1 else "backward"
+        need = _stage_memory(units, (i,), kind, costing)
+        if need > limit:
+            raise PartitionError(
+                f"unit {u.name!r} alone needs {_gib(need)} GiB of device memory (weights twice "
+                f"for prefetch, its fp32 gradients and one microbatch's working set) but the GPU "
+                f"has {_gib(limit)} GiB usable; use a smaller microbatch or sequence length, "
+                "freeze it (LoRA), or a GPU with more memory"
+            )
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. Cutting
+# ---------------------------------------------------------------------------------------------
+
+
+def _all_cuts(units, cost, kind, costing, limit, max_stages):
+    """For every stage count k, the contiguous cut of ``cost`` into k parts with the smallest
+    maximum part, subject to each part fitting in memory: {k: (max_part, start_indices)}."""
+    n = len(cost)
+    prefix = [0.0]
+    for c in cost:
+        prefix.append(prefix[-1] + c)
+    fits = {}
+
+    def ok(a: int, b: int) -> bool:  # units a..b-1 as one stage
+        key = (a, b)
+        if key not in fits:
+            fits[key] = _stage_memory(units, tuple(range(a, b)), kind, costing) <= limit
+        return fits[key]
+
+    @cache
+    def best(i: int, k: int) -> tuple[float, tuple[int, ...]]:
+        """Cut units i..n-1 into k stages."""
+        if k == 1:
+            return ((prefix[n] - prefix[i]), (i,)) if ok(i, n) else (float("inf"), ())
+        result = (float("inf"), ())
+        for j in range(i + 1, n - k + 2):
+            head = prefix[j] - prefix[i]
+            if head >= result[0]:
+                break
+            if not ok(i, j):
+                break
+            rest, starts = best(j, k - 1)
+            value = max(head, rest)
+            if value < result[0]:
+                result = (value, (i, *starts))
+        return result
+
+    out = {}
+    for k in range(1, min(n, max_stages) + 1):
+        value, starts = best(0, k)
+        if value != float("inf"):
+            out[k] = (value, starts)
+    best.cache_clear()
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Stage figures
+# ---------------------------------------------------------------------------------------------
+
+
+def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -> int:
+    """Device memory of one job: weights twice (the next job's prefetch shares the device),
+    the fp32 gradient accumulator (not for forward stages), one microbatch's working set."""
+    params = sum(units[u].params for u in r)
+    trainable = sum(units[u].trainable_params for u in r)
+    weights = 2 * params * costing.weight_dtype_bytes
+    grads = 0 if kind == "forward" else trainable * costing.grad_dtype_bytes
+    if kind == "forward":
+        # No autograd: only the largest transient plus the values being sent out.
+        working = max((units[u].output_bytes + units[u].shared_bytes for u in r), default=0)
+        working += max((units[u].working_bytes for u in r), default=0) // 4
+    else:
+        working = sum(units[u].working_bytes for u in r)
+    return int(weights + grads + working * costing.activation_scale)
+
+
+def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges) -> Stage:
+    if kind == "forward":
+        ms = sum(units[u].forward_ms for u in r)
+    else:
+        ms = sum(units[u].forward_ms + units[u].backward_ms for u in r)
+    params = sum(units[u].params for u in r)
+    trainable = sum(units[u].trainable_params for u in r)
+    first = r[0]
+    incoming = units[first - 1].output_bytes if first > 0 else 0
+    shared = max((units[u].shared_bytes for u in range(first)), default=0)
+    if kind == "forward":
+        last = r[-1]
+        # The activation for the next stage, plus each backward boundary inside this stage:
+        # those inputs are saved for the backward stage's recompute.
+        saved = sum(
+            units[b[0] - 1].output_bytes for b in bwd_ranges if first < b[0] <= last
+        )
+        out_bytes = units[last].output_bytes + saved + (units[last].shared_bytes if first == 0 else 0)
+        in_bytes = incoming + shared
+    else:
+        # Backward stages read their saved input and the output gradient; they send the
+        # input gradient on (nothing for the stage that starts at unit 0).
+        out_grad = units[r[-1]].output_bytes if kind == "backward" else 0
+        in_bytes = incoming + shared + out_grad
+        out_bytes = incoming
+    return Stage(
+        index=index,
+        kind=kind,
+        units=tuple(r),
+        compute_ms=ms,
+        weight_bytes=params * costing.weight_dtype_bytes,
+        grad_bytes=0 if kind == "forward" else trainable * costing.grad_dtype_bytes,
+        input_bytes=int(in_bytes * costing.activation_scale),
+        output_bytes=int(out_bytes * costing.activation_scale),
+        peak_bytes=_stage_memory(units, tuple(r), kind, costing),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. predict_step_ms()
+# ---------------------------------------------------------------------------------------------
+
+
+def predict_step_ms(
+    stages: Sequence[Stage], hardware: Hardware, workers: int, microbatches: int, rounds: int = 1
+) -> float:
+    """Makespan of one step (``rounds`` rounds) under round-robin dispatch.
+
+    Each job (stage x round) goes to worker ``counter % workers``. A job's weights upload on
+    its worker's H2D link as soon as the job before it there has started (double buffer); its
+    microbatch m starts when the worker is free, the weights are in, and microbatch m of the
+    previous stage is done (plus a host hop when that ran on another worker). This is the
+    partitioner's ranking model; the simulator (rpcompile.sim) replays full lowered schedules.
+    """
+    free = [0.0] * workers  # when the worker's compute is free
+    last_start = [0.0] * workers  # start of the worker's previous job (prefetch may begin)
+    link_free = [0.0] * workers
+    counter = 0
+    end_time = 0.0
+    for _r in range(rounds):
+        prev_done: list[float] | None = None
+        prev_worker = -1
+        prev_out = 0
+        for st in stages:
+            w = counter % workers
+            counter += 1
+            up_start = max(link_free[w], last_start[w])
+            up_done = up_start + hardware.h2d_ms(st.weight_bytes)
+            link_free[w] = up_done
+            t = max(free[w], up_done)
+            hop = 0.0
+            if prev_worker != w and prev_done is not None:
+                hop = hardware.d2h_ms(prev_out) + hardware.h2d_ms(prev_out)
+            done = []
+            start = None
+            for m in range(microbatches):
+                ready = prev_done[m] + hop if prev_done is not None else 0.0
+                t = max(t, ready)
+                if start is None:
+                    start = t
+                t += st.compute_ms
+                done.append(t)
+            last_start[w] = start or 0.0
+            free[w] = t
+            end_time = max(end_time, t + hardware.d2h_ms(st.grad_bytes))
+            prev_done, prev_worker, prev_out = done, w, st.output_bytes
+    return end_time

@@ -1,0 +1,283 @@
+"""Split pass: one GraphModule per stage of a Plan, with explicit inputs and outputs.
+
+Sections, in reading order:
+  1. Boundary marker ops (`rpcompile::prefetch`, `offload`, `record`, `wait`)
+  2. StageProgram: a stage's graph plus the names of what flows in and out
+  3. split(): decide which values cross which boundary, then build each stage's graph
+
+Every value that crosses a stage boundary is named by the captured graph's node name. A
+forward stage outputs each value that a later forward stage or the tail reads, and each value
+that a backward stage needs to recompute its forward ("recompute inputs"). Values used by many
+stages (rotary tables, masks, position ids) are therefore ordinary stage inputs. Parameters are
+inputs too: a parameter used by two stages (tied embeddings) is one master whose gradient is
+the sum of both stages' contributions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+
+from rpcompile.capture import Captured
+from rpcompile.ir import Plan
+
+__all__ = ["StageInput", "StageProgram", "split"]
+
+# ---------------------------------------------------------------------------------------------
+# 1. Boundary marker ops
+# ---------------------------------------------------------------------------------------------
+# Markers document, inside the stage's own code, what the runtime moves around the stage: the
+# stage's weights arriving, values leaving for the host, events recorded and waited on. They
+# do nothing when the graph runs; the lowered Schedule carries the real transfers and events.
+
+
+@torch.library.custom_op("rpcompile::prefetch", mutates_args=())
+def prefetch(stage: str, weights: list[torch.Tensor]) -> None:
+    """Marks where a stage's weights (one flat upload) must be resident."""
+
+
+@torch.library.custom_op("rpcompile::offload", mutates_args=())
+def offload(value: str, tensor: torch.Tensor) -> None:
+    """Marks a value that leaves the stage for pinned host memory."""
+
+
+@torch.library.custom_op("rpcompile::record", mutates_args=())
+def record(event: str) -> None:
+    """Marks an event the stage records when its outputs are ready."""
+
+
+@torch.library.custom_op("rpcompile::wait", mutates_args=())
+def wait(event: str) -> None:
+    """Marks an event the stage waits for before it reads its inputs."""
+
+
+for _op in (prefetch, offload, record, wait):
+    _op.register_fake(lambda *args, **kwargs: None)
+
+MARKERS = (
+    torch.ops.rpcompile.prefetch.default,
+    torch.ops.rpcompile.offload.default,
+    torch.ops.rpcompile.record.default,
+    torch.ops.rpcompile.wait.default,
+)
+
+# ---------------------------------------------------------------------------------------------
+# 2. StageProgram
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageInput:
+    name: str  # value name (captured node name) or placeholder name
+    kind: str  # "param" | "buffer" | "constant" | "batch" | "value"
+    source: str  # parameter/buffer name for params and buffers, batch key for batch inputs
+    requires_grad: bool  # a gradient flows back through it (trainable param or activation)
+
+
+@dataclass(frozen=True)
+class StageProgram:
+    """One stage's program: ``graph_module(*inputs) -> outputs`` (forward values or the loss).
+
+    Forward stages run without autograd. The tail runs its forward with autograd, then
+    backward from the loss. A backward stage recomputes its forward from saved inputs, then
+    runs backward from the gradients of its outputs (``grad_outputs``).
+    """
+
+    index: int
+    name: str  # F1.., B1 (tail), B2..
+    kind: str  # "forward" | "tail" | "backward"
+    units: tuple[int, ...]
+    unit_names: tuple[str, ...]
+    graph_module: fx.GraphModule = field(repr=False, compare=False)
+    inputs: tuple[StageInput, ...]
+    outputs: tuple[str, ...]  # value names; the tail's single output is "loss"
+    grad_outputs: tuple[str, ...] = ()  # outputs whose gradients this stage receives
+    grad_inputs: tuple[str, ...] = ()  # value inputs whose gradients this stage sends on
+
+    @property
+    def code(self) -> str:
+        return self.graph_module.code
+
+    @property
+    def params(self) -> tuple[str, ...]:
+        return tuple(i.source for i in self.inputs if i.kind == "param")
+
+    @property
+    def value_inputs(self) -> tuple[str, ...]:
+        return tuple(i.name for i in self.inputs if i.kind == "value")
+
+    def __str__(self) -> str:
+        units = ", ".join(self.unit_names)
+        return (
+            f"{self.name} ({self.kind}): units [{units}]; {len(self.params)} params, "
+            f"{len(self.value_inputs)} value inputs, {len(self.outputs)} outputs"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. split()
+# ---------------------------------------------------------------------------------------------
+
+
+def split(captured: Captured, plan: Plan) -> list[StageProgram]:
+    """Build every stage's program from the captured graph and the plan's unit ranges."""
+    gm = captured.graph_module
+    nodes = list(gm.graph.nodes)
+    unit_count = len(captured.units)
+    if len(plan.units) != unit_count:
+        raise ValueError(
+            f"plan has {len(plan.units)} units but the captured graph has {unit_count}"
+        )
+    fwd_of = [-1] * unit_count  # forward-side stage of each unit (the tail counts as one)
+    bwd_of = [-1] * unit_count  # backward-side stage of each unit
+    for st in plan.stages:
+        for u in st.units:
+            if st.kind in ("forward", "tail"):
+                fwd_of[u] = st.index
+            if st.kind in ("backward", "tail"):
+                bwd_of[u] = st.index
+
+    requires_grad = _requires_grad(captured, nodes)
+    placeholders = {n.name: n for n in nodes if n.op == "placeholder"}
+    consumers: dict[fx.Node, set[int]] = {}
+    for n in nodes:
+        if n.op in ("call_function", "output"):
+            for a in n.all_input_nodes:
+                consumers.setdefault(a, set()).add(n.meta["rp_unit"])
+
+    # A computed value crosses a boundary when a consumer sits in another forward-side
+    # stage (activation) or in another backward stage (recompute input).
+    crossing: set[fx.Node] = set()
+    for n in nodes:
+        if n.op != "call_function":
+            continue
+        u = n.meta["rp_unit"]
+        for c in consumers.get(n, ()):
+            if fwd_of[c] != fwd_of[u] or bwd_of[c] != bwd_of[u]:
+                crossing.add(n)
+                break
+
+    programs = []
+    for st in plan.stages:
+        units = set(st.units)
+        members = [n for n in nodes if n.op == "call_function" and n.meta["rp_unit"] in units]
+        if st.kind == "forward":
+            outs = [n for n in members if n in crossing]
+        elif st.kind == "tail":
+            outs = [_loss_node(gm)]
+        else:
+            # Outputs of a recomputed forward whose gradients come from earlier backward jobs.
+            outs = [
+                n for n in members
+                if n in crossing and requires_grad.get(n, False)
+                and any(c > max(units) for c in consumers.get(n, ()))
+            ]
+        programs.append(
+            _build(captured, plan, st, members, outs, placeholders, requires_grad)
+        )
+    return programs
+
+
+def _loss_node(gm: fx.GraphModule) -> fx.Node:
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    loss = out.args[0]
+    return loss[0] if isinstance(loss, (tuple, list)) else loss
+
+
+def _requires_grad(captured: Captured, nodes: Sequence[fx.Node]) -> dict[fx.Node, bool]:
+    """Which values carry a gradient: those computed (in floating point) from a trainable
+    parameter. Fake tensors of a lifted graph do not record requires_grad, so it is derived."""
+    rg: dict[fx.Node, bool] = {}
+    for n in nodes:
+        if n.op == "placeholder":
+            fqn = captured.params.get(n.name)
+            rg[n] = fqn is not None and captured.trainable.get(fqn, False)
+        elif n.op == "call_function":
+            val = n.meta.get("val")
+            floating = _is_float(val)
+            rg[n] = floating and any(rg.get(a, False) for a in n.all_input_nodes)
+    return rg
+
+
+def _is_float(val) -> bool:
+    if isinstance(val, torch.Tensor):
+        return val.is_floating_point()
+    if isinstance(val, (tuple, list)):
+        return any(_is_float(v) for v in val)
+    return False
+
+
+def _build(captured, plan, st, members, outs, placeholders, requires_grad) -> StageProgram:
+    name = plan.stage_name(st.index)
+    member_set = set(members)
+    needed: list[fx.Node] = []
+    seen: set[fx.Node] = set()
+    for n in members:
+        for a in n.all_input_nodes:
+            if a not in member_set and a not in seen:
+                seen.add(a)
+                needed.append(a)
+
+    # Inputs in a fixed order: parameters, buffers, constants, batch inputs, then values.
+    def kind_of(n: fx.Node) -> tuple[str, str]:
+        if n.op == "placeholder":
+            if n.name in captured.params:
+                return "param", captured.params[n.name]
+            if n.name in captured.buffers:
+                return "buffer", captured.buffers[n.name]
+            if n.name in captured.constants:
+                return "constant", n.name
+            key = captured.input_keys[captured.inputs.index(n.name)]
+            return "batch", key
+        return "value", n.name
+
+    order = {"param": 0, "buffer": 1, "constant": 2, "batch": 3, "value": 4}
+    needed.sort(key=lambda n: order[kind_of(n)[0]])
+    inputs = []
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for n in needed:
+        kind, source = kind_of(n)
+        ph = graph.placeholder(n.name)
+        ph.meta = dict(n.meta)
+        env[n] = ph
+        inputs.append(StageInput(n.name, kind, source, bool(requires_grad.get(n, False))))
+
+    # Markers first: what must arrive before the stage can run.
+    value_inputs = [env[n] for n in needed if kind_of(n)[0] == "value"]
+    if value_inputs:
+        graph.call_function(MARKERS[3], (f"{name}: inputs ready",))
+    weights = [env[n] for n in needed if kind_of(n)[0] in ("param", "buffer", "constant")]
+    if weights:
+        graph.call_function(MARKERS[0], (name, weights))
+    for n in members:
+        env[n] = graph.node_copy(n, lambda a: env[a])
+
+    result = [env[n] for n in outs]
+    if st.kind == "forward":
+        for n in outs:
+            if isinstance(n.meta.get("val"), torch.Tensor):
+                graph.call_function(MARKERS[1], (n.name, env[n]))
+    graph.call_function(MARKERS[2], (f"{name}: done",))
+    graph.output(tuple(result))
+    module = fx.GraphModule(captured.graph_module, graph, class_name=f"Stage_{name}")
+    grad_inputs = tuple(
+        i.name for i in inputs if i.kind == "value" and i.requires_grad
+    ) if st.kind != "forward" else ()
+    grad_outputs = tuple(n.name for n in outs) if st.kind == "backward" else ()
+    out_names = ("loss",) if st.kind == "tail" else tuple(n.name for n in outs)
+    return StageProgram(
+        index=st.index,
+        name=name,
+        kind=st.kind,
+        units=st.units,
+        unit_names=tuple(captured.units[u] for u in st.units),
+        graph_module=module,
+        inputs=tuple(inputs),
+        outputs=out_names,
+        grad_outputs=grad_outputs,
+        grad_inputs=grad_inputs,
+    )

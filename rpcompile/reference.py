@@ -1,0 +1,159 @@
+"""Reference executor: runs a plan's stage programs on one device, one after another.
+
+It is the semantic definition of a RoundPipe step: for each round, every forward stage over
+all microbatches, then the fused tail (forward, loss, backward), then every backward stage
+(recompute, backward). Gradients are accumulated exactly as the runtime does: per job (stage x
+round) into a zeroed fp32 accumulator, microbatch by microbatch, then added into the host's
+gradient once per job. The runtime's results are compared with this bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from rpcompile.capture import Captured
+from rpcompile.passes.split import StageProgram
+
+__all__ = ["reference_step", "split_batch", "stage_arguments"]
+
+
+def split_batch(batch: Mapping[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
+    """Cut every batch tensor along dim 0 into ``parts`` equal microbatches."""
+    size = next(iter(batch.values())).shape[0]
+    if parts < 1:
+        raise ValueError(f"cannot split a batch into {parts} microbatches")
+    if size % parts:
+        raise ValueError(
+            f"a batch of {size} sequences cannot be split into {parts} equal microbatches; "
+            f"use a batch size that is a multiple of {parts}, or change microbatches/rounds"
+        )
+    chunks = {k: v.chunk(parts, dim=0) if v.dim() else (v,) * parts for k, v in batch.items()}
+    return [{k: chunks[k][i] for k in batch} for i in range(parts)]
+
+
+def stage_arguments(
+    program: StageProgram,
+    captured: Captured,
+    params: Mapping[str, torch.Tensor],
+    microbatch: Mapping[str, torch.Tensor],
+    values: Mapping[str, object],
+) -> list:
+    """The positional arguments of ``program.graph_module`` for one microbatch."""
+    args = []
+    for inp in program.inputs:
+        if inp.kind == "param":
+            args.append(params[inp.source])
+        elif inp.kind in ("buffer", "constant"):
+            args.append(captured.value_of(inp.name))
+        elif inp.kind == "batch":
+            args.append(microbatch[inp.source])
+        else:
+            args.append(values[inp.name])
+    return args
+
+
+def reference_step(
+    programs: Sequence[StageProgram],
+    captured: Captured,
+    params: Mapping[str, torch.Tensor],
+    batch: Mapping[str, torch.Tensor],
+    microbatches: int,
+    rounds: int = 1,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """One optimizer step's loss (mean over microbatches) and fp32 gradient per parameter.
+
+    ``params`` maps parameter names to tensors (not modified). Each microbatch's loss is
+    divided by ``microbatches * rounds`` before backward, so gradients are batch means.
+    """
+    total = microbatches * rounds
+    parts = split_batch(batch, total)
+    grads: dict[str, torch.Tensor] = {}
+    losses = []
+    forward = [p for p in programs if p.kind == "forward"]
+    backward = [p for p in programs if p.kind != "forward"]  # tail first, then B2..
+    for r in range(rounds):
+        mbs = parts[r * microbatches : (r + 1) * microbatches]
+        values: list[dict[str, object]] = [{} for _ in mbs]
+        value_grads: list[dict[str, torch.Tensor]] = [{} for _ in mbs]
+        for prog in forward:
+            for m, mb in enumerate(mbs):
+                with torch.no_grad():
+                    outs = prog.graph_module(*stage_arguments(prog, captured, params, mb, values[m]))
+                values[m].update(zip(prog.outputs, outs))
+        for prog in backward:
+            job: dict[str, torch.Tensor] = {}
+            for m, mb in enumerate(mbs):
+                loss = run_backward_microbatch(
+                    prog, captured, params, mb, values[m], value_grads[m], job, scale=total
+                )
+                if loss is not None:
+                    losses.append(loss)
+            for name, g in job.items():
+                if name in grads:
+                    grads[name] += g
+                else:
+                    grads[name] = g.clone()
+    loss = torch.stack(losses).sum() / total
+    return loss, grads
+
+
+def run_backward_microbatch(
+    prog: StageProgram,
+    captured: Captured,
+    params: Mapping[str, torch.Tensor],
+    microbatch: Mapping[str, torch.Tensor],
+    values: Mapping[str, object],
+    value_grads: dict[str, torch.Tensor],
+    job_grads: dict[str, torch.Tensor],
+    scale: int,
+) -> torch.Tensor | None:
+    """Recompute (or, for the tail, compute) one microbatch's forward, then its backward.
+
+    Parameter gradients are added into ``job_grads`` (fp32), gradients of value inputs into
+    ``value_grads``; returns the unscaled loss for the tail, else None.
+    """
+    leaves: dict[str, torch.Tensor] = {}
+    local_params = {}
+    for inp in prog.inputs:
+        if inp.kind == "param":
+            p = params[inp.source]
+            leaf = p.detach().requires_grad_(inp.requires_grad)
+            local_params[inp.source] = leaf
+            if inp.requires_grad:
+                leaves["param:" + inp.source] = leaf
+    local_values = dict(values)
+    for name in prog.grad_inputs:
+        leaf = values[name].detach().requires_grad_(True)
+        local_values[name] = leaf
+        leaves["value:" + name] = leaf
+    with torch.enable_grad():
+        outs = prog.graph_module(
+            *stage_arguments(prog, captured, local_params, microbatch, local_values)
+        )
+    loss = None
+    if prog.kind == "tail":
+        loss = outs[0]
+        roots, seeds = [loss / scale], [None]
+    else:
+        pairs = [
+            (o, value_grads[n]) for n, o in zip(prog.outputs, outs)
+            if n in value_grads and isinstance(o, torch.Tensor) and o.requires_grad
+        ]
+        roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+    if roots and leaves:
+        torch.autograd.backward(roots, seeds, inputs=list(leaves.values()))
+    for key, leaf in leaves.items():
+        kind, name = key.split(":", 1)
+        if leaf.grad is None:
+            continue
+        target = job_grads if kind == "param" else value_grads
+        if name in target:
+            target[name] += leaf.grad.float() if kind == "param" else leaf.grad
+        else:
+            target[name] = (
+                torch.zeros_like(leaf.grad, dtype=torch.float32) + leaf.grad.float()
+                if kind == "param" else leaf.grad
+            )
+    return None if loss is None else loss.detach()
