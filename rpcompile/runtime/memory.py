@@ -1,0 +1,635 @@
+"""Host memory: flat master, shadow and gradient buffers, and the views the runtime needs.
+
+The host keeps, for every parameter, exactly one of each of:
+
+- **master** (fp32, trainable parameters only): what the optimizer updates;
+- **shadow** (compute dtype: bf16/fp16, or fp32 when training in fp32; every parameter the
+  stages use, trainable or frozen): the copy that gets uploaded;
+- **grad** (fp32, trainable only): where gradients from every round and every use sum up.
+
+Each kind is ONE flat buffer, allocated at its exact size (no rounding), pinned on CUDA by
+registering the allocation with the driver (the caching pinned allocator would round each
+buffer up to a power of two). Parameters are laid out in the order they first appear when
+walking the stages in order, so a stage made of contiguous units is one contiguous range of the
+flat buffers and uploads as ONE copy; a stage whose parameters are not contiguous (a tied weight
+owned by an earlier stage, e.g. the LM head tied to the embedding) uploads one copy per
+contiguous *segment*. Stages may overlap (RoundPipe's forward and backward stages cover the same
+units cut differently): a parameter is stored once whichever stages use it, and the gradients
+of all its uses are summed into its one master gradient.
+
+Sections, in reading order:
+  1. Layout values: ParamSlot, Segment, StageLayout, StageBuffers, MemoryReport
+  2. HostStore: build, shadow refresh, gradient accumulation, masters for the optimizer
+  3. Helpers: exact-size (optionally pinned) flat buffers, contiguous runs
+"""
+
+from __future__ import annotations
+
+import threading
+import warnings
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from rpcompile.runtime.errors import format_bytes
+
+__all__ = [
+    "HostStore",
+    "MemoryReport",
+    "ParamSlot",
+    "Segment",
+    "StageBuffers",
+    "StageLayout",
+]
+
+
+# ============================================================================================
+# 1. Layout values
+# ============================================================================================
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One unique parameter (tied names share a slot).
+
+    ``shadow_offset`` is its element offset in the shadow flat buffer; ``master_offset`` its
+    element offset in the master and gradient flat buffers (-1 when frozen). ``stages`` are the
+    stages that use it; ``grad_stages`` those of them that produce a gradient for it; ``owner``
+    is the first stage that uses it.
+    """
+
+    index: int
+    names: tuple[str, ...]
+    shape: tuple[int, ...]
+    numel: int
+    trainable: bool
+    shadow_offset: int
+    master_offset: int
+    stages: tuple[int, ...]
+    grad_stages: tuple[int, ...]
+
+    @property
+    def name(self) -> str:
+        return self.names[0]
+
+    @property
+    def owner(self) -> int:
+        return self.stages[0]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous element range ``[start, stop)`` of a host flat buffer, placed at
+    ``device_offset`` in the stage's device flat buffer: one transfer."""
+
+    start: int
+    stop: int
+    device_offset: int
+
+    @property
+    def numel(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """Where a stage's parameters live on the host and in its device flat buffers.
+
+    The device weight buffer of the stage is the concatenation of ``shadow_segments`` (in
+    order, ``shadow_numel`` elements of the compute dtype); its device gradient buffer is the
+    concatenation of ``grad_segments`` (``grad_numel`` fp32 elements, trainable parameters
+    only). ``weight_offsets[name]`` / ``grad_offsets[name]`` give each name's element offset in
+    those device buffers; tied names point at the same offset.
+    """
+
+    stage: int
+    names: tuple[str, ...]
+    slots: tuple[int, ...]
+    shadow_segments: tuple[Segment, ...]
+    grad_segments: tuple[Segment, ...]
+    weight_offsets: dict[str, int] = field(compare=False)
+    grad_offsets: dict[str, int] = field(compare=False)
+    shapes: dict[str, tuple[int, ...]] = field(compare=False)
+
+    @property
+    def shadow_numel(self) -> int:
+        return sum(s.numel for s in self.shadow_segments)
+
+    @property
+    def grad_numel(self) -> int:
+        return sum(s.numel for s in self.grad_segments)
+
+
+@dataclass(frozen=True)
+class StageBuffers:
+    """A stage's host buffers: one flat view per segment (what the transfers copy)."""
+
+    layout: StageLayout
+    shadow: tuple[torch.Tensor, ...]  # compute dtype, one per shadow segment: upload these
+    master: tuple[torch.Tensor, ...]  # fp32, one per grad segment
+    grad: tuple[torch.Tensor, ...]  # fp32, one per grad segment
+
+    def device_views(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of every parameter of the stage into its uploaded device weight buffer."""
+        if weights.numel() != self.layout.shadow_numel:
+            raise ValueError(
+                f"stage {self.layout.stage}: weight buffer has {weights.numel()} elements, "
+                f"the layout needs {self.layout.shadow_numel}"
+            )
+        return _views(weights, self.layout.weight_offsets, self.layout.shapes)
+
+    def grad_views(self, grads: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Views of every trainable parameter into a flat gradient buffer of this stage."""
+        if grads.numel() != self.layout.grad_numel:
+            raise ValueError(
+                f"stage {self.layout.stage}: gradient buffer has {grads.numel()} elements, "
+                f"the layout needs {self.layout.grad_numel}"
+            )
+        return _views(grads, self.layout.grad_offsets, self.layout.shapes)
+
+    def shadow_views(self) -> dict[str, torch.Tensor]:
+        """Host views of every parameter's shadow (for checks and for a CPU reference)."""
+        flat = torch.cat(list(self.shadow)) if len(self.shadow) != 1 else self.shadow[0]
+        return _views(flat, self.layout.weight_offsets, self.layout.shapes)
+
+
+def _views(
+    flat: torch.Tensor, offsets: dict[str, int], shapes: dict[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, offset in offsets.items():
+        shape = shapes[name]
+        numel = 1
+        for d in shape:
+            numel *= d
+        out[name] = flat[offset : offset + numel].view(shape)
+    return out
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """What the host keeps, in bytes, measured from the buffers' storages.
+
+    ``bytes_per_trainable_param`` counts what exists because a parameter is trainable (master,
+    its shadow, gradient, optimizer state) over the trainable parameter count; frozen
+    parameters' shadows are reported apart (a LoRA base would otherwise swamp the figure).
+    """
+
+    compute_dtype: str
+    pin: str  # "no" | "registered" | "caching allocator (may round up)"
+    trainable_params: int
+    frozen_params: int
+    master_bytes: int
+    shadow_trainable_bytes: int
+    shadow_frozen_bytes: int
+    grad_bytes: int
+    optimizer_state_bytes: int
+    upload_bytes: tuple[int, ...]  # per stage: bytes its job uploads
+
+    @property
+    def trainable_bytes(self) -> int:
+        return (
+            self.master_bytes + self.shadow_trainable_bytes + self.grad_bytes
+            + self.optimizer_state_bytes
+        )
+
+    @property
+    def total_bytes(self) -> int:
+        return self.trainable_bytes + self.shadow_frozen_bytes
+
+    @property
+    def bytes_per_trainable_param(self) -> float:
+        return self.trainable_bytes / max(1, self.trainable_params)
+
+    def breakdown(self) -> dict[str, float]:
+        """Bytes per trainable parameter of each kind (frozen shadow per frozen parameter)."""
+        n = max(1, self.trainable_params)
+        return {
+            "master": self.master_bytes / n,
+            "shadow": self.shadow_trainable_bytes / n,
+            "grad": self.grad_bytes / n,
+            "optimizer": self.optimizer_state_bytes / n,
+            "frozen shadow (per frozen param)": self.shadow_frozen_bytes / max(1, self.frozen_params),
+        }
+
+    def __str__(self) -> str:
+        lines = [
+            f"host memory: {self.trainable_params:,} trainable + {self.frozen_params:,} frozen "
+            f"parameters, compute dtype {self.compute_dtype}, pinned: {self.pin}",
+            f"  master     {format_bytes(self.master_bytes)}",
+            f"  shadow     {format_bytes(self.shadow_trainable_bytes)} trainable, "
+            f"{format_bytes(self.shadow_frozen_bytes)} frozen",
+            f"  grad       {format_bytes(self.grad_bytes)}",
+            f"  optimizer  {format_bytes(self.optimizer_state_bytes)}",
+            f"  total      {format_bytes(self.total_bytes)}; "
+            f"{self.bytes_per_trainable_param:.2f} bytes per trainable parameter ("
+            + " + ".join(f"{v:.2f} {k}" for k, v in list(self.breakdown().items())[:4])
+            + ")",
+        ]
+        return "\n".join(lines)
+
+
+# ============================================================================================
+# 2. HostStore
+# ============================================================================================
+
+
+class HostStore:
+    """The host's copy of the model: flat master / shadow / gradient buffers and their views.
+
+    Build it with :meth:`build`. Thread safety: :meth:`accumulate_grad` may be called from
+    several threads at once (a lock serialises the adds, which also makes the summation order
+    of a tied parameter's contributions the call order); the other methods are meant to be
+    called by one thread at a time per parameter (the optimizer driver sequences them).
+    """
+
+    def __init__(
+        self,
+        slots: tuple[ParamSlot, ...],
+        layouts: tuple[StageLayout, ...],
+        shadow: torch.Tensor,
+        master: torch.Tensor,
+        grad: torch.Tensor,
+        pin: str,
+    ) -> None:
+        self.slots = slots
+        self.shadow = shadow
+        self.master = master
+        self.grad = grad
+        self.compute_dtype = shadow.dtype
+        self.pin = pin
+        self._by_name = {name: slot for slot in slots for name in slot.names}
+        self._lock = threading.Lock()
+        self.stages = tuple(self._stage_buffers(layout) for layout in layouts)
+        self._masters: list[torch.nn.Parameter] | None = None
+        self._stage_runs = [_runs([slots[i] for i in lay.slots]) for lay in layouts]
+
+    # -- construction --------------------------------------------------------------------
+    @classmethod
+    def build(
+        cls,
+        stage_params: Sequence[Sequence[tuple[str, torch.Tensor]]],
+        compute_dtype: torch.dtype = torch.float32,
+        pin: bool = False,
+        grad_stages: Iterable[int] | None = None,
+    ) -> HostStore:
+        """Lay out and fill the host buffers from each stage's ``(fqn, tensor)`` list.
+
+        A tensor appearing under several names or in several stages (tied or shared) is
+        stored once: identity is the tensor object, or the same storage, offset, shape and
+        stride. A tensor is trainable when ``requires_grad`` is True. ``grad_stages`` are the
+        stages that produce gradients (default: all); every trainable parameter must be in one.
+        ``pin=True`` needs CUDA.
+        """
+        if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, not {compute_dtype}")
+        grad_set = set(range(len(stage_params)) if grad_stages is None else grad_stages)
+        keys: dict[object, int] = {}
+        tensors: list[torch.Tensor] = []
+        names: list[list[str]] = []
+        uses: list[list[int]] = []
+        seen_names: dict[str, int] = {}
+        for stage, params in enumerate(stage_params):
+            for name, tensor in params:
+                if tensor.device.type == "meta":
+                    raise ValueError(f"parameter {name!r} is on the meta device; materialize it first")
+                key = _identity(tensor)
+                index = keys.get(key)
+                if index is None:
+                    index = keys[key] = len(tensors)
+                    tensors.append(tensor)
+                    names.append([])
+                    uses.append([])
+                if name in seen_names and seen_names[name] != index:
+                    raise ValueError(f"name {name!r} is given for two different tensors")
+                seen_names[name] = index
+                if name not in names[index]:
+                    names[index].append(name)
+                if stage not in uses[index]:
+                    uses[index].append(stage)
+
+        slots = []
+        shadow_at = master_at = 0
+        for i, tensor in enumerate(tensors):
+            trainable = bool(tensor.requires_grad)
+            numel = tensor.numel()
+            contributing = tuple(s for s in uses[i] if s in grad_set)
+            if trainable and not contributing:
+                raise ValueError(
+                    f"trainable parameter {names[i][0]!r} is used only by stages {uses[i]}, "
+                    f"none of which produces gradients ({sorted(grad_set)}); freeze it "
+                    "(requires_grad=False) or include a backward stage that uses it"
+                )
+            slots.append(ParamSlot(
+                index=i, names=tuple(names[i]), shape=tuple(tensor.shape), numel=numel,
+                trainable=trainable, shadow_offset=shadow_at,
+                master_offset=master_at if trainable else -1, stages=tuple(uses[i]),
+                grad_stages=contributing if trainable else (),
+            ))
+            shadow_at += numel
+            if trainable:
+                master_at += numel
+
+        pin_kind = "no"
+        buffers = []
+        for numel, dtype in ((shadow_at, compute_dtype), (master_at, torch.float32),
+                             (master_at, torch.float32)):
+            flat, pin_kind = _host_flat(numel, dtype, pin)
+            buffers.append(flat)
+        shadow, master, grad = buffers
+        grad.zero_()
+        with torch.no_grad():
+            for slot, tensor in zip(slots, tensors):
+                source = tensor.detach().reshape(-1)
+                shadow_view = shadow[slot.shadow_offset : slot.shadow_offset + slot.numel]
+                if not slot.trainable:
+                    shadow_view.copy_(source)
+                else:
+                    # The master is the parameter's own value in fp32; the shadow of a trainable
+                    # parameter is then the master cast down, as after every update.
+                    m = master[slot.master_offset : slot.master_offset + slot.numel]
+                    m.copy_(source)
+                    shadow_view.copy_(m)
+
+        layouts = []
+        for stage, params in enumerate(stage_params):
+            stage_slots: list[int] = []
+            for name, _ in params:
+                index = seen_names[name]
+                if index not in stage_slots:
+                    stage_slots.append(index)
+            layouts.append(_layout(stage, [n for n, _ in params], stage_slots, slots, seen_names))
+        return cls(tuple(slots), tuple(layouts), shadow, master, grad, pin_kind)
+
+    def _stage_buffers(self, layout: StageLayout) -> StageBuffers:
+        return StageBuffers(
+            layout=layout,
+            shadow=tuple(self.shadow[s.start : s.stop] for s in layout.shadow_segments),
+            master=tuple(self.master[s.start : s.stop] for s in layout.grad_segments),
+            grad=tuple(self.grad[s.start : s.stop] for s in layout.grad_segments),
+        )
+
+    # -- lookups -------------------------------------------------------------------------
+    def slot(self, name: str) -> ParamSlot:
+        try:
+            return self._by_name[name]
+        except KeyError:
+            raise KeyError(f"no parameter named {name!r} in the host store") from None
+
+    def master_of(self, name: str) -> torch.Tensor:
+        s = self.slot(name)
+        if not s.trainable:
+            raise KeyError(f"{name!r} is frozen: it has no master (see shadow_of)")
+        return self.master[s.master_offset : s.master_offset + s.numel].view(s.shape)
+
+    def grad_of(self, name: str) -> torch.Tensor:
+        s = self.slot(name)
+        if not s.trainable:
+            raise KeyError(f"{name!r} is frozen: it has no gradient")
+        return self.grad[s.master_offset : s.master_offset + s.numel].view(s.shape)
+
+    def shadow_of(self, name: str) -> torch.Tensor:
+        s = self.slot(name)
+        return self.shadow[s.shadow_offset : s.shadow_offset + s.numel].view(s.shape)
+
+    @property
+    def trainable_slots(self) -> tuple[ParamSlot, ...]:
+        return tuple(s for s in self.slots if s.trainable)
+
+    # -- shadow and gradients ------------------------------------------------------------
+    def refresh_shadow(self, stage: int | None = None) -> None:
+        """Rewrite the shadow of a stage's trainable parameters (all, when ``stage`` is None)
+        from their masters, cast to the compute dtype (round to nearest even)."""
+        runs = _runs(self.trainable_slots) if stage is None else self._stage_runs[stage]
+        self._copy_runs(runs)
+
+    def refresh_slots(self, slot_indices: Iterable[int]) -> None:
+        """Rewrite the shadow of the given (trainable) slots from their masters."""
+        self._copy_runs(_runs([self.slots[i] for i in slot_indices]))
+
+    def _copy_runs(self, runs: list[tuple[int, int, int]]) -> None:
+        with torch.no_grad():
+            for m0, m1, s0 in runs:
+                self.shadow[s0 : s0 + (m1 - m0)].copy_(self.master[m0:m1])
+
+    def accumulate_grad(self, stage: int, flat_grad: torch.Tensor) -> None:
+        """Add a stage's gradient buffer (laid out as its ``grad_segments``) into the masters'
+        gradients. Called once per job (per stage per round); sums in fp32."""
+        layout = self.stages[stage].layout
+        flat_grad = flat_grad.reshape(-1)
+        if flat_grad.numel() != layout.grad_numel:
+            raise ValueError(
+                f"stage {stage}: gradient has {flat_grad.numel()} elements, its layout "
+                f"needs {layout.grad_numel}"
+            )
+        if not flat_grad.is_floating_point():
+            raise TypeError(f"stage {stage}: gradient dtype {flat_grad.dtype} is not floating")
+        with self._lock, torch.no_grad():
+            for seg in layout.grad_segments:
+                self.grad[seg.start : seg.stop].add_(
+                    flat_grad[seg.device_offset : seg.device_offset + seg.numel]
+                )
+
+    def zero_grads(self, slot_indices: Iterable[int] | None = None) -> None:
+        """Zero every gradient, or those of the given slots."""
+        with self._lock, torch.no_grad():
+            if slot_indices is None:
+                self.grad.zero_()
+                return
+            for m0, m1, _ in _runs([self.slots[i] for i in slot_indices]):
+                self.grad[m0:m1].zero_()
+
+    # -- optimizer view ------------------------------------------------------------------
+    def masters(self) -> list[torch.nn.Parameter]:
+        """One fp32 ``nn.Parameter`` per unique trainable parameter, in slot order, sharing
+        memory with the master flat buffer; its ``.grad`` is the view into the flat gradient.
+        Build the optimizer over these. The list is made once and returned again."""
+        if self._masters is None:
+            params = []
+            for slot in self.trainable_slots:
+                a, b = slot.master_offset, slot.master_offset + slot.numel
+                p = torch.nn.Parameter(self.master[a:b].view(slot.shape))
+                p.grad = self.grad[a:b].view(slot.shape)
+                params.append(p)
+            self._masters = params
+        return self._masters
+
+    def named_masters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(s.name, p) for s, p in zip(self.trainable_slots, self.masters())]
+
+    def attach_grads(self, slot_indices: Iterable[int] | None = None) -> None:
+        """Point ``.grad`` of the masters at the flat gradient views: of the given slots, with
+        every other master's ``.grad`` set to None (how one optimizer steps a subset), or of all
+        masters when ``slot_indices`` is None."""
+        wanted = None if slot_indices is None else set(slot_indices)
+        for slot, p in zip(self.trainable_slots, self.masters()):
+            if wanted is None or slot.index in wanted:
+                a = slot.master_offset
+                p.grad = self.grad[a : a + slot.numel].view(slot.shape)
+            else:
+                p.grad = None
+
+    def load_into_module(self, module: torch.nn.Module) -> None:
+        """Copy the masters into ``module``'s parameters of the same names (frozen ones are
+        left as they are: they never change)."""
+        with torch.no_grad():
+            for slot in self.trainable_slots:
+                value = self.master[slot.master_offset : slot.master_offset + slot.numel]
+                for name in slot.names:
+                    try:
+                        target = module.get_parameter(name)
+                    except AttributeError:
+                        raise KeyError(
+                            f"module has no parameter {name!r}; was the store built from it?"
+                        ) from None
+                    target.copy_(value.view(slot.shape))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The fp32 masters by (first) name, cloned."""
+        return {s.name: self.master_of(s.name).clone() for s in self.trainable_slots}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load masters saved by :meth:`state_dict` and refresh every shadow from them."""
+        missing = [s.name for s in self.trainable_slots if s.name not in state]
+        if missing:
+            raise KeyError(f"state dict lacks masters for {missing[:5]} ({len(missing)} in all)")
+        with torch.no_grad():
+            for s in self.trainable_slots:
+                self.master_of(s.name).copy_(state[s.name])
+        self.refresh_shadow()
+
+    # -- accounting ----------------------------------------------------------------------
+    def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+        trainable = sum(s.numel for s in self.trainable_slots)
+        frozen = sum(s.numel for s in self.slots if not s.trainable)
+        itemsize = self.compute_dtype.itemsize
+        shadow_bytes = self.shadow.untyped_storage().nbytes()
+        return MemoryReport(
+            compute_dtype=str(self.compute_dtype).removeprefix("torch."),
+            pin=self.pin,
+            trainable_params=trainable,
+            frozen_params=frozen,
+            master_bytes=self.master.untyped_storage().nbytes(),
+            shadow_trainable_bytes=trainable * itemsize,
+            shadow_frozen_bytes=shadow_bytes - trainable * itemsize,
+            grad_bytes=self.grad.untyped_storage().nbytes(),
+            optimizer_state_bytes=0 if optimizer is None else _state_bytes(optimizer),
+            upload_bytes=tuple(st.layout.shadow_numel * itemsize for st in self.stages),
+        )
+
+
+def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer's tensor state, each storage counted once."""
+    seen: dict[int, int] = {}
+    for state in optimizer.state.values():
+        for value in state.values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                seen[storage.data_ptr() or id(storage)] = storage.nbytes()
+    return sum(seen.values())
+
+
+# ============================================================================================
+# 3. Helpers
+# ============================================================================================
+
+
+def _identity(tensor: torch.Tensor) -> object:
+    return (
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+        tensor.dtype,
+    ) if tensor.numel() else ("empty", id(tensor))
+
+
+def _layout(
+    stage: int,
+    names: list[str],
+    stage_slots: list[int],
+    slots: list[ParamSlot],
+    index_of: dict[str, int],
+) -> StageLayout:
+    shadow_segments = _segments([(slots[i].shadow_offset, slots[i].numel) for i in stage_slots])
+    trainable = [i for i in stage_slots if slots[i].trainable]
+    grad_segments = _segments([(slots[i].master_offset, slots[i].numel) for i in trainable])
+    weight_offsets, grad_offsets, shapes = {}, {}, {}
+    for name in names:
+        slot = slots[index_of[name]]
+        shapes[name] = slot.shape
+        weight_offsets[name] = _device_offset(shadow_segments, slot.shadow_offset)
+        if slot.trainable:
+            grad_offsets[name] = _device_offset(grad_segments, slot.master_offset)
+    return StageLayout(
+        stage=stage, names=tuple(dict.fromkeys(names)), slots=tuple(stage_slots),
+        shadow_segments=shadow_segments, grad_segments=grad_segments,
+        weight_offsets=weight_offsets, grad_offsets=grad_offsets, shapes=shapes,
+    )
+
+
+def _segments(ranges: list[tuple[int, int]]) -> tuple[Segment, ...]:
+    """Coalesce element ranges (offset, numel) into sorted contiguous segments."""
+    merged: list[list[int]] = []
+    for start, numel in sorted(ranges):
+        if numel == 0:
+            continue  # nothing to copy; its views are empty
+        if merged and merged[-1][1] == start:
+            merged[-1][1] += numel
+        else:
+            merged.append([start, start + numel])
+    out, at = [], 0
+    for start, stop in merged:
+        out.append(Segment(start, stop, at))
+        at += stop - start
+    return tuple(out)
+
+
+def _device_offset(segments: tuple[Segment, ...], offset: int) -> int:
+    for seg in segments:
+        if seg.start <= offset < seg.stop:
+            return seg.device_offset + offset - seg.start
+    return 0  # a zero-element parameter: an empty view anywhere is right
+
+
+def _runs(slots: Iterable[ParamSlot]) -> list[tuple[int, int, int]]:
+    """(master start, master stop, shadow start) runs contiguous in both buffers."""
+    runs: list[list[int]] = []
+    for slot in sorted((s for s in slots if s.trainable), key=lambda s: s.master_offset):
+        m0, s0 = slot.master_offset, slot.shadow_offset
+        if runs and runs[-1][1] == m0 and runs[-1][2] + (runs[-1][1] - runs[-1][0]) == s0:
+            runs[-1][1] += slot.numel
+        else:
+            runs.append([m0, m0 + slot.numel, s0])
+    return [(a, b, c) for a, b, c in runs]
+
+
+def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, str]:
+    """An exact-size flat host buffer, pinned by registering it with the CUDA driver."""
+    flat = torch.empty(numel, dtype=dtype)
+    if not pin:
+        return flat, "no"
+    if not torch.cuda.is_available():
+        raise ValueError("pin=True needs CUDA (torch.cuda.is_available() is False); use pin=False")
+    if numel == 0:
+        return flat, "registered"
+    cudart = torch.cuda.cudart()
+    try:
+        torch.cuda.check_error(cudart.cudaHostRegister(flat.data_ptr(), flat.nbytes, 0))
+    except RuntimeError as exc:
+        warnings.warn(
+            f"cudaHostRegister of {format_bytes(flat.nbytes)} failed ({exc}); using the caching "
+            "pinned allocator, which may round the buffer up to a power of two",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return torch.empty(numel, dtype=dtype, pin_memory=True), "caching allocator (may round up)"
+    # Unregister before the memory goes back to the CPU allocator.
+    weakref.finalize(flat, _unregister, flat.data_ptr())
+    return flat, "registered"
+
+
+def _unregister(pointer: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(pointer)
