@@ -477,6 +477,15 @@ class Schedule:
     stage_workers: tuple[int, ...] | None = None
     passes: tuple[str, ...] = ()
 
+    def __post_init__(self) -> None:
+        # Edges are kept in one canonical order (by the waiting action's place in the lists,
+        # then as given) so that equal schedules compare equal after a CSV or JSON round trip.
+        if self.edges:
+            place = {a: i for i, a in enumerate(self.all_actions())}
+            end = len(place)
+            edges = sorted(self.edges, key=lambda e: place.get(e.dst, end))
+            object.__setattr__(self, "edges", tuple(edges))
+
     # -- views ---------------------------------------------------------------------------
     def all_actions(self) -> Iterator[Action]:
         for lst in self.actions:

@@ -1,0 +1,358 @@
+"""Lowering passes, the validator and the pass manager; golden schedules.
+
+Golden files live in tests/golden/. Regenerate them with ``RPCOMPILE_REGEN_GOLDEN=1 pytest
+tests/test_lower.py`` only after checking the new schedule by hand against the reasoning in the
+test's docstring.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections import deque
+from pathlib import Path
+
+import pytest
+
+from rpcompile.ir import Action, Edge, Schedule, ScheduleError
+from rpcompile.passes.lower import (
+    add_activation_transfers,
+    add_events,
+    add_gradient_downloads,
+    add_optimizer,
+    add_weight_uploads,
+    lower,
+)
+from rpcompile.passes.manager import PassManager
+from rpcompile.passes.schedule import build_schedule
+from rpcompile.passes.validate import validate
+from tests.test_ir_schedule import make_plan, pipeline_stages
+
+GOLDEN = Path(__file__).parent / "golden"
+MiB = 2**20
+
+
+def check_golden(sched: Schedule, name: str) -> None:
+    path = GOLDEN / name
+    if os.environ.get("RPCOMPILE_REGEN_GOLDEN"):
+        path.write_text(sched.to_csv())
+    assert sched.to_csv() == path.read_text(), f"{name} changed; see the test's docstring"
+    assert Schedule.load(path) == sched
+
+
+def happens_before(sched: Schedule) -> dict[Action, set[Action]]:
+    """Full transitive closure of stream order plus edges (independent of the validator's
+    one-hop rule); small schedules only."""
+    succ: dict[Action, list[Action]] = {a: [] for a in sched.all_actions()}
+    for q in sched.queues().values():
+        for x, y in itertools.pairwise(q):
+            succ[x].append(y)
+    for e in sched.edges:
+        succ[e.src].append(e.dst)
+    out = {}
+    for a in succ:
+        seen: set[Action] = set()
+        todo = deque(succ[a])
+        while todo:
+            b = todo.popleft()
+            if b not in seen:
+                seen.add(b)
+                todo.extend(succ[b])
+        out[a] = seen
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# golden schedules
+# --------------------------------------------------------------------------------------------
+
+
+def test_golden_roundpipe_compute() -> None:
+    """4 workers, 6 stages (F1 F2 F3 B1 B2 B3 = s0..s5), 5 microbatches, 2 rounds.
+
+    Why it is right: a round's jobs are s0..s5; the counter deals job n to worker n % 4 and
+    does not restart, so round 0 goes w0 w1 w2 w3 w0 w1 and round 1 continues at job 6:
+    w2 w3 w0 w1 w2 w3. Hence w0 runs F s0 r0, B s4 r0, F s2 r1 (5 microbatches each, m0..m4);
+    w1: F s1 r0, B s5 r0, T s3 r1; w2: F s2 r0, F s0 r1, B s4 r1; w3: T s3 r0, F s1 r1, B s5 r1.
+    Data edges: each compute waits for the same microbatch of its producer - F s(i-1) for
+    forwards, F s2 for the tail, the previous backward stage for B's input gradient and, for
+    B s4 (units 3..6), F s0 (x2, its recompute input). B s5 recomputes from the ids (host).
+    """
+    sched = build_schedule(make_plan(), 4, 5, rounds=2)
+    jobs = {w: [] for w in range(4)}
+    for w, lst in enumerate(sched.actions):
+        for a in lst:
+            if (a.kind, a.stage, a.round) not in jobs[w]:
+                jobs[w].append((a.kind, a.stage, a.round))
+    assert jobs == {0: [("F", 0, 0), ("B", 4, 0), ("F", 2, 1)],
+                    1: [("F", 1, 0), ("B", 5, 0), ("T", 3, 1)],
+                    2: [("F", 2, 0), ("F", 0, 1), ("B", 4, 1)],
+                    3: [("T", 3, 0), ("F", 1, 1), ("B", 5, 1)]}
+    check_golden(sched, "roundpipe_w4_s6_m5_r2.csv")
+
+
+def test_golden_roundpipe_lowered_sync() -> None:
+    """The same plan, 2 microbatches, 1 round, 2 steps, sync optimizer, fully lowered.
+
+    Why it is right (rows of tests/golden/roundpipe_w4_s6_m2_k2_sync_lowered.csv):
+    * upload: each worker's first UP leads its list; the next job's UP follows the current
+      job's first compute (prefetch); from a worker's third job on, the UP waits ``buffer`` on
+      the EVICT two jobs back (w0 ``UP s2 r0 k1`` waits ``EVICT s0 r0``); bytes = weight_bytes
+      (F1: 10 MiB), bulk cut into 64 MiB chunks (grads of ~104 MiB: x2).
+    * transfers: F s0 downloads @x2 once (consumers F s1 on w1, remote; B s4 on w0, same worker:
+      no transfer, B s4 reads it on the device); w1 ``H2D act s1 @x2`` waits ``on_host`` for it.
+      The tail reads @x6 and @labels (ids-sized, 2x16 int64 = 256 B); B s5 reads @ids as its
+      saved input from the host. Sizes: act = consumer input_bytes, igrad = the unit's
+      output_bytes (g6: 7 MiB), save = activation + shared (x2: 3 + 1 MiB).
+    * grads: one ``D2H grad`` per T/B job after its last compute (grad_ready), one host ACC
+      per job (grad_home), in dispatch order s3, s4, s5.
+    * optimizer (sync): OPT right after each stage's ACC; SHADOW of a stage once every OPT over
+      its units is done: after OPT s3 (tail, unit 7) -> SHADOW s3; after OPT s4 (units 3..6)
+      -> SHADOW s1 (3..4), s2 (5..6), s4; after OPT s5 (0..2) -> SHADOW s0, s5. Each step-1 UP
+      waits ``shadow`` on its stage's step-0 SHADOW; each SHADOW waits ``shadow_read`` on the
+      step's UPs it overwrites (some are implied by a later UP's edge and pruned).
+    * events: edges within one stream and edges implied by another edge between the same two
+      streams are gone (T waits only for @labels: the @x6 H2D is before it on h2d_act).
+    """
+    plan = make_plan()
+    sched, history = lower(build_schedule(plan, 4, 2, steps=2, optimizer="sync"), plan)
+    assert [h.name for h in history] == ["upload", "transfers", "grads", "optimizer", "events"]
+    assert sched.passes == ("upload", "transfers", "grads", "optimizer", "events")
+    check_golden(sched, "roundpipe_w4_s6_m2_k2_sync_lowered.csv")
+
+
+def test_golden_1f1b() -> None:
+    """1F1B, 4 workers, 5 microbatches. Worker w warms up with 3 - w forwards, then alternates
+    F and B, then drains: w0 = F0 F1 F2 F3 B0 F4 B1 B2 B3 B4, w3 = F0 B0 F1 B1 ... F4 B4."""
+    sched = build_schedule(pipeline_stages(4), 4, 5, kind="1f1b")
+    check_golden(sched, "1f1b_w4_m5.csv")
+
+
+# --------------------------------------------------------------------------------------------
+# passes one by one
+# --------------------------------------------------------------------------------------------
+
+
+def test_upload_pass_double_buffers() -> None:
+    plan = make_plan()
+    sched = add_weight_uploads(build_schedule(plan, 2, 3, rounds=2), plan, chunk_bytes=4 * MiB)
+    validate(sched, "upload")
+    dry = sched.dry_run()
+    for lst in sched.actions:
+        ups = [a for a in lst if a.kind == "UP"]
+        evicts = [a for a in lst if a.kind == "EVICT"]
+        jobs = []
+        for a in lst:
+            if a.is_compute and (a.stage, a.round) not in jobs:
+                jobs.append((a.stage, a.round))
+        assert [(u.stage, u.round) for u in ups] == jobs == [(e.stage, e.round) for e in evicts]
+        for u in ups:
+            assert u.bytes == plan.stages[u.stage].weight_bytes
+            assert u.chunks == -(-u.bytes // (4 * MiB))
+        # replay: weight sets resident (UP started, EVICT not yet done) never exceed two
+        events = sorted([(dry.steps[u], 1) for u in ups] + [(dry.steps[e] + 1, -1) for e in evicts],
+                        key=lambda t: (t[0], t[1]))
+        resident = peak = 0
+        for _, d in events:
+            resident += d
+            peak = max(peak, resident)
+        assert peak == 2
+        # each job's computes run after its UP finished and before its EVICT
+        for u, e in zip(ups, evicts):
+            cs = [a for a in lst if a.is_compute and (a.stage, a.round) == (u.stage, u.round)]
+            assert all(dry.steps[u] < dry.steps[c] < dry.steps[e] for c in cs)
+
+
+def test_transfers_skip_same_worker_and_send_each_value_once() -> None:
+    plan = make_plan()
+    # 3 workers: F1 w0, F2 w1, F3 w2, T w0, B2 w1, B3 w2. x2 (F1's output) is read by F2 as
+    # its input and by B2 as its recompute input, both on w1: one D2H, two H2Ds.
+    sched = add_activation_transfers(build_schedule(plan, 3, 2))
+    validate(sched, "transfers")
+    d2h = [a for a in sched.actions[0] if a.kind == "D2H" and a.value == "x2"]
+    assert [(a.what, a.microbatch) for a in d2h] == [("act", 0), ("act", 1)]
+    h2d = [a for a in sched.actions[1] if a.kind == "H2D" and a.value == "x2"]
+    assert sorted((a.what, a.stage, a.microbatch) for a in h2d) == [
+        ("act", 1, 0), ("act", 1, 1), ("save", 4, 0), ("save", 4, 1)]
+    # 4 workers: B2 lands on F1's worker (job 4 % 4 == job 0), so its x2 stays on the device
+    four = add_activation_transfers(build_schedule(plan, 4, 2))
+    assert not any(a.kind == "H2D" and a.what == "save" and a.stage == 4
+                   for a in four.all_actions())
+    assert any(e.kind == "data" and e.dst.stage == 4 and e.src.stage == 0 for e in four.edges)
+    # 1 worker: every value stays on the device; only the host's ids/labels move
+    one = add_activation_transfers(build_schedule(plan, 1, 2))
+    moved = {a.value for a in one.all_actions() if a.kind in ("H2D", "D2H")}
+    assert moved == {"ids", "labels"}
+    assert all(a.priority == "critical" for a in four.all_actions() if a.kind in ("H2D", "D2H"))
+
+
+def test_grads_pass() -> None:
+    plan = make_plan()
+    sched = build_schedule(plan, 4, 2, rounds=2, steps=2)
+    sched = add_gradient_downloads(add_activation_transfers(add_weight_uploads(sched, plan)),
+                                   plan)
+    validate(sched, "grads")
+    downs = [a for a in sched.all_actions() if a.kind == "D2H" and a.what == "grad"]
+    backward = {s.index for s in plan.stages if s.kind != "forward"}
+    assert sorted((a.stage, a.round, a.step) for a in downs) == sorted(
+        (s, r, k) for s in backward for r in range(2) for k in range(2))
+    assert all(a.bytes == plan.stages[a.stage].grad_bytes and a.priority == "bulk"
+               for a in downs)
+    assert [(a.step, a.round, a.stage) for a in sched.host] == sorted(
+        (k, r, s) for s in backward for r in range(2) for k in range(2))
+
+
+def _lowered(optimizer: str, steps: int = 3) -> Schedule:
+    plan = make_plan()
+    sched = build_schedule(plan, 4, 3, rounds=2, steps=steps, optimizer=optimizer)
+    for p in (lambda s: add_weight_uploads(s, plan), add_activation_transfers,
+              lambda s: add_gradient_downloads(s, plan), lambda s: add_optimizer(s, plan)):
+        sched = p(sched)
+    validate(sched, "optimizer")
+    return sched
+
+
+def test_optimizer_sync_waits_only_for_own_stage() -> None:
+    sched = _lowered("sync")
+    hb = happens_before(sched)
+    opt = {(a.stage, a.step): a for a in sched.host if a.kind == "OPT"}
+    shadow = {(a.stage, a.step): a for a in sched.host if a.kind == "SHADOW"}
+    assert sorted(opt) == [(s, k) for s in (3, 4, 5) for k in range(3)]
+    assert sorted(shadow) == [(s, k) for s in range(6) for k in range(3)]
+    for a in sched.all_actions():
+        if a.kind == "UP" and a.step >= 1:
+            assert a in hb[shadow[(a.stage, a.step - 1)]]
+    # F3 (s2, units 5..6) of step 1 needs only B2's update (units 3..6), not B3's (units 0..2):
+    # its upload (round 0) may run before B3's update (its compute still waits for F2's data)
+    up_f3 = next(a for a in sched.all_actions()
+                 if a.kind == "UP" and (a.stage, a.round, a.step) == (2, 0, 1))
+    assert up_f3 in hb[opt[(4, 0)]]
+    assert up_f3 not in hb[opt[(5, 0)]]
+
+
+def test_optimizer_async_is_one_step_stale() -> None:
+    sched = _lowered("async")
+    hb = happens_before(sched)
+    shadow = {(a.stage, a.step): a for a in sched.host if a.kind == "SHADOW"}
+    opt = {(a.stage, a.step): a for a in sched.host if a.kind == "OPT"}
+    for a in sched.all_actions():
+        if a.kind != "UP":
+            continue
+        if a.step >= 2:
+            assert a in hb[shadow[(a.stage, a.step - 2)]]
+        if a.step >= 1:  # step k never waits for step k-1's update of its stage
+            assert a not in hb[shadow[(a.stage, a.step - 1)]]
+    # so step 1's first forward may run while step 0's optimizer is still working
+    f1 = next(a for a in sched.all_actions() if a.kind == "F" and (a.stage, a.microbatch,
+                                                                    a.round, a.step) == (0, 0, 0, 1))
+    assert f1 not in hb[opt[(5, 0)]]
+    sync_dry, async_dry = _lowered("sync").dry_run(), sched.dry_run()
+    assert max(async_dry.steps.values()) < max(sync_dry.steps.values())
+
+
+def test_events_pass_keeps_the_order_and_drops_redundant_edges() -> None:
+    plan = make_plan()
+    before = build_schedule(plan, 3, 2, steps=2, optimizer="sync")
+    for p in (lambda s: add_weight_uploads(s, plan), add_activation_transfers,
+              lambda s: add_gradient_downloads(s, plan), lambda s: add_optimizer(s, plan)):
+        before = p(before)
+    after = add_events(before)
+    validate(after, "events")
+    assert len(after.edges) < len(before.edges)
+    assert set(after.edges) <= set(before.edges)
+    pos = {a: (q, i) for q, lst in after.queues().items() for i, a in enumerate(lst)}
+    assert all(pos[e.src][0] != pos[e.dst][0] for e in after.edges)
+    assert happens_before(after) == happens_before(before)
+
+
+def test_baselines_reject_roundpipe_only_passes() -> None:
+    stages = pipeline_stages(4)
+    sched = build_schedule(stages, 4, 4, kind="gpipe")
+    with pytest.raises(ValueError, match="bound workers"):
+        add_weight_uploads(sched, stages)
+    low, _ = lower(sched, stages)
+    # activations cross workers through the host: one D2H + one H2D per boundary and direction
+    assert sum(1 for a in low.all_actions() if a.kind == "D2H") == 3 * 4 * 2
+    assert sum(1 for a in low.all_actions() if a.kind == "H2D") == 3 * 4 * 2 + 4 * 2
+
+
+# --------------------------------------------------------------------------------------------
+# validator and pass manager
+# --------------------------------------------------------------------------------------------
+
+
+def _drop_edge(sched: Schedule, edge: Edge) -> Schedule:
+    return sched.replace(edges=tuple(e for e in sched.edges if e != edge))
+
+
+def test_validator_rejects_a_missing_wait_with_marked_grid() -> None:
+    plan = make_plan()
+    sched, _ = lower(build_schedule(plan, 4, 2, steps=2, optimizer="sync"), plan)
+    edge = next(e for e in sched.edges if e.kind == "on_host" and e.dst.worker == 1
+                and e.dst.value == "x2" and e.dst.microbatch == 1)
+    with pytest.raises(ScheduleError) as info:
+        validate(_drop_edge(sched, edge), "transfers")
+    msg = str(info.value)
+    assert "after pass 'transfers'" in msg
+    assert "reads x2 on the host written by w0 D2H act s0 m1 r0 @x2" in msg
+    assert f"!!{edge.dst.short()}!!" in msg
+    marked = [line for line in msg.splitlines() if "!!" in line]
+    assert len(marked) == 1 and marked[0].endswith("<-- here")
+
+
+@pytest.mark.parametrize("kind", ["weights", "buffer", "shadow", "grad_home", "arrived"])
+def test_validator_rejects_each_missing_edge_kind(kind: str) -> None:
+    plan = make_plan()
+    sched, _ = lower(build_schedule(plan, 4, 2, steps=2, optimizer="sync"), plan)
+    edge = next(e for e in sched.edges if e.kind == kind)
+    with pytest.raises(ScheduleError, match="!!"):
+        validate(_drop_edge(sched, edge), "x")
+
+
+def test_validator_rejects_wait_without_record_and_deadlock() -> None:
+    plan = make_plan()
+    sched, _ = lower(build_schedule(plan, 4, 2), plan)
+    ghost = Action(3, "D2H", 0, 0, 0, what="act", value="x9")
+    first = sched.actions[1][2]
+    bad = sched.replace(edges=(*sched.edges, Edge(ghost, first, "on_host")))
+    with pytest.raises(ScheduleError, match="without a matching record"):
+        validate(bad, "events")
+    # swap the two microbatches of w0's first compute: m1 before m0, and w1 waits for m0 first
+    compute = build_schedule(plan, 4, 2)
+    lst = list(compute.actions[0])
+    lst[0], lst[1] = lst[1], lst[0]
+    swapped = compute.replace(actions=(tuple(lst), *compute.actions[1:]))
+    validate(swapped, "dispatch")  # still fine: nothing orders m0 and m1 of F1
+    # but a wait from m1 to m0 on the same stream, behind it, deadlocks
+    loop = swapped.replace(edges=(*swapped.edges, Edge(lst[1], lst[0], "data")))
+    with pytest.raises(ScheduleError, match="deadlock") as info:
+        validate(loop, "dispatch")
+    assert "blocked" in str(info.value) and "!!F s0 m1 r0!!" in str(info.value)
+
+
+def test_validator_rejects_missing_compute() -> None:
+    compute = build_schedule(make_plan(), 4, 2)
+    short = compute.replace(actions=(compute.actions[0][:-1], *compute.actions[1:]))
+    present = set(short.all_actions())
+    short = short.replace(edges=tuple(e for e in short.edges
+                                      if e.src in present and e.dst in present))
+    with pytest.raises(ScheduleError, match="never runs"):
+        validate(short, "dispatch")
+
+
+def test_pass_manager_history_and_failing_pass_named() -> None:
+    plan = make_plan()
+    sched = build_schedule(plan, 4, 2)
+    low, history = lower(sched, plan)
+    assert [h.artifact.passes[-1] for h in history] == [h.name for h in history]
+    assert history[-1].artifact == low
+    assert all(h.elapsed_ms >= 0 and h.check_ms >= 0 for h in history)
+
+    def lose_weights(s: Schedule) -> Schedule:
+        return s.replace(edges=tuple(e for e in s.edges if e.kind != "weights"))
+
+    manager = PassManager([("upload", lambda s: add_weight_uploads(s, plan)),
+                           ("lose_weights", lose_weights)],
+                          check=lambda s, name: validate(s, name))
+    with pytest.raises(ScheduleError, match="after pass 'lose_weights'"):
+        manager.run(sched)
