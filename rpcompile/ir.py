@@ -341,11 +341,6 @@ class Action:
     def is_compute(self) -> bool:
         return self.kind in ("F", "T", "B")
 
-    @property
-    def job(self) -> tuple[int | None, int, int | None, int]:
-        """(worker, stage, round, step): the job this action belongs to."""
-        return (self.worker, self.stage, self.round, self.step)
-
     def short(self) -> str:
         """The string form without the worker, for grid cells."""
         return str(self).split(" ", 1)[1]
@@ -501,9 +496,6 @@ class Schedule:
         if self.host:
             out[(None, "host")] = list(self.host)
         return {k: tuple(v) for k, v in out.items()}
-
-    def compute_actions(self, worker: int) -> tuple[Action, ...]:
-        return tuple(a for a in self.actions[worker] if a.is_compute)
 
     def waits(self) -> dict[Action, list[Edge]]:
         """dst action -> the edges it waits on."""

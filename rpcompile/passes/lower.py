@@ -276,7 +276,7 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage]) -> Schedule:
     for a in sched.host:
         if a.kind == "ACC":
             accs.setdefault((a.stage, a.step), []).append(a)
-    updated: dict[int, set[int]] = {}  # step -> stages whose OPT is placed
+    opts: dict[tuple[int, int], Action] = {}  # (stage, step) -> its OPT, once placed
     shadows: dict[tuple[int, int], Action] = {}
     for a in sched.host:
         host.append(a)
@@ -285,16 +285,14 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage]) -> Schedule:
         s, k = a.stage, a.step
         opt = Action(None, "OPT", s, None, None, k, bytes=stages[s].grad_bytes)
         host.append(opt)
+        opts[(s, k)] = opt
         edges += [Edge(acc, opt, "accumulated") for acc in accs[(s, k)]]
-        done = updated.setdefault(k, set())
-        done.add(s)
         for x, ys in covering.items():
-            if s in ys and done.issuperset(ys):
+            if s in ys and all((y, k) in opts for y in ys):
                 sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].weight_bytes)
                 host.append(sh)
                 shadows[(x, k)] = sh
-                edges += [Edge(Action(None, "OPT", y, None, None, k,
-                                      bytes=stages[y].grad_bytes), sh, "updated") for y in ys]
+                edges += [Edge(opts[(y, k)], sh, "updated") for y in ys]
     lag = 1 if sched.optimizer == "sync" else 2
     for lst in sched.actions:
         for up in lst:
