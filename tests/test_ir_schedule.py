@@ -28,17 +28,32 @@ MiB = 2**20
 
 def make_plan(workers: int = 4, microbatches: int = 5) -> Plan:
     """8 units (prefix u0, layers u1..u6, tail u7); F1 0-2, F2 3-4, F3 5-6, B1 = tail 7,
-    B2 3-6 (saved input x2, made by F1), B3 0-2 (saved input: the ids)."""
+    B2 3-6 (saved input x2, made by F1), B3 0-2 (saved input: the ids).
+
+    Activation after unit u: (u + 1) MiB, plus 1 MiB of shared values (made by the prefix);
+    its gradient: (u + 1) MiB. Stage byte fields follow the contract: a forward stage's input
+    is the activation it reads, a backward stage's input is its saved input plus the output
+    gradient, and a backward stage or the tail sends on the gradient of its input.
+    """
     units = tuple(UnitProfile(f"u{i}", 1.0, 2.0, 1000, output_bytes=(i + 1) * MiB,
                               shared_bytes=MiB if i == 0 else 0) for i in range(8))
 
-    def stage(i: int, kind: str, lo: int, hi: int) -> Stage:
-        return Stage(i, kind, tuple(range(lo, hi + 1)), 1.0, (10 + i) * MiB,
-                     0 if kind == "forward" else (100 + i) * MiB, (20 + i) * MiB,
-                     (30 + i) * MiB, 0)
+    def act(u: int) -> int:  # activation after unit u, with the shared values
+        return (u + 2) * MiB
 
-    stages = (stage(0, "forward", 0, 2), stage(1, "forward", 3, 4), stage(2, "forward", 5, 6),
-              stage(3, "tail", 7, 7), stage(4, "backward", 3, 6), stage(5, "backward", 0, 2))
+    def grad(u: int) -> int:
+        return (u + 1) * MiB
+
+    def stage(i: int, kind: str, lo: int, hi: int, inp: int, out: int) -> Stage:
+        return Stage(i, kind, tuple(range(lo, hi + 1)), 1.0, (10 + i) * MiB,
+                     0 if kind == "forward" else (100 + i) * MiB, inp, out, 0)
+
+    stages = (stage(0, "forward", 0, 2, 0, act(2)),
+              stage(1, "forward", 3, 4, act(2), act(4)),
+              stage(2, "forward", 5, 6, act(4), act(6)),
+              stage(3, "tail", 7, 7, act(6), grad(6)),
+              stage(4, "backward", 3, 6, act(2) + grad(6), grad(2)),
+              stage(5, "backward", 0, 2, grad(2), 0))
     plan = Plan(units, stages, workers, microbatches, 2, 16, "test", 0.0, 0)
     plan.validate()
     return plan
@@ -155,18 +170,21 @@ def test_roundpipe_wavefront() -> None:
 
 def test_roundpipe_flows() -> None:
     plan = make_plan()
-    flows = {(f.dst_stage, f.what): f for f in build_schedule(plan, 4, 5).flows}
-    assert flows[(0, "act")].value == "ids"
-    assert (flows[(1, "act")].value, flows[(1, "act")].src_stage) == ("x2", 0)
-    assert flows[(1, "act")].bytes == plan.stages[1].input_bytes
-    assert (flows[(3, "act")].value, flows[(3, "act")].src_kind) in [("x6", "F"), ("labels", None)]
-    assert (flows[(4, "igrad")].value, flows[(4, "igrad")].src_kind) == ("g6", "T")
-    assert flows[(4, "igrad")].bytes == plan.units[6].output_bytes
-    # B2 covers units 3..6: it recomputes from x2 (made by F1), which carries u0's shared value
-    save = flows[(4, "save")]
-    assert (save.value, save.src_kind, save.src_stage) == ("x2", "F", 0)
-    assert save.bytes == plan.units[2].output_bytes + plan.units[0].shared_bytes
-    assert flows[(5, "save")].value == "ids" and flows[(5, "save")].from_host
+    flows = {(f.dst_stage, f.value): f for f in build_schedule(plan, 4, 5).flows}
+    tokens = 2 * 16 * 8  # microbatch of 2 x 16 int64 ids
+    # (consumer, value): (what, producer kind, producer stage, bytes), by hand from make_plan
+    assert {k: (f.what, f.src_kind, f.src_stage, f.bytes) for k, f in flows.items()} == {
+        (0, "ids"): ("act", None, None, tokens),
+        (1, "x2"): ("act", "F", 0, 4 * MiB),
+        (2, "x4"): ("act", "F", 1, 6 * MiB),
+        (3, "x6"): ("act", "F", 2, 8 * MiB),
+        (3, "labels"): ("act", None, None, tokens),
+        (4, "g6"): ("igrad", "T", 3, 7 * MiB),
+        # B2 covers units 3..6: it recomputes from x2 (made by F1), the same tensor F2 reads
+        (4, "x2"): ("save", "F", 0, 4 * MiB),
+        (5, "g2"): ("igrad", "B", 4, 3 * MiB),
+        (5, "ids"): ("save", None, None, tokens),
+    }
 
 
 def test_dispatch_rejects_bad_arguments() -> None:

@@ -101,9 +101,10 @@ def test_golden_roundpipe_lowered_sync() -> None:
       (F1: 10 MiB), bulk cut into 64 MiB chunks (grads of ~104 MiB: x2).
     * transfers: F s0 downloads @x2 once (consumers F s1 on w1, remote; B s4 on w0, same worker:
       no transfer, B s4 reads it on the device); w1 ``H2D act s1 @x2`` waits ``on_host`` for it.
-      The tail reads @x6 and @labels (ids-sized, 2x16 int64 = 256 B); B s5 reads @ids as its
-      saved input from the host. Sizes: act = consumer input_bytes, igrad = the unit's
-      output_bytes (g6: 7 MiB), save = activation + shared (x2: 3 + 1 MiB).
+      The tail reads @x6 and @labels (2x16 int64 = 256 B); F s0 reads @ids (its input_bytes
+      is 0, so the ids size too) and B s5 reads @ids as its saved input from the host.
+      Sizes: act = the consumer's input_bytes (x2: 4 MiB), igrad = the producer's
+      output_bytes (g6 from the tail: 7 MiB, g2 from B s4: 3 MiB).
     * grads: one ``D2H grad`` per T/B job after its last compute (grad_ready), one host ACC
       per job (grad_home), in dispatch order s3, s4, s5.
     * optimizer (sync): OPT right after each stage's ACC; SHADOW of a stage once every OPT over

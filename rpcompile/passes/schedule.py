@@ -195,12 +195,6 @@ def _looped_bfs_order(w: int, g: int, chunks: int, m: int) -> list[tuple[str, in
 # --------------------------------------------------------------------------------------------
 
 
-def activation_bytes(plan: Plan, unit: int) -> int:
-    """Bytes of the activation after ``unit`` for one microbatch, with the shared values
-    (rotary tables, masks) produced up to that unit, which travel along with it."""
-    return plan.units[unit].output_bytes + sum(u.shared_bytes for u in plan.units[: unit + 1])
-
-
 def _ids_bytes(tokens: int) -> int:
     return tokens * 8  # int64 token ids
 
@@ -213,6 +207,11 @@ def roundpipe_flows(plan: Plan) -> tuple[Flow, ...]:
     a..b reads the gradient after unit b from the previous backward stage and, to recompute,
     its saved input: the activation after unit a-1, produced by the forward stage holding
     unit a-1 (the ids if a == 0).
+
+    Sizes come from the Stage fields: an activation into a forward stage or the tail is the
+    consumer's ``input_bytes``; an input gradient is its producer's ``output_bytes`` (what a
+    backward stage or the tail sends on); a saved input is the rest of the backward consumer's
+    ``input_bytes``; ids and labels are int64 tokens.
     """
     tokens = _ids_bytes(plan.microbatch_size * plan.seq_len)
     fwd = plan.forward_stages
@@ -232,12 +231,12 @@ def roundpipe_flows(plan: Plan) -> tuple[Flow, ...]:
             continue
         prev = plan.stages[s.index - 1]
         flows.append(Flow(f"g{last}", "igrad", _compute_kind(prev), prev.index, ck, s.index,
-                          plan.units[last].output_bytes))
+                          prev.output_bytes))
         if first == 0:
             flows.append(Flow("ids", "save", None, None, ck, s.index, tokens))
         else:
             flows.append(Flow(f"x{first - 1}", "save", "F", owner[first - 1], ck, s.index,
-                              activation_bytes(plan, first - 1)))
+                              max(s.input_bytes - prev.output_bytes, 0)))
     return tuple(flows)
 
 
