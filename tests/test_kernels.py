@@ -519,3 +519,31 @@ def test_compiled_kernels_on_cuda_match_torch(dtype):
     kernels.accumulate_grads(grads, accumulator, found_nonfinite=flag, backend="triton")
     assert_bits_equal(accumulator.cpu(), expected.cpu())
     assert flag.item() == int(found)
+
+
+def test_interpreter_launches_from_worker_threads():
+    # Virtual workers are threads. Triton's interpreter patches triton.language for the length
+    # of a launch, so concurrent launches must not trip over each other.
+    from concurrent.futures import ThreadPoolExecutor
+
+    def job(seed):
+        grads = [_grad(n, GRAD_DTYPES[(seed + n) % 3], seed * 100 + n, 0.01) for n in (700, 3, 90)]
+        accumulator = torch.randn(800, generator=torch.Generator().manual_seed(seed))
+        expected, found = accumulator.clone(), False
+        flag = kernels.nonfinite_flag()
+        for _ in range(3):
+            kernels.accumulate_grads(grads, accumulator, found_nonfinite=flag, backend="triton")
+            expected, found_again = _reference_accumulate(
+                grads, expected, kernels.packed_offsets(grads)
+            )
+            found |= found_again
+        expected, _ = _reference_accumulate(
+            [-g for g in grads], expected, kernels.packed_offsets(grads)
+        )
+        kernels.accumulate_grads([-g for g in grads], accumulator, backend="triton")
+        assert_bits_equal(accumulator, expected)
+        assert flag.item() == int(found)
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(job, range(8)))
