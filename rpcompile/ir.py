@@ -614,7 +614,8 @@ class Schedule:
     # -- JSON (Chrome trace) -------------------------------------------------------------
     def to_json(self, timeline: Mapping[Action, tuple[float, float]] | None = None) -> dict:
         """A Chrome trace (``traceEvents``; open in Perfetto or chrome://tracing): one process
-        per worker (and the host), one thread per stream, one ``X`` event per action. Times come
+        per worker (and the host), one thread per stream, one ``X`` event per action, one flow
+        arrow per edge. Times come
         from ``timeline`` (action -> (start_ms, end_ms), e.g. from the simulator) or else from
         the dry run (1 step = 1 ms). The whole schedule rides along under ``rpcompile`` so the
         file loads back with :meth:`from_json`."""
@@ -630,17 +631,27 @@ class Schedule:
                 events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
                                "args": {"name": stream}})
         waits = self.waits()
+
+        def lane(a: Action) -> dict:
+            return {"pid": host_pid if a.worker is None else a.worker,
+                    "tid": STREAMS.index(a.stream)}
+
         for a in self.all_actions():
             if a not in timeline:
                 continue
             start, end = timeline[a]
             events.append({
-                "ph": "X", "name": a.short(), "cat": a.kind,
-                "pid": host_pid if a.worker is None else a.worker,
-                "tid": STREAMS.index(a.stream),
+                "ph": "X", "name": a.short(), "cat": a.kind, **lane(a),
                 "ts": start * 1000.0, "dur": max(end - start, 0.0) * 1000.0,
                 "args": {"action": str(a), "waits": [f"{e.kind}={e.src}" for e in waits.get(a, ())]},
             })
+        # Edges as flow arrows (Perfetto draws them from the waited-on slice to the waiter).
+        for n, e in enumerate(self.edges):
+            if e.src in timeline and e.dst in timeline:
+                events.append({"ph": "s", "id": n, "name": e.kind, "cat": "edge", **lane(e.src),
+                               "ts": timeline[e.src][0] * 1000.0})
+                events.append({"ph": "f", "bp": "e", "id": n, "name": e.kind, "cat": "edge",
+                               **lane(e.dst), "ts": timeline[e.dst][0] * 1000.0})
         doc = {
             "traceEvents": events,
             "displayTimeUnit": "ms",

@@ -292,6 +292,8 @@ def test_dump_by_extension(tmp_path) -> None:
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
     assert all(names[(e["pid"], e["tid"])] == Action.parse(e["args"]["action"]).stream
                for e in xs)
+    assert sum(1 for e in trace if e["ph"] == "s") == len(sched.edges)
+    assert sum(1 for e in trace if e["ph"] == "f") == len(sched.edges)
     with pytest.raises(ValueError, match=r"\.csv"):
         sched.dump(tmp_path / "s.xlsx")
 

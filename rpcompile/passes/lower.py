@@ -354,7 +354,8 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
           validate: bool = True) -> tuple[Schedule, tuple[PassRecord[Schedule], ...]]:
     """Run the lowering passes (default: all of :data:`LOWERING_PASSES` for RoundPipe, only
     ``transfers`` and ``events`` for the weight-bound baselines) through a :class:`PassManager`
-    that validates after each pass. Returns the lowered schedule and one record per pass."""
+    that validates the input (as pass ``dispatch``) and the output of each pass. Returns the
+    lowered schedule and one record per pass."""
     from rpcompile.passes.validate import validate as check
 
     if passes is None:
@@ -369,6 +370,8 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     unknown = [p for p in passes if p not in table]
     if unknown:
         raise ValueError(f"unknown lowering passes {unknown}; known: {list(table)}")
+    if validate:
+        check(schedule, "dispatch")
     manager = PassManager([(p, table[p]) for p in passes],
                           check=(lambda s, name: check(s, name)) if validate else None)
     return manager.run(schedule)
