@@ -21,6 +21,14 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 __all__ = [
+    "ACTION_KINDS",
+    "BULK_PAYLOADS",
+    "COMPUTE_KINDS",
+    "EDGE_KINDS",
+    "HOST_KINDS",
+    "PAYLOADS",
+    "STREAMS",
+    "TRANSFER_KINDS",
     "Action",
     "DryRun",
     "Edge",
