@@ -676,6 +676,9 @@ class Schedule:
     def from_json(cls, doc: dict | str) -> Schedule:
         if isinstance(doc, str):
             doc = json.loads(doc)
+        if "rpcompile" not in doc:
+            raise ValueError("this JSON trace holds no schedule (no 'rpcompile' key); only "
+                             "traces written by Schedule.dump / to_json load back")
         body = doc["rpcompile"]
         per_worker = [[Action.parse(s) for s in lst] for lst in body["actions"]]
         host = [Action.parse(s) for s in body["host"]]

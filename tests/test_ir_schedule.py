@@ -296,6 +296,8 @@ def test_dump_by_extension(tmp_path) -> None:
     assert sum(1 for e in trace if e["ph"] == "f") == len(sched.edges)
     with pytest.raises(ValueError, match=r"\.csv"):
         sched.dump(tmp_path / "s.xlsx")
+    with pytest.raises(ValueError, match="no schedule"):
+        Schedule.from_json({"traceEvents": []})
 
 
 def test_json_uses_given_timeline() -> None:

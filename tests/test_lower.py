@@ -357,3 +357,13 @@ def test_pass_manager_history_and_failing_pass_named() -> None:
                           check=lambda s, name: validate(s, name))
     with pytest.raises(ScheduleError, match="after pass 'lose_weights'"):
         manager.run(sched)
+
+
+def test_passes_refuse_to_run_twice() -> None:
+    plan = make_plan()
+    low, _ = lower(build_schedule(plan, 4, 2), plan)
+    for p in (lambda s: add_weight_uploads(s, plan), add_activation_transfers,
+              lambda s: add_gradient_downloads(s, plan), lambda s: add_optimizer(s, plan),
+              add_events):
+        with pytest.raises(ValueError, match="already ran"):
+            p(low)

@@ -94,7 +94,13 @@ def _stages(plan: Plan | Sequence[Stage]) -> tuple[Stage, ...]:
     return tuple(plan.stages if isinstance(plan, Plan) else plan)
 
 
+def _once(sched: Schedule, name: str) -> None:
+    if name in sched.passes:
+        raise ValueError(f"pass {name!r} already ran on this schedule (passes: {sched.passes})")
+
+
 def _require_roundpipe(sched: Schedule, name: str) -> None:
+    _once(sched, name)
     if sched.stage_workers is not None:
         raise ValueError(f"pass {name!r} applies to RoundPipe schedules; in the {sched.kind} "
                          "baseline weights, gradients and optimizer stay on the bound workers")
@@ -152,6 +158,7 @@ def add_activation_transfers(sched: Schedule) -> Schedule:
     before the reading compute. Host-resident values (ids, labels) only need the H2D. Flows
     between computes on the same worker keep their ``data`` edge and move nothing.
     """
+    _once(sched, "transfers")
     where: dict[tuple, Action] = {}
     for lst in sched.actions:
         for a in lst:
@@ -321,6 +328,7 @@ def add_events(sched: Schedule) -> Schedule:
     later (that edge's event already orders these two). Ordering is unchanged: for any two
     actions, one waits for the other after this pass exactly when it did before.
     """
+    _once(sched, "events")
     pos: dict[Action, tuple[tuple[int | None, str], int]] = {}
     for q, lst in sched.queues().items():
         for i, a in enumerate(lst):
