@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -547,3 +548,51 @@ def test_interpreter_launches_from_worker_threads():
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(job, range(8)))
+
+
+@pytest.mark.parametrize(
+    ("kernel", "constexprs", "signature"),
+    [
+        (
+            "_cast_pack_kernel",
+            {"OUT_DTYPE": "bfloat16", "OUT_IS_BF16": True, "ALIGNED": True},
+            {"rows": "*i64", "out_ptr": "*bf16"},
+        ),
+        (
+            "_accumulate_kernel",
+            {"SRC_DTYPE": "float16", "MIXED": False, "CHECK": True, "ALIGNED": True},
+            {"rows": "*i64", "acc_ptr": "*fp32", "flag_ptr": "*i32"},
+        ),
+        (
+            "_accumulate_kernel",
+            {"SRC_DTYPE": "float32", "MIXED": True, "CHECK": True, "ALIGNED": False},
+            {"rows": "*i64", "acc_ptr": "*fp32", "flag_ptr": "*i32"},
+        ),
+    ],
+)
+def test_kernels_compile_for_sm90_without_a_gpu(kernel, constexprs, signature):
+    # The interpreter never compiles, so this is the CPU suite's only check that the compiled
+    # path builds (ahead of time, for an H100/H200 target) and that aligned layouts get
+    # 16-byte vector loads.
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernels._triton_kernels(interpret=True)  # binds the module's `tl`
+    fn = triton.jit(getattr(kernels, kernel))
+    constants = {"BLOCK": 4096} | {
+        k: getattr(triton.language, v) if isinstance(v, str) else v for k, v in constexprs.items()
+    }
+    source = ASTSource(
+        fn,
+        signature | dict.fromkeys(constants, "constexpr"),
+        constexprs=constants,
+        attrs={(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in signature},
+    )
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    vector_loads = re.findall(r"ld\.global[\w:.]*\.v4", ptx)
+    if constexprs["ALIGNED"] and not constexprs.get("MIXED", False):
+        assert vector_loads, "aligned full blocks should load 16 bytes per access"
+    else:
+        assert ".entry" in ptx
