@@ -1,0 +1,432 @@
+"""The host optimizer driver: any ``torch.optim`` optimizer over the fp32 masters, stepped by
+one background thread, in ``sync`` or ``async`` mode.
+
+**Groups.** Trainable parameters are grouped by the set of stages that produce their gradients
+(``ParamSlot.grad_stages``; a tied embedding/LM-head weight has two). A group's gradients are
+complete once all those stages have called :meth:`OptimizerDriver.stage_done`. An update steps
+one group: the user's optimizer is called with ``.grad`` set on that group's masters and None on
+all others, which every per-parameter torch optimizer (SGD, Adam, AdamW, ... : each parameter's
+update reads only its own gradient and state) skips. So stepping group by group gives results
+bit-identical to one ``optimizer.step()`` over all parameters. Optimizers that couple
+parameters cannot be split: LBFGS is refused; an optimizer class not known to be per-parameter
+gets a warning and is stepped once over everything when all gradients are home (pass
+``per_parameter=True`` to assert that it is per-parameter).
+
+**Modes.** With ``w_k`` the masters before update ``k`` and ``g_k(w)`` step ``k``'s gradient
+computed at weights ``w``:
+
+- ``sync``: ``w_{k+1} = U(w_k, g_k(w_k))``, ordinary training. A group is updated (and its
+  shadow rewritten) as soon as its gradients are complete, while later backward stages still
+  run; step ``k+1`` uses a stage once that stage's groups are updated (:meth:`shadow_event`).
+- ``async``: ``w_{k+1} = U(w_k, g_k(w_{k-1}))`` with ``w_{-1} = w_0``: one step stale, like
+  RoundPipe. Update ``k`` runs in the background during step ``k+1``, which computes with the
+  shadow written just before update ``k`` starts (``w_k``).
+
+**The caller's contract** (the executor follows it):
+
+1. ``begin_step()``; then for each job, wait ``shadow_event(stage)`` before uploading the
+   stage's shadow.
+2. ``accumulate_grad(stage, flat_fp32)`` once per job (per stage per round): it waits until the
+   previous update has consumed these gradients, then adds in fp32. Gradients must already be
+   those of the loss averaged over the whole step: scale each microbatch's loss by
+   ``1 / (microbatches per round x rounds)`` before its backward; the driver never divides.
+3. ``stage_done(stage)`` once per gradient stage when its last round is home.
+4. ``finish_step()`` when the step's last job is done (no upload of it still reads the
+   shadow). It returns an event set when this step's update is complete.
+
+Hyperparameters (``param_groups`` entries: lr, betas, ...) are snapshotted at ``begin_step``:
+update ``k`` uses what was set when step ``k`` began, even if an LR scheduler changes them
+while an async update is still running.
+"""
+
+from __future__ import annotations
+
+import copy
+import queue
+import threading
+import traceback
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rpcompile.runtime.errors import OptimizerError
+from rpcompile.runtime.memory import HostStore, MemoryReport
+from rpcompile.runtime.workers import Event
+
+__all__ = ["MODES", "OptimizerDriver", "UpdateGroup"]
+
+MODES = ("sync", "async")
+
+# Optimizers whose update of a parameter reads only that parameter's gradient and state.
+_PER_PARAMETER = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam",
+                 "RAdam", "RMSprop", "Rprop", "Adafactor")
+    if hasattr(torch.optim, name)
+)
+
+
+@dataclass(frozen=True)
+class UpdateGroup:
+    """Parameters updated together: their gradients complete when ``stages`` are all done."""
+
+    index: int
+    slots: tuple[int, ...]
+    stages: frozenset[int]
+    label: str
+
+
+class _StepState:
+    def __init__(self, step: int, groups: int, hyperparams: list[dict[str, Any]]) -> None:
+        self.step = step
+        self.done_stages: set[int] = set()
+        self.scheduled = [False] * groups
+        self.group_done = [Event(f"update {step} group {g}") for g in range(groups)]
+        self.refreshed = Event(f"shadow after update {step - 1}")  # async only
+        self.hyperparams = hyperparams
+
+
+class OptimizerDriver:
+    """Runs the user's optimizer over a :class:`HostStore`'s masters (see the module doc).
+
+    ``optimizer`` is a factory ``params -> torch.optim.Optimizer`` called with
+    ``store.masters()`` (e.g. ``lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True)``), or an
+    optimizer already built over those same tensors. ``eager_updates=False`` (sync mode) holds
+    every update until :meth:`finish_step`, so a step that fails part-way leaves the masters
+    untouched (:meth:`discard_step`), at the cost of the overlap.
+    """
+
+    def __init__(
+        self,
+        store: HostStore,
+        optimizer: Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+        | torch.optim.Optimizer,
+        mode: str = "sync",
+        per_parameter: bool | None = None,
+        eager_updates: bool = True,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.store = store
+        self.mode = mode
+        self.eager_updates = eager_updates
+        masters = store.masters()
+        built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(masters)
+        if not isinstance(built, torch.optim.Optimizer):
+            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch optimizer")
+        self.optimizer = built
+        self._check_params(masters)
+        self.per_parameter = self._check_kind(per_parameter)
+        self.groups = self._make_groups()
+        self._stage_groups: dict[int, tuple[int, ...]] = {}
+        for s, stage in enumerate(store.stages):
+            slots = set(stage.layout.slots)
+            self._stage_groups[s] = tuple(
+                g.index for g in self.groups if slots.intersection(g.slots)
+            )
+        self._grad_stages = frozenset().union(*(g.stages for g in self.groups))
+        self.step = 0  # the next step to begin, or the open one
+        self._open: _StepState | None = None
+        self._steps: dict[int, _StepState] = {}
+        self._lock = threading.Lock()
+        self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._error: OptimizerError | None = None
+        self._thread = threading.Thread(target=self._main, name="rpcompile-optimizer", daemon=True)
+        self._thread.start()
+
+    # -- construction checks -------------------------------------------------------------
+    def _check_params(self, masters: list[torch.nn.Parameter]) -> None:
+        known = {id(p) for p in masters}
+        used = [p for g in self.optimizer.param_groups for p in g["params"]]
+        foreign = [p for p in used if id(p) not in known]
+        if foreign:
+            raise ValueError(
+                f"the optimizer holds {len(foreign)} tensors that are not the store's masters; "
+                "build it over store.masters() (pass a factory: lambda params: ...)"
+            )
+        missing = len(known) - len({id(p) for p in used})
+        if missing:
+            warnings.warn(
+                f"{missing} trainable masters are not in the optimizer and will never change; "
+                "freeze them (requires_grad=False) if that is intended",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _check_kind(self, per_parameter: bool | None) -> bool:
+        if isinstance(self.optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "LBFGS couples all parameters (one line search over all of them) and needs a "
+                "closure that re-runs the model; rpcompile cannot drive it. Use a per-parameter "
+                "optimizer such as AdamW or SGD."
+            )
+        if per_parameter is not None:
+            return per_parameter
+        if isinstance(self.optimizer, _PER_PARAMETER):
+            return True
+        warnings.warn(
+            f"{type(self.optimizer).__name__} is not known to update each parameter from its own "
+            "gradient alone; it will be stepped once over all parameters after every gradient "
+            "is home (no overlap). Pass per_parameter=True if it is per-parameter.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return False
+
+    def _make_groups(self) -> tuple[UpdateGroup, ...]:
+        trainable = self.store.trainable_slots
+        if not self.per_parameter:
+            stages = frozenset().union(*(frozenset(s.grad_stages) for s in trainable))
+            return (UpdateGroup(0, tuple(s.index for s in trainable), stages, "all parameters"),)
+        by_stages: dict[frozenset[int], list[int]] = {}
+        for slot in trainable:
+            by_stages.setdefault(frozenset(slot.grad_stages), []).append(slot.index)
+        groups = []
+        for i, (stages, slots) in enumerate(by_stages.items()):
+            first = self.store.slots[slots[0]].name
+            label = f"stages {sorted(stages)}: {len(slots)} parameters from {first!r}"
+            groups.append(UpdateGroup(i, tuple(slots), stages, label))
+        return tuple(groups)
+
+    # -- the step protocol ---------------------------------------------------------------
+    def begin_step(self) -> int:
+        """Open the next step; returns its index. Raises an earlier update's error."""
+        self.check()
+        with self._lock:
+            if self._open is not None:
+                raise RuntimeError(f"step {self._open.step} is still open; call finish_step()")
+            state = _StepState(self.step, len(self.groups), self._snapshot_hyperparams())
+            self._steps[self.step] = state
+            for old in [k for k in self._steps if k < self.step - 1]:
+                del self._steps[old]
+            self._open = state
+            return self.step
+
+    def shadow_event(self, stage: int, step: int | None = None) -> Event:
+        """Set when ``stage``'s shadow holds the weights step ``step`` (default: the open step,
+        or the next one) computes with; wait for it before uploading that stage."""
+        k = self.step if step is None else step
+        if k == 0:
+            ready = Event("initial shadow")
+            ready.set()
+            return ready
+        previous = self._steps.get(k - 1)
+        if previous is None:
+            raise ValueError(
+                f"no update {k - 1} is known (steps {sorted(self._steps)}); shadow events are "
+                "kept for the open step and the one before it"
+            )
+        if self.mode == "async":
+            return previous.refreshed
+        return Event.all_of(
+            [previous.group_done[g] for g in self._stage_groups[stage]],
+            f"stage {stage} shadow for step {k}",
+        )
+
+    def wait_shadow(self, timeout: float | None = None) -> None:
+        """Block until every stage's shadow is ready for the open (or next) step."""
+        for stage in range(len(self.store.stages)):
+            self.shadow_event(stage).wait(timeout, abort=self._failed)
+        self.check()
+
+    def accumulate_grad(
+        self, stage: int, flat_grad: torch.Tensor, timeout: float | None = None
+    ) -> None:
+        """Add one job's gradient (the stage's ``grad_segments`` layout, fp32) into the
+        masters' gradients, once the previous update has consumed them."""
+        state = self._require_open()
+        if stage not in self._grad_stages:
+            raise ValueError(f"stage {stage} produces no gradient for any trainable parameter")
+        if stage in state.done_stages:
+            raise RuntimeError(f"stage {stage} already reported done in step {state.step}")
+        previous = self._steps.get(state.step - 1)
+        if previous is not None:
+            for g in self._stage_groups[stage]:
+                previous.group_done[g].wait(timeout, abort=self._failed)
+        self.store.accumulate_grad(stage, flat_grad)
+
+    def stage_done(self, stage: int) -> None:
+        """All of this step's gradients from ``stage`` are home."""
+        state = self._require_open()
+        if stage not in self._grad_stages:
+            raise ValueError(f"stage {stage} produces no gradient for any trainable parameter")
+        with self._lock:
+            state.done_stages.add(stage)
+            if self.mode == "sync" and self.eager_updates:
+                self._schedule_ready(state)
+
+    def finish_step(self) -> Event:
+        """Close the open step and queue what is left of its update; returns an event set when
+        the update is complete (masters written, gradients zeroed)."""
+        state = self._require_open()
+        missing = self._grad_stages - state.done_stages
+        if missing:
+            raise RuntimeError(
+                f"step {state.step}: gradient stages {sorted(missing)} never called stage_done()"
+            )
+        with self._lock:
+            if self.mode == "async":
+                # Before update k changes the masters (w_k -> w_{k+1}), write them into the
+                # shadow: step k+1 computes with w_k. Update k-1 is done by then (one thread).
+                self._tasks.put((self.store.refresh_shadow, f"shadow refresh before update {state.step}",
+                                 [state.refreshed]))
+            self._schedule_ready(state)
+            self._open = None
+            self.step += 1
+        return Event.all_of(state.group_done, f"update {state.step}")
+
+    def discard_step(self) -> None:
+        """Abandon the open step after a failure: zero its gradients, keep the masters.
+
+        Raises if some group was already updated in this step (sync with eager updates); use
+        ``eager_updates=False`` where a failed step must leave the masters untouched."""
+        state = self._require_open()
+        updated = [self.groups[g].label for g, s in enumerate(state.scheduled) if s]
+        self.wait()
+        self.store.zero_grads()
+        with self._lock:
+            self._open = None
+            del self._steps[state.step]
+        if updated:
+            raise RuntimeError(
+                f"step {state.step} was discarded, but groups {updated} had already been "
+                "updated (eager updates); the masters are not at their pre-step values"
+            )
+
+    def _require_open(self) -> _StepState:
+        state = self._open
+        if state is None:
+            raise RuntimeError("no step is open; call begin_step() first")
+        return state
+
+    def _schedule_ready(self, state: _StepState) -> None:
+        """Queue the update of every group whose gradient stages are all done (lock held)."""
+        for group in self.groups:
+            if not state.scheduled[group.index] and group.stages <= state.done_stages:
+                state.scheduled[group.index] = True
+                self._tasks.put((
+                    lambda group=group: self._update(group, state),
+                    f"update {state.step}, group {group.label}",
+                    [state.group_done[group.index]],
+                ))
+
+    # -- the optimizer thread ------------------------------------------------------------
+    def _update(self, group: UpdateGroup, state: _StepState) -> None:
+        self.store.attach_grads(group.slots)
+        optimizer = self.optimizer
+        if state.hyperparams:
+            # A shallow twin whose groups carry the step's hyperparameters, sharing params and
+            # state: the user's param_groups may be changing under an LR scheduler meanwhile.
+            optimizer = object.__new__(type(self.optimizer))
+            optimizer.__dict__.update(self.optimizer.__dict__)
+            optimizer.param_groups = [
+                {**g, **hp} for g, hp in zip(self.optimizer.param_groups, state.hyperparams)
+            ]
+        optimizer.step()
+        self.store.zero_grads(group.slots)
+        if self.mode == "sync":
+            self.store.refresh_slots(group.slots)
+
+    def _snapshot_hyperparams(self) -> list[dict[str, Any]]:
+        return [
+            {k: (v.clone() if isinstance(v, torch.Tensor) else copy.copy(v))
+             for k, v in g.items() if k != "params"}
+            for g in self.optimizer.param_groups
+        ]
+
+    def _main(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            fn, label, produces = task
+            if self._error is not None:
+                for event in produces:
+                    event.fail(self._error)
+                continue
+            try:
+                fn()
+            except BaseException as exc:
+                error = OptimizerError(f"optimizer thread: {label} failed: {type(exc).__name__}: {exc}")
+                error.__cause__ = exc
+                error.traceback_text = traceback.format_exc()  # type: ignore[attr-defined]
+                self._error = error
+                for event in produces:
+                    event.fail(error)
+                continue
+            for event in produces:
+                event.set()
+
+    def _failed(self) -> bool:
+        return self._error is not None
+
+    def check(self) -> None:
+        """Raise the optimizer thread's error, if it had one."""
+        if self._error is not None:
+            raise self._error
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued update and refresh has run; raise its error."""
+        if not self._thread.is_alive():
+            self.check()
+            return
+        marker = Event("optimizer idle")
+        self._tasks.put((lambda: None, "idle marker", [marker]))
+        try:
+            marker.wait(timeout)
+        finally:
+            self.check()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Finish queued work and stop the optimizer thread."""
+        self._tasks.put(None)
+        self._thread.join(timeout)
+
+    # -- checkpoints and accounting ------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Masters (by name), optimizer state, step counter and mode, taken once the queued
+        updates have finished. In async mode also the trainable shadows: the next step
+        computes with them (``w_k``), not with the masters (``w_{k+1}``)."""
+        if self._open is not None:
+            raise RuntimeError("state_dict() inside an open step; call it between steps")
+        self.wait()
+        state: dict[str, Any] = {
+            "masters": self.store.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "mode": self.mode,
+        }
+        if self.mode == "async":
+            state["shadow"] = {
+                s.name: self.store.shadow_of(s.name).clone() for s in self.store.trainable_slots
+            }
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: masters (and their shadows), optimizer state, step."""
+        if state["mode"] != self.mode:
+            raise ValueError(f"state was saved in {state['mode']} mode, this driver is {self.mode}")
+        if self._open is not None:
+            raise RuntimeError("load_state_dict() inside an open step")
+        self.wait()
+        self.store.load_state_dict(state["masters"])
+        self.store.zero_grads()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+        self._steps.clear()
+        if self.step > 0:
+            # Updates before the checkpoint are complete, and its shadow is in place.
+            done = _StepState(self.step - 1, len(self.groups), [])
+            for event in [*done.group_done, done.refreshed]:
+                event.set()
+            self._steps[self.step - 1] = done
+        if self.mode == "async":
+            with torch.no_grad():
+                for name, value in state["shadow"].items():
+                    self.store.shadow_of(name).copy_(value)
+
+    def memory_report(self) -> MemoryReport:
+        return self.store.memory_report(self.optimizer)
