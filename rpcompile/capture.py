@@ -295,12 +295,14 @@ def _export(model, wrapper, batch, causal, opaque_names, dynamic):
             sdim = torch.export.Dim("s", min=2, max=max(int(max_pos), args[0].shape[1]))
             shapes = tuple({0: bdim, 1: sdim} for _ in args)
         else:
-            shapes = tuple({0: bdim} if t.dim() else None for t in args)
-    with _opaque_patched(model, opaque_names), _module_tracker(model) as tracker:
+            # _LossOf.forward takes *args: export sees them as one tuple argument.
+            shapes = (tuple({0: bdim} if t.dim() else None for t in args),)
+    with _opaque_patched(model, opaque_names, _SEEN), _module_tracker(model) as tracker:
         try:
             return torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
         except Exception as exc:
             exc.rp_module = tracker.innermost()  # type: ignore[attr-defined]
+            _SEEN.update(tracker.first_inputs)
             raise
 
 
@@ -325,6 +327,8 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
     }
 
     unit_names = _assign_units(gm, layer_names)
+    for node in gm.graph.find_nodes(op="call_function", target=torch.ops.rpcompile.opaque.default):
+        node.meta["rp_flops"] = opaque_flops(node)
     subs = _symbol_map(gm, inputs, causal)
     dyn = tuple(str(v) for v in (B, S) if v in subs.values())
     report = CaptureReport(
@@ -450,6 +454,7 @@ class _OpaqueEntry:
     out_rules: list[tuple[list[tuple[str, int]], torch.dtype]]
     tuple_out: bool
     flops_per_token: int
+    tokens: sympy.Expr  # what flops_per_token is per: B * S (hidden states) or B (rows)
 
 
 _OPAQUE: dict[str, _OpaqueEntry] = {}
@@ -540,14 +545,14 @@ def _forward_swapped(module: nn.Module, forward: Callable):
 
 
 @contextlib.contextmanager
-def _opaque_patched(model: nn.Module, names: Sequence[str]):
+def _opaque_patched(model: nn.Module, names: Sequence[str], seen: dict):
     """Route each named module's forward through the opaque op while exporting."""
     saved = []
     try:
         for name in names:
             mod = model.get_submodule(name)
             original = mod.forward  # bound method of the class's forward
-            entry = _probe_opaque(mod, original)
+            entry = _probe_opaque(mod, original, seen.get(name))
             key = f"{name}#{next(_KEYS)}"
             _OPAQUE[key] = entry
 
@@ -572,23 +577,31 @@ def _opaque_patched(model: nn.Module, names: Sequence[str]):
                 mod.__dict__["forward"] = prev
 
 
-def _probe_opaque(mod: nn.Module, forward: Callable) -> _OpaqueEntry:
-    """Learn an opaque block's output shapes and FLOPs by running it on two tiny inputs."""
+def _probe_opaque(mod: nn.Module, forward: Callable, seen=None) -> _OpaqueEntry:
+    """Learn an opaque block's output shapes and FLOPs by running it on two small inputs.
+
+    Blocks of a causal LM take hidden states [b, s, h]: probed at two (b, s) pairs. Other
+    blocks are probed with the input shape seen during capture, at two batch sizes.
+    """
     param_names = [n for n, _ in mod.named_parameters()]
     p0 = next(mod.parameters(), None)
     if p0 is None:
         raise CaptureError(f"opaque block {type(mod).__name__} has no parameters")
-    hidden = _input_width(mod)
     device, dtype = p0.device, p0.dtype
-    probes = [(2, 3), (3, 5)]
+    if seen is not None and len(seen[0]) != 3:
+        shapes = [(2, *seen[0][1:]), (3, *seen[0][1:])]
+        dtype = seen[1]
+    else:
+        hidden = _input_width(mod)
+        shapes = [(2, 3, hidden), (3, 5, hidden)]
     results = []
     flops = []
-    for b, s in probes:
-        x = torch.randn(b, s, hidden, dtype=dtype) if device.type != "meta" else None
-        x = x.to(device) if x is not None else torch.empty(b, s, hidden, dtype=dtype, device="meta")
+    for shape in shapes:
+        x = torch.randn(shape, dtype=dtype).to(device)
+        tokens = math.prod(shape[:-1]) if len(shape) == 3 else shape[0]
         with torch.no_grad(), torch.utils.flop_counter.FlopCounterMode(display=False) as fc:
             out = forward(x)
-        flops.append(fc.get_total_flops() / (b * s))
+        flops.append(fc.get_total_flops() / tokens)
         results.append((x.shape, out))
     tuple_out = isinstance(results[0][1], tuple)
     rules = []
@@ -602,7 +615,8 @@ def _probe_opaque(mod: nn.Module, forward: Callable) -> _OpaqueEntry:
     # Routing decides which experts run, so FLOPs per token are read off a real run; top-k
     # routing makes them the same for every token (checked over the two probes).
     per_token = round(max(flops))
-    return _OpaqueEntry(mod, forward, param_names, rules, tuple_out, per_token)
+    tokens = B * S if len(shapes[0]) == 3 else B
+    return _OpaqueEntry(mod, forward, param_names, rules, tuple_out, per_token, tokens)
 
 
 def _dim_rule(d0: int, d1: int, shape0, shape1) -> tuple[str, int]:
@@ -639,14 +653,16 @@ def opaque_flops(node: torch.fx.Node) -> tuple[sympy.Expr, sympy.Expr]:
     Backward recomputes the block's forward and then differentiates it: 1 + 2 forwards.
     """
     key = node.args[2]
-    per_token = _OPAQUE[key].flops_per_token
-    fwd = sympy.Integer(per_token) * B * S
+    entry = _OPAQUE[key]
+    fwd = sympy.Integer(entry.flops_per_token) * entry.tokens
     return fwd, 3 * fwd
 
 
 class _Tracker:
     def __init__(self) -> None:
         self.stack: list[str] = []
+        # module name -> (shape, dtype) of its first tensor argument, from the trace's hints
+        self.first_inputs: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
     def innermost(self) -> str | None:
         return self.stack[-1] if self.stack else None
@@ -658,8 +674,11 @@ def _module_tracker(model: nn.Module):
     tracker = _Tracker()
 
     def pre(name):
-        def hook(_mod, _args):
+        def hook(_mod, args):
             tracker.stack.append(name)
+            if name not in tracker.first_inputs and args and isinstance(args[0], torch.Tensor):
+                shape = tuple(_hint(d) for d in args[0].shape)
+                tracker.first_inputs[name] = (shape, args[0].dtype)
         return hook
 
     def post(name):
@@ -678,6 +697,14 @@ def _module_tracker(model: nn.Module):
     finally:
         for h in handles:
             h.remove()
+
+
+def _hint(d) -> int:
+    return int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
+
+
+# Input shapes seen for modules during failed capture attempts, used to probe opaque blocks.
+_SEEN: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
 
 
 def _culprit_of(exc: BaseException) -> str | None:

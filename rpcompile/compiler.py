@@ -18,7 +18,7 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.passes.cost import UnitCost, annotate_costs
 from rpcompile.passes.manager import PassRecord
-from rpcompile.passes.partition import partition
+from rpcompile.passes.partition import StageCosting, partition
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.reference import reference_step
 
@@ -40,6 +40,7 @@ class Compiled:
     microbatches: int
     rounds: int
     history: list[PassRecord]
+    compute_dtype: torch.dtype
 
     # -- inspection ----------------------------------------------------------------------
     def explain(self) -> str:
@@ -75,6 +76,18 @@ class Compiled:
     def timings(self) -> str:
         return "\n".join(f"{r.name:<10} {r.elapsed_ms:9.1f} ms" for r in self.history)
 
+    def replan(
+        self, gpus: int, microbatches: int | None = None, hardware: Hardware | str | None = None,
+        rounds: int | None = None,
+    ) -> Compiled:
+        """The same captured model planned for another worker count or machine, without
+        capturing or costing it again."""
+        return _plan_and_split(
+            self.model, self.capture, self.unit_costs, gpus, microbatches,
+            hardware or self.hardware, self.rounds if rounds is None else rounds,
+            self.compute_dtype, list(self.history[:2]),
+        )
+
     # -- reference semantics -----------------------------------------------------------
     def reference_step(self, batch: Any, params: dict[str, torch.Tensor] | None = None):
         """Loss and gradients of one step run stage by stage on one device (no update)."""
@@ -108,51 +121,61 @@ def compile(
     may be omitted (token ids are synthesized from the config). The plan is made for the
     example batch's size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch.
     """
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
-    if microbatches is None:
-        microbatches = gpus + 1
-    if not isinstance(microbatches, int) or microbatches < 1:
-        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
-    hw = get_hardware(hardware or "cpu").with_gpus(gpus)
+    _check_counts(gpus, microbatches, rounds)
     history: list[PassRecord] = []
-
-    def record(name: str, fn: Callable[[], Any]) -> Any:
-        t0 = time.perf_counter()
-        out = fn()
-        history.append(PassRecord(name, (time.perf_counter() - t0) * 1e3, 0.0, out))
-        return out
-
     if example_inputs is None and hasattr(getattr(model, "config", None), "vocab_size"):
         from rpcompile.capture import example_batch_for
 
-        example_inputs = example_batch_for(model, batch=microbatches * rounds, seq=16)
-    captured = record(
-        "capture",
+        total = (microbatches or gpus + 1) * rounds
+        example_inputs = example_batch_for(model, batch=total, seq=16)
+    captured = _timed(
+        history, "capture",
         lambda: capture(model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque),
     )
-    unit_costs = record("cost", lambda: annotate_costs(captured))
-    example = next(iter(captured.example_batch.values()))
-    total = microbatches * rounds
-    mb_size = max(1, example.shape[0] // total)
-    seq = example.shape[1] if example.dim() > 1 and "input_ids" in captured.example_batch else 1
+    unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
     dtype = compute_dtype or _floating_dtype(model)
+    return _plan_and_split(
+        model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history
+    )
+
+
+def _check_counts(gpus, microbatches, rounds) -> None:
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
+    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
+
+
+def _timed(history: list[PassRecord], name: str, fn: Callable[[], Any]) -> Any:
+    t0 = time.perf_counter()
+    out = fn()
+    history.append(PassRecord(name, (time.perf_counter() - t0) * 1e3, 0.0, out))
+    return out
+
+
+def _plan_and_split(
+    model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history
+) -> Compiled:
+    _check_counts(gpus, microbatches, rounds)
+    microbatches = microbatches or gpus + 1
+    hw = get_hardware(hardware or "cpu").with_gpus(gpus)
+    example = next(iter(captured.example_batch.values()))
+    mb_size = max(1, example.shape[0] // (microbatches * rounds))
+    seq = example.shape[1] if "input_ids" in captured.example_batch else 1
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
     profiles = [u.evaluate(mb_size, seq, hw, dtype_bytes=dtype_bytes) for u in unit_costs]
-    from rpcompile.passes.partition import StageCosting
-
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
-    plan = record(
-        "partition",
+    plan = _timed(
+        history, "partition",
         lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing),
     )
-    stages = record("split", lambda: split(captured, plan))
+    stages = _timed(history, "split", lambda: split(captured, plan))
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
-        history=history,
+        history=history, compute_dtype=dtype,
     )
 
 

@@ -1,0 +1,207 @@
+"""The compiler front half: capture, partition and split any model; the stage programs run by
+the reference executor reproduce the eager model's loss and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.capture import CaptureError, capture
+from tests.tiny_models import ARCHS, SkipNet, eager_grads, hf_model, skipnet_batch, token_batch
+
+BIT_EXACT = {"qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss"}
+
+
+def _check_against_eager(compiled, model, batch, parts, exact, loss_fn=None):
+    loss, grads = compiled.reference_step(batch)
+    ref_loss, ref_grads = eager_grads(model, batch, parts, loss_fn)
+    names = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert set(grads) == names
+    if exact:
+        assert torch.equal(loss, ref_loss)
+        for n in names:
+            assert torch.equal(grads[n], ref_grads[n]), n
+    else:
+        torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+        for n in names:
+            torch.testing.assert_close(grads[n], ref_grads[n], rtol=1e-6, atol=1e-6, msg=n)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_hf_architectures_match_eager_for_1_3_8_workers(arch):
+    model = hf_model(arch)
+    batch = token_batch(batch=6)
+    first = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch)
+    for gpus in (1, 3, 8):
+        compiled = first if gpus == 3 else first.replan(gpus, microbatches=3)
+        plan = compiled.plan
+        plan.validate()
+        assert plan.workers == gpus
+        assert len(compiled.stages) == len(plan.stages)
+        # Tied embeddings accumulate two contributions in another order than eager autograd.
+        _check_against_eager(compiled, model, batch, 3, exact=arch in BIT_EXACT)
+
+
+def test_moe_blocks_are_opaque_nodes():
+    compiled = rpcompile.compile(hf_model("qwen3_moe"), gpus=2, example_inputs=token_batch(6))
+    opaque = [
+        n for n in compiled.capture.graph_module.graph.nodes
+        if n.op == "call_function" and "rpcompile.opaque" in str(n.target)
+    ]
+    assert len(opaque) == 3  # one per decoder layer's MoE block
+    assert compiled.capture.report.opaque == tuple(f"model.layers.{i}.mlp" for i in range(3))
+
+
+def test_rounds_accumulate_like_eager():
+    model = hf_model("llama")
+    batch = token_batch(batch=8)
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, rounds=2, example_inputs=batch)
+    # Per-round accumulation changes the summation order: close, not bit-equal.
+    _check_against_eager(compiled, model, batch, 4, exact=False)
+
+
+def test_skip_connection_model():
+    model = SkipNet()
+    x, y = skipnet_batch(6)
+    loss_fn = torch.nn.functional.cross_entropy
+    first = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=(x, y),
+                              loss_fn=loss_fn)
+    for gpus in (1, 3, 8):
+        compiled = first if gpus == 3 else first.replan(gpus, microbatches=3)
+        assert compiled.capture.units[1:-1] == [f"blocks.{i}" for i in range(6)]
+        _check_against_eager(compiled, model, (x, y), 3, exact=False, loss_fn=loss_fn)
+
+
+def test_skip_connection_crosses_stages_as_a_value():
+    model = SkipNet()
+    x, y = skipnet_batch(6)
+    compiled = rpcompile.compile(
+        model, gpus=8, microbatches=3, example_inputs=(x, y),
+        loss_fn=torch.nn.functional.cross_entropy,
+    )
+    # The embedding output is read by block 0 and by the head: some stage after the first
+    # must receive it as an input, and a backward stage must send a gradient for it.
+    received = [s for s in compiled.stages[1:] if s.value_inputs]
+    assert received
+    assert any(s.grad_inputs for s in compiled.stages if s.kind != "forward")
+
+
+def test_sequential_model():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(5)])
+    x, y = torch.randn(4, 8), torch.randn(4, 8)
+    loss_fn = torch.nn.functional.mse_loss
+    compiled = rpcompile.compile(model, gpus=3, microbatches=2, example_inputs=(x, y),
+                                 loss_fn=loss_fn)
+    assert compiled.capture.units == ["prefix", *map(str, range(5)), "tail"]
+    _check_against_eager(compiled, model, (x, y), 2, exact=False, loss_fn=loss_fn)
+
+
+def test_stage_code_shows_boundaries():
+    compiled = rpcompile.compile(hf_model("qwen3"), gpus=3, example_inputs=token_batch(8))
+    code = compiled.stages[0].code
+    assert "rpcompile.prefetch" in code and "rpcompile.offload" in code
+    assert "rpcompile.record" in code
+    assert "rpcompile.wait" in compiled.stages[1].code
+    text = compiled.explain()
+    for st in compiled.stages:
+        assert st.name in text
+    assert [r.name for r in compiled.history] == ["capture", "cost", "partition", "split"]
+
+
+def test_tied_embedding_is_one_master():
+    model = hf_model("qwen3_tied")
+    compiled = rpcompile.compile(model, gpus=3, example_inputs=token_batch(8))
+    users = [s.name for s in compiled.stages if "model.embed_tokens.weight" in s.params]
+    assert len(users) >= 2  # embedding and LM head read the same master
+    assert all("lm_head.weight" not in s.params for s in compiled.stages)
+
+
+def test_frozen_parameters_get_no_gradient():
+    model = hf_model("qwen3")
+    for n, p in model.named_parameters():
+        if "mlp" in n:
+            p.requires_grad_(False)
+    compiled = rpcompile.compile(model, gpus=3, microbatches=2, example_inputs=token_batch(4))
+    _check_against_eager(compiled, model, token_batch(4), 2, exact=True)
+    frozen = {i.source for s in compiled.stages for i in s.inputs
+              if i.kind == "param" and not i.requires_grad}
+    assert frozen == {n for n, p in model.named_parameters() if not p.requires_grad}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(gpus=0), "gpus must be a positive integer"),
+        (dict(gpus=2, microbatches=0), "microbatches must be a positive integer"),
+        (dict(gpus=2, example_inputs=torch.randn(2, 8)), "input_ids must be an integer tensor"),
+        (dict(gpus=2, example_inputs=torch.full((2, 8), 500)), "vocab_size"),
+        (dict(gpus=2, example_inputs={"input_ids": torch.zeros(2, 8, dtype=torch.long),
+                                      "attention_mask": torch.ones(2, 8)}), "unsupported batch keys"),
+    ],
+)
+def test_bad_arguments_say_what_to_change(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        rpcompile.compile(hf_model("qwen3", layers=1), **kwargs)
+
+
+def test_model_without_parameters_is_rejected():
+    with pytest.raises(ValueError, match="no parameters"):
+        rpcompile.compile(torch.nn.ReLU(), gpus=2, example_inputs=(torch.randn(2, 3),))
+
+
+def test_non_hf_model_needs_inputs():
+    with pytest.raises(ValueError, match="example_inputs"):
+        rpcompile.compile(SkipNet(), gpus=2)
+
+
+def test_batch_not_divisible_is_rejected():
+    compiled = rpcompile.compile(hf_model("qwen3", layers=1), gpus=2, microbatches=3,
+                                 example_inputs=token_batch(6))
+    with pytest.raises(ValueError, match="cannot be split into 3 equal microbatches"):
+        compiled.reference_step(token_batch(batch=4))
+
+
+class _Branchy(torch.nn.Module):
+    """Data-dependent Python control flow: export cannot trace through it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        h = self.lin(x)
+        if h.sum() > 0:
+            return h * 2
+        return -h
+
+
+def test_data_dependent_modules_become_opaque():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Branchy(), torch.nn.Linear(4, 4), _Branchy())
+    x, y = torch.randn(4, 4), torch.randn(4, 4)
+    loss_fn = torch.nn.functional.mse_loss
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=(x, y),
+                                 loss_fn=loss_fn)
+    report = compiled.capture.report
+    assert report.opaque == ("0", "2")
+    assert report.strategy == "export" and report.dynamic == ("b",)
+    assert sum("data-dependent" in why for _, why in report.attempts) == 2
+    _check_against_eager(compiled, model, (x, y), 2, exact=True, loss_fn=loss_fn)
+
+
+def test_capture_error_names_module_and_fix():
+    class Root(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = _Branchy()
+
+        def forward(self, x):
+            h = self.a(x)
+            if h.mean() > 0:  # the root's own data-dependent branch: nothing to make opaque
+                return h.sum()
+            return (-h).sum()
+
+    with pytest.raises(CaptureError, match=r"could not capture Root.*units=\[\.\.\.\].*opaque="):
+        capture(Root(), (torch.randn(2, 4),))
