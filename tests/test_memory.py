@@ -240,3 +240,15 @@ def test_build_errors_say_what_is_wrong():
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="pin=True needs CUDA"):
             HostStore.build([[("x", a)]], pin=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_pinned_buffers_are_registered_at_exact_size():
+    model = TiedLM()
+    store = HostStore.build(_stages(model), compute_dtype=torch.bfloat16, pin=True)
+    assert store.pin == "registered"
+    assert store.shadow.is_pinned() and store.master.is_pinned() and store.grad.is_pinned()
+    n = store.master.numel()
+    assert store.master.untyped_storage().nbytes() == 4 * n
+    assert store.shadow.untyped_storage().nbytes() == 2 * n

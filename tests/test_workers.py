@@ -250,3 +250,35 @@ def test_streams_are_the_four_named_ones(workers):
     assert names >= {f"rpcompile-v0-{s}" for s in STREAMS}
     with pytest.raises(ValueError, match="unknown stream"):
         w.submit("h2d", lambda: None)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_worker_orders_streams_with_cuda_events_and_accounts_memory():
+    from rpcompile.runtime.transfers import Priority, TransferEngine
+
+    a, b = CudaWorker(0, capacity_bytes=1 << 30), CudaWorker(1, device_index=0)
+    try:
+        host = torch.randn(1 << 20)
+        engine = TransferEngine(a, chunk_bytes=1 << 20)
+        up = engine.h2d(host, label="weights", tag="s0 weights")
+        assert up.dst.device.type == "cuda" and a.memory_in_use == host.numel() * 4
+        a.wait("compute", up.done)
+        out = a.alloc(shape=host.shape, dtype=host.dtype, tag="out")
+        a.submit("compute", lambda: torch.mul(up.dst, 2, out=out), label="F1")
+        ready = a.record("compute", "F1 out")
+        down = engine.d2h(out, after=[ready], priority=Priority.CRITICAL, label="act")
+        down.done.wait(timeout=30)
+        assert down.dst.is_pinned() and torch.equal(down.dst, host * 2)
+        # Cross-worker: b's compute waits on a's CUDA event on the device.
+        result = b.alloc(shape=host.shape, dtype=host.dtype, tag="b out")
+        b.wait("compute", ready)
+        b.submit("compute", lambda: result.copy_(out, non_blocking=True).add_(1), label="F2")
+        b.synchronize(timeout=30)
+        assert torch.equal(result.cpu(), host * 2 + 1)
+        with pytest.raises(WorkerOutOfMemory, match="cuda0"):
+            a.alloc(1 << 30, tag="too big")
+        engine.close()
+    finally:
+        a.shutdown()
+        b.shutdown()
