@@ -412,6 +412,25 @@ def test_block_table_rows():
     ]
 
 
+def test_block_tables_are_reused_and_evicted_by_size(monkeypatch):
+    monkeypatch.setattr(kernels, "_TABLES", kernels.OrderedDict())
+    monkeypatch.setattr(kernels, "_TABLE_CACHE_BYTES", 3 * 32)  # three one-row tables
+    tensors = [torch.zeros(5) for _ in range(5)]
+    out = torch.empty(5)
+    first = kernels._table([tensors[0]], [0], out)
+    assert kernels._table([tensors[0]], [0], out) is first  # same layout: a hit
+    for tensor in tensors[1:]:
+        kernels._table([tensor], [0], out)
+    assert len(kernels._TABLES) == 3
+    assert kernels._table([tensors[0]], [0], out) is not first  # evicted, rebuilt equal
+    assert torch.equal(kernels._table([tensors[0]], [0], out).rows, first.rows)
+    # Still correct through evictions.
+    accumulator = torch.zeros(5)
+    for tensor in tensors:
+        kernels.accumulate_grads([tensor + 1], accumulator, backend="triton")
+    assert torch.equal(accumulator, torch.full((5,), 5.0))
+
+
 def test_packed_offsets_align():
     tensors = [torch.empty(3), torch.empty(0), torch.empty(9), torch.empty(1)]
     assert kernels.packed_offsets(tensors) == [0, 3, 3, 12]
