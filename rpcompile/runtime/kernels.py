@@ -23,8 +23,8 @@ Sections, in reading order:
 See docs/kernels.md for the design, the bf16 rounding trick and the interpreter notes.
 """
 
-# Annotations stay strings so the kernels below can say ``"tl.constexpr"`` before triton is
-# imported; Triton reads the string annotation the same way.
+# Annotations stay strings, so the kernels' `tl.constexpr` annotations are not evaluated before
+# triton is imported; Triton reads the string form the same way.
 from __future__ import annotations
 
 import functools
@@ -52,7 +52,6 @@ BACKENDS = ("auto", "torch", "triton")
 
 # Dtype codes shared by the host-side tables and the kernels.
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 # ============================================================================================
