@@ -26,6 +26,7 @@ __all__ = [
     "COMPUTE_KINDS",
     "EDGE_KINDS",
     "HOST_KINDS",
+    "ORDERED_STREAMS",
     "PAYLOADS",
     "STREAMS",
     "TRANSFER_KINDS",
@@ -243,8 +244,10 @@ def _bytes(n: float) -> str:
 #
 # A Schedule is a list of Actions per worker (plus one host list), the dataflow between stages
 # (Flows) and the dependency edges (events) between actions. Each action runs on one *stream* of
-# its worker; a stream executes its actions in list order, one at a time. Actions on different
-# streams are ordered only by edges. docs/schedule.md describes every action kind and edge kind.
+# its worker. The compute stream and the host queue run their actions in list order, one at a
+# time; the three transfer streams are lanes whose list order is only the issue order (a
+# runtime may copy any ready transfer first, critical before bulk), so every dependency of a
+# transfer is an edge. docs/schedule.md describes every action kind and edge kind.
 
 # Compute kinds run on the compute stream: F forward, T fused tail (forward + loss + backward),
 # B backward (RoundPipe: recompute + backward), EVICT frees a job's weights.
@@ -262,7 +265,9 @@ ACTION_KINDS = COMPUTE_KINDS + TRANSFER_KINDS + HOST_KINDS
 PAYLOADS = ("weights", "act", "save", "igrad", "grad")
 BULK_PAYLOADS = ("weights", "grad")
 
-STREAMS = ("compute", "h2d_weights", "h2d_act", "d2h_act", "d2h_grad", "host")
+# Stream names match rpcompile.runtime.workers.STREAMS (plus the host queue).
+STREAMS = ("compute", "weight_upload", "activation_upload", "download", "host")
+ORDERED_STREAMS = ("compute", "host")  # list order is execution order only on these
 
 EDGE_KINDS = (
     "data",  # compute -> compute, same microbatch (the value stays on the device if same worker)
@@ -333,10 +338,10 @@ class Action:
         if self.kind in HOST_KINDS:
             return "host"
         if self.kind == "UP":
-            return "h2d_weights"
+            return "weight_upload"
         if self.kind == "H2D":
-            return "h2d_act"
-        return "d2h_grad" if self.what == "grad" else "d2h_act"
+            return "activation_upload"
+        return "download"
 
     @property
     def priority(self) -> str | None:
@@ -518,8 +523,10 @@ class Schedule:
     # -- dry run -------------------------------------------------------------------------
     def dry_run(self) -> DryRun:
         """Replay with unit durations: at each step every queue whose head has all its waits
-        finished (in earlier steps) runs that head. Proves progress (no deadlock) for in-order
-        streams plus edges, and gives each action a step index used by :meth:`grid`."""
+        finished (in earlier steps) runs that head. Every stream is taken as in order here, the
+        strictest reading: if this finishes, so does any runtime that also lets a transfer lane
+        pick any ready transfer (it has fewer constraints). Gives each action the step index
+        :meth:`grid` shows."""
         queues = list(self.queues().values())
         preds: dict[Action, list[Action]] = {}
         for e in self.edges:

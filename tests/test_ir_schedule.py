@@ -100,10 +100,11 @@ def test_action_string_examples() -> None:
     assert str(Action(None, "OPT", 7)) == "host OPT s7"
     up = Action.parse("w3 UP s5 r0 k2 1073741824B x16")
     assert (up.step, up.bytes, up.chunks, up.what) == (2, 2**30, 16, "weights")
-    assert (up.stream, up.priority) == ("h2d_weights", "bulk")
+    assert (up.stream, up.priority) == ("weight_upload", "bulk")
     act = Action.parse("w0 D2H act s1 m2 r0 @x8 4096B")
-    assert (act.stream, act.priority, act.value) == ("d2h_act", "critical", "x8")
-    assert Action.parse("w0 D2H grad s1 r0").stream == "d2h_grad"
+    assert (act.stream, act.priority, act.value) == ("download", "critical", "x8")
+    assert Action.parse("w0 D2H grad s1 r0").stream == "download"
+    assert Action.parse("w0 H2D igrad s1 m0").stream == "activation_upload"
 
 
 @pytest.mark.parametrize("text", ["w3 F m2", "x3 F s1", "w3 ZAP s1", "w3 F s1 q9",

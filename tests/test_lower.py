@@ -95,25 +95,30 @@ def test_golden_roundpipe_lowered_sync() -> None:
     """The same plan, 2 microbatches, 1 round, 2 steps, sync optimizer, fully lowered.
 
     Why it is right (rows of tests/golden/roundpipe_w4_s6_m2_k2_sync_lowered.csv):
+    * jobs: step 1 starts at job 6, so w0 runs F s0 k0, B s4 k0, F s2 k1; w1 F s1, B s5, T s3
+      k1; w2 F s2, F s0 k1, B s4 k1; w3 T s3, F s1 k1, B s5 k1.
     * upload: each worker's first UP leads its list; the next job's UP follows the current
       job's first compute (prefetch); from a worker's third job on, the UP waits ``buffer`` on
       the EVICT two jobs back (w0 ``UP s2 r0 k1`` waits ``EVICT s0 r0``); bytes = weight_bytes
-      (F1: 10 MiB), bulk cut into 64 MiB chunks (grads of ~104 MiB: x2).
-    * transfers: F s0 downloads @x2 once (consumers F s1 on w1, remote; B s4 on w0, same worker:
-      no transfer, B s4 reads it on the device); w1 ``H2D act s1 @x2`` waits ``on_host`` for it.
-      The tail reads @x6 and @labels (2x16 int64 = 256 B); F s0 reads @ids (its input_bytes
-      is 0, so the ids size too) and B s5 reads @ids as its saved input from the host.
+      (F1: 10 MiB); bulk cut into 64 MiB chunks (grads of ~104 MiB: x2).
+    * transfers: F s0 downloads @x2 once (consumers: F s1 on w1, remote; B s4 on w0, the same
+      worker: no transfer, B s4 reads it on the device); w1 ``H2D act s1 @x2`` waits
+      ``on_host`` for it. The tail reads @x6 and @labels (2x16 int64 = 256 B); F s0 reads @ids
+      (its input_bytes is 0, so the ids size too) and B s5 reads @ids as its saved input.
       Sizes: act = the consumer's input_bytes (x2: 4 MiB), igrad = the producer's
-      output_bytes (g6 from the tail: 7 MiB, g2 from B s4: 3 MiB).
-    * grads: one ``D2H grad`` per T/B job after its last compute (grad_ready), one host ACC
-      per job (grad_home), in dispatch order s3, s4, s5.
+      output_bytes (g6 from the tail: 7 MiB, g2 from B s4: 3 MiB). A compute waits
+      (``arrived``) for each of its H2Ds: transfer lanes give no order.
+    * grads: one ``D2H grad`` per T/B job (grad_ready on its last compute), issued after that
+      compute's input-gradient download and the EVICT; one host ACC per job (grad_home), in
+      dispatch order s3, s4, s5.
     * optimizer (sync): OPT right after each stage's ACC; SHADOW of a stage once every OPT over
       its units is done: after OPT s3 (tail, unit 7) -> SHADOW s3; after OPT s4 (units 3..6)
       -> SHADOW s1 (3..4), s2 (5..6), s4; after OPT s5 (0..2) -> SHADOW s0, s5. Each step-1 UP
       waits ``shadow`` on its stage's step-0 SHADOW; each SHADOW waits ``shadow_read`` on the
-      step's UPs it overwrites (some are implied by a later UP's edge and pruned).
-    * events: edges within one stream and edges implied by another edge between the same two
-      streams are gone (T waits only for @labels: the @x6 H2D is before it on h2d_act).
+      UP of the same step that read the buffer it overwrites.
+    * events: edges within the compute or host queue are gone (OPT follows ACC by queue
+      order), as are edges implied by another edge from the same transfer, or into the same
+      transfer from later on an ordered stream.
     """
     plan = make_plan()
     sched, history = lower(build_schedule(plan, 4, 2, steps=2, optimizer="sync"), plan)
@@ -367,3 +372,16 @@ def test_passes_refuse_to_run_twice() -> None:
               add_events):
         with pytest.raises(ValueError, match="already ran"):
             p(low)
+
+
+def test_transfer_lanes_give_no_order() -> None:
+    """The tail reads @x6 and @labels, two H2Ds on the same lane. A runtime may finish the small
+    labels copy first, so the wait for @x6 cannot be left to lane order."""
+    plan = make_plan()
+    sched, _ = lower(build_schedule(plan, 4, 2), plan)
+    edge = next(e for e in sched.edges if e.kind == "arrived" and e.dst.kind == "T"
+                and e.src.value == "x6")
+    assert any(e.kind == "arrived" and e.dst == edge.dst and e.src.value == "labels"
+               for e in sched.edges)
+    with pytest.raises(ScheduleError, match="reads x6 brought in by H2D"):
+        validate(_drop_edge(sched, edge), "events")

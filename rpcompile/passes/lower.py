@@ -24,7 +24,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rpcompile.ir import Action, Edge, Plan, Schedule, Stage
+from rpcompile.ir import ORDERED_STREAMS, Action, Edge, Plan, Schedule, Stage
 from rpcompile.passes.manager import PassManager, PassRecord
 
 __all__ = [
@@ -234,6 +234,8 @@ def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
     edges = list(sched.edges)
     acc: list[tuple[tuple, Action]] = []
     for w in range(sched.workers):
+        lst = sched.actions[w]
+        place = {a: i for i, a in enumerate(lst)}
         for j in _jobs(sched, w):
             nbytes = stages[j.stage].grad_bytes
             if j.computes[0].kind == "F" or nbytes == 0:
@@ -241,7 +243,15 @@ def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
             down = Action(w, "D2H", j.stage, None, j.round, j.step, what="grad", bytes=nbytes,
                           chunks=_chunks(nbytes, chunk_bytes))
             host = Action(None, "ACC", j.stage, None, j.round, j.step, bytes=nbytes)
-            after.setdefault(j.computes[-1], []).append(down)
+            # Issue it after what the last compute already sends on and the job's EVICT, so the
+            # last microbatch's input gradient is not issued behind the bulk download.
+            anchor = place[j.computes[-1]]
+            while anchor + 1 < len(lst) and not lst[anchor + 1].is_compute and \
+                    lst[anchor + 1].kind in ("D2H", "EVICT") and \
+                    (lst[anchor + 1].stage, lst[anchor + 1].round,
+                     lst[anchor + 1].step) == (j.stage, j.round, j.step):
+                anchor += 1
+            after.setdefault(lst[anchor], []).append(down)
             edges += [Edge(j.computes[-1], down, "grad_ready"), Edge(down, host, "grad_home")]
             acc.append(((j.step, j.round, j.stage), host))
     acc.sort(key=lambda t: t[0])  # dispatch order: step, round, stage
@@ -323,10 +333,12 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage]) -> Schedule:
 def add_events(sched: Schedule) -> Schedule:
     """Keep only the edges a runtime must turn into events.
 
-    An edge is dropped when its two ends are on the same stream (the stream's order already
-    holds) or when another edge between the same two streams starts no earlier and ends no
-    later (that edge's event already orders these two). Ordering is unchanged: for any two
-    actions, one waits for the other after this pass exactly when it did before.
+    An edge is dropped when both ends are on the same ordered stream (compute, host: the
+    stream's order already holds) or when another edge between the same two streams starts no
+    earlier and ends no later, where "no earlier" and "no later" may use list order only on
+    ordered streams (transfer lanes may finish their transfers in any order). Ordering is
+    unchanged: for any two actions, one waits for the other after this pass exactly when it
+    did before, under either reading of the transfer lanes.
     """
     _once(sched, "events")
     pos: dict[Action, tuple[tuple[int | None, str], int]] = {}
@@ -336,9 +348,12 @@ def add_events(sched: Schedule) -> Schedule:
     groups: dict[tuple, list[tuple[int, int, Edge]]] = {}
     for e in sched.edges:
         (qs, i), (qd, j) = pos[e.src], pos[e.dst]
-        if qs == qd and i < j:
+        if qs == qd and i < j and qs[1] in ORDERED_STREAMS:
             continue
-        groups.setdefault((qs, qd), []).append((j, -i, e))
+        # On a lane an edge stands for its own action only: key the group by that action.
+        src_key = qs if qs[1] in ORDERED_STREAMS else e.src
+        dst_key = qd if qd[1] in ORDERED_STREAMS else e.dst
+        groups.setdefault((src_key, dst_key), []).append((j, -i, e))
     kept: list[Edge] = []
     for items in groups.values():
         items.sort(key=lambda t: (t[0], t[1]))

@@ -7,9 +7,10 @@ problem and the step x worker grid with the offending cell marked ``!!...!!``):
                  that is in the schedule (an event that is recorded)
   2. coverage  - every (compute kind, stage, microbatch, round, step) runs exactly once, and
                  on its bound worker in a baseline
-  3. ordering  - every read happens after the write it needs, by stream order or by an edge
-                 from the writer (or a later action on its stream) to the reader (or an
-                 earlier action on its stream); what is read depends on the passes applied
+  3. ordering  - every read happens after the write it needs: by order on an ordered stream
+                 (compute, host), or by an edge from the writer (or a later action on its
+                 stream, if ordered) to the reader (or an earlier action on its stream, if
+                 ordered); what is read depends on the passes applied
   4. progress  - a unit-time dry run of the in-order streams and edges finishes (no deadlock)
 """
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 import bisect
 from collections import Counter
 
-from rpcompile.ir import Action, Schedule, ScheduleError
+from rpcompile.ir import ORDERED_STREAMS, Action, Schedule, ScheduleError
 
 __all__ = ["ScheduleError", "validate"]
 
@@ -26,7 +27,8 @@ _GRID_ROWS = 12  # rows either side of the marked cell shown in an error
 
 
 class _Order:
-    """Answers 'does w finish before a starts?' for the one-hop rule above in O(log n)."""
+    """Answers 'does w finish before a starts?' for the one-hop rule above (O(log n) between
+    ordered streams, O(edges of the action) when a transfer lane is involved)."""
 
     def __init__(self, sched: Schedule) -> None:
         self.pos: dict[Action, tuple[tuple[int | None, str], int]] = {}
@@ -34,7 +36,11 @@ class _Order:
             for i, a in enumerate(lst):
                 self.pos[a] = (q, i)
         pairs: dict[tuple, list[tuple[int, int]]] = {}
+        self.succ: dict[Action, set[Action]] = {}
+        self.pred: dict[Action, set[Action]] = {}
         for e in sched.edges:
+            self.succ.setdefault(e.src, set()).add(e.dst)
+            self.pred.setdefault(e.dst, set()).add(e.src)
             if e.src in self.pos and e.dst in self.pos:
                 (qs, i), (qd, j) = self.pos[e.src], self.pos[e.dst]
                 pairs.setdefault((qs, qd), []).append((j, i))
@@ -51,14 +57,30 @@ class _Order:
 
     def before(self, w: Action, a: Action) -> bool:
         (qw, i), (qa, j) = self.pos[w], self.pos[a]
-        if qw == qa:
+        if qw == qa and qw[1] in ORDERED_STREAMS:
             return i < j
+        if qw[1] not in ORDERED_STREAMS or qa[1] not in ORDERED_STREAMS:
+            # A transfer lane gives no order: the edge must leave w itself or reach a itself.
+            return self._direct(w, a) or (
+                qw[1] in ORDERED_STREAMS and self._edge_into(qw, i, a)) or (
+                qa[1] in ORDERED_STREAMS and self._edge_from(w, qa, j))
         entry = self.table.get((qw, qa))
         if entry is None:
             return False
         dst, best = entry
         n = bisect.bisect_right(dst, j)
         return n > 0 and best[n - 1] >= i
+
+    def _direct(self, w: Action, a: Action) -> bool:
+        return a in self.succ.get(w, ())
+
+    def _edge_into(self, qw: tuple, i: int, a: Action) -> bool:
+        """An edge into ``a`` from ``qw`` at index >= i (qw ordered)."""
+        return any(self.pos[p][0] == qw and self.pos[p][1] >= i for p in self.pred.get(a, ()))
+
+    def _edge_from(self, w: Action, qa: tuple, j: int) -> bool:
+        """An edge from ``w`` into ``qa`` at index <= j (qa ordered)."""
+        return any(self.pos[d][0] == qa and self.pos[d][1] <= j for d in self.succ.get(w, ()))
 
 
 def _fail(sched: Schedule, pass_name: str, problem: str, mark: Action | None) -> ScheduleError:
