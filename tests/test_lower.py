@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections import deque
+from collections import Counter, deque
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from rpcompile.ir import Action, Edge, Schedule, ScheduleError
+from rpcompile.ir import Action, Edge, Plan, Schedule, ScheduleError, Stage, UnitProfile
 from rpcompile.passes.lower import (
     add_activation_transfers,
     add_events,
@@ -385,3 +387,64 @@ def test_transfer_lanes_give_no_order() -> None:
                for e in sched.edges)
     with pytest.raises(ScheduleError, match="reads x6 brought in by H2D"):
         validate(_drop_edge(sched, edge), "events")
+
+
+@st.composite
+def random_plans(draw: st.DrawFn) -> Plan:
+    """Any valid plan shape: t units before the tail cut into forward stages, the same units cut
+    independently into backward stages, a tail of 1..2 units."""
+    t = draw(st.integers(1, 7))
+    tail = draw(st.integers(1, 2))
+    units = tuple(UnitProfile(f"u{i}", 1.0, 2.0, 1000, output_bytes=MiB) for i in range(t + tail))
+
+    def cuts() -> list[tuple[int, ...]]:
+        inner = sorted(draw(st.sets(st.integers(1, t - 1), max_size=t - 1))) if t > 1 else []
+        bounds = [0, *inner, t]
+        return [tuple(range(a, b)) for a, b in itertools.pairwise(bounds)]
+
+    fwd, bwd = cuts(), cuts()
+    stages = [Stage(i, "forward", u, 1.0, MiB, 0, MiB, MiB, 0) for i, u in enumerate(fwd)]
+    stages.append(Stage(len(stages), "tail", tuple(range(t, t + tail)), 1.0, MiB,
+                        draw(st.sampled_from([0, MiB])), MiB, MiB, 0))
+    for u in reversed(bwd):
+        stages.append(Stage(len(stages), "backward", u, 1.0, MiB,
+                            draw(st.sampled_from([0, MiB])), 2 * MiB, MiB, 0))
+    plan = Plan(units, tuple(stages), 1, 1, 1, 4, "test", 0.0, 0)
+    plan.validate()
+    return plan
+
+
+@settings(max_examples=30, deadline=None)
+@given(random_plans(), st.integers(1, 5), st.integers(1, 4), st.integers(1, 2),
+       st.integers(1, 3), st.sampled_from(["sync", "async"]))
+def test_any_plan_lowers_to_a_valid_schedule(plan, workers, microbatches, rounds, steps,
+                                             optimizer) -> None:
+    sched = build_schedule(plan, workers, microbatches, rounds, steps, optimizer=optimizer)
+    low, history = lower(sched, plan)  # validates the input and after every pass
+    assert len(history) == 5
+    computes = [a for a in low.all_actions() if a.is_compute]
+    assert len(computes) == len(plan.stages) * microbatches * rounds * steps
+    # a flow's value is brought in (H2D) exactly when it comes from the host or from another
+    # worker, and leaves its producer (D2H) once if any consumer is elsewhere
+    worker = {(a.kind, a.stage, a.microbatch, a.round, a.step): a.worker for a in computes}
+    h2d = Counter((a.stage, a.what, a.value, a.microbatch, a.round, a.step)
+                  for a in low.all_actions() if a.kind == "H2D")
+    d2h = Counter((a.stage, a.value, a.microbatch, a.round, a.step)
+                  for a in low.all_actions() if a.kind == "D2H" and a.what != "grad")
+    remote_values = set()
+    for f in low.flows:
+        for key in itertools.product(range(microbatches), range(rounds), range(steps)):
+            dst = worker[(f.dst_kind, f.dst_stage, *key)]
+            remote = f.from_host or worker[(f.src_kind, f.src_stage, *key)] != dst
+            assert h2d[(f.dst_stage, f.what, f.value, *key)] == int(remote)
+            if remote and not f.from_host:
+                remote_values.add((f.src_stage, f.value, *key))
+    assert set(d2h) == remote_values and set(d2h.values()) <= {1}
+    # a stage's shadow is rewritten once per step exactly when some OPT covers its units
+    trained = {s.index for s in plan.stages if s.kind != "forward" and s.grad_bytes}
+    for s in plan.stages:
+        covered = any(plan.stages[y].units[0] <= s.units[-1] and s.units[0] <=
+                      plan.stages[y].units[-1] for y in trained)
+        n = sum(1 for a in low.host if a.kind == "SHADOW" and a.stage == s.index)
+        assert n == (steps if covered else 0)
+    assert Schedule.from_csv(low.to_csv()) == low
