@@ -42,6 +42,14 @@ def test_round_trip_copies_every_byte(worker, dtype):
     critical = engine.h2d(host[0], priority=Priority.CRITICAL, label="act")
     critical.done.wait(timeout=10)
     assert critical.chunks == 1 and torch.equal(critical.dst, host[0])
+    # As a lowered schedule gives it: priority by name, chunk count per transfer.
+    scheduled = engine.h2d(host, priority="bulk", chunks=7, label="UP s0 x7")
+    scheduled.done.wait(timeout=10)
+    assert scheduled.chunks == 7 and torch.equal(scheduled.dst, host)
+    ten = torch.arange(10, dtype=torch.uint8)
+    odd = engine.h2d(ten, chunks=6, label="10 bytes in 6")
+    odd.done.wait(timeout=10)
+    assert odd.chunks == 6 and torch.equal(odd.dst, ten)
     engine.close()
 
 

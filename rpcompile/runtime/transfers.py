@@ -71,6 +71,7 @@ class Transfer:
         chunk_bytes: int,
         after: tuple[Event, ...],
         seq: int,
+        chunks: int | None = None,
     ) -> None:
         self.label = label
         self.direction = direction
@@ -78,9 +79,10 @@ class Transfer:
         self.src = src
         self.dst = dst
         self.nbytes = src.numel() * src.element_size()
-        per_chunk = self.nbytes if priority == Priority.CRITICAL else chunk_bytes
-        self.chunk_bytes = max(1, per_chunk)
-        self.chunks = max(1, math.ceil(self.nbytes / self.chunk_bytes))
+        if chunks is None:
+            per_chunk = chunk_bytes if priority == Priority.BULK else max(1, self.nbytes)
+            chunks = max(1, math.ceil(self.nbytes / per_chunk))
+        self.chunks = chunks  # chunk i is bytes [i*n//chunks, (i+1)*n//chunks): near-equal
         self.after = after
         self.seq = seq
         self.done = Event(f"{direction}:{label}")
@@ -135,39 +137,50 @@ class TransferEngine:
         src: torch.Tensor,
         dst: torch.Tensor | None = None,
         *,
-        priority: Priority = Priority.BULK,
+        priority: Priority | str = Priority.BULK,
         after: Sequence[Event] = (),
         label: str = "",
         tag: str = "",
+        chunks: int | None = None,
     ) -> Transfer:
-        """Copy a host tensor to the worker (into ``dst``, or a new accounted allocation)."""
+        """Copy a host tensor to the worker (into ``dst``, or a new accounted allocation).
+
+        ``priority`` is a :class:`Priority` or its name (``"critical"``, ``"bulk"``, as in
+        ``Action.priority``); ``chunks`` overrides the engine's chunking for this transfer (the
+        lowered schedule's ``x16``)."""
         if dst is None:
             dst = self.worker.alloc(shape=src.shape, dtype=src.dtype, tag=tag or label)
-        return self._submit("h2d", src, dst, priority, after, label)
+        return self._submit("h2d", src, dst, priority, after, label, chunks)
 
     def d2h(
         self,
         src: torch.Tensor,
         dst: torch.Tensor | None = None,
         *,
-        priority: Priority = Priority.BULK,
+        priority: Priority | str = Priority.BULK,
         after: Sequence[Event] = (),
         label: str = "",
+        chunks: int | None = None,
     ) -> Transfer:
         """Copy a device tensor home (into ``dst``, or a new host staging buffer)."""
         if dst is None:
             dst = self.worker.host_empty(src.shape, src.dtype)
-        return self._submit("d2h", src, dst, priority, after, label)
+        return self._submit("d2h", src, dst, priority, after, label, chunks)
 
     def _submit(
         self,
         direction: str,
         src: torch.Tensor,
         dst: torch.Tensor,
-        priority: Priority,
+        priority: Priority | str,
         after: Sequence[Event],
         label: str,
+        chunks: int | None,
     ) -> Transfer:
+        if isinstance(priority, str):
+            priority = Priority[priority.upper()]
+        if chunks is not None and chunks < 1:
+            raise ValueError(f"transfer {label!r}: chunks must be >= 1, got {chunks}")
         if self._closed:
             raise WorkerAborted(f"transfer engine of {self.worker.name} is closed")
         if src.dtype != dst.dtype or src.numel() != dst.numel():
@@ -182,7 +195,7 @@ class TransferEngine:
             self._seq += 1
         transfer = Transfer(
             label or f"{direction} #{seq}", direction, Priority(priority), src, dst,
-            self.chunk_bytes, tuple(after), seq,
+            self.chunk_bytes, tuple(after), seq, chunks,
         )
         lane = self._lanes[direction]
         with lane.cv:
@@ -285,8 +298,8 @@ class TransferEngine:
         # means complete). Done for every chunk: chunks may run on either upload stream.
         for event in transfer.after:
             self.worker._device_wait(event)
-        start = index * transfer.chunk_bytes
-        stop = min(transfer.nbytes, start + transfer.chunk_bytes)
+        start = index * transfer.nbytes // transfer.chunks
+        stop = (index + 1) * transfer.nbytes // transfer.chunks
         if stop > start:
             src = transfer.src.reshape(-1).view(torch.uint8)[start:stop]
             dst = transfer.dst.reshape(-1).view(torch.uint8)[start:stop]
