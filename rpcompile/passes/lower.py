@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from rpcompile.ir import ORDERED_STREAMS, Action, Edge, Plan, Schedule, Stage
 from rpcompile.passes.manager import PassManager, PassRecord
+from rpcompile.passes.validate import validate as check
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -379,8 +380,6 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     ``transfers`` and ``events`` for the weight-bound baselines) through a :class:`PassManager`
     that validates the input (as pass ``dispatch``) and the output of each pass. Returns the
     lowered schedule and one record per pass."""
-    from rpcompile.passes.validate import validate as check
-
     if passes is None:
         passes = LOWERING_PASSES if schedule.stage_workers is None else _BASELINE_PASSES
     table = {
