@@ -395,5 +395,5 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     if validate:
         check(schedule, "dispatch")
     manager = PassManager([(p, table[p]) for p in passes],
-                          check=(lambda s, name: check(s, name)) if validate else None)
+                          check=check if validate else None)
     return manager.run(schedule)
