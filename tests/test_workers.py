@@ -184,6 +184,25 @@ def test_stream_error_surfaces_with_context_and_shutdown_joins_quickly():
         w.submit("compute", lambda: None)
 
 
+def test_a_stream_that_cannot_start_fails_the_worker_instead_of_hanging():
+    class BadDevice(VirtualWorker):
+        def _stream_context(self, stream):
+            if stream == "compute":
+                raise RuntimeError("device lost")
+            return super()._stream_context(stream)
+
+    w = BadDevice(5)
+    try:
+        done = w.record("compute", "F1")
+        with pytest.raises(UpstreamFailed, match="device lost"):
+            done.wait(timeout=5)
+        with pytest.raises(WorkerError, match="stream setup") as info:
+            w.check()
+        assert info.value.stream == "compute"
+    finally:
+        assert w.shutdown(timeout=5) == []
+
+
 def test_shutdown_unblocks_a_wait_on_another_workers_event():
     a, b = VirtualWorker(0), VirtualWorker(1)
     gate = Event("gate")

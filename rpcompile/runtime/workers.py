@@ -324,23 +324,40 @@ class Worker(abc.ABC):
     # -- streams -------------------------------------------------------------------------
     def _stream_main(self, stream: str, rng: random.Random | None) -> None:
         q = self._queues[stream]
-        with self._stream_context(stream):
-            while True:
-                item = q.get()
-                if item is None:
-                    return
-                if (self._failed and not item.always) or self._stopping:
-                    self._drop(item)
-                    continue
-                if rng is not None:
-                    time.sleep(rng.uniform(0.0, self.chaos_max_delay_s))
-                self._current[stream] = item.label
-                try:
-                    item.fn()
-                except BaseException as exc:
-                    self._on_item_error(stream, item, exc)
-                finally:
-                    self._current[stream] = None
+        try:
+            context = self._stream_context(stream)
+            context.__enter__()
+        except BaseException as exc:
+            # Nothing can run on this stream (e.g. the CUDA device is unusable): fail the worker
+            # and keep draining the queue so every waiter gets an error instead of a hang.
+            self.report_error(WorkerError(
+                self.name, stream, "stream setup", exc, traceback_text=traceback.format_exc()
+            ))
+            while (item := q.get()) is not None:
+                self._drop(item)
+            return
+        try:
+            self._run_items(stream, q, rng)
+        finally:
+            context.__exit__(None, None, None)
+
+    def _run_items(self, stream: str, q: Any, rng: random.Random | None) -> None:
+        while True:
+            item = q.get()
+            if item is None:
+                return
+            if (self._failed and not item.always) or self._stopping:
+                self._drop(item)
+                continue
+            if rng is not None:
+                time.sleep(rng.uniform(0.0, self.chaos_max_delay_s))
+            self._current[stream] = item.label
+            try:
+                item.fn()
+            except BaseException as exc:
+                self._on_item_error(stream, item, exc)
+            finally:
+                self._current[stream] = None
 
     def _drop(self, item: _Item) -> None:
         if item.produces is not None:
