@@ -8,10 +8,13 @@ on the returned object.
 from rpcompile.capture import Captured, CaptureError, CaptureReport, capture
 from rpcompile.compiler import Compiled, compile
 from rpcompile.hardware import Hardware, get_hardware, list_hardware
-from rpcompile.ir import Plan, Stage, UnitProfile
+from rpcompile.ir import Action, Plan, Schedule, Stage, UnitProfile
+from rpcompile.passes.lower import lower
 from rpcompile.passes.partition import PartitionError
+from rpcompile.passes.schedule import build_schedule
 
 __all__ = [
+    "Action",
     "CaptureError",
     "CaptureReport",
     "Captured",
@@ -19,10 +22,13 @@ __all__ = [
     "Hardware",
     "PartitionError",
     "Plan",
+    "Schedule",
     "Stage",
     "UnitProfile",
+    "build_schedule",
     "capture",
     "compile",
     "get_hardware",
     "list_hardware",
+    "lower",
 ]
