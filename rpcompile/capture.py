@@ -612,11 +612,39 @@ def _probe_opaque(mod: nn.Module, forward: Callable, seen=None) -> _OpaqueEntry:
         for d0, d1 in zip(o0.shape, o1.shape):
             rule.append(_dim_rule(d0, d1, results[0][0], results[1][0]))
         rules.append((rule, o0.dtype))
-    # Routing decides which experts run, so FLOPs per token are read off a real run; top-k
-    # routing makes them the same for every token (checked over the two probes).
-    per_token = round(max(flops))
+    # FLOPs per token are read off a real run; FlopCounterMode does not see grouped expert
+    # matmuls, so an MoE block is counted from its shapes (router + top-k experts) instead.
+    per_token = _moe_flops_per_token(mod)
+    if per_token is None:
+        per_token = round(max(flops))
     tokens = B * S if len(shapes[0]) == 3 else B
     return _OpaqueEntry(mod, forward, param_names, rules, tuple_out, per_token, tokens)
+
+
+def _moe_flops_per_token(mod: nn.Module) -> int | None:
+    """2 x (router weights + top_k x one expert's weights): the matmul FLOPs one token costs."""
+    experts = getattr(mod, "experts", None)
+    if experts is None:
+        return None
+    count = getattr(experts, "num_experts", None)
+    top_k = None
+    for holder in (mod, getattr(mod, "gate", None), getattr(mod, "router", None), experts):
+        for attr in ("top_k", "num_experts_per_tok", "experts_per_token"):
+            v = getattr(holder, attr, None) if holder is not None else None
+            if isinstance(v, int):
+                top_k = top_k or v
+    weights3d = [p for p in experts.parameters() if p.dim() == 3]
+    if top_k is None or not weights3d:
+        return None
+    count = count or weights3d[0].shape[0]
+    per_expert = sum(p.numel() for p in weights3d) // count
+    if isinstance(experts, nn.ModuleList):
+        return None
+    router = sum(
+        p.numel() for name, p in mod.named_parameters()
+        if not name.startswith("experts.") and p.dim() == 2
+    )
+    return 2 * (router + top_k * per_expert)
 
 
 def _dim_rule(d0: int, d1: int, shape0, shape1) -> tuple[str, int]:
