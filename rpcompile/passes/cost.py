@@ -206,6 +206,9 @@ class _Walk:
         self.rg: dict[fx.Node, Any] = {}  # node -> bool, or list[bool] for multi-output nodes
         self.expr_cache: dict[Any, sympy.Expr] = {}
         self.flop_cache: dict[tuple, tuple[sympy.Expr, sympy.Expr]] = {}
+        self.max_cache: dict[tuple, tuple[sympy.Expr, sympy.Expr]] = {}
+        self.bytes_cache: dict[tuple, sympy.Expr] = {}
+        self.storage_cache: dict[tuple, sympy.Expr] = {}
 
     # -- the walk ---------------------------------------------------------------------------
     def run(self, gm: fx.GraphModule, operands: Sequence[Any] | None, grad_enabled: bool,
@@ -319,7 +322,7 @@ class _Walk:
         bwd = sympy.Add(*acc.bwd[before[1]:])
         node.meta["rp_cost"] = NodeCost(
             forward_flops=fwd, backward_flops=bwd,
-            output_bytes=self._bytes_of(node.meta.get("val")).xreplace({_E: self.elem}),
+            output_bytes=self._graph_bytes_of(node.meta.get("val")),
             requires_grad=_any_rg(flags), allocates=False,
         )
 
@@ -340,7 +343,7 @@ class _Walk:
         node.meta["rp_cost"] = NodeCost(
             forward_flops=fwd,
             backward_flops=bwd,
-            output_bytes=self._bytes_of(val).xreplace({_E: self.elem}),
+            output_bytes=self._graph_bytes_of(val),
             requires_grad=_any_rg(self.rg.get(node, False)),
             allocates=allocated is not None,
         )
@@ -418,9 +421,21 @@ class _Walk:
             total += sympy.Mul(*self._shape(t)) * self._elem_bytes(t)
         return total
 
+    def _graph_bytes_of(self, val: Any) -> sympy.Expr:
+        """Logical bytes of a value in the graph's dtype (cached: layers repeat shapes)."""
+        key = tuple((self._shape(t), t.dtype) for t in _flat_tensors(val))
+        hit = self.bytes_cache.get(key)
+        if hit is None:
+            hit = self.bytes_cache[key] = self._bytes_of(val).xreplace({_E: self.elem})
+        return hit
+
     def _storage_bytes(self, t: torch.Tensor) -> sympy.Expr:
-        nbytes = self._sym(t.untyped_storage().nbytes())
-        return sympy.sympify(nbytes) / t.element_size() * self._elem_bytes(t)
+        key = (_raw_key(t), t.dtype)
+        hit = self.storage_cache.get(key)
+        if hit is None:
+            nbytes = sympy.sympify(self._sym(t.untyped_storage().nbytes()))
+            hit = self.storage_cache[key] = nbytes / t.element_size() * self._elem_bytes(t)
+        return hit
 
     def _storage_bytes_of(self, val: Any, keys: set[int]) -> sympy.Expr:
         total, done = sympy.Integer(0), set()
@@ -484,7 +499,12 @@ class _Walk:
             output_b = sympy.expand(sympy.Add(*acc.output.values()))
             shared_b = sympy.expand(sympy.Add(*acc.shared.values()))
             saved_b = sympy.expand(sympy.Add(*acc.saved.values(), *acc.saved_extra))
-            transient_b = _max_of(list(acc.transient))
+            candidates = tuple(acc.transient)
+            hit = self.max_cache.get(candidates)
+            if hit is None:  # identical layers have identical candidates
+                symbolic_max = _max_of(list(candidates))
+                hit = self.max_cache[candidates] = (symbolic_max, _subs_in_max(symbolic_max, elem))
+            transient_b, transient_graph = hit
             symbolic = (output_b, shared_b, saved_b, transient_b)
             out.append(UnitCost(
                 index=i,
@@ -499,7 +519,7 @@ class _Walk:
                 output_bytes=output_b.xreplace(elem),
                 shared_bytes=shared_b.xreplace(elem),
                 saved_bytes=saved_b.xreplace(elem),
-                transient_bytes=transient_b.xreplace(elem),
+                transient_bytes=transient_graph,
                 graph_element_bytes=self.elem,
                 symbolic_bytes=symbolic,
             ))
@@ -880,9 +900,23 @@ def _coefficients(expr: sympy.Expr) -> dict[tuple, sympy.Expr] | None:
 
 
 def _dominates(a: dict, b: dict) -> bool:
-    """a >= b for all b, s, elem >= 1 (sufficient test: every coefficient of a - b is >= 0)."""
-    for mono in set(a) | set(b):
-        if a.get(mono, 0) - b.get(mono, 0) < 0:
+    """True when a >= b for every b, s, elem >= 1 (a sufficient test, never a wrong True).
+
+    Since every variable is >= 1, a monomial is at least any monomial it divides; so a - b >= 0
+    if each negative coefficient of a - b can be paid for by positive coefficients at monomials
+    it divides. Paid greedily, highest negative monomials first, from the lowest payers."""
+    diff = {m: a.get(m, 0) - b.get(m, 0) for m in set(a) | set(b)}
+    credit = {m: c for m, c in diff.items() if c > 0}
+    debts = sorted(((m, -c) for m, c in diff.items() if c < 0), key=lambda mc: -sum(mc[0]))
+    for mono, debt in debts:
+        payers = sorted((m for m in credit if all(x >= y for x, y in zip(m, mono))), key=sum)
+        for m in payers:
+            pay = min(debt, credit[m])
+            credit[m] -= pay
+            debt -= pay
+            if debt == 0:
+                break
+        if debt > 0:
             return False
     return True
 
@@ -904,7 +938,17 @@ def _max_of(exprs: list[sympy.Expr]) -> sympy.Expr:
         )
         if not dominated:
             keep.append(e)
-    return keep[0] if len(keep) == 1 else sympy.Max(*keep)
+    # The survivors are pairwise incomparable, so Max needs no simplification of its own
+    # (evaluating it would search for comparable pairs again, which is slow).
+    return keep[0] if len(keep) == 1 else sympy.Max(*keep, evaluate=False)
+
+
+def _subs_in_max(expr: sympy.Expr, subs: dict) -> sympy.Expr:
+    """xreplace of a Max, pruned again by _max_of rather than by sympy's slow evaluation of a
+    Max (with the element size fixed, more terms become comparable)."""
+    if isinstance(expr, sympy.Max):
+        return _max_of([a.xreplace(subs) for a in expr.args])
+    return expr.xreplace(subs)
 
 
 def _to_int(value: sympy.Expr, what: str, unit: str) -> int:
