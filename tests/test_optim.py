@@ -152,11 +152,13 @@ def test_async_is_exactly_one_step_stale_with_hyperparameters_of_its_step():
     driver = OptimizerDriver(
         store, lambda p: torch.optim.AdamW(p, lr=lrs[0], fused=True), mode="async"
     )
-    for k, batch in enumerate(batches):
-        # Set the LR the way a scheduler would between steps: update k must use lrs[k] even
-        # though it runs while step k+1 is already under way.
-        driver.optimizer.param_groups[0]["lr"] = lrs[k]
+    # An LR scheduler steps between steps: update k must use lrs[k] even though it runs
+    # while step k+1 is already under way (and the scheduler has moved on).
+    scheduler = torch.optim.lr_scheduler.LambdaLR(driver.optimizer, lambda k: lrs[k] / lrs[0])
+    for batch in batches:
         _driver_step(driver, model, [batch])
+        if driver.step < len(lrs):
+            scheduler.step()
     driver.wait(timeout=10)
     for n, p in reference.named_parameters():
         assert torch.equal(store.master_of(n), p), n

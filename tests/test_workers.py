@@ -178,7 +178,7 @@ def test_stream_error_surfaces_with_context_and_shutdown_joins_quickly():
     assert ran == []
     start = time.monotonic()
     alive = w.shutdown(timeout=5)
-    assert alive == [] and time.monotonic() - start < 1.0
+    assert alive == [] and time.monotonic() - start < 2.0
     assert not any(t.is_alive() for t in threading.enumerate() if t.name.startswith("rpcompile-v2-"))
     with pytest.raises(WorkerAborted):
         w.submit("compute", lambda: None)
@@ -213,7 +213,7 @@ def test_shutdown_unblocks_a_wait_on_another_workers_event():
     time.sleep(0.05)
     start = time.monotonic()
     assert a.shutdown(timeout=5) == [] and b.shutdown(timeout=5) == []
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 2.0
     with pytest.raises((UpstreamFailed, WorkerAborted)):
         b_done.wait(timeout=1)
 

@@ -276,6 +276,9 @@ class OptimizerDriver:
             self._schedule_ready(state)
             self._open = None
             self.step += 1
+        # The step is taken, even if its update still runs: tell an LR scheduler so (the flag
+        # its step() wrapper would set), or it warns that it stepped before the optimizer.
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return Event.all_of(state.group_done, f"update {state.step}")
 
     def discard_step(self) -> None:
@@ -325,7 +328,9 @@ class OptimizerDriver:
             optimizer.param_groups = [
                 {**g, **hp} for g, hp in zip(self.optimizer.param_groups, state.hyperparams)
             ]
-        optimizer.step()
+        # Call the class's step on the twin: an LR scheduler replaces the *instance's* step
+        # with a wrapper bound to the original optimizer, which would bypass the twin.
+        type(self.optimizer).step(optimizer)
         self.store.zero_grads(group.slots)
         if self.mode == "sync":
             self.store.refresh_slots(group.slots)
