@@ -1,0 +1,787 @@
+"""The executor: runs one step of a lowered RoundPipe :class:`~rpcompile.ir.Schedule` on workers.
+
+Every action of the schedule becomes one item on its worker's stream (compute, weight_upload,
+activation_upload, download) or on the host queue, which the calling thread runs itself. An
+item first waits for the actions its edges name (one event per action that is an edge's
+source), then does its work, then sets its own event. Nothing else orders work: that is the
+schedule's protocol, and chaos mode on the workers shakes out any wait it lacks.
+
+Sections, in reading order:
+  1. StepFailed                      - the error a failed step raises in the caller
+  2. value bundles                   - which tensors a schedule value (``x8``, ``g8``) carries
+  3. _StepPlan                       - per schedule step: queues, waits, readers (built once)
+  4. Executor                        - run_step(): submit, run the host queue, drain, clean up
+  5. actions                         - UP, EVICT, H2D, D2H, F, T, B, ACC, OPT, SHADOW
+  6. device memory holds             - activations accounted against the worker's capacity
+
+**Values.** A schedule value names the boundary after a unit, but the stage programs exchange
+many named tensors (the hidden state, rotary tables, masks, sizes, a long skip connection).
+``x<b>`` carries every tensor produced at units ``<= b`` that a stage starting after ``b``
+reads (so shared values travel along the forward chain, as docs/schedule.md says); when it
+feeds the tail or a backward stage only, just that stage's inputs. ``g<b>`` carries every value
+gradient accumulated so far whose value was produced at or before ``b``, in the same dict the
+reference executor threads through the backward stages, so the sums happen in the same order.
+
+**Numerics.** Forward stages run ``graph_module`` under ``no_grad`` like the reference; tail
+and backward stages call :func:`rpcompile.reference.run_backward_microbatch` with the job's
+parameter gradients pre-bound to views of one fp32 flat buffer on the worker (zero-filled when
+the job starts), so each job's sum is the reference's sum bit for bit. The host adds each job's
+buffer into the master gradients (``ACC``) in the schedule's (round, stage) order, which is the
+reference's order too.
+
+**Steps and failure.** ``run_step`` runs the actions of one schedule step (``step % steps``;
+the trainer builds a schedule whose step count makes the round-robin counter continue across
+steps) and returns when every stream has drained: steps are separated by a barrier, and edges
+from an earlier step count as satisfied. The optimizer driver is given the step's gradients
+(``ACC`` -> ``accumulate_grad``, ``OPT`` -> ``stage_done``) and rewrites the shadows itself
+(``SHADOW`` is a marker here); ``UP`` waits for the driver's shadow event of its stage. When
+any item fails, a run-level abort flag makes every other wait give up, every stream drains, the
+workers are recovered and device memory freed, the driver discards the step's gradients, and
+:class:`StepFailed` is raised naming the worker, stream, stage, microbatch, round and action.
+Whether the masters keep their pre-step values depends on the driver: in sync mode the trainer
+builds it with ``eager_updates=False`` (nothing is applied before the step completes); in async
+mode the failed step's gradients are dropped and the previous step's update (already owed)
+still completes, so the masters equal what ``state_dict()`` returned before the failed step.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rpcompile.ir import Action, Schedule
+from rpcompile.passes.lower import LOWERING_PASSES
+from rpcompile.passes.split import StageProgram
+from rpcompile.reference import run_backward_microbatch, split_batch, stage_arguments
+from rpcompile.runtime.errors import (
+    EventTimeout,
+    RuntimeFault,
+    UpstreamFailed,
+    WorkerAborted,
+    WorkerError,
+)
+from rpcompile.runtime.memory import HostStore
+from rpcompile.runtime.optim import OptimizerDriver
+from rpcompile.runtime.workers import Event, Worker
+
+__all__ = ["Executor", "StepFailed", "StepResult"]
+
+_HOST_VALUES = ("ids", "labels")  # schedule values that live on the host from the start
+
+
+# ============================================================================================
+# 1. StepFailed
+# ============================================================================================
+
+
+class StepFailed(RuntimeFault):
+    """A step stopped because an action failed. ``action`` is the failing schedule action,
+    ``worker``/``stream`` where it ran (None/"host" for the host queue), ``stage`` its stage
+    name (``F2``, ``B1``), ``microbatch``/``round`` as in the action; ``cause`` the original
+    exception (also ``__cause__``). ``others`` lists secondary failures (waits that gave up)."""
+
+    def __init__(self, action: Action, stage_name: str, worker_name: str | None,
+                 cause: BaseException, others: Sequence[str] = ()) -> None:
+        self.action = action
+        self.worker = worker_name
+        self.stream = action.stream
+        self.stage = stage_name
+        self.microbatch = action.microbatch
+        self.round = action.round
+        self.cause = cause
+        self.others = tuple(others)
+        where = "host" if worker_name is None else f"worker {worker_name}"
+        mb = "" if action.microbatch is None else f", microbatch {action.microbatch}"
+        rnd = "" if action.round is None else f", round {action.round}"
+        super().__init__(
+            f"step failed at {where}, stream {action.stream}, stage {stage_name}{mb}{rnd}, "
+            f"action '{action}': {type(cause).__name__}: {cause}. The step's gradients were "
+            "discarded and the workers recovered; fix the cause and call step() again."
+        )
+        self.__cause__ = cause
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one step measured: its loss (mean over microbatches), the schedule step it ran,
+    wall time, and each worker's device-memory peak during the step."""
+
+    loss: torch.Tensor
+    schedule_step: int
+    seconds: float
+    peak_bytes: tuple[int, ...]
+
+
+# ============================================================================================
+# 2. value bundles
+# ============================================================================================
+
+
+def _bundle_names(programs: Sequence[StageProgram], unit_of: Mapping[str, int],
+                  schedule: Schedule) -> dict[tuple[int, str], set[str] | None]:
+    """(producer stage, value) -> the tensor names that value carries (None: every value
+    gradient, for ``g`` values). Raises when a forward stage could not provide a name."""
+    first = {p.index: p.units[0] for p in programs}
+    by_index = {p.index: p for p in programs}
+
+    def live_after(b: int) -> set[str]:
+        return {v for p in programs if p.units[0] > b for v in p.value_inputs
+                if unit_of[v] <= b}
+
+    out: dict[tuple[int, str], set[str] | None] = {}
+    for f in schedule.flows:
+        if f.from_host:
+            continue
+        key = (f.src_stage, f.value)
+        if f.what == "igrad":
+            out[key] = None
+            continue
+        dst = by_index[f.dst_stage]
+        need = live_after(first[dst.index] - 1) if dst.kind == "forward" else set(dst.value_inputs)
+        out.setdefault(key, set()).update(need)  # type: ignore[union-attr]
+    for (src, value), names in out.items():
+        if names is None:
+            continue
+        prog = by_index[src]
+        received = live_after(prog.units[0] - 1)
+        missing = names - received - set(prog.outputs)
+        if missing:
+            raise ValueError(
+                f"stage {prog.name} sends value {value!r} but cannot provide {sorted(missing)}: "
+                "they are neither its inputs nor its outputs; the split and the schedule's flows "
+                "disagree (re-run compile(); report this if it persists)"
+            )
+    return out
+
+
+def _copy_to(obj: Any, make: Any) -> Any:
+    """Copy every tensor inside ``obj`` (a tensor, tuple/list of them, or a plain value such as
+    an int size) with ``make(tensor) -> tensor``; plain values pass through."""
+    if isinstance(obj, torch.Tensor):
+        return make(obj)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_copy_to(o, make) for o in obj)
+    return obj
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, Mapping):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+# ============================================================================================
+# 3. _StepPlan
+# ============================================================================================
+
+
+class _StepPlan:
+    """What the executor precomputes for one schedule step (read-only while it runs)."""
+
+    def __init__(self, schedule: Schedule, step: int) -> None:
+        self.step = step
+        self.queues: dict[tuple[int | None, str], list[Action]] = {}
+        for q, actions in schedule.queues().items():
+            mine = [a for a in actions if a.step == step]
+            if mine:
+                self.queues[q] = mine
+        here = {a for lst in self.queues.values() for a in lst}
+        # Edges whose source ran in an earlier step are satisfied by the barrier between steps.
+        self.waits: dict[Action, list[Action]] = {}
+        for e in schedule.edges:
+            if e.dst in here and e.src in here:
+                self.waits.setdefault(e.dst, []).append(e.src)
+        self.sources = {s for srcs in self.waits.values() for s in srcs}
+        self.compute_of = {(a.kind, a.stage, a.microbatch, a.round): a
+                           for a in here if a.is_compute}
+        # Readers of each value kept on its producer's worker: same-worker consumer computes
+        # plus the value's D2H. Readers of each value staged on the host: the remote H2Ds.
+        self.device_readers: dict[tuple[int, str, int, int], int] = {}
+        self.host_readers: dict[tuple[str, int, int], int] = {}
+        self.local_inputs: dict[Action, list[tuple[Any, tuple[int, str, int, int]]]] = {}
+        for c in self.compute_of.values():
+            for f in schedule.flows:
+                if f.from_host or (f.dst_kind, f.dst_stage) != (c.kind, c.stage):
+                    continue
+                p = self.compute_of[(f.src_kind, f.src_stage, c.microbatch, c.round)]
+                if p.worker == c.worker:
+                    key = (p.worker, f.value, c.microbatch, c.round)
+                    self.device_readers[key] = self.device_readers.get(key, 0) + 1
+                    self.local_inputs.setdefault(c, []).append((f, key))
+        self.grad_jobs: set[tuple[int, int, int]] = set()  # (worker, stage, round) with D2H grad
+        for a in here:
+            if a.kind == "D2H" and a.what == "grad":
+                self.grad_jobs.add((a.worker, a.stage, a.round))
+            elif a.kind == "D2H":
+                key = (a.worker, a.value, a.microbatch, a.round)
+                self.device_readers[key] = self.device_readers.get(key, 0) + 1
+            elif a.kind == "H2D" and a.value not in _HOST_VALUES:
+                key = (a.value, a.microbatch, a.round)
+                self.host_readers[key] = self.host_readers.get(key, 0) + 1
+        self.job_first: set[Action] = set()  # first compute of each job
+        for (_, stream), lst in self.queues.items():
+            if stream != "compute":
+                continue
+            previous = None
+            for a in lst:
+                if not a.is_compute:
+                    continue
+                if previous is None or (previous.stage, previous.round) != (a.stage, a.round):
+                    self.job_first.add(a)
+                previous = a
+
+
+# ============================================================================================
+# 4. Executor
+# ============================================================================================
+
+
+class _Run:
+    """Mutable state of one running step, shared by the stream threads and the host."""
+
+    def __init__(self, plan: _StepPlan, parts: list[dict[str, torch.Tensor]],
+                 shadow_ready: dict[int, Event], workers: int) -> None:
+        self.plan = plan
+        self.parts = parts
+        self.shadow_ready = shadow_ready
+        self.events = {a: Event(str(a)) for a in plan.sources}
+        self.lock = threading.Lock()
+        self.aborted = False
+        self.failures: list[tuple[Action, BaseException]] = []
+        self.device_readers = dict(plan.device_readers)
+        self.host_readers = dict(plan.host_readers)
+        # (worker, stage, round) -> (flat weights, parameter views, buffers)
+        self.weights: dict[tuple[int, int, int], tuple[torch.Tensor, dict, dict]] = {}
+        # (worker, stage, round) -> (flat fp32 gradients, per-parameter views)
+        self.grads: dict[tuple[int, int, int], tuple[torch.Tensor, dict]] = {}
+        # (worker, value, microbatch, round) -> tensors a compute produced, kept on the device
+        self.device_values: dict[tuple[int, str, int, int], dict[str, Any]] = {}
+        # (worker, stage, microbatch, round) -> tensors H2Ds brought in for that compute
+        self.delivered: dict[tuple[int, int, int, int], dict[str, Any]] = {}
+        self.host_values: dict[tuple[str, int, int], dict[str, Any]] = {}
+        self.host_grads: dict[tuple[int, int], torch.Tensor] = {}
+        self.losses: dict[tuple[int, int], torch.Tensor] = {}
+        self.holds = [_Holds() for _ in range(workers)]
+
+    def abort_requested(self) -> bool:
+        return self.aborted
+
+    def fail(self, action: Action, exc: BaseException) -> None:
+        with self.lock:
+            self.failures.append((action, exc))
+            self.aborted = True
+
+
+class _Buffers:
+    """A job's device copies of its non-parameter inputs (buffers, lifted constants), read by
+    :func:`stage_arguments` through ``value_of`` as it would read the captured model's."""
+
+    def __init__(self, values: dict[str, torch.Tensor]) -> None:
+        self.values = values
+
+    def value_of(self, name: str) -> torch.Tensor:
+        return self.values[name]
+
+
+_SECONDARY = (WorkerAborted, UpstreamFailed)
+
+
+class Executor:
+    """Runs steps of a fully lowered RoundPipe schedule on ``workers`` (see the module doc).
+
+    ``compiled`` gives the stage programs and the captured graph; ``store`` holds the masters,
+    shadows and gradients, built over the programs' parameters stage by stage (parameter names
+    = ``StageInput.source``); ``driver`` runs the optimizer over the store. ``timeout_s`` bounds
+    the host's waits and the final drain (None: unbounded; failures never rely on it).
+    """
+
+    def __init__(self, compiled: Any, workers: Sequence[Worker], schedule: Schedule,
+                 store: HostStore, driver: OptimizerDriver, *,
+                 timeout_s: float | None = None) -> None:
+        self.compiled = compiled
+        self.workers = list(workers)
+        self.schedule = schedule
+        self.store = store
+        self.driver = driver
+        self.timeout_s = timeout_s
+        self.programs = list(compiled.stages)
+        self._check(schedule)
+        captured = compiled.capture
+        unit_of = {n.name: n.meta["rp_unit"] for n in captured.graph_module.graph.nodes
+                   if n.op == "call_function" and "rp_unit" in n.meta}
+        self.bundles = _bundle_names(self.programs, unit_of, schedule)
+        # Flow read by each H2D, and values each compute kind of each stage produces.
+        self._flow_of = {(f.dst_stage, f.value, f.what): f for f in schedule.flows}
+        self._produces: dict[tuple[str, int], list[str]] = {}
+        for f in schedule.flows:
+            if not f.from_host:
+                values = self._produces.setdefault((f.src_kind, f.src_stage), [])
+                if f.value not in values:
+                    values.append(f.value)
+        self._extras = [
+            {i.name: captured.value_of(i.name) for i in p.inputs
+             if i.kind in ("buffer", "constant")}
+            for p in self.programs
+        ]
+        self._plans: dict[int, _StepPlan] = {}
+        self._run: _Run | None = None
+        self.steps_run = 0
+        for worker in self.workers:
+            worker.add_error_listener(self._on_worker_error)
+
+    def _check(self, sched: Schedule) -> None:
+        problems = []
+        if sched.kind != "roundpipe":
+            problems.append(f"schedule kind is {sched.kind!r}, the executor runs 'roundpipe'")
+        if tuple(sched.passes) != LOWERING_PASSES:
+            problems.append(f"schedule passes are {sched.passes}, expected {LOWERING_PASSES} "
+                            "(lower it with rpcompile.passes.lower.lower)")
+        if sched.workers != len(self.workers):
+            problems.append(f"schedule is for {sched.workers} workers, {len(self.workers)} given")
+        if len(sched.stage_names) != len(self.programs):
+            problems.append(f"schedule has {len(sched.stage_names)} stages, the compiled model "
+                            f"{len(self.programs)}")
+        if (sched.microbatches, sched.rounds) != (self.compiled.microbatches,
+                                                   self.compiled.rounds):
+            problems.append(f"schedule runs {sched.microbatches} microbatches x {sched.rounds} "
+                            f"rounds, the compiled model {self.compiled.microbatches} x "
+                            f"{self.compiled.rounds}")
+        if sched.optimizer != self.driver.mode:
+            problems.append(f"schedule was lowered for the {sched.optimizer} optimizer, the "
+                            f"driver runs {self.driver.mode}")
+        if len(self.store.stages) != len(self.programs):
+            problems.append("the host store was not built stage by stage from these programs")
+        if problems:
+            raise ValueError("cannot execute this schedule: " + "; ".join(problems))
+
+    def plan_for(self, step: int) -> _StepPlan:
+        """The precomputed plan of the schedule step that optimizer step ``step`` runs."""
+        j = step % self.schedule.steps
+        if j not in self._plans:
+            self._plans[j] = _StepPlan(self.schedule, j)
+        return self._plans[j]
+
+    def _on_worker_error(self, error: WorkerError) -> None:
+        run = self._run
+        if run is not None:
+            run.aborted = True
+
+    # -- one step --------------------------------------------------------------------------
+    def run_step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
+        """Run one optimizer step over ``batch`` (a normalized batch dict, dim 0 = sequences)
+        and return its loss; raises :class:`StepFailed` (masters kept, see the module doc)."""
+        start = time.perf_counter()
+        total = self.compiled.microbatches * self.compiled.rounds
+        parts = split_batch(batch, total)
+        plan = self.plan_for(self.steps_run)
+        for w in self.workers:
+            w.check()
+            w.reset_peak()
+        self.driver.begin_step()
+        shadow_ready = {s: self.driver.shadow_event(s) for s in range(len(self.programs))}
+        run = _Run(plan, parts, shadow_ready, len(self.workers))
+        self._run = run
+        host_error: BaseException | None = None
+        try:
+            for (w, stream), actions in plan.queues.items():
+                if w is not None:
+                    for a in actions:
+                        self.workers[w].submit(stream, lambda a=a: self._item(run, a), str(a))
+            self._run_host(run)
+        except BaseException as exc:  # every failure ends the step alike
+            host_error = exc
+            run.aborted = True
+        try:
+            self._drain(run)
+        except EventTimeout as exc:
+            self._run = None
+            self.driver.discard_step()
+            raise StepFailed(Action(None, "ACC", 0), "?", None, exc) from None
+        peaks = tuple(w.peak_bytes for w in self.workers)
+        failed = host_error is not None or run.failures or any(w.errors for w in self.workers)
+        self._cleanup(run)
+        self._run = None
+        if failed:
+            self.driver.discard_step()
+            raise self._step_error(run, host_error) from None
+        self.driver.finish_step()
+        self.steps_run += 1
+        losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
+                  for m in range(self.compiled.microbatches)]
+        loss = torch.stack(losses).sum() / total
+        return StepResult(loss, plan.step, time.perf_counter() - start, peaks)
+
+    def _item(self, run: _Run, a: Action) -> None:
+        """One action on a stream thread: wait for its edges, act, set its event."""
+        event = run.events.get(a)
+        try:
+            for src in run.plan.waits.get(a, ()):
+                run.events[src].wait_recorded(abort=run.abort_requested)
+            if a.kind == "UP":
+                run.shadow_ready[a.stage].wait_recorded(abort=run.abort_requested)
+            if run.aborted:
+                raise WorkerAborted(f"step aborted before '{a}' ran")
+            getattr(self, "_do_" + a.kind)(run, a)
+        except BaseException as exc:
+            if not isinstance(exc, _SECONDARY):
+                run.fail(a, exc)
+            if event is not None:
+                event.fail(exc)
+            raise
+        if event is not None:
+            event.set()
+
+    def _run_host(self, run: _Run) -> None:
+        """The host queue, in order, on the calling thread."""
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        for a in run.plan.queues.get((None, "host"), ()):
+            try:
+                for src in run.plan.waits.get(a, ()):
+                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                    run.events[src].wait(left, abort=run.abort_requested)
+                getattr(self, "_do_" + a.kind)(run, a)
+            except BaseException as exc:
+                if not isinstance(exc, _SECONDARY):
+                    run.fail(a, exc)
+                raise
+            event = run.events.get(a)
+            if event is not None:
+                event.set()
+
+    def _drain(self, run: _Run) -> None:
+        """Return once every stream has run or dropped everything submitted this step."""
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        for worker in self.workers:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                worker.synchronize(left)
+            except EventTimeout:
+                run.aborted = True
+                raise
+            except BaseException:  # a failed worker: recover() drains it below
+                run.aborted = True
+
+    def _cleanup(self, run: _Run) -> None:
+        """Free the step's device memory; a failed worker first drains every stream."""
+        for i, worker in enumerate(self.workers):
+            if worker.errors:
+                worker.recover(timeout=self.timeout_s or 60.0)
+            run.holds[i].release_all()
+            worker.free_all()
+
+    def _step_error(self, run: _Run, host_error: BaseException | None) -> BaseException:
+        roots = [(a, e) for a, e in run.failures if not isinstance(e, _SECONDARY)]
+        if not roots:
+            # Nothing of ours failed first: a wait gave up because the optimizer thread (or a
+            # worker outside any action) failed; re-raise that root.
+            try:
+                self.driver.check()
+            except BaseException as exc:
+                return exc
+            return host_error or RuntimeFault("step failed without a recorded cause")
+        action, cause = roots[0]
+        others = [f"'{a}': {type(e).__name__}" for a, e in run.failures if a is not action][:8]
+        worker = None if action.worker is None else self.workers[action.worker].name
+        return StepFailed(action, self.programs[action.stage].name, worker, cause, others)
+
+    # ========================================================================================
+    # 5. actions
+    # ========================================================================================
+
+    # -- weights -----------------------------------------------------------------------------
+    def _do_UP(self, run: _Run, a: Action) -> None:
+        worker = self.workers[a.worker]
+        stage = self.store.stages[a.stage]
+        name = self.programs[a.stage].name
+        flat = worker.alloc(shape=(stage.layout.shadow_numel,), dtype=self.store.compute_dtype,
+                            tag=f"{name} weights")
+        # One copy per contiguous host segment: one for a stage of contiguous units.
+        for seg, host in zip(stage.layout.shadow_segments, stage.shadow):
+            worker.copy_(flat[seg.device_offset:seg.device_offset + seg.numel], host)
+        extras = {}
+        for key, value in self._extras[a.stage].items():
+            extras[key] = worker.alloc(shape=value.shape, dtype=value.dtype,
+                                       tag=f"{name} buffer {key}")
+            worker.copy_(extras[key], value)
+        worker.complete_copies()
+        run.weights[(a.worker, a.stage, a.round)] = (flat, stage.device_views(flat), extras)
+
+    def _do_EVICT(self, run: _Run, a: Action) -> None:
+        worker = self.workers[a.worker]
+        flat, _, extras = run.weights.pop((a.worker, a.stage, a.round))
+        worker.free(flat)
+        for t in extras.values():
+            worker.free(t)
+
+    # -- activations -------------------------------------------------------------------------
+    def _names_for(self, f: Any) -> set[str] | None:
+        """The tensor names the consumer of flow ``f`` reads from its value (None: all)."""
+        if f.what == "igrad":
+            return None
+        if self.programs[f.dst_stage].kind == "forward":
+            return self.bundles[(f.src_stage, f.value)]
+        return set(self.programs[f.dst_stage].value_inputs)
+
+    def _do_H2D(self, run: _Run, a: Action) -> None:
+        worker = self.workers[a.worker]
+        key = (a.worker, a.stage, a.microbatch, a.round)
+
+        def upload(t: torch.Tensor) -> torch.Tensor:
+            dev = torch.empty(t.shape, dtype=t.dtype, device=worker.device)
+            worker.copy_(dev, t)
+            return dev
+
+        copies: dict[str, Any] = {}
+        if a.value in _HOST_VALUES:
+            # The batch lives on the host: bring in every batch input the consumer reads.
+            mb = run.parts[a.round * self.compiled.microbatches + a.microbatch]
+            for inp in self.programs[a.stage].inputs:
+                if inp.kind == "batch":
+                    copies["batch:" + inp.source] = upload(mb[inp.source])
+        else:
+            hkey = (a.value, a.microbatch, a.round)
+            staged = run.host_values[hkey]
+            need = self._names_for(self._flow_of[(a.stage, a.value, a.what)])
+            prefix = "grad:" if a.what == "igrad" else ""
+            for name, value in staged.items():
+                if need is None or name in need:
+                    copies[prefix + name] = _copy_to(value, upload)
+            with run.lock:
+                run.host_readers[hkey] -= 1
+                if run.host_readers[hkey] == 0:
+                    del run.host_values[hkey]
+        worker.complete_copies()
+        run.holds[a.worker].hold(worker, ("in", key, a.value), _tensors(copies),
+                                 f"{self.programs[a.stage].name} input {a.value}")
+        with run.lock:
+            run.delivered.setdefault(key, {}).update(copies)
+
+    def _do_D2H(self, run: _Run, a: Action) -> None:
+        worker = self.workers[a.worker]
+        if a.what == "grad":
+            flat, _ = run.grads.pop((a.worker, a.stage, a.round))
+            host = worker.host_empty(flat.shape, flat.dtype)
+            worker.copy_(host, flat)
+            worker.complete_copies()
+            worker.free(flat)
+            run.host_grads[(a.stage, a.round)] = host
+            return
+        key = (a.worker, a.value, a.microbatch, a.round)
+
+        def download(t: torch.Tensor) -> torch.Tensor:
+            host = worker.host_empty(t.shape, t.dtype)
+            worker.copy_(host, t)
+            return host
+
+        staged = {name: _copy_to(v, download) for name, v in run.device_values[key].items()}
+        worker.complete_copies()
+        run.host_values[(a.value, a.microbatch, a.round)] = staged
+        self._release_value(run, key)
+
+    def _release_value(self, run: _Run, key: tuple[int, str, int, int]) -> None:
+        with run.lock:
+            run.device_readers[key] -= 1
+            last = run.device_readers[key] == 0
+            if last:
+                del run.device_values[key]
+        if last:
+            run.holds[key[0]].release(("value", *key))
+
+    # -- compute -----------------------------------------------------------------------------
+    def _inputs(self, run: _Run, a: Action) -> tuple[dict[str, Any], dict[str, Any],
+                                                     dict[str, Any]]:
+        """(forward values, value gradients, batch inputs) of a compute, on its worker."""
+        worker = self.workers[a.worker]
+        with run.lock:
+            delivered = run.delivered.get((a.worker, a.stage, a.microbatch, a.round), {})
+        values: dict[str, Any] = {}
+        grads: dict[str, Any] = {}
+        batch: dict[str, Any] = {}
+        for name, v in delivered.items():
+            if name.startswith("batch:"):
+                batch[name[6:]] = v
+            elif name.startswith("grad:"):
+                grads[name[5:]] = v
+            else:
+                values[name] = v
+        for f, vkey in run.plan.local_inputs.get(a, ()):
+            bundle = run.device_values[vkey]
+            need = self._names_for(f)
+            into = grads if f.what == "igrad" else values
+            into.update(bundle if need is None else {n: v for n, v in bundle.items() if n in need})
+        mb = run.parts[a.round * self.compiled.microbatches + a.microbatch]
+        for inp in self.programs[a.stage].inputs:
+            # A batch input the schedule's flows do not bring in (a middle stage reading the
+            # labels, say) is copied by the compute itself: it is on the host from the start.
+            if inp.kind == "batch" and inp.source not in batch:
+                dev = torch.empty(mb[inp.source].shape, dtype=mb[inp.source].dtype,
+                                  device=worker.device)
+                worker.copy_(dev, mb[inp.source])
+                batch[inp.source] = dev
+        return values, grads, batch
+
+    def _finish_compute(self, run: _Run, a: Action, available: Mapping[str, Any],
+                        grads: Mapping[str, Any]) -> None:
+        """Keep what this compute sends on on the device, then drop what it read."""
+        worker = self.workers[a.worker]
+        prog = self.programs[a.stage]
+        worker.complete_copies()
+        for value in self._produces.get((a.kind, a.stage), ()):
+            key = (a.worker, value, a.microbatch, a.round)
+            if not run.device_readers.get(key):
+                continue
+            names = self.bundles[(a.stage, value)]
+            if names is None:
+                bundle = {n: g for n, g in grads.items() if n not in prog.outputs}
+            else:
+                bundle = {n: available[n] for n in names}
+            run.holds[a.worker].hold(worker, ("value", *key), _tensors(bundle),
+                                     f"{prog.name} value {value}")
+            with run.lock:
+                run.device_values[key] = bundle
+        ckey = (a.worker, a.stage, a.microbatch, a.round)
+        with run.lock:
+            delivered = run.delivered.pop(ckey, {})
+        del delivered
+        run.holds[a.worker].release_prefix(("in", ckey))
+        for _, vkey in run.plan.local_inputs.get(a, ()):
+            self._release_value(run, vkey)
+
+    def _job(self, run: _Run, a: Action) -> tuple[dict[str, torch.Tensor], _Buffers]:
+        _, views, extras = run.weights[(a.worker, a.stage, a.round)]
+        return views, _Buffers(extras)
+
+    def _do_F(self, run: _Run, a: Action) -> None:
+        prog = self.programs[a.stage]
+        params, extras = self._job(run, a)
+        values, _, batch = self._inputs(run, a)
+        with torch.no_grad():
+            outs = prog.graph_module(*stage_arguments(prog, extras, params, batch, values))
+        available = dict(values)
+        available.update(zip(prog.outputs, outs))
+        self._finish_compute(run, a, available, {})
+
+    def _do_T(self, run: _Run, a: Action) -> None:
+        self._backward(run, a)
+
+    def _do_B(self, run: _Run, a: Action) -> None:
+        self._backward(run, a)
+
+    def _backward(self, run: _Run, a: Action) -> None:
+        worker = self.workers[a.worker]
+        prog = self.programs[a.stage]
+        params, extras = self._job(run, a)
+        values, value_grads, batch = self._inputs(run, a)
+        job = (a.worker, a.stage, a.round)
+        stage = self.store.stages[a.stage]
+        if a in run.plan.job_first and stage.layout.grad_numel:
+            if job not in run.plan.grad_jobs:
+                raise RuntimeError(f"stage {prog.name} has trainable parameters but the "
+                                   "schedule never downloads its gradients (no D2H grad)")
+            flat = worker.alloc(shape=(stage.layout.grad_numel,), dtype=torch.float32,
+                                tag=f"{prog.name} gradients")
+            flat.zero_()
+            run.grads[job] = (flat, stage.grad_views(flat))
+        views = run.grads[job][1] if job in run.grads else {}
+        # The job's fp32 sums live in views of the flat buffer: the reference's "first
+        # microbatch starts from zero, later ones add" is 0 + g, then += g, bit for bit.
+        job_grads = dict(views)
+        total = self.compiled.microbatches * self.compiled.rounds
+        loss = run_backward_microbatch(prog, extras, params, batch, values, value_grads,
+                                       job_grads, scale=total)
+        stray = set(job_grads) - set(views)
+        if stray:
+            raise RuntimeError(f"stage {prog.name}: gradients for {sorted(stray)} have no place "
+                               "in the stage's gradient buffer (parameters the host store "
+                               "holds as frozen?)")
+        if loss is not None:
+            host = worker.host_empty(loss.shape, loss.dtype)
+            worker.copy_(host, loss)
+            run.losses[(a.round, a.microbatch)] = host
+        self._finish_compute(run, a, values, value_grads)
+
+    # -- host --------------------------------------------------------------------------------
+    def _do_ACC(self, run: _Run, a: Action) -> None:
+        self.driver.accumulate_grad(a.stage, run.host_grads.pop((a.stage, a.round)))
+
+    def _do_OPT(self, run: _Run, a: Action) -> None:
+        self.driver.stage_done(a.stage)
+
+    def _do_SHADOW(self, run: _Run, a: Action) -> None:
+        # The driver rewrites the shadows itself (sync: after each group's update, when the
+        # step is complete; async: before the next update starts), and the next step's UPs
+        # wait for driver.shadow_event(stage); here the rewrite has no work of its own.
+        return
+
+
+# ============================================================================================
+# 6. device memory holds
+# ============================================================================================
+
+
+class _Holds:
+    """Activations held on a worker between actions, accounted against its capacity once per
+    storage (a tensor passed on from one value to the next is counted once)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._keys: dict[tuple, list[int]] = {}
+        self._storages: dict[int, list] = {}  # data_ptr -> [refcount, reservation, storage]
+
+    def hold(self, worker: Worker, key: tuple, tensors: Sequence[torch.Tensor], tag: str) -> None:
+        ptrs = []
+        for t in tensors:
+            if t.numel() == 0:
+                continue
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            with self._lock:
+                entry = self._storages.get(ptr)
+                if entry is not None:
+                    entry[0] += 1
+                    ptrs.append(ptr)
+                    continue
+            reservation = worker.reserve(storage.nbytes(), tag)
+            reservation.__enter__()  # raises WorkerOutOfMemory naming the tag and the bytes
+            with self._lock:
+                self._storages[ptr] = [1, reservation, storage]
+            ptrs.append(ptr)
+        with self._lock:
+            self._keys.setdefault(key, []).extend(ptrs)
+
+    def release(self, key: tuple) -> None:
+        self._release([key])
+
+    def release_prefix(self, prefix: tuple) -> None:
+        with self._lock:
+            keys = [k for k in self._keys if k[:len(prefix)] == prefix]
+        self._release(keys)
+
+    def _release(self, keys: list[tuple]) -> None:
+        done = []
+        with self._lock:
+            for k in keys:
+                for ptr in self._keys.pop(k, ()):
+                    entry = self._storages[ptr]
+                    entry[0] -= 1
+                    if entry[0] == 0:
+                        done.append(self._storages.pop(ptr)[1])
+        for reservation in done:
+            reservation.__exit__(None, None, None)
+
+    def release_all(self) -> None:
+        with self._lock:
+            done = [entry[1] for entry in self._storages.values()]
+            self._storages.clear()
+            self._keys.clear()
+        for reservation in done:
+            reservation.__exit__(None, None, None)

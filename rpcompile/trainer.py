@@ -1,0 +1,218 @@
+"""Training API: a :class:`Trainer` runs a compiled model's RoundPipe steps on workers.
+
+    compiled = rpcompile.compile(model, gpus=4, microbatches=5, example_inputs=batch)
+    trainer = Trainer(compiled, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True))
+    loss = trainer.step(batch)          # forward, backward, optimizer over the whole batch
+    trainer.sync_to_model()             # trained weights back into the original module
+
+It wires the runtime together: the workers (``device="auto"|"virtual"|"cuda"``), the host store
+of fp32 masters / low-precision shadows / fp32 gradients built over the stage programs'
+parameters, the optimizer driver (``mode="sync"``: ordinary training; ``"async"``: one step
+stale, like the RoundPipe paper), the lowered schedule and the :class:`Executor`.
+
+The schedule is built for as many steps as it takes the round-robin job counter to come back
+to worker 0 (``workers / gcd(jobs per step, workers)``), so dealing continues across steps as
+in a long run, and step ``k`` runs schedule step ``k mod steps``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rpcompile.ir import Schedule
+from rpcompile.passes.lower import lower
+from rpcompile.passes.schedule import build_schedule
+from rpcompile.runtime.executor import Executor, StepFailed, StepResult
+from rpcompile.runtime.memory import HostStore, MemoryReport
+from rpcompile.runtime.optim import MODES, OptimizerDriver
+from rpcompile.runtime.workers import make_workers
+
+__all__ = ["StepFailed", "Trainer", "plan_summary"]
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def plan_summary(compiled: Any) -> dict[str, Any]:
+    """What a checkpoint records about the plan, and what must match to load it."""
+    plan = compiled.plan
+    return {
+        "workers": compiled.workers,
+        "microbatches": compiled.microbatches,
+        "rounds": compiled.rounds,
+        "microbatch_size": plan.microbatch_size,
+        "seq_len": plan.seq_len,
+        "stages": [(p.name, p.kind, list(p.unit_names)) for p in compiled.stages],
+    }
+
+
+class Trainer:
+    """Trains ``compiled.model`` with RoundPipe on stateless workers (see the module doc).
+
+    ``optimizer``: a factory ``params -> torch.optim.Optimizer`` called with the fp32 masters
+    (default AdamW, lr 1e-4). ``device``: ``"auto"`` (CUDA if present, else virtual with a
+    warning), ``"virtual"`` or ``"cuda"``. ``mode``: ``"sync"`` or ``"async"``. ``chaos``: a
+    seed for the virtual workers' random delays. ``capacity_bytes``: device memory per worker
+    (virtual default: unlimited, accounted). ``timeout_s``: bound on a step's waits.
+    ``schedule_steps``: override the schedule's step count (default: the dealing period).
+    """
+
+    def __init__(
+        self,
+        compiled: Any,
+        optimizer: OptimizerFactory | None = None,
+        *,
+        device: str = "auto",
+        mode: str = "sync",
+        chaos: int | None = None,
+        capacity_bytes: int | None = None,
+        timeout_s: float | None = None,
+        schedule_steps: int | None = None,
+    ) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.compiled = compiled
+        self.mode = mode
+        self.schedule = self._lowered_schedule(compiled, mode, schedule_steps)
+        self.workers = make_workers(compiled.workers, device, capacity_bytes, chaos)
+        try:
+            self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
+            # Sync mode holds every update until the step's gradients are all home, so a step
+            # that fails part-way leaves masters and optimizer state untouched.
+            self.driver = OptimizerDriver(
+                self.store, optimizer or _default_optimizer, mode=mode,
+                eager_updates=mode != "sync",
+            )
+            self.executor = Executor(compiled, self.workers, self.schedule, self.store,
+                                     self.driver, timeout_s=timeout_s)
+        except BaseException:
+            for w in self.workers:
+                w.shutdown()
+            raise
+        self.last: StepResult | None = None
+
+    # -- construction ------------------------------------------------------------------------
+    @staticmethod
+    def _lowered_schedule(compiled: Any, mode: str, steps: int | None) -> Schedule:
+        jobs = len(compiled.stages) * compiled.rounds
+        period = compiled.workers // math.gcd(jobs, compiled.workers)
+        compute = build_schedule(compiled.plan, workers=compiled.workers,
+                                 microbatches=compiled.microbatches, rounds=compiled.rounds,
+                                 steps=steps or period, kind="roundpipe", optimizer=mode)
+        lowered, _ = lower(compute, compiled.plan)
+        return lowered
+
+    @staticmethod
+    def _build_store(compiled: Any, pin: bool) -> HostStore:
+        model = compiled.model
+        stage_params = [
+            [(i.source, model.get_parameter(i.source)) for i in p.inputs if i.kind == "param"]
+            for p in compiled.stages
+        ]
+        grad_stages = [p.index for p in compiled.stages if p.kind != "forward"]
+        return HostStore.build(stage_params, compute_dtype=compiled.compute_dtype, pin=pin,
+                               grad_stages=grad_stages)
+
+    # -- training ----------------------------------------------------------------------------
+    def step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step over ``batch`` (token ids ``[batch, seq]`` or a dict with
+        ``input_ids``/``labels`` for a causal LM; a tuple of tensors otherwise): split into
+        ``microbatches x rounds`` microbatches, forward, backward, update. Returns the loss
+        (mean over microbatches). Raises :class:`StepFailed` if any action fails."""
+        from rpcompile.capture import normalize_batch
+
+        batch = normalize_batch(self.compiled.model, batch, self.compiled.capture.loss_fn)
+        self.last = self.executor.run_step(batch)
+        return self.last.loss
+
+    @property
+    def steps_done(self) -> int:
+        return self.driver.step
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.driver.optimizer
+
+    def masters(self) -> dict[str, torch.Tensor]:
+        """The fp32 master weights by parameter name (live views; see ``state_dict`` for
+        copies), once every queued update has run."""
+        self.driver.wait()
+        return {s.name: self.store.master_of(s.name) for s in self.store.trainable_slots}
+
+    def sync_to_model(self) -> None:
+        """Write the trained masters into the original module's parameters (cast to their
+        dtype), so ``model.save_pretrained`` and plain inference see the trained weights."""
+        self.driver.wait()
+        self.store.load_into_module(self.compiled.model)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Masters, optimizer state, step counter, mode and a plan summary."""
+        state = self.driver.state_dict()
+        state["plan"] = plan_summary(self.compiled)
+        state["executor_steps"] = self.executor.steps_run
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` from a trainer over the same plan."""
+        mine = plan_summary(self.compiled)
+        theirs = state.get("plan")
+        if theirs is not None and _comparable(theirs) != _comparable(mine):
+            diff = [k for k in mine if _comparable(mine).get(k) != _comparable(theirs).get(k)]
+            warnings.warn(
+                f"loading a checkpoint saved under another plan (differs in {diff}); masters "
+                "and optimizer state are per parameter, so they load, but the step will run "
+                "under this trainer's plan",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.driver.load_state_dict(state)
+        self.executor.steps_run = int(state.get("executor_steps", state["step"]))
+
+    # -- inspection ----------------------------------------------------------------------------
+    def peak_bytes(self) -> tuple[int, ...]:
+        """Each worker's device-memory peak during the last step (accounted bytes)."""
+        if self.last is None:
+            raise RuntimeError("no step has run yet")
+        return self.last.peak_bytes
+
+    def predicted_peak_bytes(self) -> tuple[int, ...]:
+        """The planner's predicted peak per worker: the largest ``Stage.peak_bytes`` among
+        the stages the schedule deals to that worker (over every schedule step)."""
+        peaks = [0] * len(self.workers)
+        for w, actions in enumerate(self.schedule.actions):
+            for a in actions:
+                if a.is_compute:
+                    peaks[w] = max(peaks[w], self.compiled.plan.stages[a.stage].peak_bytes)
+        return tuple(peaks)
+
+    def memory_report(self) -> MemoryReport:
+        return self.driver.memory_report()
+
+    # -- lifetime ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish queued updates, stop the optimizer thread and every worker's streams."""
+        try:
+            self.driver.wait()
+        finally:
+            self.driver.close()
+            for w in self.workers:
+                w.shutdown()
+
+    def __enter__(self) -> Trainer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _comparable(summary: dict[str, Any]) -> dict[str, Any]:
+    return {k: (list(map(list, v)) if k == "stages" else v) for k, v in summary.items()}
