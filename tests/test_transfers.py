@@ -165,3 +165,93 @@ def test_close_fails_what_has_not_run_and_validates_inputs(worker):
     with pytest.raises(ValueError, match="contiguous"):
         other.d2h(torch.zeros(4, 4).t())
     other.close()
+
+
+def test_components_run_training_steps_together_under_chaos():
+    """Host store -> segment uploads -> compute on device views -> gradient download ->
+    optimizer driver, over two chaotic virtual workers, equals eager training bit for bit."""
+    from torch import nn
+    from torch.func import functional_call
+
+    from rpcompile.runtime.memory import HostStore
+    from rpcompile.runtime.optim import OptimizerDriver
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.emb = nn.Embedding(30, 8)
+            self.pre = nn.Linear(8, 8)
+            self.mid = nn.Linear(8, 8)
+            self.head = nn.Linear(8, 30, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, ids):
+            logits = self.head(torch.tanh(self.mid(torch.tanh(self.pre(self.emb(ids))))))
+            return nn.functional.cross_entropy(logits.flatten(0, 1), ids.flatten())
+
+    reference, model = Tied(), Tied()
+    ref_opt = torch.optim.AdamW(list(reference.parameters()), lr=1e-2, fused=True)
+    p = dict(model.named_parameters(remove_duplicate=False))
+    stage_names = [["emb.weight", "pre.weight", "pre.bias"],
+                   ["mid.weight", "mid.bias", "head.weight"]]
+    store = HostStore.build([[(n, p[n]) for n in names] for names in stage_names])
+    assert len(store.stages[1].layout.shadow_segments) == 2  # the tied head lives in stage 0
+    driver = OptimizerDriver(store, lambda ps: torch.optim.AdamW(ps, lr=1e-2, fused=True))
+    workers = [VirtualWorker(i, capacity_bytes=1 << 20, chaos=i + 3) for i in range(2)]
+    engines = [TransferEngine(w, chunk_bytes=256) for w in workers]
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            ids = torch.randint(0, 30, (2, 6), generator=g)
+            ref_opt.zero_grad()
+            reference(ids).backward()
+            ref_opt.step()
+
+            driver.begin_step()
+            downloads = []
+            for s, (w, engine) in enumerate(zip(workers, engines)):
+                stage = store.stages[s]
+                weights = w.alloc(shape=(stage.layout.shadow_numel,), dtype=store.compute_dtype,
+                                  tag=f"s{s} weights")
+                uploads = [
+                    engine.h2d(src, weights[seg.device_offset : seg.device_offset + seg.numel],
+                               after=[driver.shadow_event(s)], label=f"UP s{s} seg{j}")
+                    for j, (src, seg) in enumerate(zip(stage.shadow, stage.layout.shadow_segments))
+                ]
+                grads = w.alloc(shape=(stage.layout.grad_numel,), dtype=torch.float32,
+                                tag=f"s{s} grads")
+                w.wait("compute", *[u.done for u in uploads])
+
+                def job(stage=stage, weights=weights, grads=grads, ids=ids):
+                    mine = {n: v.clone().requires_grad_(True)
+                            for n, v in stage.device_views(weights).items()}
+                    # Other stages' weights are only read (in a pipeline they would arrive as
+                    # activations); each job differentiates its own uses.
+                    values = {n: store.shadow_of(n) for n in p}
+                    values.update(mine)
+                    loss = functional_call(model, values, (ids,), tie_weights=False)
+                    got = torch.autograd.grad(loss, list(mine.values()))
+                    views = stage.grad_views(grads)
+                    for n, gr in zip(mine, got):
+                        views[n].copy_(gr)
+
+                w.submit("compute", job, label=f"job s{s}")
+                produced = w.record("compute", f"s{s} grads ready")
+                downloads.append(engine.d2h(grads, after=[produced], label=f"D2H grad s{s}"))
+            for s in (1, 0):
+                downloads[s].done.wait(timeout=30)
+                driver.accumulate_grad(s, downloads[s].dst, timeout=30)
+                driver.stage_done(s)
+            driver.finish_step().wait(timeout=30)
+            for w in workers:
+                w.synchronize(timeout=30)
+                assert 0 < w.peak_bytes <= 1 << 20
+                w.free_all()
+        for n, param in reference.named_parameters():
+            assert torch.equal(store.master_of(n), param), n
+    finally:
+        driver.close()
+        for engine, w in zip(engines, workers):
+            engine.close()
+            w.shutdown(timeout=5)
