@@ -379,3 +379,19 @@ def test_annotate_is_fast_and_repeatable():
     assert isinstance(first[0], UnitCost)
     assert elapsed < 5.0
     assert sympy.expand(first[2].forward_flops - first[1].forward_flops) == 0
+
+
+def test_fused_attention_counts_like_flop_counter_cuda_kernels():
+    """SDPA: forward as the two attention matmuls of the eager layer; backward as
+    FlopCounterMode's fused-attention backward, which recomputes the scores (one more matmul)."""
+    eager = _case("qwen3")[3]
+    model = _model("qwen3", attn_implementation="sdpa")
+    captured = capture(model)
+    targets = {str(n.target) for n in captured.graph_module.graph.nodes}
+    assert "aten.scaled_dot_product_attention.default" in targets
+    fused = annotate_costs(captured)
+    b, s = 3, 7
+    scores = 2 * b * 4 * s * s * 16
+    for e, f in zip(eager[1:-1], fused[1:-1]):
+        assert f.flops_at(b, s)[0] == e.flops_at(b, s)[0]
+        assert f.flops_at(b, s)[1] == e.flops_at(b, s)[1] + scores

@@ -376,7 +376,7 @@ class _Walk:
         for a in _flat_args(node):
             if isinstance(a, fx.Node) and isinstance(a.meta.get("val"), torch.Tensor):
                 shapes.append(self._shape(a.meta["val"]))
-                flags.append(out_rg and bool(self.rg.get(a, False)))
+                flags.append(out_rg and _any_rg(self.rg.get(a, False)))
             elif isinstance(a, fx.Node):
                 v = a.meta.get("val")
                 consts.append(self._sym(v) if isinstance(v, torch.SymInt) else None)
