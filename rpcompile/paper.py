@@ -1,0 +1,249 @@
+"""The RoundPipe paper's five workloads as data: model shapes, measured per-layer times, batches.
+
+Sections, in reading order:
+  1. PaperModel   - one model: its shape (parameter and activation bytes follow from it) and
+                    the per-layer times measured on one RTX 4090 for a 4 x 2048-token microbatch
+  2. MODELS       - the five models (figures from shared/REFERENCE.md)
+  3. Workload     - the paper's training setups (global batch, microbatches, rounds)
+
+``PaperModel.units(b, s)`` turns a model into the ``UnitProfile`` list the partitioner and the
+simulator read: a prefix unit (embedding), one unit per decoder layer, and the tail (final norm,
+LM head and loss). Times scale linearly with the tokens in a microbatch (the table was measured
+at 4 x 2048 tokens; attention's quadratic part is ignored, a few percent at 2048).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from rpcompile.ir import UnitProfile
+
+__all__ = ["MODELS", "PAPER_MODELS", "WORKLOADS", "PaperModel", "Workload", "get_model"]
+
+# The table's microbatch: 4 sequences of 2048 tokens.
+_TABLE_TOKENS = 4 * 2048
+# We assume the tail computes its loss in token chunks of this size (logits of a whole
+# 26k-token microbatch over a 150k vocabulary would not fit a 24 GB GPU otherwise).
+_LOSS_CHUNK_TOKENS = 4096
+
+
+# --------------------------------------------------------------------------------------------
+# 1. PaperModel
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PaperModel:
+    """A decoder-only LM of the paper's evaluation, by shape and measured per-layer times.
+
+    Dense layers: attention q, k, v, o (+ q/k norms for Qwen3), a 3-matrix gated MLP, two
+    RMSNorms. MoE layers (``experts`` > 0): the same attention, ``experts`` gated experts of
+    width ``ffn`` each, and a linear router. ``lora_rank`` > 0 means LoRA adapters on every
+    linear layer of the decoder (attention, every expert's three matrices, the router; not the
+    LM head, as PEFT's ``all-linear``): trainable parameters are the adapters only.
+    Times (ms) are per layer for one microbatch of 4 x 2048 tokens on one RTX 4090;
+    ``backward_ms`` excludes the recompute of the forward.
+    """
+
+    name: str
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    ffn: int  # dense MLP width, or one expert's width for MoE
+    vocab: int
+    forward_ms: float
+    backward_ms: float
+    head_forward_ms: float
+    head_backward_ms: float
+    hop_ms: float  # one activation moving between two GPUs through the host
+    tied_embeddings: bool = False
+    experts: int = 0
+    top_k: int = 0
+    qk_norm: bool = False
+    attention_bias: bool = False  # GPT-OSS: biases on q, k, v, o and on the experts
+    lora_rank: int = 0
+
+    # -- parameters ----------------------------------------------------------------------
+    def _linears(self) -> list[tuple[int, int, int]]:
+        """(in, out, count) of every linear layer in one decoder layer."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        h = self.hidden
+        attn = [(h, q, 1), (h, kv, 1), (h, kv, 1), (q, h, 1)]
+        if self.experts:
+            mlp = [(h, self.ffn, self.experts), (h, self.ffn, self.experts),
+                   (self.ffn, h, self.experts), (h, self.experts, 1)]
+        else:
+            mlp = [(h, self.ffn, 1), (h, self.ffn, 1), (self.ffn, h, 1)]
+        return attn + mlp
+
+    def layer_params(self) -> int:
+        """Base parameters of one decoder layer (weights, biases, norms)."""
+        total = sum(i * o * n for i, o, n in self._linears())
+        total += 2 * self.hidden  # input and post-attention RMSNorm
+        if self.qk_norm:
+            total += 2 * self.head_dim
+        if self.attention_bias:
+            q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+            total += q + 2 * kv + self.hidden + self.heads  # q,k,v,o biases + attention sinks
+            total += self.experts * (2 * self.ffn + self.hidden) + self.experts  # expert, router biases
+        return total
+
+    def layer_lora_params(self) -> int:
+        """LoRA adapter parameters of one decoder layer (0 without LoRA)."""
+        return sum(self.lora_rank * (i + o) * n for i, o, n in self._linears())
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab * self.hidden
+
+    @property
+    def head_params(self) -> int:
+        """Final norm + LM head (the LM head is the embedding matrix when tied)."""
+        return self.hidden + (0 if self.tied_embeddings else self.vocab * self.hidden)
+
+    def params(self) -> int:
+        """All base parameters of the model, tied matrices counted once."""
+        return self.embedding_params + self.layers * self.layer_params() + self.head_params
+
+    def trainable_params(self) -> int:
+        if self.lora_rank:
+            return self.layers * self.layer_lora_params()
+        return self.params()
+
+    # -- activations and times -----------------------------------------------------------
+    def activation_bytes(self, tokens: int) -> int:
+        """The hidden state between two layers, bf16."""
+        return tokens * self.hidden * 2
+
+    def _layer_working_bytes(self, tokens: int) -> int:
+        """bf16 values one layer keeps for its backward, plus its largest transient: the
+        normalised inputs, q/k/v, the attention output, and the MLP's gate/up/act/down inputs
+        (for MoE, top_k experts' worth per token). Flash attention: nothing quadratic in s."""
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        width = self.top_k * self.ffn if self.experts else self.ffn
+        return tokens * (4 * self.hidden + 2 * q + 2 * kv + 4 * width) * 2
+
+    def hop_ms_at(self, tokens: int) -> float:
+        return self.hop_ms * tokens / _TABLE_TOKENS
+
+    def units(self, microbatch_size: float = 4, seq_len: int = 2048) -> tuple[UnitProfile, ...]:
+        """Prefix (embedding), one unit per layer, tail (final norm + LM head + loss).
+
+        ``microbatch_size`` may be fractional: the paper splits e.g. 128 sequences into 10
+        microbatches, and times scale with the mean tokens per microbatch. The embedding
+        lookup and its gradient were not measured; they are taken as free (a gather and a
+        scatter-add, well under 1% of a layer). With tied embeddings the tail holds the
+        same matrix as the prefix: both upload it and both return gradients for it.
+        """
+        tokens = microbatch_size * seq_len
+        scale = tokens / _TABLE_TOKENS
+        itokens = math.ceil(tokens)
+        act = self.activation_bytes(itokens)
+        lora = bool(self.lora_rank)
+        emb = self.embedding_params
+        # Rotary cos/sin (bf16) computed once in the prefix and read by every layer.
+        rotary = itokens * self.head_dim * 2 * 2
+        prefix = UnitProfile(
+            name="prefix", forward_ms=0.0, backward_ms=0.0,
+            trainable_params=0 if lora else emb, frozen_params=emb if lora else 0,
+            output_bytes=act, shared_bytes=rotary, working_bytes=act,
+        )
+        base, adapters = self.layer_params(), self.layer_lora_params()
+        layer_units = tuple(
+            UnitProfile(
+                name=f"layers.{i}", forward_ms=self.forward_ms * scale,
+                backward_ms=self.backward_ms * scale,
+                trainable_params=adapters if lora else base, frozen_params=base if lora else 0,
+                output_bytes=act, working_bytes=self._layer_working_bytes(itokens),
+            )
+            for i in range(self.layers)
+        )
+        head = self.hidden + self.vocab * self.hidden  # tied: the tail still needs the matrix
+        chunk = min(itokens, _LOSS_CHUNK_TOKENS)
+        tail = UnitProfile(
+            name="tail", forward_ms=self.head_forward_ms * scale,
+            backward_ms=self.head_backward_ms * scale,
+            trainable_params=0 if lora else head, frozen_params=head if lora else 0,
+            output_bytes=0,
+            # bf16 logits and their fp32 gradient for one loss chunk, plus the normalised input.
+            working_bytes=chunk * self.vocab * 6 + 2 * act,
+        )
+        return (prefix, *layer_units, tail)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. MODELS
+# --------------------------------------------------------------------------------------------
+
+_MODEL_LIST = (
+    PaperModel("qwen3-1.7b", layers=28, hidden=2048, heads=16, kv_heads=8, head_dim=128,
+               ffn=6144, vocab=151936, forward_ms=7.43, backward_ms=15.83,
+               head_forward_ms=22.07, head_backward_ms=43.71, hop_ms=1.6,
+               tied_embeddings=True, qk_norm=True),
+    PaperModel("llama3.1-8b", layers=32, hidden=4096, heads=32, kv_heads=8, head_dim=128,
+               ffn=14336, vocab=128256, forward_ms=18.50, backward_ms=41.21,
+               head_forward_ms=37.23, head_backward_ms=74.50, hop_ms=3.2),
+    PaperModel("gpt-oss-20b", layers=24, hidden=2880, heads=64, kv_heads=8, head_dim=64,
+               ffn=2880, vocab=201088, forward_ms=21.64, backward_ms=81.78,
+               head_forward_ms=44.29, head_backward_ms=86.26, hop_ms=2.25,
+               experts=32, top_k=4, attention_bias=True),
+    PaperModel("qwen3-32b", layers=64, hidden=5120, heads=64, kv_heads=8, head_dim=128,
+               ffn=25600, vocab=151936, forward_ms=40.56, backward_ms=91.17,
+               head_forward_ms=54.93, head_backward_ms=108.29, hop_ms=4.0, qk_norm=True),
+    PaperModel("qwen3-235b-a22b", layers=94, hidden=4096, heads=64, kv_heads=4, head_dim=128,
+               ffn=1536, vocab=151936, forward_ms=43.02, backward_ms=58.38,
+               head_forward_ms=42.44, head_backward_ms=43.29, hop_ms=3.2,
+               experts=128, top_k=8, qk_norm=True, lora_rank=32),
+)
+MODELS: dict[str, PaperModel] = {m.name: m for m in _MODEL_LIST}
+PAPER_MODELS: tuple[str, ...] = tuple(MODELS)
+
+
+def get_model(name: str) -> PaperModel:
+    if name not in MODELS:
+        raise ValueError(f"unknown paper model {name!r}; known: {', '.join(PAPER_MODELS)}")
+    return MODELS[name]
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Workload
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One training setup: ``global_batch`` sequences of ``seq_len`` per optimizer step, cut
+    into ``rounds`` accumulation rounds of ``microbatches`` microbatches each."""
+
+    model: str
+    global_batch: int
+    microbatches: int
+    rounds: int
+    seq_len: int = 2048
+
+    @property
+    def microbatch_size(self) -> float:
+        """Mean sequences per microbatch (the paper's splits are not always whole)."""
+        return self.global_batch / (self.microbatches * self.rounds)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.global_batch * self.seq_len
+
+
+# Global batches 512/256/128/128/64; 10 microbatches per round (16 for GPT-OSS). REFERENCE.md
+# lists rounds as "4/2/1/2" for five models; we read them as 1.7B: 4, 8B: 2, GPT-OSS: 1,
+# 32B: 2, and give 235B one round (64 sequences in 10 microbatches is already 6.4 per
+# microbatch, like 32B's 128 / (2 x 10)).
+WORKLOADS: dict[str, Workload] = {
+    w.model: w for w in (
+        Workload("qwen3-1.7b", global_batch=512, microbatches=10, rounds=4),
+        Workload("llama3.1-8b", global_batch=256, microbatches=10, rounds=2),
+        Workload("gpt-oss-20b", global_batch=128, microbatches=16, rounds=1),
+        Workload("qwen3-32b", global_batch=128, microbatches=10, rounds=2),
+        Workload("qwen3-235b-a22b", global_batch=64, microbatches=10, rounds=1),
+    )
+}
