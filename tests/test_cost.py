@@ -395,3 +395,25 @@ def test_fused_attention_counts_like_flop_counter_cuda_kernels():
     for e, f in zip(eager[1:-1], fused[1:-1]):
         assert f.flops_at(b, s)[0] == e.flops_at(b, s)[0]
         assert f.flops_at(b, s)[1] == e.flops_at(b, s)[1] + scores
+
+
+def test_lora_frozen_base_weights():
+    """PEFT LoRA on every linear: base weights frozen, adapters trainable. The base layers'
+    weight gradients vanish, and in layer 0 (frozen embedding and norms) so do the gradients of
+    the projections' inputs; autograd also stops saving what only those gradients needed."""
+    peft = pytest.importorskip("peft")
+    base = _model("qwen3")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=[
+        "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    model = peft.get_peft_model(base, lora).base_model.model
+    units = annotate_costs(capture(model))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert sum(u.trainable_params for u in units) == trainable
+    assert sum(u.frozen_params for u in units) == sum(
+        p.numel() for p in model.parameters() if not p.requires_grad)
+    for b, s in [(1, 7), (3, 5)]:
+        per_module, backward = _eager_flops(model, b, s)
+        assert sum(u.flops_at(b, s)[0] for u in units) == per_module["Global"]
+        assert sum(u.flops_at(b, s)[1] for u in units) == backward
+    _, saved = _hooked_run(model, 3, 11)
+    assert [u.bytes_at(3, 11)["saved"] for u in units] == saved
