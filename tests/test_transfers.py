@@ -64,17 +64,16 @@ def test_critical_transfer_overtakes_a_bulk_one_within_one_chunk(worker, directi
     bulk = submit(big, label="bulk")
     bulk.done.add_callback(lambda e: finished.append("bulk"))
     _wait_until(lambda: bulk.chunks_done >= 2)
-    picked_before = len(engine.trace(direction))
     critical = submit(small, priority=Priority.CRITICAL, label="critical")
     critical.done.add_callback(lambda e: finished.append("critical"))
     bulk.done.wait(timeout=30)
     critical.done.wait(timeout=30)
     assert finished == ["critical", "bulk"]
+    # Nothing was picked between its submission and its copy: it waited only for the chunk
+    # that was in flight.
+    assert critical.waited_chunks == 0
     trace = engine.trace(direction)
-    position = trace.index(("critical", 0))
-    # At most the chunk in flight when it was submitted (and one picked in between the two
-    # lines above) went before it.
-    assert position - picked_before <= 1
+    assert 2 <= trace.index(("critical", 0)) < len(trace) - 1
     assert sum(1 for label, _ in trace if label == "bulk") == bulk.chunks == 128
     assert torch.equal(bulk.dst, big) and torch.equal(critical.dst, small)
     engine.close()

@@ -88,6 +88,10 @@ class Transfer:
         self.done = Event(f"{direction}:{label}")
         self.next_chunk = 0  # next chunk to pick (under the lane lock)
         self.chunks_done = 0
+        # Chunks of other transfers the lane picked between this one's submission and its first
+        # chunk: 0 for a ready critical transfer (it only waits for the chunk in flight).
+        self.picks_at_submit = 0
+        self.waited_chunks = 0
         self.submitted_s = time.perf_counter()
         self.started_s = 0.0
 
@@ -108,6 +112,7 @@ class _Lane:
         # stream until some unrelated transfer becomes ready.
         self.pumps = 0
         self.chunks_left = 0
+        self.picks = 0  # chunks picked so far
         self.trace: collections.deque[tuple[str, int]] = collections.deque(maxlen=100_000)
 
 
@@ -199,6 +204,7 @@ class TransferEngine:
         )
         lane = self._lanes[direction]
         with lane.cv:
+            transfer.picks_at_submit = lane.picks
             lane.pending.append(transfer)
             lane.pumps += transfer.chunks
             lane.chunks_left += transfer.chunks
@@ -242,6 +248,9 @@ class TransferEngine:
         if best is None:
             return None
         index = best.next_chunk
+        if index == 0:
+            best.waited_chunks = lane.picks - best.picks_at_submit
+        lane.picks += 1
         best.next_chunk += 1
         lane.chunks_left -= 1
         lane.pumps -= 1
@@ -297,7 +306,7 @@ class TransferEngine:
         # Device-side ordering after the inputs (a no-op on virtual workers, where a set event
         # means complete). Done for every chunk: chunks may run on either upload stream.
         for event in transfer.after:
-            self.worker._device_wait(event)
+            self.worker.device_wait(event)
         start = index * transfer.nbytes // transfer.chunks
         stop = (index + 1) * transfer.nbytes // transfer.chunks
         if stop > start:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import queue
 import random
 import sys
 import threading
@@ -231,7 +232,8 @@ class Worker(abc.ABC):
     - ``alloc(nbytes | shape=, dtype=, tag=)``, ``free(tensor)``, ``free_all()``,
       ``reserve(nbytes, tag)``; ``memory_in_use``, ``peak_bytes``, ``reset_peak()``.
     - ``host_empty(shape, dtype)``: a host staging buffer (pinned on CUDA);
-      ``copy_(dst, src)``: a copy issued on the current stream (call it inside an item).
+      ``copy_(dst, src)``, ``complete_copies()``, ``device_wait(event)``: a copy issued on the
+      current stream, waiting for it, ordering it after an event (call them inside an item).
     """
 
     kind: str = ""
@@ -271,8 +273,6 @@ class Worker(abc.ABC):
         return f"{type(self).__name__}({self.name}, device={self.device})"
 
     def _start_threads(self) -> None:
-        import queue
-
         for stream in STREAMS:
             self._queues[stream] = queue.SimpleQueue()
             # Per-stream RNG from the seed, so a chaos run is reproducible up to OS scheduling.
@@ -299,8 +299,9 @@ class Worker(abc.ABC):
         """Runs inside a stream item: mark ``event`` as recorded after the stream's work."""
 
     @abc.abstractmethod
-    def _device_wait(self, event: Event) -> None:
-        """Runs inside a stream item after ``event`` is recorded: order the device stream."""
+    def device_wait(self, event: Event) -> None:
+        """Inside a stream item, after ``event`` is recorded: make the current device stream wait
+        for it (CUDA ``wait_event``; nothing on a virtual worker, where recorded means done)."""
 
     @abc.abstractmethod
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor: ...
@@ -425,7 +426,7 @@ class Worker(abc.ABC):
         def wait_all() -> None:
             for event in events:
                 event.wait_recorded(abort=self.should_abort)
-                self._device_wait(event)
+                self.device_wait(event)
 
         names = ", ".join(e.name for e in events)
         self._put(stream, _Item(wait_all, label or f"wait {names}", None))
@@ -663,7 +664,7 @@ class VirtualWorker(Worker):
     def _record_current(self, event: Event) -> None:
         event.set()  # items run synchronously: the stream's earlier work is done
 
-    def _device_wait(self, event: Event) -> None:
+    def device_wait(self, event: Event) -> None:
         if isinstance(event, CudaEvent):
             raise TypeError(f"virtual worker {self.name} cannot wait on CUDA event {event.name!r}")
 
@@ -741,7 +742,7 @@ class CudaWorker(Worker):
             event.cuda_event.record(torch.cuda.current_stream(self.device))
         event.set()
 
-    def _device_wait(self, event: Event) -> None:
+    def device_wait(self, event: Event) -> None:
         if isinstance(event, CudaEvent):
             # A stream may wait on an event of another device in the same process.
             torch.cuda.current_stream(self.device).wait_event(event.cuda_event)
