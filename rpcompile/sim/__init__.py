@@ -1,1 +1,18 @@
-"""rpcompile.sim"""
+"""rpcompile.sim: replay a (lowered) schedule on a hardware profile.
+
+The simulator reads the same :class:`~rpcompile.ir.Schedule` the runtime executes and predicts
+its time line, bubbles, exposed transfers and memory (docs/simulator.md).
+"""
+
+from rpcompile.sim.baselines import pipeline_stages
+from rpcompile.sim.engine import OPTIMIZER_BYTES_PER_PARAM, SimulationError, compute_times, simulate
+from rpcompile.sim.result import SimResult
+
+__all__ = [
+    "OPTIMIZER_BYTES_PER_PARAM",
+    "SimResult",
+    "SimulationError",
+    "compute_times",
+    "pipeline_stages",
+    "simulate",
+]

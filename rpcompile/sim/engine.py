@@ -1,0 +1,567 @@
+"""Discrete-event replay of a schedule on a hardware profile.
+
+Sections, in reading order:
+  1. compute_times()  - milliseconds per compute action, from stage costs or per-unit times
+  2. simulate()       - the public entry: replay, then measure
+  3. the replay       - streams, links, the host queue and shared host memory bandwidth
+  4. measures         - bubble split, exposed transfers, device and host memory
+
+Resource model (docs/simulator.md):
+  * each worker's compute stream runs its actions in list order, one at a time;
+  * each worker has an H2D link (UP and H2D share it) and a D2H link, full duplex. A link
+    serves one transfer at a time: ready critical transfers (one microbatch's tensor) first,
+    bulk ones (weights, gradients) chunk by chunk, so a critical transfer waits at most one
+    chunk. Transfer lanes are not ordered: any transfer whose waits are done may go;
+  * the host queue (ACC, OPT, SHADOW) runs in list order;
+  * host memory bandwidth is shared: every running transfer and host operation draws from it
+    at its own full rate, and when the sum exceeds the host's bandwidth all are slowed in
+    proportion (a fluid model, re-solved at every start and finish);
+  * an action starts once every edge it waits on is done (and, on an ordered stream, the
+    action before it has finished).
+Ties are broken by fixed orders (worker, stream, list position), so a replay is deterministic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.ir import Action, Plan, Schedule, Stage, UnitProfile
+from rpcompile.sim.result import SimResult
+
+__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "SimulationError", "compute_times", "simulate"]
+
+# Fused AdamW over fp32 tensors reads param, grad, exp_avg, exp_avg_sq and writes three of them:
+# 28 bytes of host memory traffic per parameter.
+OPTIMIZER_BYTES_PER_PARAM = 28
+_TIME_EPS = 1e-9  # ms; two events closer than this happen together
+
+
+class SimulationError(RuntimeError):
+    """The replay cannot go on (a deadlock): the message lists the blocked stream heads."""
+
+
+# --------------------------------------------------------------------------------------------
+# 1. compute_times()
+# --------------------------------------------------------------------------------------------
+
+
+def compute_times(
+    schedule: Schedule,
+    plan: Plan | Sequence[Stage],
+    units: Sequence[UnitProfile] | None = None,
+    recompute: bool = True,
+) -> dict[tuple[str, int], float]:
+    """Milliseconds of one microbatch of each (compute kind, stage) in ``schedule``.
+
+    RoundPipe schedules use the plan's ``Stage.compute_ms`` (forward | fused tail | recompute +
+    backward) unless ``units`` is given, in which case stage times are re-derived from those
+    per-unit times (a table of measured times). Baseline schedules (weights bound to workers)
+    split each stage into F = the sum of its units' forwards and B = the sum of their
+    backwards plus, with ``recompute``, their forwards again, except for the model's last unit
+    (LM head and loss: its activations are kept, as in RoundPipe's fused tail). Baselines need
+    per-unit times: a :class:`Plan`'s own units, or ``units``.
+    """
+    stages = _stage_tuple(plan)
+    if units is None and isinstance(plan, Plan):
+        units = plan.units if schedule.stage_workers is not None else None
+    out: dict[tuple[str, int], float] = {}
+    if schedule.stage_workers is None and units is None:
+        for s in stages:
+            kind = {"forward": "F", "tail": "T", "backward": "B"}[s.kind]
+            out[(kind, s.index)] = s.compute_ms
+        return out
+    if units is None:
+        raise ValueError(
+            f"a {schedule.kind} schedule needs per-unit forward and backward times to split "
+            "each stage into F and B: pass units= (e.g. plan.units or rpcompile.paper units)"
+        )
+    last = len(units) - 1
+    for i, s in enumerate(stages):
+        fwd = sum(units[u].forward_ms for u in s.units)
+        bwd = sum(units[u].backward_ms for u in s.units)
+        again = sum(units[u].forward_ms for u in s.units if u != last) if recompute else 0.0
+        if schedule.stage_workers is not None:
+            out[("F", i)] = fwd
+            out[("B", i)] = bwd + again
+        elif s.kind == "forward":
+            out[("F", i)] = fwd
+        else:  # tail (no recompute: forward + loss + backward) or recompute + backward
+            out[("T" if s.kind == "tail" else "B", i)] = fwd + bwd
+    return out
+
+
+def _stage_tuple(plan: Plan | Sequence[Stage]) -> tuple[Stage, ...]:
+    return tuple(plan.stages if isinstance(plan, Plan) else plan)
+
+
+# --------------------------------------------------------------------------------------------
+# 2. simulate()
+# --------------------------------------------------------------------------------------------
+
+
+def simulate(
+    schedule: Schedule,
+    plan: Plan | Sequence[Stage],
+    hardware: Hardware | str,
+    *,
+    units: Sequence[UnitProfile] | None = None,
+    unit_ms: Mapping[str, tuple[float, float]] | None = None,
+    recompute: bool = True,
+    tokens_per_microbatch: int | None = None,
+) -> SimResult:
+    """Replay ``schedule`` (lowered, or compute only) on ``hardware`` and measure it.
+
+    ``plan`` gives stage costs and sizes (a :class:`Plan`, or the stage list a baseline was
+    built from). ``units`` overrides the per-unit profiles (default: the plan's); ``unit_ms``
+    maps unit names to measured (forward_ms, backward_ms) and replaces those times, so a
+    schedule can be replayed with measured per-unit times. ``tokens_per_microbatch`` defaults
+    to the plan's ``microbatch_size * seq_len``. Transfer sizes are the actions' own bytes.
+    """
+    hw = get_hardware(hardware)
+    stages = _stage_tuple(plan)
+    if len(stages) != len(schedule.stage_names):
+        raise ValueError(f"the schedule has {len(schedule.stage_names)} stages, the plan "
+                         f"{len(stages)}: simulate a schedule with the plan it was built from")
+    base_units = tuple(units) if units is not None else (
+        plan.units if isinstance(plan, Plan) else None)
+    if unit_ms is not None:
+        if base_units is None:
+            raise ValueError("unit_ms needs unit profiles to apply to: pass a Plan or units=")
+        unknown = set(unit_ms) - {u.name for u in base_units}
+        if unknown:
+            raise ValueError(f"unit_ms names units the plan does not have: {sorted(unknown)}")
+        base_units = tuple(
+            replace(u, forward_ms=unit_ms[u.name][0], backward_ms=unit_ms[u.name][1])
+            if u.name in unit_ms else u for u in base_units)
+    explicit = units is not None or unit_ms is not None
+    times = compute_times(schedule, plan, base_units if explicit else None, recompute)
+    if tokens_per_microbatch is None:
+        tokens_per_microbatch = plan.microbatch_size * plan.seq_len if isinstance(plan, Plan) else 0
+    timeline = _Replay(schedule, times, hw).run()
+    return _measure(schedule, stages, base_units, hw, timeline, times, tokens_per_microbatch)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. the replay
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _Transfer:
+    action: Action
+    order: int  # issue position on its worker (the tie-break)
+    ready: float = 0.0
+    chunks_left: int = 1
+    chunk_work: float = 0.0  # bytes per chunk (+ the DMA latency on the first)
+    latency_work: float = 0.0
+    started: bool = False
+
+
+@dataclass
+class _Fluid:
+    """Work progressing at a rate shared through host memory bandwidth."""
+
+    action: Action
+    remaining: float  # bytes of host memory traffic (or link bytes) left
+    max_rate: float  # bytes per ms when nothing else competes
+    link: tuple[int, str] | None  # (worker, 'h2d'|'d2h') for transfers, None for host work
+    rate: float = 0.0
+
+
+class _Replay:
+    def __init__(self, sched: Schedule, times: Mapping[tuple[str, int], float],
+                 hw: Hardware) -> None:
+        self.sched, self.times, self.hw = sched, times, hw
+        self.host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
+        self.preds_left: dict[Action, int] = {}
+        self.succs: dict[Action, list[Action]] = {}
+        for e in sched.edges:
+            self.preds_left[e.dst] = self.preds_left.get(e.dst, 0) + 1
+            self.succs.setdefault(e.src, []).append(e.dst)
+        self.compute_q = [[a for a in lst if a.stream == "compute"] for lst in sched.actions]
+        self.transfers: dict[Action, _Transfer] = {}
+        for lst in sched.actions:
+            for i, a in enumerate(lst):
+                if a.stream != "compute":
+                    self.transfers[a] = self._transfer(a, i)
+        self.pools: dict[tuple[int, str], list[_Transfer]] = {
+            (w, d): [] for w in range(sched.workers) for d in ("h2d", "d2h")}
+        self.timeline: dict[Action, tuple[float, float]] = {}
+        self.start: dict[Action, float] = {}
+
+    def _transfer(self, a: Action, order: int) -> _Transfer:
+        gbps = self.hw.d2h_gbps if a.kind == "D2H" else self.hw.h2d_gbps
+        rate = gbps * 1e6
+        chunks = a.chunks if a.priority == "bulk" else 1
+        return _Transfer(a, order, chunks_left=chunks, chunk_work=a.bytes / chunks,
+                         latency_work=self.hw.transfer_latency_us * 1e-3 * rate if a.bytes else 0.0)
+
+    def _ready(self, a: Action) -> bool:
+        return self.preds_left.get(a, 0) == 0
+
+    def run(self) -> dict[Action, tuple[float, float]]:
+        sched = self.sched
+        total = sum(len(lst) for lst in sched.actions) + len(sched.host)
+        head = [0] * sched.workers
+        host_head = 0
+        running: list[tuple[Action, float] | None] = [None] * sched.workers
+        link_busy: dict[tuple[int, str], _Fluid | None] = dict.fromkeys(self.pools)
+        host_busy: _Fluid | None = None
+        for t in self.transfers.values():
+            if self._ready(t.action):
+                self.pools[self._link(t.action)].append(t)
+        now = 0.0
+        done = 0
+
+        def finish(a: Action) -> None:
+            nonlocal done
+            self.timeline[a] = (self.start[a], now)
+            done += 1
+            for s in self.succs.get(a, ()):
+                self.preds_left[s] -= 1
+                if self.preds_left[s] == 0 and s in self.transfers:
+                    tr = self.transfers[s]
+                    tr.ready = now
+                    self.pools[self._link(s)].append(tr)
+
+        while done < total:
+            # Start everything that can start now; zero-length work finishes at once, which
+            # may free more, so repeat until nothing moves.
+            moved = True
+            while moved:
+                moved = False
+                for w in range(sched.workers):
+                    q = self.compute_q[w]
+                    if running[w] is None and head[w] < len(q) and self._ready(q[head[w]]):
+                        a = q[head[w]]
+                        head[w] += 1
+                        self.start[a] = now
+                        ms = self.times.get((a.kind, a.stage), 0.0) if a.is_compute else 0.0
+                        if a.is_compute and (a.kind, a.stage) not in self.times:
+                            raise ValueError(f"no compute time for {a} (kind {a.kind}, stage "
+                                             f"{a.stage}); the plan does not match the schedule")
+                        if ms <= 0.0:
+                            finish(a)
+                        else:
+                            running[w] = (a, now + ms)
+                        moved = True
+                if host_busy is None and host_head < len(sched.host) and \
+                        self._ready(sched.host[host_head]):
+                    a = sched.host[host_head]
+                    host_head += 1
+                    self.start[a] = now
+                    work, rate = self._host_work(a)
+                    if work <= 0.0:
+                        finish(a)
+                    else:
+                        host_busy = _Fluid(a, work, rate, None)
+                    moved = True
+                for link, pool in self.pools.items():
+                    if link_busy[link] is not None or not pool:
+                        continue
+                    tr = min(pool, key=lambda t: (t.action.priority == "bulk", not t.started,
+                                                  t.ready, t.order))
+                    pool.remove(tr)
+                    a = tr.action
+                    if not tr.started:
+                        self.start[a] = now
+                        tr.started = True
+                        work = tr.chunk_work + tr.latency_work
+                    else:
+                        work = tr.chunk_work
+                    tr.chunks_left -= 1
+                    if work <= 0.0 and tr.chunks_left == 0:
+                        finish(a)
+                    else:
+                        gbps = self.hw.d2h_gbps if link[1] == "d2h" else self.hw.h2d_gbps
+                        link_busy[link] = _Fluid(a, work, gbps * 1e6, link)
+                    moved = True
+
+            fluids = [f for f in link_busy.values() if f is not None]
+            if host_busy is not None:
+                fluids.append(host_busy)
+            demand = sum(f.max_rate for f in fluids)
+            scale = min(1.0, self.host_rate / demand) if demand > 0 else 1.0
+            nxt = float("inf")
+            for f in fluids:
+                f.rate = f.max_rate * scale
+                nxt = min(nxt, now + f.remaining / f.rate)
+            for r in running:
+                if r is not None:
+                    nxt = min(nxt, r[1])
+            if nxt == float("inf"):
+                if done < total:
+                    raise SimulationError(self._deadlock(head, host_head))
+                break
+            dt = nxt - now
+            now = nxt
+            for w in range(sched.workers):
+                r = running[w]
+                if r is not None and r[1] <= now + _TIME_EPS:
+                    running[w] = None
+                    finish(r[0])
+            for f in fluids:
+                if f.remaining <= f.rate * dt + _TIME_EPS * f.rate:
+                    if f.link is None:
+                        host_busy = None
+                        finish(f.action)
+                    else:
+                        link_busy[f.link] = None
+                        tr = self.transfers[f.action]
+                        if tr.chunks_left == 0:
+                            finish(f.action)
+                        else:
+                            self.pools[f.link].append(tr)
+                else:
+                    f.remaining -= f.rate * dt
+        return self.timeline
+
+    @staticmethod
+    def _link(a: Action) -> tuple[int, str]:
+        return (a.worker, "d2h" if a.kind == "D2H" else "h2d")
+
+    def _host_work(self, a: Action) -> tuple[float, float]:
+        """(bytes of host memory traffic, full-speed rate in bytes per ms) of a host action."""
+        if a.kind == "OPT":
+            params = a.bytes / 4  # fp32 gradients of the stage
+            rate = self.hw.optimizer_params_per_s * OPTIMIZER_BYTES_PER_PARAM / 1e3
+            return params * OPTIMIZER_BYTES_PER_PARAM, rate
+        # ACC: read the accumulator and the staged gradients, write the accumulator.
+        # SHADOW: read fp32 masters (2x the low-precision bytes), write the shadow.
+        return 3.0 * a.bytes, self.host_rate
+
+    def _deadlock(self, head: list[int], host_head: int) -> str:
+        blocked = [str(q[h]) for q, h in zip(self.compute_q, head) if h < len(q)]
+        if host_head < len(self.sched.host):
+            blocked.append(str(self.sched.host[host_head]))
+        waiting = [str(t.action) for t in self.transfers.values() if t.action not in self.start]
+        return ("the replay cannot progress (deadlock): blocked stream heads "
+                f"{blocked[:8]}, transfers never ready {waiting[:8]}; validate the schedule "
+                "with rpcompile.passes.validate.validate")
+
+
+# --------------------------------------------------------------------------------------------
+# 4. measures
+# --------------------------------------------------------------------------------------------
+
+
+def _measure(sched: Schedule, stages: tuple[Stage, ...], units: tuple[UnitProfile, ...] | None,
+             hw: Hardware, timeline: dict[Action, tuple[float, float]],
+             times: Mapping[tuple[str, int], float], tokens_per_microbatch: int) -> SimResult:
+    makespan = max((e for _, e in timeline.values()), default=0.0)
+    g = sched.workers
+    busy, fill, drain, steady = [], 0.0, 0.0, 0.0
+    for w in range(g):
+        spans = [timeline[a] for a in sched.actions[w] if a.is_compute]
+        b = sum(e - s for s, e in spans)
+        busy.append(b)
+        if not spans:
+            fill += makespan
+            continue
+        first, last = min(s for s, _ in spans), max(e for _, e in spans)
+        fill += first
+        drain += makespan - last
+        steady += (last - first) - b
+    denom = makespan * g if makespan > 0 else 1.0
+    step_end = [0.0] * sched.steps
+    for lst in sched.actions:
+        for a in lst:
+            if a.is_compute:
+                step_end[a.step] = max(step_end[a.step], timeline[a][1])
+    tokens = tokens_per_microbatch * sched.microbatches * sched.rounds * sched.steps
+    return SimResult(
+        schedule=sched, hardware=hw.name, makespan_ms=makespan, tokens=tokens,
+        busy_ms=tuple(busy), bubble=(fill + drain + steady) / denom, bubble_fill=fill / denom,
+        bubble_drain=drain / denom, bubble_steady=steady / denom,
+        exposed_transfer_ms=_exposed_transfers(sched, timeline),
+        peak_device_bytes=_device_memory(sched, stages, units, timeline),
+        peak_host_bytes=_host_memory(sched, stages, units, timeline),
+        step_end_ms=tuple(step_end), timeline=timeline,
+    )
+
+
+def _exposed_transfers(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
+                       ) -> tuple[float, ...]:
+    """Per worker: the sum over computes of (start - when it could have started had every
+    transfer taken no time). A transfer's zero-time readiness is that of what it waits on."""
+    preds: dict[Action, list[Action]] = {}
+    for e in sched.edges:
+        preds.setdefault(e.dst, []).append(e.src)
+    origin: dict[Action, float] = {}
+
+    def free_ready(a: Action) -> float:
+        """When a transfer would be done if transfers were instant (iterative, memoised)."""
+        stack = [a]
+        while stack:
+            x = stack[-1]
+            if x in origin:
+                stack.pop()
+                continue
+            pending = [p for p in preds.get(x, ()) if p.stream not in ("compute", "host")
+                       and p not in origin]
+            if pending:
+                stack.extend(pending)
+                continue
+            origin[x] = max((origin[p] if p.stream not in ("compute", "host") else timeline[p][1]
+                             for p in preds.get(x, ())), default=0.0)
+            stack.pop()
+        return origin[a]
+
+    out = []
+    for lst in sched.actions:
+        prev_end = 0.0
+        lost = 0.0
+        for a in lst:
+            if a.stream != "compute":
+                continue
+            start, end = timeline[a]
+            could = prev_end
+            for p in preds.get(a, ()):
+                could = max(could, timeline[p][1] if p.stream in ("compute", "host")
+                            else free_ready(p))
+            lost += max(0.0, start - could)
+            prev_end = end
+        out.append(lost)
+    return tuple(out)
+
+
+def _peak(deltas: list[tuple[float, int, int]]) -> int:
+    """Peak of a running sum; at equal times frees (order 0) go before allocations."""
+    level = peak = 0
+    for _, _, d in sorted(deltas):
+        level += d
+        peak = max(peak, level)
+    return peak
+
+
+def _working_bytes(sched: Schedule, stage: Stage, units: tuple[UnitProfile, ...] | None) -> int:
+    """Device memory a compute of ``stage`` needs beyond weights, gradients and the values
+    listed in the schedule (one microbatch's activations and transients)."""
+    if sched.stage_workers is None:
+        return max(0, stage.peak_bytes - 2 * stage.weight_bytes - stage.grad_bytes)
+    if units is None:
+        return 0
+    return sum(units[u].working_bytes for u in stage.units)
+
+
+def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
+                   units: tuple[UnitProfile, ...] | None,
+                   timeline: Mapping[Action, tuple[float, float]]) -> tuple[int, ...]:
+    """Peak device bytes per worker: weight slots (UP start .. EVICT end; baselines: their
+    bound stages' weights and gradients all along), the fp32 gradient accumulator of a
+    backward job (first compute start .. its D2H grad end), each compute's working set,
+    values a compute produces (until their local readers and their D2H are done), values an
+    H2D brings (until the compute reading them ends), and a baseline's stash (F end .. B end,
+    the stage's input kept for recompute)."""
+    deltas: list[list[tuple[float, int, int]]] = [[] for _ in range(sched.workers)]
+
+    def hold(w: int, start: float, end: float, nbytes: int) -> None:
+        if nbytes > 0:
+            deltas[w].append((start, 1, nbytes))
+            deltas[w].append((end, 0, -nbytes))
+
+    computes: dict[tuple, Action] = {}
+    d2h: dict[tuple, Action] = {}
+    evict: dict[tuple, Action] = {}
+    grad_down: dict[tuple, Action] = {}
+    for lst in sched.actions:
+        for a in lst:
+            key = (a.stage, a.microbatch, a.round, a.step)
+            if a.is_compute:
+                computes[(a.kind, *key)] = a
+            elif a.kind == "D2H" and a.what == "grad":
+                grad_down[(a.worker, a.stage, a.round, a.step)] = a
+            elif a.kind == "D2H":
+                d2h[(a.worker, a.value, *key)] = a
+            elif a.kind == "EVICT":
+                evict[(a.worker, a.stage, a.round, a.step)] = a
+    if sched.stage_workers is not None:
+        for s, w in enumerate(sched.stage_workers):
+            hold(w, 0.0, float("inf"), stages[s].weight_bytes + stages[s].grad_bytes)
+
+    flows_from: dict[tuple[str, int], list] = {}
+    readers: dict[tuple[int, str], str] = {}
+    for f in sched.flows:
+        if f.src_kind is not None:
+            flows_from.setdefault((f.src_kind, f.src_stage), []).append(f)
+        readers[(f.dst_stage, f.value)] = f.dst_kind
+
+    job_first: dict[tuple, float] = {}
+    job_last: dict[tuple, float] = {}
+    for lst in sched.actions:
+        for a in lst:
+            start, end = timeline[a]
+            w = a.worker
+            if a.kind == "UP":
+                ev = evict.get((w, a.stage, a.round, a.step))
+                hold(w, start, timeline[ev][1] if ev else end, a.bytes)
+            elif a.kind == "H2D":
+                dst = computes.get((readers.get((a.stage, a.value)), a.stage, a.microbatch,
+                                    a.round, a.step))
+                hold(w, start, timeline[dst][1] if dst else end, a.bytes)
+            if not a.is_compute:
+                continue
+            hold(w, start, end, _working_bytes(sched, stages[a.stage], units))
+            job = (w, a.stage, a.round, a.step)
+            job_first.setdefault(job, start)
+            job_last[job] = end
+            for f in flows_from.get((a.kind, a.stage), ()):
+                nbytes = f.bytes
+                if f.what == "save" and f.value.startswith("stash"):
+                    nbytes = stages[a.stage].input_bytes  # baseline: the input kept for B
+                reader = computes.get((f.dst_kind, f.dst_stage, a.microbatch, a.round, a.step))
+                free = end
+                if reader is not None and reader.worker == w:
+                    free = max(free, timeline[reader][1])
+                down = d2h.get((w, f.value, a.stage, a.microbatch, a.round, a.step))
+                if down is not None:
+                    free = max(free, timeline[down][1])
+                hold(w, end, free, nbytes)
+    if sched.stage_workers is None:
+        for job, first in job_first.items():
+            w, s, _, _ = job
+            if stages[s].kind == "forward" or not stages[s].grad_bytes:
+                continue
+            down = grad_down.get(job)
+            hold(w, first, timeline[down][1] if down else job_last[job], stages[s].grad_bytes)
+    return tuple(_peak(d) for d in deltas)
+
+
+def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
+                 units: tuple[UnitProfile, ...] | None,
+                 timeline: Mapping[Action, tuple[float, float]]) -> int:
+    """Peak host bytes: fp32 masters and Adam moments of trainable parameters and the bf16
+    copy of frozen ones (when unit profiles are known), RoundPipe's low-precision shadows (two
+    per stage in async mode) and fp32 accumulators, plus what is in flight: activations
+    between their D2H start and the end of the last H2D reading them, and a job's gradients
+    between their D2H start and the end of their ACC."""
+    static = 0
+    if units is not None:
+        static += sum(12 * u.trainable_params + 2 * u.frozen_params for u in units)
+    if sched.stage_workers is None:
+        copies = 2 if sched.optimizer == "async" else 1
+        static += sum(copies * s.weight_bytes + s.grad_bytes for s in stages)
+    deltas: list[tuple[float, int, int]] = []
+    last_read: dict[tuple, float] = {}
+    acc_end: dict[tuple, float] = {}
+    for lst in sched.actions:
+        for a in lst:
+            if a.kind == "H2D":
+                key = (a.value, a.microbatch, a.round, a.step)
+                last_read[key] = max(last_read.get(key, 0.0), timeline[a][1])
+    for a in sched.host:
+        if a.kind == "ACC":
+            acc_end[(a.stage, a.round, a.step)] = timeline[a][1]
+    for lst in sched.actions:
+        for a in lst:
+            if a.kind != "D2H":
+                continue
+            start, end = timeline[a]
+            if a.what == "grad":
+                free = acc_end.get((a.stage, a.round, a.step), end)
+            else:
+                free = max(end, last_read.get((a.value, a.microbatch, a.round, a.step), end))
+            deltas += [(start, 1, a.bytes), (free, 0, -a.bytes)]
+    return static + _peak(deltas)
