@@ -125,6 +125,8 @@ def test_sync_updates_a_stage_as_soon_as_its_gradients_are_home():
     assert torch.equal(store.shadow_of("6.weight"), store.master_of("6.weight"))
     with pytest.raises(RuntimeError, match=r"stages \[2\] never called stage_done"):
         driver.finish_step()
+    with pytest.raises(ValueError, match="not a gradient stage"):
+        driver.accumulate_grad(0, torch.zeros(store.stages[0].layout.grad_numel))
     driver.accumulate_grad(2, torch.zeros(store.stages[2].layout.grad_numel))
     driver.stage_done(2)
     driver.finish_step().wait(timeout=10)
@@ -337,3 +339,25 @@ def test_checkpoint_resumes_bit_identically(mode):
     assert report.optimizer_state_bytes >= 8 * report.trainable_params
     driver.close()
     resumed.close()
+
+
+def test_frozen_stages_are_no_ops_and_only_adapters_change():
+    torch.manual_seed(4)
+    base0, base1 = nn.Linear(4, 4).requires_grad_(False), nn.Linear(4, 4).requires_grad_(False)
+    adapter = nn.Parameter(torch.zeros(4, 4))
+    stages = [[("base0.weight", base0.weight), ("base0.bias", base0.bias)],
+              [("base1.weight", base1.weight), ("adapter", adapter)]]
+    store = HostStore.build(stages, compute_dtype=torch.bfloat16)
+    driver = OptimizerDriver(store, lambda p: torch.optim.SGD(p, lr=0.5))
+    frozen_before = store.shadow.clone()
+    driver.begin_step()
+    driver.accumulate_grad(0, torch.zeros(0))  # the frozen stage's job sends nothing home
+    driver.stage_done(0)
+    driver.accumulate_grad(1, torch.ones(16))
+    driver.stage_done(1)
+    driver.finish_step().wait(timeout=10)
+    assert torch.equal(store.master_of("adapter"), torch.full((4, 4), -0.5))
+    assert torch.equal(store.shadow_of("adapter"), torch.full((4, 4), -0.5, dtype=torch.bfloat16))
+    assert torch.equal(store.shadow[:36], frozen_before[:36])  # base0 then base1: untouched
+    assert torch.equal(store.shadow_of("base1.weight"), base1.weight.bfloat16())
+    driver.close()

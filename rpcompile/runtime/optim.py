@@ -238,8 +238,8 @@ class OptimizerDriver:
         """Add one job's gradient (the stage's ``grad_segments`` layout, fp32) into the
         masters' gradients, once the previous update has consumed them."""
         state = self._require_open()
-        if stage not in self._grad_stages:
-            raise ValueError(f"stage {stage} produces no gradient for any trainable parameter")
+        if not self._is_grad_stage(stage):
+            return
         if stage in state.done_stages:
             raise RuntimeError(f"stage {stage} already reported done in step {state.step}")
         previous = self._steps.get(state.step - 1)
@@ -251,8 +251,8 @@ class OptimizerDriver:
     def stage_done(self, stage: int) -> None:
         """All of this step's gradients from ``stage`` are home."""
         state = self._require_open()
-        if stage not in self._grad_stages:
-            raise ValueError(f"stage {stage} produces no gradient for any trainable parameter")
+        if not self._is_grad_stage(stage):
+            return
         with self._lock:
             state.done_stages.add(stage)
             if self.mode == "sync" and self.eager_updates:
@@ -298,6 +298,20 @@ class OptimizerDriver:
                 f"step {state.step} was discarded, but groups {updated} had already been "
                 "updated (eager updates); the masters are not at their pre-step values"
             )
+
+    def _is_grad_stage(self, stage: int) -> bool:
+        """True for a stage whose gradients count; False for one without trainable parameters
+        (a backward stage of frozen layers: its calls are no-ops); raises for any other."""
+        if not 0 <= stage < len(self.store.stages):
+            raise IndexError(f"stage {stage} out of range: the store has {len(self.store.stages)}")
+        if stage in self._grad_stages:
+            return True
+        if self.store.stages[stage].layout.grad_numel == 0:
+            return False
+        raise ValueError(
+            f"stage {stage} has trainable parameters but is not a gradient stage of the store; "
+            "build the store with grad_stages including it"
+        )
 
     def _require_open(self) -> _StepState:
         state = self._open
