@@ -227,7 +227,7 @@ def test_components_run_training_steps_together_under_chaos():
                             for n, v in stage.device_views(weights).items()}
                     # Other stages' weights are only read (in a pipeline they would arrive as
                     # activations); each job differentiates its own uses.
-                    values = {n: store.shadow_of(n) for n in p}
+                    values = {n: store.shadow_of(n).clone() for n in p}
                     values.update(mine)
                     loss = functional_call(model, values, (ids,), tie_weights=False)
                     got = torch.autograd.grad(loss, list(mine.values()))
@@ -238,8 +238,11 @@ def test_components_run_training_steps_together_under_chaos():
                 w.submit("compute", job, label=f"job s{s}")
                 produced = w.record("compute", f"s{s} grads ready")
                 downloads.append(engine.d2h(grads, after=[produced], label=f"D2H grad s{s}"))
+            # Each job here reads every stage's shadow (a real backward job would not), so no
+            # stage may be reported done (and updated, in sync mode) before all jobs are over.
+            for download in downloads:
+                download.done.wait(timeout=30)
             for s in (1, 0):
-                downloads[s].done.wait(timeout=30)
                 driver.accumulate_grad(s, downloads[s].dst, timeout=30)
                 driver.stage_done(s)
             driver.finish_step().wait(timeout=30)
