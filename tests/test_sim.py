@@ -1,0 +1,262 @@
+"""Simulator: tiny hand-made schedules with hand-computed times, contention, determinism,
+bubble split, and the baseline figures of the RoundPipe paper (shared/REFERENCE.md)."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import pytest
+
+from rpcompile.hardware import Hardware
+from rpcompile.ir import Action, Edge, Schedule, Stage, UnitProfile
+from rpcompile.paper import MODELS
+from rpcompile.passes.lower import lower
+from rpcompile.passes.partition import build_plan
+from rpcompile.passes.schedule import build_schedule
+from rpcompile.sim import SimulationError, compute_times, pipeline_stages, simulate
+
+MB25 = 25_000_000  # bytes one 25 GB/s link moves in 1 ms
+
+
+def _hw(host_gbps: float = 1e6, **kw) -> Hardware:
+    fields = dict(name="test", gpu="test", gpus=2, matmul_tflops=100.0, memory_gib=24.0,
+                  h2d_gbps=25.0, d2h_gbps=25.0, host_mem_gbps=host_gbps,
+                  optimizer_params_per_s=1e9, transfer_latency_us=0.0, memory_reserve_gib=0.0)
+    fields.update(kw)
+    return Hardware(**fields)
+
+
+def _stage(i: int, kind: str, ms: float, weight: int = 0, grad: int = 0) -> Stage:
+    return Stage(index=i, kind=kind, units=(i,), compute_ms=ms, weight_bytes=weight,
+                 grad_bytes=grad, input_bytes=0, output_bytes=0, peak_bytes=2 * weight + grad)
+
+
+def _sched(actions, edges=(), host=(), workers=2, stages=2) -> Schedule:
+    return Schedule(kind="roundpipe", workers=workers, microbatches=1, rounds=1, steps=1,
+                    optimizer="async", stage_names=tuple(f"S{i}" for i in range(stages)),
+                    stage_units=tuple((i, i) for i in range(stages)), flows=(),
+                    actions=tuple(tuple(a) for a in actions), host=tuple(host),
+                    edges=tuple(edges))
+
+
+def test_activation_hop_through_the_host_hand_computed():
+    # w0: F (10 ms) -> D2H 25 MB (1 ms); w1: H2D 25 MB (1 ms) -> T (5 ms). Makespan 17.
+    f = Action(0, "F", 0, 0, 0)
+    down = Action(0, "D2H", 0, 0, 0, what="act", value="x0", bytes=MB25)
+    up = Action(1, "H2D", 1, 0, 0, what="act", value="x0", bytes=MB25)
+    t = Action(1, "T", 1, 0, 0)
+    sched = _sched([[f, down], [up, t]], [Edge(f, down, "produced"), Edge(down, up, "on_host"),
+                                          Edge(up, t, "arrived")])
+    stages = [_stage(0, "forward", 10.0), _stage(1, "tail", 5.0)]
+    r = simulate(sched, stages, _hw())
+    assert r.timeline[f] == (0.0, 10.0)
+    assert r.timeline[down] == pytest.approx((10.0, 11.0))
+    assert r.timeline[up] == pytest.approx((11.0, 12.0))
+    assert r.timeline[t] == pytest.approx((12.0, 17.0))
+    assert r.makespan_ms == pytest.approx(17.0)
+    # idle: w0 7 ms after its F (drain), w1 12 ms before its T (fill); of 2 x 17.
+    assert r.bubble == pytest.approx(19 / 34)
+    assert r.bubble_fill == pytest.approx(12 / 34)
+    assert r.bubble_drain == pytest.approx(7 / 34)
+    assert r.bubble_steady == pytest.approx(0.0)
+    # T could have started at 10 with instant transfers: 2 ms exposed on w1.
+    assert r.exposed_transfer_ms == pytest.approx((0.0, 2.0))
+    # with a 10 us DMA latency per transfer, 0.02 ms more
+    r2 = simulate(sched, stages, _hw(transfer_latency_us=10.0))
+    assert r2.makespan_ms == pytest.approx(17.02)
+
+
+def test_critical_transfer_goes_between_chunks_of_a_bulk_upload():
+    # w1's H2D link: UP of 100 MB in 4 chunks (1 ms each) from t=0; an activation (25 MB)
+    # becomes ready at t=1 (F 0.5 ms + D2H 0.5 ms on w0). It goes after the first chunk:
+    # UP chunk 0-1, H2D 1-2, UP chunks 2-5. T waits for both: 5-10.
+    f = Action(0, "F", 0, 0, 0)
+    down = Action(0, "D2H", 0, 0, 0, what="act", value="x0", bytes=MB25 // 2)
+    weights = Action(1, "UP", 1, None, 0, bytes=4 * MB25, chunks=4)
+    act = Action(1, "H2D", 1, 0, 0, what="act", value="x0", bytes=MB25)
+    t = Action(1, "T", 1, 0, 0)
+    sched = _sched([[f, down], [weights, act, t]], [
+        Edge(f, down, "produced"), Edge(down, act, "on_host"), Edge(act, t, "arrived"),
+        Edge(weights, t, "weights")])
+    r = simulate(sched, [_stage(0, "forward", 0.5), _stage(1, "tail", 5.0)], _hw())
+    assert r.timeline[act] == pytest.approx((1.0, 2.0))
+    assert r.timeline[weights] == pytest.approx((0.0, 5.0))
+    assert r.timeline[t] == pytest.approx((5.0, 10.0))
+    # Without chunks the upload holds the link: the activation waits until 4.
+    one = replace(weights, chunks=1)
+    sched1 = _sched([[f, down], [one, act, t]], [
+        Edge(f, down, "produced"), Edge(down, act, "on_host"), Edge(act, t, "arrived"),
+        Edge(one, t, "weights")])
+    r1 = simulate(sched1, [_stage(0, "forward", 0.5), _stage(1, "tail", 5.0)], _hw())
+    assert r1.timeline[act] == pytest.approx((4.0, 5.0))
+
+
+def test_links_are_full_duplex_and_host_bandwidth_is_shared():
+    # One worker's H2D and D2H at once: separate links, both 0-1 ms.
+    a = Action(0, "H2D", 0, 0, 0, what="act", value="ids", bytes=MB25)
+    b = Action(0, "D2H", 0, 0, 0, what="act", value="x0", bytes=MB25)
+    r = simulate(_sched([[a, b], []]), [_stage(0, "forward", 1.0), _stage(1, "tail", 1.0)],
+                 _hw())
+    assert r.timeline[a] == pytest.approx((0.0, 1.0))
+    assert r.timeline[b] == pytest.approx((0.0, 1.0))
+    # Two workers' H2D at once on a host with 25 GB/s in all: each gets half, both end at 2.
+    c = Action(1, "H2D", 1, 0, 0, what="act", value="ids", bytes=MB25)
+    r2 = simulate(_sched([[a], [c]]), [_stage(0, "forward", 1.0), _stage(1, "tail", 1.0)],
+                  _hw(host_gbps=25.0))
+    assert r2.timeline[a] == pytest.approx((0.0, 2.0))
+    assert r2.timeline[c] == pytest.approx((0.0, 2.0))
+    # One link alone is limited by the link, not the host.
+    r3 = simulate(_sched([[a], []]), [_stage(0, "forward", 1.0), _stage(1, "tail", 1.0)],
+                  _hw(host_gbps=25.0))
+    assert r3.timeline[a] == pytest.approx((0.0, 1.0))
+
+
+def test_optimizer_contends_with_links_for_host_memory():
+    # OPT over 1M parameters (4 MB of fp32 grads) at 1e9 params/s: 1 ms and 28 MB of host
+    # traffic alone. An H2D of 25 MB: 1 ms alone. Together they want 53 MB/ms from a host that
+    # gives 50 MB/ms: both slow by 53/50 and end at 1.06 ms.
+    opt = Action(None, "OPT", 0, None, None, bytes=4_000_000)
+    h2d = Action(0, "H2D", 0, 0, 0, what="act", value="ids", bytes=MB25)
+    stages = [_stage(0, "forward", 1.0), _stage(1, "tail", 1.0)]
+    alone = simulate(_sched([[], []], host=[opt]), stages, _hw(host_gbps=50.0))
+    assert alone.timeline[opt] == pytest.approx((0.0, 1.0))
+    both = simulate(_sched([[h2d], []], host=[opt]), stages, _hw(host_gbps=50.0))
+    assert both.timeline[opt] == pytest.approx((0.0, 1.06))
+    assert both.timeline[h2d] == pytest.approx((0.0, 1.06))
+    # ACC: read accumulator + staged grads, write accumulator = 3 x bytes at host speed.
+    acc = Action(None, "ACC", 0, None, 0, bytes=10_000_000)
+    r = simulate(_sched([[], []], host=[acc]), stages, _hw(host_gbps=30.0))
+    assert r.timeline[acc] == pytest.approx((0.0, 1.0))
+
+
+def test_host_queue_and_compute_stream_run_in_list_order():
+    # Two computes on one worker with no edge still run one after the other; so do host ops.
+    a, b = Action(0, "F", 0, 0, 0), Action(0, "F", 0, 1, 0)
+    acc1 = Action(None, "ACC", 1, None, 0, bytes=10_000_000)
+    acc2 = Action(None, "ACC", 1, None, 1, bytes=10_000_000)
+    r = simulate(_sched([[a, b], []], host=[acc1, acc2]),
+                 [_stage(0, "forward", 2.0), _stage(1, "tail", 1.0)], _hw(host_gbps=30.0))
+    assert r.timeline[b] == pytest.approx((2.0, 4.0))
+    assert r.timeline[acc2] == pytest.approx((1.0, 2.0))
+
+
+def test_deadlock_is_reported():
+    a, b = Action(0, "F", 0, 0, 0), Action(1, "T", 1, 0, 0)
+    sched = _sched([[a], [b]], [Edge(b, a, "data"), Edge(a, b, "data")])
+    with pytest.raises(SimulationError, match="deadlock"):
+        simulate(sched, [_stage(0, "forward", 1.0), _stage(1, "tail", 1.0)], _hw())
+
+
+def test_device_memory_counts_two_weight_slots():
+    # Two jobs on one worker: the second job's UP is prefetched while the first runs, so both
+    # weight sets are resident at once: 1000 + 2000 bytes.
+    up0 = Action(0, "UP", 0, None, 0, bytes=1000)
+    f0 = Action(0, "F", 0, 0, 0)
+    ev0 = Action(0, "EVICT", 0, None, 0)
+    up1 = Action(0, "UP", 1, None, 0, bytes=2000)
+    t1 = Action(0, "T", 1, 0, 0)
+    ev1 = Action(0, "EVICT", 1, None, 0)
+    sched = _sched([[up0, f0, up1, ev0, t1, ev1]],
+                   [Edge(up0, f0, "weights"), Edge(up1, t1, "weights")], workers=1)
+    stages = [_stage(0, "forward", 1.0, weight=1000), _stage(1, "tail", 1.0, weight=2000)]
+    r = simulate(sched, stages, _hw())
+    assert r.peak_device_bytes == (3000,)
+    # A tail with fp32 gradients and a working set: grads (500) held over its compute,
+    # working set = peak - 2 x weights - grads = 7000.
+    stages2 = [stages[0], replace(stages[1], grad_bytes=500, peak_bytes=4000 + 500 + 7000)]
+    r2 = simulate(sched, stages2, _hw())
+    assert r2.peak_device_bytes == (2000 + 500 + 7000,)
+
+
+def _layers(n: int, f: float, b: float, head_f: float = 0.0, head_b: float = 0.0):
+    units = [UnitProfile("prefix", 0.0, 0.0, 0)]
+    units += [UnitProfile(f"layers.{i}", f, b, 10) for i in range(n)]
+    units.append(UnitProfile("tail", head_f, head_b, 10))
+    return units
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_uniform_pipeline_matches_the_closed_form(kind):
+    # S = 4 equal stages, F = 1, B = backward 1 + recompute 1 = 2, no transfer time:
+    # makespan (M + S - 1)(F + B) = 11 x 3 = 33 for M = 8; bubble (S - 1) / (M + S - 1).
+    units = _layers(4, 1.0, 1.0)
+    stages = pipeline_stages(units, 4)
+    assert [s.units for s in stages] == [(0, 1), (2,), (3,), (4, 5)]
+    lowered, _ = lower(build_schedule(stages, 4, 8, kind=kind), stages)
+    r = simulate(lowered, stages, _hw(), units=units)
+    assert r.makespan_ms == pytest.approx(33.0)
+    assert r.bubble == pytest.approx(3 / 11)
+    assert r.bubble_fill + r.bubble_drain + r.bubble_steady == pytest.approx(r.bubble)
+
+
+def test_compute_times_split_baseline_stages_and_need_units():
+    units = _layers(2, 1.0, 3.0, head_f=5.0, head_b=7.0)
+    stages = pipeline_stages(units, 2, head_layers=0)
+    sched = build_schedule(stages, 2, 2, kind="gpipe")
+    times = compute_times(sched, stages, units)
+    # Stage 1 = layers.1 + tail: F = 1 + 5; B = 3 + 7 + recompute of layers.1 only (1).
+    assert times[("F", 1)] == 6.0
+    assert times[("B", 1)] == 11.0
+    assert compute_times(sched, stages, units, recompute=False)[("B", 1)] == 10.0
+    with pytest.raises(ValueError, match="units="):
+        compute_times(sched, stages)
+
+
+def _roundpipe_run(steps: int = 2, optimizer: str = "async"):
+    model = MODELS["qwen3-1.7b"]
+    units = model.units(1, 2048)
+    plan = build_plan(units, [0, 10, 20], [0, 8, 15, 22], 26, "rtx4090x8", 4, 5, 1, 2048, 2)
+    lowered, _ = lower(build_schedule(plan, 4, 5, rounds=2, steps=steps, optimizer=optimizer),
+                       plan)
+    return plan, lowered
+
+
+def test_roundpipe_replay_is_deterministic_and_consistent():
+    plan, lowered = _roundpipe_run()
+    r1 = simulate(lowered, plan, "rtx4090x8")
+    r2 = simulate(lowered, plan, "rtx4090x8")
+    assert r1 == r2
+    assert r1.bubble_fill + r1.bubble_drain + r1.bubble_steady == pytest.approx(r1.bubble)
+    assert 0.0 <= r1.bubble < 1.0
+    # Every action ran, none before what it waits on, each stream's ordered actions in order.
+    assert set(r1.timeline) == set(lowered.all_actions())
+    for e in lowered.edges:
+        assert r1.timeline[e.src][1] <= r1.timeline[e.dst][0] + 1e-9
+    for (_, stream), q in lowered.queues().items():
+        if stream in ("compute", "host"):
+            for x, y in itertools.pairwise(q):
+                assert r1.timeline[x][1] <= r1.timeline[y][0] + 1e-9
+    # Busy time is exactly the compute the plan predicts.
+    work = sum(s.compute_ms for s in plan.stages) * 5 * 2 * 2
+    assert sum(r1.busy_ms) == pytest.approx(work)
+    assert r1.tokens == 2048 * 5 * 2 * 2
+    assert r1.tokens_per_s == pytest.approx(r1.tokens / r1.makespan_ms * 1e3)
+    assert all(0 < p < 24 * 2**30 for p in r1.peak_device_bytes)
+    # Measured per-unit times replace the profile's: doubling every time doubles busy time.
+    doubled = {u.name: (2 * u.forward_ms, 2 * u.backward_ms) for u in plan.units}
+    r3 = simulate(lowered, plan, "rtx4090x8", unit_ms=doubled)
+    assert sum(r3.busy_ms) == pytest.approx(2 * work)
+
+
+def test_async_optimizer_is_not_slower_than_sync():
+    plan, sync = _roundpipe_run(steps=3, optimizer="sync")
+    _, asyn = _roundpipe_run(steps=3, optimizer="async")
+    r_sync = simulate(sync, plan, "rtx4090x8")
+    r_async = simulate(asyn, plan, "rtx4090x8")
+    assert r_async.makespan_ms <= r_sync.makespan_ms + 1e-6
+
+
+def test_reproduces_the_paper_gpipe_and_1f1b_bubbles():
+    # shared/REFERENCE.md: Qwen3-1.7B, 8 GPUs, 16 microbatches: GPipe 36.13 %, 1F1B 35.19 %.
+    model = MODELS["qwen3-1.7b"]
+    units = model.units(4, 2048)
+    stages = pipeline_stages(units, 8)
+    link = 2 * model.activation_bytes(8192) / model.hop_ms / 1e6  # D2H + H2D = one hop
+    hw = _hw(h2d_gbps=link, d2h_gbps=link)
+    got = {}
+    for kind in ("gpipe", "1f1b"):
+        lowered, _ = lower(build_schedule(stages, 8, 16, kind=kind), stages)
+        got[kind] = 100 * simulate(lowered, stages, hw, units=units).bubble
+    assert got["gpipe"] == pytest.approx(36.13, abs=0.2)
+    assert got["1f1b"] == pytest.approx(35.19, abs=0.2)
