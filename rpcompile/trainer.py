@@ -98,6 +98,7 @@ class Trainer:
                 w.shutdown()
             raise
         self.last: StepResult | None = None
+        self._peaks = [0] * len(self.workers)
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
@@ -131,6 +132,7 @@ class Trainer:
 
         batch = normalize_batch(self.compiled.model, batch, self.compiled.capture.loss_fn)
         self.last = self.executor.run_step(batch)
+        self._peaks = [max(a, b) for a, b in zip(self._peaks, self.last.peak_bytes)]
         return self.last.loss
 
     @property
@@ -179,10 +181,11 @@ class Trainer:
 
     # -- inspection ----------------------------------------------------------------------------
     def peak_bytes(self) -> tuple[int, ...]:
-        """Each worker's device-memory peak during the last step (accounted bytes)."""
-        if self.last is None:
-            raise RuntimeError("no step has run yet")
-        return self.last.peak_bytes
+        """Each worker's device-memory peak over every step so far, in accounted bytes: the
+        weight slots, the job's fp32 gradient buffer, the buffers uploaded with the weights,
+        and every activation or gradient value held between actions. Transients inside one
+        compute (autograd's saved tensors) are not accounted on virtual workers."""
+        return tuple(self._peaks)
 
     def predicted_peak_bytes(self) -> tuple[int, ...]:
         """The planner's predicted peak per worker: the largest ``Stage.peak_bytes`` among

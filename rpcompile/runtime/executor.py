@@ -294,6 +294,17 @@ class _Buffers:
 
 _SECONDARY = (WorkerAborted, UpstreamFailed)
 
+# An opaque block (a MoE layer) runs its module through torch.func.functional_call, which
+# swaps the shared module's parameters in place for the call: two workers running opaque
+# blocks at once would read each other's weights. Until capture makes that call thread-safe,
+# computes of stages holding an opaque node take this lock (others run concurrently).
+_OPAQUE_LOCK = threading.Lock()
+
+
+def _has_opaque(program: StageProgram) -> bool:
+    return any(n.op == "call_function" and "rpcompile.opaque" in str(n.target)
+               for n in program.graph_module.graph.nodes)
+
 
 class Executor:
     """Runs steps of a fully lowered RoundPipe schedule on ``workers`` (see the module doc).
@@ -332,6 +343,7 @@ class Executor:
              if i.kind in ("buffer", "constant")}
             for p in self.programs
         ]
+        self._serial = [_has_opaque(p) for p in self.programs]
         self._plans: dict[int, _StepPlan] = {}
         self._run: _Run | None = None
         self.steps_run = 0
@@ -412,7 +424,8 @@ class Executor:
         self._run = None
         if failed:
             self.driver.discard_step()
-            raise self._step_error(run, host_error) from None
+            error = self._step_error(run, host_error)
+            raise error from error.__cause__
         self.driver.finish_step()
         self.steps_run += 1
         losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
@@ -430,7 +443,11 @@ class Executor:
                 run.shadow_ready[a.stage].wait_recorded(abort=run.abort_requested)
             if run.aborted:
                 raise WorkerAborted(f"step aborted before '{a}' ran")
-            getattr(self, "_do_" + a.kind)(run, a)
+            if a.is_compute and self._serial[a.stage]:
+                with _OPAQUE_LOCK:
+                    getattr(self, "_do_" + a.kind)(run, a)
+            else:
+                getattr(self, "_do_" + a.kind)(run, a)
         except BaseException as exc:
             if not isinstance(exc, _SECONDARY):
                 run.fail(a, exc)

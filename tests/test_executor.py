@@ -1,0 +1,248 @@
+"""The executor runs the lowered schedule on virtual workers and reproduces the reference
+executor bit for bit (loss and every master after several optimizer steps), under any worker
+count and random delays (chaos); a failure anywhere surfaces in the caller with its context,
+quickly, and leaves the masters at their pre-step values."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.runtime.errors import WorkerOutOfMemory
+from rpcompile.runtime.executor import Executor, StepFailed
+from rpcompile.trainer import Trainer
+from tests.tiny_models import hf_model, token_batch
+
+
+def SGD(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def ADAMW(params):
+    return torch.optim.AdamW(params, lr=1e-2, fused=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3():
+    model = hf_model("qwen3", layers=2)
+    return rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=token_batch(6))
+
+
+def batches(n: int, size: int) -> list[torch.Tensor]:
+    return [token_batch(batch=size, seed=10 + k) for k in range(n)]
+
+
+def reference_training(compiled, data, make_optimizer, mode="sync"):
+    """Losses and parameters after applying ``make_optimizer``'s torch optimizer to the
+    gradients of ``compiled.reference_step`` (async: computed at the weights of the step
+    before, one step stale)."""
+    params = {n: p.detach().clone() for n, p in compiled.model.named_parameters()}
+    trainable = {n: p for n, p in params.items() if compiled.model.get_parameter(n).requires_grad}
+    optimizer = make_optimizer(list(trainable.values()))
+    stale = {n: p.clone() for n, p in params.items()}
+    losses = []
+    for batch in data:
+        loss, grads = compiled.reference_step(batch, params=params if mode == "sync" else stale)
+        stale = {n: p.detach().clone() for n, p in params.items()}
+        for n, p in trainable.items():
+            p.grad = grads.get(n)
+        optimizer.step()
+        losses.append(loss)
+    return losses, trainable
+
+
+def assert_trains_like_reference(compiled, data, make_optimizer, mode="sync", chaos=None):
+    ref_losses, ref_params = reference_training(compiled, data, make_optimizer, mode)
+    with Trainer(compiled, make_optimizer, device="virtual", mode=mode, chaos=chaos) as trainer:
+        losses = [trainer.step(b) for b in data]
+        masters = trainer.masters()
+        for k, (got, want) in enumerate(zip(losses, ref_losses)):
+            assert torch.equal(got, want), f"step {k}: loss {got.item()} != {want.item()}"
+        assert set(masters) == set(ref_params)
+        for name, want in ref_params.items():
+            assert torch.equal(masters[name], want), f"master {name} differs from the reference"
+        assert all(p <= q for p, q in zip(trainer.peak_bytes(), trainer.predicted_peak_bytes()))
+        return trainer
+
+
+@pytest.mark.parametrize("gpus,chaos", [
+    (1, None), (2, 11), (3, None), (3, 12), (4, 13), (8, None), (8, 14),
+])
+def test_qwen3_bit_identical_to_reference_sgd(qwen3, gpus, chaos):
+    compiled = qwen3 if gpus == 3 else qwen3.replan(gpus, microbatches=3)
+    assert_trains_like_reference(compiled, batches(3, 6), SGD, chaos=chaos)
+
+
+@pytest.mark.parametrize("gpus,chaos", [(1, None), (3, 5), (4, 6)])
+def test_qwen3_bit_identical_to_reference_adamw(qwen3, gpus, chaos):
+    compiled = qwen3 if gpus == 3 else qwen3.replan(gpus, microbatches=3)
+    assert_trains_like_reference(compiled, batches(3, 6), ADAMW, chaos=chaos)
+
+
+@pytest.mark.parametrize("arch,gpus,chaos", [
+    ("llama", 2, 3), ("qwen3_moe", 3, 4), ("qwen3_tied", 3, 7),
+])
+def test_other_architectures_bit_identical(arch, gpus, chaos):
+    model = hf_model(arch, layers=2)
+    compiled = rpcompile.compile(model, gpus=gpus, microbatches=3, example_inputs=token_batch(6))
+    assert_trains_like_reference(compiled, batches(3, 6), ADAMW, chaos=chaos)
+
+
+def test_rounds_accumulate_on_the_host_bit_identically():
+    model = hf_model("llama", layers=2)
+    compiled = rpcompile.compile(model, gpus=3, microbatches=2, rounds=2,
+                                 example_inputs=token_batch(8))
+    assert_trains_like_reference(compiled, batches(3, 8), ADAMW, chaos=2)
+
+
+@pytest.mark.parametrize("gpus,chaos", [(2, None), (3, 9)])
+def test_async_mode_is_one_step_stale_reference(qwen3, gpus, chaos):
+    compiled = qwen3 if gpus == 3 else qwen3.replan(gpus, microbatches=3)
+    assert_trains_like_reference(compiled, batches(3, 6), ADAMW, mode="async", chaos=chaos)
+
+
+def test_schedule_period_continues_round_robin_across_steps(qwen3):
+    # 5 jobs per step on 4 workers: the schedule spans 4 steps before dealing repeats, and
+    # the trainer runs schedule step k mod 4 (steps 0..4 cover every schedule step).
+    compiled = qwen3.replan(4, microbatches=3)
+    trainer = assert_trains_like_reference(compiled, batches(5, 6), SGD)
+    assert trainer.schedule.steps == 4
+    assert trainer.last.schedule_step == 0  # the fifth step wraps around
+
+
+# ---------------------------------------------------------------------------------------------
+# failures
+# ---------------------------------------------------------------------------------------------
+
+
+def _raise_on_call(monkeypatch, program, call: int, error: Exception) -> None:
+    """Make ``program``'s graph module raise ``error`` on its ``call``-th call (0-based)."""
+    module = program.graph_module
+    original = type(module).forward
+    calls = [0]
+
+    def forward(*args):
+        calls[0] += 1
+        if calls[0] == call + 1:
+            raise error
+        return original(module, *args)
+
+    monkeypatch.setattr(module, "forward", forward)
+
+
+def _snapshot(trainer):
+    state = trainer.state_dict()
+    return {k: v.clone() for k, v in state["masters"].items()}, state["optimizer"]
+
+
+def _assert_same_optimizer_state(a, b):
+    assert a["state"].keys() == b["state"].keys()
+    for k in a["state"]:
+        for name, value in a["state"][k].items():
+            other = b["state"][k][name]
+            assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
+
+
+@pytest.mark.parametrize("stage_name", ["F2", "B1", "B2"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_failure_in_a_stage_surfaces_with_context_and_keeps_masters(
+        qwen3, monkeypatch, stage_name, mode):
+    data = batches(3, 6)
+    with Trainer(qwen3, ADAMW, device="virtual", mode=mode, chaos=1, timeout_s=60) as trainer:
+        trainer.step(data[0])
+        masters, opt_state = _snapshot(trainer)
+        program = next(p for p in qwen3.stages if p.name == stage_name)
+        with monkeypatch.context() as patch:
+            # Microbatch 1 of the job: its forward is the program's 2nd call in the step.
+            _raise_on_call(patch, program, 1, ValueError("injected fault"))
+            start = time.monotonic()
+            with pytest.raises(StepFailed) as info:
+                trainer.step(data[1])
+            elapsed = time.monotonic() - start
+        err = info.value
+        assert elapsed < 10
+        assert err.stage == stage_name and err.microbatch == 1 and err.round == 0
+        assert err.worker == trainer.workers[err.action.worker].name
+        assert err.action.stage == program.index and err.action.kind in ("F", "T", "B")
+        assert isinstance(err.cause, ValueError) and isinstance(err.__cause__, ValueError)
+        assert stage_name in str(err) and "microbatch 1" in str(err) and str(err.action) in str(err)
+        after, opt_after = _snapshot(trainer)
+        for name, value in masters.items():
+            assert torch.equal(after[name], value), f"{name} changed by a failed step"
+        _assert_same_optimizer_state(opt_state, opt_after)
+        assert all(w.memory_in_use == 0 for w in trainer.workers)
+        # The trainer recovers: the next steps continue as if the failed step never happened.
+        trainer.step(data[1])
+        trainer.step(data[2])
+        losses_ref, params_ref = reference_training(qwen3, data, ADAMW, mode)
+        assert torch.equal(trainer.last.loss, losses_ref[2])
+        masters = trainer.masters()
+        for name, value in params_ref.items():
+            assert torch.equal(masters[name], value), name
+
+
+def test_failure_in_a_transfer_and_on_the_host(qwen3, monkeypatch):
+    data = batches(2, 6)
+    with Trainer(qwen3, SGD, device="virtual", chaos=2, timeout_s=60) as trainer:
+        trainer.step(data[0])
+        masters, _ = _snapshot(trainer)
+        original = Executor._do_D2H
+
+        def broken_d2h(self, run, a):
+            if a.what == "act" and a.microbatch == 2:
+                raise OSError("link down")
+            return original(self, run, a)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Executor, "_do_D2H", broken_d2h)
+            with pytest.raises(StepFailed) as info:
+                trainer.step(data[1])
+        assert info.value.action.kind == "D2H" and info.value.microbatch == 2
+        assert info.value.stream == "download"
+
+        with monkeypatch.context() as patch:
+            def broken_acc(stage, flat, timeout=None):
+                raise RuntimeError("host out of memory")
+            patch.setattr(trainer.driver, "accumulate_grad", broken_acc)
+            with pytest.raises(StepFailed) as info:
+                trainer.step(data[1])
+        assert info.value.worker is None and info.value.action.kind == "ACC"
+        assert "host" in str(info.value)
+        after, _ = _snapshot(trainer)
+        assert all(torch.equal(after[n], v) for n, v in masters.items())
+        trainer.step(data[1])  # and it still trains
+
+
+def test_device_memory_capacity_is_enforced_with_the_stage_named(qwen3):
+    with Trainer(qwen3, SGD, device="virtual", capacity_bytes=64 * 1024) as trainer:
+        with pytest.raises(StepFailed) as info:
+            trainer.step(token_batch(6))
+    cause = info.value.cause
+    assert isinstance(cause, WorkerOutOfMemory)
+    assert "weights" in cause.tag and str(cause.requested) in str(info.value)
+
+
+def test_peak_memory_within_the_planners_prediction_with_many_microbatches():
+    # One worker holds every microbatch's saved inputs until the backward jobs: the case
+    # where held activations are largest relative to one job's predicted working set.
+    model = hf_model("qwen3", layers=2)
+    compiled = rpcompile.compile(model, gpus=1, microbatches=8, example_inputs=token_batch(8))
+    trainer = assert_trains_like_reference(compiled, batches(2, 8), SGD)
+    assert trainer.peak_bytes()[0] > max(s.weight_bytes for s in compiled.plan.stages)
+
+
+def test_executor_refuses_a_schedule_it_cannot_run(qwen3):
+    from rpcompile.passes.lower import lower
+    from rpcompile.passes.schedule import build_schedule
+
+    with Trainer(qwen3, SGD, device="virtual") as trainer:
+        compute = build_schedule(qwen3.plan, workers=2, microbatches=3, optimizer="sync")
+        with pytest.raises(ValueError, match="2 workers, 3 given"):
+            Executor(qwen3, trainer.workers, lower(compute, qwen3.plan)[0], trainer.store,
+                     trainer.driver)
+        compute = build_schedule(qwen3.plan, workers=3, microbatches=3, optimizer="sync")
+        with pytest.raises(ValueError, match="passes"):
+            Executor(qwen3, trainer.workers, compute, trainer.store, trainer.driver)
