@@ -532,17 +532,25 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
 def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
                  units: tuple[UnitProfile, ...] | None,
                  timeline: Mapping[Action, tuple[float, float]]) -> int:
-    """Peak host bytes: fp32 masters and Adam moments of trainable parameters and the bf16
-    copy of frozen ones (when unit profiles are known), RoundPipe's low-precision shadows (two
-    per stage in async mode) and fp32 accumulators, plus what is in flight: activations
-    between their D2H start and the end of the last H2D reading them, and a job's gradients
-    between their D2H start and the end of their ACC."""
+    """Peak host bytes. Static: fp32 masters and Adam moments of the trainable parameters
+    (12 bytes each, when unit profiles are known); RoundPipe adds each stage's low-precision
+    flat shadow (weight_bytes: forward and backward stages hold separate buffers), in async
+    mode a second copy of its trainable part, and each backward stage's fp32 accumulator;
+    a baseline adds the bf16 weights of frozen parameters. Dynamic: activations between
+    their D2H start and the end of the last H2D reading them, and a job's gradients between
+    their D2H start and the end of their ACC."""
     static = 0
     if units is not None:
-        static += sum(12 * u.trainable_params + 2 * u.frozen_params for u in units)
+        static += sum(12 * u.trainable_params for u in units)
     if sched.stage_workers is None:
-        copies = 2 if sched.optimizer == "async" else 1
-        static += sum(copies * s.weight_bytes + s.grad_bytes for s in stages)
+        static += sum(s.weight_bytes + s.grad_bytes for s in stages)
+        if sched.optimizer == "async":
+            if units is not None:
+                static += sum(2 * units[u].trainable_params for s in stages for u in s.units)
+            else:
+                static += sum(s.grad_bytes // 2 for s in stages)
+    elif units is not None:
+        static += sum(2 * u.frozen_params for u in units)
     deltas: list[tuple[float, int, int]] = []
     last_read: dict[tuple, float] = {}
     acc_end: dict[tuple, float] = {}

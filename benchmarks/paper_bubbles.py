@@ -1,0 +1,113 @@
+"""Bubble ratios of the paper's five models on 8 GPUs with 16 microbatches, per schedule.
+
+Inputs are the per-layer times of shared/REFERENCE.md (one RTX 4090, microbatches of 4 x 2048
+tokens). Every schedule runs through the same simulator, lowered the same way:
+
+  gpipe, 1f1b            8 stages bound to 8 GPUs (layers cut by rpcompile.sim.pipeline_stages,
+                         the rule that reproduces the paper's simulator), backward with recompute
+  interleaved,           16 stages, 2 per GPU (Megatron interleaved 1F1B; breadth-first loop)
+  looped-bfs
+  roundpipe-sync         our partitioner's plan, round-robin dispatch, weights uploaded per job,
+                         sync optimizer on the host: ONE isolated step (fill, drain and the
+                         last optimizer update included)
+  roundpipe-async        the same plan, async optimizer: steady state, i.e. the step period of a
+                         3-step run, bubble = 1 - compute per step / (period x GPUs)
+
+Hardware: RTX 4090 x 8, except that each model's PCIe links are set so that a D2H plus an H2D
+of one activation takes the table's "activation hop" (about 42 GB/s per direction: the paper's
+simulator charges 1.6-4 ms per hop) and host memory bandwidth is not a limit (the reference
+figures model none). Bubble = idle / (makespan x GPUs).
+
+    python benchmarks/paper_bubbles.py [--models ...] [--json PATH] [--png PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.paper import MODELS, PAPER_MODELS, PaperModel
+from rpcompile.passes.partition import partition
+from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "roundpipe-sync", "roundpipe-async")
+# shared/REFERENCE.md, the RoundPipe paper's simulator, in PAPER_MODELS order.
+REFERENCE = {
+    "gpipe": (36.13, 42.08, 41.73, 34.88, 31.18),
+    "1f1b": (35.19, 42.08, 41.73, 34.88, 31.21),
+}
+WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ = 8, 16, 4, 2048
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def paper_hardware(model: PaperModel) -> Hardware:
+    """RTX 4090 x 8 with links that move one activation D2H + H2D in the table's hop time."""
+    link = 2 * model.activation_bytes(MICROBATCH_SIZE * SEQ) / (model.hop_ms * 1e-3) / 1e9
+    return replace(get_hardware("rtx4090x8"), name=f"rtx4090x8-hop{model.hop_ms:g}ms",
+                   h2d_gbps=link, d2h_gbps=link, transfer_latency_us=0.0, host_mem_gbps=1e6)
+
+
+def bubbles(name: str) -> dict[str, float]:
+    """Bubble percent of every schedule for one model."""
+    model = MODELS[name]
+    units = model.units(MICROBATCH_SIZE, SEQ)
+    hw = paper_hardware(model)
+    out: dict[str, float] = {}
+    for kind, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looped-bfs", 2)):
+        r = simulate_pipeline(units, hw, kind, workers=WORKERS, microbatches=MICROBATCHES,
+                              chunks=chunks)
+        out[kind] = 100 * r.bubble
+    plan = partition(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
+    out["roundpipe-sync"] = 100 * simulate_roundpipe(plan, hw, steps=1, optimizer="sync").bubble
+    r = simulate_roundpipe(plan, hw, steps=3, optimizer="async")
+    work_per_step = sum(r.busy_ms) / 3
+    out["roundpipe-async"] = 100 * (1 - work_per_step / (steady_step_ms(r) * WORKERS))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
+    ap.add_argument("--json", type=Path, default=RESULTS / "paper_bubbles.json",
+                    help="where to write {schedule: {model: bubble_percent}}")
+    ap.add_argument("--png", type=Path, default=RESULTS / "paper_bubbles.png",
+                    help="grouped bar chart ('' to skip)")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    table = {name: bubbles(name) for name in args.models}
+    result = {s: {m: round(table[m][s], 2) for m in args.models} for s in SCHEDULES}
+
+    width = max(len(m) for m in args.models)
+    print(f"{'schedule':<16}" + "".join(f"{m:>{width + 2}}" for m in args.models))
+    for s in SCHEDULES:
+        print(f"{s:<16}" + "".join(f"{result[s][m]:>{width + 1}.2f}%" for m in args.models))
+        if s in REFERENCE:
+            ref = [REFERENCE[s][PAPER_MODELS.index(m)] for m in args.models]
+            print(f"{'  paper':<16}" + "".join(f"{v:>{width + 1}.2f}%" for v in ref))
+    worst = max((abs(result[s][m] - REFERENCE[s][PAPER_MODELS.index(m)])
+                 for s in REFERENCE for m in args.models), default=0.0)
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if str(args.png):
+        from rpcompile.viz import bar_chart
+
+        bar_chart({m: {s: result[s][m] for s in SCHEDULES} for m in args.models}, args.png,
+                  ylabel="bubble (% of GPU time)",
+                  title=f"{WORKERS} GPUs, {MICROBATCHES} microbatches of "
+                        f"{MICROBATCH_SIZE}x{SEQ}")
+    async_max = max(result["roundpipe-async"].values())
+    sync_vs_bfs = max(result["roundpipe-sync"][m] - result["looped-bfs"][m] for m in args.models)
+    print(f"paper_bubbles: gpipe/1f1b within {worst:.2f} points of the paper; roundpipe-async "
+          f"max {async_max:.2f}%; roundpipe-sync minus looped-bfs at most {sync_vs_bfs:+.2f} "
+          f"points; {time.perf_counter() - t0:.1f}s -> {args.json}")
+
+
+if __name__ == "__main__":
+    main()

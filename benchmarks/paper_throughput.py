@@ -1,0 +1,119 @@
+"""Predicted training throughput (tokens/s) of the paper's five workloads on 8x RTX 4090.
+
+Workloads (shared/REFERENCE.md, rpcompile.paper.WORKLOADS): global batches of 512/256/128/128/64
+sequences of 2048 tokens, 10 microbatches per round (16 for GPT-OSS), 4/2/1/2/1 rounds; per-layer
+times from the paper's table, scaled to the microbatch's tokens. Configurations:
+
+  rpcompile            our partitioner (rpcompile.passes.partition) + RoundPipe dispatch
+  roundpipe-partition  RoundPipe's greedy partitioner (passes.partition_baseline), same dispatch
+  1f1b, gpipe          8 stages bound to the 8 GPUs, all of a step's microbatches in one flush
+
+RoundPipe runs are lowered in full (weight uploads, activation hops through the host, gradient
+downloads, host accumulation, async CPU optimizer) and replayed for 3 steps on the rtx4090x8
+profile; throughput = tokens per step / steady-state step time. The weight-bound baselines are
+optimistic: no optimizer time at all (weights, gradients and optimizer would live on the GPUs);
+a baseline whose weights, bf16 gradients and activations do not fit 24 GB is written as null.
+
+Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B (paper: about
+8,900 tokens/s).
+
+    python benchmarks/paper_throughput.py [--models ...] [--json PATH] [--png PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+
+from rpcompile.hardware import get_hardware
+from rpcompile.paper import MODELS, PAPER_MODELS, WORKLOADS
+from rpcompile.passes.partition import partition
+from rpcompile.passes.partition_baseline import partition_roundpipe
+from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms
+
+HARDWARE = "rtx4090x8"
+CONFIGS = ("rpcompile", "roundpipe-partition", "1f1b", "gpipe")
+STEPS = 3
+RESULTS = Path(__file__).resolve().parent / "results"
+CALIBRATION_TOKENS_PER_S = 8900.0
+
+
+def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8) -> tuple[float, str]:
+    """(tokens/s, note) of one workload with a RoundPipe plan from ``partitioner``."""
+    w = WORKLOADS[name]
+    hw = get_hardware(HARDWARE).with_gpus(gpus)
+    units = MODELS[name].units(w.microbatch_size, w.seq_len)
+    plan = partitioner(units, hw, gpus, w.microbatches, max(1, round(w.microbatch_size)),
+                       w.seq_len, w.rounds)
+    r = simulate_roundpipe(plan, hw, steps=STEPS, optimizer="async", rounds=w.rounds)
+    peak = max(r.peak_device_bytes) / 2**30
+    note = (f"{plan.num_forward}F+{len(plan.stages) - plan.num_forward}B stages, bubble "
+            f"{100 * r.bubble:.1f}%, peak {peak:.1f} GiB"
+            + (" (over the GPU!)" if peak > hw.memory_gib else ""))
+    return w.tokens_per_step / (steady_step_ms(r) / 1e3), note
+
+
+def pipeline_tokens_per_s(name: str, kind: str) -> tuple[float | None, str]:
+    """(tokens/s or None if it does not fit, note) of a weight-bound baseline."""
+    w = WORKLOADS[name]
+    hw = get_hardware(HARDWARE)
+    units = MODELS[name].units(w.microbatch_size, w.seq_len)
+    tokens = math.ceil(w.microbatch_size * w.seq_len)
+    r = simulate_pipeline(units, hw, kind, workers=hw.gpus,
+                          microbatches=w.microbatches * w.rounds, tokens_per_microbatch=tokens)
+    peak = max(r.peak_device_bytes) / 2**30
+    tps = w.tokens_per_step / (r.makespan_ms / 1e3)
+    if max(r.peak_device_bytes) > hw.usable_memory_bytes:
+        return None, f"does not fit: {peak:.1f} GiB per GPU (would be {tps:,.0f} tokens/s)"
+    return tps, f"bubble {100 * r.bubble:.1f}%, peak {peak:.1f} GiB"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
+    ap.add_argument("--json", type=Path, default=RESULTS / "paper_throughput.json",
+                    help="where to write {model: {config: tokens_per_s or null}}")
+    ap.add_argument("--png", type=Path, default=RESULTS / "paper_throughput.png",
+                    help="grouped bar chart ('' to skip)")
+    args = ap.parse_args()
+
+    t0 = time.perf_counter()
+    result: dict[str, dict[str, float | None]] = {}
+    for name in args.models:
+        row: dict[str, float | None] = {}
+        notes = {}
+        row["rpcompile"], notes["rpcompile"] = roundpipe_tokens_per_s(name, partition)
+        row["roundpipe-partition"], notes["roundpipe-partition"] = roundpipe_tokens_per_s(
+            name, partition_roundpipe)
+        for kind in ("1f1b", "gpipe"):
+            row[kind], notes[kind] = pipeline_tokens_per_s(name, kind)
+        result[name] = {k: None if v is None else round(v, 1) for k, v in row.items()}
+        print(name)
+        for k in CONFIGS:
+            v = row[k]
+            print(f"  {k:<20} {'-' if v is None else f'{v:>10,.0f}':>10} tokens/s   {notes[k]}")
+
+    calib, _ = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1)
+    print(f"calibration: RoundPipe partition on 1 RTX 4090, Qwen3-1.7B: {calib:,.0f} tokens/s "
+          f"(paper: about {CALIBRATION_TOKENS_PER_S:,.0f})")
+
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    if str(args.png):
+        from rpcompile.viz import bar_chart
+
+        bar_chart(result, args.png, ylabel="tokens/s (predicted)", log=True,
+                  title=f"paper workloads on {HARDWARE} (simulated)")
+    gains = [result[m]["rpcompile"] / result[m]["roundpipe-partition"] for m in args.models]
+    print(f"paper_throughput: rpcompile / roundpipe-partition = "
+          f"{min(gains):.3f}..{max(gains):.3f}x over {len(args.models)} models; 1-GPU calibration "
+          f"{calib:,.0f} tokens/s vs {CALIBRATION_TOKENS_PER_S:,.0f}; "
+          f"{time.perf_counter() - t0:.1f}s -> {args.json}")
+
+
+if __name__ == "__main__":
+    main()

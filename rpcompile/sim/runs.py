@@ -1,0 +1,61 @@
+"""One-call simulations: plan or units in, SimResult out (dispatch, lowering and replay).
+
+These are what the benchmarks and the CLI use to predict a configuration:
+
+  * :func:`simulate_roundpipe` - a RoundPipe plan, ``steps`` optimizer steps;
+  * :func:`simulate_pipeline`  - a weight-bound baseline (GPipe, 1F1B, interleaved, looped
+    BFS) over per-unit profiles, stages cut by :func:`~rpcompile.sim.baselines.pipeline_stages`;
+  * :func:`steady_step_ms`     - the step time of a multi-step run once it is in steady state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.ir import Plan, UnitProfile
+from rpcompile.passes.lower import lower
+from rpcompile.passes.schedule import build_schedule
+from rpcompile.sim.baselines import pipeline_stages
+from rpcompile.sim.engine import simulate
+from rpcompile.sim.result import SimResult
+
+__all__ = ["simulate_pipeline", "simulate_roundpipe", "steady_step_ms"]
+
+
+def simulate_roundpipe(plan: Plan, hardware: Hardware | str, *, steps: int = 1,
+                       optimizer: str = "async", rounds: int = 1,
+                       workers: int | None = None, microbatches: int | None = None,
+                       validate: bool = False) -> SimResult:
+    """Dispatch ``plan`` round-robin (``workers`` and ``microbatches`` default to the plan's),
+    lower it with every pass and replay it. ``validate`` runs the validator after each pass
+    (slower; the lowering is tested elsewhere)."""
+    hw = get_hardware(hardware)
+    sched = build_schedule(plan, workers or plan.workers, microbatches or plan.microbatches,
+                           rounds=rounds, steps=steps, kind="roundpipe", optimizer=optimizer)
+    lowered, _ = lower(sched, plan, validate=validate)
+    return simulate(lowered, plan, hw)
+
+
+def simulate_pipeline(units: Sequence[UnitProfile], hardware: Hardware | str, kind: str, *,
+                      workers: int, microbatches: int, chunks: int = 1, rounds: int = 1,
+                      tokens_per_microbatch: int = 0, recompute: bool = True,
+                      validate: bool = False) -> SimResult:
+    """A weight-bound baseline: ``workers * chunks`` stages (``chunks`` > 1 for interleaved
+    and looped BFS), activations between workers through host memory, no optimizer work (the
+    weights and gradients stay on the GPUs)."""
+    stages = pipeline_stages(units, workers * chunks)
+    sched = build_schedule(stages, workers, microbatches, rounds=rounds, kind=kind)
+    lowered, _ = lower(sched, stages, validate=validate)
+    return simulate(lowered, stages, hardware, units=units, recompute=recompute,
+                    tokens_per_microbatch=tokens_per_microbatch)
+
+
+def steady_step_ms(result: SimResult) -> float:
+    """Time per optimizer step once the run is in steady state: the spacing of the last two
+    step ends (the first step carries the pipeline fill; an async run's later steps overlap).
+    With one step, the makespan."""
+    ends = result.step_end_ms
+    if len(ends) < 2:
+        return result.makespan_ms
+    return ends[-1] - ends[-2]
