@@ -18,7 +18,7 @@ import contextlib
 import itertools
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +220,7 @@ def capture(
     loss_fn: Callable | None = None,
     units: Sequence[str] | None = None,
     opaque: Sequence[str] | None = None,
+    replicate: bool = True,
 ) -> Captured:
     """Capture ``model``'s training loss as a torch.fx graph grouped into units.
 
@@ -228,7 +229,10 @@ def capture(
     last being the target when ``loss_fn`` is given (otherwise the model must return a scalar
     loss). ``units``: names of the modules that are the model's repeated layers (default: the
     largest ``nn.ModuleList``/``nn.Sequential``). ``opaque``: extra module names to keep as
-    one node (MoE blocks are opaque by default).
+    one node (MoE blocks are opaque by default). ``replicate``: when the layers are
+    structurally identical, export only the first few and copy their graph for the others
+    (a 94-layer model captures in the time of a 4-layer one); the copy is checked node by node
+    and capture falls back to a full export when layers differ.
     """
     if not isinstance(model, nn.Module):
         raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -258,11 +262,25 @@ def capture(
     t0 = time.perf_counter()
     attempts: list[tuple[str, str]] = []
     ladder = [("export", True), ("export-static", False)]
+    repeat = _repeat_plan(model, layer_names) if replicate else None
+    if repeat is not None:
+        ladder.insert(0, ("export+replicate", True))
     for strategy, dynamic in ladder:
         extra: list[str] = []
         while True:
             try:
+                if strategy == "export+replicate":
+                    with _truncated(model, repeat):
+                        present = [n for n in opaque_names + extra if _has_module(model, n)]
+                        ep = _export(model, wrapper, batch, causal, present, dynamic)
+                    return _finish(
+                        model, ep, layer_names, batch, causal, strategy, dynamic,
+                        tuple(opaque_names + extra), attempts, t0, loss_fn, repeat,
+                    )
                 ep = _export(model, wrapper, batch, causal, opaque_names + extra, dynamic)
+            except _NotRepeatable as exc:
+                attempts.append((strategy, str(exc)))
+                break
             except Exception as exc:  # capture errors come in many types; each is recorded
                 culprit = _culprit_of(exc)
                 if culprit is not None and _is_data_dependent(exc) and culprit not in extra:
@@ -307,7 +325,7 @@ def _export(model, wrapper, batch, causal, opaque_names, dynamic):
 
 
 def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, attempts, t0,
-            loss_fn):
+            loss_fn, repeat=None):
     gm = ep.graph_module
     sig = ep.graph_signature
     prefix = _WRAPPED + "."
@@ -326,7 +344,10 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
         name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)
     }
 
-    unit_names = _assign_units(gm, layer_names)
+    if repeat is not None:
+        _assign_units(gm, layer_names[: repeat.exported])
+        gm = _replicate(gm, params, model, repeat)
+    unit_names = _assign_units(gm, layer_names, params)
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.rpcompile.opaque.default):
         node.meta["rp_flops"] = opaque_flops(node)
     subs = _symbol_map(gm, inputs, causal)
@@ -367,6 +388,14 @@ def _symbol_map(gm: torch.fx.GraphModule, inputs: list[str], causal: bool) -> di
 # ---------------------------------------------------------------------------------------------
 
 
+def _has_module(model: nn.Module, name: str) -> bool:
+    try:
+        model.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
 def _check_module(model: nn.Module, name: str, what: str) -> None:
     try:
         model.get_submodule(name)
@@ -396,7 +425,9 @@ def _find_layers(model: nn.Module, units: Sequence[str] | None) -> list[str]:
     return [f"{best}.{i}" if best else str(i) for i in range(len(container))]
 
 
-def _assign_units(gm: torch.fx.GraphModule, layer_names: list[str]) -> list[str]:
+def _assign_units(
+    gm: torch.fx.GraphModule, layer_names: list[str], params: Container[str] | None = None
+) -> list[str]:
     """Write ``node.meta['rp_unit']``; return the unit names (prefix, layers..., tail).
 
     A node inside layer i belongs to unit i+1. A node outside every layer belongs to the
@@ -438,7 +469,232 @@ def _assign_units(gm: torch.fx.GraphModule, layer_names: list[str]) -> list[str]
     loss = loss[0] if isinstance(loss, (tuple, list)) else loss
     if loss.meta["rp_unit"] != tail:
         loss.meta["rp_unit"] = tail
+    if params is not None:
+        _sink_input_only_nodes(gm, params)
     return unit_names
+
+
+def _sink_input_only_nodes(gm: torch.fx.GraphModule, params: Container[str]) -> None:
+    """Move prefix nodes that read no parameter and serve one later unit only (the shifted
+    labels, read by the loss) into that unit, so they do not ride through every stage boundary.
+    Values read by many units (rotary tables, masks) stay in the prefix as shared values."""
+    reads_param: set[torch.fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder":
+            if n.name in params:
+                reads_param.add(n)
+        elif any(a in reads_param for a in n.all_input_nodes):
+            reads_param.add(n)
+    for n in reversed(list(gm.graph.nodes)):
+        if n.op != "call_function" or n.meta["rp_unit"] != 0 or n in reads_param:
+            continue
+        # Checks with no users (_assert_tensor_metadata) follow their input afterwards.
+        users = {u.meta["rp_unit"] for u in n.users if u.op != "output" and u.users}
+        if len(users) == 1 and min(users) > 0:  # values read by many units stay shared
+            n.meta["rp_unit"] = users.pop()
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and not n.users and n.all_input_nodes:
+            n.meta["rp_unit"] = max(a.meta["rp_unit"] for a in n.all_input_nodes)
+
+
+# ---------------------------------------------------------------------------------------------
+# 3b. Replicated layers: export the first few identical layers, copy their graph for the rest
+# ---------------------------------------------------------------------------------------------
+
+
+class _NotRepeatable(Exception):
+    """The exported layers are not copies of each other; capture exports every layer."""
+
+
+@dataclass(frozen=True)
+class _Repeat:
+    container: str  # module name of the layer list ("" for a root nn.Sequential)
+    count: int  # layers in the model
+    period: int  # layer kinds repeat with this period (GPT-OSS alternates: 2)
+    exported: int  # layers actually exported (two periods)
+
+
+def _layer_signature(model: nn.Module, layer: nn.Module, i: int) -> tuple:
+    params = tuple((n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in layer.named_parameters())
+    buffers = tuple(n for n, _ in layer.named_buffers())
+    kinds = getattr(getattr(model, "config", None), "layer_types", None)
+    kind = kinds[i] if isinstance(kinds, (list, tuple)) and i < len(kinds) else None
+    return (type(layer).__name__, params, buffers, kind, getattr(layer, "attention_type", None))
+
+
+def _repeat_plan(model: nn.Module, layer_names: list[str]) -> _Repeat | None:
+    """How to capture by replication, or None when layers are too few or not periodic."""
+    if len(layer_names) < 8:
+        return None
+    container, _, first = layer_names[0].rpartition(".")
+    if first != "0" or layer_names != [f"{container}.{i}" if container else str(i)
+                                       for i in range(len(layer_names))]:
+        return None
+    layers = list(model.get_submodule(container)) if container else list(model)
+    if any(_layer_signature(model, lay, 0)[2] for lay in layers):
+        return None  # per-layer buffers would need copying too; export them all instead
+    sigs = [_layer_signature(model, lay, i) for i, lay in enumerate(layers)]
+    for period in (1, 2, 3, 4):
+        if len(sigs) % period == 0 and all(sigs[i] == sigs[i % period] for i in range(len(sigs))):
+            exported = 2 * period
+            if len(sigs) >= exported + 4:
+                return _Repeat(container, len(sigs), period, exported)
+            return None
+    return None
+
+
+@contextlib.contextmanager
+def _truncated(model: nn.Module, repeat: _Repeat):
+    parent_name, _, attr = repeat.container.rpartition(".")
+    parent = model.get_submodule(parent_name) if repeat.container else None
+    if parent is None:
+        raise _NotRepeatable("a root nn.Sequential is exported whole")
+    full = getattr(parent, attr)
+    setattr(parent, attr, nn.ModuleList(list(full)[: repeat.exported]))
+    try:
+        yield
+    finally:
+        setattr(parent, attr, full)
+
+
+def _replicate(gm: torch.fx.GraphModule, params: dict[str, str], model: nn.Module,
+               repeat: _Repeat) -> torch.fx.GraphModule:
+    """A graph of ``repeat.count`` layers from the export of the first ``repeat.exported``.
+
+    Layer i (i >= exported) is a copy of template layer ``period + i % period``: its parameters
+    become new placeholders, inputs from the template's previous layer come from layer i-1
+    (matched by position, the layers being structurally equal), inputs from the prefix stay.
+    ``params`` gains the new placeholders. Raises _NotRepeatable if layers differ.
+    """
+    P, K, L = repeat.period, repeat.exported, repeat.count
+    nodes = list(gm.graph.nodes)
+    by_unit: dict[int, list[torch.fx.Node]] = {}
+    for n in nodes:
+        if n.op == "call_function":
+            by_unit.setdefault(n.meta["rp_unit"], []).append(n)
+    layer_nodes = [by_unit.get(i + 1, []) for i in range(K)]
+    for i in range(P, K):
+        a, b = layer_nodes[i - P], layer_nodes[i]
+        if [n.target for n in a] != [n.target for n in b]:
+            raise _NotRepeatable(f"layers {i - P} and {i} traced to different graphs")
+    prefix_fqn = (repeat.container + "." if repeat.container else "")
+    param_of = {n: params[n.name] for n in nodes if n.op == "placeholder" and n.name in params}
+
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    last_param = max((i for i, n in enumerate(placeholders) if n in param_of), default=-1)
+    new_params: dict[int, dict[torch.fx.Node, torch.fx.Node]] = {}
+    new_layers: list[list[torch.fx.Node]] = [list(x) for x in layer_nodes]
+    canonical = {id(p): name for name, p in model.named_parameters()}
+
+    def add_layer_params(i: int, template: int) -> None:
+        mapping = {}
+        t_prefix = f"{prefix_fqn}{template}."
+        for ph, fqn in param_of.items():
+            if fqn.startswith(t_prefix):
+                name = f"{prefix_fqn}{i}." + fqn[len(t_prefix):]
+                new = graph.placeholder(f"p_rp_{name.replace('.', '_')}")
+                new.meta = dict(ph.meta)
+                new.meta["val"] = _fresh_like(ph.meta["val"], {})
+                params[new.name] = canonical[id(model.get_parameter(name))]
+                mapping[ph] = new
+        new_params[i] = mapping
+
+    for idx, n in enumerate(placeholders):
+        env[n] = graph.node_copy(n)
+        if idx == last_param:
+            for i in range(K, L):
+                add_layer_params(i, P + i % P)
+    tail = [n for n in nodes if n.op == "call_function" and n.meta["rp_unit"] > K]
+    for n in nodes:
+        if n.op == "call_function" and n.meta["rp_unit"] <= K:
+            env[n] = graph.node_copy(n, lambda a: env[a])
+    new_layers = [[env[n] for n in lay] for lay in layer_nodes]
+    position = {n: (i, k) for i, lay in enumerate(layer_nodes) for k, n in enumerate(lay)}
+
+    for i in range(K, L):
+        template = P + i % P
+        t_nodes = layer_nodes[template]
+        storages: dict[int, torch.Tensor] = {}
+        local: dict[torch.fx.Node, torch.fx.Node] = {}
+
+        def remap(a: torch.fx.Node, i=i, template=template, local=local) -> torch.fx.Node:
+            if a in local:
+                return local[a]
+            if a in new_params[i]:
+                return new_params[i][a]
+            if a in position:
+                src, k = position[a]
+                if src != template - 1:
+                    raise _NotRepeatable(
+                        f"layer {template} reads layer {src}, not only the layer before it"
+                    )
+                return new_layers[i - 1][k]
+            if a.op == "placeholder" and a in param_of and param_of[a].startswith(prefix_fqn):
+                raise _NotRepeatable(f"layer {template} reads another layer's parameter")
+            return env[a]
+
+        copies = []
+        for n in t_nodes:
+            new = graph.node_copy(n, remap)
+            new.meta = _renamed_meta(n.meta, f"{prefix_fqn}{template}", f"{prefix_fqn}{i}")
+            if "val" in n.meta:
+                new.meta["val"] = _fresh_like(n.meta["val"], storages)
+            new.meta["rp_unit"] = i + 1
+            local[n] = new
+            copies.append(new)
+        new_layers.append(copies)
+
+    last = layer_nodes[K - 1]
+    last_index = {n: k for k, n in enumerate(last)}
+
+    def remap_tail(a: torch.fx.Node) -> torch.fx.Node:
+        if a in last_index:
+            return new_layers[L - 1][last_index[a]]
+        if a in position:
+            raise _NotRepeatable("the tail reads a layer other than the last")
+        return env[a]
+
+    for n in tail:
+        env[n] = graph.node_copy(n, remap_tail)
+    out = next(iter(gm.graph.find_nodes(op="output")))
+    graph.output(torch.fx.map_arg(out.args[0], remap_tail))
+    for n in graph.nodes:
+        n.meta.pop("rp_unit", None)
+    return torch.fx.GraphModule(gm, graph)
+
+
+def _renamed_meta(meta: dict, old: str, new: str) -> dict:
+    meta = dict(meta)
+    stack = meta.get("nn_module_stack")
+    if stack:
+        wrapped_old, wrapped_new = f"{_WRAPPED}.{old}", f"{_WRAPPED}.{new}"
+        renamed = {}
+        for key, (path, cls) in stack.items():
+            if path == wrapped_old or path.startswith(wrapped_old + "."):
+                path = wrapped_new + path[len(wrapped_old):]
+            renamed[key] = (path, cls)
+        meta["nn_module_stack"] = renamed
+    return meta
+
+
+def _fresh_like(val, storages: dict[int, torch.Tensor]):
+    """A new fake value like ``val`` on new storage; views of one storage stay views of one."""
+    if isinstance(val, (tuple, list)):
+        return type(val)(_fresh_like(v, storages) for v in val)
+    if not isinstance(val, torch.Tensor):
+        return val
+    mode = getattr(val, "fake_mode", None)
+    ctx = mode if mode is not None else contextlib.nullcontext()
+    with ctx:
+        key = val.untyped_storage()._cdata
+        base = storages.get(key)
+        if base is None or base.dtype != val.dtype:
+            nbytes = val.untyped_storage().nbytes()
+            base = torch.empty(nbytes // val.element_size(), dtype=val.dtype, device=val.device)
+            storages[key] = base
+        return base.as_strided(val.shape, val.stride(), val.storage_offset())
 
 
 # ---------------------------------------------------------------------------------------------

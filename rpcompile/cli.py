@@ -1,0 +1,215 @@
+"""Command line: ``rpcompile plan | models | hardware``.
+
+``rpcompile plan`` builds a shipped model from its config on the ``meta`` device (no weights are
+allocated), compiles it for a hardware profile, schedules and lowers one optimizer step,
+simulates it, prints the stage table, predicted tokens/s, the bubble split, peak memory and the
+longest sequence that fits, and writes the schedule as CSV, Chrome-trace JSON and PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="rpcompile",
+        description="Compile PyTorch / Hugging Face models into RoundPipe training programs.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    plan = sub.add_parser(
+        "plan",
+        help="plan, schedule and simulate a shipped model on a hardware profile",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    plan.add_argument("--model", required=True, help="a shipped model (see `rpcompile models`)")
+    plan.add_argument("--hardware", default="rtx4090x8", help="profile (see `rpcompile hardware`)")
+    plan.add_argument("--gpus", type=int, default=None, help="workers (default: the profile's)")
+    plan.add_argument("--seq", type=int, default=2048, help="sequence length (tokens)")
+    plan.add_argument("--batch", type=int, default=None,
+                      help="global batch in sequences per optimizer step "
+                           "(default: microbatches x rounds)")
+    plan.add_argument("--microbatches", type=int, default=None,
+                      help="microbatches per round (default: gpus + 1)")
+    plan.add_argument("--rounds", type=int, default=1, help="rounds per step (accumulation)")
+    plan.add_argument("--schedule", default="roundpipe",
+                      choices=["roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs"])
+    plan.add_argument("--optimizer", default="async", choices=["async", "sync"])
+    plan.add_argument("--layers", type=int, default=None,
+                      help="override the model depth (quick experiments)")
+    plan.add_argument("--out", type=Path, default=None,
+                      help="folder for schedule.csv, schedule.json (Perfetto), schedule.png, "
+                           "plan.txt and summary.json")
+    plan.add_argument("--no-fit-search", action="store_true",
+                      help="skip the search for the longest sequence that fits")
+
+    sub.add_parser("models", help="list the shipped model configs")
+    sub.add_parser("hardware", help="list the hardware profiles")
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "models":
+            from rpcompile.models import list_models
+
+            print("\n".join(list_models()))
+            return 0
+        if args.command == "hardware":
+            from rpcompile.hardware import get_hardware, list_hardware
+
+            for name in list_hardware():
+                hw = get_hardware(name)
+                print(f"{name:<11} {hw.gpus} x {hw.gpu}, {hw.memory_gib:g} GiB, "
+                      f"{hw.matmul_tflops:g} TFLOP/s, H2D {hw.h2d_gbps:g} GB/s")
+            return 0
+        return _plan(args)
+    except ValueError as err:  # user errors: say what to change, no traceback
+        print(f"rpcompile: error: {err}", file=sys.stderr)
+        return 2
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import torch
+
+    import rpcompile
+    from rpcompile.hardware import get_hardware
+    from rpcompile.models import build_model, model_config
+    from rpcompile.passes.lower import lower
+    from rpcompile.passes.schedule import build_schedule
+
+    hw = get_hardware(args.hardware)
+    gpus = args.gpus or hw.gpus
+    micro = args.microbatches or gpus + 1
+    batch = args.batch or micro * args.rounds
+    if batch % (micro * args.rounds):
+        raise ValueError(
+            f"--batch {batch} is not a multiple of microbatches x rounds = {micro * args.rounds}"
+        )
+    model_config(args.model)  # unknown names fail here with the list of known ones
+    print(f"building {args.model} on the meta device ...", file=sys.stderr)
+    model = build_model(args.model, device="meta", layers=args.layers)
+    ids = torch.zeros(batch, args.seq, dtype=torch.long, device="meta")
+    compiled = rpcompile.compile(
+        model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids, rounds=args.rounds
+    )
+    plan = compiled.plan
+    if args.schedule != "roundpipe":
+        from rpcompile.passes.partition_baseline import weight_bound_stages
+
+        stages = weight_bound_stages(plan.units, hw, gpus, args.schedule)
+    else:
+        stages = plan
+    compute = build_schedule(stages, gpus, micro, rounds=args.rounds, steps=1,
+                             kind=args.schedule, optimizer=args.optimizer)
+    lowered, history = lower(compute, stages)
+    result = _simulate(lowered, plan, hw, stages)
+
+    print(plan)
+    print()
+    print(f"capture: {compiled.capture.report}")
+    print("passes: " + ", ".join(f"{r.name} {r.elapsed_ms:.0f} ms" for r in compiled.history)
+          + "; lowering: " + ", ".join(f"{r.name} {r.elapsed_ms:.0f} ms" for r in history))
+    tokens = batch * args.seq
+    summary = {"model": args.model, "hardware": hw.name, "gpus": gpus, "schedule": args.schedule,
+               "optimizer": args.optimizer, "seq": args.seq, "batch": batch,
+               "microbatches": micro, "rounds": args.rounds, "tokens_per_step": tokens,
+               "stages": len(plan.stages), "actions": sum(1 for _ in lowered.all_actions())}
+    summary.update(result)
+    print(f"predicted: {summary['makespan_ms']:.1f} ms per step, "
+          f"{summary['tokens_per_s']:,.0f} tokens/s; bubble {summary['bubble_pct']:.2f}% "
+          f"(fill {summary['bubble_fill_pct']:.2f}%, steady {summary['bubble_steady_pct']:.2f}%, "
+          f"drain {summary['bubble_drain_pct']:.2f}%)")
+    print(f"peak device memory: {max(summary['peak_device_gib']):.2f} GiB of "
+          f"{hw.memory_gib:g} GiB; host memory {summary['host_gib']:.1f} GiB")
+    if not args.no_fit_search and args.schedule == "roundpipe":
+        longest = longest_sequence(compiled, hw, gpus, micro, args.rounds)
+        summary["longest_seq"] = longest
+        print(f"longest sequence that fits (microbatch of {plan.microbatch_size}): {longest}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        timeline = result.pop("_timeline", None)
+        for ext in ("csv", "json", "png"):
+            lowered.dump(args.out / f"schedule.{ext}", timeline=timeline)
+        (args.out / "plan.txt").write_text(str(plan) + "\n")
+        (args.out / "summary.json").write_text(json.dumps(
+            {k: v for k, v in summary.items() if not k.startswith("_")}, indent=2))
+        print(f"wrote {args.out}/schedule.csv, schedule.json (open in ui.perfetto.dev), "
+              "schedule.png, plan.txt, summary.json")
+    return 0
+
+
+def _simulate(lowered, plan, hw, stages) -> dict:
+    from rpcompile.sim import simulate
+
+    res = simulate(lowered, stages, hw)
+    return {
+        "makespan_ms": res.makespan_ms,
+        "tokens_per_s": plan.tokens_per_step * 1e3 / res.makespan_ms * _rounds_of(lowered),
+        "bubble_pct": 100 * res.bubble,
+        "bubble_fill_pct": 100 * res.bubble_fill,
+        "bubble_steady_pct": 100 * res.bubble_steady,
+        "bubble_drain_pct": 100 * res.bubble_drain,
+        "exposed_transfer_ms": res.exposed_transfer_ms,
+        "peak_device_gib": [b / 2**30 for b in res.peak_device_bytes],
+        "host_gib": res.host_bytes / 2**30,
+        "_timeline": res.timeline,
+    }
+
+
+def _rounds_of(lowered) -> int:
+    return getattr(lowered, "rounds", 1)
+
+
+def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int) -> int:
+    """The longest sequence (at the plan's microbatch size) for which some plan fits."""
+    from rpcompile.passes.partition import PartitionError, StageCosting, partition
+
+    b = compiled.plan.microbatch_size
+    dtype_bytes = torch_dtype_bytes(compiled.compute_dtype)
+    costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
+
+    def fits(s: int) -> bool:
+        profiles = [u.evaluate(b, s, hw, dtype_bytes=dtype_bytes) for u in compiled.unit_costs]
+        try:
+            partition(profiles, hw, gpus, micro, b, s, rounds, costing, shortlist=1)
+        except PartitionError:
+            return False
+        return True
+
+    limit = getattr(getattr(compiled.model, "config", None), "max_position_embeddings", None)
+    limit = int(limit or 1 << 20)
+    lo = compiled.plan.seq_len
+    if not fits(lo):
+        return 0
+    hi = lo
+    while hi < limit and fits(min(2 * hi, limit)):
+        hi = min(2 * hi, limit)
+    if hi == limit:
+        return limit
+    top = min(2 * hi, limit)  # does not fit
+    while top - hi > 64:
+        mid = (hi + top) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            top = mid
+    return hi
+
+
+def torch_dtype_bytes(dtype) -> int:
+    import torch
+
+    return torch.empty((), dtype=dtype).element_size()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
