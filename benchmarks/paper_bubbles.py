@@ -32,9 +32,11 @@ from pathlib import Path
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.paper import MODELS, PAPER_MODELS, PaperModel
 from rpcompile.passes.partition import partition
+from rpcompile.passes.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "roundpipe-sync", "roundpipe-async")
+EXTRA = ("rp-partition-sync", "rp-partition-async")  # printed only
 # shared/REFERENCE.md, the RoundPipe paper's simulator, in PAPER_MODELS order.
 REFERENCE = {
     "gpipe": (36.13, 42.08, 41.73, 34.88, 31.18),
@@ -51,8 +53,17 @@ def paper_hardware(model: PaperModel) -> Hardware:
                    h2d_gbps=link, d2h_gbps=link, transfer_latency_us=0.0, host_mem_gbps=1e6)
 
 
+def _roundpipe(plan, hw) -> tuple[float, float]:
+    """(sync bubble of one isolated step, async steady-state bubble), percent."""
+    sync = 100 * simulate_roundpipe(plan, hw, steps=1, optimizer="sync").bubble
+    r = simulate_roundpipe(plan, hw, steps=3, optimizer="async")
+    work_per_step = sum(r.busy_ms) / 3
+    return sync, 100 * (1 - work_per_step / (steady_step_ms(r) * WORKERS))
+
+
 def bubbles(name: str) -> dict[str, float]:
-    """Bubble percent of every schedule for one model."""
+    """Bubble percent of every schedule for one model (plus, under ``rp-partition-*``, RoundPipe
+    dispatch of RoundPipe's own greedy plan, printed for comparison but not in the JSON)."""
     model = MODELS[name]
     units = model.units(MICROBATCH_SIZE, SEQ)
     hw = paper_hardware(model)
@@ -62,10 +73,9 @@ def bubbles(name: str) -> dict[str, float]:
                               chunks=chunks)
         out[kind] = 100 * r.bubble
     plan = partition(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
-    out["roundpipe-sync"] = 100 * simulate_roundpipe(plan, hw, steps=1, optimizer="sync").bubble
-    r = simulate_roundpipe(plan, hw, steps=3, optimizer="async")
-    work_per_step = sum(r.busy_ms) / 3
-    out["roundpipe-async"] = 100 * (1 - work_per_step / (steady_step_ms(r) * WORKERS))
+    out["roundpipe-sync"], out["roundpipe-async"] = _roundpipe(plan, hw)
+    greedy = partition_roundpipe(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
+    out["rp-partition-sync"], out["rp-partition-async"] = _roundpipe(greedy, hw)
     return out
 
 
@@ -84,12 +94,13 @@ def main() -> None:
     result = {s: {m: round(table[m][s], 2) for m in args.models} for s in SCHEDULES}
 
     width = max(len(m) for m in args.models)
-    print(f"{'schedule':<16}" + "".join(f"{m:>{width + 2}}" for m in args.models))
-    for s in SCHEDULES:
-        print(f"{s:<16}" + "".join(f"{result[s][m]:>{width + 1}.2f}%" for m in args.models))
+    print(f"{'schedule':<18}" + "".join(f"{m:>{width + 2}}" for m in args.models))
+    for s in (*SCHEDULES, *EXTRA):
+        row = [table[m][s] for m in args.models]
+        print(f"{s:<18}" + "".join(f"{v:>{width + 1}.2f}%" for v in row))
         if s in REFERENCE:
             ref = [REFERENCE[s][PAPER_MODELS.index(m)] for m in args.models]
-            print(f"{'  paper':<16}" + "".join(f"{v:>{width + 1}.2f}%" for v in ref))
+            print(f"{'  paper':<18}" + "".join(f"{v:>{width + 1}.2f}%" for v in ref))
     worst = max((abs(result[s][m] - REFERENCE[s][PAPER_MODELS.index(m)])
                  for s in REFERENCE for m in args.models), default=0.0)
 

@@ -56,10 +56,10 @@ def bar_chart(groups: Mapping[str, Mapping[str, float | None]], path: str | os.P
             if value is not None:
                 ys.append(value)
         bars = ax.bar(xs, ys, width=width, label=key)
-        ax.bar_label(bars, fmt="%.3g", fontsize=6, rotation=90, padding=2)
-        if missing:
-            ax.plot(missing, [0] * len(missing), "x", color=bars.patches[0].get_facecolor()
-                    if bars.patches else "k")
+        ax.bar_label(bars, fmt="{:,.4g}", fontsize=6, rotation=90, padding=2)
+        if missing:  # drawn in axes coordinates so that it also shows on a log scale
+            ax.plot(missing, [0.02] * len(missing), "x", color=f"C{j}",
+                    transform=ax.get_xaxis_transform())
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, fontsize=8)
     ax.set_ylabel(ylabel)
@@ -67,7 +67,7 @@ def bar_chart(groups: Mapping[str, Mapping[str, float | None]], path: str | os.P
         ax.set_yscale("log")
     if title:
         ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="best")
     ax.margins(y=0.15)
     fig.tight_layout()
     fig.savefig(os.fspath(path), dpi=120)
