@@ -17,6 +17,7 @@ in a long run, and step ``k`` runs schedule step ``k mod steps``.
 
 from __future__ import annotations
 
+import copy
 import math
 import warnings
 from collections.abc import Callable
@@ -157,8 +158,10 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Masters, optimizer state, step counter, mode and a plan summary."""
-        state = self.driver.state_dict()
+        """Masters, optimizer state, step counter, mode and a plan summary: a snapshot
+        (copies), unlike ``torch.optim.Optimizer.state_dict`` whose tensors later steps
+        would keep changing."""
+        state = copy.deepcopy(self.driver.state_dict())
         state["plan"] = plan_summary(self.compiled)
         state["executor_steps"] = self.executor.steps_run
         return state
