@@ -150,12 +150,15 @@ def simulate(
 
 @dataclass
 class _Transfer:
-    action: Action
+    index: int  # the action's id in the replay
+    bulk: bool
     order: int  # issue position on its worker (the tie-break)
+    link: int  # 2 * worker (+1 for the D2H link)
+    rate: float  # bytes per ms of its link
     ready: float = 0.0
     chunks_left: int = 1
-    chunk_work: float = 0.0  # bytes per chunk (+ the DMA latency on the first)
-    latency_work: float = 0.0
+    chunk_work: float = 0.0  # bytes per chunk
+    latency_work: float = 0.0  # the DMA latency, as bytes at the link's rate (first chunk)
     started: bool = False
 
 
@@ -163,68 +166,86 @@ class _Transfer:
 class _Fluid:
     """Work progressing at a rate shared through host memory bandwidth."""
 
-    action: Action
+    index: int  # the action's id in the replay
     remaining: float  # bytes of host memory traffic (or link bytes) left
     max_rate: float  # bytes per ms when nothing else competes
-    link: tuple[int, str] | None  # (worker, 'h2d'|'d2h') for transfers, None for host work
+    link: int  # the transfer's link, or -1 for host work
     rate: float = 0.0
 
 
 class _Replay:
+    """Actions are numbered once (hashing a frozen Action is the expensive part of a replay);
+    the event loop works on those numbers."""
+
     def __init__(self, sched: Schedule, times: Mapping[tuple[str, int], float],
                  hw: Hardware) -> None:
-        self.sched, self.times, self.hw = sched, times, hw
+        self.sched, self.hw = sched, hw
         self.host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
-        self.preds_left: dict[Action, int] = {}
-        self.succs: dict[Action, list[Action]] = {}
+        self.acts = list(sched.all_actions())
+        ids = {a: i for i, a in enumerate(self.acts)}
+        n = len(self.acts)
+        self.preds_left = [0] * n
+        self.succs: list[list[int]] = [[] for _ in range(n)]
         for e in sched.edges:
-            self.preds_left[e.dst] = self.preds_left.get(e.dst, 0) + 1
-            self.succs.setdefault(e.src, []).append(e.dst)
-        self.compute_q = [[a for a in lst if a.stream == "compute"] for lst in sched.actions]
-        self.transfers: dict[Action, _Transfer] = {}
+            self.preds_left[ids[e.dst]] += 1
+            self.succs[ids[e.src]].append(ids[e.dst])
+        self.duration = [0.0] * n
+        self.compute_q: list[list[int]] = []
+        self.transfers: dict[int, _Transfer] = {}
         for lst in sched.actions:
-            for i, a in enumerate(lst):
-                if a.stream != "compute":
-                    self.transfers[a] = self._transfer(a, i)
-        self.pools: dict[tuple[int, str], list[_Transfer]] = {
-            (w, d): [] for w in range(sched.workers) for d in ("h2d", "d2h")}
-        self.timeline: dict[Action, tuple[float, float]] = {}
-        self.start: dict[Action, float] = {}
+            q = []
+            for order, a in enumerate(lst):
+                i = ids[a]
+                if a.stream == "compute":
+                    q.append(i)
+                    if a.is_compute:
+                        if (a.kind, a.stage) not in times:
+                            raise ValueError(f"no compute time for {a} (kind {a.kind}, stage "
+                                             f"{a.stage}); the plan does not match the schedule")
+                        self.duration[i] = times[(a.kind, a.stage)]
+                else:
+                    self.transfers[i] = self._transfer(a, i, order)
+            self.compute_q.append(q)
+        self.host_q = [ids[a] for a in sched.host]
+        self.pools: list[list[_Transfer]] = [[] for _ in range(2 * sched.workers)]
+        self.start = [0.0] * n
+        self.end = [-1.0] * n
 
-    def _transfer(self, a: Action, order: int) -> _Transfer:
-        gbps = self.hw.d2h_gbps if a.kind == "D2H" else self.hw.h2d_gbps
-        rate = gbps * 1e6
-        chunks = a.chunks if a.priority == "bulk" else 1
-        return _Transfer(a, order, chunks_left=chunks, chunk_work=a.bytes / chunks,
+    def _transfer(self, a: Action, index: int, order: int) -> _Transfer:
+        d2h = a.kind == "D2H"
+        rate = (self.hw.d2h_gbps if d2h else self.hw.h2d_gbps) * 1e6
+        bulk = a.priority == "bulk"
+        chunks = a.chunks if bulk else 1
+        return _Transfer(index, bulk, order, 2 * a.worker + d2h, rate, chunks_left=chunks,
+                         chunk_work=a.bytes / chunks,
                          latency_work=self.hw.transfer_latency_us * 1e-3 * rate if a.bytes else 0.0)
 
-    def _ready(self, a: Action) -> bool:
-        return self.preds_left.get(a, 0) == 0
-
     def run(self) -> dict[Action, tuple[float, float]]:
-        sched = self.sched
-        total = sum(len(lst) for lst in sched.actions) + len(sched.host)
-        head = [0] * sched.workers
+        g = self.sched.workers
+        total = len(self.acts)
+        preds_left, succs, duration = self.preds_left, self.succs, self.duration
+        start, end, pools, transfers = self.start, self.end, self.pools, self.transfers
+        head = [0] * g
         host_head = 0
-        running: list[tuple[Action, float] | None] = [None] * sched.workers
-        link_busy: dict[tuple[int, str], _Fluid | None] = dict.fromkeys(self.pools)
+        running: list[tuple[int, float] | None] = [None] * g
+        link_busy: list[_Fluid | None] = [None] * (2 * g)
         host_busy: _Fluid | None = None
-        for t in self.transfers.values():
-            if self._ready(t.action):
-                self.pools[self._link(t.action)].append(t)
+        for tr in transfers.values():
+            if preds_left[tr.index] == 0:
+                pools[tr.link].append(tr)
         now = 0.0
         done = 0
 
-        def finish(a: Action) -> None:
+        def finish(i: int) -> None:
             nonlocal done
-            self.timeline[a] = (self.start[a], now)
+            end[i] = now
             done += 1
-            for s in self.succs.get(a, ()):
-                self.preds_left[s] -= 1
-                if self.preds_left[s] == 0 and s in self.transfers:
-                    tr = self.transfers[s]
+            for s in succs[i]:
+                preds_left[s] -= 1
+                if preds_left[s] == 0 and s in transfers:
+                    tr = transfers[s]
                     tr.ready = now
-                    self.pools[self._link(s)].append(tr)
+                    pools[tr.link].append(tr)
 
         while done < total:
             # Start everything that can start now; zero-length work finishes at once, which
@@ -232,54 +253,47 @@ class _Replay:
             moved = True
             while moved:
                 moved = False
-                for w in range(sched.workers):
+                for w in range(g):
                     q = self.compute_q[w]
-                    if running[w] is None and head[w] < len(q) and self._ready(q[head[w]]):
-                        a = q[head[w]]
+                    if running[w] is None and head[w] < len(q) and preds_left[q[head[w]]] == 0:
+                        i = q[head[w]]
                         head[w] += 1
-                        self.start[a] = now
-                        ms = self.times.get((a.kind, a.stage), 0.0) if a.is_compute else 0.0
-                        if a.is_compute and (a.kind, a.stage) not in self.times:
-                            raise ValueError(f"no compute time for {a} (kind {a.kind}, stage "
-                                             f"{a.stage}); the plan does not match the schedule")
-                        if ms <= 0.0:
-                            finish(a)
+                        start[i] = now
+                        if duration[i] <= 0.0:
+                            finish(i)
                         else:
-                            running[w] = (a, now + ms)
+                            running[w] = (i, now + duration[i])
                         moved = True
-                if host_busy is None and host_head < len(sched.host) and \
-                        self._ready(sched.host[host_head]):
-                    a = sched.host[host_head]
+                if host_busy is None and host_head < len(self.host_q) and \
+                        preds_left[self.host_q[host_head]] == 0:
+                    i = self.host_q[host_head]
                     host_head += 1
-                    self.start[a] = now
-                    work, rate = self._host_work(a)
+                    start[i] = now
+                    work, rate = self._host_work(self.acts[i])
                     if work <= 0.0:
-                        finish(a)
+                        finish(i)
                     else:
-                        host_busy = _Fluid(a, work, rate, None)
+                        host_busy = _Fluid(i, work, rate, -1)
                     moved = True
-                for link, pool in self.pools.items():
+                for link, pool in enumerate(pools):
                     if link_busy[link] is not None or not pool:
                         continue
-                    tr = min(pool, key=lambda t: (t.action.priority == "bulk", not t.started,
-                                                  t.ready, t.order))
+                    # Critical before bulk; a started bulk transfer goes on before a new one.
+                    tr = min(pool, key=lambda t: (t.bulk, not t.started, t.ready, t.order))
                     pool.remove(tr)
-                    a = tr.action
+                    work = tr.chunk_work
                     if not tr.started:
-                        self.start[a] = now
+                        start[tr.index] = now
                         tr.started = True
-                        work = tr.chunk_work + tr.latency_work
-                    else:
-                        work = tr.chunk_work
+                        work += tr.latency_work
                     tr.chunks_left -= 1
                     if work <= 0.0 and tr.chunks_left == 0:
-                        finish(a)
+                        finish(tr.index)
                     else:
-                        gbps = self.hw.d2h_gbps if link[1] == "d2h" else self.hw.h2d_gbps
-                        link_busy[link] = _Fluid(a, work, gbps * 1e6, link)
+                        link_busy[link] = _Fluid(tr.index, work, tr.rate, link)
                     moved = True
 
-            fluids = [f for f in link_busy.values() if f is not None]
+            fluids = [f for f in link_busy if f is not None]
             if host_busy is not None:
                 fluids.append(host_busy)
             demand = sum(f.max_rate for f in fluids)
@@ -289,38 +303,34 @@ class _Replay:
                 f.rate = f.max_rate * scale
                 nxt = min(nxt, now + f.remaining / f.rate)
             for r in running:
-                if r is not None:
-                    nxt = min(nxt, r[1])
+                if r is not None and r[1] < nxt:
+                    nxt = r[1]
             if nxt == float("inf"):
                 if done < total:
                     raise SimulationError(self._deadlock(head, host_head))
                 break
             dt = nxt - now
             now = nxt
-            for w in range(sched.workers):
+            for w in range(g):
                 r = running[w]
                 if r is not None and r[1] <= now + _TIME_EPS:
                     running[w] = None
                     finish(r[0])
             for f in fluids:
-                if f.remaining <= f.rate * dt + _TIME_EPS * f.rate:
-                    if f.link is None:
+                if f.remaining <= f.rate * (dt + _TIME_EPS):
+                    if f.link < 0:
                         host_busy = None
-                        finish(f.action)
+                        finish(f.index)
                     else:
                         link_busy[f.link] = None
-                        tr = self.transfers[f.action]
+                        tr = transfers[f.index]
                         if tr.chunks_left == 0:
-                            finish(f.action)
+                            finish(f.index)
                         else:
-                            self.pools[f.link].append(tr)
+                            pools[f.link].append(tr)
                 else:
                     f.remaining -= f.rate * dt
-        return self.timeline
-
-    @staticmethod
-    def _link(a: Action) -> tuple[int, str]:
-        return (a.worker, "d2h" if a.kind == "D2H" else "h2d")
+        return {a: (start[i], end[i]) for i, a in enumerate(self.acts)}
 
     def _host_work(self, a: Action) -> tuple[float, float]:
         """(bytes of host memory traffic, full-speed rate in bytes per ms) of a host action."""
@@ -333,10 +343,11 @@ class _Replay:
         return 3.0 * a.bytes, self.host_rate
 
     def _deadlock(self, head: list[int], host_head: int) -> str:
-        blocked = [str(q[h]) for q, h in zip(self.compute_q, head) if h < len(q)]
-        if host_head < len(self.sched.host):
-            blocked.append(str(self.sched.host[host_head]))
-        waiting = [str(t.action) for t in self.transfers.values() if t.action not in self.start]
+        blocked = [str(self.acts[q[h]]) for q, h in zip(self.compute_q, head) if h < len(q)]
+        if host_head < len(self.host_q):
+            blocked.append(str(self.acts[self.host_q[host_head]]))
+        waiting = [str(self.acts[t.index]) for t in self.transfers.values() if self.end[t.index] < 0
+                   and not t.started]
         return ("the replay cannot progress (deadlock): blocked stream heads "
                 f"{blocked[:8]}, transfers never ready {waiting[:8]}; validate the schedule "
                 "with rpcompile.passes.validate.validate")
