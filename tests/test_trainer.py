@@ -142,3 +142,29 @@ def test_device_choice(qwen3):
             assert all(w.kind == "virtual" for w in trainer.workers)
         with pytest.raises(RuntimeError, match="virtual"):
             Trainer(qwen3, SGD, device="cuda")
+
+
+def test_peft_lora_trains_only_the_adapters():
+    peft = pytest.importorskip("peft")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    model = peft.get_peft_model(hf_model("qwen3", layers=2), lora)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=token_batch(6))
+    with assert_trains_like_reference(compiled, batches(2, 6), ADAMW, chaos=2) as trainer:
+        adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+        assert set(trainer.masters()) == adapters and all("lora_" in n for n in adapters)
+        opt_params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
+        assert len(opt_params) == len(adapters)
+        trainer.sync_to_model()
+    for name, p in model.named_parameters():
+        if name in adapters:
+            assert not torch.equal(p, before[name]), f"adapter {name} did not train"
+        else:
+            assert torch.equal(p, before[name]), f"base weight {name} changed"
+
+
+def test_loss_falls_on_a_repeated_batch(qwen3):
+    batch = token_batch(6, seed=5)
+    with Trainer(qwen3, lambda p: torch.optim.AdamW(p, lr=3e-3), device="virtual") as trainer:
+        losses = [trainer.step(batch).item() for _ in range(6)]
+    assert losses[-1] < losses[0] - 0.1, losses

@@ -415,9 +415,14 @@ class Executor:
         try:
             self._drain(run)
         except EventTimeout as exc:
+            # A stream is stuck inside an item (a callable that never returns cannot be
+            # interrupted): give up on the step without waiting for it.
             self._run = None
             self.driver.discard_step()
-            raise StepFailed(Action(None, "ACC", 0), "?", None, exc) from None
+            raise EventTimeout(
+                f"step {self.steps_run} did not finish within timeout_s={self.timeout_s}: {exc}. "
+                "Its gradients were discarded; the workers are still busy, so close the trainer."
+            ) from host_error
         peaks = tuple(w.peak_bytes for w in self.workers)
         failed = host_error is not None or run.failures or any(w.errors for w in self.workers)
         self._cleanup(run)
