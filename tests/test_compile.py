@@ -205,3 +205,34 @@ def test_capture_error_names_module_and_fix():
 
     with pytest.raises(CaptureError, match=r"could not capture Root.*units=\[\.\.\.\].*opaque="):
         capture(Root(), (torch.randn(2, 4),))
+
+
+def _run_whole_graph(captured, ids):
+    gm = captured.graph_module
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    loss = gm(*[ids if k in captured.inputs else captured.value_of(k) for k in names])[0]
+    captured.model.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = {k: p.grad.clone() for k, p in captured.model.named_parameters()}
+    return loss.detach(), grads
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt_oss"])
+def test_replicated_capture_equals_full_export(arch):
+    from rpcompile.passes.cost import annotate_costs
+
+    model = hf_model(arch, layers=10)  # gpt_oss alternates sliding/full attention: period 2
+    ids = token_batch(4, 12)
+    fast = capture(model, ids)
+    full = capture(model, ids, replicate=False)
+    assert fast.report.strategy == "export+replicate" and full.report.strategy == "export"
+    assert fast.units == full.units
+    assert fast.report.node_count == full.report.node_count
+    loss_a, grads_a = _run_whole_graph(fast, ids)
+    loss_b, grads_b = _run_whole_graph(full, ids)
+    assert torch.equal(loss_a, loss_b)
+    for name, g in grads_b.items():
+        assert torch.equal(grads_a[name], g), name
+    for a, b in zip(annotate_costs(fast), annotate_costs(full)):
+        assert (a.forward_flops, a.backward_flops, a.saved_bytes, a.output_bytes) == (
+            b.forward_flops, b.backward_flops, b.saved_bytes, b.output_bytes)

@@ -84,9 +84,10 @@ def partition(
         fwd_cost = [u.forward_ms for u in units[:t]]
         bwd_cost = [u.forward_ms + u.backward_ms for u in units[:t]]
         tail_ms = sum(u.forward_ms + u.backward_ms for u in units[t:])
-        max_stages = min(t, max(4 * workers, 8))
-        fwd_cuts = _all_cuts(units, fwd_cost, "forward", costing, limit, max_stages)
-        bwd_cuts = _all_cuts(units, bwd_cost, "backward", costing, limit, max_stages)
+        fwd_cuts = _all_cuts(units, fwd_cost, "forward", costing, limit, 4 * workers)
+        bwd_cuts = _all_cuts(units, bwd_cost, "backward", costing, limit, 4 * workers)
+        if not fwd_cuts or not bwd_cuts:
+            continue
         for p, (f_max, f_bounds) in fwd_cuts.items():
             for q, (b_max, b_bounds) in bwd_cuts.items():
                 jobs = p + q + 1
@@ -105,8 +106,8 @@ def partition(
     if not candidates:
         raise PartitionError(
             "no partition fits: the tail (final norm, LM head, loss) needs "
-            f"{_gib(_stage_memory(units, (n - 1,), 'tail', costing))} GiB but the GPU has "
-            f"{_gib(limit)} GiB usable; lower the microbatch size or sequence length"
+            f"{_gib(_stage_memory(units, (n - 1,), 'tail', costing))} GiB and every stage must "
+            f"fit in {_gib(limit)} GiB usable; lower the microbatch size or sequence length"
         )
     candidates.sort(key=lambda c: c[0])
     best = None
@@ -189,9 +190,10 @@ def _gib(n: float) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _all_cuts(units, cost, kind, costing, limit, max_stages):
-    """For every stage count k, the contiguous cut of ``cost`` into k parts with the smallest
-    maximum part, subject to each part fitting in memory: {k: (max_part, start_indices)}."""
+def _all_cuts(units, cost, kind, costing, limit, span):
+    """For ``span`` stage counts k from the smallest that fits, the contiguous cut of ``cost``
+    into k parts with the smallest maximum part, each part fitting in memory:
+    {k: (max_part, start_indices)}."""
     n = len(cost)
     prefix = [0.0]
     for c in cost:
@@ -222,8 +224,17 @@ def _all_cuts(units, cost, kind, costing, limit, max_stages):
                 result = (value, (i, *starts))
         return result
 
+    # The fewest stages that fit: pack greedily (optimal for feasibility of contiguous cuts).
+    fewest, a = 0, 0
+    while a < n:
+        b = a + 1
+        if not ok(a, b):
+            return {}
+        while b < n and ok(a, b + 1):
+            b += 1
+        fewest, a = fewest + 1, b
     out = {}
-    for k in range(1, min(n, max_stages) + 1):
+    for k in range(fewest, min(n, fewest + span - 1) + 1):
         value, starts = best(0, k)
         if value != float("inf"):
             out[k] = (value, starts)
