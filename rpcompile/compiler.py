@@ -5,9 +5,11 @@ capture -> cost -> partition -> split (-> schedule -> lower, see ``Compiled.sche
 
 from __future__ import annotations
 
+import atexit
 import time
+import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +43,46 @@ class Compiled:
     rounds: int
     history: list[PassRecord]
     compute_dtype: torch.dtype
+    training: dict[str, Any] = field(default_factory=dict)  # Trainer options
+    _trainer: Any = field(default=None, repr=False)
+
+    # -- training (the runtime starts on the first step) ----------------------------------
+    def trainer(self) -> Any:
+        """The :class:`rpcompile.trainer.Trainer` that runs this plan (created on first use
+        with the options given to :func:`compile`)."""
+        if self._trainer is None:
+            from rpcompile.trainer import Trainer
+
+            self._trainer = Trainer(self, **self.training)
+            # Stop the worker threads before the interpreter tears down (a thread still
+            # blocked at exit aborts the process).
+            atexit.register(_close_ref, weakref.ref(self))
+        return self._trainer
+
+    def step(self, batch: Any) -> torch.Tensor:
+        """One optimizer step over ``batch`` on the workers; returns the mean loss."""
+        return self.trainer().step(batch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Masters, optimizer state, step counter and a plan summary."""
+        return self.trainer().state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.trainer().load_state_dict(state)
+
+    def sync_to_model(self) -> None:
+        """Write the trained masters back into the original module (then save_pretrained)."""
+        self.trainer().sync_to_model()
+
+    def memory_report(self) -> Any:
+        """Host bytes per trainable parameter: masters, shadow, gradients, optimizer state."""
+        return self.trainer().memory_report()
+
+    def close(self) -> None:
+        """Stop the workers (a later step starts them again)."""
+        if self._trainer is not None:
+            self._trainer.close()
+            self._trainer = None
 
     # -- inspection ----------------------------------------------------------------------
     def explain(self) -> str:
@@ -82,11 +124,13 @@ class Compiled:
     ) -> Compiled:
         """The same captured model planned for another worker count or machine, without
         capturing or costing it again."""
-        return _plan_and_split(
+        compiled = _plan_and_split(
             self.model, self.capture, self.unit_costs, gpus, microbatches,
             hardware or self.hardware, self.rounds if rounds is None else rounds,
             self.compute_dtype, list(self.history[:2]),
         )
+        compiled.training = dict(self.training)
+        return compiled
 
     # -- reference semantics -----------------------------------------------------------
     def reference_step(self, batch: Any, params: dict[str, torch.Tensor] | None = None):
@@ -112,6 +156,11 @@ def compile(
     units: Sequence[str] | None = None,
     opaque: Sequence[str] | None = None,
     compute_dtype: torch.dtype | None = None,
+    optimizer: Callable | None = None,
+    device: str = "auto",
+    mode: str = "sync",
+    chaos: int | None = None,
+    capacity_bytes: int | None = None,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -120,6 +169,13 @@ def compile(
     workers' profile). ``example_inputs``: one global batch; for a Hugging Face causal LM it
     may be omitted (token ids are synthesized from the config). The plan is made for the
     example batch's size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch.
+
+    Training options (used from the first :meth:`Compiled.step`): ``optimizer`` builds any
+    ``torch.optim`` optimizer over the fp32 masters (default AdamW, lr 1e-4); ``device`` is
+    ``"auto"`` (CUDA when present, else virtual CPU workers, with a warning), ``"cuda"`` or
+    ``"virtual"``; ``mode`` is ``"sync"`` (ordinary training) or ``"async"`` (the update of
+    step k overlaps step k+1, one step stale); ``chaos`` seeds random delays on virtual
+    workers; ``capacity_bytes`` caps each virtual worker's memory.
     """
     _check_counts(gpus, microbatches, rounds)
     history: list[PassRecord] = []
@@ -134,9 +190,12 @@ def compile(
     )
     unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
     dtype = compute_dtype or _floating_dtype(model)
-    return _plan_and_split(
+    compiled = _plan_and_split(
         model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history
     )
+    compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
+                             capacity_bytes=capacity_bytes)
+    return compiled
 
 
 def _check_counts(gpus, microbatches, rounds) -> None:
@@ -177,6 +236,12 @@ def _plan_and_split(
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
         history=history, compute_dtype=dtype,
     )
+
+
+def _close_ref(ref: weakref.ref) -> None:
+    compiled = ref()
+    if compiled is not None:
+        compiled.close()
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype:
