@@ -10,8 +10,9 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
   roundpipe-sync         our partitioner's plan, round-robin dispatch, weights uploaded per job,
                          sync optimizer on the host: ONE isolated step (fill, drain and the
                          last optimizer update included)
-  roundpipe-async        the same plan, async optimizer: steady state, i.e. the step period of a
-                         3-step run, bubble = 1 - compute per step / (period x GPUs)
+  roundpipe-async        the same plan, async optimizer, steady state: idle share of GPU time in
+                         a 4-step run between the end of step 1 and the start of step 4
+                         (rpcompile.sim.steady_utilization)
 
 Hardware: RTX 4090 x 8, except that each model's PCIe links are set so that a D2H plus an H2D
 of one activation takes the table's "activation hop" (about 42 GB/s per direction: the paper's
@@ -33,7 +34,7 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.paper import MODELS, PAPER_MODELS, PaperModel
 from rpcompile.passes.partition import partition
 from rpcompile.passes.partition_baseline import partition_roundpipe
-from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms
+from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_utilization
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "roundpipe-sync", "roundpipe-async")
 EXTRA = ("rp-partition-sync", "rp-partition-async")  # printed only
@@ -56,9 +57,8 @@ def paper_hardware(model: PaperModel) -> Hardware:
 def _roundpipe(plan, hw) -> tuple[float, float]:
     """(sync bubble of one isolated step, async steady-state bubble), percent."""
     sync = 100 * simulate_roundpipe(plan, hw, steps=1, optimizer="sync").bubble
-    r = simulate_roundpipe(plan, hw, steps=3, optimizer="async")
-    work_per_step = sum(r.busy_ms) / 3
-    return sync, 100 * (1 - work_per_step / (steady_step_ms(r) * WORKERS))
+    r = simulate_roundpipe(plan, hw, steps=4, optimizer="async")
+    return sync, 100 * (1 - steady_utilization(r))
 
 
 def bubbles(name: str) -> dict[str, float]:

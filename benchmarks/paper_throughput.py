@@ -9,7 +9,7 @@ times from the paper's table, scaled to the microbatch's tokens. Configurations:
   1f1b, gpipe          8 stages bound to the 8 GPUs, all of a step's microbatches in one flush
 
 RoundPipe runs are lowered in full (weight uploads, activation hops through the host, gradient
-downloads, host accumulation, async CPU optimizer) and replayed for 3 steps on the rtx4090x8
+downloads, host accumulation, async CPU optimizer) and replayed for 4 steps on the rtx4090x8
 profile; throughput = tokens per step / steady-state step time. The weight-bound baselines are
 optimistic: no optimizer time at all (weights, gradients and optimizer would live on the GPUs);
 a baseline whose weights, bf16 gradients and activations do not fit 24 GB is written as null.
@@ -36,7 +36,7 @@ from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms
 
 HARDWARE = "rtx4090x8"
 CONFIGS = ("rpcompile", "roundpipe-partition", "1f1b", "gpipe")
-STEPS = 3
+STEPS = 4
 RESULTS = Path(__file__).resolve().parent / "results"
 CALIBRATION_TOKENS_PER_S = 8900.0
 

@@ -14,7 +14,15 @@ from rpcompile.paper import MODELS
 from rpcompile.passes.lower import lower
 from rpcompile.passes.partition import build_plan
 from rpcompile.passes.schedule import build_schedule
-from rpcompile.sim import SimulationError, compute_times, pipeline_stages, simulate
+from rpcompile.sim import (
+    SimulationError,
+    compute_times,
+    pipeline_stages,
+    simulate,
+    simulate_roundpipe,
+    steady_step_ms,
+    steady_utilization,
+)
 
 MB25 = 25_000_000  # bytes one 25 GB/s link moves in 1 ms
 
@@ -260,3 +268,26 @@ def test_reproduces_the_paper_gpipe_and_1f1b_bubbles():
         got[kind] = 100 * simulate(lowered, stages, hw, units=units).bubble
     assert got["gpipe"] == pytest.approx(36.13, abs=0.2)
     assert got["1f1b"] == pytest.approx(35.19, abs=0.2)
+
+
+def test_balanced_roundpipe_plan_has_no_steady_state_bubble():
+    # Every job takes 30 ms per microbatch (forward stages of 3 layers at 10 ms, backward
+    # stages of one layer at 10 + 20 ms, a tail of 30 ms; the prefix costs nothing). With more
+    # microbatches than workers and the async optimizer, a worker never waits once the
+    # pipeline is full: the step period equals the compute per worker.
+    layers = 12
+    units = [UnitProfile("prefix", 0.0, 0.0, 1000, output_bytes=10**6)]
+    units += [UnitProfile(f"layers.{i}", 10.0, 20.0, 10**6, output_bytes=10**6)
+              for i in range(layers)]
+    units.append(UnitProfile("tail", 10.0, 20.0, 10**6))
+    hw = _hw(host_gbps=1e6, gpus=4, memory_gib=24.0, optimizer_params_per_s=1e10)
+    # (The prefix rides with layers.0 in its backward stage: a job of its own would compute
+    # nothing yet hold a worker while it waits for its inputs.)
+    plan = build_plan(units, [0, 4, 7, 10], [0, *range(2, layers + 1)], layers + 1, hw, 4, 8,
+                      1, 2048)
+    r = simulate_roundpipe(plan, hw, steps=4, optimizer="async")
+    assert steady_utilization(r) == pytest.approx(1.0, abs=2e-3)
+    assert steady_step_ms(r) == pytest.approx(17 * 8 * 30.0 / 4, rel=2e-3)
+    # One isolated step still has its fill and drain.
+    single = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")
+    assert single.bubble > 0.05

@@ -7,7 +7,12 @@ its time line, bubbles, exposed transfers and memory (docs/simulator.md).
 from rpcompile.sim.baselines import head_layer_equivalents, pipeline_stages
 from rpcompile.sim.engine import OPTIMIZER_BYTES_PER_PARAM, SimulationError, compute_times, simulate
 from rpcompile.sim.result import SimResult
-from rpcompile.sim.runs import simulate_pipeline, simulate_roundpipe, steady_step_ms
+from rpcompile.sim.runs import (
+    simulate_pipeline,
+    simulate_roundpipe,
+    steady_step_ms,
+    steady_utilization,
+)
 
 __all__ = [
     "OPTIMIZER_BYTES_PER_PARAM",
@@ -20,4 +25,5 @@ __all__ = [
     "simulate_pipeline",
     "simulate_roundpipe",
     "steady_step_ms",
+    "steady_utilization",
 ]

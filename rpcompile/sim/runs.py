@@ -5,7 +5,7 @@ These are what the benchmarks and the CLI use to predict a configuration:
   * :func:`simulate_roundpipe` - a RoundPipe plan, ``steps`` optimizer steps;
   * :func:`simulate_pipeline`  - a weight-bound baseline (GPipe, 1F1B, interleaved, looped
     BFS) over per-unit profiles, stages cut by :func:`~rpcompile.sim.baselines.pipeline_stages`;
-  * :func:`steady_step_ms`     - the step time of a multi-step run once it is in steady state.
+  * :func:`steady_utilization`, :func:`steady_step_ms` - a multi-step run in steady state.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from rpcompile.sim.baselines import pipeline_stages
 from rpcompile.sim.engine import simulate
 from rpcompile.sim.result import SimResult
 
-__all__ = ["simulate_pipeline", "simulate_roundpipe", "steady_step_ms"]
+__all__ = ["simulate_pipeline", "simulate_roundpipe", "steady_step_ms", "steady_utilization"]
 
 
 def simulate_roundpipe(plan: Plan, hardware: Hardware | str, *, steps: int = 1,
@@ -51,11 +51,30 @@ def simulate_pipeline(units: Sequence[UnitProfile], hardware: Hardware | str, ki
                     tokens_per_microbatch=tokens_per_microbatch)
 
 
+def steady_utilization(result: SimResult) -> float:
+    """Fraction of GPU time spent computing once the run is in steady state: compute time
+    inside the window from the end of the first step to the start of the last step's first
+    compute (no fill, no drain), over the window times the workers. Needs 3 steps or more;
+    with fewer, the whole run."""
+    sched, tl = result.schedule, result.timeline
+    computes = [a for lst in sched.actions for a in lst if a.is_compute]
+    if sched.steps >= 3:
+        lo = result.step_end_ms[0]
+        hi = min(tl[a][0] for a in computes if a.step == sched.steps - 1)
+    else:
+        lo, hi = 0.0, result.makespan_ms
+    if hi <= lo:
+        raise ValueError("no steady-state window: the last step started before the first ended; "
+                         "simulate more steps")
+    busy = sum(max(0.0, min(tl[a][1], hi) - max(tl[a][0], lo)) for a in computes)
+    return busy / ((hi - lo) * sched.workers)
+
+
 def steady_step_ms(result: SimResult) -> float:
-    """Time per optimizer step once the run is in steady state: the spacing of the last two
-    step ends (the first step carries the pipeline fill; an async run's later steps overlap).
-    With one step, the makespan."""
-    ends = result.step_end_ms
-    if len(ends) < 2:
-        return result.makespan_ms
-    return ends[-1] - ends[-2]
+    """Time per optimizer step in steady state: one step's compute spread over the workers at
+    the :func:`steady_utilization` rate. (Spacings of step ends are noisy when a step's jobs do
+    not divide evenly among the workers.) With fewer than 3 steps, the makespan per step."""
+    if result.schedule.steps < 3:
+        return result.makespan_ms / result.schedule.steps
+    work = sum(result.busy_ms) / result.schedule.steps
+    return work / (result.workers * steady_utilization(result))
