@@ -4,6 +4,7 @@ bubble split, and the baseline figures of the RoundPipe paper (shared/REFERENCE.
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
 
 import pytest
@@ -291,3 +292,21 @@ def test_balanced_roundpipe_plan_has_no_steady_state_bubble():
     # One isolated step still has its fill and drain.
     single = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")
     assert single.bubble > 0.05
+
+
+def test_timeline_png_and_bar_chart(tmp_path):
+    pytest.importorskip("matplotlib")
+    from rpcompile.viz import bar_chart, timeline_png
+
+    plan, lowered = _roundpipe_run(steps=1)
+    r = simulate(lowered, plan, "rtx4090x8")
+    timeline_png(r, tmp_path / "t.png")
+    bar_chart({"a": {"x": 1.0, "y": None}, "b": {"x": 2.0, "y": 3.0}}, tmp_path / "b.png",
+              ylabel="v", log=True)
+    for name in ("t.png", "b.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The Chrome trace carries the simulated times.
+    r.dump(tmp_path / "t.json")
+    doc = json.loads((tmp_path / "t.json").read_text())
+    ends = [e["ts"] + e["dur"] for e in doc["traceEvents"] if e.get("ph") == "X"]
+    assert max(ends) / 1000.0 == pytest.approx(r.makespan_ms)
