@@ -460,8 +460,8 @@ def _working_bytes(sched: Schedule, stage: Stage, units: tuple[UnitProfile, ...]
 def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
                    units: tuple[UnitProfile, ...] | None,
                    timeline: Mapping[Action, tuple[float, float]]) -> tuple[int, ...]:
-    """Peak device bytes per worker: weight slots (UP start .. EVICT end; baselines: their
-    bound stages' weights and gradients all along), the fp32 gradient accumulator of a
+    """Peak device bytes per worker: weight slots (UP start .. EVICT end; a schedule not yet
+    lowered: over each job; baselines: their bound stages' weights and gradients all along), the fp32 gradient accumulator of a
     backward job (first compute start .. its D2H grad end), each compute's working set,
     values a compute produces (until their local readers and their D2H are done), values an
     H2D brings (until the compute reading them ends), and a baseline's stash (F end .. B end,
@@ -533,6 +533,8 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
     if sched.stage_workers is None:
         for job, first in job_first.items():
             w, s, _, _ = job
+            if "upload" not in sched.passes:  # compute only: weights resident over the job
+                hold(w, first, job_last[job], stages[s].weight_bytes)
             if stages[s].kind == "forward" or not stages[s].grad_bytes:
                 continue
             down = grad_down.get(job)
