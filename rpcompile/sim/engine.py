@@ -533,7 +533,7 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
     if sched.stage_workers is None:
         for job, first in job_first.items():
             w, s, _, _ = job
-            if "upload" not in sched.passes:  # compute only: weights resident over the job
+            if job not in evict:  # not lowered: weights resident over the job
                 hold(w, first, job_last[job], stages[s].weight_bytes)
             if stages[s].kind == "forward" or not stages[s].grad_bytes:
                 continue
