@@ -346,6 +346,7 @@ class Executor:
         self._serial = [_has_opaque(p) for p in self.programs]
         self._plans: dict[int, _StepPlan] = {}
         self._run: _Run | None = None
+        self._broken = ""  # set when a step timed out with a worker still inside it
         self.steps_run = 0
         for worker in self.workers:
             worker.add_error_listener(self._on_worker_error)
@@ -391,6 +392,8 @@ class Executor:
     def run_step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
         """Run one optimizer step over ``batch`` (a normalized batch dict, dim 0 = sequences)
         and return its loss; raises :class:`StepFailed` (masters kept, see the module doc)."""
+        if self._broken:
+            raise RuntimeError(self._broken)
         start = time.perf_counter()
         total = self.compiled.microbatches * self.compiled.rounds
         parts = split_batch(batch, total)
@@ -414,18 +417,21 @@ class Executor:
             run.aborted = True
         try:
             self._drain(run)
+            peaks = tuple(w.peak_bytes for w in self.workers)
+            failed = host_error is not None or run.failures or any(w.errors for w in self.workers)
+            self._cleanup(run)
         except EventTimeout as exc:
             # A stream is stuck inside an item (a callable that never returns cannot be
-            # interrupted): give up on the step without waiting for it.
+            # interrupted): give up on the step without waiting for it any longer.
             self._run = None
             self.driver.discard_step()
-            raise EventTimeout(
-                f"step {self.steps_run} did not finish within timeout_s={self.timeout_s}: {exc}. "
-                "Its gradients were discarded; the workers are still busy, so close the trainer."
-            ) from host_error
-        peaks = tuple(w.peak_bytes for w in self.workers)
-        failed = host_error is not None or run.failures or any(w.errors for w in self.workers)
-        self._cleanup(run)
+            self._broken = (
+                f"step {self.steps_run} did not finish within timeout_s={self.timeout_s} "
+                f"({exc}); its gradients were discarded and the masters kept, but a worker is "
+                "still busy with it, so this executor cannot run another step: close the "
+                "trainer (its state_dict() is intact) and build a new one"
+            )
+            raise EventTimeout(self._broken) from host_error
         self._run = None
         if failed:
             self.driver.discard_step()
