@@ -71,6 +71,8 @@ def test_activation_hop_through_the_host_hand_computed():
     assert r.bubble_steady == pytest.approx(0.0)
     # T could have started at 10 with instant transfers: 2 ms exposed on w1.
     assert r.exposed_transfer_ms == pytest.approx((0.0, 2.0))
+    # w1 idled 12 ms for an input from another worker.
+    assert r.idle_by_wait_ms == pytest.approx({"arrived": 12.0})
     # with a 10 us DMA latency per transfer, 0.02 ms more
     r2 = simulate(sched, stages, _hw(transfer_latency_us=10.0))
     assert r2.makespan_ms == pytest.approx(17.02)
@@ -92,6 +94,7 @@ def test_critical_transfer_goes_between_chunks_of_a_bulk_upload():
     assert r.timeline[act] == pytest.approx((1.0, 2.0))
     assert r.timeline[weights] == pytest.approx((0.0, 5.0))
     assert r.timeline[t] == pytest.approx((5.0, 10.0))
+    assert r.idle_by_wait_ms == pytest.approx({"weights": 5.0})  # the upload ended last
     # Without chunks the upload holds the link: the activation waits until 4.
     one = replace(weights, chunks=1)
     sched1 = _sched([[f, down], [one, act, t]], [

@@ -382,24 +382,32 @@ def _measure(sched: Schedule, stages: tuple[Stage, ...], units: tuple[UnitProfil
             if a.is_compute:
                 step_end[a.step] = max(step_end[a.step], timeline[a][1])
     tokens = tokens_per_microbatch * sched.microbatches * sched.rounds * sched.steps
+    exposed, idle = _waits(sched, timeline)
     return SimResult(
         schedule=sched, hardware=hw.name, makespan_ms=makespan, tokens=tokens,
         busy_ms=tuple(busy), bubble=(fill + drain + steady) / denom, bubble_fill=fill / denom,
         bubble_drain=drain / denom, bubble_steady=steady / denom,
-        exposed_transfer_ms=_exposed_transfers(sched, timeline),
+        exposed_transfer_ms=exposed, idle_by_wait_ms=idle,
         peak_device_bytes=_device_memory(sched, stages, units, timeline),
         peak_host_bytes=_host_memory(sched, stages, units, timeline),
         step_end_ms=tuple(step_end), timeline=timeline,
     )
 
 
-def _exposed_transfers(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
-                       ) -> tuple[float, ...]:
-    """Per worker: the sum over computes of (start - when it could have started had every
-    transfer taken no time). A transfer's zero-time readiness is that of what it waits on."""
+def _waits(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
+           ) -> tuple[tuple[float, ...], dict[str, float]]:
+    """(exposed transfer time per worker, compute-stream idle time by binding edge kind).
+
+    Exposed: the sum over computes of (start - when it could have started had every transfer
+    taken no time); a transfer's zero-time readiness is that of what it waits on. Idle by
+    kind: each gap before a compute, charged to the kind of the edge that finished last
+    (``weights``: the upload; ``arrived``: an input from another worker, be it the transfer or
+    the producer's pace; ``data``: a producer on the same worker)."""
     preds: dict[Action, list[Action]] = {}
+    kinds: dict[Action, list[tuple[Action, str]]] = {}
     for e in sched.edges:
         preds.setdefault(e.dst, []).append(e.src)
+        kinds.setdefault(e.dst, []).append((e.src, e.kind))
     origin: dict[Action, float] = {}
 
     def free_ready(a: Action) -> float:
@@ -421,6 +429,7 @@ def _exposed_transfers(sched: Schedule, timeline: Mapping[Action, tuple[float, f
         return origin[a]
 
     out = []
+    idle: dict[str, float] = {}
     for lst in sched.actions:
         prev_end = 0.0
         lost = 0.0
@@ -433,9 +442,12 @@ def _exposed_transfers(sched: Schedule, timeline: Mapping[Action, tuple[float, f
                 could = max(could, timeline[p][1] if p.stream in ("compute", "host")
                             else free_ready(p))
             lost += max(0.0, start - could)
+            if start > prev_end and a in kinds:
+                binding = max(kinds[a], key=lambda pk: timeline[pk[0]][1])[1]
+                idle[binding] = idle.get(binding, 0.0) + (start - prev_end)
             prev_end = end
         out.append(lost)
-    return tuple(out)
+    return tuple(out), dict(sorted(idle.items()))
 
 
 def _peak(deltas: list[tuple[float, int, int]]) -> int:

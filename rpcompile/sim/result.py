@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from rpcompile.ir import Action, Schedule
 
@@ -38,6 +38,10 @@ class SimResult:
     peak_host_bytes: int
     step_end_ms: tuple[float, ...]  # when each optimizer step's last compute ended
     timeline: Mapping[Action, tuple[float, float]]
+    # Compute-stream gaps (all workers) by the kind of the edge that ended last before the
+    # compute could start: 'weights' (upload), 'arrived' (an input from another worker: the
+    # transfer or the producer's pace), 'data' (a producer on the same worker).
+    idle_by_wait_ms: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def workers(self) -> int:
@@ -67,6 +71,9 @@ class SimResult:
             f"{100 * self.bubble_drain:.2f}), exposed transfers "
             f"{sum(self.exposed_transfer_ms):.1f} ms, peak device {peak / gib:.2f} GiB, "
             f"host {self.peak_host_bytes / gib:.1f} GiB"
+            + ("; idle waiting for " + ", ".join(f"{k} {v:.0f} ms" for k, v in
+                                                  self.idle_by_wait_ms.items())
+               if self.idle_by_wait_ms else "")
         )
 
     def __str__(self) -> str:
