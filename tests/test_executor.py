@@ -14,7 +14,7 @@ import rpcompile
 from rpcompile.runtime.errors import WorkerOutOfMemory
 from rpcompile.runtime.executor import Executor, StepFailed
 from rpcompile.trainer import Trainer
-from tests.tiny_models import hf_model, token_batch
+from tests.tiny_models import SkipNet, hf_model, skipnet_batch, token_batch
 
 
 def SGD(params):
@@ -89,6 +89,18 @@ def test_other_architectures_bit_identical(arch, gpus, chaos):
     model = hf_model(arch, layers=2)
     compiled = rpcompile.compile(model, gpus=gpus, microbatches=3, example_inputs=token_batch(6))
     assert_trains_like_reference(compiled, batches(3, 6), ADAMW, chaos=chaos)
+
+
+@pytest.mark.parametrize("gpus", [1, 3, 8])
+def test_long_skip_connection_travels_along_the_chain(gpus):
+    # SkipNet: block 1's output feeds block 5 and the embedding feeds the head, so values
+    # (forward) and their gradients (backward) must pass through stages that do not use them.
+    model = SkipNet()
+    compiled = rpcompile.compile(model, gpus=gpus, microbatches=3,
+                                 example_inputs=skipnet_batch(6),
+                                 loss_fn=torch.nn.functional.cross_entropy)
+    data = [skipnet_batch(6, seed=k) for k in range(3)]
+    assert_trains_like_reference(compiled, data, SGD, chaos=gpus)
 
 
 def test_rounds_accumulate_on_the_host_bit_identically():
