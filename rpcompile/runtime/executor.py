@@ -42,6 +42,20 @@ Whether the masters keep their pre-step values depends on the driver: in sync mo
 builds it with ``eager_updates=False`` (nothing is applied before the step completes); in async
 mode the failed step's gradients are dropped and the previous step's update (already owed)
 still completes, so the masters equal what ``state_dict()`` returned before the failed step.
+A step that outlives ``timeout_s`` (an item stuck in user code cannot be interrupted) raises
+:class:`EventTimeout` the same way, and the executor then refuses further steps.
+
+**Transfers** are copies made by the action itself on its stream (one per contiguous segment
+for UP, one per tensor of a value for H2D/D2H), in the stream's list order; uploads of weights
+and of activations run on different stream threads, so a weight upload never delays an
+activation on a virtual worker. The chunked, prioritised :mod:`~rpcompile.runtime.transfers`
+engine is not used: it needs its source and destination when a transfer is submitted, and here
+they exist only once the producing action has run.
+
+**Device memory** accounted on each worker: the weight slots, the buffers uploaded with them
+and each job's fp32 gradient buffer (``Worker.alloc``), plus every activation or value gradient
+held between actions, once per storage (``Worker.reserve``). Transients inside one compute
+(autograd's saved tensors) are not accounted; they are freed when the compute returns.
 """
 
 from __future__ import annotations
