@@ -125,6 +125,31 @@ def test_schedule_period_continues_round_robin_across_steps(qwen3):
     assert trainer.last.schedule_step == 0  # the fifth step wraps around
 
 
+@pytest.mark.parametrize("kind,edge", [("UP", "weights"), ("H2D", "arrived"),
+                                       ("D2H", "on_host")])
+def test_edges_alone_order_the_work(qwen3, monkeypatch, kind, edge):
+    """Slow one action kind down: with the schedule's edges the step is still exact; without
+    the edges of one kind, the reader runs before its writer and the step fails."""
+    original = getattr(Executor, "_do_" + kind)
+
+    def slow(self, run, a):
+        time.sleep(0.05)
+        return original(self, run, a)
+
+    monkeypatch.setattr(Executor, "_do_" + kind, slow)
+    data = batches(1, 6)
+    ref_losses, _ = reference_training(qwen3, data, SGD)
+    with Trainer(qwen3, SGD, device="virtual") as trainer:
+        assert torch.equal(trainer.step(data[0]), ref_losses[0])
+        schedule = trainer.schedule
+        dropped = schedule.replace(edges=tuple(e for e in schedule.edges if e.kind != edge))
+        executor = Executor(qwen3, trainer.workers, dropped, trainer.store, trainer.driver)
+        with pytest.raises(StepFailed) as info:
+            executor.run_step(qwen3.capture.example_batch)
+        # The reader found nothing where its writer had not yet put it.
+        assert isinstance(info.value.cause, KeyError), info.value
+
+
 # ---------------------------------------------------------------------------------------------
 # failures
 # ---------------------------------------------------------------------------------------------
