@@ -9,7 +9,7 @@ import atexit
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -224,7 +224,11 @@ def _plan_and_split(
     mb_size = max(1, example.shape[0] // (microbatches * rounds))
     seq = example.shape[1] if "input_ids" in captured.example_batch else 1
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    profiles = [u.evaluate(mb_size, seq, hw, dtype_bytes=dtype_bytes) for u in unit_costs]
+    borrowed = _borrowed_params(captured)
+    profiles = [
+        replace(u.evaluate(mb_size, seq, hw, dtype_bytes=dtype_bytes), borrowed=borrowed[i])
+        for i, u in enumerate(unit_costs)
+    ]
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
     plan = _timed(
         history, "partition",
@@ -236,6 +240,23 @@ def _plan_and_split(
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
         history=history, compute_dtype=dtype,
     )
+
+
+def _borrowed_params(captured: Captured) -> list[tuple[tuple[int, int, bool], ...]]:
+    """Per unit, the parameters it reads that an earlier unit owns (the cost pass counts a
+    parameter once, in the first unit that reads it): (owner, elements, trainable)."""
+    out: list[list[tuple[int, int, bool]]] = [[] for _ in captured.units]
+    for node in captured.graph_module.graph.find_nodes(op="placeholder"):
+        name = captured.params.get(node.name)
+        if name is None:
+            continue
+        readers = sorted({u.meta["rp_unit"] for u in node.users if "rp_unit" in u.meta})
+        if len(readers) < 2:
+            continue
+        p = captured.parameter(name)
+        for unit in readers[1:]:
+            out[unit].append((readers[0], p.numel(), p.requires_grad))
+    return [tuple(b) for b in out]
 
 
 def _close_ref(ref: weakref.ref) -> None:

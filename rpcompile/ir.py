@@ -72,6 +72,10 @@ class UnitProfile:
     # Peak working memory of this unit's forward + backward for one microbatch, excluding
     # its weights (activations saved for backward plus the largest transient).
     working_bytes: int = 0
+    # Parameters this unit reads that an earlier unit owns (a tied LM head reads the
+    # embedding): (owner unit index, elements, trainable). A stage that holds this unit but
+    # not the owner uploads them too, and (when trainable) sends back a gradient for them.
+    borrowed: tuple[tuple[int, int, bool], ...] = ()
 
     @property
     def params(self) -> int:

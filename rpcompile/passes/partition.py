@@ -247,11 +247,26 @@ def _all_cuts(units, cost, kind, costing, limit, span):
 # ---------------------------------------------------------------------------------------------
 
 
+def _stage_params(units, r: tuple[int, ...]) -> tuple[int, int]:
+    """(all, trainable) parameter elements a stage holds: its units' own, plus parameters
+    its units borrow from a unit outside the stage (tied weights), each counted once."""
+    params = sum(units[u].params for u in r)
+    trainable = sum(units[u].trainable_params for u in r)
+    seen = set()
+    for u in r:
+        for owner, numel, is_trainable in units[u].borrowed:
+            if owner in r or (owner, numel) in seen:
+                continue
+            seen.add((owner, numel))
+            params += numel
+            trainable += numel if is_trainable else 0
+    return params, trainable
+
+
 def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -> int:
     """Device memory of one job: weights twice (the next job's prefetch shares the device),
     the fp32 gradient accumulator (not for forward stages), one microbatch's working set."""
-    params = sum(units[u].params for u in r)
-    trainable = sum(units[u].trainable_params for u in r)
+    params, trainable = _stage_params(units, r)
     weights = 2 * params * costing.weight_dtype_bytes
     grads = 0 if kind == "forward" else trainable * costing.grad_dtype_bytes
     if kind == "forward":
@@ -268,8 +283,7 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         ms = sum(units[u].forward_ms for u in r)
     else:
         ms = sum(units[u].forward_ms + units[u].backward_ms for u in r)
-    params = sum(units[u].params for u in r)
-    trainable = sum(units[u].trainable_params for u in r)
+    params, trainable = _stage_params(units, r)
     first = r[0]
     incoming = units[first - 1].output_bytes if first > 0 else 0
     shared = max((units[u].shared_bytes for u in range(first)), default=0)
