@@ -116,6 +116,14 @@ def test_tied_embedding_is_one_master():
     users = [s.name for s in compiled.stages if "model.embed_tokens.weight" in s.params]
     assert len(users) >= 2  # embedding and LM head read the same master
     assert all("lm_head.weight" not in s.params for s in compiled.stages)
+    # The plan's figures for every stage that reads the tied weight include it.
+    embed = model.get_parameter("model.embed_tokens.weight")
+    for prog in compiled.stages:
+        if "model.embed_tokens.weight" in prog.params:
+            stage = compiled.plan.stages[prog.index]
+            assert stage.weight_bytes >= embed.numel() * embed.element_size()
+            if prog.kind != "forward":
+                assert stage.grad_bytes >= embed.numel() * 4
 
 
 def test_frozen_parameters_get_no_gradient():
