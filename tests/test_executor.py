@@ -57,7 +57,11 @@ def reference_training(compiled, data, make_optimizer, mode="sync"):
 def assert_trains_like_reference(compiled, data, make_optimizer, mode="sync", chaos=None):
     ref_losses, ref_params = reference_training(compiled, data, make_optimizer, mode)
     with Trainer(compiled, make_optimizer, device="virtual", mode=mode, chaos=chaos) as trainer:
-        losses = [trainer.step(b) for b in data]
+        losses = []
+        for batch in data:
+            losses.append(trainer.step(batch))
+            # Every weight slot, gradient buffer and value was freed by the schedule's actions.
+            assert set(trainer.last.left_over_bytes) == {0}, trainer.last.left_over_bytes
         masters = trainer.masters()
         for k, (got, want) in enumerate(zip(losses, ref_losses)):
             assert torch.equal(got, want), f"step {k}: loss {got.item()} != {want.item()}"

@@ -129,6 +129,9 @@ class StepResult:
     schedule_step: int
     seconds: float
     peak_bytes: tuple[int, ...]
+    # Device bytes each worker still held once its streams drained, before the executor's
+    # clean-up frees them: 0 when every action freed what the schedule says it frees.
+    left_over_bytes: tuple[int, ...] = ()
 
 
 # ============================================================================================
@@ -432,6 +435,7 @@ class Executor:
         try:
             self._drain(run)
             peaks = tuple(w.peak_bytes for w in self.workers)
+            left_over = tuple(w.memory_in_use for w in self.workers)
             failed = host_error is not None or run.failures or any(w.errors for w in self.workers)
             self._cleanup(run)
         except EventTimeout as exc:
@@ -456,7 +460,7 @@ class Executor:
         losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
                   for m in range(self.compiled.microbatches)]
         loss = torch.stack(losses).sum() / total
-        return StepResult(loss, plan.step, time.perf_counter() - start, peaks)
+        return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over)
 
     def _item(self, run: _Run, a: Action) -> None:
         """One action on a stream thread: wait for its edges, act, set its event."""
