@@ -1,0 +1,63 @@
+"""The command line: plan (meta-device build, simulate, dump) and train (runtime end to end)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rpcompile.cli import main
+
+
+def test_plan_writes_schedule_and_summary(tmp_path, capsys):
+    out = tmp_path / "plan"
+    rc = main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--seq", "512",
+               "--batch", "18", "--microbatches", "9", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "Plan:" in text and "tokens/s" in text and "bubble" in text
+    assert "longest sequence that fits" in text
+    for name in ("schedule.csv", "schedule.json", "schedule.png", "plan.txt", "summary.json"):
+        assert (out / name).stat().st_size > 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens_per_step"] == 18 * 512
+    assert summary["longest_seq"] >= 512
+    assert 0 <= summary["bubble_pct"] <= 100
+    trace = json.loads((out / "schedule.json").read_text())
+    assert trace["traceEvents"]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_plan_baselines(tmp_path, capsys, schedule):
+    rc = main(["plan", "--model", "llama3.1-8b", "--layers", "8", "--seq", "256", "--gpus", "4",
+               "--microbatches", "8", "--batch", "8", "--schedule", schedule,
+               "--out", str(tmp_path)])
+    assert rc == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["schedule"] == schedule and summary["tokens_per_s"] > 0
+
+
+def test_plan_reports_user_errors(capsys):
+    assert main(["plan", "--model", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen3-1.7b", "--batch", "10", "--microbatches", "3"]) == 2
+    assert "not a multiple" in capsys.readouterr().err
+
+
+def test_train_loss_falls(tmp_path, capsys):
+    rc = main(["train", "--steps", "12", "--workers", "2", "--seq", "32", "--batch", "6",
+               "--lr", "1e-2", "--out", str(tmp_path)])
+    assert rc == 0
+    report = json.loads((tmp_path / "loss.json").read_text())
+    losses = report["loss"]
+    assert len(losses) == 12
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3 - 0.5  # byte-level: starts near ln 256
+    for name in ("loss.png", "schedule.csv", "schedule.json", "schedule.png"):
+        assert (tmp_path / name).stat().st_size > 0
+
+
+def test_listings(capsys):
+    assert main(["models"]) == 0
+    assert "qwen3-235b-a22b" in capsys.readouterr().out
+    assert main(["hardware"]) == 0
+    assert "rtx4090x8" in capsys.readouterr().out
