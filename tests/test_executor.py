@@ -87,7 +87,8 @@ def test_qwen3_bit_identical_to_reference_adamw(qwen3, gpus, chaos):
 
 
 @pytest.mark.parametrize("arch,gpus,chaos", [
-    ("llama", 2, 3), ("qwen3_moe", 3, 4), ("qwen3_tied", 3, 7),
+    ("llama", 2, 3), ("qwen3_moe", 3, 4), ("qwen3_tied", 3, 7), ("qwen2", 3, 8),
+    ("mistral", 2, None), ("gpt_oss", 3, 9),
 ])
 def test_other_architectures_bit_identical(arch, gpus, chaos):
     model = hf_model(arch, layers=2)
