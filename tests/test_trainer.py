@@ -168,3 +168,31 @@ def test_loss_falls_on_a_repeated_batch(qwen3):
     with Trainer(qwen3, lambda p: torch.optim.AdamW(p, lr=3e-3), device="virtual") as trainer:
         losses = [trainer.step(batch).item() for _ in range(6)]
     assert losses[-1] < losses[0] - 0.1, losses
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_lr_scheduler_on_the_trainers_optimizer(qwen3, mode):
+    # Update k uses the learning rate set when step k began, even while an async update runs.
+    def schedule(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: 0.5 ** k)
+
+    data = batches(3, 6)
+    params = {n: p.detach().clone() for n, p in qwen3.model.named_parameters()}
+    optimizer = ADAMW(list(params.values()))
+    scheduler = schedule(optimizer)
+    stale = {n: p.clone() for n, p in params.items()}
+    for batch in data:
+        _, grads = qwen3.reference_step(batch, params=params if mode == "sync" else stale)
+        stale = {n: p.detach().clone() for n, p in params.items()}
+        for n, p in params.items():
+            p.grad = grads[n]
+        optimizer.step()
+        scheduler.step()
+    with Trainer(qwen3, ADAMW, device="virtual", mode=mode, chaos=5) as trainer:
+        trainer_scheduler = schedule(trainer.optimizer)
+        for batch in data:
+            trainer.step(batch)
+            trainer_scheduler.step()
+        masters = trainer.masters()
+    for name, value in params.items():
+        assert torch.equal(masters[name], value), name
