@@ -84,17 +84,21 @@ class Trainer:
         self.mode = mode
         self.schedule = self._lowered_schedule(compiled, mode, schedule_steps)
         self.workers = make_workers(compiled.workers, device, capacity_bytes, chaos)
+        driver = None
         try:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
-            # Sync mode holds every update until the step's gradients are all home, so a step
-            # that fails part-way leaves masters and optimizer state untouched.
-            self.driver = OptimizerDriver(
-                self.store, optimizer or _default_optimizer, mode=mode,
-                eager_updates=mode != "sync",
-            )
+            # Updates wait until the step's gradients are all home (sync mode; async updates
+            # run after the step anyway), so a step that fails part-way leaves masters and
+            # optimizer state untouched, at the cost of overlapping the update with the
+            # step's last backward jobs.
+            driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode,
+                                     eager_updates=False)
+            self.driver = driver
             self.executor = Executor(compiled, self.workers, self.schedule, self.store,
                                      self.driver, timeout_s=timeout_s)
         except BaseException:
+            if driver is not None:
+                driver.close()
             for w in self.workers:
                 w.shutdown()
             raise
