@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from rpcompile.ir import Schedule
-from rpcompile.passes.lower import lower
+from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.memory import HostStore, MemoryReport
@@ -64,6 +64,7 @@ class Trainer:
     seed for the virtual workers' random delays. ``capacity_bytes``: device memory per worker
     (virtual default: unlimited, accounted). ``timeout_s``: bound on a step's waits.
     ``schedule_steps``: override the schedule's step count (default: the dealing period).
+    ``chunk_bytes``: piece size of bulk transfers (weights, gradients; default 64 MiB).
     """
 
     def __init__(
@@ -77,12 +78,13 @@ class Trainer:
         capacity_bytes: int | None = None,
         timeout_s: float | None = None,
         schedule_steps: int | None = None,
+        chunk_bytes: int | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.compiled = compiled
         self.mode = mode
-        self.schedule = self._lowered_schedule(compiled, mode, schedule_steps)
+        self.schedule = self._lowered_schedule(compiled, mode, schedule_steps, chunk_bytes)
         self.workers = make_workers(compiled.workers, device, capacity_bytes, chaos)
         driver = None
         try:
@@ -107,13 +109,14 @@ class Trainer:
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
-    def _lowered_schedule(compiled: Any, mode: str, steps: int | None) -> Schedule:
+    def _lowered_schedule(compiled: Any, mode: str, steps: int | None,
+                          chunk_bytes: int | None) -> Schedule:
         jobs = len(compiled.stages) * compiled.rounds
         period = compiled.workers // math.gcd(jobs, compiled.workers)
         compute = build_schedule(compiled.plan, workers=compiled.workers,
                                  microbatches=compiled.microbatches, rounds=compiled.rounds,
                                  steps=steps or period, kind="roundpipe", optimizer=mode)
-        lowered, _ = lower(compute, compiled.plan)
+        lowered, _ = lower(compute, compiled.plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES)
         return lowered
 
     @staticmethod

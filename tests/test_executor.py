@@ -54,9 +54,11 @@ def reference_training(compiled, data, make_optimizer, mode="sync"):
     return losses, trainable
 
 
-def assert_trains_like_reference(compiled, data, make_optimizer, mode="sync", chaos=None):
+def assert_trains_like_reference(compiled, data, make_optimizer, mode="sync", chaos=None,
+                                 **options):
     ref_losses, ref_params = reference_training(compiled, data, make_optimizer, mode)
-    with Trainer(compiled, make_optimizer, device="virtual", mode=mode, chaos=chaos) as trainer:
+    with Trainer(compiled, make_optimizer, device="virtual", mode=mode, chaos=chaos,
+                 **options) as trainer:
         losses = []
         for batch in data:
             losses.append(trainer.step(batch))
@@ -106,6 +108,12 @@ def test_long_skip_connection_travels_along_the_chain(gpus):
                                  loss_fn=torch.nn.functional.cross_entropy)
     data = [skipnet_batch(6, seed=k) for k in range(3)]
     assert_trains_like_reference(compiled, data, SGD, chaos=gpus)
+
+
+def test_bulk_transfers_in_chunks(qwen3):
+    trainer = assert_trains_like_reference(qwen3, batches(2, 6), SGD, chaos=3, chunk_bytes=4096)
+    bulk = [a for lst in trainer.schedule.actions for a in lst if a.priority == "bulk"]
+    assert {a.kind for a in bulk if a.chunks > 10} == {"UP", "D2H"}
 
 
 def test_rounds_accumulate_on_the_host_bit_identically():

@@ -46,7 +46,8 @@ A step that outlives ``timeout_s`` (an item stuck in user code cannot be interru
 :class:`EventTimeout` the same way, and the executor then refuses further steps.
 
 **Transfers** are copies made by the action itself on its stream (one per contiguous segment
-for UP, one per tensor of a value for H2D/D2H), in the stream's list order; uploads of weights
+for UP, one per tensor of a value for H2D/D2H; bulk ones, UP and D2H grad, in the action's
+``chunks`` pieces, each completed before the next), in the stream's list order; uploads of weights
 and of activations run on different stream threads, so a weight upload never delays an
 activation on a virtual worker. The chunked, prioritised :mod:`~rpcompile.runtime.transfers`
 engine is not used: it needs its source and destination when a transfer is submitted, and here
@@ -550,9 +551,11 @@ class Executor:
         name = self.programs[a.stage].name
         flat = worker.alloc(shape=(stage.layout.shadow_numel,), dtype=self.store.compute_dtype,
                             tag=f"{name} weights")
-        # One copy per contiguous host segment: one for a stage of contiguous units.
-        for seg, host in zip(stage.layout.shadow_segments, stage.shadow):
-            worker.copy_(flat[seg.device_offset:seg.device_offset + seg.numel], host)
+        # One copy per contiguous host segment (one for a stage of contiguous units), cut
+        # into the action's chunks.
+        pieces = [(flat[seg.device_offset:seg.device_offset + seg.numel], host)
+                  for seg, host in zip(stage.layout.shadow_segments, stage.shadow)]
+        _chunked_copy(worker, pieces, a.chunks)
         extras = {}
         for key, value in self._extras[a.stage].items():
             extras[key] = worker.alloc(shape=value.shape, dtype=value.dtype,
@@ -616,8 +619,7 @@ class Executor:
         if a.what == "grad":
             flat, _ = run.grads.pop((a.worker, a.stage, a.round))
             host = worker.host_empty(flat.shape, flat.dtype)
-            worker.copy_(host, flat)
-            worker.complete_copies()
+            _chunked_copy(worker, [(host, flat)], a.chunks)
             worker.free(flat)
             run.host_grads[(a.stage, a.round)] = host
             return
@@ -767,6 +769,20 @@ class Executor:
         # step is complete; async: before the next update starts), and the next step's UPs
         # wait for driver.shadow_event(stage); here the rewrite has no work of its own.
         return
+
+
+def _chunked_copy(worker: Worker, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                  chunks: int) -> None:
+    """Copy ``(dst, src)`` flat pairs in about ``chunks`` equal pieces, completing each before
+    the next: on a GPU another stream's copy (a critical activation) can use the copy engine
+    between two pieces of a bulk transfer instead of waiting for all of it."""
+    total = sum(src.numel() for _, src in pieces)
+    step = max(1, -(-total // max(1, chunks)))
+    for dst, src in pieces:
+        for start in range(0, src.numel(), step):
+            worker.copy_(dst[start:start + step], src[start:start + step])
+            worker.complete_copies()
+    worker.complete_copies()
 
 
 # ============================================================================================
