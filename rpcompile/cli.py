@@ -126,7 +126,8 @@ def _plan(args: argparse.Namespace) -> int:
     model = build_model(args.model, device="meta", layers=args.layers)
     ids = torch.zeros(batch, args.seq, dtype=torch.long, device="meta")
     compiled = rpcompile.compile(
-        model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids, rounds=args.rounds
+        model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids, rounds=args.rounds,
+        mode=args.optimizer,
     )
     plan = compiled.plan
     if args.schedule == "roundpipe":

@@ -127,7 +127,7 @@ class Compiled:
         compiled = _plan_and_split(
             self.model, self.capture, self.unit_costs, gpus, microbatches,
             hardware or self.hardware, self.rounds if rounds is None else rounds,
-            self.compute_dtype, list(self.history[:2]),
+            self.compute_dtype, list(self.history[:2]), self.training.get("mode", "sync"),
         )
         compiled.training = dict(self.training)
         return compiled
@@ -178,6 +178,10 @@ def compile(
     workers; ``capacity_bytes`` caps each virtual worker's memory.
     """
     _check_counts(gpus, microbatches, rounds)
+    if mode not in ("sync", "async"):
+        raise ValueError(f"mode must be 'sync' (exact) or 'async' (one step stale), got {mode!r}")
+    if device not in ("auto", "cuda", "virtual"):
+        raise ValueError(f"device must be 'auto', 'cuda' or 'virtual', got {device!r}")
     history: list[PassRecord] = []
     if example_inputs is None and hasattr(getattr(model, "config", None), "vocab_size"):
         from rpcompile.capture import example_batch_for
@@ -191,7 +195,7 @@ def compile(
     unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
     dtype = compute_dtype or _floating_dtype(model)
     compiled = _plan_and_split(
-        model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history
+        model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode
     )
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes)
@@ -215,7 +219,7 @@ def _timed(history: list[PassRecord], name: str, fn: Callable[[], Any]) -> Any:
 
 
 def _plan_and_split(
-    model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history
+    model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode
 ) -> Compiled:
     _check_counts(gpus, microbatches, rounds)
     microbatches = microbatches or gpus + 1
@@ -232,7 +236,8 @@ def _plan_and_split(
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
     plan = _timed(
         history, "partition",
-        lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing),
+        lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
+                          optimizer=mode),
     )
     stages = _timed(history, "split", lambda: split(captured, plan))
     return Compiled(

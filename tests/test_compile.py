@@ -143,6 +143,8 @@ def test_frozen_parameters_get_no_gradient():
     [
         (dict(gpus=0), "gpus must be a positive integer"),
         (dict(gpus=2, microbatches=0), "microbatches must be a positive integer"),
+        (dict(gpus=2, mode="eventually"), "mode must be 'sync'"),
+        (dict(gpus=2, device="tpu"), "device must be"),
         (dict(gpus=2, example_inputs=torch.randn(2, 8)), "input_ids must be an integer tensor"),
         (dict(gpus=2, example_inputs=torch.full((2, 8), 500)), "vocab_size"),
         (dict(gpus=2, example_inputs={"input_ids": torch.zeros(2, 8, dtype=torch.long),

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cache
 
 from rpcompile.hardware import Hardware, get_hardware
@@ -56,13 +56,19 @@ def partition(
     rounds: int = 1,
     costing: StageCosting | None = None,
     max_tail_layers: int = 3,
-    shortlist: int = 24,
+    shortlist: int = 200,
+    simulate_top: int = 12,
+    optimizer: str = "async",
 ) -> Plan:
     """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
 
     The last unit is the tail (final norm, LM head, loss); the fused tail stage may also take
-    up to ``max_tail_layers`` units before it. Raises :class:`PartitionError` when some unit
-    cannot fit the GPU even alone.
+    up to ``max_tail_layers`` units before it. Candidates are cut exactly (min-max per stage
+    count), ranked by :func:`predict_step_ms` in steady state, and the best ``simulate_top``
+    are replayed in the simulator. With ``optimizer="async"`` steps overlap and the plan
+    minimises the steady-state time per step; with ``"sync"`` it minimises one step's
+    makespan (fill and drain included). Raises :class:`PartitionError` when
+    some unit cannot fit the GPU even alone.
     """
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
@@ -110,16 +116,34 @@ def partition(
             f"fit in {_gib(limit)} GiB usable; lower the microbatch size or sequence length"
         )
     candidates.sort(key=lambda c: c[0])
-    best = None
-    for _bound, f_bounds, b_bounds, t in candidates[:shortlist]:
-        plan = build_plan(
-            units, f_bounds, b_bounds, t, hw, workers, microbatches, microbatch_size, seq_len,
-            rounds, costing,
-        )
-        if best is None or plan.predicted_step_ms < best.predicted_step_ms:
-            best = plan
-    assert best is not None
-    return best
+    if optimizer not in ("async", "sync"):
+        raise ValueError(f"optimizer must be 'async' or 'sync', got {optimizer!r}")
+    steps = 4 if optimizer == "async" else 1
+    plans = sorted(
+        (
+            build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
+                       microbatch_size, seq_len, rounds, costing, steps=steps)
+            for _bound, f_bounds, b_bounds, t in candidates[:shortlist]
+        ),
+        key=lambda plan: plan.predicted_step_ms,
+    )
+    if simulate_top < 2 or len(plans) < 2:
+        return plans[0]
+    # The ranking model misses link contention and transfer priorities; the simulator
+    # replays the lowered schedule of the best few (async steady state) and picks the winner.
+    from rpcompile.sim import simulate_roundpipe, steady_step_ms
+
+    scored = []
+    for plan in plans[:simulate_top]:
+        if optimizer == "sync":  # steps do not overlap: one step's makespan
+            result = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer="sync")
+            scored.append((result.makespan_ms, plan))
+        else:
+            result = simulate_roundpipe(plan, hw, steps=4, rounds=rounds, optimizer="async")
+            scored.append((steady_step_ms(result), plan))
+    ms, best = min(scored, key=lambda pair: pair[0])
+    return replace(best, predicted_step_ms=ms,
+                   notes=(*best.notes, "chosen by simulating the best candidates"))
 
 
 def build_plan(
@@ -135,9 +159,11 @@ def build_plan(
     rounds: int = 1,
     costing: StageCosting | None = None,
     notes: tuple[str, ...] = (),
+    steps: int = 4,
 ) -> Plan:
     """A Plan from explicit cuts: ``*_bounds`` are the start units of each stage in model order
-    (both start with 0); units ``tail_start..`` form the fused tail."""
+    (both start with 0); units ``tail_start..`` form the fused tail. ``predicted_step_ms`` is
+    :func:`predict_step_ms` over ``steps`` steps (1: an isolated step; more: steady state)."""
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
     units = tuple(units)
@@ -150,7 +176,7 @@ def build_plan(
         _make_stage(i, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges)
         for i, (kind, r) in enumerate(specs)
     )
-    step_ms = predict_step_ms(stages, hw, workers, microbatches, rounds)
+    step_ms = predict_step_ms(stages, hw, workers, microbatches, rounds, steps=steps)
     plan = Plan(
         units=units, stages=stages, workers=workers, microbatches=microbatches,
         microbatch_size=microbatch_size, seq_len=seq_len, hardware=hw.name,
@@ -321,46 +347,56 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
 
 
 def predict_step_ms(
-    stages: Sequence[Stage], hardware: Hardware, workers: int, microbatches: int, rounds: int = 1
+    stages: Sequence[Stage], hardware: Hardware, workers: int, microbatches: int,
+    rounds: int = 1, steps: int = 1,
 ) -> float:
-    """Makespan of one step (``rounds`` rounds) under round-robin dispatch.
+    """Time of one step (``rounds`` rounds) under round-robin dispatch.
 
-    Each job (stage x round) goes to worker ``counter % workers``. A job's weights upload on
-    its worker's H2D link as soon as the job before it there has started (double buffer); its
-    microbatch m starts when the worker is free, the weights are in, and microbatch m of the
-    previous stage is done (plus a host hop when that ran on another worker). This is the
-    partitioner's ranking model; the simulator (rpcompile.sim) replays full lowered schedules.
+    Each job (stage x round) goes to worker ``counter % workers``, the counter carrying over
+    rounds and steps. A job's weights upload on its worker's H2D link as soon as the job
+    before it there has started (double buffer); its microbatch m starts when the worker is
+    free, the weights are in, and microbatch m of the previous stage is done (plus a host hop
+    when that ran on another worker). Steps overlap as with the async optimizer. With
+    ``steps`` = 1 this is the makespan of an isolated step; with more, the steady-state time
+    per step (spacing of the last step ends). This is the partitioner's ranking model; the
+    simulator (rpcompile.sim) replays full lowered schedules.
     """
     free = [0.0] * workers  # when the worker's compute is free
     last_start = [0.0] * workers  # start of the worker's previous job (prefetch may begin)
     link_free = [0.0] * workers
     counter = 0
-    end_time = 0.0
-    for _r in range(rounds):
-        prev_done: list[float] | None = None
-        prev_worker = -1
-        prev_out = 0
-        for st in stages:
-            w = counter % workers
-            counter += 1
-            up_start = max(link_free[w], last_start[w])
-            up_done = up_start + hardware.h2d_ms(st.weight_bytes)
-            link_free[w] = up_done
-            t = max(free[w], up_done)
-            hop = 0.0
-            if prev_worker != w and prev_done is not None:
-                hop = hardware.d2h_ms(prev_out) + hardware.h2d_ms(prev_out)
-            done = []
-            start = None
-            for m in range(microbatches):
-                ready = prev_done[m] + hop if prev_done is not None else 0.0
-                t = max(t, ready)
-                if start is None:
-                    start = t
-                t += st.compute_ms
-                done.append(t)
-            last_start[w] = start or 0.0
-            free[w] = t
-            end_time = max(end_time, t + hardware.d2h_ms(st.grad_bytes))
-            prev_done, prev_worker, prev_out = done, w, st.output_bytes
-    return end_time
+    ends = []
+    for _step in range(steps):
+        end_time = 0.0
+        for _r in range(rounds):
+            prev_done: list[float] | None = None
+            prev_worker = -1
+            prev_out = 0
+            for st in stages:
+                w = counter % workers
+                counter += 1
+                up_start = max(link_free[w], last_start[w])
+                up_done = up_start + hardware.h2d_ms(st.weight_bytes)
+                link_free[w] = up_done
+                t = max(free[w], up_done)
+                hop = 0.0
+                if prev_worker != w and prev_done is not None:
+                    hop = hardware.d2h_ms(prev_out) + hardware.h2d_ms(prev_out)
+                done = []
+                start = None
+                for m in range(microbatches):
+                    ready = prev_done[m] + hop if prev_done is not None else 0.0
+                    t = max(t, ready)
+                    if start is None:
+                        start = t
+                    t += st.compute_ms
+                    done.append(t)
+                last_start[w] = start or 0.0
+                free[w] = t
+                end_time = max(end_time, t + hardware.d2h_ms(st.grad_bytes))
+                prev_done, prev_worker, prev_out = done, w, st.output_bytes
+        ends.append(end_time)
+    if steps == 1:
+        return ends[0]
+    half = steps // 2
+    return (ends[-1] - ends[half - 1]) / (steps - half)
