@@ -5,6 +5,7 @@ quickly, and leaves the masters at their pre-step values."""
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -130,12 +131,18 @@ def test_async_mode_is_one_step_stale_reference(qwen3, gpus, chaos):
 
 
 def test_schedule_period_continues_round_robin_across_steps(qwen3):
-    # 5 jobs per step on 4 workers: the schedule spans 4 steps before dealing repeats, and
-    # the trainer runs schedule step k mod 4 (steps 0..4 cover every schedule step).
-    compiled = qwen3.replan(4, microbatches=3)
-    trainer = assert_trains_like_reference(compiled, batches(5, 6), SGD)
-    assert trainer.schedule.steps == 4
-    assert trainer.last.schedule_step == 0  # the fifth step wraps around
+    # With J jobs per step on G workers dealing repeats after G / gcd(J, G) steps: the
+    # schedule spans that many steps and step k runs schedule step k mod that period.
+    for gpus in (4, 5, 3, 8, 2):
+        compiled = qwen3.replan(gpus, microbatches=3)
+        period = gpus // math.gcd(len(compiled.stages), gpus)
+        if period > 1:
+            break
+    else:
+        pytest.skip("every worker count divides the stage count of this plan")
+    trainer = assert_trains_like_reference(compiled, batches(period + 1, 6), SGD)
+    assert trainer.schedule.steps == period
+    assert trainer.last.schedule_step == 0  # the last step wraps around
 
 
 @pytest.mark.parametrize("kind,edge", [("UP", "weights"), ("H2D", "arrived"),
@@ -196,15 +203,18 @@ def _assert_same_optimizer_state(a, b):
             assert torch.equal(value, other) if isinstance(value, torch.Tensor) else value == other
 
 
-@pytest.mark.parametrize("stage_name", ["F2", "B1", "B2"])
+@pytest.mark.parametrize("stage_kind", ["forward", "tail", "backward"])
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_failure_in_a_stage_surfaces_with_context_and_keeps_masters(
-        qwen3, monkeypatch, stage_name, mode):
+        qwen3, monkeypatch, stage_kind, mode):
     data = batches(3, 6)
     with Trainer(qwen3, ADAMW, device="virtual", mode=mode, chaos=1, timeout_s=60) as trainer:
         trainer.step(data[0])
         masters, opt_state = _snapshot(trainer)
-        program = next(p for p in qwen3.stages if p.name == stage_name)
+        # The last stage of the kind: a forward stage that reads an activation, the tail,
+        # or the backward stage that holds unit 0.
+        program = [p for p in qwen3.stages if p.kind == stage_kind][-1]
+        stage_name = program.name
         with monkeypatch.context() as patch:
             # Microbatch 1 of the job: its forward is the program's 2nd call in the step.
             _raise_on_call(patch, program, 1, ValueError("injected fault"))
@@ -269,7 +279,7 @@ def test_failure_in_a_transfer_and_on_the_host(qwen3, monkeypatch):
 def test_a_stuck_compute_times_out_instead_of_hanging(qwen3, monkeypatch):
     from rpcompile.runtime.errors import EventTimeout
 
-    program = next(p for p in qwen3.stages if p.name == "F2")
+    program = [p for p in qwen3.stages if p.kind == "forward"][-1]
     module = program.graph_module
     original = type(module).forward
 
