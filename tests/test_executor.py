@@ -117,6 +117,20 @@ def test_bulk_transfers_in_chunks(qwen3):
     assert {a.kind for a in bulk if a.chunks > 10} == {"UP", "D2H"}
 
 
+def test_measured_timeline_covers_every_action_and_dumps(qwen3, tmp_path):
+    with Trainer(qwen3, SGD, device="virtual") as trainer:
+        trainer.step(token_batch(6))
+        timeline = trainer.last.timeline
+        step0 = [a for a in trainer.schedule.all_actions() if a.step == 0]
+        assert set(timeline) == set(step0)
+        # Every edge is honoured in measured time: a waiting action starts after its source.
+        for e in trainer.schedule.edges:
+            if e.src in timeline and e.dst in timeline:
+                assert timeline[e.dst][0] >= timeline[e.src][1], e
+        trainer.schedule.dump(tmp_path / "run.json", timeline=timeline)
+        assert (tmp_path / "run.json").stat().st_size > 0
+
+
 def test_rounds_accumulate_on_the_host_bit_identically():
     model = hf_model("llama", layers=2)
     compiled = rpcompile.compile(model, gpus=3, microbatches=2, rounds=2,

@@ -64,7 +64,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -133,6 +133,10 @@ class StepResult:
     # Device bytes each worker still held once its streams drained, before the executor's
     # clean-up frees them: 0 when every action freed what the schedule says it frees.
     left_over_bytes: tuple[int, ...] = ()
+    # Measured (start ms, end ms) of each action's work after its waits, from the step's
+    # start: ``schedule.dump("run.json", timeline=result.timeline)`` draws what ran, to set
+    # beside the simulator's prediction of the same actions.
+    timeline: Mapping[Action, tuple[float, float]] = field(default_factory=dict)
 
 
 # ============================================================================================
@@ -289,6 +293,13 @@ class _Run:
         self.host_grads: dict[tuple[int, int], torch.Tensor] = {}
         self.losses: dict[tuple[int, int], torch.Tensor] = {}
         self.holds = [_Holds() for _ in range(workers)]
+        self.start = time.perf_counter()
+        self.timeline: dict[Action, tuple[float, float]] = {}
+
+    def timed(self, executor: Executor, a: Action) -> None:
+        begin = time.perf_counter()
+        getattr(executor, "_do_" + a.kind)(self, a)
+        self.timeline[a] = ((begin - self.start) * 1e3, (time.perf_counter() - self.start) * 1e3)
 
     def abort_requested(self) -> bool:
         return self.aborted
@@ -461,7 +472,8 @@ class Executor:
         losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
                   for m in range(self.compiled.microbatches)]
         loss = torch.stack(losses).sum() / total
-        return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over)
+        return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over,
+                          run.timeline)
 
     def _item(self, run: _Run, a: Action) -> None:
         """One action on a stream thread: wait for its edges, act, set its event."""
@@ -475,9 +487,9 @@ class Executor:
                 raise WorkerAborted(f"step aborted before '{a}' ran")
             if a.is_compute and self._serial[a.stage]:
                 with _OPAQUE_LOCK:
-                    getattr(self, "_do_" + a.kind)(run, a)
+                    run.timed(self, a)
             else:
-                getattr(self, "_do_" + a.kind)(run, a)
+                run.timed(self, a)
         except BaseException as exc:
             if not isinstance(exc, _SECONDARY):
                 run.fail(a, exc)
@@ -495,7 +507,7 @@ class Executor:
                 for src in run.plan.waits.get(a, ()):
                     left = None if deadline is None else max(0.0, deadline - time.monotonic())
                     run.events[src].wait(left, abort=run.abort_requested)
-                getattr(self, "_do_" + a.kind)(run, a)
+                run.timed(self, a)
             except BaseException as exc:
                 if not isinstance(exc, _SECONDARY):
                     run.fail(a, exc)
