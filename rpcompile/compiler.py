@@ -193,7 +193,13 @@ def compile(
         lambda: capture(model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque),
     )
     unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
-    dtype = compute_dtype or _floating_dtype(model)
+    dtype = _floating_dtype(model)
+    if compute_dtype is not None and compute_dtype != dtype:
+        raise ValueError(
+            f"compute_dtype={compute_dtype} differs from the model's parameters ({dtype}); the "
+            f"graph is captured in the model's dtype, so convert the model first "
+            f"(model.to({compute_dtype})): rpcompile keeps fp32 masters on the host either way"
+        )
     compiled = _plan_and_split(
         model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode
     )

@@ -208,6 +208,9 @@ class Trainer:
         return tuple(peaks)
 
     def memory_report(self) -> MemoryReport:
+        """Host bytes kept per trainable parameter, once every queued update has run (the
+        optimizer's state exists only after its first update)."""
+        self.driver.wait()
         return self.driver.memory_report()
 
     # -- lifetime ------------------------------------------------------------------------------
