@@ -246,3 +246,25 @@ def test_replicated_capture_equals_full_export(arch):
     for a, b in zip(annotate_costs(fast), annotate_costs(full)):
         assert (a.forward_flops, a.backward_flops, a.saved_bytes, a.output_bytes) == (
             b.forward_flops, b.backward_flops, b.saved_bytes, b.output_bytes)
+
+
+def test_stage_programs_retarget_to_another_device():
+    # Export records the device it traced on (factory ops, metadata checks). A stage run on a
+    # worker of another device must not mix devices: on "meta" every op would fail against a
+    # leftover cpu constant, so running there proves every constant was rewritten.
+    compiled = rpcompile.compile(hf_model("qwen3"), gpus=3, example_inputs=token_batch(6))
+    for prog in compiled.stages:
+        gm = prog.on_device("meta")
+        assert "device(type='cpu')" not in gm.code
+        args = []
+        for inp in prog.inputs:
+            node = next(n for n in prog.graph_module.graph.nodes if n.name == inp.name)
+            val = node.meta["val"]
+            if isinstance(val, torch.Tensor):
+                shape = [int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
+                         for d in val.shape]
+                args.append(torch.empty(shape, dtype=val.dtype, device="meta"))
+            else:
+                args.append(int(val.node.hint) if isinstance(val, torch.SymInt) else val)
+        outs = gm(*args)
+        assert all(o.device.type == "meta" for o in outs if isinstance(o, torch.Tensor))

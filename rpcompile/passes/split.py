@@ -24,7 +24,7 @@ import torch.fx as fx
 from rpcompile.capture import Captured
 from rpcompile.ir import Plan
 
-__all__ = ["StageInput", "StageProgram", "split"]
+__all__ = ["StageInput", "StageProgram", "retarget", "split"]
 
 # ---------------------------------------------------------------------------------------------
 # 1. Boundary marker ops
@@ -101,6 +101,12 @@ class StageProgram:
     def code(self) -> str:
         return self.graph_module.code
 
+    def on_device(self, device: torch.device | str) -> fx.GraphModule:
+        """This stage's graph with the capture device's constants (``device=`` of factory
+        ops, ``.to(device)``, metadata checks) replaced by ``device``: a stateless worker runs
+        a stage on whatever device it is, while export recorded the device it traced on."""
+        return retarget(self.graph_module, torch.device(device))
+
     @property
     def params(self) -> tuple[str, ...]:
         return tuple(i.source for i in self.inputs if i.kind == "param")
@@ -115,6 +121,22 @@ class StageProgram:
             f"{self.name} ({self.kind}): units [{units}]; {len(self.params)} params, "
             f"{len(self.value_inputs)} value inputs, {len(self.outputs)} outputs"
         )
+
+
+def retarget(gm: fx.GraphModule, device: torch.device) -> fx.GraphModule:
+    """A copy of ``gm`` whose ``torch.device`` constants all name ``device``."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+
+    def swap(value):
+        return device if isinstance(value, torch.device) else value
+
+    for node in gm.graph.nodes:
+        new = graph.node_copy(node, lambda a: env[a])
+        new.args = fx.node.map_aggregate(new.args, swap)
+        new.kwargs = fx.node.map_aggregate(new.kwargs, swap)
+        env[node] = new
+    return fx.GraphModule(gm, graph, class_name=type(gm).__name__)
 
 
 # ---------------------------------------------------------------------------------------------
