@@ -15,9 +15,12 @@ bit-identically to the eager model in fp32.
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 import math
+import threading
 import time
+import types
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -711,16 +714,55 @@ class _OpaqueEntry:
     tuple_out: bool
     flops_per_token: int
     tokens: sympy.Expr  # what flops_per_token is per: B * S (hidden states) or B (rows)
+    # Each thread's skeleton clone of ``module`` (see _thread_skeleton).
+    local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
 
 _OPAQUE: dict[str, _OpaqueEntry] = {}
 _KEYS = itertools.count()
+_SKELETON_LOCK = threading.Lock()  # deepcopy reads the shared module: one clone at a time
+
+
+def _thread_skeleton(entry: _OpaqueEntry) -> tuple[nn.Module, Callable]:
+    """This thread's clone of the opaque module and its forward bound to the clone.
+
+    ``functional_call`` swaps the parameters of the module it is given in place for the
+    call, so two threads calling it on the shared module would read each other's weights.
+    Each thread gets its own module tree instead: parameters become empty placeholders (no
+    weight memory is copied; every call passes its real parameters), buffers stay shared
+    (they are only read)."""
+    cached = getattr(entry.local, "skeleton", None)
+    if cached is not None:
+        return cached
+    module = entry.module
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty(0, dtype=p.dtype, device=p.device),
+                                   requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = b
+    with _SKELETON_LOCK:
+        clone = copy.deepcopy(module, memo)
+    # A forward patched into the instance (the capture-time opaque call) must not follow.
+    clone.__dict__.pop("forward", None)
+    forward = entry.forward
+    if isinstance(forward, types.MethodType) and forward.__self__ is module:
+        forward = types.MethodType(forward.__func__, clone)
+    else:
+        raise CaptureError(
+            f"opaque block {type(module).__name__}: its forward is not a method of the module "
+            "itself (a wrapper installed by another library?), so it cannot be run on a "
+            "per-thread copy; remove the wrapper or leave the block out of opaque="
+        )
+    entry.local.skeleton = (clone, forward)
+    return clone, forward
 
 
 def _run_opaque(entry: _OpaqueEntry, inputs: list[torch.Tensor], params: list[torch.Tensor]):
+    module, forward = _thread_skeleton(entry)
     state = dict(zip(entry.param_names, params))
-    with _forward_swapped(entry.module, entry.forward):
-        out = torch.func.functional_call(entry.module, state, tuple(inputs))
+    with _forward_swapped(module, forward):
+        out = torch.func.functional_call(module, state, tuple(inputs))
     return list(out) if entry.tuple_out else [out]
 
 

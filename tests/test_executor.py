@@ -99,6 +99,57 @@ def test_other_architectures_bit_identical(arch, gpus, chaos):
     assert_trains_like_reference(compiled, batches(3, 6), ADAMW, chaos=chaos)
 
 
+@pytest.mark.parametrize("arch,gpus,chaos", [
+    ("qwen3_moe", 4, 21), ("qwen3_moe", 3, 22), ("gpt_oss", 4, 23), ("gpt_oss", 3, 24),
+])
+def test_opaque_blocks_run_concurrently_bit_identical(arch, gpus, chaos):
+    # No lock serialises MoE computes any more: several workers run opaque blocks at once,
+    # each on its thread's skeleton copy of the module, and still match the reference.
+    model = hf_model(arch, layers=3)
+    compiled = rpcompile.compile(model, gpus=gpus, microbatches=4, example_inputs=token_batch(8))
+    assert_trains_like_reference(compiled, batches(3, 8), ADAMW, chaos=chaos)
+
+
+def test_opaque_call_is_thread_safe():
+    # Threads running one opaque block with different weights at the same time each get the
+    # result of their own weights (functional_call on a shared module would mix them).
+    import sys
+    import threading
+
+    from rpcompile.capture import _OPAQUE, _run_opaque
+
+    model = hf_model("qwen3_moe", layers=1)
+    rpcompile.compile(model, gpus=1, microbatches=1, example_inputs=token_batch(2))
+    entry = next(e for e in _OPAQUE.values() if e.module is model.model.layers[0].mlp)
+    x = torch.randn(4, 64, 64)
+    weights = [[torch.randn_like(entry.module.get_parameter(n)) for n in entry.param_names]
+               for _ in range(4)]
+    want = [_run_opaque(entry, [x], w)[0] for w in weights]
+    errors = []
+    barrier = threading.Barrier(4)
+
+    def work(k):
+        barrier.wait()
+        for _ in range(30):
+            got = _run_opaque(entry, [x], weights[k])[0]
+            if not torch.equal(got, want[k]):
+                errors.append(k)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, inside functional_call's swaps too
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors
+    # The shared module keeps its own parameters, and no weight memory was copied per thread.
+    assert all(entry.module.get_parameter(n).numel() > 0 for n in entry.param_names)
+
+
 @pytest.mark.parametrize("gpus", [1, 3, 8])
 def test_long_skip_connection_travels_along_the_chain(gpus):
     # SkipNet: block 1's output feeds block 5 and the embedding feeds the head, so values

@@ -323,18 +323,6 @@ class _Buffers:
 
 _SECONDARY = (WorkerAborted, UpstreamFailed)
 
-# An opaque block (a MoE layer) runs its module through torch.func.functional_call, which
-# swaps the shared module's parameters in place for the call: two workers running opaque
-# blocks at once would read each other's weights. Until capture makes that call thread-safe,
-# computes of stages holding an opaque node take this lock (others run concurrently).
-_OPAQUE_LOCK = threading.Lock()
-
-
-def _has_opaque(program: StageProgram) -> bool:
-    return any(n.op == "call_function" and "rpcompile.opaque" in str(n.target)
-               for n in program.graph_module.graph.nodes)
-
-
 class Executor:
     """Runs steps of a fully lowered RoundPipe schedule on ``workers`` (see the module doc).
 
@@ -372,7 +360,6 @@ class Executor:
              if i.kind in ("buffer", "constant")}
             for p in self.programs
         ]
-        self._serial = [_has_opaque(p) for p in self.programs]
         self._plans: dict[int, _StepPlan] = {}
         self._run: _Run | None = None
         self._broken = ""  # set when a step timed out with a worker still inside it
@@ -485,11 +472,7 @@ class Executor:
                 run.shadow_ready[a.stage].wait_recorded(abort=run.abort_requested)
             if run.aborted:
                 raise WorkerAborted(f"step aborted before '{a}' ran")
-            if a.is_compute and self._serial[a.stage]:
-                with _OPAQUE_LOCK:
-                    run.timed(self, a)
-            else:
-                run.timed(self, a)
+            run.timed(self, a)
         except BaseException as exc:
             if not isinstance(exc, _SECONDARY):
                 run.fail(a, exc)
