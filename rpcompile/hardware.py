@@ -8,11 +8,12 @@ nominal, so the profiles carry an efficiency factor, and :func:`probe` measures 
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
 
-__all__ = ["Hardware", "get_hardware", "list_hardware"]
+__all__ = ["Hardware", "get_hardware", "list_hardware", "probe"]
 
 
 @dataclass(frozen=True)
@@ -75,3 +76,68 @@ def get_hardware(name: str | Hardware) -> Hardware:
     if name not in table:
         raise ValueError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(table))}")
     return Hardware(name=name, **table[name])
+
+
+def probe(device: str = "auto", size: int = 2048, repeats: int = 3) -> Hardware:
+    """Measure this machine: matmul throughput, device memory, host<->device copy bandwidth,
+    host memory bandwidth and the fused-AdamW rate, as a :class:`Hardware` named ``probed``.
+
+    ``device``: ``"cuda"`` (GPU 0; every visible GPU counted), ``"cpu"`` (virtual workers) or
+    ``"auto"``. Achieved PCIe bandwidth is often far below the datasheet, so plan with a
+    probe where the profile table has no entry for the machine.
+    """
+    import torch
+
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    cuda = device == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise ValueError("probe(device='cuda') needs a CUDA device; use device='cpu'")
+    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    dtype = torch.bfloat16 if cuda else torch.float32
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            fn()
+            if cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    a = torch.randn(size, size, device=dev, dtype=dtype)
+    b = torch.randn(size, size, device=dev, dtype=dtype)
+    a @ b  # warm-up
+    tflops = 2 * size**3 / best(lambda: a @ b) / 1e12
+
+    nbytes = 64 * 2**20
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
+    other = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    h2d = nbytes / best(lambda: other.copy_(host, non_blocking=cuda)) / 1e9
+    d2h = nbytes / best(lambda: host.copy_(other, non_blocking=cuda)) / 1e9
+    scratch = torch.empty_like(host)
+    host_bw = 2 * nbytes / best(lambda: scratch.copy_(host)) / 1e9
+
+    n = 4 * 2**20
+    param = torch.nn.Parameter(torch.zeros(n))
+    param.grad = torch.zeros(n)
+    opt = torch.optim.AdamW([param], fused=True)
+    opt.step()
+    opt_rate = n / best(opt.step)
+
+    if cuda:
+        props = torch.cuda.get_device_properties(0)
+        name, gpus, mem_gib = props.name, torch.cuda.device_count(), props.total_memory / 2**30
+    else:
+        import os
+
+        name, gpus = "CPU (virtual workers)", max(1, (os.cpu_count() or 2) // 2)
+        mem_gib = 4.0
+    return Hardware(
+        name="probed", gpu=name, gpus=gpus, matmul_tflops=tflops, memory_gib=mem_gib,
+        h2d_gbps=h2d, d2h_gbps=d2h, host_mem_gbps=host_bw, optimizer_params_per_s=opt_rate,
+        mfu=0.5 if cuda else 0.8, memory_reserve_gib=1.5 if cuda else 0.0,
+    )
