@@ -9,7 +9,7 @@ gradient once per job. The runtime's results are compared with this bit for bit.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -108,12 +108,22 @@ def run_backward_microbatch(
     value_grads: dict[str, torch.Tensor],
     job_grads: dict[str, torch.Tensor],
     scale: int,
+    *,
+    accumulate: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
+    graph_module: torch.fx.GraphModule | None = None,
 ) -> torch.Tensor | None:
     """Recompute (or, for the tail, compute) one microbatch's forward, then its backward.
 
     Parameter gradients are added into ``job_grads`` (fp32), gradients of value inputs into
     ``value_grads``; returns the unscaled loss for the tail, else None.
+
+    ``accumulate``: instead of adding into ``job_grads``, hand this microbatch's parameter
+    gradients, as ``(name, grad)`` pairs in the order above, to the caller (the runtime adds
+    them into its flat fp32 buffer in one kernel launch: ``acc += grad.float()``, the same
+    sum). ``graph_module``: the stage's graph to run instead of ``prog.graph_module`` (its
+    copy for another device, :meth:`StageProgram.on_device`).
     """
+    gm = prog.graph_module if graph_module is None else graph_module
     leaves: dict[str, torch.Tensor] = {}
     local_params = {}
     for inp in prog.inputs:
@@ -129,9 +139,7 @@ def run_backward_microbatch(
         local_values[name] = leaf
         leaves["value:" + name] = leaf
     with torch.enable_grad():
-        outs = prog.graph_module(
-            *stage_arguments(prog, captured, local_params, microbatch, local_values)
-        )
+        outs = gm(*stage_arguments(prog, captured, local_params, microbatch, local_values))
     loss = None
     if prog.kind == "tail":
         loss = outs[0]
@@ -144,9 +152,13 @@ def run_backward_microbatch(
         roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
     if roots and leaves:
         torch.autograd.backward(roots, seeds, inputs=list(leaves.values()))
+    handed: list[tuple[str, torch.Tensor]] = []
     for key, leaf in leaves.items():
         kind, name = key.split(":", 1)
         if leaf.grad is None:
+            continue
+        if kind == "param" and accumulate is not None:
+            handed.append((name, leaf.grad))
             continue
         target = job_grads if kind == "param" else value_grads
         if name in target:
@@ -156,4 +168,6 @@ def run_backward_microbatch(
                 torch.zeros_like(leaf.grad, dtype=torch.float32) + leaf.grad.float()
                 if kind == "param" else leaf.grad
             )
+    if handed:
+        accumulate(handed)
     return None if loss is None else loss.detach()

@@ -29,6 +29,7 @@ from rpcompile.ir import Schedule
 from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
+from rpcompile.runtime.kernels import BACKENDS
 from rpcompile.runtime.memory import HostStore, MemoryReport
 from rpcompile.runtime.optim import MODES, OptimizerDriver
 from rpcompile.runtime.workers import make_workers
@@ -65,6 +66,11 @@ class Trainer:
     (virtual default: unlimited, accounted). ``timeout_s``: bound on a step's waits.
     ``schedule_steps``: override the schedule's step count (default: the dealing period).
     ``chunk_bytes``: piece size of bulk transfers (weights, gradients; default 64 MiB).
+    ``kernels``: ``"auto"`` (Triton kernels on CUDA workers, their torch reference elsewhere),
+    ``"torch"`` or ``"triton"`` (on CPU: Triton's interpreter, slow, for tests): the backend
+    of each job's gradient accumulation on its worker (one launch per microbatch) and of the
+    host's shadow refresh (masters -> compute dtype; the host is a CPU, so ``"auto"`` is
+    torch there). Every backend gives the same bits.
     """
 
     def __init__(
@@ -79,9 +85,12 @@ class Trainer:
         timeout_s: float | None = None,
         schedule_steps: int | None = None,
         chunk_bytes: int | None = None,
+        kernels: str = "auto",
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        if kernels not in BACKENDS:
+            raise ValueError(f"kernels must be one of {BACKENDS}, got {kernels!r}")
         self.compiled = compiled
         self.mode = mode
         self.schedule = self._lowered_schedule(compiled, mode, schedule_steps, chunk_bytes)
@@ -89,6 +98,7 @@ class Trainer:
         driver = None
         try:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
+            self.store.kernels = kernels
             # Updates wait until the step's gradients are all home (sync mode; async updates
             # run after the step anyway), so a step that fails part-way leaves masters and
             # optimizer state untouched, at the cost of overlapping the update with the
@@ -97,7 +107,7 @@ class Trainer:
                                      eager_updates=False)
             self.driver = driver
             self.executor = Executor(compiled, self.workers, self.schedule, self.store,
-                                     self.driver, timeout_s=timeout_s)
+                                     self.driver, timeout_s=timeout_s, kernels=kernels)
         except BaseException:
             if driver is not None:
                 driver.close()

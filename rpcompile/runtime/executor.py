@@ -68,11 +68,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import fx
 
 from rpcompile.ir import Action, Schedule
 from rpcompile.passes.lower import LOWERING_PASSES
 from rpcompile.passes.split import StageProgram
 from rpcompile.reference import run_backward_microbatch, split_batch, stage_arguments
+from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.errors import (
     EventTimeout,
     RuntimeFault,
@@ -137,6 +139,11 @@ class StepResult:
     # start: ``schedule.dump("run.json", timeline=result.timeline)`` draws what ran, to set
     # beside the simulator's prediction of the same actions.
     timeline: Mapping[Action, tuple[float, float]] = field(default_factory=dict)
+    # Whether any job's fp32 gradient sums held an inf or NaN (the accumulation kernel's
+    # fused check), and the (stage name, round) of each such job. The driver has already
+    # applied the step's update: nothing skips a non-finite step yet.
+    found_nonfinite: bool = False
+    nonfinite_jobs: tuple[tuple[str, int], ...] = ()
 
 
 # ============================================================================================
@@ -283,8 +290,10 @@ class _Run:
         self.host_readers = dict(plan.host_readers)
         # (worker, stage, round) -> (flat weights, parameter views, buffers)
         self.weights: dict[tuple[int, int, int], tuple[torch.Tensor, dict, dict]] = {}
-        # (worker, stage, round) -> (flat fp32 gradients, per-parameter views)
-        self.grads: dict[tuple[int, int, int], tuple[torch.Tensor, dict]] = {}
+        # (worker, stage, round) -> the job's flat fp32 gradients and where they go
+        self.grads: dict[tuple[int, int, int], _JobGrads] = {}
+        # (stage, round) -> the job's non-finite flag, downloaded with its gradients
+        self.nonfinite: dict[tuple[int, int], torch.Tensor] = {}
         # (worker, value, microbatch, round) -> tensors a compute produced, kept on the device
         self.device_values: dict[tuple[int, str, int, int], dict[str, Any]] = {}
         # (worker, stage, microbatch, round) -> tensors H2Ds brought in for that compute
@@ -310,6 +319,18 @@ class _Run:
             self.aborted = True
 
 
+@dataclass
+class _JobGrads:
+    """A job's fp32 gradient buffer on its worker: per-parameter views, each parameter's
+    element offset in ``flat`` (what the accumulation kernel writes at), and the fused
+    non-finite flag every microbatch of the job raises."""
+
+    flat: torch.Tensor
+    views: dict[str, torch.Tensor]
+    offsets: dict[str, int]
+    flag: torch.Tensor
+
+
 class _Buffers:
     """A job's device copies of its non-parameter inputs (buffers, lifted constants), read by
     :func:`stage_arguments` through ``value_of`` as it would read the captured model's."""
@@ -330,11 +351,17 @@ class Executor:
     shadows and gradients, built over the programs' parameters stage by stage (parameter names
     = ``StageInput.source``); ``driver`` runs the optimizer over the store. ``timeout_s`` bounds
     the host's waits and the final drain (None: unbounded; failures never rely on it).
+    ``kernels``: backend of the gradient accumulation on the workers (``"auto"``: Triton on
+    CUDA, the torch reference elsewhere; ``"torch"``; ``"triton"``, run by Triton's
+    interpreter on CPU workers), see :mod:`rpcompile.runtime.kernels`.
     """
 
     def __init__(self, compiled: Any, workers: Sequence[Worker], schedule: Schedule,
                  store: HostStore, driver: OptimizerDriver, *,
-                 timeout_s: float | None = None) -> None:
+                 timeout_s: float | None = None, kernels: str = "auto") -> None:
+        if kernels not in _kernels.BACKENDS:
+            raise ValueError(f"kernels must be one of {_kernels.BACKENDS}, got {kernels!r}")
+        self.kernels = kernels
         self.compiled = compiled
         self.workers = list(workers)
         self.schedule = schedule
@@ -360,6 +387,12 @@ class Executor:
              if i.kind in ("buffer", "constant")}
             for p in self.programs
         ]
+        # Each stage's graph per worker device: export recorded the capture device in factory
+        # ops and checks, so a worker on another device runs a retargeted copy.
+        params = list(compiled.model.parameters())
+        self._capture_device = params[0].device if params else torch.device("cpu")
+        self._graphs: dict[tuple[int, torch.device], fx.GraphModule] = {}
+        self._graphs_lock = threading.Lock()
         self._plans: dict[int, _StepPlan] = {}
         self._run: _Run | None = None
         self._broken = ""  # set when a step timed out with a worker still inside it
@@ -459,8 +492,10 @@ class Executor:
         losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
                   for m in range(self.compiled.microbatches)]
         loss = torch.stack(losses).sum() / total
+        bad = tuple(sorted((self.programs[s].name, r) for (s, r), flag in run.nonfinite.items()
+                           if int(flag.item())))
         return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over,
-                          run.timeline)
+                          run.timeline, found_nonfinite=bool(bad), nonfinite_jobs=bad)
 
     def _item(self, run: _Run, a: Action) -> None:
         """One action on a stream thread: wait for its edges, act, set its event."""
@@ -612,11 +647,15 @@ class Executor:
     def _do_D2H(self, run: _Run, a: Action) -> None:
         worker = self.workers[a.worker]
         if a.what == "grad":
-            flat, _ = run.grads.pop((a.worker, a.stage, a.round))
-            host = worker.host_empty(flat.shape, flat.dtype)
-            _chunked_copy(worker, [(host, flat)], a.chunks)
-            worker.free(flat)
+            job = run.grads.pop((a.worker, a.stage, a.round))
+            host = worker.host_empty(job.flat.shape, job.flat.dtype)
+            _chunked_copy(worker, [(host, job.flat)], a.chunks)
+            flag = worker.host_empty(job.flag.shape, job.flag.dtype)
+            worker.copy_(flag, job.flag)
+            worker.complete_copies()
+            worker.free(job.flat)
             run.host_grads[(a.stage, a.round)] = host
+            run.nonfinite[(a.stage, a.round)] = flag
             return
         key = (a.worker, a.value, a.microbatch, a.round)
 
@@ -703,12 +742,24 @@ class Executor:
         _, views, extras = run.weights[(a.worker, a.stage, a.round)]
         return views, _Buffers(extras)
 
+    def _graph(self, a: Action) -> fx.GraphModule:
+        """The stage's graph for the action's worker device (the captured one when equal)."""
+        prog = self.programs[a.stage]
+        device = torch.device(self.workers[a.worker].device)
+        if _same_device(device, self._capture_device):
+            return prog.graph_module
+        key = (a.stage, device)
+        with self._graphs_lock:
+            if key not in self._graphs:
+                self._graphs[key] = prog.on_device(device)
+            return self._graphs[key]
+
     def _do_F(self, run: _Run, a: Action) -> None:
         prog = self.programs[a.stage]
         params, extras = self._job(run, a)
         values, _, batch = self._inputs(run, a)
         with torch.no_grad():
-            outs = prog.graph_module(*stage_arguments(prog, extras, params, batch, values))
+            outs = self._graph(a)(*stage_arguments(prog, extras, params, batch, values))
         available = dict(values)
         available.update(zip(prog.outputs, outs))
         self._finish_compute(run, a, available, {})
@@ -733,19 +784,27 @@ class Executor:
             flat = worker.alloc(shape=(stage.layout.grad_numel,), dtype=torch.float32,
                                 tag=f"{prog.name} gradients")
             flat.zero_()
-            run.grads[job] = (flat, stage.grad_views(flat))
-        views = run.grads[job][1] if job in run.grads else {}
-        # The job's fp32 sums live in views of the flat buffer: the reference's "first
-        # microbatch starts from zero, later ones add" is 0 + g, then += g, bit for bit.
-        job_grads = dict(views)
+            views = stage.grad_views(flat)
+            offsets = {n: v.storage_offset() - flat.storage_offset() for n, v in views.items()}
+            run.grads[job] = _JobGrads(flat, views, offsets,
+                                       _kernels.nonfinite_flag(worker.device))
+        grads = run.grads.get(job)
+
+        def accumulate(pairs: list[tuple[str, torch.Tensor]]) -> None:
+            # The job's fp32 sums live in the flat buffer: the reference's "first microbatch
+            # starts from zero, later ones add" is 0 + g, then += g, bit for bit; the kernel
+            # adds every parameter of the microbatch in one launch (acc += g.float()).
+            stray = sorted(n for n, _ in pairs if grads is None or n not in grads.offsets)
+            if stray:
+                raise RuntimeError(f"stage {prog.name}: gradients for {stray} have no place in "
+                                   "the stage's gradient buffer (parameters the host store "
+                                   "holds as frozen?)")
+            _accumulate(grads, pairs, self.kernels)
+
         total = self.compiled.microbatches * self.compiled.rounds
         loss = run_backward_microbatch(prog, extras, params, batch, values, value_grads,
-                                       job_grads, scale=total)
-        stray = set(job_grads) - set(views)
-        if stray:
-            raise RuntimeError(f"stage {prog.name}: gradients for {sorted(stray)} have no place "
-                               "in the stage's gradient buffer (parameters the host store "
-                               "holds as frozen?)")
+                                       {}, scale=total, accumulate=accumulate,
+                                       graph_module=self._graph(a))
         if loss is not None:
             host = worker.host_empty(loss.shape, loss.dtype)
             worker.copy_(host, loss)
@@ -764,6 +823,35 @@ class Executor:
         # step is complete; async: before the next update starts), and the next step's UPs
         # wait for driver.shadow_event(stage); here the rewrite has no work of its own.
         return
+
+
+def _accumulate(job: _JobGrads, pairs: Sequence[tuple[str, torch.Tensor]],
+                kernels: str) -> None:
+    """Add one microbatch's parameter gradients into the job's flat buffer: one launch, or
+    one more per repeat when two names share a slot (a tied parameter under two names: its
+    contributions are then added one after the other, in the reference's order)."""
+    batch: list[torch.Tensor] = []
+    offsets: list[int] = []
+    for name, grad in pairs:
+        offset = job.offsets[name]
+        if offset in offsets:
+            _kernels.accumulate_grads(batch, job.flat, offsets, found_nonfinite=job.flag,
+                                      backend=kernels)
+            batch, offsets = [], []
+        batch.append(grad.contiguous())
+        offsets.append(offset)
+    _kernels.accumulate_grads(batch, job.flat, offsets, found_nonfinite=job.flag,
+                              backend=kernels)
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """Whether two devices are the same (``cuda`` and ``cuda:0`` are, as the current one)."""
+    if a.type != b.type:
+        return False
+    if a.type != "cuda":
+        return True
+    current = torch.cuda.current_device()
+    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
 
 
 def _chunked_copy(worker: Worker, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],

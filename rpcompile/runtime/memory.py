@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rpcompile.runtime.errors import format_bytes
+from rpcompile.runtime.kernels import cast_pack
 
 __all__ = [
     "HostStore",
@@ -260,6 +261,9 @@ class HostStore:
         self.grad = grad
         self.compute_dtype = shadow.dtype
         self.pin = pin
+        # Backend of the shadow refresh (rpcompile.runtime.kernels): "auto" is torch on this
+        # CPU host; "triton" runs the kernel in Triton's interpreter (for tests).
+        self.kernels = "auto"
         self._by_name = {name: slot for slot in slots for name in slot.names}
         self._lock = threading.Lock()
         self.stages = tuple(self._stage_buffers(layout) for layout in layouts)
@@ -410,9 +414,12 @@ class HostStore:
         self._copy_runs(_runs([self.slots[i] for i in slot_indices]))
 
     def _copy_runs(self, runs: list[tuple[int, int, int]]) -> None:
-        with torch.no_grad():
-            for m0, m1, s0 in runs:
-                self.shadow[s0 : s0 + (m1 - m0)].copy_(self.master[m0:m1])
+        # One cast_pack over every run (one launch with the Triton backend); it rounds like
+        # Tensor.to, so the shadow is the same whichever backend ``kernels`` names.
+        if not runs:
+            return
+        cast_pack([self.master[m0:m1] for m0, m1, _ in runs], self.shadow,
+                  [s0 for _, _, s0 in runs], backend=self.kernels)
 
     def accumulate_grad(self, stage: int, flat_grad: torch.Tensor) -> None:
         """Add a stage's gradient buffer (laid out as its ``grad_segments``) into the masters'

@@ -1,0 +1,91 @@
+"""The runtime's transfer-path kernels: each job's gradients go into its flat fp32 buffer in
+one ``accumulate_grads`` launch per microbatch, the host's shadow refresh is one ``cast_pack``,
+and the Triton backend (here in Triton's interpreter, on virtual workers) trains to exactly the
+masters of the torch backend and of the reference executor. The fused non-finite check of the
+accumulation is surfaced in the step's result."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.trainer import Trainer
+from tests.test_executor import reference_training
+from tests.tiny_models import hf_model, token_batch
+
+kernels_module = sys.modules["rpcompile.runtime.kernels"]
+
+
+def ADAMW(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = hf_model("qwen3", layers=1)
+    return rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4, seq=8))
+
+
+def batches(n: int) -> list[torch.Tensor]:
+    return [token_batch(4, seq=8, seed=30 + k) for k in range(n)]
+
+
+def train(compiled, kernels: str, data, chaos=None):
+    with Trainer(compiled, ADAMW, device="virtual", kernels=kernels, chaos=chaos) as trainer:
+        losses = [trainer.step(b) for b in data]
+        results = trainer.last
+        masters = {n: t.clone() for n, t in trainer.masters().items()}
+    return losses, masters, results
+
+
+def test_triton_kernels_train_bit_identically_to_torch_and_reference(tiny, monkeypatch):
+    launches = {"accumulate": 0, "cast": 0}
+    real_launch = kernels_module._launch
+
+    def spy(kind, *args, **kwargs):
+        launches[kind] += 1
+        return real_launch(kind, *args, **kwargs)
+
+    monkeypatch.setattr(kernels_module, "_launch", spy)
+    data = batches(3)
+    losses_t, masters_t, last = train(tiny, "triton", data, chaos=3)
+    # One accumulation launch per microbatch of every job with trainable parameters.
+    jobs = sum(1 for p in tiny.stages if p.kind != "forward" and p.params)
+    assert launches["accumulate"] == len(data) * jobs * tiny.microbatches * tiny.rounds
+    assert launches["cast"] >= len(data)  # the shadow refresh ran as cast_pack kernels
+    assert not last.found_nonfinite
+
+    seen = dict(launches)
+    losses_r, masters_r, _ = train(tiny, "torch", data)
+    assert launches == seen  # the torch backend launches no Triton kernel
+    ref_losses, ref_params = reference_training(tiny, data, ADAMW)
+    for got, torch_loss, want in zip(losses_t, losses_r, ref_losses):
+        assert torch.equal(got, torch_loss) and torch.equal(got, want)
+    assert set(masters_t) == set(masters_r) == set(ref_params)
+    for name, want in ref_params.items():
+        assert torch.equal(masters_t[name], masters_r[name]), name
+        assert torch.equal(masters_t[name], want), name
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+def test_nonfinite_gradients_are_reported(tiny, kernels):
+    with Trainer(tiny, ADAMW, device="virtual", kernels=kernels) as trainer:
+        trainer.step(batches(1)[0])
+        assert trainer.last.found_nonfinite is False and trainer.last.nonfinite_jobs == ()
+        # An inf weight in the last norm makes every gradient behind it non-finite.
+        name = next(n for n in trainer.masters() if n.endswith("model.norm.weight"))
+        trainer.store.master_of(name).fill_(math.inf)
+        trainer.store.refresh_shadow()
+        trainer.step(batches(1)[0])
+        assert trainer.last.found_nonfinite is True
+        graded = {p.name for p in tiny.stages if p.kind != "forward" and p.params}
+        assert {stage for stage, _ in trainer.last.nonfinite_jobs} == graded
+
+
+def test_unknown_kernel_backend_is_refused(tiny):
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        Trainer(tiny, ADAMW, device="virtual", kernels="cuda")
