@@ -61,12 +61,23 @@ def reference_step(
     batch: Mapping[str, torch.Tensor],
     microbatches: int,
     rounds: int = 1,
+    *,
+    device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """One optimizer step's loss (mean over microbatches) and fp32 gradient per parameter.
 
     ``params`` maps parameter names to tensors (not modified). Each microbatch's loss is
     divided by ``microbatches * rounds`` before backward, so gradients are batch means.
+    ``device``: run there (params, batch, buffers copied over, each stage's graph retargeted
+    with :meth:`StageProgram.on_device`), as a worker on that device would; results stay on it.
     """
+    graphs = {p.index: p.graph_module for p in programs}
+    if device is not None:
+        device = torch.device(device)
+        graphs = {p.index: p.on_device(device) for p in programs}
+        captured = _Moved(captured, device)  # type: ignore[assignment]
+        params = {n: t.to(device) for n, t in params.items()}
+        batch = {k: v.to(device) for k, v in batch.items()}
     total = microbatches * rounds
     parts = split_batch(batch, total)
     grads: dict[str, torch.Tensor] = {}
@@ -80,13 +91,15 @@ def reference_step(
         for prog in forward:
             for m, mb in enumerate(mbs):
                 with torch.no_grad():
-                    outs = prog.graph_module(*stage_arguments(prog, captured, params, mb, values[m]))
+                    outs = graphs[prog.index](
+                        *stage_arguments(prog, captured, params, mb, values[m]))
                 values[m].update(zip(prog.outputs, outs))
         for prog in backward:
             job: dict[str, torch.Tensor] = {}
             for m, mb in enumerate(mbs):
                 loss = run_backward_microbatch(
-                    prog, captured, params, mb, values[m], value_grads[m], job, scale=total
+                    prog, captured, params, mb, values[m], value_grads[m], job, scale=total,
+                    graph_module=graphs[prog.index],
                 )
                 if loss is not None:
                     losses.append(loss)
@@ -97,6 +110,22 @@ def reference_step(
                     grads[name] = g.clone()
     loss = torch.stack(losses).sum() / total
     return loss, grads
+
+
+class _Moved:
+    """The captured model's buffers and constants, read through ``value_of`` as copies on
+    ``device`` (made once each)."""
+
+    def __init__(self, captured: Captured, device: torch.device) -> None:
+        self.captured = captured
+        self.device = device
+        self.copies: dict[str, object] = {}
+
+    def value_of(self, name: str) -> object:
+        if name not in self.copies:
+            value = self.captured.value_of(name)
+            self.copies[name] = value.to(self.device) if isinstance(value, torch.Tensor) else value
+        return self.copies[name]
 
 
 def run_backward_microbatch(
