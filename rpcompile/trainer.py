@@ -70,7 +70,10 @@ class Trainer:
     ``"torch"`` or ``"triton"`` (on CPU: Triton's interpreter, slow, for tests): the backend
     of each job's gradient accumulation on its worker (one launch per microbatch) and of the
     host's shadow refresh (masters -> compute dtype; the host is a CPU, so ``"auto"`` is
-    torch there). Every backend gives the same bits.
+    torch there). Every backend gives the same bits. ``skip_nonfinite``: a step whose
+    gradients hold an inf or NaN (the accumulation kernel's fused check) is not applied:
+    masters, optimizer state and ``steps_done`` stay, ``trainer.last.skipped`` is True.
+    ``trainer.last.found_nonfinite`` reports such a step in any case.
     """
 
     def __init__(
@@ -86,6 +89,7 @@ class Trainer:
         schedule_steps: int | None = None,
         chunk_bytes: int | None = None,
         kernels: str = "auto",
+        skip_nonfinite: bool = False,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -107,7 +111,8 @@ class Trainer:
                                      eager_updates=False)
             self.driver = driver
             self.executor = Executor(compiled, self.workers, self.schedule, self.store,
-                                     self.driver, timeout_s=timeout_s, kernels=kernels)
+                                     self.driver, timeout_s=timeout_s, kernels=kernels,
+                                     skip_nonfinite=skip_nonfinite)
         except BaseException:
             if driver is not None:
                 driver.close()

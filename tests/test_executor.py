@@ -399,3 +399,19 @@ def test_executor_refuses_a_schedule_it_cannot_run(qwen3):
         compute = build_schedule(qwen3.plan, workers=3, microbatches=3, optimizer="sync")
         with pytest.raises(ValueError, match="passes"):
             Executor(qwen3, trainer.workers, compute, trainer.store, trainer.driver)
+
+
+def test_workers_on_another_device_run_retargeted_graphs(qwen3):
+    # A worker whose device differs from the capture device runs StageProgram.on_device()
+    # copies of the graphs (one per stage and device), bit-identically. Without a second
+    # device here, the capture device is pretended to be another one.
+    data = batches(2, 6)
+    ref_losses, ref_params = reference_training(qwen3, data, SGD)
+    with Trainer(qwen3, SGD, device="virtual", chaos=4) as trainer:
+        trainer.executor._capture_device = torch.device("meta")
+        losses = [trainer.step(b) for b in data]
+        retargeted = set(trainer.executor._graphs)
+        masters = trainer.masters()
+        assert retargeted == {(p.index, torch.device("cpu")) for p in qwen3.stages}
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+        assert all(torch.equal(masters[n], p) for n, p in ref_params.items())

@@ -89,3 +89,25 @@ def test_nonfinite_gradients_are_reported(tiny, kernels):
 def test_unknown_kernel_backend_is_refused(tiny):
     with pytest.raises(ValueError, match="kernels must be one of"):
         Trainer(tiny, ADAMW, device="virtual", kernels="cuda")
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_nonfinite_step_is_skipped_when_asked(tiny, mode):
+    data = batches(3)
+    with Trainer(tiny, ADAMW, device="virtual", mode=mode, skip_nonfinite=True) as trainer:
+        trainer.step(data[0])
+        before = {n: t.clone() for n, t in trainer.masters().items()}
+        name = next(n for n in before if n.endswith("model.norm.weight"))
+        # An inf in the shadow only: the step computes with it, the master stays finite.
+        trainer.store.shadow_of(name).fill_(math.inf)
+        trainer.step(data[1])
+        assert trainer.last.found_nonfinite and trainer.last.skipped
+        assert trainer.steps_done == 1
+        after = trainer.masters()
+        if mode == "sync":
+            # Nothing of the skipped step was applied.
+            assert all(torch.equal(after[n], before[n]) for n in before)
+        trainer.store.refresh_shadow()
+        trainer.step(data[2])
+        assert not trainer.last.skipped and trainer.steps_done == 2
+        assert all(torch.isfinite(t).all() for t in trainer.masters().values())

@@ -140,10 +140,12 @@ class StepResult:
     # beside the simulator's prediction of the same actions.
     timeline: Mapping[Action, tuple[float, float]] = field(default_factory=dict)
     # Whether any job's fp32 gradient sums held an inf or NaN (the accumulation kernel's
-    # fused check), and the (stage name, round) of each such job. The driver has already
-    # applied the step's update: nothing skips a non-finite step yet.
+    # fused check), and the (stage name, round) of each such job. ``skipped``: the step's
+    # update was not applied because of them (``skip_nonfinite=True``; masters, optimizer
+    # state and step count unchanged, like torch.amp.GradScaler's skipped step).
     found_nonfinite: bool = False
     nonfinite_jobs: tuple[tuple[str, int], ...] = ()
+    skipped: bool = False
 
 
 # ============================================================================================
@@ -353,15 +355,18 @@ class Executor:
     the host's waits and the final drain (None: unbounded; failures never rely on it).
     ``kernels``: backend of the gradient accumulation on the workers (``"auto"``: Triton on
     CUDA, the torch reference elsewhere; ``"torch"``; ``"triton"``, run by Triton's
-    interpreter on CPU workers), see :mod:`rpcompile.runtime.kernels`.
+    interpreter on CPU workers), see :mod:`rpcompile.runtime.kernels`. ``skip_nonfinite``:
+    a step whose gradients hold an inf or NaN is not applied (the driver discards it).
     """
 
     def __init__(self, compiled: Any, workers: Sequence[Worker], schedule: Schedule,
                  store: HostStore, driver: OptimizerDriver, *,
-                 timeout_s: float | None = None, kernels: str = "auto") -> None:
+                 timeout_s: float | None = None, kernels: str = "auto",
+                 skip_nonfinite: bool = False) -> None:
         if kernels not in _kernels.BACKENDS:
             raise ValueError(f"kernels must be one of {_kernels.BACKENDS}, got {kernels!r}")
         self.kernels = kernels
+        self.skip_nonfinite = skip_nonfinite
         self.compiled = compiled
         self.workers = list(workers)
         self.schedule = schedule
@@ -487,15 +492,21 @@ class Executor:
             self.driver.discard_step()
             error = self._step_error(run, host_error)
             raise error from error.__cause__
-        self.driver.finish_step()
+        bad = tuple(sorted((self.programs[s].name, r) for (s, r), flag in run.nonfinite.items()
+                           if int(flag.item())))
+        skipped = bool(bad) and self.skip_nonfinite
+        if skipped:
+            self.driver.discard_step()
+        else:
+            self.driver.finish_step()
+        # The schedule step ran to the end either way: the round-robin dealing continues.
         self.steps_run += 1
         losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
                   for m in range(self.compiled.microbatches)]
         loss = torch.stack(losses).sum() / total
-        bad = tuple(sorted((self.programs[s].name, r) for (s, r), flag in run.nonfinite.items()
-                           if int(flag.item())))
         return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over,
-                          run.timeline, found_nonfinite=bool(bad), nonfinite_jobs=bad)
+                          run.timeline, found_nonfinite=bool(bad), nonfinite_jobs=bad,
+                          skipped=skipped)
 
     def _item(self, run: _Run, a: Action) -> None:
         """One action on a stream thread: wait for its edges, act, set its event."""
