@@ -111,3 +111,22 @@ def test_nonfinite_step_is_skipped_when_asked(tiny, mode):
         trainer.step(data[2])
         assert not trainer.last.skipped and trainer.steps_done == 2
         assert all(torch.isfinite(t).all() for t in trainer.masters().values())
+
+
+def test_gpu_check_script_runs_on_virtual_workers(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    if not torch.cuda.is_available():
+        assert gpu_check.main(["--json", str(tmp_path / "none.json")]) == 0
+        assert "nothing was checked" in capsys.readouterr().out
+    out = tmp_path / "gpu_check.json"
+    code = gpu_check.main(["--virtual", "--workers", "3", "--archs", "qwen3_moe",
+                           "--skip-bench", "--json", str(out)])
+    rows = json.loads(out.read_text())["exact"]
+    assert code == 0 and rows[0]["bit_identical"] and rows[0]["close_to_eager"], rows
