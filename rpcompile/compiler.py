@@ -161,6 +161,7 @@ def compile(
     mode: str = "sync",
     chaos: int | None = None,
     capacity_bytes: int | None = None,
+    kernels: str = "auto",
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -175,13 +176,17 @@ def compile(
     ``"auto"`` (CUDA when present, else virtual CPU workers, with a warning), ``"cuda"`` or
     ``"virtual"``; ``mode`` is ``"sync"`` (ordinary training) or ``"async"`` (the update of
     step k overlaps step k+1, one step stale); ``chaos`` seeds random delays on virtual
-    workers; ``capacity_bytes`` caps each virtual worker's memory.
+    workers; ``capacity_bytes`` caps each virtual worker's memory; ``kernels`` picks the
+    transfer-path kernels (``"auto"``: Triton on CUDA, the torch reference elsewhere;
+    ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``).
     """
     _check_counts(gpus, microbatches, rounds)
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' (exact) or 'async' (one step stale), got {mode!r}")
     if device not in ("auto", "cuda", "virtual"):
         raise ValueError(f"device must be 'auto', 'cuda' or 'virtual', got {device!r}")
+    if kernels not in ("auto", "torch", "triton"):
+        raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
     history: list[PassRecord] = []
     if example_inputs is None and hasattr(getattr(model, "config", None), "vocab_size"):
         from rpcompile.capture import example_batch_for
@@ -204,7 +209,7 @@ def compile(
         model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode
     )
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
-                             capacity_bytes=capacity_bytes)
+                             capacity_bytes=capacity_bytes, kernels=kernels)
     return compiled
 
 
