@@ -70,6 +70,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="optimizer: exact (sync) or one step stale (async)")
     train.add_argument("--chaos", type=int, default=None,
                        help="seed for random delays on virtual workers (tests the protocol)")
+    train.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
+                       help="transfer-path kernels: Triton (interpreter on CPU, slow) or the "
+                            "torch reference (auto: Triton on CUDA only)")
     train.add_argument("--seed", type=int, default=0)
     train.add_argument("--out", type=Path, default=Path("runs/train"),
                        help="folder for loss.json, loss.png, schedule.csv/.json/.png")
@@ -210,7 +213,7 @@ def _train(args: argparse.Namespace) -> int:
                          "demo feeds raw bytes and needs at least 256")
     compiled = rpcompile.compile(
         model, gpus=args.workers, microbatches=micro, example_inputs=sample(),
-        device=args.device, mode=args.mode, chaos=args.chaos,
+        device=args.device, mode=args.mode, chaos=args.chaos, kernels=args.kernels,
         optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr, fused=True),
     )
     print(compiled.plan)
