@@ -140,6 +140,7 @@ def run_backward_microbatch(
     *,
     accumulate: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
     graph_module: torch.fx.GraphModule | None = None,
+    loss_scale: float = 1.0,
 ) -> torch.Tensor | None:
     """Recompute (or, for the tail, compute) one microbatch's forward, then its backward.
 
@@ -150,7 +151,9 @@ def run_backward_microbatch(
     gradients, as ``(name, grad)`` pairs in the order above, to the caller (the runtime adds
     them into its flat fp32 buffer in one kernel launch: ``acc += grad.float()``, the same
     sum). ``graph_module``: the stage's graph to run instead of ``prog.graph_module`` (its
-    copy for another device, :meth:`StageProgram.on_device`).
+    copy for another device, :meth:`StageProgram.on_device`). ``loss_scale``: the tail's
+    backward starts from ``loss / scale * loss_scale`` (fp16 loss scaling; the gradients are
+    then scaled by it and the caller divides it out).
     """
     gm = prog.graph_module if graph_module is None else graph_module
     leaves: dict[str, torch.Tensor] = {}
@@ -172,7 +175,8 @@ def run_backward_microbatch(
     loss = None
     if prog.kind == "tail":
         loss = outs[0]
-        roots, seeds = [loss / scale], [None]
+        root = loss / scale
+        roots, seeds = [root if loss_scale == 1.0 else root * loss_scale], [None]
     else:
         pairs = [
             (o, value_grads[n]) for n, o in zip(prog.outputs, outs)

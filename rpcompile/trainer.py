@@ -30,6 +30,7 @@ from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.kernels import BACKENDS
+from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 from rpcompile.runtime.memory import HostStore, MemoryReport
 from rpcompile.runtime.optim import MODES, OptimizerDriver
 from rpcompile.runtime.workers import make_workers
@@ -73,7 +74,11 @@ class Trainer:
     torch there). Every backend gives the same bits. ``skip_nonfinite``: a step whose
     gradients hold an inf or NaN (the accumulation kernel's fused check) is not applied:
     masters, optimizer state and ``steps_done`` stay, ``trainer.last.skipped`` is True.
-    ``trainer.last.found_nonfinite`` reports such a step in any case.
+    ``trainer.last.found_nonfinite`` reports such a step in any case. ``loss_scale``: a
+    :class:`~rpcompile.runtime.loss_scale.LossScaleConfig` (or True for its defaults) turns
+    on dynamic loss scaling for fp16 (sync mode): the loss is scaled before backward, a
+    non-finite step is skipped and the scale backs off, clean steps are unscaled and applied;
+    ``trainer.loss_scaler`` holds its state.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class Trainer:
         chunk_bytes: int | None = None,
         kernels: str = "auto",
         skip_nonfinite: bool = False,
+        loss_scale: LossScaleConfig | bool | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -97,6 +103,13 @@ class Trainer:
             raise ValueError(f"kernels must be one of {BACKENDS}, got {kernels!r}")
         self.compiled = compiled
         self.mode = mode
+        if loss_scale and mode != "sync":
+            raise ValueError("loss_scale needs mode='sync' (async updates would read the "
+                             "gradients before they are unscaled)")
+        self.loss_scaler: DynamicLossScaler | None = None
+        if loss_scale:
+            config = LossScaleConfig() if loss_scale is True else loss_scale
+            self.loss_scaler = DynamicLossScaler(config)
         self.schedule = self._lowered_schedule(compiled, mode, schedule_steps, chunk_bytes)
         self.workers = make_workers(compiled.workers, device, capacity_bytes, chaos)
         driver = None
@@ -112,7 +125,8 @@ class Trainer:
             self.driver = driver
             self.executor = Executor(compiled, self.workers, self.schedule, self.store,
                                      self.driver, timeout_s=timeout_s, kernels=kernels,
-                                     skip_nonfinite=skip_nonfinite)
+                                     skip_nonfinite=skip_nonfinite,
+                                     loss_scaler=self.loss_scaler)
         except BaseException:
             if driver is not None:
                 driver.close()

@@ -130,3 +130,26 @@ def test_gpu_check_script_runs_on_virtual_workers(tmp_path, capsys):
                            "--skip-bench", "--json", str(out)])
     rows = json.loads(out.read_text())["exact"]
     assert code == 0 and rows[0]["bit_identical"] and rows[0]["close_to_eager"], rows
+
+
+def test_loss_scaling_trains_like_reference_and_backs_off(tiny):
+    from rpcompile.runtime.loss_scale import LossScaleConfig
+
+    data = batches(3)
+    ref_losses, ref_params = reference_training(tiny, data[:2], ADAMW)
+    config = LossScaleConfig(init_scale=2.0**10, growth_interval=2)
+    with Trainer(tiny, ADAMW, device="virtual", loss_scale=config, chaos=5) as trainer:
+        losses = [trainer.step(b) for b in data[:2]]
+        # A power-of-two scale, divided out again, changes no bit of the fp32 gradients.
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+        masters = {n: t.clone() for n, t in trainer.masters().items()}
+        assert all(torch.equal(masters[n], p) for n, p in ref_params.items())
+        assert trainer.loss_scaler.scale == 2.0**11  # two clean steps: grown once
+        name = next(n for n in masters if n.endswith("model.norm.weight"))
+        trainer.store.shadow_of(name).fill_(math.inf)
+        trainer.step(data[2])
+        assert trainer.last.skipped and trainer.loss_scaler.scale == 2.0**10
+        assert all(torch.equal(trainer.masters()[n], masters[n]) for n in masters)
+        assert trainer.steps_done == 2
+    with pytest.raises(ValueError, match="needs mode='sync'"):
+        Trainer(tiny, ADAMW, device="virtual", mode="async", loss_scale=True)

@@ -82,6 +82,7 @@ from rpcompile.runtime.errors import (
     WorkerAborted,
     WorkerError,
 )
+from rpcompile.runtime.loss_scale import DynamicLossScaler
 from rpcompile.runtime.memory import HostStore
 from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import Event, Worker
@@ -306,6 +307,7 @@ class _Run:
         self.holds = [_Holds() for _ in range(workers)]
         self.start = time.perf_counter()
         self.timeline: dict[Action, tuple[float, float]] = {}
+        self.loss_scale = 1.0  # the tail's backward starts from loss * loss_scale
 
     def timed(self, executor: Executor, a: Action) -> None:
         begin = time.perf_counter()
@@ -357,16 +359,26 @@ class Executor:
     CUDA, the torch reference elsewhere; ``"torch"``; ``"triton"``, run by Triton's
     interpreter on CPU workers), see :mod:`rpcompile.runtime.kernels`. ``skip_nonfinite``:
     a step whose gradients hold an inf or NaN is not applied (the driver discards it).
+    ``loss_scaler`` (sync mode): each step's backward starts from the loss times
+    ``loss_scaler.scale``; after the step the scaler sees the non-finite flags: a clean step's
+    gradients are divided by that scale and applied, a non-finite one is skipped (and the
+    scale backs off), as with torch.amp.GradScaler.
     """
 
     def __init__(self, compiled: Any, workers: Sequence[Worker], schedule: Schedule,
                  store: HostStore, driver: OptimizerDriver, *,
                  timeout_s: float | None = None, kernels: str = "auto",
-                 skip_nonfinite: bool = False) -> None:
+                 skip_nonfinite: bool = False,
+                 loss_scaler: DynamicLossScaler | None = None) -> None:
+        if loss_scaler is not None and (driver.mode != "sync" or driver.eager_updates):
+            raise ValueError("loss scaling needs mode='sync' and a driver built with "
+                             "eager_updates=False (an update must not read the gradients "
+                             "before they are unscaled)")
         if kernels not in _kernels.BACKENDS:
             raise ValueError(f"kernels must be one of {_kernels.BACKENDS}, got {kernels!r}")
         self.kernels = kernels
         self.skip_nonfinite = skip_nonfinite
+        self.loss_scaler = loss_scaler
         self.compiled = compiled
         self.workers = list(workers)
         self.schedule = schedule
@@ -458,6 +470,7 @@ class Executor:
         self.driver.begin_step()
         shadow_ready = {s: self.driver.shadow_event(s) for s in range(len(self.programs))}
         run = _Run(plan, parts, shadow_ready, len(self.workers))
+        run.loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
         self._run = run
         host_error: BaseException | None = None
         try:
@@ -494,7 +507,13 @@ class Executor:
             raise error from error.__cause__
         bad = tuple(sorted((self.programs[s].name, r) for (s, r), flag in run.nonfinite.items()
                            if int(flag.item())))
-        skipped = bool(bad) and self.skip_nonfinite
+        skipped = bool(bad) and (self.skip_nonfinite or self.loss_scaler is not None)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(bool(bad))
+            if not skipped:
+                # Nothing has been applied yet (sync, no eager updates): unscale the whole
+                # step's gradients before the update starts.
+                self.loss_scaler.unscale_([self.store.grad], scale=run.loss_scale)
         if skipped:
             self.driver.discard_step()
         else:
@@ -815,7 +834,7 @@ class Executor:
         total = self.compiled.microbatches * self.compiled.rounds
         loss = run_backward_microbatch(prog, extras, params, batch, values, value_grads,
                                        {}, scale=total, accumulate=accumulate,
-                                       graph_module=self._graph(a))
+                                       graph_module=self._graph(a), loss_scale=run.loss_scale)
         if loss is not None:
             host = worker.host_empty(loss.shape, loss.dtype)
             worker.copy_(host, loss)
