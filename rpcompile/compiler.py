@@ -133,14 +133,19 @@ class Compiled:
         return compiled
 
     # -- reference semantics -----------------------------------------------------------
-    def reference_step(self, batch: Any, params: dict[str, torch.Tensor] | None = None):
-        """Loss and gradients of one step run stage by stage on one device (no update)."""
+    def reference_step(
+        self, batch: Any, params: dict[str, torch.Tensor] | None = None,
+        device: torch.device | str | None = None,
+    ):
+        """Loss and gradients of one step run stage by stage on one device (no update);
+        ``device`` runs the stage programs retargeted to another device."""
         from rpcompile.capture import normalize_batch
 
         batch = normalize_batch(self.model, batch, self.capture.loss_fn)
         params = params if params is not None else dict(self.model.named_parameters())
         return reference_step(
-            self.stages, self.capture, params, batch, self.microbatches, self.rounds
+            self.stages, self.capture, params, batch, self.microbatches, self.rounds,
+            device=device,
         )
 
 
@@ -162,6 +167,8 @@ def compile(
     chaos: int | None = None,
     capacity_bytes: int | None = None,
     kernels: str = "auto",
+    skip_nonfinite: bool = False,
+    loss_scale: Any = None,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -178,7 +185,10 @@ def compile(
     step k overlaps step k+1, one step stale); ``chaos`` seeds random delays on virtual
     workers; ``capacity_bytes`` caps each virtual worker's memory; ``kernels`` picks the
     transfer-path kernels (``"auto"``: Triton on CUDA, the torch reference elsewhere;
-    ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``).
+    ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``);
+    ``skip_nonfinite`` drops a step whose gradients hold inf/NaN (masters and optimizer state
+    unchanged); ``loss_scale`` (``True`` or a ``runtime.loss_scale.LossScaleConfig``) runs
+    dynamic loss scaling for fp16 in sync mode.
     """
     _check_counts(gpus, microbatches, rounds)
     if mode not in ("sync", "async"):
@@ -209,7 +219,8 @@ def compile(
         model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode
     )
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
-                             capacity_bytes=capacity_bytes, kernels=kernels)
+                             capacity_bytes=capacity_bytes, kernels=kernels,
+                             skip_nonfinite=skip_nonfinite, loss_scale=loss_scale)
     return compiled
 
 
