@@ -160,10 +160,22 @@ def _plan(args: argparse.Namespace) -> int:
                "microbatches": micro, "rounds": args.rounds, "tokens_per_step": tokens,
                "stages": len(plan.stages), "actions": sum(1 for _ in lowered.all_actions())}
     summary.update(result)
-    print(f"predicted: {summary['makespan_ms']:.1f} ms per step, "
+    print(f"predicted, one isolated step: {summary['makespan_ms']:.1f} ms, "
           f"{summary['tokens_per_s']:,.0f} tokens/s; bubble {summary['bubble_pct']:.2f}% "
           f"(fill {summary['bubble_fill_pct']:.2f}%, steady {summary['bubble_steady_pct']:.2f}%, "
           f"drain {summary['bubble_drain_pct']:.2f}%)")
+    if args.schedule == "roundpipe" and args.optimizer == "async":
+        # A training run overlaps steps: report the steady state too.
+        from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_utilization
+
+        run = simulate_roundpipe(plan, hw, steps=4, rounds=args.rounds, optimizer="async")
+        step_ms = steady_step_ms(run)
+        summary["steady_step_ms"] = step_ms
+        summary["steady_tokens_per_s"] = tokens * 1e3 / step_ms
+        summary["steady_bubble_pct"] = 100 * (1 - steady_utilization(run))
+        print(f"predicted, steady state (async, steps overlapping): {step_ms:.1f} ms per step, "
+              f"{summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
+              f"{summary['steady_bubble_pct']:.2f}%")
     print(f"peak device memory: {max(summary['peak_device_gib']):.2f} GiB of "
           f"{hw.memory_gib:g} GiB; host memory {summary['host_gib']:.1f} GiB")
     if not args.no_fit_search and args.schedule == "roundpipe":

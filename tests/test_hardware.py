@@ -10,9 +10,9 @@ from rpcompile.hardware import Hardware, get_hardware, list_hardware, probe
 def test_profiles_cover_the_paper_machines():
     assert {"rtx4090x8", "rtx5090x8", "a800x8", "h200x1", "cpu"} <= set(list_hardware())
     hw = get_hardware("rtx4090x8")
-    assert (hw.gpus, hw.memory_gib, hw.matmul_tflops) == (8, 24.0, 165.0)
-    # 1 TFLOP at 165 TFLOP/s and the profile's 50% efficiency.
-    assert hw.compute_ms(1e12) == pytest.approx(1e3 / (165 * 0.5))
+    assert (hw.gpus, hw.memory_gib, hw.matmul_tflops) == (8, 24.0, 330.0)
+    # 1 TFLOP at 330 TFLOP/s and the efficiency calibrated on the paper's layer times.
+    assert hw.compute_ms(1e12) == pytest.approx(1e3 / (330 * 0.63))
     assert hw.h2d_ms(25e9) == pytest.approx(1e3)
 
 
