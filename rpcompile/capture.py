@@ -21,6 +21,8 @@ import math
 import threading
 import time
 import types
+import warnings
+import weakref
 from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -98,6 +100,7 @@ class Captured:
     example_batch: dict[str, torch.Tensor]
     model: nn.Module = field(repr=False)
     loss_fn: Callable | None = None
+    opaque_entries: list = field(default_factory=list, repr=False)  # keeps opaque ops alive
 
     def parameter(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)
@@ -119,11 +122,11 @@ class Captured:
 def is_causal_lm(model: nn.Module) -> bool:
     """A Hugging Face causal LM (or a PEFT wrapper of one): takes input_ids and labels."""
     config = getattr(model, "config", None)
-    return (
-        config is not None
-        and getattr(config, "vocab_size", None) is not None
-        and callable(getattr(model, "get_output_embeddings", None))
-    )
+    if config is None or getattr(config, "vocab_size", None) is None:
+        return False
+    head = getattr(model, "get_output_embeddings", None)
+    # Every PreTrainedModel has the method; only language-model heads return a module.
+    return callable(head) and head() is not None
 
 
 class _CausalLMLoss(nn.Module):
@@ -163,7 +166,7 @@ def normalize_batch(
     model: nn.Module, batch: Any, loss_fn: Callable | None
 ) -> dict[str, torch.Tensor]:
     """Turn what the user passes into an ordered dict of batch tensors (dim 0 = batch)."""
-    if is_causal_lm(model):
+    if loss_fn is None and is_causal_lm(model):
         if isinstance(batch, torch.Tensor):
             batch = {"input_ids": batch}
         if not isinstance(batch, dict) or "input_ids" not in batch:
@@ -244,7 +247,7 @@ def capture(
             f"{type(model).__name__} has no parameters: there is nothing to train; pass the "
             "model whose weights you want to fine-tune"
         )
-    causal = is_causal_lm(model)
+    causal = loss_fn is None and is_causal_lm(model)
     if example_inputs is None:
         if not causal:
             raise ValueError(
@@ -268,19 +271,20 @@ def capture(
     repeat = _repeat_plan(model, layer_names) if replicate else None
     if repeat is not None:
         ladder.insert(0, ("export+replicate", True))
+    seen: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # module input shapes traced
     for strategy, dynamic in ladder:
         extra: list[str] = []
         while True:
+            keep: list[_OpaqueEntry] = []  # the opaque blocks of this attempt's graph
             try:
                 if strategy == "export+replicate":
                     with _truncated(model, repeat):
                         present = [n for n in opaque_names + extra if _has_module(model, n)]
-                        ep = _export(model, wrapper, batch, causal, present, dynamic)
-                    return _finish(
-                        model, ep, layer_names, batch, causal, strategy, dynamic,
-                        tuple(opaque_names + extra), attempts, t0, loss_fn, repeat,
+                        ep = _export(model, wrapper, batch, causal, present, dynamic, seen, keep)
+                else:
+                    ep = _export(
+                        model, wrapper, batch, causal, opaque_names + extra, dynamic, seen, keep
                     )
-                ep = _export(model, wrapper, batch, causal, opaque_names + extra, dynamic)
             except _NotRepeatable as exc:
                 attempts.append((strategy, str(exc)))
                 break
@@ -292,12 +296,17 @@ def capture(
                     continue
                 attempts.append((strategy, _one_line(exc)))
                 break
-            else:
-                opaque_used = tuple(opaque_names + extra)
-                return _finish(
-                    model, ep, layer_names, batch, causal, strategy, dynamic, opaque_used,
-                    attempts, t0, loss_fn,
+            try:
+                captured = _finish(
+                    model, ep, layer_names, batch, causal, strategy, dynamic,
+                    tuple(opaque_names + extra), attempts, t0, loss_fn,
+                    repeat if strategy == "export+replicate" else None,
                 )
+            except _NotRepeatable as exc:
+                attempts.append((strategy, str(exc)))
+                break
+            captured.opaque_entries = keep
+            return captured
     failed = "; ".join(f"{s}: {why}" for s, why in attempts)
     raise CaptureError(
         f"could not capture {type(model).__name__}. Strategies tried -> {failed}. To proceed, "
@@ -306,7 +315,7 @@ def capture(
     )
 
 
-def _export(model, wrapper, batch, causal, opaque_names, dynamic):
+def _export(model, wrapper, batch, causal, opaque_names, dynamic, seen, keep):
     args = tuple(batch.values())
     shapes = None
     if dynamic:
@@ -318,12 +327,12 @@ def _export(model, wrapper, batch, causal, opaque_names, dynamic):
         else:
             # _LossOf.forward takes *args: export sees them as one tuple argument.
             shapes = (tuple({0: bdim} if t.dim() else None for t in args),)
-    with _opaque_patched(model, opaque_names, _SEEN), _module_tracker(model) as tracker:
+    with _opaque_patched(model, opaque_names, seen, keep), _module_tracker(model) as tracker:
         try:
             return torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
         except Exception as exc:
             exc.rp_module = tracker.innermost()  # type: ignore[attr-defined]
-            _SEEN.update(tracker.first_inputs)
+            seen.update(tracker.first_inputs)
             raise
 
 
@@ -351,6 +360,13 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
         _assign_units(gm, layer_names[: repeat.exported])
         gm = _replicate(gm, params, model, repeat)
     unit_names = _assign_units(gm, layer_names, params)
+    _refuse_random_ops(gm)
+    if not layer_names:
+        warnings.warn(
+            f"{type(model).__name__} has no nn.ModuleList/nn.Sequential of layers, so it is one "
+            "unit and cannot be pipelined; pass units=[...] with the names of its layers",
+            RuntimeWarning, stacklevel=3,
+        )
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.rpcompile.opaque.default):
         node.meta["rp_flops"] = opaque_flops(node)
     subs = _symbol_map(gm, inputs, causal)
@@ -369,6 +385,30 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
         inputs=inputs, input_keys=list(batch), trainable=trainable, subs=subs, report=report,
         example_batch=batch, model=model, loss_fn=loss_fn,
     )
+
+
+_RANDOM_OPS = {"bernoulli", "rand", "randn", "rand_like", "randn_like", "randint",
+               "randint_like", "randperm", "normal", "multinomial", "native_dropout"}
+
+
+def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
+    """Backward stages recompute their forward: a random op would draw new numbers there, and
+    the gradients would belong to another forward than the loss. Refuse, saying what to do."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        dropout = name == "dropout" and len(node.args) > 2 and node.args[1] > 0 and node.args[2]
+        if dropout or name in _RANDOM_OPS:
+            where = list((node.meta.get("nn_module_stack") or {}).values())
+            module = where[-1][0].removeprefix(_WRAPPED + ".") if where else "the model"
+            raise ValueError(
+                f"{module} draws random numbers in training ({node.target}); rpcompile "
+                "recomputes forwards in backward and does not replay random state yet, so the "
+                "gradients would not match. Set dropout probabilities to 0 (e.g. "
+                "config.attention_dropout = 0.0, hidden_dropout = 0.0) or put those modules "
+                "in eval mode"
+            )
 
 
 def _symbol_map(gm: torch.fx.GraphModule, inputs: list[str], causal: bool) -> dict:
@@ -588,7 +628,6 @@ def _replicate(gm: torch.fx.GraphModule, params: dict[str, str], model: nn.Modul
     placeholders = [n for n in nodes if n.op == "placeholder"]
     last_param = max((i for i, n in enumerate(placeholders) if n in param_of), default=-1)
     new_params: dict[int, dict[torch.fx.Node, torch.fx.Node]] = {}
-    new_layers: list[list[torch.fx.Node]] = [list(x) for x in layer_nodes]
     canonical = {id(p): name for name, p in model.named_parameters()}
 
     def add_layer_params(i: int, template: int) -> None:
@@ -718,7 +757,9 @@ class _OpaqueEntry:
     local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
 
-_OPAQUE: dict[str, _OpaqueEntry] = {}
+# Entries live as long as a Captured holds them (captured.opaque_entries): a failed attempt's
+# blocks, and a dropped model's, are released with them.
+_OPAQUE: weakref.WeakValueDictionary[str, _OpaqueEntry] = weakref.WeakValueDictionary()
 _KEYS = itertools.count()
 _SKELETON_LOCK = threading.Lock()  # deepcopy reads the shared module: one clone at a time
 
@@ -843,7 +884,7 @@ def _forward_swapped(module: nn.Module, forward: Callable):
 
 
 @contextlib.contextmanager
-def _opaque_patched(model: nn.Module, names: Sequence[str], seen: dict):
+def _opaque_patched(model: nn.Module, names: Sequence[str], seen: dict, keep: list):
     """Route each named module's forward through the opaque op while exporting."""
     saved = []
     try:
@@ -853,6 +894,7 @@ def _opaque_patched(model: nn.Module, names: Sequence[str], seen: dict):
             entry = _probe_opaque(mod, original, seen.get(name))
             key = f"{name}#{next(_KEYS)}"
             _OPAQUE[key] = entry
+            keep.append(entry)
 
             def call(*args, _key=key, _entry=entry, _mod=mod, _name=name, **kwargs):
                 if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
@@ -936,8 +978,6 @@ def _moe_flops_per_token(mod: nn.Module) -> int | None:
         return None
     count = count or weights3d[0].shape[0]
     per_expert = sum(p.numel() for p in weights3d) // count
-    if isinstance(experts, nn.ModuleList):
-        return None
     router = sum(
         p.numel() for name, p in mod.named_parameters()
         if not name.startswith("experts.") and p.dim() == 2
@@ -1029,9 +1069,6 @@ def _hint(d) -> int:
     return int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
 
 
-# Input shapes seen for modules during failed capture attempts, used to probe opaque blocks.
-_SEEN: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}
-
 
 def _culprit_of(exc: BaseException) -> str | None:
     return getattr(exc, "rp_module", None)
@@ -1042,7 +1079,7 @@ def _is_data_dependent(exc: BaseException) -> bool:
     return any(
         k in text
         for k in ("GuardOnDataDependentSymNode", "data-dependent", "DataDependentOutputException",
-                  "data dependent", "UserError")
+                  "data dependent")
     )
 
 

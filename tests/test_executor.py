@@ -116,11 +116,12 @@ def test_opaque_call_is_thread_safe():
     import sys
     import threading
 
-    from rpcompile.capture import _OPAQUE, _run_opaque
+    from rpcompile.capture import _run_opaque
 
     model = hf_model("qwen3_moe", layers=1)
-    rpcompile.compile(model, gpus=1, microbatches=1, example_inputs=token_batch(2))
-    entry = next(e for e in _OPAQUE.values() if e.module is model.model.layers[0].mlp)
+    compiled = rpcompile.compile(model, gpus=1, microbatches=1, example_inputs=token_batch(2))
+    entry = next(e for e in compiled.capture.opaque_entries
+                 if e.module is model.model.layers[0].mlp)
     x = torch.randn(4, 64, 64)
     weights = [[torch.randn_like(entry.module.get_parameter(n)) for n in entry.param_names]
                for _ in range(4)]
