@@ -1,4 +1,4 @@
-"""Command line: ``rpcompile plan | models | hardware``.
+"""Command line: ``rpcompile plan | train | models | hardware``.
 
 ``rpcompile plan`` builds a shipped model from its config on the ``meta`` device (no weights are
 allocated), compiles it for a hardware profile, schedules and lowers one optimizer step,
@@ -119,6 +119,11 @@ def _plan(args: argparse.Namespace) -> int:
     hw = get_hardware(args.hardware)
     gpus = args.gpus or hw.gpus
     micro = args.microbatches or gpus + 1
+    if args.schedule == "interleaved" and micro % gpus:
+        raise ValueError(
+            f"interleaved 1F1B needs microbatches divisible by the GPUs ({gpus}); pass "
+            f"--microbatches {gpus * max(1, micro // gpus)} (or another multiple of {gpus})"
+        )
     batch = args.batch or micro * args.rounds
     if batch % (micro * args.rounds):
         raise ValueError(
@@ -210,6 +215,10 @@ def _train(args: argparse.Namespace) -> int:
     data = torch.tensor(list(text), dtype=torch.long)
     if len(data) <= args.seq:
         raise ValueError(f"--seq {args.seq} is longer than the text ({len(data)} bytes)")
+    for flag, value in (("--steps", args.steps), ("--workers", args.workers),
+                        ("--seq", args.seq), ("--batch", args.batch)):
+        if value < 1:
+            raise ValueError(f"{flag} must be at least 1, got {value}")
     micro = args.microbatches or args.workers + 1
     if args.batch % micro:
         raise ValueError(f"--batch {args.batch} must be a multiple of --microbatches {micro}")
@@ -304,6 +313,7 @@ def _summary(res) -> dict:
 
 def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int) -> int:
     """The longest sequence (at the plan's microbatch size) for which some plan fits."""
+    from rpcompile.compiler import unit_profiles
     from rpcompile.passes.partition import PartitionError, StageCosting, partition
 
     b = compiled.plan.microbatch_size
@@ -311,7 +321,7 @@ def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int) -> int:
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
 
     def fits(s: int) -> bool:
-        profiles = [u.evaluate(b, s, hw, dtype_bytes=dtype_bytes) for u in compiled.unit_costs]
+        profiles = unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes)
         try:
             partition(profiles, hw, gpus, micro, b, s, rounds, costing, shortlist=1)
         except PartitionError:

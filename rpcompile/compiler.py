@@ -1,6 +1,6 @@
 """``rpcompile.compile``: run the whole flow and keep every artifact on the result.
 
-capture -> cost -> partition -> split (-> schedule -> lower, see ``Compiled.schedule``)
+capture -> cost -> partition -> split -> dispatch -> lower; every artifact stays on ``Compiled``.
 """
 
 from __future__ import annotations
@@ -15,12 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from rpcompile.capture import Captured, capture
+from rpcompile.capture import Captured, capture, is_causal_lm
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.passes.cost import UnitCost, annotate_costs
+from rpcompile.passes.lower import lower
 from rpcompile.passes.manager import PassRecord
 from rpcompile.passes.partition import StageCosting, partition
+from rpcompile.passes.schedule import build_schedule
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.reference import reference_step
 
@@ -43,13 +45,21 @@ class Compiled:
     rounds: int
     history: list[PassRecord]
     compute_dtype: torch.dtype
+    schedule: Any = None  # one step's lowered Schedule (ir.Schedule), as the runtime runs it
     training: dict[str, Any] = field(default_factory=dict)  # Trainer options
     _trainer: Any = field(default=None, repr=False)
+    _closed: bool = field(default=False, repr=False)
 
     # -- training (the runtime starts on the first step) ----------------------------------
     def trainer(self) -> Any:
         """The :class:`rpcompile.trainer.Trainer` that runs this plan (created on first use
         with the options given to :func:`compile`)."""
+        if self._closed:
+            raise RuntimeError(
+                "this compiled model was closed: its workers are stopped. Its trained weights "
+                "are still available (sync_to_model(), state_dict()); to train on, compile "
+                "again and load_state_dict() the saved state"
+            )
         if self._trainer is None:
             from rpcompile.trainer import Trainer
 
@@ -63,26 +73,31 @@ class Compiled:
         """One optimizer step over ``batch`` on the workers; returns the mean loss."""
         return self.trainer().step(batch)
 
+    def _finished_trainer(self) -> Any:
+        # After close() the masters and optimizer state are still there to read.
+        return self._trainer if self._closed and self._trainer is not None else self.trainer()
+
     def state_dict(self) -> dict[str, Any]:
         """Masters, optimizer state, step counter and a plan summary."""
-        return self.trainer().state_dict()
+        return self._finished_trainer().state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.trainer().load_state_dict(state)
 
     def sync_to_model(self) -> None:
         """Write the trained masters back into the original module (then save_pretrained)."""
-        self.trainer().sync_to_model()
+        self._finished_trainer().sync_to_model()
 
     def memory_report(self) -> Any:
         """Host bytes per trainable parameter: masters, shadow, gradients, optimizer state."""
-        return self.trainer().memory_report()
+        return self._finished_trainer().memory_report()
 
     def close(self) -> None:
-        """Stop the workers (a later step starts them again)."""
-        if self._trainer is not None:
+        """Stop the workers. The trained state stays readable (sync_to_model, state_dict);
+        further steps raise."""
+        if self._trainer is not None and not self._closed:
             self._trainer.close()
-            self._trainer = None
+        self._closed = True
 
     # -- inspection ----------------------------------------------------------------------
     def explain(self) -> str:
@@ -173,8 +188,8 @@ def compile(
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
     ``gpus``: workers to plan for. ``microbatches``: per round (default ``gpus + 1``).
-    ``hardware``: a profile name or :class:`Hardware` (default ``"cpu"``, the virtual
-    workers' profile). ``example_inputs``: one global batch; for a Hugging Face causal LM it
+    ``hardware``: a profile name or :class:`Hardware` (default: a probe of the GPU when CUDA
+    is present, else ``"cpu"``, the virtual workers' profile). ``example_inputs``: one global batch; for a Hugging Face causal LM it
     may be omitted (token ids are synthesized from the config). The plan is made for the
     example batch's size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch.
 
@@ -198,7 +213,7 @@ def compile(
     if kernels not in ("auto", "torch", "triton"):
         raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
     history: list[PassRecord] = []
-    if example_inputs is None and hasattr(getattr(model, "config", None), "vocab_size"):
+    if example_inputs is None and loss_fn is None and is_causal_lm(model):
         from rpcompile.capture import example_batch_for
 
         total = (microbatches or gpus + 1) * rounds
@@ -245,16 +260,18 @@ def _plan_and_split(
 ) -> Compiled:
     _check_counts(gpus, microbatches, rounds)
     microbatches = microbatches or gpus + 1
-    hw = get_hardware(hardware or "cpu").with_gpus(gpus)
+    hw = get_hardware(hardware or _default_hardware()).with_gpus(gpus)
     example = next(iter(captured.example_batch.values()))
-    mb_size = max(1, example.shape[0] // (microbatches * rounds))
+    if example.shape[0] % (microbatches * rounds):
+        raise ValueError(
+            f"the example batch has {example.shape[0]} sequences, which do not split into "
+            f"{microbatches} microbatches x {rounds} rounds; pass a batch whose size is a "
+            f"multiple of {microbatches * rounds} (the plan is made for that size)"
+        )
+    mb_size = example.shape[0] // (microbatches * rounds)
     seq = example.shape[1] if "input_ids" in captured.example_batch else 1
     dtype_bytes = torch.empty((), dtype=dtype).element_size()
-    borrowed = _borrowed_params(captured)
-    profiles = [
-        replace(u.evaluate(mb_size, seq, hw, dtype_bytes=dtype_bytes), borrowed=borrowed[i])
-        for i, u in enumerate(unit_costs)
-    ]
+    profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
     plan = _timed(
         history, "partition",
@@ -262,11 +279,28 @@ def _plan_and_split(
                           optimizer=mode),
     )
     stages = _timed(history, "split", lambda: split(captured, plan))
+    compute = _timed(history, "dispatch", lambda: build_schedule(
+        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode))
+    lowered, lowering = lower(compute, plan)
+    history.extend(lowering)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
-        history=history, compute_dtype=dtype,
+        history=history, compute_dtype=dtype, schedule=lowered,
     )
+
+
+def unit_profiles(
+    captured: Captured, unit_costs: Sequence[UnitCost], b: int, s: int, hardware: Hardware,
+    dtype_bytes: int,
+) -> list[UnitProfile]:
+    """The partitioner's numbers: each unit's costs at ``b`` x ``s`` on ``hardware``, with the
+    parameters it borrows from another unit (tied weights)."""
+    borrowed = _borrowed_params(captured)
+    return [
+        replace(u.evaluate(b, s, hardware, dtype_bytes=dtype_bytes), borrowed=borrowed[i])
+        for i, u in enumerate(unit_costs)
+    ]
 
 
 def _borrowed_params(captured: Captured) -> list[tuple[tuple[int, int, bool], ...]]:
@@ -284,6 +318,15 @@ def _borrowed_params(captured: Captured) -> list[tuple[tuple[int, int, bool], ..
         for unit in readers[1:]:
             out[unit].append((readers[0], p.numel(), p.requires_grad))
     return [tuple(b) for b in out]
+
+
+def _default_hardware() -> Hardware | str:
+    """The machine at hand: a probe of its GPU when there is one, else the virtual profile."""
+    if torch.cuda.is_available():
+        from rpcompile.hardware import probe
+
+        return probe("cuda")
+    return "cpu"
 
 
 def _close_ref(ref: weakref.ref) -> None:

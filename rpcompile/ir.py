@@ -165,10 +165,6 @@ class Plan:
     def stage_name(self, stage_index: int) -> str:
         return self.stages[stage_index].label(self.num_forward)
 
-    @property
-    def tokens_per_step(self) -> int:
-        return self.microbatches * self.microbatch_size * self.seq_len
-
     # -- checks --------------------------------------------------------------------------
     def validate(self) -> None:
         n = len(self.units)

@@ -107,7 +107,10 @@ def test_stage_code_shows_boundaries():
     text = compiled.explain()
     for st in compiled.stages:
         assert st.name in text
-    assert [r.name for r in compiled.history] == ["capture", "cost", "partition", "split"]
+    assert [r.name for r in compiled.history] == [
+        "capture", "cost", "partition", "split", "dispatch",
+        "upload", "transfers", "grads", "optimizer", "events"]
+    assert compiled.schedule is compiled.history[-1].artifact  # the lowered schedule
 
 
 def test_tied_embedding_is_one_master():
@@ -164,6 +167,41 @@ def test_model_without_parameters_is_rejected():
 def test_non_hf_model_needs_inputs():
     with pytest.raises(ValueError, match="example_inputs"):
         rpcompile.compile(SkipNet(), gpus=2)
+
+
+def test_example_batch_must_split_into_microbatches():
+    with pytest.raises(ValueError, match="multiple of 3"):
+        rpcompile.compile(hf_model("qwen3", layers=1), gpus=2, microbatches=3,
+                          example_inputs=token_batch(5))
+
+
+def test_random_ops_are_refused_with_the_fix():
+    import transformers as tf
+
+    model = tf.LlamaForCausalLM(tf.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, attention_dropout=0.1, use_cache=False,
+        attn_implementation="eager"))
+    with pytest.raises(ValueError, match=r"attention_dropout = 0\.0"):
+        rpcompile.compile(model, gpus=2, example_inputs=token_batch(6))
+
+
+def test_hf_model_with_loss_fn_is_a_generic_model():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    model = tf.BertForSequenceClassification(tf.BertConfig(
+        vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    ids, y = torch.randint(0, 100, (4, 8)), torch.randint(0, 2, (4,))
+
+    def loss_fn(out, target):
+        return torch.nn.functional.cross_entropy(out.logits, target)
+
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=(ids, y),
+                                 loss_fn=loss_fn)
+    assert compiled.capture.units[1:-1] == ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    _check_against_eager(compiled, model, (ids, y), 2, exact=False, loss_fn=loss_fn)
 
 
 def test_batch_not_divisible_is_rejected():
@@ -252,7 +290,8 @@ def test_stage_programs_retarget_to_another_device():
     # Export records the device it traced on (factory ops, metadata checks). A stage run on a
     # worker of another device must not mix devices: on "meta" every op would fail against a
     # leftover cpu constant, so running there proves every constant was rewritten.
-    compiled = rpcompile.compile(hf_model("qwen3"), gpus=3, example_inputs=token_batch(6))
+    compiled = rpcompile.compile(hf_model("qwen3"), gpus=3, microbatches=3,
+                                 example_inputs=token_batch(6))
     for prog in compiled.stages:
         gm = prog.on_device("meta")
         assert "device(type='cpu')" not in gm.code

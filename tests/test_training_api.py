@@ -130,3 +130,18 @@ def test_memory_report_is_the_sum_of_what_is_kept():
     assert report.trainable_params == params
     # 4 master + 2 shadow + 4 gradient + 8 AdamW state bytes per parameter, within 5%.
     assert report.bytes_per_trainable_param == pytest.approx(18.0, rel=0.05)
+
+
+def test_close_keeps_the_trained_state_and_refuses_more_steps():
+    model = hf_model("qwen3", layers=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                                 device="virtual", optimizer=_adamw())
+    compiled.step(token_batch(4))
+    state = compiled.state_dict()
+    compiled.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        compiled.step(token_batch(4))
+    compiled.sync_to_model()  # the trained weights, not the initial ones
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert compiled.state_dict()["step"] == state["step"]

@@ -70,6 +70,8 @@ def partition(
     makespan (fill and drain included). Raises :class:`PartitionError` when
     some unit cannot fit the GPU even alone.
     """
+    if optimizer not in ("async", "sync"):
+        raise ValueError(f"optimizer must be 'async' or 'sync', got {optimizer!r}")
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
     units = tuple(units)
@@ -116,8 +118,6 @@ def partition(
             f"fit in {_gib(limit)} GiB usable; lower the microbatch size or sequence length"
         )
     candidates.sort(key=lambda c: c[0])
-    if optimizer not in ("async", "sync"):
-        raise ValueError(f"optimizer must be 'async' or 'sync', got {optimizer!r}")
     steps = 4 if optimizer == "async" else 1
     plans = sorted(
         (
