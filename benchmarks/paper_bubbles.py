@@ -1,6 +1,6 @@
 """Bubble ratios of the paper's five models on 8 GPUs with 16 microbatches, per schedule.
 
-Inputs are the per-layer times of shared/REFERENCE.md (one RTX 4090, microbatches of 4 x 2048
+Inputs are the per-layer times of the RoundPipe paper, arXiv 2604.27085, and its artifact (one RTX 4090, microbatches of 4 x 2048
 tokens). Every schedule runs through the same simulator, lowered the same way:
 
   gpipe, 1f1b            8 stages bound to 8 GPUs (layers cut by rpcompile.sim.pipeline_stages,
@@ -38,7 +38,7 @@ from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_utilizat
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "roundpipe-sync", "roundpipe-async")
 EXTRA = ("rp-partition-sync", "rp-partition-async")  # printed only
-# shared/REFERENCE.md, the RoundPipe paper's simulator, in PAPER_MODELS order.
+# the RoundPipe paper, arXiv 2604.27085, and its artifact, the RoundPipe paper's simulator, in PAPER_MODELS order.
 REFERENCE = {
     "gpipe": (36.13, 42.08, 41.73, 34.88, 31.18),
     "1f1b": (35.19, 42.08, 41.73, 34.88, 31.21),

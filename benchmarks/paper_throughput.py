@@ -1,6 +1,6 @@
 """Predicted training throughput (tokens/s) of the paper's five workloads on 8x RTX 4090.
 
-Workloads (shared/REFERENCE.md, rpcompile.paper.WORKLOADS): global batches of 512/256/128/128/64
+Workloads (the RoundPipe paper, arXiv 2604.27085, and its artifact, rpcompile.paper.WORKLOADS): global batches of 512/256/128/128/64
 sequences of 2048 tokens, 10 microbatches per round (16 for GPT-OSS), 4/2/1/2/1 rounds; per-layer
 times from the paper's table, scaled to the microbatch's tokens. Configurations:
 

@@ -1,7 +1,7 @@
 """Hardware profiles: what the planner and the simulator assume about a machine.
 
 Profiles are data (``configs/hardware.json``), not code branches. Figures come from datasheets
-and the RoundPipe paper (see shared/REFERENCE.md); achieved PCIe bandwidth is usually well under
+and the RoundPipe paper (arXiv 2604.27085); achieved PCIe bandwidth is usually well under
 nominal, so the profiles carry an efficiency factor, and :func:`probe` measures a real machine.
 """
 

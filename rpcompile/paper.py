@@ -3,7 +3,7 @@
 Sections, in reading order:
   1. PaperModel   - one model: its shape (parameter and activation bytes follow from it) and
                     the per-layer times measured on one RTX 4090 for a 4 x 2048-token microbatch
-  2. MODELS       - the five models (figures from shared/REFERENCE.md)
+  2. MODELS       - the five models (figures from the RoundPipe paper, arXiv 2604.27085)
   3. Workload     - the paper's training setups (global batch, microbatches, rounds)
 
 ``PaperModel.units(b, s)`` turns a model into the ``UnitProfile`` list the partitioner and the

@@ -2,7 +2,7 @@
 
 A baseline binds stage ``s`` to worker ``s % workers`` for the whole run. How layers are dealt
 to its stages matters as much as the schedule; :func:`pipeline_stages` uses the rule that
-reproduces the RoundPipe paper's simulator figures (shared/REFERENCE.md; docs/simulator.md
+reproduces the RoundPipe paper's simulator figures (arXiv 2604.27085; docs/simulator.md
 shows the check): the LM head counts as ``h`` layers, h = its forward + backward time over one
 layer's forward + recompute + backward, rounded; the ``layers + h`` slots are split as evenly as
 possible over the stages, larger stages last; the last stage's slots are the head's ``h`` plus
