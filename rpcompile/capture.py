@@ -570,6 +570,8 @@ def _repeat_plan(model: nn.Module, layer_names: list[str]) -> _Repeat | None:
     if len(layer_names) < 8:
         return None
     container, _, first = layer_names[0].rpartition(".")
+    if not container:
+        return None  # a root nn.Sequential: no parent to swap a shorter layer list into
     if first != "0" or layer_names != [f"{container}.{i}" if container else str(i)
                                        for i in range(len(layer_names))]:
         return None

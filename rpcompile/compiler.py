@@ -193,6 +193,9 @@ def compile(
     may be omitted (token ids are synthesized from the config). The plan is made for the
     example batch's size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch.
 
+    ``compute_dtype``: optional check that the model's parameters are in this dtype (the graph
+    is captured in the model's dtype; convert the model first, masters stay fp32).
+
     Training options (used from the first :meth:`Compiled.step`): ``optimizer`` builds any
     ``torch.optim`` optimizer over the fp32 masters (default AdamW, lr 1e-4); ``device`` is
     ``"auto"`` (CUDA when present, else virtual CPU workers, with a warning), ``"cuda"`` or
