@@ -508,13 +508,18 @@ def _assign_units(
         else:
             unit = from_inputs
         node.meta["rp_unit"] = unit
-    loss = next(iter(gm.graph.find_nodes(op="output"))).args[0]
-    loss = loss[0] if isinstance(loss, (tuple, list)) else loss
+    loss = loss_node(gm)
     if loss.meta["rp_unit"] != tail:
         loss.meta["rp_unit"] = tail
     if params is not None:
         _sink_input_only_nodes(gm, params)
     return unit_names
+
+
+def loss_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    """The node of the captured graph's output: the microbatch loss."""
+    loss = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    return loss[0] if isinstance(loss, (tuple, list)) else loss
 
 
 def _sink_input_only_nodes(gm: torch.fx.GraphModule, params: Container[str]) -> None:

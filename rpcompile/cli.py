@@ -280,11 +280,9 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _plot_loss(losses: list[float], path: Path) -> None:
-    import matplotlib
+    from rpcompile.viz import _pyplot
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.5))
     ax.plot(range(1, len(losses) + 1), losses)
     ax.set_xlabel("step")
@@ -317,7 +315,7 @@ def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int) -> int:
     from rpcompile.passes.partition import PartitionError, StageCosting, partition
 
     b = compiled.plan.microbatch_size
-    dtype_bytes = torch_dtype_bytes(compiled.compute_dtype)
+    dtype_bytes = compiled.compute_dtype.itemsize
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
 
     def fits(s: int) -> bool:
@@ -346,12 +344,6 @@ def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int) -> int:
         else:
             top = mid
     return hi
-
-
-def torch_dtype_bytes(dtype) -> int:
-    import torch
-
-    return torch.empty((), dtype=dtype).element_size()
 
 
 if __name__ == "__main__":

@@ -273,7 +273,7 @@ def _plan_and_split(
         )
     mb_size = example.shape[0] // (microbatches * rounds)
     seq = example.shape[1] if "input_ids" in captured.example_batch else 1
-    dtype_bytes = torch.empty((), dtype=dtype).element_size()
+    dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
     plan = _timed(

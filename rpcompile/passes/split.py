@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from rpcompile.capture import Captured
+from rpcompile.capture import Captured, loss_node
 from rpcompile.ir import Plan
 
 __all__ = ["StageInput", "StageProgram", "retarget", "split"]
@@ -189,7 +189,7 @@ def split(captured: Captured, plan: Plan) -> list[StageProgram]:
         if st.kind == "forward":
             outs = [n for n in members if n in crossing]
         elif st.kind == "tail":
-            outs = [_loss_node(gm)]
+            outs = [loss_node(gm)]
         else:
             # Outputs of a recomputed forward whose gradients come from earlier backward jobs.
             outs = [
@@ -201,12 +201,6 @@ def split(captured: Captured, plan: Plan) -> list[StageProgram]:
             _build(captured, plan, st, members, outs, placeholders, requires_grad)
         )
     return programs
-
-
-def _loss_node(gm: fx.GraphModule) -> fx.Node:
-    out = next(iter(gm.graph.find_nodes(op="output")))
-    loss = out.args[0]
-    return loss[0] if isinstance(loss, (tuple, list)) else loss
 
 
 def _requires_grad(captured: Captured, nodes: Sequence[fx.Node]) -> dict[fx.Node, bool]:
