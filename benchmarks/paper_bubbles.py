@@ -7,12 +7,16 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
                          the rule that reproduces the paper's simulator), backward with recompute
   interleaved,           16 stages, 2 per GPU (Megatron interleaved 1F1B; breadth-first loop)
   looped-bfs
-  roundpipe-sync         our partitioner's plan, round-robin dispatch, weights uploaded per job,
+  roundpipe-sync         our partitioner's plan over attention/MLP blocks (each layer's measured
+                         times shared by FLOPs, rpcompile.paper.PaperModel.attention_share),
+                         round-robin dispatch, weights uploaded per job,
                          sync optimizer on the host: ONE isolated step (fill, drain and the
                          last optimizer update included)
   roundpipe-async        the same plan, async optimizer, steady state: idle share of GPU time in
                          a 4-step run between the end of step 1 and the start of step 4
                          (rpcompile.sim.steady_utilization)
+  rp-async-layers        (printed only) our partitioner limited to whole layers, async steady state
+  rp-partition-*         (printed only) RoundPipe's own greedy partitioner (whole layers)
 
 Hardware: RTX 4090 x 8, except that each model's PCIe links are set so that a D2H plus an H2D
 of one activation takes the table's "activation hop" (about 42 GB/s per direction: the paper's
@@ -37,7 +41,7 @@ from rpcompile.passes.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_utilization
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "roundpipe-sync", "roundpipe-async")
-EXTRA = ("rp-partition-sync", "rp-partition-async")  # printed only
+EXTRA = ("rp-async-layers", "rp-partition-sync", "rp-partition-async")  # printed only
 # the RoundPipe paper, arXiv 2604.27085, and its artifact, the RoundPipe paper's simulator, in PAPER_MODELS order.
 REFERENCE = {
     "gpipe": (36.13, 42.08, 41.73, 34.88, 31.18),
@@ -73,10 +77,13 @@ def bubbles(name: str) -> dict[str, float]:
                               chunks=chunks)
         out[kind] = 100 * r.bubble
     # Each optimizer mode runs the plan made for it (sync: one step's makespan; async: the
-    # steady state).
+    # steady state). A graph compiler may cut between a layer's attention and MLP blocks.
+    blocks = model.units(MICROBATCH_SIZE, SEQ, split_layers=True)
     for mode in ("sync", "async"):
-        plan = partition(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ, optimizer=mode)
+        plan = partition(blocks, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ, optimizer=mode)
         out[f"roundpipe-{mode}"] = _roundpipe(plan, hw)[0 if mode == "sync" else 1]
+    layers_only = partition(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
+    out["rp-async-layers"] = _roundpipe(layers_only, hw)[1]
     greedy = partition_roundpipe(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
     out["rp-partition-sync"], out["rp-partition-async"] = _roundpipe(greedy, hw)
     return out

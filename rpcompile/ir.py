@@ -76,6 +76,10 @@ class UnitProfile:
     # embedding): (owner unit index, elements, trainable). A stage that holds this unit but
     # not the owner uploads them too, and (when trainable) sends back a gradient for them.
     borrowed: tuple[tuple[int, int, bool], ...] = ()
+    # The layer this unit is a block of, when layers are cut into blocks (attention, MLP):
+    # consecutive units with the same non-empty group form one layer. The partitioner also
+    # tries cuts at layer boundaries only ("" = the unit is a group of its own).
+    group: str = ""
 
     @property
     def params(self) -> int:

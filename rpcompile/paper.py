@@ -67,8 +67,9 @@ class PaperModel:
     lora_rank: int = 0
 
     # -- parameters ----------------------------------------------------------------------
-    def _linears(self) -> list[tuple[int, int, int]]:
-        """(in, out, count) of every linear layer in one decoder layer."""
+    def _linears(self, part: str = "layer") -> list[tuple[int, int, int]]:
+        """(in, out, count) of every linear layer in one decoder layer (``part``: ``"layer"``,
+        or only its ``"attention"`` or ``"mlp"`` block)."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         h = self.hidden
         attn = [(h, q, 1), (h, kv, 1), (h, kv, 1), (q, h, 1)]
@@ -77,23 +78,44 @@ class PaperModel:
                    (self.ffn, h, self.experts), (h, self.experts, 1)]
         else:
             mlp = [(h, self.ffn, 1), (h, self.ffn, 1), (self.ffn, h, 1)]
-        return attn + mlp
+        return {"layer": attn + mlp, "attention": attn, "mlp": mlp}[part]
 
-    def layer_params(self) -> int:
-        """Base parameters of one decoder layer (weights, biases, norms)."""
-        total = sum(i * o * n for i, o, n in self._linears())
-        total += 2 * self.hidden  # input and post-attention RMSNorm
-        if self.qk_norm:
-            total += 2 * self.head_dim
-        if self.attention_bias:
-            q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
-            total += q + 2 * kv + self.hidden + self.heads  # q,k,v,o biases + attention sinks
+    def layer_params(self, part: str = "layer") -> int:
+        """Base parameters of one decoder layer (weights, biases, norms), or of its attention
+        block (with the input norm) or MLP block (with the post-attention norm)."""
+        if part == "layer":
+            return self.layer_params("attention") + self.layer_params("mlp")
+        total = sum(i * o * n for i, o, n in self._linears(part))
+        total += self.hidden  # the block's RMSNorm
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        if part == "attention":
+            if self.qk_norm:
+                total += 2 * self.head_dim
+            if self.attention_bias:
+                total += q + 2 * kv + self.hidden + self.heads  # q,k,v,o biases + attention sinks
+        elif self.attention_bias:
             total += self.experts * (2 * self.ffn + self.hidden) + self.experts  # expert, router biases
         return total
 
-    def layer_lora_params(self) -> int:
-        """LoRA adapter parameters of one decoder layer (0 without LoRA)."""
-        return sum(self.lora_rank * (i + o) * n for i, o, n in self._linears())
+    def layer_lora_params(self, part: str = "layer") -> int:
+        """LoRA adapter parameters of one decoder layer or block (0 without LoRA)."""
+        return sum(self.lora_rank * (i + o) * n for i, o, n in self._linears(part))
+
+    def attention_share(self, seq_len: int) -> float:
+        """The attention block's share of a layer's FLOPs at ``seq_len`` (the rest is the MLP).
+
+        Per token: 2 x in x out for each linear layer (top_k experts and the router for MoE)
+        and 4 x (heads x head_dim) x seq_len / 2 for the causal score and value products (a
+        query sees half the sequence on average; sliding windows are not modelled, which
+        overstates GPT-OSS's attention a little). Norms, rotary and activations are ignored.
+        """
+        def flops(part: str) -> int:  # a token passes top_k of the experts
+            return sum(2 * i * o * (1 if n == 1 else self.top_k)
+                       for i, o, n in self._linears(part))
+
+        attn = flops("attention") + 2 * self.heads * self.head_dim * seq_len
+        mlp = flops("mlp")
+        return attn / (attn + mlp)
 
     @property
     def embedding_params(self) -> int:
@@ -118,19 +140,32 @@ class PaperModel:
         """The hidden state between two layers, bf16."""
         return tokens * self.hidden * 2
 
-    def _layer_working_bytes(self, tokens: int) -> int:
-        """bf16 values one layer keeps for its backward, plus its largest transient: the
-        normalised inputs, q/k/v, the attention output, and the MLP's gate/up/act/down inputs
-        (for MoE, top_k experts' worth per token). Flash attention: nothing quadratic in s."""
+    def _layer_working_bytes(self, tokens: int, part: str = "layer") -> int:
+        """bf16 values one layer (or block) keeps for its backward, plus its largest transient:
+        the normalised inputs, q/k/v, the attention output, and the MLP's gate/up/act/down
+        inputs (for MoE, top_k experts' worth per token). Flash attention: nothing quadratic
+        in s."""
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         width = self.top_k * self.ffn if self.experts else self.ffn
-        return tokens * (4 * self.hidden + 2 * q + 2 * kv + 4 * width) * 2
+        per_token = {"attention": 2 * self.hidden + 2 * q + 2 * kv,
+                     "mlp": 2 * self.hidden + 4 * width}
+        per_token["layer"] = per_token["attention"] + per_token["mlp"]
+        return tokens * per_token[part] * 2
 
     def hop_ms_at(self, tokens: int) -> float:
         return self.hop_ms * tokens / _TABLE_TOKENS
 
-    def units(self, microbatch_size: float = 4, seq_len: int = 2048) -> tuple[UnitProfile, ...]:
+    def units(self, microbatch_size: float = 4, seq_len: int = 2048, *,
+              split_layers: bool = False) -> tuple[UnitProfile, ...]:
         """Prefix (embedding), one unit per layer, tail (final norm + LM head + loss).
+
+        ``split_layers``: two units per layer instead, its attention block (``layers.i.self_attn``,
+        with the input norm) and its MLP block (``layers.i.mlp``, with the post-attention norm),
+        the layer's measured times shared by :meth:`attention_share` (the table measured whole
+        layers only). Units of one layer share ``group``, so the partitioner also tries cuts
+        between whole layers. Only the residual stream crosses a cut between the two blocks.
+        (``rpcompile.compile`` can be given such units with ``units=[...]`` naming each layer's
+        attention and MLP modules; by default it cuts between layers.)
 
         ``microbatch_size`` may be fractional: the paper splits e.g. 128 sequences into 10
         microbatches, and times scale with the mean tokens per microbatch. The embedding
@@ -151,16 +186,22 @@ class PaperModel:
             trainable_params=0 if lora else emb, frozen_params=emb if lora else 0,
             output_bytes=act, shared_bytes=rotary, working_bytes=act,
         )
-        base, adapters = self.layer_params(), self.layer_lora_params()
-        layer_units = tuple(
-            UnitProfile(
-                name=f"layers.{i}", forward_ms=self.forward_ms * scale,
-                backward_ms=self.backward_ms * scale,
-                trainable_params=adapters if lora else base, frozen_params=base if lora else 0,
-                output_bytes=act, working_bytes=self._layer_working_bytes(itokens),
-            )
-            for i in range(self.layers)
-        )
+        parts = (("attention", ".self_attn"), ("mlp", ".mlp")) if split_layers else (("layer", ""),)
+        share = {"layer": 1.0}
+        if split_layers:
+            share["attention"] = self.attention_share(seq_len)
+            share["mlp"] = 1.0 - share["attention"]
+        layer_units = []
+        for i in range(self.layers):
+            for part, suffix in parts:
+                base, adapters = self.layer_params(part), self.layer_lora_params(part)
+                layer_units.append(UnitProfile(
+                    name=f"layers.{i}{suffix}", forward_ms=self.forward_ms * scale * share[part],
+                    backward_ms=self.backward_ms * scale * share[part],
+                    trainable_params=adapters if lora else base, frozen_params=base if lora else 0,
+                    output_bytes=act, working_bytes=self._layer_working_bytes(itokens, part),
+                    group=f"layers.{i}" if split_layers else "",
+                ))
         head = self.hidden + self.vocab * self.hidden  # tied: the tail still needs the matrix
         chunk = min(itokens, _LOSS_CHUNK_TOKENS)
         tail = UnitProfile(

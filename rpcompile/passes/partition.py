@@ -56,19 +56,24 @@ def partition(
     rounds: int = 1,
     costing: StageCosting | None = None,
     max_tail_layers: int = 3,
-    shortlist: int = 200,
+    shortlist: int = 1000,
     simulate_top: int = 12,
     optimizer: str = "async",
+    refine: int = 16,
+    target_bubble: float = 0.01,
 ) -> Plan:
     """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
 
     The last unit is the tail (final norm, LM head, loss); the fused tail stage may also take
-    up to ``max_tail_layers`` units before it. Candidates are cut exactly (min-max per stage
+    up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are cut exactly (min-max per stage
     count), ranked by :func:`predict_step_ms` in steady state, and the best ``simulate_top``
     are replayed in the simulator. With ``optimizer="async"`` steps overlap and the plan
     minimises the steady-state time per step; with ``"sync"`` it minimises one step's
-    makespan (fill and drain included). Raises :class:`PartitionError` when
-    some unit cannot fit the GPU even alone.
+    makespan (fill and drain included). When units are blocks of layers (``UnitProfile.group``)
+    candidates are cut both between any units and between whole layers only. In async mode
+    the winner's boundaries are then refined in the simulator (at most ``refine`` runs, until
+    the steady-state bubble is below ``target_bubble``; ``refine=0`` turns it off). Raises
+    :class:`PartitionError` when some unit cannot fit the GPU even alone.
     """
     if optimizer not in ("async", "sync"):
         raise ValueError(f"optimizer must be 'async' or 'sync', got {optimizer!r}")
@@ -83,17 +88,23 @@ def partition(
     limit = hw.usable_memory_bytes
     _check_units_fit(units, costing, limit)
 
-    candidates: list[tuple[float, tuple[int, ...], tuple[int, ...], int]] = []
-    for tail_len in range(1, min(max_tail_layers + 1, n - 1) + 1):
-        t = n - tail_len  # units 0..t-1 are cut into forward and backward stages
+    candidates: list[tuple[int, float, tuple[int, ...], tuple[int, ...], int]] = []
+    # Cut anywhere between units; and, when units are blocks of layers, also only between
+    # whole layers (a finer grid is not always searched as well by the min-max cuts).
+    grids = [None] if all(not u.group for u in units) else [None, _layer_starts(units)]
+    for grid, t in itertools.product(grids, _tail_starts(units, max_tail_layers)):
+        # units 0..t-1 are cut into forward and backward stages, t..n-1 are the tail
+        if grid is not None and t not in grid:
+            continue
+        starts = None if grid is None else [i for i in grid if i < t]
         tail_mem = _stage_memory(units, tuple(range(t, n)), "tail", costing)
         if tail_mem > limit:
             continue
         fwd_cost = [u.forward_ms for u in units[:t]]
         bwd_cost = [u.forward_ms + u.backward_ms for u in units[:t]]
         tail_ms = sum(u.forward_ms + u.backward_ms for u in units[t:])
-        fwd_cuts = _all_cuts(units, fwd_cost, "forward", costing, limit, 4 * workers)
-        bwd_cuts = _all_cuts(units, bwd_cost, "backward", costing, limit, 4 * workers)
+        fwd_cuts = _all_cuts(units, fwd_cost, "forward", costing, limit, 4 * workers, starts)
+        bwd_cuts = _all_cuts(units, bwd_cost, "backward", costing, limit, 4 * workers, starts)
         if not fwd_cuts or not bwd_cuts:
             continue
         for p, (f_max, f_bounds) in fwd_cuts.items():
@@ -110,40 +121,116 @@ def partition(
                     microbatches * longest * share,
                     sum(fwd_cost) + sum(bwd_cost) + tail_ms + (microbatches - 1) * longest,
                 )
-                candidates.append((bound, f_bounds, b_bounds, t))
+                # Rounded so that sums of block costs rank exactly like their layer's cost.
+                candidates.append((grids.index(grid), round(bound, 6), f_bounds, b_bounds, t))
     if not candidates:
         raise PartitionError(
             "no partition fits: the tail (final norm, LM head, loss) needs "
             f"{_gib(_stage_memory(units, (n - 1,), 'tail', costing))} GiB and every stage must "
             f"fit in {_gib(limit)} GiB usable; lower the microbatch size or sequence length"
         )
-    candidates.sort(key=lambda c: c[0])
     steps = 4 if optimizer == "async" else 1
-    plans = sorted(
-        (
-            build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
-                       microbatch_size, seq_len, rounds, costing, steps=steps)
-            for _bound, f_bounds, b_bounds, t in candidates[:shortlist]
-        ),
-        key=lambda plan: plan.predicted_step_ms,
-    )
+    # Per grid: the best ``shortlist`` by the cheap bound, ranked by the dispatch model, the
+    # best ``simulate_top`` of them replayed in the simulator.
+    plans: list[Plan] = []
+    for g in range(len(grids)):
+        ranked = sorted(
+            (
+                build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
+                           microbatch_size, seq_len, rounds, costing, steps=steps)
+                for _bound, f_bounds, b_bounds, t in sorted(
+                    {c[1:] for c in candidates if c[0] == g})[:shortlist]
+            ),
+            key=lambda plan: round(plan.predicted_step_ms, 6),
+        )
+        plans += ranked[: max(1, simulate_top)]
     if simulate_top < 2 or len(plans) < 2:
-        return plans[0]
+        return min(plans, key=lambda plan: plan.predicted_step_ms)
     # The ranking model misses link contention and transfer priorities; the simulator
-    # replays the lowered schedule of the best few (async steady state) and picks the winner.
-    from rpcompile.sim import simulate_roundpipe, steady_step_ms
-
-    scored = []
-    for plan in plans[:simulate_top]:
-        if optimizer == "sync":  # steps do not overlap: one step's makespan
-            result = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer="sync")
-            scored.append((result.makespan_ms, plan))
-        else:
-            result = simulate_roundpipe(plan, hw, steps=4, rounds=rounds, optimizer="async")
-            scored.append((steady_step_ms(result), plan))
-    ms, best = min(scored, key=lambda pair: pair[0])
-    return replace(best, predicted_step_ms=ms,
+    # replays the lowered schedule of the best few and picks the winner.
+    scored = [(_simulated_ms(plan, hw, rounds, optimizer)[0], plan) for plan in plans]
+    ms, best = min(scored, key=lambda pair: round(pair[0], 6))
+    best = replace(best, predicted_step_ms=ms,
                    notes=(*best.notes, "chosen by simulating the best candidates"))
+    if optimizer == "async" and refine > 0:
+        best = _refine(best, units, hw, rounds, costing, limit, refine, target_bubble)
+    return best
+
+
+def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str) -> tuple[float, float]:
+    """(step time, bubble) in the simulator: the steady state of a 4-step async run, or one
+    isolated sync step."""
+    from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_utilization
+
+    if optimizer == "sync":  # steps do not overlap: one step's makespan
+        result = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer="sync")
+        return result.makespan_ms, result.bubble
+    result = simulate_roundpipe(plan, hw, steps=4, rounds=rounds, optimizer="async")
+    return steady_step_ms(result), 1.0 - steady_utilization(result)
+
+
+def _refine(plan: Plan, units, hw, rounds, costing, limit, budget, target_bubble) -> Plan:
+    """Move single stage boundaries by one unit while the simulated steady state improves.
+
+    Round-robin dispatch is sensitive to small differences between consecutive jobs (a job
+    faster than its predecessor waits for each of its microbatches), which min-max cuts do
+    not see. First improvement, boundaries in plan order, at most ``budget`` simulations;
+    stops early once the steady-state bubble is below ``target_bubble``.
+    """
+    fwd = [s.units[0] for s in plan.stages if s.kind == "forward"]
+    bwd = sorted(s.units[0] for s in plan.stages if s.kind == "backward")
+    tail = next(s.units[0] for s in plan.stages if s.kind == "tail")
+    best_ms, bubble = _simulated_ms(plan, hw, rounds, "async")
+    best, spent, tried = plan, 1, set()
+    improved = True
+    while improved and bubble > target_bubble and spent < budget:
+        improved = False
+        for side, i, d in itertools.product((0, 1), range(1, max(len(fwd), len(bwd))), (-1, 1, -2, 2)):
+            bounds = list((fwd, bwd)[side])
+            if i >= len(bounds):
+                continue
+            bounds[i] += d
+            if bounds[i] <= bounds[i - 1] or bounds[i] >= (bounds[i + 1] if i + 1 < len(bounds) else tail):
+                continue
+            f, b = (bounds, bwd) if side == 0 else (fwd, bounds)
+            if (key := (tuple(f), tuple(b))) in tried:
+                continue
+            tried.add(key)
+            candidate = build_plan(units, f, b, tail, hw, plan.workers, plan.microbatches,
+                                   plan.microbatch_size, plan.seq_len, rounds, costing,
+                                   notes=plan.notes)
+            if any(st.peak_bytes > limit for st in candidate.stages):
+                continue
+            ms, cand_bubble = _simulated_ms(candidate, hw, rounds, "async")
+            spent += 1
+            if ms < best_ms - 1e-6:
+                best, best_ms, bubble, fwd, bwd, improved = candidate, ms, cand_bubble, f, b, True
+                break
+            if spent >= budget:
+                break
+    if best is plan:
+        return plan
+    return replace(best, predicted_step_ms=best_ms,
+                   notes=(*plan.notes, f"boundaries refined in the simulator ({spent} runs)"))
+
+
+def _tail_starts(units, max_layers: int) -> list[int]:
+    """Where the fused tail may begin: the last unit alone, or with up to ``max_layers`` layers
+    (whole layers or blocks of them) before it; unit 0 always stays out."""
+    n = len(units)
+    out, layers = [n - 1], set()
+    for t in range(n - 2, 0, -1):
+        layers.add(units[t].group or t)
+        if len(layers) > max_layers:
+            break
+        out.append(t)
+    return out
+
+
+def _layer_starts(units) -> list[int]:
+    """Unit indices that begin a layer (a unit with no group begins its own)."""
+    return [i for i, u in enumerate(units)
+            if i == 0 or not u.group or u.group != units[i - 1].group]
 
 
 def build_plan(
@@ -216,20 +303,28 @@ def _gib(n: float) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _all_cuts(units, cost, kind, costing, limit, span):
+_EPS = 1e-9  # ms: sums of block costs differ from their layer's cost in the last bits
+
+
+def _all_cuts(units, cost, kind, costing, limit, span, starts=None):
     """For ``span`` stage counts k from the smallest that fits, the contiguous cut of ``cost``
     into k parts with the smallest maximum part, each part fitting in memory:
-    {k: (max_part, start_indices)}."""
-    n = len(cost)
-    prefix = [0.0]
+    {k: (max_part, start_indices)}. ``starts`` (ascending, beginning with 0) restricts where
+    stages may begin; by default anywhere."""
+    pos = list(starts) if starts is not None else list(range(len(cost)))
+    pos.append(len(cost))
+    fine_prefix = [0.0]
     for c in cost:
-        prefix.append(prefix[-1] + c)
+        fine_prefix.append(fine_prefix[-1] + c)
+    n = len(pos) - 1  # cut points are indices into pos
+    prefix = [fine_prefix[p] for p in pos]
     fits = {}
 
-    def ok(a: int, b: int) -> bool:  # units a..b-1 as one stage
+    def ok(a: int, b: int) -> bool:  # grid pieces a..b-1 as one stage
         key = (a, b)
         if key not in fits:
-            fits[key] = _stage_memory(units, tuple(range(a, b)), kind, costing) <= limit
+            stage = tuple(range(pos[a], pos[b]))
+            fits[key] = _stage_memory(units, stage, kind, costing) <= limit
         return fits[key]
 
     @cache
@@ -240,13 +335,13 @@ def _all_cuts(units, cost, kind, costing, limit, span):
         result = (float("inf"), ())
         for j in range(i + 1, n - k + 2):
             head = prefix[j] - prefix[i]
-            if head >= result[0]:
+            if head >= result[0] - _EPS:
                 break
             if not ok(i, j):
                 break
             rest, starts = best(j, k - 1)
             value = max(head, rest)
-            if value < result[0]:
+            if value < result[0] - _EPS:  # ties keep the first cut, whatever the rounding
                 result = (value, (i, *starts))
         return result
 
@@ -261,9 +356,9 @@ def _all_cuts(units, cost, kind, costing, limit, span):
         fewest, a = fewest + 1, b
     out = {}
     for k in range(fewest, min(n, fewest + span - 1) + 1):
-        value, starts = best(0, k)
+        value, cut = best(0, k)
         if value != float("inf"):
-            out[k] = (value, starts)
+            out[k] = (value, tuple(pos[i] for i in cut))
     best.cache_clear()
     return out
 
