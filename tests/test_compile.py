@@ -307,3 +307,14 @@ def test_stage_programs_retarget_to_another_device():
                 args.append(int(val.node.hint) if isinstance(val, torch.SymInt) else val)
         outs = gm(*args)
         assert all(o.device.type == "meta" for o in outs if isinstance(o, torch.Tensor))
+
+
+def test_units_may_be_attention_and_mlp_blocks():
+    # A graph-level cut can fall inside a decoder layer: name each layer's blocks as units.
+    model = hf_model("qwen3")
+    batch = token_batch(batch=6)
+    units = [f"model.layers.{i}.{block}" for i in range(3) for block in ("self_attn", "mlp")]
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch, units=units)
+    assert list(compiled.capture.units) == ["prefix", *units, "tail"]
+    compiled.plan.validate()
+    _check_against_eager(compiled, model, batch, 3, exact=True)
