@@ -88,11 +88,14 @@ def partition(
     limit = hw.usable_memory_bytes
     _check_units_fit(units, costing, limit)
 
-    candidates: list[tuple[int, float, tuple[int, ...], tuple[int, ...], int]] = []
     # Cut anywhere between units; and, when units are blocks of layers, also only between
     # whole layers (a finer grid is not always searched as well by the min-max cuts).
     grids = [None] if all(not u.group for u in units) else [None, _layer_starts(units)]
-    for grid, t in itertools.product(grids, _tail_starts(units, max_tail_layers)):
+    # Per grid: (bound, forward starts, backward starts, tail start).
+    candidates: list[list[tuple[float, tuple[int, ...], tuple[int, ...], int]]] = [
+        [] for _ in grids
+    ]
+    for (g, grid), t in itertools.product(enumerate(grids), _tail_starts(units, max_tail_layers)):
         # units 0..t-1 are cut into forward and backward stages, t..n-1 are the tail
         if grid is not None and t not in grid:
             continue
@@ -122,8 +125,8 @@ def partition(
                     sum(fwd_cost) + sum(bwd_cost) + tail_ms + (microbatches - 1) * longest,
                 )
                 # Rounded so that sums of block costs rank exactly like their layer's cost.
-                candidates.append((grids.index(grid), round(bound, 6), f_bounds, b_bounds, t))
-    if not candidates:
+                candidates[g].append((round(bound, 6), f_bounds, b_bounds, t))
+    if not any(candidates):
         raise PartitionError(
             "no partition fits: the tail (final norm, LM head, loss) needs "
             f"{_gib(_stage_memory(units, (n - 1,), 'tail', costing))} GiB and every stage must "
@@ -133,13 +136,12 @@ def partition(
     # Per grid: the best ``shortlist`` by the cheap bound, ranked by the dispatch model, the
     # best ``simulate_top`` of them replayed in the simulator.
     plans: list[Plan] = []
-    for g in range(len(grids)):
+    for grid_candidates in candidates:
         ranked = sorted(
             (
                 build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
                            microbatch_size, seq_len, rounds, costing, steps=steps)
-                for _bound, f_bounds, b_bounds, t in sorted(
-                    {c[1:] for c in candidates if c[0] == g})[:shortlist]
+                for _bound, f_bounds, b_bounds, t in sorted(grid_candidates)[:shortlist]
             ),
             key=lambda plan: round(plan.predicted_step_ms, 6),
         )
@@ -148,12 +150,12 @@ def partition(
         return min(plans, key=lambda plan: plan.predicted_step_ms)
     # The ranking model misses link contention and transfer priorities; the simulator
     # replays the lowered schedule of the best few and picks the winner.
-    scored = [(_simulated_ms(plan, hw, rounds, optimizer)[0], plan) for plan in plans]
-    ms, best = min(scored, key=lambda pair: round(pair[0], 6))
+    scored = [(_simulated_ms(plan, hw, rounds, optimizer), plan) for plan in plans]
+    (ms, bubble), best = min(scored, key=lambda pair: round(pair[0][0], 6))
     best = replace(best, predicted_step_ms=ms,
                    notes=(*best.notes, "chosen by simulating the best candidates"))
     if optimizer == "async" and refine > 0:
-        best = _refine(best, units, hw, rounds, costing, limit, refine, target_bubble)
+        best = _refine(best, bubble, units, hw, rounds, costing, limit, refine, target_bubble)
     return best
 
 
@@ -169,42 +171,47 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str) -> tupl
     return steady_step_ms(result), 1.0 - steady_utilization(result)
 
 
-def _refine(plan: Plan, units, hw, rounds, costing, limit, budget, target_bubble) -> Plan:
-    """Move single stage boundaries by one unit while the simulated steady state improves.
+def _refine(plan: Plan, bubble: float, units, hw, rounds, costing, limit, budget,
+            target_bubble) -> Plan:
+    """Move single stage boundaries by 1 or 2 units while the simulated steady state improves.
 
     Round-robin dispatch is sensitive to small differences between consecutive jobs (a job
     faster than its predecessor waits for each of its microbatches), which min-max cuts do
-    not see. First improvement, boundaries in plan order, at most ``budget`` simulations;
-    stops early once the steady-state bubble is below ``target_bubble``.
+    not see. ``plan.predicted_step_ms`` and ``bubble`` are its simulated figures. First
+    improvement, forward boundaries then backward ones, at most ``budget`` simulations in
+    all (the one that scored ``plan`` included); stops early once the steady-state bubble is
+    below ``target_bubble``.
     """
-    fwd = [s.units[0] for s in plan.stages if s.kind == "forward"]
-    bwd = sorted(s.units[0] for s in plan.stages if s.kind == "backward")
+    sides = [[s.units[0] for s in plan.stages if s.kind == "forward"],
+             sorted(s.units[0] for s in plan.stages if s.kind == "backward")]
     tail = next(s.units[0] for s in plan.stages if s.kind == "tail")
-    best_ms, bubble = _simulated_ms(plan, hw, rounds, "async")
-    best, spent, tried = plan, 1, set()
+    best, best_ms, spent, tried = plan, plan.predicted_step_ms, 1, set()
+
+    def moves():  # (side, its bounds with one moved) that keep the stages non-empty
+        for side, bounds in enumerate(sides):
+            ends = [*bounds[1:], tail]
+            for i, d in itertools.product(range(1, len(bounds)), (-1, 1, -2, 2)):
+                if bounds[i - 1] < bounds[i] + d < ends[i]:
+                    yield side, [*bounds[:i], bounds[i] + d, *bounds[i + 1:]]
+
     improved = True
     while improved and bubble > target_bubble and spent < budget:
         improved = False
-        for side, i, d in itertools.product((0, 1), range(1, max(len(fwd), len(bwd))), (-1, 1, -2, 2)):
-            bounds = list((fwd, bwd)[side])
-            if i >= len(bounds):
-                continue
-            bounds[i] += d
-            if bounds[i] <= bounds[i - 1] or bounds[i] >= (bounds[i + 1] if i + 1 < len(bounds) else tail):
-                continue
-            f, b = (bounds, bwd) if side == 0 else (fwd, bounds)
-            if (key := (tuple(f), tuple(b))) in tried:
+        for side, moved in moves():
+            trial = list(sides)
+            trial[side] = moved
+            if (key := tuple(map(tuple, trial))) in tried:
                 continue
             tried.add(key)
-            candidate = build_plan(units, f, b, tail, hw, plan.workers, plan.microbatches,
-                                   plan.microbatch_size, plan.seq_len, rounds, costing,
-                                   notes=plan.notes)
+            candidate = build_plan(units, trial[0], trial[1], tail, hw, plan.workers,
+                                   plan.microbatches, plan.microbatch_size, plan.seq_len,
+                                   rounds, costing, notes=plan.notes)
             if any(st.peak_bytes > limit for st in candidate.stages):
                 continue
-            ms, cand_bubble = _simulated_ms(candidate, hw, rounds, "async")
+            ms, trial_bubble = _simulated_ms(candidate, hw, rounds, "async")
             spent += 1
             if ms < best_ms - 1e-6:
-                best, best_ms, bubble, fwd, bwd, improved = candidate, ms, cand_bubble, f, b, True
+                best, best_ms, bubble, sides, improved = candidate, ms, trial_bubble, trial, True
                 break
             if spent >= budget:
                 break
