@@ -95,7 +95,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
     ap.add_argument("--json", type=Path, default=RESULTS / "paper_bubbles.json",
                     help="where to write {schedule: {model: bubble_percent}}")
-    ap.add_argument("--png", type=Path, default=RESULTS / "paper_bubbles.png",
+    ap.add_argument("--png", type=str, default=RESULTS / "paper_bubbles.png",
                     help="grouped bar chart ('' to skip)")
     args = ap.parse_args()
 
@@ -116,10 +116,10 @@ def main() -> None:
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if str(args.png):
+    if args.png:  # "" skips the chart (Path("") would be ".")
         from rpcompile.viz import bar_chart
 
-        bar_chart({m: {s: result[s][m] for s in SCHEDULES} for m in args.models}, args.png,
+        bar_chart({m: {s: result[s][m] for s in SCHEDULES} for m in args.models}, Path(args.png),
                   ylabel="bubble (% of GPU time)",
                   title=f"{WORKERS} GPUs, {MICROBATCHES} microbatches of "
                         f"{MICROBATCH_SIZE}x{SEQ}")

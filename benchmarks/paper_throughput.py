@@ -77,7 +77,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
     ap.add_argument("--json", type=Path, default=RESULTS / "paper_throughput.json",
                     help="where to write {model: {config: tokens_per_s or null}}")
-    ap.add_argument("--png", type=Path, default=RESULTS / "paper_throughput.png",
+    ap.add_argument("--png", type=str, default=RESULTS / "paper_throughput.png",
                     help="grouped bar chart ('' to skip)")
     args = ap.parse_args()
 
@@ -103,10 +103,10 @@ def main() -> None:
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    if str(args.png):
+    if args.png:  # "" skips the chart (Path("") would be ".")
         from rpcompile.viz import bar_chart
 
-        bar_chart(result, args.png, ylabel="tokens/s (predicted)", log=True,
+        bar_chart(result, Path(args.png), ylabel="tokens/s (predicted)", log=True,
                   title=f"paper workloads on {HARDWARE} (simulated)")
     gains = [result[m]["rpcompile"] / result[m]["roundpipe-partition"] for m in args.models]
     print(f"paper_throughput: rpcompile / roundpipe-partition = "
