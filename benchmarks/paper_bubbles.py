@@ -12,9 +12,11 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
                          round-robin dispatch, weights uploaded per job,
                          sync optimizer on the host: ONE isolated step (fill, drain and the
                          last optimizer update included)
-  roundpipe-async        the same plan, async optimizer, steady state: idle share of GPU time in
-                         a 4-step run between the end of step 1 and the start of step 4
-                         (rpcompile.sim.steady_utilization)
+  roundpipe-async        our partitioner's async plan over the same blocks, async optimizer,
+                         steady state: idle share of GPU time between the end of step 2 and
+                         the start of the last step, in a run two steps longer than one
+                         dispatch period (rpcompile.sim.steady_steps, steady_utilization;
+                         4 to 11 steps)
   rp-async-layers        (printed only) our partitioner limited to whole layers, async steady state
   rp-partition-*         (printed only) RoundPipe's own greedy partitioner (whole layers)
 
@@ -38,7 +40,12 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.paper import MODELS, PAPER_MODELS, PaperModel
 from rpcompile.passes.partition import partition
 from rpcompile.passes.partition_baseline import partition_roundpipe
-from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_utilization
+from rpcompile.sim import (
+    simulate_pipeline,
+    simulate_roundpipe,
+    steady_steps,
+    steady_utilization,
+)
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "roundpipe-sync", "roundpipe-async")
 EXTRA = ("rp-async-layers", "rp-partition-sync", "rp-partition-async")  # printed only
@@ -61,7 +68,7 @@ def paper_hardware(model: PaperModel) -> Hardware:
 def _roundpipe(plan, hw) -> tuple[float, float]:
     """(sync bubble of one isolated step, async steady-state bubble), percent."""
     sync = 100 * simulate_roundpipe(plan, hw, steps=1, optimizer="sync").bubble
-    r = simulate_roundpipe(plan, hw, steps=4, optimizer="async")
+    r = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
     return sync, 100 * (1 - steady_utilization(r))
 
 

@@ -9,8 +9,9 @@ times from the paper's table, scaled to the microbatch's tokens. Configurations:
   1f1b, gpipe          8 stages bound to the 8 GPUs, all of a step's microbatches in one flush
 
 RoundPipe runs are lowered in full (weight uploads, activation hops through the host, gradient
-downloads, host accumulation, async CPU optimizer) and replayed for 4 steps on the rtx4090x8
-profile; throughput = tokens per step / steady-state step time. The weight-bound baselines are
+downloads, host accumulation, async CPU optimizer) and replayed on the rtx4090x8 profile for
+one dispatch period plus three steps (rpcompile.sim.steady_steps); throughput = tokens per
+step / steady-state step time. The weight-bound baselines are
 optimistic: no optimizer time at all (weights, gradients and optimizer would live on the GPUs);
 a baseline whose weights, bf16 gradients and activations do not fit 24 GB is written as null.
 
@@ -32,11 +33,10 @@ from rpcompile.hardware import get_hardware
 from rpcompile.paper import MODELS, PAPER_MODELS, WORKLOADS
 from rpcompile.passes.partition import partition
 from rpcompile.passes.partition_baseline import partition_roundpipe
-from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms
+from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms, steady_steps
 
 HARDWARE = "rtx4090x8"
 CONFIGS = ("rpcompile", "roundpipe-partition", "1f1b", "gpipe")
-STEPS = 4
 RESULTS = Path(__file__).resolve().parent / "results"
 CALIBRATION_TOKENS_PER_S = 8900.0
 
@@ -48,7 +48,8 @@ def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8) -> tuple[float
     units = MODELS[name].units(w.microbatch_size, w.seq_len)
     plan = partitioner(units, hw, gpus, w.microbatches, max(1, round(w.microbatch_size)),
                        w.seq_len, w.rounds)
-    r = simulate_roundpipe(plan, hw, steps=STEPS, optimizer="async", rounds=w.rounds)
+    r = simulate_roundpipe(plan, hw, steps=steady_steps(plan, rounds=w.rounds),
+                           optimizer="async", rounds=w.rounds)
     peak = max(r.peak_device_bytes) / 2**30
     note = (f"{plan.num_forward}F+{len(plan.stages) - plan.num_forward}B stages, bubble "
             f"{100 * r.bubble:.1f}%, peak {peak:.1f} GiB"

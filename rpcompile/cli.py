@@ -171,9 +171,15 @@ def _plan(args: argparse.Namespace) -> int:
           f"drain {summary['bubble_drain_pct']:.2f}%)")
     if args.schedule == "roundpipe" and args.optimizer == "async":
         # A training run overlaps steps: report the steady state too.
-        from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_utilization
+        from rpcompile.sim import (
+            simulate_roundpipe,
+            steady_step_ms,
+            steady_steps,
+            steady_utilization,
+        )
 
-        run = simulate_roundpipe(plan, hw, steps=4, rounds=args.rounds, optimizer="async")
+        run = simulate_roundpipe(plan, hw, steps=steady_steps(plan, rounds=args.rounds),
+                                 rounds=args.rounds, optimizer="async")
         step_ms = steady_step_ms(run)
         summary["steady_step_ms"] = step_ms
         summary["steady_tokens_per_s"] = tokens * 1e3 / step_ms
@@ -321,7 +327,7 @@ def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int) -> int:
     def fits(s: int) -> bool:
         profiles = unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes)
         try:
-            partition(profiles, hw, gpus, micro, b, s, rounds, costing, shortlist=1)
+            partition(profiles, hw, gpus, micro, b, s, rounds, costing, shortlist=1, search=0)
         except PartitionError:
             return False
         return True

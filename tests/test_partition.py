@@ -1,4 +1,5 @@
-"""Our partitioner: exact cuts against brute force, block units, simulator refinement."""
+"""Our partitioner: exact cuts against brute force, block units, the dispatch-model search,
+simulator refinement, and the steady-state measure they are judged by."""
 
 from __future__ import annotations
 
@@ -7,16 +8,22 @@ import random
 
 import pytest
 
+from rpcompile.hardware import get_hardware
 from rpcompile.ir import UnitProfile
 from rpcompile.paper import MODELS
 from rpcompile.passes.partition import (
     StageCosting,
     _all_cuts,
+    _bounds,
     _layer_starts,
+    _search,
     _tail_starts,
+    build_plan,
     partition,
+    predict_step_ms,
 )
-from rpcompile.sim import simulate_roundpipe, steady_step_ms
+from rpcompile.passes.schedule import dispatch_period, roundpipe_jobs
+from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
 
 
 def _brute_force(cost, k, starts):
@@ -87,7 +94,96 @@ def test_block_plan_is_no_slower_than_the_layer_plan_and_refinement_only_helps()
     assert blocks.predicted_step_ms <= layers.predicted_step_ms * (1 + 1e-9)
     assert refined.predicted_step_ms <= blocks.predicted_step_ms * (1 + 1e-9)
     # The plan's figure is the simulator's steady state, re-simulated here independently.
-    result = simulate_roundpipe(refined, "rtx4090x8", steps=4, optimizer="async")
+    result = simulate_roundpipe(refined, "rtx4090x8", steps=steady_steps(refined),
+                                optimizer="async")
     assert steady_step_ms(result) == pytest.approx(refined.predicted_step_ms)
     if refined.stages != blocks.stages:
         assert any("refined in the simulator" in note for note in refined.notes)
+
+
+@pytest.mark.parametrize(("jobs", "workers"), [(31, 8), (30, 8), (28, 8), (32, 8), (6, 4), (7, 1)])
+def test_dispatch_period_matches_the_job_list(jobs, workers):
+    period = dispatch_period(jobs, workers)
+    assert period == {(31, 8): 8, (30, 8): 4, (28, 8): 2, (32, 8): 1, (6, 4): 2, (7, 1): 1}[
+        (jobs, workers)]
+    # Independent check on the dealt jobs: step k and step k + period put every stage on the
+    # same worker, and no shorter shift does.
+    dealt = {(s, k): w for w, s, _r, k in roundpipe_jobs(jobs, workers, 1, 2 * period + 1)}
+    same = [all(dealt[s, 0] == dealt[s, d] for s in range(jobs)) for d in range(1, period + 1)]
+    assert same == [False] * (period - 1) + [True]
+
+
+def _toy_units(n: int, seed: int) -> list[UnitProfile]:
+    rng = random.Random(seed)
+    units = [UnitProfile("prefix", 0.0, 0.0, 1000, output_bytes=10**6)]
+    units += [UnitProfile(f"layers.{i}", rng.uniform(2, 8), rng.uniform(6, 20), 10**6,
+                          output_bytes=10**6) for i in range(n)]
+    return [*units, UnitProfile("tail", 6.0, 12.0, 10**6)]
+
+
+def test_steady_prediction_is_the_long_run_step():
+    units = _toy_units(10, 0)
+    # 3 forward + tail + 3 backward = 7 jobs on 4 workers: dispatch repeats every 4 steps.
+    plan = build_plan(units, [0, 4, 8], [0, 4, 8], 11, "rtx4090x8", 4, 6, 1, 2048)
+    assert dispatch_period(len(plan.stages), 4) == 4
+    args = (plan.stages, get_hardware("rtx4090x8"), 4, 6)
+    steady = predict_step_ms(*args, steps=None)
+    assert plan.predicted_step_ms == pytest.approx(steady)
+    assert steady == pytest.approx(predict_step_ms(*args, steps=40))
+    work = 6 * sum(st.compute_ms for st in plan.stages) / 4
+    assert steady >= work * (1 - 1e-9)
+
+
+def test_search_finds_the_dispatch_optimum_of_a_small_model():
+    units = _toy_units(8, 1)
+    tail = len(units) - 1
+
+    def make(fwd, bwd, t, notes=()):
+        return build_plan(units, fwd, bwd, t, "rtx4090x8", 4, 6, 1, 2048, notes=notes)
+
+    # Brute force over every plan with 2 forward and 3 backward stages.
+    every = [make((0, a), (0, b, c), tail)
+             for a in range(1, tail) for b, c in itertools.combinations(range(1, tail), 2)]
+    best = min(round(p.predicted_step_ms, 6) for p in every)
+    seed = make((0, 1), (0, 1, 2), tail)
+    assert seed.predicted_step_ms > best
+    found = _search([seed], make, limit=2**40, budget=len(every), rng=random.Random(0),
+                    grid=range(len(units)))
+    assert found[0].predicted_step_ms == pytest.approx(best)
+    assert [len(_bounds(p)[0]) for p in found] == [2] * len(found)  # stage counts kept
+
+
+def test_search_keeps_its_budget_and_the_memory_limit():
+    units = _toy_units(8, 2)
+    tail = len(units) - 1
+    built = []
+
+    def make(fwd, bwd, t, notes=()):
+        built.append((fwd, bwd))
+        return build_plan(units, fwd, bwd, t, "rtx4090x8", 4, 6, 1, 2048, notes=notes)
+
+    seed = make((0, 4), (0, 3, 6), tail)
+    limit = max(st.peak_bytes for st in seed.stages)  # no stage may grow past the seed's
+    found = _search([seed], make, limit=limit, budget=30, rng=random.Random(0),
+                    grid=range(len(units)))
+    assert len(built) <= 1 + 30
+    assert found and all(st.peak_bytes <= limit for p in found for st in p.stages)
+    again = _search([seed], make, limit=limit, budget=30, rng=random.Random(0),
+                    grid=range(len(units)))
+    assert [_bounds(p) for p in again] == [_bounds(p) for p in found]  # repeatable
+    even = [u for u in range(len(units)) if u % 2 == 0 or u == tail]
+    on_grid = make((0, 4), (0, 2, 6), tail)
+    on_even = _search([on_grid], make, limit=2**40, budget=30, rng=random.Random(0), grid=even)
+    assert all(set(f) | set(b) <= set(even) for f, b, _t in map(_bounds, on_even))
+
+
+def test_steady_window_skips_the_warm_up_steps():
+    units = _toy_units(10, 3)
+    plan = build_plan(units, [0, 4, 8], [0, 4, 8], 11, "rtx4090x8", 4, 6, 1, 2048)
+    steps = steady_steps(plan)
+    assert steps == dispatch_period(len(plan.stages), 4) + 3
+    r = simulate_roundpipe(plan, "rtx4090x8", steps=steps, optimizer="async")
+    assert steady_utilization(r) == steady_utilization(r, warmup_steps=2)
+    assert 0 < steady_utilization(r) <= 1
+    with pytest.raises(ValueError, match="warmup_steps"):
+        steady_utilization(r, warmup_steps=steps - 1)

@@ -17,12 +17,14 @@ ranked by a model of the dispatch itself, which also sees weight uploads and act
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
+from rpcompile.passes.schedule import dispatch_period
 
 __all__ = ["PartitionError", "StageCosting", "build_plan", "partition", "predict_step_ms"]
 
@@ -61,6 +63,7 @@ def partition(
     optimizer: str = "async",
     refine: int = 16,
     target_bubble: float = 0.01,
+    search: int = 2000,
 ) -> Plan:
     """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
 
@@ -132,25 +135,40 @@ def partition(
             f"{_gib(_stage_memory(units, (n - 1,), 'tail', costing))} GiB and every stage must "
             f"fit in {_gib(limit)} GiB usable; lower the microbatch size or sequence length"
         )
-    steps = 4 if optimizer == "async" else 1
+    steps = None if optimizer == "async" else 1  # None: the async steady state
+
+    def make(f_bounds, b_bounds, t, notes=()) -> Plan:
+        return build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
+                          microbatch_size, seq_len, rounds, costing, notes=notes, steps=steps)
+
     # Per grid: the best ``shortlist`` by the cheap bound, ranked by the dispatch model, the
     # best ``simulate_top`` of them replayed in the simulator.
+    def predicted(plan: Plan) -> float:
+        return round(plan.predicted_step_ms, 6)
+
     plans: list[Plan] = []
     for grid_candidates in candidates:
         ranked = sorted(
-            (
-                build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
-                           microbatch_size, seq_len, rounds, costing, steps=steps)
-                for _bound, f_bounds, b_bounds, t in sorted(grid_candidates)[:shortlist]
-            ),
-            key=lambda plan: round(plan.predicted_step_ms, 6),
+            (make(f_bounds, b_bounds, t)
+             for _bound, f_bounds, b_bounds, t in sorted(grid_candidates)[:shortlist]),
+            key=predicted,
         )
         plans += ranked[: max(1, simulate_top)]
+    if search > 0:
+        # Min-max cuts balance stage times; round-robin dispatch also cares how consecutive
+        # jobs compare. A local search in the dispatch model starts, on each grid, from the
+        # best plans that lie on it (a coarser grid's search is thus also run here).
+        for grid in grids:
+            allowed = set(grid or range(n))
+            seeds = sorted((p for p in plans if _on(p, allowed)), key=predicted)[:4]
+            if seeds:
+                plans += _search(seeds, make, limit, search, random.Random(0),
+                                 grid=sorted(allowed))
     if simulate_top < 2 or len(plans) < 2:
         return min(plans, key=lambda plan: plan.predicted_step_ms)
     # The ranking model misses link contention and transfer priorities; the simulator
     # replays the lowered schedule of the best few and picks the winner.
-    scored = [(_simulated_ms(plan, hw, rounds, optimizer), plan) for plan in plans]
+    scored = [(_simulated_ms(plan, hw, rounds, optimizer), plan) for plan in _distinct(plans)]
     (ms, bubble), best = min(scored, key=lambda pair: round(pair[0][0], 6))
     best = replace(best, predicted_step_ms=ms,
                    notes=(*best.notes, "chosen by simulating the best candidates"))
@@ -159,15 +177,119 @@ def partition(
     return best
 
 
+def _bounds(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...], int]:
+    """(forward starts, backward starts in model order, tail start) of a plan."""
+    fwd = tuple(s.units[0] for s in plan.stages if s.kind == "forward")
+    bwd = tuple(sorted(s.units[0] for s in plan.stages if s.kind == "backward"))
+    tail = next(s.units[0] for s in plan.stages if s.kind == "tail")
+    return fwd, bwd, tail
+
+
+def _on(plan: Plan, grid: set[int]) -> bool:
+    """Whether every stage of ``plan`` starts on ``grid``."""
+    fwd, bwd, tail = _bounds(plan)
+    return {*fwd, *bwd, tail} <= grid
+
+
+def _distinct(plans: Sequence[Plan]) -> list[Plan]:
+    seen, out = set(), []
+    for plan in plans:
+        if (key := _bounds(plan)) not in seen:
+            seen.add(key)
+            out.append(plan)
+    return out
+
+
+def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Random,
+            grid: Sequence[int], keep: int = 4) -> list[Plan]:
+    """Iterated local search over stage boundaries, scored by the dispatch model.
+
+    Boundaries stay on ``grid`` (the unit indices a stage may start at). A move puts one
+    boundary at any grid position between its neighbours, or shifts a whole stage by one
+    grid position; a climb takes the first move (in shuffled order) that shortens the
+    predicted step, until none does. After climbing each seed, the search repeatedly kicks
+    one of the best plans found (two to four boundaries moved by up to three grid positions)
+    and climbs again. Tail start and stage counts stay as in the seeds. At most ``budget``
+    plans are built and scored (each once; plans over ``limit`` bytes are skipped); ``rng``
+    makes the search repeatable. Returns the ``keep`` best plans found.
+    """
+    scored: dict[tuple, float] = {}
+    built: dict[tuple, Plan] = {}
+    pos = sorted(grid)
+    rank = {u: k for k, u in enumerate(pos)}
+
+    def score(fwd, bwd, tail) -> float:  # bounds as grid positions
+        key = (fwd, bwd, tail)
+        if key not in scored:
+            if len(scored) >= budget:
+                return float("inf")
+            plan = make([pos[k] for k in fwd], [pos[k] for k in bwd], pos[tail])
+            fits = all(st.peak_bytes <= limit for st in plan.stages)
+            scored[key] = round(plan.predicted_step_ms, 6) if fits else float("inf")
+            built[key] = plan
+        return scored[key]
+
+    def valid(bounds, tail) -> bool:
+        return bounds[0] == 0 and all(a < b for a, b in itertools.pairwise((*bounds, tail)))
+
+    def neighbours(fwd, bwd, tail):
+        out = []
+        for side, bounds in ((0, fwd), (1, bwd)):
+            for i in range(1, len(bounds)):
+                hi = bounds[i + 1] if i + 1 < len(bounds) else tail
+                out += [(side, (*bounds[:i], x, *bounds[i + 1:]))
+                        for x in range(bounds[i - 1] + 1, hi) if x != bounds[i]]
+                for d in (-1, 1):  # the stage starting at bounds[i], both ends moved
+                    moved = (*bounds[:i], *(b + d for b in bounds[i:i + 2]), *bounds[i + 2:])
+                    if i + 1 < len(bounds) and valid(moved, tail):
+                        out.append((side, moved))
+        rng.shuffle(out)
+        return [((b, bwd) if side == 0 else (fwd, b)) for side, b in out]
+
+    def climb(fwd, bwd, tail):
+        best = score(fwd, bwd, tail)
+        improved = True
+        while improved and len(scored) < budget:
+            improved = False
+            for f2, b2 in neighbours(fwd, bwd, tail):
+                if (v := score(f2, b2, tail)) < best:
+                    fwd, bwd, best, improved = f2, b2, v, True
+                    break
+        return best, fwd, bwd, tail
+
+    def on_grid(plan):
+        fwd, bwd, tail = _bounds(plan)
+        return tuple(rank[u] for u in fwd), tuple(rank[u] for u in bwd), rank[tail]
+
+    pool = sorted(climb(*on_grid(plan)) for plan in seeds)
+    kicks = 0
+    while len(scored) < budget and kicks < 4 * budget:  # kicks may all be repeats
+        kicks += 1
+        _v, fwd, bwd, tail = pool[rng.randrange(min(3, len(pool)))]
+        sides = [list(fwd), list(bwd)]
+        for _ in range(rng.choice((2, 3, 4))):
+            bounds = sides[rng.randrange(2)]
+            if len(bounds) > 1:
+                bounds[rng.randrange(1, len(bounds))] += rng.choice((-3, -2, -1, 1, 2, 3))
+        if not all(valid(b, tail) for b in sides):
+            continue
+        result = climb(tuple(sides[0]), tuple(sides[1]), tail)
+        if result not in pool:
+            pool = sorted([*pool, result])[:2 * keep]
+    found = [built[(f, b, t)] for v, f, b, t in pool if v < float("inf")]
+    return _distinct(found)[:keep]
+
+
 def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str) -> tuple[float, float]:
-    """(step time, bubble) in the simulator: the steady state of a 4-step async run, or one
-    isolated sync step."""
-    from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_utilization
+    """(step time, bubble) in the simulator: the steady state of an async run
+    (:func:`~rpcompile.sim.steady_steps` steps), or one isolated sync step."""
+    from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
 
     if optimizer == "sync":  # steps do not overlap: one step's makespan
         result = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer="sync")
         return result.makespan_ms, result.bubble
-    result = simulate_roundpipe(plan, hw, steps=4, rounds=rounds, optimizer="async")
+    steps = steady_steps(plan, rounds=rounds)
+    result = simulate_roundpipe(plan, hw, steps=steps, rounds=rounds, optimizer="async")
     return steady_step_ms(result), 1.0 - steady_utilization(result)
 
 
@@ -253,11 +375,12 @@ def build_plan(
     rounds: int = 1,
     costing: StageCosting | None = None,
     notes: tuple[str, ...] = (),
-    steps: int = 4,
+    steps: int | None = None,
 ) -> Plan:
     """A Plan from explicit cuts: ``*_bounds`` are the start units of each stage in model order
     (both start with 0); units ``tail_start..`` form the fused tail. ``predicted_step_ms`` is
-    :func:`predict_step_ms` over ``steps`` steps (1: an isolated step; more: steady state)."""
+    :func:`predict_step_ms` over ``steps`` steps (1: an isolated step; more, or ``None``: the
+    async steady state)."""
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
     units = tuple(units)
@@ -450,7 +573,7 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
 
 def predict_step_ms(
     stages: Sequence[Stage], hardware: Hardware, workers: int, microbatches: int,
-    rounds: int = 1, steps: int = 1,
+    rounds: int = 1, steps: int | None = 1,
 ) -> float:
     """Time of one step (``rounds`` rounds) under round-robin dispatch.
 
@@ -460,9 +583,14 @@ def predict_step_ms(
     free, the weights are in, and microbatch m of the previous stage is done (plus a host hop
     when that ran on another worker). Steps overlap as with the async optimizer. With
     ``steps`` = 1 this is the makespan of an isolated step; with more, the steady-state time
-    per step (spacing of the last step ends). This is the partitioner's ranking model; the
-    simulator (rpcompile.sim) replays full lowered schedules.
+    per step: the spacing of step ends over the last whole dispatch period
+    (:func:`~rpcompile.passes.schedule.dispatch_period`) when the run is that long, else over
+    its second half. ``steps=None`` runs two warm-up steps and one period. This is the
+    partitioner's ranking model; the simulator (rpcompile.sim) replays full lowered schedules.
     """
+    period = dispatch_period(len(stages) * rounds, workers)
+    if steps is None:
+        steps = period + 3
     free = [0.0] * workers  # when the worker's compute is free
     last_start = [0.0] * workers  # start of the worker's previous job (prefetch may begin)
     link_free = [0.0] * workers
@@ -500,5 +628,7 @@ def predict_step_ms(
         ends.append(end_time)
     if steps == 1:
         return ends[0]
+    if steps >= period + 1:  # whole dispatch periods: exact once the run is periodic
+        return (ends[-1] - ends[-1 - period]) / period
     half = steps // 2
     return (ends[-1] - ends[half - 1]) / (steps - half)

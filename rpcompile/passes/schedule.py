@@ -12,11 +12,12 @@ producer -> consumer). :mod:`rpcompile.passes.lower` adds transfers, optimizer w
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from rpcompile.ir import Action, Edge, Flow, Plan, Schedule, Stage
 
-__all__ = ["SCHEDULE_KINDS", "build_schedule", "roundpipe_jobs"]
+__all__ = ["SCHEDULE_KINDS", "build_schedule", "dispatch_period", "roundpipe_jobs"]
 
 SCHEDULE_KINDS = ("roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs")
 OPTIMIZER_MODES = ("async", "sync")
@@ -85,6 +86,19 @@ def roundpipe_jobs(num_stages: int, workers: int, rounds: int, steps: int,
                 jobs.append((counter % workers, s, r, k))
                 counter += 1
     return jobs
+
+
+def dispatch_period(jobs_per_step: int, workers: int) -> int:
+    """Steps after which round-robin dispatch gives every job of a step the same worker again.
+
+    The counter advances ``jobs_per_step`` (stages x rounds) per step, so worker
+    assignments repeat every ``workers / gcd(jobs_per_step, workers)`` steps (8 GPUs: 1 step
+    when a step has a multiple of 8 jobs, 8 steps when it has an odd number). A steady state
+    is periodic over this many steps, not necessarily over one.
+    """
+    if jobs_per_step < 1 or workers < 1:
+        raise ValueError("jobs_per_step and workers must be >= 1")
+    return workers // math.gcd(jobs_per_step, workers)
 
 
 def _compute_kind(stage: Stage) -> str:

@@ -11,6 +11,7 @@ from rpcompile.sim.runs import (
     simulate_pipeline,
     simulate_roundpipe,
     steady_step_ms,
+    steady_steps,
     steady_utilization,
 )
 
@@ -25,5 +26,6 @@ __all__ = [
     "simulate_pipeline",
     "simulate_roundpipe",
     "steady_step_ms",
+    "steady_steps",
     "steady_utilization",
 ]

@@ -5,7 +5,8 @@ These are what the benchmarks and the CLI use to predict a configuration:
   * :func:`simulate_roundpipe` - a RoundPipe plan, ``steps`` optimizer steps;
   * :func:`simulate_pipeline`  - a weight-bound baseline (GPipe, 1F1B, interleaved, looped
     BFS) over per-unit profiles, stages cut by :func:`~rpcompile.sim.baselines.pipeline_stages`;
-  * :func:`steady_utilization`, :func:`steady_step_ms` - a multi-step run in steady state.
+  * :func:`steady_steps`, :func:`steady_utilization`, :func:`steady_step_ms` - a multi-step
+    run in steady state: how long to run it, and its figures.
 """
 
 from __future__ import annotations
@@ -15,12 +16,15 @@ from collections.abc import Sequence
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.passes.lower import lower
-from rpcompile.passes.schedule import build_schedule
+from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.sim.baselines import pipeline_stages
 from rpcompile.sim.engine import simulate
 from rpcompile.sim.result import SimResult
 
-__all__ = ["simulate_pipeline", "simulate_roundpipe", "steady_step_ms", "steady_utilization"]
+__all__ = [
+    "simulate_pipeline", "simulate_roundpipe", "steady_step_ms", "steady_steps",
+    "steady_utilization",
+]
 
 
 def simulate_roundpipe(plan: Plan, hardware: Hardware | str, *, steps: int = 1,
@@ -51,30 +55,46 @@ def simulate_pipeline(units: Sequence[UnitProfile], hardware: Hardware | str, ki
                     tokens_per_microbatch=tokens_per_microbatch)
 
 
-def steady_utilization(result: SimResult) -> float:
+def steady_steps(plan: Plan, workers: int | None = None, rounds: int = 1) -> int:
+    """How many async steps to simulate for a steady-state figure of ``plan``: two steps that
+    fill the pipeline, then one whole dispatch period (the steps after which every job is
+    back on the same worker, :func:`~rpcompile.passes.schedule.dispatch_period`), then the
+    step whose start closes the window. 4 to 11 steps on 8 GPUs."""
+    period = dispatch_period(len(plan.stages) * rounds, workers or plan.workers)
+    return period + 3
+
+
+def steady_utilization(result: SimResult, warmup_steps: int | None = None) -> float:
     """Fraction of GPU time spent computing once the run is in steady state: compute time
-    inside the window from the end of the first step to the start of the last step's first
-    compute (no fill, no drain), over the window times the workers. Needs 3 steps or more;
-    with fewer, the whole run."""
+    inside the window from the end of step ``warmup_steps`` to the start of the last step's
+    first compute (no fill, no drain), over the window times the workers. ``warmup_steps``
+    defaults to 1 for runs of up to 4 steps and 2 for longer ones (the first steps of a run
+    still settle: workers start together, and jobs only spread out over a few steps). Needs
+    3 steps or more; with fewer, the whole run."""
     sched, tl = result.schedule, result.timeline
     computes = [a for lst in sched.actions for a in lst if a.is_compute]
+    if warmup_steps is None:
+        warmup_steps = 1 if sched.steps <= 4 else 2
     if sched.steps >= 3:
-        lo = result.step_end_ms[0]
+        if not 1 <= warmup_steps <= sched.steps - 2:
+            raise ValueError(f"warmup_steps must be in 1..{sched.steps - 2} for a "
+                             f"{sched.steps}-step run, got {warmup_steps}")
+        lo = result.step_end_ms[warmup_steps - 1]
         hi = min(tl[a][0] for a in computes if a.step == sched.steps - 1)
     else:
         lo, hi = 0.0, result.makespan_ms
     if hi <= lo:
-        raise ValueError("no steady-state window: the last step started before the first ended; "
-                         "simulate more steps")
+        raise ValueError("no steady-state window: the last step started before the warm-up "
+                         "ended; simulate more steps")
     busy = sum(max(0.0, min(tl[a][1], hi) - max(tl[a][0], lo)) for a in computes)
     return busy / ((hi - lo) * sched.workers)
 
 
-def steady_step_ms(result: SimResult) -> float:
+def steady_step_ms(result: SimResult, warmup_steps: int | None = None) -> float:
     """Time per optimizer step in steady state: one step's compute spread over the workers at
     the :func:`steady_utilization` rate. (Spacings of step ends are noisy when a step's jobs do
     not divide evenly among the workers.) With fewer than 3 steps, the makespan per step."""
     if result.schedule.steps < 3:
         return result.makespan_ms / result.schedule.steps
     work = sum(result.busy_ms) / result.schedule.steps
-    return work / (result.workers * steady_utilization(result))
+    return work / (result.workers * steady_utilization(result, warmup_steps))
