@@ -3,7 +3,11 @@
 ``rpcompile plan`` builds a shipped model from its config on the ``meta`` device (no weights are
 allocated), compiles it for a hardware profile, schedules and lowers one optimizer step,
 simulates it, prints the stage table, predicted tokens/s, the bubble split, peak memory and the
-longest sequence that fits, and writes the schedule as CSV, Chrome-trace JSON and PNG.
+longest sequence that fits, and writes the schedule as CSV, Chrome-trace JSON and PNG. For
+RoundPipe with the async optimizer it also simulates overlapping steps (two warm-up steps
+and a steady-state window of at least 8 steps, rpcompile.sim.steady_steps) and prints the
+steady-state time per step, tokens/s and bubble (summary.json: steady_step_ms,
+steady_tokens_per_s, steady_bubble_pct).
 """
 
 from __future__ import annotations

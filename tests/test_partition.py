@@ -9,12 +9,13 @@ import random
 import pytest
 
 from rpcompile.hardware import get_hardware
-from rpcompile.ir import UnitProfile
+from rpcompile.ir import Plan, UnitProfile
 from rpcompile.paper import MODELS
 from rpcompile.passes.partition import (
     StageCosting,
     _all_cuts,
     _bounds,
+    _dispatch_ends,
     _layer_starts,
     _search,
     _tail_starts,
@@ -22,7 +23,7 @@ from rpcompile.passes.partition import (
     partition,
     predict_step_ms,
 )
-from rpcompile.passes.schedule import dispatch_period, roundpipe_jobs
+from rpcompile.passes.schedule import dispatch_period, roundpipe_jobs, steady_window
 from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
 
 
@@ -101,16 +102,18 @@ def test_block_plan_is_no_slower_than_the_layer_plan_and_refinement_only_helps()
         assert any("refined in the simulator" in note for note in refined.notes)
 
 
-@pytest.mark.parametrize(("jobs", "workers"), [(31, 8), (30, 8), (28, 8), (32, 8), (6, 4), (7, 1)])
+@pytest.mark.parametrize(("jobs", "workers"), [(31, 8), (30, 8), (28, 8), (32, 8), (6, 4), (7, 3)])
 def test_dispatch_period_matches_the_job_list(jobs, workers):
     period = dispatch_period(jobs, workers)
-    assert period == {(31, 8): 8, (30, 8): 4, (28, 8): 2, (32, 8): 1, (6, 4): 2, (7, 1): 1}[
+    assert period == {(31, 8): 8, (30, 8): 4, (28, 8): 2, (32, 8): 1, (6, 4): 2, (7, 3): 3}[
         (jobs, workers)]
     # Independent check on the dealt jobs: step k and step k + period put every stage on the
     # same worker, and no shorter shift does.
     dealt = {(s, k): w for w, s, _r, k in roundpipe_jobs(jobs, workers, 1, 2 * period + 1)}
     same = [all(dealt[s, 0] == dealt[s, d] for s in range(jobs)) for d in range(1, period + 1)]
     assert same == [False] * (period - 1) + [True]
+    # A steady-state window is whole periods and at least 8 steps.
+    assert steady_window(jobs, workers) == {3: 9}.get(period, 8)
 
 
 def _toy_units(n: int, seed: int) -> list[UnitProfile]:
@@ -121,17 +124,34 @@ def _toy_units(n: int, seed: int) -> list[UnitProfile]:
     return [*units, UnitProfile("tail", 6.0, 12.0, 10**6)]
 
 
+def _long_run_step(plan: Plan, hw, steps: int = 100) -> float:
+    """Mean spacing of step ends over the last 80 steps of a long run of the dispatch model."""
+    run = _dispatch_ends(plan.stages, hw, plan.workers, plan.microbatches, 1)
+    ends = [next(run) for _ in range(steps)]
+    return (ends[-1] - ends[-81]) / 80
+
+
 def test_steady_prediction_is_the_long_run_step():
+    hw = get_hardware("rtx4090x8")
+    # 7 jobs on 4 workers (period 4), and 8 jobs on 4 workers (period 1).
     units = _toy_units(10, 0)
-    # 3 forward + tail + 3 backward = 7 jobs on 4 workers: dispatch repeats every 4 steps.
-    plan = build_plan(units, [0, 4, 8], [0, 4, 8], 11, "rtx4090x8", 4, 6, 1, 2048)
-    assert dispatch_period(len(plan.stages), 4) == 4
-    args = (plan.stages, get_hardware("rtx4090x8"), 4, 6)
-    steady = predict_step_ms(*args, steps=None)
-    assert plan.predicted_step_ms == pytest.approx(steady)
-    assert steady == pytest.approx(predict_step_ms(*args, steps=40))
-    work = 6 * sum(st.compute_ms for st in plan.stages) / 4
-    assert steady >= work * (1 - 1e-9)
+    for fwd, bwd in (([0, 4, 8], [0, 4, 8]), ([0, 4, 8], [0, 3, 6, 8])):
+        plan = build_plan(units, fwd, bwd, 11, hw, 4, 6, 1, 2048)
+        assert plan.predicted_step_ms == pytest.approx(_long_run_step(plan, hw), rel=1e-3)
+        work = 6 * sum(st.compute_ms for st in plan.stages) / 4
+        assert plan.predicted_step_ms >= work * (1 - 1e-9)
+    # GPT-OSS blocks, 16 jobs on 8 GPUs (period 1): step ends cycle over several steps, so
+    # the spacing of one step is 8.8 % off the long run; the 8-step window is not.
+    blocks = MODELS["gpt-oss-20b"].units(4, 2048, split_layers=True)
+    plan = build_plan(blocks, [0, 1, 32], [0, 3, 13, 17, 25, 26, 28, 30, 38, 41, 43, 45],
+                      len(blocks) - 1, hw, 8, 16, 4, 2048)
+    assert len(plan.stages) == 16
+    long_run = _long_run_step(plan, hw)
+    run = _dispatch_ends(plan.stages, hw, 8, 16, 1)
+    ends = [next(run) for _ in range(4)]
+    assert abs((ends[3] - ends[2]) / long_run - 1) > 0.05
+    assert plan.predicted_step_ms == pytest.approx(long_run, rel=1e-3)
+    assert predict_step_ms(plan.stages, hw, 8, 16, steps=None) == plan.predicted_step_ms
 
 
 def test_search_finds_the_dispatch_optimum_of_a_small_model():
@@ -141,13 +161,13 @@ def test_search_finds_the_dispatch_optimum_of_a_small_model():
     def make(fwd, bwd, t, notes=()):
         return build_plan(units, fwd, bwd, t, "rtx4090x8", 4, 6, 1, 2048, notes=notes)
 
-    # Brute force over every plan with 2 forward and 3 backward stages.
+    # Brute force over every plan with 2 forward and 3 backward stages (224 of them).
     every = [make((0, a), (0, b, c), tail)
              for a in range(1, tail) for b, c in itertools.combinations(range(1, tail), 2)]
     best = min(round(p.predicted_step_ms, 6) for p in every)
     seed = make((0, 1), (0, 1, 2), tail)
     assert seed.predicted_step_ms > best
-    found = _search([seed], make, limit=2**40, budget=len(every), rng=random.Random(0),
+    found = _search([seed], make, limit=2**40, budget=len(every) // 4, rng=random.Random(0),
                     grid=range(len(units)))
     assert found[0].predicted_step_ms == pytest.approx(best)
     assert [len(_bounds(p)[0]) for p in found] == [2] * len(found)  # stage counts kept
@@ -181,9 +201,19 @@ def test_steady_window_skips_the_warm_up_steps():
     units = _toy_units(10, 3)
     plan = build_plan(units, [0, 4, 8], [0, 4, 8], 11, "rtx4090x8", 4, 6, 1, 2048)
     steps = steady_steps(plan)
-    assert steps == dispatch_period(len(plan.stages), 4) + 3
+    assert steps == 8 + 3
     r = simulate_roundpipe(plan, "rtx4090x8", steps=steps, optimizer="async")
-    assert steady_utilization(r) == steady_utilization(r, warmup_steps=2)
-    assert 0 < steady_utilization(r) <= 1
+    # By hand from the timeline: busy time between the first compute of step 2 and the
+    # first compute of the last step.
+    computes = [a for lst in r.schedule.actions for a in lst if a.is_compute]
+    lo = min(r.timeline[a][0] for a in computes if a.step == 2)
+    hi = min(r.timeline[a][0] for a in computes if a.step == steps - 1)
+    busy = sum(max(0.0, min(r.timeline[a][1], hi) - max(r.timeline[a][0], lo))
+               for a in computes)
+    assert steady_utilization(r) == pytest.approx(busy / ((hi - lo) * 4))
+    assert steady_utilization(r) > sum(r.busy_ms) / (r.makespan_ms * 4)  # fill, drain left out
     with pytest.raises(ValueError, match="warmup_steps"):
         steady_utilization(r, warmup_steps=steps - 1)
+    one = simulate_roundpipe(plan, "rtx4090x8", steps=2, optimizer="async")
+    with pytest.raises(ValueError, match="no steady-state window"):
+        steady_utilization(one, warmup_steps=1)

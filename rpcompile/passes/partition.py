@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import itertools
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
-from rpcompile.passes.schedule import dispatch_period
+from rpcompile.passes.schedule import steady_window
 
 __all__ = ["PartitionError", "StageCosting", "build_plan", "partition", "predict_step_ms"]
 
@@ -147,6 +147,7 @@ def partition(
         return round(plan.predicted_step_ms, 6)
 
     plans: list[Plan] = []
+    seeds: list[list[Plan]] = []
     for grid_candidates in candidates:
         ranked = sorted(
             (make(f_bounds, b_bounds, t)
@@ -154,16 +155,17 @@ def partition(
             key=predicted,
         )
         plans += ranked[: max(1, simulate_top)]
+        seeds.append(ranked[:4])
     if search > 0:
         # Min-max cuts balance stage times; round-robin dispatch also cares how consecutive
-        # jobs compare. A local search in the dispatch model starts, on each grid, from the
-        # best plans that lie on it (a coarser grid's search is thus also run here).
-        for grid in grids:
-            allowed = set(grid or range(n))
-            seeds = sorted((p for p in plans if _on(p, allowed)), key=predicted)[:4]
-            if seeds:
-                plans += _search(seeds, make, limit, search, random.Random(0),
-                                 grid=sorted(allowed))
+        # jobs compare. A local search in the dispatch model starts from the best plans: on
+        # the finest grid from the best of every grid, on a coarser grid from its own (so
+        # this also finds what a partition of whole layers alone would).
+        for g, grid in enumerate(grids):
+            start = sorted(itertools.chain(*seeds), key=predicted)[:4] if grid is None else seeds[g]
+            if start:
+                plans += _search(start, make, limit, search, random.Random(0),
+                                 grid=grid or range(n))
     if simulate_top < 2 or len(plans) < 2:
         return min(plans, key=lambda plan: plan.predicted_step_ms)
     # The ranking model misses link contention and transfer priorities; the simulator
@@ -183,12 +185,6 @@ def _bounds(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...], int]:
     bwd = tuple(sorted(s.units[0] for s in plan.stages if s.kind == "backward"))
     tail = next(s.units[0] for s in plan.stages if s.kind == "tail")
     return fwd, bwd, tail
-
-
-def _on(plan: Plan, grid: set[int]) -> bool:
-    """Whether every stage of ``plan`` starts on ``grid``."""
-    fwd, bwd, tail = _bounds(plan)
-    return {*fwd, *bwd, tail} <= grid
 
 
 def _distinct(plans: Sequence[Plan]) -> list[Plan]:
@@ -223,7 +219,8 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
         if key not in scored:
             if len(scored) >= budget:
                 return float("inf")
-            plan = make([pos[k] for k in fwd], [pos[k] for k in bwd], pos[tail])
+            notes = () if key in seed_keys else ("found by the dispatch-model search",)
+            plan = make([pos[k] for k in fwd], [pos[k] for k in bwd], pos[tail], notes)
             fits = all(st.peak_bytes <= limit for st in plan.stages)
             scored[key] = round(plan.predicted_step_ms, 6) if fits else float("inf")
             built[key] = plan
@@ -261,10 +258,13 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
         fwd, bwd, tail = _bounds(plan)
         return tuple(rank[u] for u in fwd), tuple(rank[u] for u in bwd), rank[tail]
 
-    pool = sorted(climb(*on_grid(plan)) for plan in seeds)
+    seed_keys = list(dict.fromkeys(on_grid(plan) for plan in seeds))  # in order, once each
+    pool = sorted([climb(*key) for key in seed_keys])
     kicks = 0
     while len(scored) < budget and kicks < 4 * budget:  # kicks may all be repeats
         kicks += 1
+        if all(len(f) < 2 and len(b) < 2 for _v, f, b, _t in pool):
+            break  # one stage a side: no boundary to move
         _v, fwd, bwd, tail = pool[rng.randrange(min(3, len(pool)))]
         sides = [list(fwd), list(bwd)]
         for _ in range(rng.choice((2, 3, 4))):
@@ -583,20 +583,43 @@ def predict_step_ms(
     free, the weights are in, and microbatch m of the previous stage is done (plus a host hop
     when that ran on another worker). Steps overlap as with the async optimizer. With
     ``steps`` = 1 this is the makespan of an isolated step; with more, the steady-state time
-    per step: the spacing of step ends over the last whole dispatch period
-    (:func:`~rpcompile.passes.schedule.dispatch_period`) when the run is that long, else over
-    its second half. ``steps=None`` runs two warm-up steps and one period. This is the
+    per step. With ``steps`` given, the mean spacing of step ends over the last
+    :func:`~rpcompile.passes.schedule.steady_window` steps (whole dispatch periods, at least
+    8 steps) when the run is that long, else over its second half. With ``steps=None``, the
+    run continues one window at a time after two warm-up steps until two windows in a row
+    agree within 0.1 % (at most 8 windows): plans whose steps overlap a lot can take a dozen
+    steps to settle, and a fixed short run would rank them by their fill. This is the
     partitioner's ranking model; the simulator (rpcompile.sim) replays full lowered schedules.
     """
-    period = dispatch_period(len(stages) * rounds, workers)
+    window = steady_window(len(stages) * rounds, workers)
+    run = _dispatch_ends(stages, hardware, workers, microbatches, rounds)
     if steps is None:
-        steps = period + 3
+        ends = [next(run) for _ in range(2 + window)]
+        mean = (ends[-1] - ends[1]) / window
+        for _ in range(7):
+            ends += [next(run) for _ in range(window)]
+            mean, previous = (ends[-1] - ends[-1 - window]) / window, mean
+            if abs(mean - previous) <= 1e-3 * mean:
+                break
+        return mean
+    ends = [next(run) for _ in range(steps)]
+    if steps == 1:
+        return ends[0]
+    if steps > window:
+        return (ends[-1] - ends[-1 - window]) / window
+    half = steps // 2
+    return (ends[-1] - ends[half - 1]) / (steps - half)
+
+
+def _dispatch_ends(stages: Sequence[Stage], hardware: Hardware, workers: int,
+                   microbatches: int, rounds: int) -> Iterator[float]:
+    """When each step's last job (and its gradient download) ends, in the dispatch model, step
+    after step without end."""
     free = [0.0] * workers  # when the worker's compute is free
     last_start = [0.0] * workers  # start of the worker's previous job (prefetch may begin)
     link_free = [0.0] * workers
     counter = 0
-    ends = []
-    for _step in range(steps):
+    while True:
         end_time = 0.0
         for _r in range(rounds):
             prev_done: list[float] | None = None
@@ -625,10 +648,4 @@ def predict_step_ms(
                 free[w] = t
                 end_time = max(end_time, t + hardware.d2h_ms(st.grad_bytes))
                 prev_done, prev_worker, prev_out = done, w, st.output_bytes
-        ends.append(end_time)
-    if steps == 1:
-        return ends[0]
-    if steps >= period + 1:  # whole dispatch periods: exact once the run is periodic
-        return (ends[-1] - ends[-1 - period]) / period
-    half = steps // 2
-    return (ends[-1] - ends[half - 1]) / (steps - half)
+        yield end_time

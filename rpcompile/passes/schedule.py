@@ -17,7 +17,9 @@ from collections.abc import Sequence
 
 from rpcompile.ir import Action, Edge, Flow, Plan, Schedule, Stage
 
-__all__ = ["SCHEDULE_KINDS", "build_schedule", "dispatch_period", "roundpipe_jobs"]
+__all__ = [
+    "SCHEDULE_KINDS", "build_schedule", "dispatch_period", "roundpipe_jobs", "steady_window",
+]
 
 SCHEDULE_KINDS = ("roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs")
 OPTIMIZER_MODES = ("async", "sync")
@@ -99,6 +101,20 @@ def dispatch_period(jobs_per_step: int, workers: int) -> int:
     if jobs_per_step < 1 or workers < 1:
         raise ValueError("jobs_per_step and workers must be >= 1")
     return workers // math.gcd(jobs_per_step, workers)
+
+
+STEADY_MIN_STEPS = 8  # shortest steady-state window, in steps
+
+
+def steady_window(jobs_per_step: int, workers: int) -> int:
+    """Steps in a steady-state window: whole dispatch periods, at least ``STEADY_MIN_STEPS``.
+
+    A run's timing need not repeat with the dispatch period itself (step ends can alternate
+    over 2 or 3 steps while the assignment repeats every step, or every 4), so a window of
+    one period can land on a short or a long stretch; eight or more steps average over it.
+    """
+    period = dispatch_period(jobs_per_step, workers)
+    return period * -(-STEADY_MIN_STEPS // period)
 
 
 def _compute_kind(stage: Stage) -> str:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.passes.lower import lower
-from rpcompile.passes.schedule import build_schedule, dispatch_period
+from rpcompile.passes.schedule import build_schedule, steady_window
 from rpcompile.sim.baselines import pipeline_stages
 from rpcompile.sim.engine import simulate
 from rpcompile.sim.result import SimResult
@@ -56,33 +56,36 @@ def simulate_pipeline(units: Sequence[UnitProfile], hardware: Hardware | str, ki
 
 
 def steady_steps(plan: Plan, workers: int | None = None, rounds: int = 1) -> int:
-    """How many async steps to simulate for a steady-state figure of ``plan``: two steps that
-    fill the pipeline, then one whole dispatch period (the steps after which every job is
-    back on the same worker, :func:`~rpcompile.passes.schedule.dispatch_period`), then the
-    step whose start closes the window. 4 to 11 steps on 8 GPUs."""
-    period = dispatch_period(len(plan.stages) * rounds, workers or plan.workers)
-    return period + 3
+    """How many async steps to simulate for a steady-state figure of ``plan``: two warm-up
+    steps, one :func:`~rpcompile.passes.schedule.steady_window` (whole dispatch periods, at
+    least 8 steps), and the step whose start closes the window: 11 steps on 8 GPUs."""
+    return steady_window(len(plan.stages) * rounds, workers or plan.workers) + 3
 
 
 def steady_utilization(result: SimResult, warmup_steps: int | None = None) -> float:
     """Fraction of GPU time spent computing once the run is in steady state: compute time
-    inside the window from the end of step ``warmup_steps`` to the start of the last step's
-    first compute (no fill, no drain), over the window times the workers. ``warmup_steps``
-    defaults to 1 for runs of up to 4 steps and 2 for longer ones (the first steps of a run
-    still settle: workers start together, and jobs only spread out over a few steps). Needs
-    3 steps or more; with fewer, the whole run."""
+    inside the window from the start of step ``warmup_steps`` (counting from 0: the steps
+    before it are skipped) to the start of the last step, over the window times the
+    workers; a step starts with its first compute, so both ends sit at the same point of
+    the dispatch cycle. ``warmup_steps`` defaults to 2, or 1 for runs of 3 or 4 steps. Runs
+    of fewer than 3 steps give the whole run's utilization (and take no ``warmup_steps``)."""
     sched, tl = result.schedule, result.timeline
     computes = [a for lst in sched.actions for a in lst if a.is_compute]
-    if warmup_steps is None:
-        warmup_steps = 1 if sched.steps <= 4 else 2
-    if sched.steps >= 3:
+    if sched.steps < 3:
+        if warmup_steps is not None:
+            raise ValueError(f"a {sched.steps}-step run has no steady-state window; "
+                             "simulate 3 steps or more (see steady_steps)")
+        lo, hi = 0.0, result.makespan_ms
+    else:
+        if warmup_steps is None:
+            warmup_steps = 1 if sched.steps <= 4 else 2
         if not 1 <= warmup_steps <= sched.steps - 2:
             raise ValueError(f"warmup_steps must be in 1..{sched.steps - 2} for a "
                              f"{sched.steps}-step run, got {warmup_steps}")
-        lo = result.step_end_ms[warmup_steps - 1]
-        hi = min(tl[a][0] for a in computes if a.step == sched.steps - 1)
-    else:
-        lo, hi = 0.0, result.makespan_ms
+        first = {}
+        for a in computes:
+            first[a.step] = min(first.get(a.step, float("inf")), tl[a][0])
+        lo, hi = first[warmup_steps], first[sched.steps - 1]
     if hi <= lo:
         raise ValueError("no steady-state window: the last step started before the warm-up "
                          "ended; simulate more steps")
