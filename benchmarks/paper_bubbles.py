@@ -13,10 +13,10 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
                          sync optimizer on the host: ONE isolated step (fill, drain and the
                          last optimizer update included)
   roundpipe-async        our partitioner's async plan over the same blocks, async optimizer,
-                         steady state: idle share of GPU time between the end of step 2 and
-                         the start of the last step, in a run two steps longer than one
-                         dispatch period (rpcompile.sim.steady_steps, steady_utilization;
-                         4 to 11 steps)
+                         steady state: idle share of GPU time between the first compute of
+                         step 2 (counting from 0) and that of the last step, an 8-step window
+                         of whole dispatch periods (rpcompile.sim.steady_steps: 11 steps,
+                         steady_utilization)
   rp-async-layers        (printed only) our partitioner limited to whole layers, async steady state
   rp-partition-*         (printed only) RoundPipe's own greedy partitioner (whole layers)
 

@@ -10,7 +10,7 @@ times from the paper's table, scaled to the microbatch's tokens. Configurations:
 
 RoundPipe runs are lowered in full (weight uploads, activation hops through the host, gradient
 downloads, host accumulation, async CPU optimizer) and replayed on the rtx4090x8 profile for
-one dispatch period plus three steps (rpcompile.sim.steady_steps); throughput = tokens per
+11 steps: two warm-up steps, an 8-step window, one closing step (rpcompile.sim.steady_steps); throughput = tokens per
 step / steady-state step time. The weight-bound baselines are
 optimistic: no optimizer time at all (weights, gradients and optimizer would live on the GPUs);
 a baseline whose weights, bf16 gradients and activations do not fit 24 GB is written as null.

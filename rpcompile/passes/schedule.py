@@ -109,9 +109,11 @@ STEADY_MIN_STEPS = 8  # shortest steady-state window, in steps
 def steady_window(jobs_per_step: int, workers: int) -> int:
     """Steps in a steady-state window: whole dispatch periods, at least ``STEADY_MIN_STEPS``.
 
-    A run's timing need not repeat with the dispatch period itself (step ends can alternate
-    over 2 or 3 steps while the assignment repeats every step, or every 4), so a window of
-    one period can land on a short or a long stretch; eight or more steps average over it.
+    A run's timing need not repeat with the dispatch period itself: step ends can alternate
+    over 2 steps while the assignment repeats every step, or cycle over 3 or 24 steps. A
+    window of one period can land on a short or a long stretch. Eight steps average exactly
+    over cycles that divide 8, and within about 1 % over the others measured (a 7-job
+    Qwen3-1.7B plan whose timing repeats every 24 steps: -0.98 %).
     """
     period = dispatch_period(jobs_per_step, workers)
     return period * -(-STEADY_MIN_STEPS // period)

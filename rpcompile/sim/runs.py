@@ -98,6 +98,9 @@ def steady_step_ms(result: SimResult, warmup_steps: int | None = None) -> float:
     the :func:`steady_utilization` rate. (Spacings of step ends are noisy when a step's jobs do
     not divide evenly among the workers.) With fewer than 3 steps, the makespan per step."""
     if result.schedule.steps < 3:
+        if warmup_steps is not None:
+            raise ValueError(f"a {result.schedule.steps}-step run has no steady-state window; "
+                             "simulate 3 steps or more (see steady_steps)")
         return result.makespan_ms / result.schedule.steps
     work = sum(result.busy_ms) / result.schedule.steps
     return work / (result.workers * steady_utilization(result, warmup_steps))
