@@ -175,7 +175,7 @@ def partition(
     best = replace(best, predicted_step_ms=ms,
                    notes=(*best.notes, "chosen by simulating the best candidates"))
     if optimizer == "async" and refine > 0:
-        best = _refine(best, bubble, units, hw, rounds, costing, limit, refine, target_bubble)
+        best = _refine(best, bubble, make, hw, rounds, limit, refine, target_bubble)
     return best
 
 
@@ -293,8 +293,7 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str) -> tupl
     return steady_step_ms(result), 1.0 - steady_utilization(result)
 
 
-def _refine(plan: Plan, bubble: float, units, hw, rounds, costing, limit, budget,
-            target_bubble) -> Plan:
+def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, budget, target_bubble) -> Plan:
     """Move single stage boundaries by 1 or 2 units while the simulated steady state improves.
 
     Round-robin dispatch is sensitive to small differences between consecutive jobs (a job
@@ -302,11 +301,10 @@ def _refine(plan: Plan, bubble: float, units, hw, rounds, costing, limit, budget
     not see. ``plan.predicted_step_ms`` and ``bubble`` are its simulated figures. First
     improvement, forward boundaries then backward ones, at most ``budget`` simulations in
     all (the one that scored ``plan`` included); stops early once the steady-state bubble is
-    below ``target_bubble``.
+    below ``target_bubble``. ``make(forward, backward, tail, notes)`` builds a plan.
     """
-    sides = [[s.units[0] for s in plan.stages if s.kind == "forward"],
-             sorted(s.units[0] for s in plan.stages if s.kind == "backward")]
-    tail = next(s.units[0] for s in plan.stages if s.kind == "tail")
+    fwd, bwd, tail = _bounds(plan)
+    sides = [fwd, bwd]
     best, best_ms, spent, tried = plan, plan.predicted_step_ms, 1, set()
 
     def moves():  # (side, its bounds with one moved) that keep the stages non-empty
@@ -325,9 +323,7 @@ def _refine(plan: Plan, bubble: float, units, hw, rounds, costing, limit, budget
             if (key := tuple(map(tuple, trial))) in tried:
                 continue
             tried.add(key)
-            candidate = build_plan(units, trial[0], trial[1], tail, hw, plan.workers,
-                                   plan.microbatches, plan.microbatch_size, plan.seq_len,
-                                   rounds, costing, notes=plan.notes)
+            candidate = make(trial[0], trial[1], tail, plan.notes)
             if any(st.peak_bytes > limit for st in candidate.stages):
                 continue
             ms, trial_bubble = _simulated_ms(candidate, hw, rounds, "async")
