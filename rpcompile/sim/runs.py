@@ -62,6 +62,13 @@ def steady_steps(plan: Plan, workers: int | None = None, rounds: int = 1) -> int
     return steady_window(len(plan.stages) * rounds, workers or plan.workers) + 3
 
 
+def _no_window(steps: int, warmup_steps: int | None) -> None:
+    """A run of fewer than 3 steps has no steady-state window to skip a warm-up in."""
+    if warmup_steps is not None:
+        raise ValueError(f"a {steps}-step run has no steady-state window; "
+                         "simulate 3 steps or more (see steady_steps)")
+
+
 def steady_utilization(result: SimResult, warmup_steps: int | None = None) -> float:
     """Fraction of GPU time spent computing once the run is in steady state: compute time
     inside the window from the start of step ``warmup_steps`` (counting from 0: the steps
@@ -72,9 +79,7 @@ def steady_utilization(result: SimResult, warmup_steps: int | None = None) -> fl
     sched, tl = result.schedule, result.timeline
     computes = [a for lst in sched.actions for a in lst if a.is_compute]
     if sched.steps < 3:
-        if warmup_steps is not None:
-            raise ValueError(f"a {sched.steps}-step run has no steady-state window; "
-                             "simulate 3 steps or more (see steady_steps)")
+        _no_window(sched.steps, warmup_steps)
         lo, hi = 0.0, result.makespan_ms
     else:
         if warmup_steps is None:
@@ -98,9 +103,7 @@ def steady_step_ms(result: SimResult, warmup_steps: int | None = None) -> float:
     the :func:`steady_utilization` rate. (Spacings of step ends are noisy when a step's jobs do
     not divide evenly among the workers.) With fewer than 3 steps, the makespan per step."""
     if result.schedule.steps < 3:
-        if warmup_steps is not None:
-            raise ValueError(f"a {result.schedule.steps}-step run has no steady-state window; "
-                             "simulate 3 steps or more (see steady_steps)")
+        _no_window(result.schedule.steps, warmup_steps)
         return result.makespan_ms / result.schedule.steps
     work = sum(result.busy_ms) / result.schedule.steps
     return work / (result.workers * steady_utilization(result, warmup_steps))
