@@ -33,28 +33,16 @@ from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests/
+from tests.tiny_models import hf_model  # the models the CPU tests use
+
 ARCHS = ("qwen3", "llama", "qwen3_moe", "qwen3_tied")
 LR = 1e-3
 EAGER_REL_TOL = 1e-2
 
 
 def tiny_model(arch: str, layers: int = 2, seed: int = 0) -> torch.nn.Module:
-    import transformers as tf
-
-    torch.manual_seed(seed)
-    kw = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-              num_attention_heads=4, num_key_value_heads=2, attn_implementation="eager",
-              use_cache=False)
-    if arch == "qwen3":
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, **kw))
-    if arch == "qwen3_tied":
-        return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, tie_word_embeddings=True, **kw))
-    if arch == "llama":
-        return tf.LlamaForCausalLM(tf.LlamaConfig(**kw))
-    if arch == "qwen3_moe":
-        return tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
-            head_dim=16, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, **kw))
-    raise ValueError(f"unknown arch {arch!r}; choose from {ARCHS}")
+    return hf_model(arch, seed=seed, layers=layers, vocab_size=256)
 
 
 def adamw(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:

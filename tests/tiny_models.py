@@ -14,11 +14,13 @@ _COMMON = dict(
 )
 
 
-def hf_model(arch: str, seed: int = 0, layers: int = 3) -> nn.Module:
+def hf_model(arch: str, seed: int = 0, layers: int = 3, vocab_size: int = 128) -> nn.Module:
+    """A tiny ``arch`` model (one of ARCHS) with seeded random weights; also used by
+    benchmarks/gpu_check.py."""
     import transformers as tf
 
     torch.manual_seed(seed)
-    kw = dict(_COMMON, num_hidden_layers=layers)
+    kw = dict(_COMMON, num_hidden_layers=layers, vocab_size=vocab_size)
     if arch == "qwen3":
         return tf.Qwen3ForCausalLM(tf.Qwen3Config(head_dim=16, **kw))
     if arch == "qwen3_tied":
