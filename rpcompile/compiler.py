@@ -6,6 +6,7 @@ capture -> cost -> partition -> split -> dispatch -> lower; every artifact stays
 from __future__ import annotations
 
 import atexit
+import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -19,14 +20,15 @@ from rpcompile.capture import Captured, capture, is_causal_lm
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.passes.cost import UnitCost, annotate_costs
-from rpcompile.passes.lower import lower
+from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.manager import PassRecord
+from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.partition import StageCosting, partition
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.reference import reference_step
 
-__all__ = ["Compiled", "compile"]
+__all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule"]
 
 
 @dataclass
@@ -46,6 +48,9 @@ class Compiled:
     history: list[PassRecord]
     compute_dtype: torch.dtype
     schedule: Any = None  # one step's lowered Schedule (ir.Schedule), as the runtime runs it
+    # Per worker, the proven device-memory peak of the schedule the runtime runs (every step
+    # of one dealing period, each from empty workers): rpcompile.passes.memory.WorkerPeak.
+    memory: tuple[Any, ...] = ()
     training: dict[str, Any] = field(default_factory=dict)  # Trainer options
     _trainer: Any = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
@@ -145,6 +150,7 @@ class Compiled:
             self.compute_dtype, list(self.history[:2]), self.training.get("mode", "sync"),
         )
         compiled.training = dict(self.training)
+        check_memory(compiled)
         return compiled
 
     # -- reference semantics -----------------------------------------------------------
@@ -239,6 +245,7 @@ def compile(
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes, kernels=kernels,
                              skip_nonfinite=skip_nonfinite, loss_scale=loss_scale)
+    check_memory(compiled)
     return compiled
 
 
@@ -286,11 +293,63 @@ def _plan_and_split(
         plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode))
     lowered, lowering = lower(compute, plan)
     history.extend(lowering)
+    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode), plan,
+                          overlap_steps=False)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
-        history=history, compute_dtype=dtype, schedule=lowered,
+        history=history, compute_dtype=dtype, schedule=lowered, memory=memory,
     )
+
+
+def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, mode: str,
+                     chunk_bytes: int | None = None) -> Any:
+    """The lowered schedule the runtime runs: as many steps as the round-robin job counter
+    takes to come back to worker 0 (step ``k`` of a run runs schedule step ``k mod steps``)."""
+    jobs = len(plan.stages) * rounds
+    period = workers // math.gcd(jobs, workers)
+    compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
+                             steps=period, kind="roundpipe", optimizer=mode)
+    lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+                       validate=False)
+    return lowered
+
+
+class MemoryPlanError(ValueError):
+    """A plan's proven per-worker peak exceeds what a worker has (refused at compile time)."""
+
+
+def check_memory(compiled: Compiled) -> None:
+    """Refuse a plan whose proven peak (``compiled.memory``) exceeds a worker's capacity: the
+    virtual workers' ``capacity_bytes``, the hardware profile's usable memory (memory less
+    its reserve), and on CUDA each device's free memory now."""
+    if not compiled.memory:
+        return
+    hw = compiled.hardware
+    device = compiled.training.get("device", "auto")
+    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    limits: list[tuple[int, str]] = [
+        (hw.usable_memory_bytes, f"the {hw.name!r} profile's usable memory "
+         f"({hw.memory_gib:g} GiB less a {hw.memory_reserve_gib:g} GiB reserve)")]
+    capacity = compiled.training.get("capacity_bytes")
+    if capacity is not None:
+        limits.append((int(capacity), "capacity_bytes"))
+    for peak in compiled.memory:
+        here = list(limits)
+        if cuda and peak.worker < torch.cuda.device_count():
+            free, _total = torch.cuda.mem_get_info(peak.worker)
+            here.append((free, f"the free memory of cuda:{peak.worker}"))
+        limit, source = min(here)
+        if peak.peak_bytes > limit:
+            names = ", ".join(compiled.plan.stage_name(s) for s in peak.stages)
+            raise MemoryPlanError(
+                f"the plan does not fit worker {peak.worker}: its schedule needs "
+                f"{format_bytes(peak.peak_bytes)} there at {peak.action} ({names}: "
+                + ", ".join(f"{k} {format_bytes(v)}" for k, v in peak.parts.items() if v)
+                + f"), over the {format_bytes(limit)} of {source}. To fit: more microbatches "
+                "(a smaller microbatch for the same batch), a shorter sequence, finer units "
+                "(units=[...] at attention/MLP blocks), LoRA or frozen layers, a plan for "
+                "more GPUs, or more capacity")
 
 
 def unit_profiles(

@@ -147,6 +147,9 @@ class Plan:
     predicted_step_ms: float
     memory_limit_bytes: int
     notes: tuple[str, ...] = field(default=())
+    # Per worker, the device memory proven over the simulated lowered schedule
+    # (rpcompile.passes.memory.worker_peaks); empty when the plan was built by hand.
+    worker_peak_bytes: tuple[int, ...] = field(default=())
 
     # -- views ---------------------------------------------------------------------------
     @property
@@ -280,8 +283,11 @@ EDGE_KINDS = (
     "produced",  # compute -> D2H of the value it produced
     "on_host",  # D2H -> H2D of the same value on the consumer's worker
     "arrived",  # H2D -> the compute that reads it
+    "window",  # compute two places before a reader -> the H2D it reads (bounded early upload)
+    "sent",  # D2H of a value -> the compute two places after its producer (bounded hold)
     "grad_ready",  # last compute of a job -> D2H grad of the job
     "grad_home",  # D2H grad -> host ACC
+    "grad_slot",  # D2H grad of a worker's previous gradient job -> its next one's first compute
     "accumulated",  # ACC -> OPT
     "updated",  # OPT -> SHADOW of every stage sharing its parameters
     "shadow",  # SHADOW -> UP that reads that shadow version

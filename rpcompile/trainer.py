@@ -226,15 +226,14 @@ class Trainer:
         compute (autograd's saved tensors) are not accounted on virtual workers."""
         return tuple(self._peaks)
 
-    def predicted_peak_bytes(self) -> tuple[int, ...]:
-        """The planner's predicted peak per worker: the largest ``Stage.peak_bytes`` among
-        the stages the schedule deals to that worker (over every schedule step)."""
-        peaks = [0] * len(self.workers)
-        for w, actions in enumerate(self.schedule.actions):
-            for a in actions:
-                if a.is_compute:
-                    peaks[w] = max(peaks[w], self.compiled.plan.stages[a.stage].peak_bytes)
-        return tuple(peaks)
+    def predicted_peak_bytes(self, held: bool = False) -> tuple[int, ...]:
+        """The compiler's proven peak per worker over this trainer's schedule
+        (:func:`rpcompile.passes.memory.worker_peaks`, each step from empty workers).
+        ``held``: without compute working sets, which virtual workers do not account."""
+        from rpcompile.passes.memory import worker_peaks
+
+        peaks = worker_peaks(self.schedule, self.compiled.plan, overlap_steps=False)
+        return tuple(p.held_bytes if held else p.peak_bytes for p in peaks)
 
     def memory_report(self) -> MemoryReport:
         """Host bytes kept per trainable parameter, once every queued update has run (the

@@ -177,6 +177,19 @@ def add_activation_transfers(sched: Schedule) -> Schedule:
             payload[key] = f.what
         size[key] = max(size.get(key, 0), f.bytes)
 
+    # RoundPipe bounds how long a transfer's tensor may sit on a device, so that a worker's
+    # peak is a property of the schedule (rpcompile.passes.memory), not of the timing: an
+    # upload starts no earlier than the end of the compute two places before its reader
+    # ("window"), and a download ends before the compute two places after its producer
+    # ("sent"). Two places leave one whole compute to hide the transfer behind.
+    bounded = sched.stage_workers is None
+    computes = [[a for a in lst if a.is_compute] for lst in sched.actions]
+    place = {a: i for lst in computes for i, a in enumerate(lst)}
+
+    def nearby(c: Action, offset: int) -> Action | None:
+        i = place[c] + offset
+        return computes[c.worker][i] if bounded and 0 <= i < len(computes[c.worker]) else None
+
     before: dict[Action, list[Action]] = {}
     after: dict[Action, list[Action]] = {}
     d2h: dict[tuple[Action, str], Action] = {}
@@ -193,6 +206,8 @@ def add_activation_transfers(sched: Schedule) -> Schedule:
                 if f.from_host:
                     before.setdefault(c, []).append(h2d)
                     edges.append(Edge(h2d, c, "arrived"))
+                    if (early := nearby(c, -2)) is not None:
+                        edges.append(Edge(early, h2d, "window"))
                     continue
                 p = where[(f.src_kind, f.src_stage, m, r, k)]
                 if p.worker == c.worker:
@@ -205,6 +220,10 @@ def add_activation_transfers(sched: Schedule) -> Schedule:
                     d2h[(p, f.value)] = down
                     after.setdefault(p, []).append(down)
                     edges.append(Edge(p, down, "produced"))
+                    if (late := nearby(p, 2)) is not None:
+                        edges.append(Edge(down, late, "sent"))
+                if (early := nearby(c, -2)) is not None:
+                    edges.append(Edge(early, h2d, "window"))
                 before.setdefault(c, []).append(h2d)
                 edges.append(Edge(down, h2d, "on_host"))
                 edges.append(Edge(h2d, c, "arrived"))
@@ -237,12 +256,18 @@ def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
     for w in range(sched.workers):
         lst = sched.actions[w]
         place = {a: i for i, a in enumerate(lst)}
+        previous: Action | None = None  # the worker's last gradient download so far
         for j in _jobs(sched, w):
             nbytes = stages[j.stage].grad_bytes
             if j.computes[0].kind == "F" or nbytes == 0:
                 continue
             down = Action(w, "D2H", j.stage, None, j.round, j.step, what="grad", bytes=nbytes,
                           chunks=_chunks(nbytes, chunk_bytes))
+            if previous is not None:
+                # One gradient buffer per worker: the next job's buffer is allocated once the
+                # previous one is home, so the worker never holds two (docs/compiler.md).
+                edges.append(Edge(previous, j.computes[0], "grad_slot"))
+            previous = down
             host = Action(None, "ACC", j.stage, None, j.round, j.step, bytes=nbytes)
             # Issue it after what the last compute already sends on and the job's EVICT, so the
             # last microbatch's input gradient is not issued behind the bulk download.

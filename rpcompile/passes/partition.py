@@ -24,6 +24,7 @@ from functools import cache
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
+from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import steady_window
 
 __all__ = ["PartitionError", "StageCosting", "build_plan", "partition", "predict_step_ms"]
@@ -88,8 +89,40 @@ def partition(
         raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
     if workers < 1 or microbatches < 1 or rounds < 1:
         raise ValueError("workers, microbatches and rounds must each be at least 1")
-    limit = hw.usable_memory_bytes
-    _check_units_fit(units, costing, limit)
+    capacity = hw.usable_memory_bytes
+    _check_units_fit(units, costing, capacity)
+    # The stage check below is necessary, not sufficient: a worker also holds the next job's
+    # weights while they upload, inputs uploaded ahead, values kept for a later stage. The
+    # simulated candidates are checked over their whole lowered schedule
+    # (rpcompile.passes.memory); when none fits, the stages are cut again under a stage
+    # limit lowered by the overshoot.
+    limit, overshoot = capacity, 0
+    for _attempt in range(6):
+        limit = min(limit, capacity) - overshoot
+        try:
+            return _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
+                              costing, max_tail_layers, shortlist, simulate_top, optimizer,
+                              refine, target_bubble, search, limit, capacity)
+        except _NoPlanFits as exc:
+            overshoot = exc.overshoot
+            best = exc
+    raise PartitionError(
+        f"no plan fits {format_bytes(capacity)} per GPU over its whole schedule: the best "
+        f"candidate needs {format_bytes(best.peak.peak_bytes)} on "
+        f"{best.peak.describe()}; use a smaller microbatch (more microbatches for the same "
+        "batch), a shorter sequence, finer units, LoRA, or a GPU with more memory")
+
+
+class _NoPlanFits(Exception):
+    def __init__(self, overshoot: int, peak) -> None:
+        super().__init__(overshoot)
+        self.overshoot, self.peak = overshoot, peak
+
+
+def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds, costing,
+               max_tail_layers, shortlist, simulate_top, optimizer, refine, target_bubble,
+               search, limit, capacity) -> Plan:
+    n = len(units)
 
     # Cut anywhere between units; and, when units are blocks of layers, also only between
     # whole layers (a finer grid is not always searched as well by the min-max cuts).
@@ -132,8 +165,8 @@ def partition(
     if not any(candidates):
         raise PartitionError(
             "no partition fits: the tail (final norm, LM head, loss) needs "
-            f"{_gib(_stage_memory(units, (n - 1,), 'tail', costing))} GiB and every stage must "
-            f"fit in {_gib(limit)} GiB usable; lower the microbatch size or sequence length"
+            f"{format_bytes(_stage_memory(units, (n - 1,), 'tail', costing))} and every stage "
+            f"must fit in {format_bytes(limit)}; lower the microbatch size or sequence length"
         )
     steps = None if optimizer == "async" else 1  # None: the async steady state
 
@@ -166,16 +199,29 @@ def partition(
             if start:
                 plans += _search(start, make, limit, search, random.Random(0),
                                  grid=grid or range(n))
-    if simulate_top < 2 or len(plans) < 2:
-        return min(plans, key=lambda plan: plan.predicted_step_ms)
+    ranked_only = simulate_top < 2 or len(plans) < 2
+    if ranked_only:  # the dispatch model's best; simulated only for its memory
+        plans = [min(plans, key=lambda plan: plan.predicted_step_ms)]
     # The ranking model misses link contention and transfer priorities; the simulator
-    # replays the lowered schedule of the best few and picks the winner.
+    # replays the lowered schedule of the best few and picks the winner among those whose
+    # whole schedule fits.
     scored = [(_simulated_ms(plan, hw, rounds, optimizer), plan) for plan in _distinct(plans)]
-    (ms, bubble), best = min(scored, key=lambda pair: round(pair[0][0], 6))
-    best = replace(best, predicted_step_ms=ms,
+    def top(peaks) -> int:
+        return max(p.peak_bytes for p in peaks)
+
+    fitting = [pair for pair in scored if top(pair[0][2]) <= capacity]
+    if not fitting:
+        (_ms, _bubble, peaks), _plan = min(scored, key=lambda pair: top(pair[0][2]))
+        worst = max(peaks, key=lambda p: p.peak_bytes)
+        raise _NoPlanFits(worst.peak_bytes - capacity, worst)
+    (ms, bubble, peaks), best = min(fitting, key=lambda pair: round(pair[0][0], 6))
+    peak_bytes = tuple(p.peak_bytes for p in peaks)
+    if ranked_only:
+        return replace(best, worker_peak_bytes=peak_bytes)
+    best = replace(best, predicted_step_ms=ms, worker_peak_bytes=peak_bytes,
                    notes=(*best.notes, "chosen by simulating the best candidates"))
     if optimizer == "async" and refine > 0:
-        best = _refine(best, bubble, make, hw, rounds, limit, refine, target_bubble)
+        best = _refine(best, bubble, make, hw, rounds, limit, capacity, refine, target_bubble)
     return best
 
 
@@ -280,20 +326,23 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
     return _distinct(found)[:keep]
 
 
-def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str) -> tuple[float, float]:
-    """(step time, bubble) in the simulator: the steady state of an async run
-    (:func:`~rpcompile.sim.steady_steps` steps), or one isolated sync step."""
+def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str):
+    """(step time, bubble, proven peak of each worker) in the simulator: the steady state of
+    an async run (:func:`~rpcompile.sim.steady_steps` steps, overlapping), or one isolated
+    sync step. The peaks bound the simulated run's memory (rpcompile.passes.memory)."""
     from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
 
     if optimizer == "sync":  # steps do not overlap: one step's makespan
         result = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer="sync")
-        return result.makespan_ms, result.bubble
+        return result.makespan_ms, result.bubble, worker_peaks(result.schedule, plan)
     steps = steady_steps(plan, rounds=rounds)
     result = simulate_roundpipe(plan, hw, steps=steps, rounds=rounds, optimizer="async")
-    return steady_step_ms(result), 1.0 - steady_utilization(result)
+    return (steady_step_ms(result), 1.0 - steady_utilization(result),
+            worker_peaks(result.schedule, plan))
 
 
-def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, budget, target_bubble) -> Plan:
+def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, capacity, budget,
+            target_bubble) -> Plan:
     """Move single stage boundaries by 1 or 2 units while the simulated steady state improves.
 
     Round-robin dispatch is sensitive to small differences between consecutive jobs (a job
@@ -326,10 +375,11 @@ def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, budget, target_b
             candidate = make(trial[0], trial[1], tail, plan.notes)
             if any(st.peak_bytes > limit for st in candidate.stages):
                 continue
-            ms, trial_bubble = _simulated_ms(candidate, hw, rounds, "async")
+            ms, trial_bubble, peaks = _simulated_ms(candidate, hw, rounds, "async")
             spent += 1
-            if ms < best_ms - 1e-6:
+            if ms < best_ms - 1e-6 and max(p.peak_bytes for p in peaks) <= capacity:
                 best, best_ms, bubble, sides, improved = candidate, ms, trial_bubble, trial, True
+                best = replace(best, worker_peak_bytes=tuple(p.peak_bytes for p in peaks))
                 break
             if spent >= budget:
                 break
@@ -413,15 +463,11 @@ def _check_units_fit(units, costing, limit) -> None:
         need = _stage_memory(units, (i,), kind, costing)
         if need > limit:
             raise PartitionError(
-                f"unit {u.name!r} alone needs {_gib(need)} GiB of device memory (weights twice "
-                f"for prefetch, its fp32 gradients and one microbatch's working set) but the GPU "
-                f"has {_gib(limit)} GiB usable; use a smaller microbatch or sequence length, "
-                "freeze it (LoRA), or a GPU with more memory"
+                f"unit {u.name!r} alone needs {format_bytes(need)} of device memory (weights "
+                f"twice for prefetch, its fp32 gradients and one microbatch's working set) but "
+                f"the GPU has {format_bytes(limit)} usable; use a smaller microbatch or sequence "
+                "length, freeze it (LoRA), or a GPU with more memory"
             )
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f}"
 
 
 # ---------------------------------------------------------------------------------------------

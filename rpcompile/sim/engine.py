@@ -462,7 +462,7 @@ def _peak(deltas: list[tuple[float, int, int]]) -> int:
 def _working_bytes(sched: Schedule, stage: Stage, units: tuple[UnitProfile, ...] | None) -> int:
     """Device memory a compute of ``stage`` needs beyond weights, gradients and the values
     listed in the schedule (one microbatch's activations and transients)."""
-    if sched.stage_workers is None:
+    if sched.stage_workers is None:  # RoundPipe: the planner's figure (passes.memory)
         return max(0, stage.peak_bytes - 2 * stage.weight_bytes - stage.grad_bytes)
     if units is None:
         return 0
@@ -530,6 +530,7 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
             job = (w, a.stage, a.round, a.step)
             job_first.setdefault(job, start)
             job_last[job] = end
+            produced: dict[str, tuple[int, float]] = {}  # value -> (bytes, freed at)
             for f in flows_from.get((a.kind, a.stage), ()):
                 nbytes = f.bytes
                 if f.what == "save" and f.value.startswith("stash"):
@@ -541,6 +542,10 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
                 down = d2h.get((w, f.value, a.stage, a.microbatch, a.round, a.step))
                 if down is not None:
                     free = max(free, timeline[down][1])
+                # One tensor however many readers it has (the runtime holds it once).
+                held = produced.get(f.value, (0, end))
+                produced[f.value] = (max(held[0], nbytes), max(held[1], free))
+            for nbytes, free in produced.values():
                 hold(w, end, free, nbytes)
     if sched.stage_workers is None:
         for job, first in job_first.items():

@@ -1,0 +1,202 @@
+"""Device memory of a lowered RoundPipe schedule, proven from its order alone.
+
+The partitioner's per-stage figure (``Stage.peak_bytes``: weights twice, the fp32 gradients,
+one microbatch's working set) misses what the lowered schedule holds at once: the next job's
+weights while they upload, the previous job's gradients while they download, values a forward
+stage keeps for a backward stage on the same worker, inputs uploaded ahead of their reader.
+:func:`worker_peaks` bounds each worker's memory at every point of its compute stream, whatever
+the timing, because the lowering (``rpcompile.passes.lower``) ties every transfer that
+allocates or frees device memory to that stream:
+
+  * a job's weights (UP) may start once the EVICT two jobs back has run (``buffer``) and live
+    until the job's EVICT;
+  * a job's fp32 gradient buffer is allocated by its first compute and freed when its D2H ends,
+    which the worker's next gradient job waits for (``grad_slot``);
+  * an input (H2D) may start once the compute two places before its reader has ended
+    (``window``) and lives until its reader ends;
+  * a value a compute produces lives from that compute's end until its last local reader ends
+    and its D2H, which the compute two places after the producer waits for (``sent``), is done;
+  * each compute's working set (one microbatch's activations and transients:
+    ``Stage.peak_bytes`` less twice the weights and the gradients) lives while it runs.
+
+Points of a worker's compute stream: the gap before action ``p`` is point ``2p``, action ``p``
+itself is ``2p + 1``, the gap after the last action is ``2L``. Every hold above is an interval
+of points; the peak is the largest sum over one point. Any replay that honours the schedule's
+edges (the simulator, the runtime) stays at or below it; the simulator reaches it when
+transfers are slow enough, the virtual workers when they are fast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from rpcompile.ir import Action, Plan, Schedule, Stage
+
+__all__ = ["WorkerPeak", "format_bytes", "worker_peaks", "working_bytes"]
+
+PARTS = ("weights", "grads", "values", "working")
+
+
+@dataclass(frozen=True)
+class WorkerPeak:
+    """One worker's proven peak: ``peak_bytes`` = the sum of ``parts`` at ``action`` (the
+    compute-stream action at, or just after, the peak), and ``held_bytes``: the peak of the
+    same holds without compute working sets (what a virtual worker accounts)."""
+
+    worker: int
+    peak_bytes: int
+    held_bytes: int
+    action: Action | None
+    parts: dict[str, int] = field(default_factory=dict)
+    stages: tuple[int, ...] = ()  # stages whose weights, gradients or values are held then
+
+    def describe(self, stage_name=lambda s: f"stage {s}") -> str:
+        what = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.parts.items() if v)
+        at = "" if self.action is None else f" during {self.action}"
+        names = ", ".join(stage_name(s) for s in self.stages)
+        return (f"worker {self.worker}: {format_bytes(self.peak_bytes)}{at} "
+                f"({what}; stages {names})")
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in the largest unit that keeps at least one whole digit: '21.43 GiB', '812.0 MiB'."""
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def working_bytes(stage: Stage) -> int:
+    """One compute's working set: the stage figure less twice its weights and its gradients."""
+    return max(0, stage.peak_bytes - 2 * stage.weight_bytes - stage.grad_bytes)
+
+
+def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
+                 overlap_steps: bool = True) -> tuple[WorkerPeak, ...]:
+    """The peak device memory of every worker over the whole lowered RoundPipe ``sched``.
+
+    ``overlap_steps``: steps may overlap on a worker (the simulator's async runs: the next
+    step's first weights upload while this step's last job runs). ``False``: each step
+    starts on empty workers, as the runtime runs them (a step drains before the next one),
+    so the peak is the largest of the steps' own peaks.
+
+    Raises ``ValueError`` for a schedule that is not lowered (no UP/EVICT) or is a
+    weight-bound baseline: their memory is not bounded by the schedule's order.
+    """
+    if sched.stage_workers is not None:
+        raise ValueError("worker_peaks applies to RoundPipe schedules (a baseline's weights "
+                         "stay on their workers all along)")
+    if "upload" not in sched.passes:
+        raise ValueError("worker_peaks needs a lowered schedule (rpcompile.passes.lower)")
+    stages = tuple(plan.stages if isinstance(plan, Plan) else plan)
+    waits_for: dict[tuple[Action, str], Action] = {}  # (dst, kind) -> src
+    waited_by: dict[tuple[Action, str], Action] = {}  # (src, kind) -> dst
+    for e in sched.edges:
+        if e.kind in ("buffer", "window", "grad_slot"):
+            waits_for[(e.dst, e.kind)] = e.src
+        if e.kind in ("sent", "grad_slot"):
+            waited_by[(e.src, e.kind)] = e.dst
+    flows_from: dict[tuple[str, int], dict[str, int]] = {}
+    readers: dict[tuple[int, str], str] = {}
+    for f in sched.flows:
+        if f.src_kind is not None:
+            out = flows_from.setdefault((f.src_kind, f.src_stage), {})
+            out[f.value] = max(out.get(f.value, 0), f.bytes)
+        readers[(f.dst_stage, f.value)] = f.dst_kind
+    consumers: dict[tuple[str, int, str], list[str]] = {}
+    for f in sched.flows:
+        if f.src_kind is not None:
+            consumers.setdefault((f.src_kind, f.src_stage, f.value), []).append(
+                (f.dst_kind, f.dst_stage))
+    out = []
+    for w in range(sched.workers):
+        parts = [sched.actions[w]] if overlap_steps else [
+            [a for a in sched.actions[w] if a.step == k] for k in range(sched.steps)]
+        peaks = [_worker_peak(lst, w, stages, waits_for, waited_by, flows_from, readers,
+                              consumers) for lst in parts]
+        best = max(peaks, key=lambda p: p.peak_bytes)
+        out.append(replace(best, held_bytes=max(p.held_bytes for p in peaks)))
+    return tuple(out)
+
+
+def _worker_peak(lst, w, stages, waits_for, waited_by, flows_from, readers, consumers):
+    stream = [a for a in lst if a.stream == "compute"]
+    pos = {a: p for p, a in enumerate(stream)}
+    end = 2 * len(stream)
+    compute_at = {(a.kind, a.stage, a.microbatch, a.round, a.step): a
+                  for a in stream if a.is_compute}
+    evict = {(a.stage, a.round, a.step): a for a in stream if a.kind == "EVICT"}
+    d2h = {(a.stage, a.microbatch, a.round, a.step, a.value): a
+           for a in lst if a.kind == "D2H" and a.what != "grad"}
+    holds: list[tuple[int, int, str, int, int]] = []  # (first, last point, part, bytes, stage)
+
+    def hold(first: int, last: int, part: str, nbytes: int, stage: int) -> None:
+        if nbytes > 0:
+            holds.append((first, max(first, last), part, nbytes, stage))
+
+    def after(a: Action | None) -> int:  # the gap after compute-stream action a (0: none)
+        return 0 if a is None or a not in pos else 2 * pos[a] + 2
+
+    def before(a: Action | None) -> int:  # the gap before it (the end: none in this part)
+        return end if a is None or a not in pos else 2 * pos[a]
+
+    for a in lst:
+        if a.kind == "UP":
+            ev = evict.get((a.stage, a.round, a.step))
+            hold(after(waits_for.get((a, "buffer"))), end if ev is None else 2 * pos[ev],
+                 "weights", a.bytes, a.stage)
+        elif a.kind == "H2D":
+            reader = compute_at.get((readers.get((a.stage, a.value)), a.stage, a.microbatch,
+                                     a.round, a.step))
+            hold(after(waits_for.get((a, "window"))),
+                 end if reader is None else 2 * pos[reader] + 1, "values", a.bytes, a.stage)
+        elif a.kind == "D2H" and a.what == "grad":
+            first = next(c for c in stream if c.is_compute and
+                         (c.stage, c.round, c.step) == (a.stage, a.round, a.step))
+            hold(2 * pos[first] + 1, before(waited_by.get((a, "grad_slot"))), "grads",
+                 a.bytes, a.stage)
+        if not a.is_compute:
+            continue
+        p = pos[a]
+        stage = stages[a.stage]
+        hold(2 * p + 1, 2 * p + 1, "working", working_bytes(stage), a.stage)
+        for value, nbytes in flows_from.get((a.kind, a.stage), {}).items():
+            last = 2 * p + 2
+            kept = False
+            for dst_kind, dst_stage in consumers[(a.kind, a.stage, value)]:
+                r = compute_at.get((dst_kind, dst_stage, a.microbatch, a.round, a.step))
+                if r is not None:
+                    last, kept = max(last, 2 * pos[r] + 1), True
+            down = d2h.get((a.stage, a.microbatch, a.round, a.step, value))
+            if down is not None:
+                last, kept = max(last, before(waited_by.get((down, "sent")))), True
+            if kept:
+                hold(2 * p + 2, last, "values", nbytes, a.stage)
+    return _sweep(w, stream, end, holds)
+
+
+def _sweep(w, stream, end, holds) -> WorkerPeak:
+    delta = [[0] * (end + 2) for _ in PARTS]
+    index = {part: i for i, part in enumerate(PARTS)}
+    for first, last, part, nbytes, _stage in holds:
+        delta[index[part]][first] += nbytes
+        delta[index[part]][last + 1] -= nbytes
+    level = [0] * len(PARTS)
+    best = held = 0
+    best_point = 0
+    for point in range(end + 1):
+        for i in range(len(PARTS)):
+            level[i] += delta[i][point]
+        total = sum(level)
+        held = max(held, total - level[index["working"]])
+        if total > best:
+            best, best_point = total, point
+    parts = {part: 0 for part in PARTS}
+    live = set()
+    for first, last, part, nbytes, stage in holds:
+        if first <= best_point <= last:
+            parts[part] += nbytes
+            live.add(stage)
+    action = stream[min(best_point // 2, len(stream) - 1)] if stream else None
+    return WorkerPeak(w, best, held, action, parts, tuple(sorted(live)))
