@@ -38,8 +38,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--gpus", type=int, default=None, help="workers (default: the profile's)")
     plan.add_argument("--seq", type=int, default=2048, help="sequence length (tokens)")
     plan.add_argument("--batch", type=int, default=None,
-                      help="global batch in sequences per optimizer step "
-                           "(default: microbatches x rounds)")
+                      help="global batch in sequences per optimizer step (default: the "
+                           "smallest multiple of microbatches x rounds, up to 64 sequences "
+                           "per microbatch, whose plan gives every worker a job each step)")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="microbatches per round (default: gpus + 1)")
     plan.add_argument("--rounds", type=int, default=1, help="rounds per step (accumulation)")
@@ -53,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
                            "plan.txt and summary.json")
     plan.add_argument("--no-fit-search", action="store_true",
                       help="skip the search for the longest sequence that fits")
+    plan.add_argument("--host-ram", type=float, default=None, metavar="GIB",
+                      help="host RAM of the target server in GiB (default: the profile's, "
+                           "else this machine's); the plan's host memory is checked against it")
 
     train = sub.add_parser(
         "train",
@@ -136,11 +140,22 @@ def _plan(args: argparse.Namespace) -> int:
     model_config(args.model)  # unknown names fail here with the list of known ones
     print(f"building {args.model} on the meta device ...", file=sys.stderr)
     model = build_model(args.model, device="meta", layers=args.layers)
-    ids = torch.zeros(batch, args.seq, dtype=torch.long, device="meta")
-    compiled = rpcompile.compile(
-        model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids, rounds=args.rounds,
-        mode=args.optimizer,
-    )
+
+    def compile_for(batch: int):
+        ids = torch.zeros(batch, args.seq, dtype=torch.long, device="meta")
+        # device="virtual": the plan is for the profile's machine, not for a GPU here.
+        return rpcompile.compile(
+            model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids,
+            rounds=args.rounds, mode=args.optimizer, device="virtual")
+
+    compiled = compile_for(batch)
+    if args.batch is None and args.schedule == "roundpipe":
+        filling = filling_microbatch(compiled, hw, gpus, micro, args.rounds, args.optimizer)
+        if filling is not None and filling > 1:
+            batch = filling * micro * args.rounds
+            print(f"--batch not given: {batch} sequences ({filling} per microbatch) give every "
+                  f"worker a job each step", file=sys.stderr)
+            compiled = compile_for(batch)
     plan = compiled.plan
     if args.schedule == "roundpipe":
         compute = build_schedule(plan, gpus, micro, rounds=args.rounds, steps=1,
@@ -191,8 +206,40 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"predicted, steady state (async, steps overlapping): {step_ms:.1f} ms per step, "
               f"{summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
               f"{summary['steady_bubble_pct']:.2f}%")
-    print(f"peak device memory: {max(summary['peak_device_gib']):.2f} GiB of "
-          f"{hw.memory_gib:g} GiB; host memory {summary['host_gib']:.1f} GiB")
+    jobs = len(plan.stages) * args.rounds
+    if args.schedule == "roundpipe" and jobs < gpus:
+        filling = None if args.batch is None else filling_microbatch(  # None: searched above
+            compiled, hw, gpus, micro, args.rounds, args.optimizer)
+        fill = ("no microbatch up to 64 sequences fills them" if filling is None else
+                f"--batch {filling * micro * args.rounds} would fill them")
+        summary["idle_workers"] = gpus - jobs
+        print(f"idle workers: a step has {jobs} jobs for {gpus} workers, so {gpus - jobs} "
+              f"workers get no job; the batch is too small for this machine ({fill})")
+    print(f"peak device memory: {max(summary['peak_device_gib']):.2f} GiB simulated of "
+          f"{hw.memory_gib:g} GiB ({hw.usable_memory_bytes / 2**30:.2f} GiB usable, "
+          f"{hw.memory_reserve_gib:g} GiB reserved for the CUDA context and allocator)")
+    if args.schedule == "roundpipe":
+        from rpcompile.passes.memory import format_bytes, host_memory
+
+        peak = max(compiled.memory, key=lambda p: p.peak_bytes)
+        summary["proven_peak_device_gib"] = peak.peak_bytes / 2**30
+        print(f"proven peak over the schedule: {peak.describe(plan.stage_name)}")
+        host = host_memory(plan, args.optimizer, round(summary["host_gib"] * 2**30))
+        summary["host"] = {k: getattr(host, k) for k in
+                           ("masters", "optimizer", "gradients", "shadows", "transfers")}
+        ram, source = host_ram(args.host_ram, hw)
+        summary["host_ram_gib"] = ram / 2**30
+        print(f"host memory: {host.describe()}; {format_bytes(ram)} RAM ({source})")
+        if host.total > ram:
+            print(f"warning: the plan needs {format_bytes(host.total)} of host memory, more "
+                  f"than the {format_bytes(ram)} of RAM: use LoRA or fewer trainable "
+                  "parameters, or a server with more RAM")
+        pageable = (f"pageable {hw.pageable_h2d_gbps:g}/{hw.pageable_d2h_gbps:g} GB/s"
+                    if hw.pageable_h2d_gbps else "pageable bandwidth not in the profile")
+        print(f"transfers assume pinned host memory: H2D {hw.h2d_gbps:g} GB/s, D2H "
+              f"{hw.d2h_gbps:g} GB/s per GPU ({pageable})")
+    else:
+        print(f"host memory {summary['host_gib']:.1f} GiB")
     if not args.no_fit_search and args.schedule == "roundpipe":
         longest = longest_sequence(compiled, hw, gpus, micro, args.rounds)
         summary["longest_seq"] = longest
@@ -317,6 +364,44 @@ def _summary(res) -> dict:
         "host_gib": res.peak_host_bytes / 2**30,
         "_timeline": res.timeline,
     }
+
+
+def host_ram(gib: float | None, hw) -> tuple[int, str]:
+    """(bytes, where the figure comes from) of the target server's host RAM."""
+    from rpcompile.hardware import host_ram_bytes
+
+    if gib is not None:
+        return int(gib * 2**30), "--host-ram"
+    if hw.host_ram_gib:
+        return int(hw.host_ram_gib * 2**30), f"the {hw.name} profile"
+    return host_ram_bytes(), "this machine's; pass --host-ram for the target server"
+
+
+def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimizer: str,
+                       largest: int = 64) -> int | None:
+    """The smallest microbatch size (sequences, doubling from the plan's) whose plan gives
+    each of ``gpus`` workers a job every step (jobs per step >= workers), or None."""
+    from rpcompile.compiler import unit_profiles
+    from rpcompile.passes.partition import PartitionError, StageCosting, partition
+
+    dtype_bytes = compiled.compute_dtype.itemsize
+    costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
+    s = compiled.plan.seq_len
+    b = compiled.plan.microbatch_size
+    if len(compiled.plan.stages) * rounds >= gpus:
+        return b
+    b *= 2
+    while b <= largest:
+        profiles = unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes)
+        try:
+            plan = partition(profiles, hw, gpus, micro, b, s, rounds, costing,
+                             optimizer=optimizer)  # as compile() plans it
+        except PartitionError:
+            return None
+        if len(plan.stages) * rounds >= gpus:
+            return b
+        b *= 2
+    return None
 
 
 def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int) -> int:

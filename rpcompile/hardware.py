@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
 
-__all__ = ["Hardware", "get_hardware", "list_hardware", "probe"]
+__all__ = ["Hardware", "get_hardware", "host_ram_bytes", "list_hardware", "probe"]
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,12 @@ class Hardware:
     mfu: float = 0.5  # fraction of matmul_tflops the cost model assumes a layer achieves
     transfer_latency_us: float = 10.0  # fixed cost of one DMA / kernel launch
     memory_reserve_gib: float = 1.5  # left free for the CUDA context and fragmentation
+    # h2d_gbps / d2h_gbps are copies from and to pinned host memory (what the runtime uses).
+    # Copies from pageable memory go through a driver staging buffer and are slower; 0 means
+    # the profile does not know them (probe() measures them on a GPU).
+    pageable_h2d_gbps: float = 0.0
+    pageable_d2h_gbps: float = 0.0
+    host_ram_gib: float = 0.0  # host RAM of the server (0: not known; plan --host-ram)
 
     @property
     def memory_bytes(self) -> int:
@@ -53,6 +59,15 @@ class Hardware:
 
     def with_gpus(self, gpus: int) -> Hardware:
         return replace(self, gpus=gpus)
+
+    def pageable(self) -> Hardware:
+        """The profile with its links at pageable-memory bandwidth (host memory that is not
+        pinned, as RoundPipe's ``pin_model="off"``); raises when the profile lacks them."""
+        if not (self.pageable_h2d_gbps and self.pageable_d2h_gbps):
+            raise ValueError(f"profile {self.name!r} has no pageable bandwidth "
+                             "(pageable_h2d_gbps, pageable_d2h_gbps); probe() measures it")
+        return replace(self, name=f"{self.name}-pageable", h2d_gbps=self.pageable_h2d_gbps,
+                       d2h_gbps=self.pageable_d2h_gbps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -118,6 +133,9 @@ def probe(device: str = "auto", size: int = 2048, repeats: int = 3) -> Hardware:
     other = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     h2d = nbytes / best(lambda: other.copy_(host, non_blocking=cuda)) / 1e9
     d2h = nbytes / best(lambda: host.copy_(other, non_blocking=cuda)) / 1e9
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    pageable_h2d = nbytes / best(lambda: other.copy_(pageable)) / 1e9 if cuda else 0.0
+    pageable_d2h = nbytes / best(lambda: pageable.copy_(other)) / 1e9 if cuda else 0.0
     scratch = torch.empty_like(host)
     host_bw = 2 * nbytes / best(lambda: scratch.copy_(host)) / 1e9
 
@@ -140,4 +158,16 @@ def probe(device: str = "auto", size: int = 2048, repeats: int = 3) -> Hardware:
         name="probed", gpu=name, gpus=gpus, matmul_tflops=tflops, memory_gib=mem_gib,
         h2d_gbps=h2d, d2h_gbps=d2h, host_mem_gbps=host_bw, optimizer_params_per_s=opt_rate,
         mfu=0.5 if cuda else 0.8, memory_reserve_gib=1.5 if cuda else 0.0,
+        pageable_h2d_gbps=pageable_h2d, pageable_d2h_gbps=pageable_d2h,
+        host_ram_gib=host_ram_bytes() / 2**30,
     )
+
+
+def host_ram_bytes() -> int:
+    """Physical RAM of this machine (0 where the OS does not say)."""
+    import os
+
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0

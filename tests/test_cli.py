@@ -61,3 +61,32 @@ def test_listings(capsys):
     assert "qwen3-235b-a22b" in capsys.readouterr().out
     assert main(["hardware"]) == 0
     assert "rtx4090x8" in capsys.readouterr().out
+
+
+def test_plan_reports_idle_workers_and_host_memory(tmp_path, capsys):
+    rc = main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--seq", "256", "--batch", "9",
+               "--host-ram", "1", "--no-fit-search", "--out", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    jobs = summary["stages"]
+    assert jobs < 8 and summary["idle_workers"] == 8 - jobs
+    assert f"{8 - jobs} workers get no job" in text and "too small" in text
+    host = summary["host"]
+    assert host["masters"] > 0 and host["optimizer"] == 2 * host["masters"]
+    assert summary["host_ram_gib"] == 1.0
+    assert "more than the 1.00 GiB of RAM" in text and "pinned host memory" in text
+    assert "proven peak over the schedule" in text
+
+
+def test_plan_default_batch_fills_the_workers(tmp_path, capsys):
+    rc = main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--seq", "256",
+               "--no-fit-search", "--out", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    if "idle_workers" in summary:  # no microbatch of up to 64 sequences fills 8 workers
+        assert "no microbatch up to 64 sequences fills them" in text
+    else:
+        assert summary["stages"] >= 8
+        assert summary["batch"] % 9 == 0

@@ -33,7 +33,8 @@ from dataclasses import dataclass, field, replace
 
 from rpcompile.ir import Action, Plan, Schedule, Stage
 
-__all__ = ["WorkerPeak", "format_bytes", "worker_peaks", "working_bytes"]
+__all__ = ["HostMemory", "WorkerPeak", "format_bytes", "host_memory", "worker_peaks",
+           "working_bytes"]
 
 PARTS = ("weights", "grads", "values", "working")
 
@@ -200,3 +201,55 @@ def _sweep(w, stream, end, holds) -> WorkerPeak:
             live.add(stage)
     action = stream[min(best_point // 2, len(stream) - 1)] if stream else None
     return WorkerPeak(w, best, held, action, parts, tuple(sorted(live)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host memory
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """Host bytes a RoundPipe plan keeps (the same accounting as the simulator's host peak):
+    fp32 ``masters`` of trainable parameters, ``optimizer`` state (AdamW: two fp32 moments),
+    the fp32 ``gradients`` accumulator of every backward stage, the low-precision ``shadows``
+    the uploads read (one flat buffer per stage; async keeps a second copy of the trainable
+    part), and ``transfers``: the peak of activations, recompute inputs and downloaded
+    gradients staged on the host during a step (0 when no run was simulated). Shadows and
+    transfer staging are pinned; masters, optimizer state and gradients need not be."""
+
+    masters: int
+    optimizer: int
+    gradients: int
+    shadows: int
+    transfers: int = 0
+
+    @property
+    def total(self) -> int:
+        return self.masters + self.optimizer + self.gradients + self.shadows + self.transfers
+
+    @property
+    def pinned(self) -> int:
+        return self.shadows + self.transfers
+
+    def describe(self) -> str:
+        return (f"{format_bytes(self.total)} (masters {format_bytes(self.masters)}, optimizer "
+                f"{format_bytes(self.optimizer)}, gradients {format_bytes(self.gradients)}, "
+                f"shadows {format_bytes(self.shadows)}, transfer staging "
+                f"{format_bytes(self.transfers)}; pinned {format_bytes(self.pinned)})")
+
+
+def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | None = None,
+                optimizer_bytes_per_param: int = 8) -> HostMemory:
+    """The host memory of ``plan`` (``optimizer``: ``"async"`` keeps two shadow versions of
+    the trainable part). ``peak_host_bytes``: a simulated run's ``SimResult.peak_host_bytes``,
+    whose part above the static buffers is the transfer staging."""
+    trainable = sum(u.trainable_params for u in plan.units)
+    shadows = sum(s.weight_bytes for s in plan.stages)
+    if optimizer == "async":
+        shadows += sum(2 * plan.units[u].trainable_params for s in plan.stages for u in s.units)
+    out = HostMemory(masters=4 * trainable, optimizer=optimizer_bytes_per_param * trainable,
+                     gradients=sum(s.grad_bytes for s in plan.stages), shadows=shadows)
+    if peak_host_bytes is not None:
+        out = replace(out, transfers=max(0, peak_host_bytes - out.total))
+    return out
