@@ -2,8 +2,12 @@
 
 ``rpcompile plan`` builds a shipped model from its config on the ``meta`` device (no weights are
 allocated), compiles it for a hardware profile, schedules and lowers one optimizer step,
-simulates it, prints the stage table, predicted tokens/s, the bubble split, peak memory and the
-longest sequence that fits, and writes the schedule as CSV, Chrome-trace JSON and PNG. For
+simulates it, prints the stage table, predicted tokens/s, the bubble split, peak device memory
+(simulated and proven over the schedule), host memory by part against the server's RAM
+(``--host-ram``) and the longest sequence that fits, and writes the schedule as CSV,
+Chrome-trace JSON and PNG. Without ``--batch`` it picks the smallest batch (doubling the
+microbatch up to 64 sequences) whose plan gives every worker a job each step; a plan that
+leaves workers idle says so. For
 RoundPipe with the async optimizer it also simulates overlapping steps (two warm-up steps
 and a steady-state window of at least 8 steps, rpcompile.sim.steady_steps) and prints the
 steady-state time per step, tokens/s and bubble (summary.json: steady_step_ms,
