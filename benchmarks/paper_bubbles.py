@@ -5,8 +5,11 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
 
   gpipe, 1f1b            8 stages bound to 8 GPUs (layers cut by rpcompile.sim.pipeline_stages,
                          the rule that reproduces the paper's simulator), backward with recompute
-  interleaved,           16 stages, 2 per GPU (Megatron interleaved 1F1B; breadth-first loop)
-  looped-bfs
+  interleaved,           v stages per GPU, v = ceil(layers / 8) as the paper's artifact
+  looped-bfs             interleaves (Megatron interleaved 1F1B; breadth-first loop), at most
+                         layers // 8 where the layers cannot be cut that finely (Qwen3-1.7B:
+                         3 instead of 4, Qwen3-235B-A22B: 11 instead of 12); the artifact's
+                         ideal bubble (p - 1) / (v m + p - 1) is printed beside them
   roundpipe-sync         our partitioner's plan over attention/MLP blocks (each layer's measured
                          times shared by FLOPs, rpcompile.paper.PaperModel.attention_share),
                          round-robin dispatch, weights uploaded per job,
@@ -20,6 +23,9 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
   rp-async-layers        (printed only) our partitioner limited to whole layers, async steady state
   rp-partition-*         (printed only) RoundPipe's own greedy partitioner (whole layers)
 
+Also prints RoundPipe's own Qwen3-1.7B partition (rpcompile.paper.ROUNDPIPE_QWEN3_1_7B) in
+our simulator beside the artifact's figures for it (docs/simulator.md).
+
 Hardware: RTX 4090 x 8, except that each model's PCIe links are set so that a D2H plus an H2D
 of one activation takes the table's "activation hop" (about 42 GB/s per direction: the paper's
 simulator charges 1.6-4 ms per hop) and host memory bandwidth is not a limit (the reference
@@ -32,12 +38,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
-from dataclasses import replace
 from pathlib import Path
 
-from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.paper import MODELS, PAPER_MODELS, PaperModel
+from rpcompile.hardware import Hardware
+from rpcompile.paper import (
+    MODELS,
+    PAPER_MODELS,
+    ROUNDPIPE_QWEN3_1_7B_BUBBLES,
+    PaperModel,
+    hop_hardware,
+    roundpipe_qwen3_1_7b_plan,
+)
 from rpcompile.passes.partition import partition
 from rpcompile.passes.partition_baseline import partition_roundpipe
 from rpcompile.sim import (
@@ -60,9 +73,30 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def paper_hardware(model: PaperModel) -> Hardware:
     """RTX 4090 x 8 with links that move one activation D2H + H2D in the table's hop time."""
-    link = 2 * model.activation_bytes(MICROBATCH_SIZE * SEQ) / (model.hop_ms * 1e-3) / 1e9
-    return replace(get_hardware("rtx4090x8"), name=f"rtx4090x8-hop{model.hop_ms:g}ms",
-                   h2d_gbps=link, d2h_gbps=link, transfer_latency_us=0.0, host_mem_gbps=1e6)
+    return hop_hardware(model, MICROBATCH_SIZE * SEQ)
+
+
+def virtual_stages(model: PaperModel) -> int:
+    """Stages per GPU of the interleaved baselines: the artifact's ceil(layers / 8), at most
+    layers // 8 (a stage holds at least one layer)."""
+    return min(math.ceil(model.layers / WORKERS), model.layers // WORKERS)
+
+
+def ideal_interleaved(model: PaperModel) -> float:
+    """The artifact's ideal interleaved bubble (p - 1) / (v m + p - 1), percent."""
+    v = math.ceil(model.layers / WORKERS)
+    return 100 * (WORKERS - 1) / (v * MICROBATCHES + WORKERS - 1)
+
+
+def roundpipe_own_plan() -> dict[str, float]:
+    """RoundPipe's own Qwen3-1.7B partition in our simulator: an isolated sync step (bubble,
+    fill, drain, steady) and the async steady state, percent."""
+    hw = paper_hardware(MODELS["qwen3-1.7b"])
+    plan = roundpipe_qwen3_1_7b_plan(hw, WORKERS, MICROBATCHES)
+    r = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")
+    a = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
+    return {"sync": 100 * r.bubble, "fill": 100 * r.bubble_fill, "drain": 100 * r.bubble_drain,
+            "steady": 100 * r.bubble_steady, "async": 100 * (1 - steady_utilization(a))}
 
 
 def _roundpipe(plan, hw) -> tuple[float, float]:
@@ -79,7 +113,8 @@ def bubbles(name: str) -> dict[str, float]:
     units = model.units(MICROBATCH_SIZE, SEQ)
     hw = paper_hardware(model)
     out: dict[str, float] = {}
-    for kind, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("looped-bfs", 2)):
+    v = virtual_stages(model)
+    for kind, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", v), ("looped-bfs", v)):
         r = simulate_pipeline(units, hw, kind, workers=WORKERS, microbatches=MICROBATCHES,
                               chunks=chunks)
         out[kind] = 100 * r.bubble
@@ -101,7 +136,8 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
     ap.add_argument("--json", type=Path, default=RESULTS / "paper_bubbles.json",
-                    help="where to write {schedule: {model: bubble_percent}}")
+                    help="where to write {schedule: {model: bubble_percent}}, plus "
+                         "roundpipe-own-plan-qwen3-1.7b: {quantity: percent}")
     ap.add_argument("--png", type=str, default=RESULTS / "paper_bubbles.png",
                     help="grouped bar chart ('' to skip)")
     args = ap.parse_args()
@@ -118,10 +154,22 @@ def main() -> None:
         if s in REFERENCE:
             ref = [REFERENCE[s][PAPER_MODELS.index(m)] for m in args.models]
             print(f"{'  paper':<18}" + "".join(f"{v:>{width + 1}.2f}%" for v in ref))
+        if s == "looped-bfs":
+            print(f"{'  v per GPU':<18}" + "".join(
+                f"{virtual_stages(MODELS[m]):>{width + 2}}" for m in args.models))
+            print(f"{'  artifact ideal':<18}" + "".join(
+                f"{ideal_interleaved(MODELS[m]):>{width + 1}.2f}%" for m in args.models))
+    own = roundpipe_own_plan()
+    print("RoundPipe's own Qwen3-1.7B partition (8 GPUs, 16 microbatches), bubble %:")
+    print("  " + "".join(f"{k:>10}" for k in own))
+    print("  " + "".join(f"{v:>10.2f}" for v in own.values()) + "   ours")
+    print("  " + "".join(f"{ROUNDPIPE_QWEN3_1_7B_BUBBLES[k]:>10.2f}" for k in own)
+          + "   the artifact")
     worst = max((abs(result[s][m] - REFERENCE[s][PAPER_MODELS.index(m)])
                  for s in REFERENCE for m in args.models), default=0.0)
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
+    result["roundpipe-own-plan-qwen3-1.7b"] = {k: round(v, 2) for k, v in own.items()}
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     if args.png:  # "" skips the chart (Path("") would be ".")
         from rpcompile.viz import bar_chart

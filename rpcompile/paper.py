@@ -5,6 +5,7 @@ Sections, in reading order:
                     the per-layer times measured on one RTX 4090 for a 4 x 2048-token microbatch
   2. MODELS       - the five models (figures from the RoundPipe paper, arXiv 2604.27085)
   3. Workload     - the paper's training setups (global batch, microbatches, rounds)
+  4. RoundPipe's own Qwen3-1.7B plan and its artifact's bubbles; the hop-time hardware
 
 ``PaperModel.units(b, s)`` turns a model into the ``UnitProfile`` list the partitioner and the
 simulator read: a prefix unit (embedding), one unit per decoder layer, and the tail (final norm,
@@ -19,7 +20,10 @@ from dataclasses import dataclass
 
 from rpcompile.ir import UnitProfile
 
-__all__ = ["MODELS", "PAPER_MODELS", "WORKLOADS", "PaperModel", "Workload", "get_model"]
+__all__ = [
+    "MODELS", "PAPER_MODELS", "ROUNDPIPE_QWEN3_1_7B", "ROUNDPIPE_QWEN3_1_7B_BUBBLES", "WORKLOADS",
+    "PaperModel", "Workload", "get_model", "hop_hardware", "roundpipe_qwen3_1_7b_plan",
+]
 
 # The table's microbatch: 4 sequences of 2048 tokens.
 _TABLE_TOKENS = 4 * 2048
@@ -288,3 +292,47 @@ WORKLOADS: dict[str, Workload] = {
         Workload("qwen3-235b-a22b", global_batch=64, microbatches=10, rounds=1),
     )
 }
+
+
+# --------------------------------------------------------------------------------------------
+# 4. RoundPipe's own plan (the artifact's simulator input)
+# --------------------------------------------------------------------------------------------
+
+# RoundPipe's partition of Qwen3-1.7B (units: prefix, 28 layers, tail), as build_plan bounds:
+# forward stages of 7 layers (the prefix rides with the first); backward the LM head alone,
+# eight stages of 3 layers, then 2 and 2 layers with the prefix in the last.
+ROUNDPIPE_QWEN3_1_7B = {
+    "forward_bounds": (0, 8, 15, 22),
+    "backward_bounds": (0, 3, 5, 8, 11, 14, 17, 20, 23, 26),
+    "tail_start": 29,
+}
+# The artifact's simulator on that plan (8 GPUs, 16 microbatches of 4 x 2048, the paper's
+# layer times): an isolated synchronous step and the asynchronous steady state, bubble %.
+ROUNDPIPE_QWEN3_1_7B_BUBBLES = {"sync": 19.07, "fill": 7.51, "drain": 7.51, "steady": 4.05,
+                                "async": 4.05}
+
+
+
+def hop_hardware(model: PaperModel, microbatch_tokens: int = _TABLE_TOKENS):
+    """RTX 4090 x 8 as the paper's simulator sees it: links that move one activation D2H +
+    H2D in the table's hop time, no DMA latency, host memory bandwidth not a limit."""
+    from dataclasses import replace
+
+    from rpcompile.hardware import get_hardware
+
+    link = 2 * model.activation_bytes(microbatch_tokens) / (model.hop_ms * 1e-3) / 1e9
+    return replace(get_hardware("rtx4090x8"), name=f"rtx4090x8-hop{model.hop_ms:g}ms",
+                   h2d_gbps=link, d2h_gbps=link, transfer_latency_us=0.0, host_mem_gbps=1e6)
+
+
+def roundpipe_qwen3_1_7b_plan(hardware=None, workers: int = 8, microbatches: int = 16):
+    """RoundPipe's own Qwen3-1.7B partition (ROUNDPIPE_QWEN3_1_7B) as a Plan, for
+    microbatches of 4 x 2048 tokens on ``hardware`` (default: :func:`hop_hardware`)."""
+    from rpcompile.passes.partition import build_plan
+
+    model = MODELS["qwen3-1.7b"]
+    hw = hardware or hop_hardware(model)
+    b = ROUNDPIPE_QWEN3_1_7B
+    return build_plan(model.units(4, 2048), b["forward_bounds"], b["backward_bounds"],
+                      b["tail_start"], hw, workers, microbatches, 4, 2048,
+                      notes=("RoundPipe's own partition (its artifact)",))

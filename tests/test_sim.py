@@ -313,3 +313,49 @@ def test_timeline_png_and_bar_chart(tmp_path):
     doc = json.loads((tmp_path / "t.json").read_text())
     ends = [e["ts"] + e["dur"] for e in doc["traceEvents"] if e.get("ph") == "X"]
     assert max(ends) / 1000.0 == pytest.approx(r.makespan_ms)
+
+
+def _compute_only(result):
+    """(bubble, fill, drain) of a run measured to its last compute, not its last host work."""
+    spans = [(a.worker, t) for a, t in result.timeline.items() if a.is_compute]
+    end = max(t[1] for _, t in spans)
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for w, (s, e) in spans:
+        first[w] = min(first.get(w, s), s)
+        last[w] = max(last.get(w, e), e)
+    busy = sum(e - s for _, (s, e) in spans)
+    total = end * result.workers
+    return (1 - busy / total, sum(first.values()) / total,
+            sum(end - v for v in last.values()) / total)
+
+
+def test_roundpipe_own_plan_against_the_artifact():
+    # RoundPipe's own Qwen3-1.7B partition, 8 GPUs, 16 microbatches, the paper's layer times
+    # (docs/simulator.md, "RoundPipe's own plan"). The artifact: a 19.07 % isolated sync step
+    # (fill 7.51, drain 7.51, steady 4.05) and a 4.05 % async steady state.
+    from rpcompile.paper import ROUNDPIPE_QWEN3_1_7B_BUBBLES as ref
+    from rpcompile.paper import hop_hardware, roundpipe_qwen3_1_7b_plan
+    from rpcompile.sim import steady_steps
+
+    hw = hop_hardware(MODELS["qwen3-1.7b"])
+    plan = roundpipe_qwen3_1_7b_plan(hw)
+    assert [len(s.units) for s in plan.stages] == [8, 7, 7, 7, 1, *[3] * 8, 2, 3]
+    sync = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")
+    # A real sync step ends with the last stage's gradients downloaded, accumulated and
+    # applied; the artifact's step ends at the last compute.
+    assert 100 * sync.bubble == pytest.approx(31.1, abs=0.5)
+    assert 100 * _compute_only(sync)[0] == pytest.approx(27.3, abs=0.5)
+    # With transfers and host work instant, what is left is the dispatch itself: the fill is
+    # the artifact's, the drain is not. Round-robin deals the 15 jobs to 8 GPUs: GPU 7 gets one
+    # job, the step ends with the wavefront of the last backward jobs on GPUs 0-6.
+    instant = replace(hw, h2d_gbps=1e6, d2h_gbps=1e6, optimizer_params_per_s=1e15)
+    bubble, fill, drain = _compute_only(simulate_roundpipe(plan, instant, steps=1,
+                                                           optimizer="sync"))
+    assert 100 * fill == pytest.approx(ref["fill"], abs=0.5)
+    assert 100 * (bubble - fill - drain) == pytest.approx(ref["steady"], abs=1.0)
+    assert 100 * drain > ref["drain"] + 5
+    # Overlapping async steps hide part of the pacing waits the artifact counts.
+    steady = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
+    assert 100 * (1 - steady_utilization(steady)) == pytest.approx(2.2, abs=0.3)
+    assert 100 * (1 - steady_utilization(steady)) < ref["async"]
