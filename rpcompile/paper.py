@@ -160,7 +160,8 @@ class PaperModel:
         return self.hop_ms * tokens / _TABLE_TOKENS
 
     def units(self, microbatch_size: float = 4, seq_len: int = 2048, *,
-              split_layers: bool = False) -> tuple[UnitProfile, ...]:
+              split_layers: bool = False,
+              loss_chunk_tokens: int | None = _LOSS_CHUNK_TOKENS) -> tuple[UnitProfile, ...]:
         """Prefix (embedding), one unit per layer, tail (final norm + LM head + loss).
 
         ``split_layers``: two units per layer instead, its attention block (``layers.i.self_attn``,
@@ -170,6 +171,10 @@ class PaperModel:
         between whole layers. Only the residual stream crosses a cut between the two blocks.
         (``rpcompile.compile`` can be given such units with ``units=[...]`` naming each layer's
         attention and MLP modules; by default it cuts between layers.)
+
+        ``loss_chunk_tokens``: the tail's working set holds the logits of this many tokens at
+        a time (RoundPipe's chunked LM head and loss); ``None``: of the whole microbatch, as
+        rpcompile's captured tail computes them today.
 
         ``microbatch_size`` may be fractional: the paper splits e.g. 128 sequences into 10
         microbatches, and times scale with the mean tokens per microbatch. The embedding
@@ -207,7 +212,7 @@ class PaperModel:
                     group=f"layers.{i}" if split_layers else "",
                 ))
         head = self.hidden + self.vocab * self.hidden  # tied: the tail still needs the matrix
-        chunk = min(itokens, _LOSS_CHUNK_TOKENS)
+        chunk = itokens if loss_chunk_tokens is None else min(itokens, loss_chunk_tokens)
         tail = UnitProfile(
             name="tail", forward_ms=self.head_forward_ms * scale,
             backward_ms=self.head_backward_ms * scale,

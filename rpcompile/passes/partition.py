@@ -106,10 +106,13 @@ def partition(
         except _NoPlanFits as exc:
             overshoot = exc.overshoot
             best = exc
+        except PartitionError:
+            if not overshoot:
+                raise
+            break  # no stage cut fits the lowered limit: the schedule's peak is what limits
     raise PartitionError(
         f"no plan fits {format_bytes(capacity)} per GPU over its whole schedule: the best "
-        f"candidate needs {format_bytes(best.peak.peak_bytes)} on "
-        f"{best.peak.describe()}; use a smaller microbatch (more microbatches for the same "
+        f"candidate peaks at {best.peak.describe()}; use a smaller microbatch (more microbatches for the same "
         "batch), a shorter sequence, finer units, LoRA, or a GPU with more memory")
 
 
