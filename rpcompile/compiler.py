@@ -184,6 +184,7 @@ def compile(
     kernels: str = "auto",
     skip_nonfinite: bool = False,
     loss_scale: Any = None,
+    timeout_s: float | None = None,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -206,7 +207,9 @@ def compile(
     ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``);
     ``skip_nonfinite`` drops a step whose gradients hold inf/NaN (masters and optimizer state
     unchanged); ``loss_scale`` (``True`` or a ``runtime.loss_scale.LossScaleConfig``) runs
-    dynamic loss scaling for fp16 in sync mode.
+    dynamic loss scaling for fp16 in sync mode; ``timeout_s`` is the step watchdog (default
+    ``max(300 s, 20 x the predicted step time)``, ``math.inf`` turns it off): a step that
+    outlives it raises ``StepTimeout`` at that time with the masters kept.
     """
     _check_counts(gpus, microbatches, rounds)
     if mode not in ("sync", "async"):
@@ -238,7 +241,8 @@ def compile(
     )
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes, kernels=kernels,
-                             skip_nonfinite=skip_nonfinite, loss_scale=loss_scale)
+                             skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
+                             timeout_s=timeout_s)
     return compiled
 
 
@@ -335,7 +339,13 @@ def _default_hardware() -> Hardware | str:
 def _close_ref(ref: weakref.ref) -> None:
     compiled = ref()
     if compiled is not None:
-        compiled.close()
+        try:
+            compiled.close()
+        except BaseException as exc:  # exit must not raise because a run failed
+            import warnings
+
+            warnings.warn(f"rpcompile: closing at exit: {type(exc).__name__}: {exc}",
+                          RuntimeWarning, stacklevel=1)
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype:
