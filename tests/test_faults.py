@@ -296,7 +296,7 @@ def test_concurrent_step_calls_name_the_rule(qwen3, monkeypatch):  # noqa: F811
 
 def test_empty_batch_is_refused_with_the_fix(qwen3):  # noqa: F811
     with Trainer(qwen3, SGD, device="virtual", timeout_s=60) as trainer:
-        with pytest.raises(ValueError, match="empty batch"):
+        with pytest.raises(ValueError, match="batch is empty"):
             trainer.step(torch.zeros(0, 12, dtype=torch.long))
         assert trainer.steps_done == 0
         trainer.step(token_batch(6))
