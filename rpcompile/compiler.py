@@ -81,8 +81,25 @@ class Compiled:
         """Masters, optimizer state, step counter and a plan summary."""
         return self._finished_trainer().state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer().load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> None:
+        """Restore :meth:`state_dict` (validated first: a bad state changes nothing)."""
+        self.trainer().load_state_dict(state, strict=strict, allow_nonfinite=allow_nonfinite)
+
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
+        """Write masters, optimizer state, step counter, RNG states, loss-scale state, the
+        plan's identity and ``extra`` (a JSON-serializable dict) to the folder ``path``
+        atomically, in safetensors + a JSON manifest (:mod:`rpcompile.runtime.checkpoint`).
+        Returns the folder's path."""
+        return self._finished_trainer().save_checkpoint(path, extra=extra)
+
+    def load_checkpoint(self, path: Any, *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> dict[str, Any]:
+        """Restore a checkpoint written by :meth:`save_checkpoint`, after checking all of it
+        (a corrupt, truncated or mismatched one is refused naming the key, changing nothing);
+        returns the ``extra`` dict it stored ({} when none)."""
+        return self.trainer().load_checkpoint(path, strict=strict,
+                                              allow_nonfinite=allow_nonfinite)
 
     def sync_to_model(self) -> None:
         """Write the trained masters back into the original module (then save_pretrained)."""

@@ -240,8 +240,17 @@ class Trainer:
         state["executor_steps"] = self.executor.steps_run
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` from a trainer over the same plan."""
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> None:
+        """Restore :meth:`state_dict` from a trainer over the same model. Everything is
+        validated first (:func:`~rpcompile.runtime.checkpoint.validate_state`: names, shapes,
+        finiteness, optimizer structure, mode); a bad state raises ``CheckpointError`` naming
+        the key and changes nothing. ``strict=False`` ignores unknown keys and parameters;
+        ``allow_nonfinite=True`` accepts inf/NaN masters and optimizer state."""
+        from rpcompile.runtime.checkpoint import validate_state
+
+        self._settle()
+        validate_state(self, state, strict=strict, allow_nonfinite=allow_nonfinite)
         mine = plan_summary(self.compiled)
         theirs = state.get("plan")
         if theirs is not None and _comparable(theirs) != _comparable(mine):
@@ -255,6 +264,19 @@ class Trainer:
             )
         self.driver.load_state_dict(state)
         self.executor.steps_run = int(state.get("executor_steps", state["step"]))
+
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
+        """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`)."""
+        from rpcompile.runtime import checkpoint
+
+        return checkpoint.save(self, path, extra=extra)
+
+    def load_checkpoint(self, path: Any, *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> dict[str, Any]:
+        """Restore a checkpoint folder; returns the ``extra`` dict it stored."""
+        from rpcompile.runtime import checkpoint
+
+        return checkpoint.load(self, path, strict=strict, allow_nonfinite=allow_nonfinite)
 
     # -- inspection ----------------------------------------------------------------------------
     def peak_bytes(self) -> tuple[int, ...]:

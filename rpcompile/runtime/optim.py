@@ -564,9 +564,11 @@ class OptimizerDriver:
         if self._open is not None:
             raise RuntimeError("load_state_dict() inside an open step")
         self.wait()
+        # The optimizer first: torch checks its groups before it changes anything, so a bad
+        # state fails before the masters are touched.
+        self.optimizer.load_state_dict(state["optimizer"])
         self.store.load_state_dict(state["masters"])
         self.store.zero_grads()
-        self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self._steps.clear()
         if self.step > 0:
