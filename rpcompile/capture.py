@@ -285,15 +285,13 @@ def capture(
             captured.opaque_entries = keep
             return captured
     failed = "; ".join(f"{s}: {why}" for s, why in attempts)
+    hint = ""
     if not causal and loss_fn is None:
-        raise CaptureError(
-            f"could not capture {type(model).__name__}: {_NO_LOSS_FN.format(type(model).__name__)}"
-            f" (strategies tried -> {failed})"
-        )
+        hint = " Note: " + _NO_LOSS_FN.format(type(model).__name__) + "."
     raise CaptureError(
         f"could not capture {type(model).__name__}. Strategies tried -> {failed}. To proceed, "
         "name the repeated layers with units=[...] and the modules that cannot be traced with "
-        "opaque=[...] (module names as in model.named_modules())."
+        f"opaque=[...] (module names as in model.named_modules()).{hint}"
     )
 
 

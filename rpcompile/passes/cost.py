@@ -728,6 +728,8 @@ def _save_sdpa(node, walk):
 
 
 def _save_dropout(node, walk):
+    if node.target is torch.ops.rpcompile.dropout.default:
+        return [node.args[1]], 0  # the seeds: backward draws the mask again from them
     if _is_identity_dropout(node):
         return [], 0
     return [], _prod(walk._shape(node.meta["val"]))  # bool mask, one byte per element
