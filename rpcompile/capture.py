@@ -111,6 +111,7 @@ class Captured:
     loss_reduction: str = "mean"
     dropout_seed: int = 0  # base of the step's dropout seeds (rpcompile.dropout.step_seeds)
     random_ops: tuple[str, ...] = ()  # modules whose dropout is replayed from seeds
+    loss_chunk_tokens: int | None = None  # set when the LM head + loss run chunked
 
     def parameter(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)
