@@ -96,6 +96,8 @@ def _keep(rng: torch.Tensor, salt: int, p: float, like: torch.Tensor) -> tuple[i
 
 
 def _scaled(keep: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    if p >= 1.0:
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device)  # as F.dropout(p=1)
     return keep.to(dtype) * (1.0 / (1.0 - p))
 
 
@@ -232,6 +234,7 @@ def _sdpa_math(gm: fx.GraphModule, node: fx.Node, rng: fx.Node, salt: int) -> fx
             scores = emit_like(gm, node, aten.masked_fill.Scalar, (scores, hidden, float("-inf")))
         else:
             scores = emit_like(gm, node, aten.add.Tensor, (scores, mask))
-    probs = emit_like(gm, node, aten.softmax.int, (scores, -1))
+    # Torch's SDPA gives 0, not NaN, for a query that sees no key (left padding): same here.
+    probs = emit_like(gm, node, aten._safe_softmax.default, (scores, -1))
     probs = emit_like(gm, node, torch.ops.rpcompile.dropout.default, (probs, rng, p, salt))
     return emit_like(gm, node, aten.matmul.default, (probs, v))

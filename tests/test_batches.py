@@ -231,3 +231,41 @@ def test_a_causal_lm_without_a_usable_loss_names_loss_fn():
     with pytest.raises(ValueError, match=r"ignores num_items_in_batch.*loss_fn"):
         rpcompile.compile(_LogitsOnly(True), gpus=2, microbatches=2,
                           example_inputs=token_batch(4))
+
+
+class _TokenModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.head = torch.nn.Linear(16, 20)
+
+    def forward(self, x, weight):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h), weight
+
+
+def _weighted_token_sum(out, target):
+    logits, weight = out
+    tok = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                            ignore_index=-100, reduction="none")
+    return (tok.view(target.shape).sum(dim=1) * weight).sum()
+
+
+def test_loss_fn_models_get_a_token_mean_from_a_weight_input():
+    # The recipe of docs/batches.md section 2: the normalisation travels as data.
+    torch.manual_seed(0)
+    model = _TokenModel()
+    x = torch.randint(0, 20, (6, 8))
+    y = torch.randint(0, 20, (6, 8))
+    y[:3, :5] = -100
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3,
+                                 example_inputs=(x, torch.ones(6), y), loss_fn=_weighted_token_sum)
+    for labels in (y, y.masked_fill(torch.arange(8) < 6, -100)):
+        weight = torch.full((6,), 3 / int((labels != -100).sum()))
+        loss, _ = compiled.reference_step((x, weight, labels))
+        expected = torch.nn.functional.cross_entropy(model(x, weight)[0].flatten(0, 1),
+                                                     labels.flatten(), ignore_index=-100)
+        torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
