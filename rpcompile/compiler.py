@@ -88,6 +88,62 @@ class Compiled:
         """Write the trained masters back into the original module (then save_pretrained)."""
         self._finished_trainer().sync_to_model()
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The host optimizer over the fp32 masters (``trainer().optimizer``). Attach an LR
+        scheduler to it as to any optimizer and call ``scheduler.step()`` after each
+        :meth:`step`: step ``k``'s update uses the learning rate set when step ``k`` began,
+        also in async mode where that update runs during step ``k + 1``."""
+        return self.trainer().optimizer
+
+    def evaluate(self, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` under the current trained weights, forward only, without
+        gradients; the optimizer, its state and the masters are not touched.
+
+        This forward runs **on the host, not on the workers**: the trained masters are written
+        into ``self.model`` (as :meth:`sync_to_model`) and the eager model runs under
+        ``torch.no_grad()`` in eval mode on the CPU. It is exact (the same loss a Hugging Face
+        forward gives) but for a large model it is as slow as a CPU forward; a forward-only
+        schedule on the workers is not built yet. For a causal LM the loss is Hugging Face's
+        mean over the batch's target tokens (labels other than -100)."""
+        from rpcompile.capture import normalize_batch
+
+        batch = normalize_batch(self.model, batch, self.capture.loss_fn)
+        self.sync_to_model()
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                if self.capture.loss_fn is None and is_causal_lm(model):
+                    out = model(input_ids=batch["input_ids"], labels=batch["labels"],
+                                use_cache=False)
+                    return out.loss.detach()
+                *inputs, target = batch.values()
+                return self.capture.loss_fn(model(*inputs), target).detach()
+        finally:
+            model.train(was_training)
+
+    def save_pretrained(self, directory: str | Any, *, merge: bool = False) -> None:
+        """Write the trained weights into ``self.model`` and save it with Hugging Face's
+        ``save_pretrained`` (safetensors). A PEFT model saves its adapter folder (loadable with
+        ``PeftModel.from_pretrained``); ``merge=True`` saves the base model with the adapters
+        merged in instead, from a copy, so this compiled model keeps training."""
+        import copy
+
+        self.sync_to_model()
+        model = self.model
+        if merge:
+            if not hasattr(model, "merge_and_unload"):
+                raise ValueError("merge=True merges LoRA adapters; this model is not a PEFT model")
+            model = copy.deepcopy(model).merge_and_unload()
+        if not hasattr(model, "save_pretrained"):
+            raise ValueError(
+                f"{type(model).__name__} has no save_pretrained (not a Hugging Face model); "
+                "save compiled.model.state_dict() after sync_to_model() instead"
+            )
+        model.save_pretrained(str(directory))
+
     def memory_report(self) -> Any:
         """Host bytes per trainable parameter: masters, shadow, gradients, optimizer state."""
         return self._finished_trainer().memory_report()
