@@ -381,7 +381,7 @@ def run(args: argparse.Namespace) -> int:
 
     model, tokenizer, source = load_model(opts["model"], out, dtype, seed)
     opts["model"] = source  # a built shipped model is resumed from its folder
-    data_path = opts["data"] or str(rpdata.shipped_corpus())
+    data_path = opts["data"] = opts["data"] or str(rpdata.shipped_corpus())
     prepared = rpdata.prepare(
         data_path, tokenizer, completion_only=opts["completion_only"],
         eval_split=0.0 if opts["eval_data"] else opts["eval_split"],
@@ -422,6 +422,11 @@ def run(args: argparse.Namespace) -> int:
     if opts["max_grad_norm"]:
         extra_compile["max_grad_norm"] = opts["max_grad_norm"]
     _check_compile_supports(extra_compile)
+    manager = None
+    if opts["save_every"]:
+        from rpcompile.runtime.checkpoint import CheckpointManager
+
+        manager = CheckpointManager(out / "checkpoints", keep_last=opts["keep_last"])
     compiled = rpcompile.compile(
         model, gpus=workers, microbatches=micro, rounds=opts["rounds"], example_inputs=example,
         device=device, mode=opts["mode"], chaos=opts["chaos"], kernels=opts["kernels"],
@@ -446,11 +451,6 @@ def run(args: argparse.Namespace) -> int:
             group["lr"] = value
         print(f"train: resumed from {checkpoint} at step {start}", file=sys.stderr)
     (out / "config.yaml").write_text(_dump_yaml(opts))
-    manager = None
-    if opts["save_every"]:
-        from rpcompile.runtime.checkpoint import CheckpointManager
-
-        manager = CheckpointManager(out / "checkpoints", keep_last=opts["keep_last"])
 
     log = _Log(out, start, opts["tensorboard"])
     t0 = time.perf_counter()
