@@ -454,7 +454,7 @@ def run(args: argparse.Namespace) -> int:
 
     log = _Log(out, start, opts["tensorboard"])
     t0 = time.perf_counter()
-    done_tokens = 0
+    done_tokens, step_seconds = 0, 0.0
 
     def evaluate(step: int) -> None:
         if eval_sets:
@@ -469,10 +469,12 @@ def run(args: argparse.Namespace) -> int:
             for step in range(start + 1, total + 1):
                 batch = next(iterator)
                 step_lr = compiled.optimizer.param_groups[0]["lr"]
+                t_step = time.perf_counter()
                 loss = float(compiled.step(batch))
                 scheduler.step()
+                step_seconds += time.perf_counter() - t_step
                 done_tokens += batch["input_ids"].numel()
-                rate = done_tokens / (time.perf_counter() - t0)
+                rate = done_tokens / step_seconds  # training steps only, not eval or saving
                 norm = getattr(compiled.trainer().last, "grad_norm", None)
                 norm = None if norm is None else float(norm)
                 record = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm,
@@ -502,7 +504,8 @@ def run(args: argparse.Namespace) -> int:
         log.close()
         compiled.close()
     elapsed = time.perf_counter() - t0
-    _write_report(out, log.records, opts, elapsed, done_tokens, compiled, sched)
+    _write_report(out, log.records, opts, elapsed, done_tokens / max(step_seconds, 1e-9),
+                  compiled, sched)
     return 0
 
 
@@ -526,7 +529,7 @@ def _dump_yaml(opts: dict[str, Any]) -> str:
 
 
 def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any],
-                  elapsed: float, tokens: int, compiled: Any, sched: Any) -> None:
+                  elapsed: float, tokens_per_s: float, compiled: Any, sched: Any) -> None:
     from rpcompile.sim import simulate
 
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -535,7 +538,7 @@ def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any]
     first = sum(values[:10]) / max(1, min(10, len(values)))
     last = sum(values[-10:]) / max(1, min(10, len(values)))
     summary = {"model": opts["model"], "data": opts["data"], "steps": len(values),
-               "seconds": elapsed, "tokens_per_s": tokens / elapsed if elapsed else None,
+               "seconds": elapsed, "tokens_per_s": tokens_per_s,
                "loss_first10": first, "loss_last10": last,
                "eval_loss_first": evals[0][1] if evals else None,
                "eval_loss_last": evals[-1][1] if evals else None}
@@ -546,8 +549,8 @@ def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any]
     for ext in ("json", "png"):
         sim.dump(out / f"schedule.{ext}")
     eval_text = (f", eval loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f}" if evals else "")
-    print(f"train: {len(values)} steps in {elapsed:.1f}s ({summary['tokens_per_s'] or 0:,.0f} "
-          f"tokens/s), loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps)"
+    print(f"train: {len(values)} steps in {elapsed:.1f}s with eval and saving "
+          f"({tokens_per_s:,.0f} tokens/s in the steps), loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps)"
           f"{eval_text}; wrote {out}/final/ (from_pretrained), metrics.jsonl, loss.png, "
           "summary.json, config.yaml, schedule.csv/.json/.png"
           + (", tensorboard/" if opts["tensorboard"] else ""))
