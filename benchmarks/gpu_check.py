@@ -57,7 +57,7 @@ def tokens(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
 def check_exact(arch: str, workers: int, trainer_device: str, device: torch.device,
                 steps: int) -> dict:
     import rpcompile
-    from rpcompile.capture import normalize_batch
+    from rpcompile.batch import bind_batch
     from rpcompile.reference import reference_step
     from rpcompile.trainer import Trainer
 
@@ -79,8 +79,8 @@ def check_exact(arch: str, workers: int, trainer_device: str, device: torch.devi
     params = {n: t.clone() for n, t in initial.items()}
     optimizer = adamw(list(params.values()))
     ref_losses = []
-    for b in data:
-        batch = normalize_batch(model, b, compiled.capture.loss_fn)
+    for k, b in enumerate(data):
+        batch = bind_batch(compiled.capture, b, step=k)
         loss, grads = reference_step(compiled.stages, compiled.capture, params, batch,
                                      compiled.microbatches, compiled.rounds, device=device)
         for n, p in params.items():

@@ -32,6 +32,10 @@ import torch
 import torch.utils.flop_counter
 from torch import nn
 
+from rpcompile.batch import RNG, normalize_batch
+from rpcompile.dropout import dropout_seed as _dropout_seed
+from rpcompile.dropout import replay_random_ops
+
 __all__ = [
     "B",
     "CaptureError",
@@ -101,6 +105,12 @@ class Captured:
     model: nn.Module = field(repr=False)
     loss_fn: Callable | None = None
     opaque_entries: list = field(default_factory=list, repr=False)  # keeps opaque ops alive
+    # "sum": microbatch losses add up to the step's loss (a causal LM's loss divides by the
+    # step's labelled tokens, ``num_items_in_batch``); "mean": each microbatch's loss is a mean
+    # (``loss_fn`` models), the step's loss is their mean.
+    loss_reduction: str = "mean"
+    dropout_seed: int = 0  # base of the step's dropout seeds (rpcompile.dropout.step_seeds)
+    random_ops: tuple[str, ...] = ()  # modules whose dropout is replayed from seeds
 
     def parameter(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)
@@ -130,13 +140,24 @@ def is_causal_lm(model: nn.Module) -> bool:
 
 
 class _CausalLMLoss(nn.Module):
-    def __init__(self, model: nn.Module) -> None:
+    """Calls the model with the batch's named inputs (bound by name, in ``keys`` order) and
+    returns Hugging Face's loss: with ``num_items_in_batch`` given, the sum of the microbatch's
+    token losses over the labelled tokens of the whole step."""
+
+    def __init__(self, model: nn.Module, keys: Sequence[str]) -> None:
         super().__init__()
         setattr(self, _WRAPPED, model)
+        self.keys = tuple(keys)
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        out = getattr(self, _WRAPPED)(input_ids=input_ids, labels=labels, use_cache=False)
-        return out.loss
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        out = getattr(self, _WRAPPED)(**dict(zip(self.keys, args)), use_cache=False)
+        loss = getattr(out, "loss", None)
+        if loss is None:
+            raise ValueError(
+                f"{type(getattr(self, _WRAPPED)).__name__} returned no loss for a batch with "
+                "labels; give compile() a loss_fn(outputs, target) and pass (inputs..., target)"
+            )
+        return loss
 
 
 class _LossOf(nn.Module):
@@ -160,63 +181,6 @@ def example_batch_for(model: nn.Module, batch: int = 2, seq: int = 16) -> dict[s
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), device="cpu").to(device)
     return {"input_ids": ids, "labels": ids.clone()}
-
-
-def normalize_batch(
-    model: nn.Module, batch: Any, loss_fn: Callable | None
-) -> dict[str, torch.Tensor]:
-    """Turn what the user passes into an ordered dict of batch tensors (dim 0 = batch)."""
-    if loss_fn is None and is_causal_lm(model):
-        if isinstance(batch, torch.Tensor):
-            batch = {"input_ids": batch}
-        if not isinstance(batch, dict) or "input_ids" not in batch:
-            raise ValueError(
-                "a causal LM batch must be a LongTensor of token ids [batch, seq] or a dict with "
-                "'input_ids' (and optionally 'labels'); got " + _describe(batch)
-            )
-        unknown = set(batch) - {"input_ids", "labels"}
-        if unknown:
-            raise ValueError(
-                f"unsupported batch keys {sorted(unknown)}: rpcompile trains on 'input_ids' and "
-                "'labels' only (no padding masks yet); drop the other keys"
-            )
-        ids = batch["input_ids"]
-        if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.is_floating_point():
-            raise ValueError(
-                "input_ids must be an integer tensor of shape [batch, seq]; got " + _describe(ids)
-            )
-        labels = batch.get("labels", ids)
-        if labels.shape != ids.shape:
-            raise ValueError(
-                f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(ids.shape)}"
-            )
-        if ids.shape[1] < 2:
-            raise ValueError("sequences must have at least 2 tokens to have a next-token loss")
-        vocab = model.config.vocab_size
-        if ids.numel() and not ids.is_meta and (int(ids.max()) >= vocab or int(ids.min()) < 0):
-            raise ValueError(
-                f"token ids must lie in [0, {vocab}) (the model's vocab_size); found "
-                f"{int(ids.min())}..{int(ids.max())}"
-            )
-        return {"input_ids": ids, "labels": labels}
-    if isinstance(batch, torch.Tensor):
-        batch = (batch,)
-    if isinstance(batch, dict):
-        raise ValueError("a non-HF model's batch must be a tuple of tensors, not a dict")
-    if not isinstance(batch, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in batch):
-        raise ValueError(
-            "a model's batch must be a tensor or a tuple of tensors (model inputs, then the "
-            "target when loss_fn is given); got " + _describe(batch)
-        )
-    if loss_fn is not None and len(batch) < 2:
-        raise ValueError("with loss_fn, the batch must be (inputs..., target)")
-    sizes = {t.shape[0] if t.dim() else None for t in batch}
-    if len(sizes) != 1 or None in sizes:
-        raise ValueError(
-            "every batch tensor needs the same leading batch dimension; got shapes "
-            + ", ".join(str(tuple(t.shape)) for t in batch)
-        )
-    return {f"arg{i}": t for i, t in enumerate(batch)}
 
 
 def capture(
@@ -255,8 +219,15 @@ def capture(
                 "synthesize its inputs: pass example_inputs=(inputs..., target)"
             )
         example_inputs = example_batch_for(model)
-    batch = normalize_batch(model, example_inputs, loss_fn)
-    wrapper = _CausalLMLoss(model) if causal else _LossOf(model, loss_fn)
+    batch = normalize_batch(model, example_inputs, loss_fn, causal=causal)
+    if causal and getattr(model.config, "output_router_logits", False):
+        raise ValueError(
+            f"{type(model).__name__} adds a router auxiliary loss (config.output_router_logits"
+            "=True), a per-batch statistic that does not split into microbatches, so the step "
+            "could not equal eager training on the whole batch: set "
+            "model.config.output_router_logits = False"
+        )
+    wrapper = _CausalLMLoss(model, list(batch)) if causal else _LossOf(model, loss_fn)
 
     layer_names = _find_layers(model, units)
     opaque_names = list(opaque or ()) + [
@@ -308,11 +279,23 @@ def capture(
             captured.opaque_entries = keep
             return captured
     failed = "; ".join(f"{s}: {why}" for s, why in attempts)
+    if not causal and loss_fn is None:
+        raise CaptureError(
+            f"could not capture {type(model).__name__}: {_NO_LOSS_FN.format(type(model).__name__)}"
+            f" (strategies tried -> {failed})"
+        )
     raise CaptureError(
         f"could not capture {type(model).__name__}. Strategies tried -> {failed}. To proceed, "
         "name the repeated layers with units=[...] and the modules that cannot be traced with "
         "opaque=[...] (module names as in model.named_modules())."
     )
+
+
+_NO_LOSS_FN = (
+    "{} is not a Hugging Face causal LM and no loss_fn was given, so rpcompile called it with "
+    "the whole batch and expected a scalar loss back; pass loss_fn=lambda outputs, target: ... "
+    "and example_inputs=(inputs..., target)"
+)
 
 
 def _export(model, wrapper, batch, causal, opaque_names, dynamic, seen, keep):
@@ -323,7 +306,7 @@ def _export(model, wrapper, batch, causal, opaque_names, dynamic, seen, keep):
         if causal:
             max_pos = getattr(model.config, "max_position_embeddings", None) or 1 << 17
             sdim = torch.export.Dim("s", min=2, max=max(int(max_pos), args[0].shape[1]))
-            shapes = tuple({0: bdim, 1: sdim} for _ in args)
+            shapes = (tuple({0: bdim, 1: sdim} if t.dim() else None for t in args),)
         else:
             # _LossOf.forward takes *args: export sees them as one tuple argument.
             shapes = (tuple({0: bdim} if t.dim() else None for t in args),)
@@ -359,7 +342,16 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
     if repeat is not None:
         _assign_units(gm, layer_names[: repeat.exported])
         gm = _replicate(gm, params, model, repeat)
+    out_val = loss_node(gm).meta.get("val")
+    if isinstance(out_val, torch.Tensor) and out_val.dim() != 0:
+        what = _NO_LOSS_FN.format(type(model).__name__) if loss_fn is None and not causal else (
+            "loss_fn must return a scalar (reduce over the microbatch)")
+        raise ValueError(f"the captured loss has shape {tuple(out_val.shape)}, not a scalar: "
+                         f"{what}")
     unit_names = _assign_units(gm, layer_names, params)
+    seeded = replay_random_ops(gm, inputs[0], _WRAPPED)
+    if seeded:
+        inputs.append(seeded.name)
     _refuse_random_ops(gm)
     if not layer_names:
         warnings.warn(
@@ -382,33 +374,58 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
     )
     return Captured(
         graph_module=gm, units=unit_names, params=params, buffers=buffers, constants=constants,
-        inputs=inputs, input_keys=list(batch), trainable=trainable, subs=subs, report=report,
-        example_batch=batch, model=model, loss_fn=loss_fn,
+        inputs=inputs, input_keys=list(batch) + ([RNG] if seeded else []), trainable=trainable,
+        subs=subs, report=report, example_batch=batch, model=model, loss_fn=loss_fn,
+        loss_reduction="sum" if causal else "mean", dropout_seed=_dropout_seed() if seeded else 0,
+        random_ops=tuple(seeded.meta["rp_random_ops"]) if seeded else (),
     )
 
 
 _RANDOM_OPS = {"bernoulli", "rand", "randn", "rand_like", "randn_like", "randint",
-               "randint_like", "randperm", "normal", "multinomial", "native_dropout"}
+               "randint_like", "randperm", "normal", "multinomial", "native_dropout",
+               "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+               "scaled_dot_product_attention", "rrelu_with_noise", "uniform", "exponential",
+               "geometric", "cauchy", "log_normal", "random"}
 
 
 def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
-    """Backward stages recompute their forward: a random op would draw new numbers there, and
-    the gradients would belong to another forward than the loss. Refuse, saying what to do."""
+    """Backward stages recompute their forward: a random op that is not replayed from seeds
+    (:func:`rpcompile.dropout.replay_random_ops` rewrites dropout and SDPA dropout) would draw
+    new numbers there, and the gradients would belong to another forward than the loss.
+    Refuse, naming the module and the fix that applies to it."""
     for node in gm.graph.nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or node.target is torch.ops.rpcompile.dropout.default:
             continue
-        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
-        dropout = name == "dropout" and len(node.args) > 2 and node.args[1] > 0 and node.args[2]
-        if dropout or name in _RANDOM_OPS:
-            where = list((node.meta.get("nn_module_stack") or {}).values())
-            module = where[-1][0].removeprefix(_WRAPPED + ".") if where else "the model"
-            raise ValueError(
-                f"{module} draws random numbers in training ({node.target}); rpcompile "
-                "recomputes forwards in backward and does not replay random state yet, so the "
-                "gradients would not match. Set dropout probabilities to 0 (e.g. "
-                "config.attention_dropout = 0.0, hidden_dropout = 0.0) or put those modules "
-                "in eval mode"
-            )
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0].rstrip("_")
+        if name not in _RANDOM_OPS or not _draws_random(node, name):
+            continue
+        where = list((node.meta.get("nn_module_stack") or {}).values())
+        module = where[-1][0].removeprefix(_WRAPPED + ".") if where else "the model"
+        if "lora_" in module:
+            fix = "build the adapter with LoraConfig(lora_dropout=0.0)"
+        elif where:
+            fix = (f"set that module's probability to 0 (model.get_submodule({module!r})), or "
+                   "its config's dropout fields (e.g. attention_dropout = 0.0)")
+        else:
+            fix = "remove the random call from the model's forward"
+        raise ValueError(
+            f"{module} draws random numbers in training ({node.target}), which rpcompile cannot "
+            "replay when a backward stage recomputes that forward (it replays nn.Dropout, "
+            "F.dropout and scaled_dot_product_attention(dropout_p=...) only), so the gradients "
+            f"would not match the loss: {fix}"
+        )
+
+
+def _draws_random(node: torch.fx.Node, name: str) -> bool:
+    if name == "scaled_dot_product_attention":
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return bool(p)
+    if name in ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+                "native_dropout"):
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        return bool(p) and train is not False
+    return True
 
 
 def _symbol_map(gm: torch.fx.GraphModule, inputs: list[str], causal: bool) -> dict:
@@ -1100,13 +1117,3 @@ def _one_line(exc: BaseException) -> str:
 def _model_device(model: nn.Module) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None else torch.device("cpu")
-
-
-def _describe(x: Any) -> str:
-    if isinstance(x, torch.Tensor):
-        return f"Tensor(shape={tuple(x.shape)}, dtype={x.dtype})"
-    if isinstance(x, dict):
-        return "dict(" + ", ".join(f"{k}={_describe(v)}" for k, v in x.items()) + ")"
-    if isinstance(x, (tuple, list)):
-        return type(x).__name__ + "(" + ", ".join(_describe(v) for v in x) + ")"
-    return type(x).__name__

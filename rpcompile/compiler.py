@@ -206,13 +206,14 @@ class Compiled:
     # -- reference semantics -----------------------------------------------------------
     def reference_step(
         self, batch: Any, params: dict[str, torch.Tensor] | None = None,
-        device: torch.device | str | None = None,
+        device: torch.device | str | None = None, step: int = 0,
     ):
         """Loss and gradients of one step run stage by stage on one device (no update);
-        ``device`` runs the stage programs retargeted to another device."""
-        from rpcompile.capture import normalize_batch
+        ``device`` runs the stage programs retargeted to another device; ``step`` is the
+        optimizer step whose dropout masks to draw (the runtime's step ``k`` draws step ``k``'s)."""
+        from rpcompile.batch import bind_batch
 
-        batch = normalize_batch(self.model, batch, self.capture.loss_fn)
+        batch = bind_batch(self.capture, batch, step=step)
         params = params if params is not None else dict(self.model.named_parameters())
         return reference_step(
             self.stages, self.capture, params, batch, self.microbatches, self.rounds,
@@ -240,6 +241,7 @@ def compile(
     kernels: str = "auto",
     skip_nonfinite: bool = False,
     loss_scale: Any = None,
+    max_grad_norm: float | None = None,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -262,9 +264,23 @@ def compile(
     ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``);
     ``skip_nonfinite`` drops a step whose gradients hold inf/NaN (masters and optimizer state
     unchanged); ``loss_scale`` (``True`` or a ``runtime.loss_scale.LossScaleConfig``) runs
-    dynamic loss scaling for fp16 in sync mode.
+    dynamic loss scaling for fp16 in sync mode; ``max_grad_norm`` clips the step's gradients
+    by their global norm over all trainable parameters before the update, as
+    ``torch.nn.utils.clip_grad_norm_`` after a full backward (``StepResult.grad_norm`` reports
+    the norm before clipping).
+
+    Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
+    ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
+    padding); its step loss is Hugging Face's token mean over the whole global batch. A batch
+    that does not divide into ``microbatches x rounds`` is split as evenly as possible. The
+    plan (and its memory proof) is made for the example batch's shape: later batches may be
+    smaller (fewer sequences, shorter), never larger.
     """
     _check_counts(gpus, microbatches, rounds)
+    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
+                                          and max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be a positive number (or None: no clipping), "
+                         f"got {max_grad_norm!r}")
     if mode not in ("sync", "async"):
         raise ValueError(f"mode must be 'sync' (exact) or 'async' (one step stale), got {mode!r}")
     if device not in ("auto", "cuda", "virtual"):
@@ -294,7 +310,8 @@ def compile(
     )
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes, kernels=kernels,
-                             skip_nonfinite=skip_nonfinite, loss_scale=loss_scale)
+                             skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
+                             max_grad_norm=max_grad_norm)
     return compiled
 
 
@@ -321,13 +338,15 @@ def _plan_and_split(
     microbatches = microbatches or gpus + 1
     hw = get_hardware(hardware or _default_hardware()).with_gpus(gpus)
     example = next(iter(captured.example_batch.values()))
-    if example.shape[0] % (microbatches * rounds):
+    if example.shape[0] < microbatches * rounds:
         raise ValueError(
-            f"the example batch has {example.shape[0]} sequences, which do not split into "
-            f"{microbatches} microbatches x {rounds} rounds; pass a batch whose size is a "
-            f"multiple of {microbatches * rounds} (the plan is made for that size)"
+            f"the example batch has {example.shape[0]} sequences, too few to fill "
+            f"{microbatches} microbatches x {rounds} rounds; pass at least "
+            f"{microbatches * rounds} sequences or lower microbatches/rounds"
         )
-    mb_size = example.shape[0] // (microbatches * rounds)
+    # An uneven split (torch.tensor_split) gives some microbatches one sequence more: the plan
+    # and its memory figures are made for the largest.
+    mb_size = -(-example.shape[0] // (microbatches * rounds))
     seq = example.shape[1] if "input_ids" in captured.example_batch else 1
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)

@@ -13,24 +13,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from rpcompile.batch import split_batch
 from rpcompile.capture import Captured
 from rpcompile.passes.split import StageProgram
 
-__all__ = ["reference_step", "split_batch", "stage_arguments"]
-
-
-def split_batch(batch: Mapping[str, torch.Tensor], parts: int) -> list[dict[str, torch.Tensor]]:
-    """Cut every batch tensor along dim 0 into ``parts`` equal microbatches."""
-    size = next(iter(batch.values())).shape[0]
-    if parts < 1:
-        raise ValueError(f"cannot split a batch into {parts} microbatches")
-    if size % parts:
-        raise ValueError(
-            f"a batch of {size} sequences cannot be split into {parts} equal microbatches; "
-            f"use a batch size that is a multiple of {parts}, or change microbatches/rounds"
-        )
-    chunks = {k: v.chunk(parts, dim=0) if v.dim() else (v,) * parts for k, v in batch.items()}
-    return [{k: chunks[k][i] for k in batch} for i in range(parts)]
+__all__ = ["loss_divisor", "reference_step", "split_batch", "stage_arguments"]
 
 
 def stage_arguments(
@@ -64,10 +51,13 @@ def reference_step(
     *,
     device: torch.device | str | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """One optimizer step's loss (mean over microbatches) and fp32 gradient per parameter.
+    """One optimizer step's loss and fp32 gradient per parameter.
 
-    ``params`` maps parameter names to tensors (not modified). Each microbatch's loss is
-    divided by ``microbatches * rounds`` before backward, so gradients are batch means.
+    ``params`` maps parameter names to tensors (not modified); ``batch`` is bound to the
+    graph's inputs (:func:`rpcompile.batch.bind_batch`). A causal LM's microbatch losses are
+    already divided by the step's labelled tokens (``loss_reduction == "sum"``): they are
+    summed, and so are their gradients. A ``loss_fn`` model's losses are means: each is divided
+    by ``microbatches * rounds`` before backward, and the step's loss is their mean.
     ``device``: run there (params, batch, buffers copied over, each stage's graph retargeted
     with :meth:`StageProgram.on_device`), as a worker on that device would; results stay on it.
     """
@@ -79,6 +69,7 @@ def reference_step(
         params = {n: t.to(device) for n, t in params.items()}
         batch = {k: v.to(device) for k, v in batch.items()}
     total = microbatches * rounds
+    scale = loss_divisor(captured, total)
     parts = split_batch(batch, total)
     grads: dict[str, torch.Tensor] = {}
     losses = []
@@ -98,7 +89,7 @@ def reference_step(
             job: dict[str, torch.Tensor] = {}
             for m, mb in enumerate(mbs):
                 loss = run_backward_microbatch(
-                    prog, captured, params, mb, values[m], value_grads[m], job, scale=total,
+                    prog, captured, params, mb, values[m], value_grads[m], job, scale=scale,
                     graph_module=graphs[prog.index],
                 )
                 if loss is not None:
@@ -108,8 +99,14 @@ def reference_step(
                     grads[name] += g
                 else:
                     grads[name] = g.clone()
-    loss = torch.stack(losses).sum() / total
+    loss = torch.stack(losses).sum() / scale
     return loss, grads
+
+
+def loss_divisor(captured: Captured, microbatches: int) -> int:
+    """What each microbatch's loss is divided by before its backward: 1 when the losses
+    already sum to the step's loss (a causal LM's token mean), else the microbatch count."""
+    return 1 if captured.loss_reduction == "sum" else microbatches
 
 
 class _Moved:
@@ -119,6 +116,7 @@ class _Moved:
     def __init__(self, captured: Captured, device: torch.device) -> None:
         self.captured = captured
         self.device = device
+        self.loss_reduction = captured.loss_reduction
         self.copies: dict[str, object] = {}
 
     def value_of(self, name: str) -> object:

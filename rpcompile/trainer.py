@@ -78,7 +78,8 @@ class Trainer:
     :class:`~rpcompile.runtime.loss_scale.LossScaleConfig` (or True for its defaults) turns
     on dynamic loss scaling for fp16 (sync mode): the loss is scaled before backward, a
     non-finite step is skipped and the scale backs off, clean steps are unscaled and applied;
-    ``trainer.loss_scaler`` holds its state.
+    ``trainer.loss_scaler`` holds its state. ``max_grad_norm``: clip by the global gradient
+    norm before each update (``trainer.last.grad_norm`` is the norm before clipping).
     """
 
     def __init__(
@@ -96,6 +97,7 @@ class Trainer:
         kernels: str = "auto",
         skip_nonfinite: bool = False,
         loss_scale: LossScaleConfig | bool | None = None,
+        max_grad_norm: float | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -126,7 +128,8 @@ class Trainer:
             self.executor = Executor(compiled, self.workers, self.schedule, self.store,
                                      self.driver, timeout_s=timeout_s, kernels=kernels,
                                      skip_nonfinite=skip_nonfinite,
-                                     loss_scaler=self.loss_scaler)
+                                     loss_scaler=self.loss_scaler,
+                                     max_grad_norm=max_grad_norm)
         except BaseException:
             if driver is not None:
                 driver.close()
@@ -162,12 +165,16 @@ class Trainer:
     # -- training ----------------------------------------------------------------------------
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step over ``batch`` (token ids ``[batch, seq]`` or a dict with
-        ``input_ids``/``labels`` for a causal LM; a tuple of tensors otherwise): split into
-        ``microbatches x rounds`` microbatches, forward, backward, update. Returns the loss
-        (mean over microbatches). Raises :class:`StepFailed` if any action fails."""
-        from rpcompile.capture import normalize_batch
+        ``input_ids``, ``labels``, ``attention_mask`` for a causal LM; a tuple of tensors
+        otherwise): split into ``microbatches x rounds`` microbatches (as evenly as possible),
+        forward, backward, update. Returns the loss (a causal LM's token mean over the whole
+        batch; else the mean over microbatches). Raises :class:`StepFailed` if any action
+        fails, ``ValueError`` before anything runs if the batch is malformed or larger than
+        the plan's shape."""
+        from rpcompile.batch import bind_batch
 
-        batch = normalize_batch(self.compiled.model, batch, self.compiled.capture.loss_fn)
+        batch = bind_batch(self.compiled.capture, batch, step=self.executor.steps_run)
+        check_plan_shape(self.compiled, batch)
         self.last = self.executor.run_step(batch)
         self._peaks = [max(a, b) for a, b in zip(self._peaks, self.last.peak_bytes)]
         return self.last.loss
@@ -257,6 +264,27 @@ class Trainer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def check_plan_shape(compiled: Any, batch: dict[str, torch.Tensor]) -> None:
+    """Refuse a batch whose microbatches would be larger than the plan's: its memory proof
+    holds for the example batch's shape and anything smaller (fewer sequences per microbatch,
+    shorter sequences), not for more."""
+    plan = compiled.plan
+    first = next(iter(batch.values()))
+    parts = compiled.microbatches * compiled.rounds
+    per_mb = -(-first.shape[0] // parts)
+    seq = first.shape[1] if compiled.capture.loss_reduction == "sum" else None
+    too_long = seq is not None and seq > plan.seq_len
+    if per_mb > plan.microbatch_size or too_long:
+        got = f"{first.shape[0]} sequences" + (f" of {seq} tokens" if seq is not None else "")
+        raise ValueError(
+            f"this batch ({got}: microbatches of up to {per_mb} sequences) is larger than the "
+            f"plan's shape ({plan.microbatch_size} sequences per microbatch"
+            + (f", {plan.seq_len} tokens" if seq is not None else "") + "), for which its "
+            "memory was proven: compile with an example batch of the largest shape you will "
+            "train on (pad or bucket shorter batches up to it), or split this batch"
+        )
 
 
 def _comparable(summary: dict[str, Any]) -> dict[str, Any]:

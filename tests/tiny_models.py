@@ -86,20 +86,65 @@ def token_batch(batch: int = 6, seq: int = 12, seed: int = 1) -> torch.Tensor:
 
 
 def eager_grads(model: nn.Module, batch, parts: int, loss_fn=None):
-    """Loss (mean over microbatches) and gradients of plain eager gradient accumulation."""
+    """Loss and gradients of plain eager gradient accumulation over ``parts`` microbatches.
+
+    A causal LM (``loss_fn`` None) is trained as Hugging Face's Trainer does it: each
+    microbatch's loss is the sum of its token losses over the labelled tokens of the *whole*
+    batch (``num_items_in_batch``), so the step's loss is the global token mean. A ``loss_fn``
+    model averages per microbatch, then over microbatches. ``batch``: token ids, a dict
+    (``input_ids``, ``labels``, ``attention_mask``), or a tuple for ``loss_fn`` models."""
     model.zero_grad(set_to_none=True)
     losses = []
-    if isinstance(batch, torch.Tensor):
-        chunks = [(c,) for c in batch.chunk(parts)]
+    if loss_fn is None:
+        batch = dict(batch) if isinstance(batch, dict) else {"input_ids": batch}
+        batch.setdefault("labels", batch["input_ids"])
+        items = (batch["labels"][:, 1:] != -100).sum()
+        chunks = [dict(zip(batch, c)) for c in zip(*(t.tensor_split(parts) for t in batch.values()))]
+        for chunk in chunks:
+            loss = model(**chunk, num_items_in_batch=items, use_cache=False).loss
+            loss.backward()
+            losses.append(loss.detach())
+        total = torch.stack(losses).sum()
     else:
-        chunks = list(zip(*(t.chunk(parts) for t in batch)))
-    for chunk in chunks:
-        if loss_fn is None:
-            loss = model(input_ids=chunk[0], labels=chunk[0]).loss
-        else:
+        for chunk in zip(*(t.tensor_split(parts) for t in batch)):
             loss = loss_fn(model(*chunk[:-1]), chunk[-1])
-        (loss / parts).backward()
-        losses.append(loss.detach())
+            (loss / parts).backward()
+            losses.append(loss.detach())
+        total = torch.stack(losses).sum() / parts
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
-    return torch.stack(losses).sum() / parts, grads
+    return total, grads
+
+
+def eager_batch_grads(model: nn.Module, batch: dict):
+    """``model(**batch).loss`` on the whole batch at once, and its gradients: what a user
+    calls eager training (Hugging Face's token mean over the batch)."""
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def sft_batch(batch: int = 7, seq: int = 12, left: bool = False, seed: int = 1,
+              vocab: int = 128) -> dict[str, torch.Tensor]:
+    """A supervised fine-tuning batch: each sequence has random padding (``left`` or right,
+    ``attention_mask`` 0, label -100, pad id 0) and a random prompt whose labels are -100."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (batch, seq), generator=g)
+    mask = torch.ones_like(ids)
+    labels = ids.clone()
+    for i in range(batch):
+        pad = int(torch.randint(0, seq // 2, (1,), generator=g))
+        prompt = int(torch.randint(1, seq // 2, (1,), generator=g))
+        if left:
+            mask[i, :pad] = 0
+            labels[i, : pad + prompt] = -100
+        else:
+            if pad:
+                mask[i, seq - pad :] = 0
+                labels[i, seq - pad :] = -100
+            labels[i, :prompt] = -100
+    ids[mask == 0] = 0
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}

@@ -70,10 +70,11 @@ from typing import Any
 import torch
 from torch import fx
 
+from rpcompile.batch import split_batch
 from rpcompile.ir import Action, Schedule
 from rpcompile.passes.lower import LOWERING_PASSES
 from rpcompile.passes.split import StageProgram
-from rpcompile.reference import run_backward_microbatch, split_batch, stage_arguments
+from rpcompile.reference import loss_divisor, run_backward_microbatch, stage_arguments
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.errors import (
     EventTimeout,
@@ -126,8 +127,9 @@ class StepFailed(RuntimeFault):
 
 @dataclass(frozen=True)
 class StepResult:
-    """What one step measured: its loss (mean over microbatches), the schedule step it ran,
-    wall time, and each worker's device-memory peak during the step."""
+    """What one step measured: its loss (a causal LM's token mean over the whole global batch;
+    a ``loss_fn`` model's mean over microbatches), the schedule step it ran, wall time, and each
+    worker's device-memory peak during the step."""
 
     loss: torch.Tensor
     schedule_step: int
@@ -147,6 +149,9 @@ class StepResult:
     found_nonfinite: bool = False
     nonfinite_jobs: tuple[tuple[str, int], ...] = ()
     skipped: bool = False
+    # The global L2 norm of the step's gradients over every trainable parameter, before
+    # clipping (computed when the executor clips, ``max_grad_norm``; else None).
+    grad_norm: float | None = None
 
 
 # ============================================================================================
@@ -369,7 +374,8 @@ class Executor:
                  store: HostStore, driver: OptimizerDriver, *,
                  timeout_s: float | None = None, kernels: str = "auto",
                  skip_nonfinite: bool = False,
-                 loss_scaler: DynamicLossScaler | None = None) -> None:
+                 loss_scaler: DynamicLossScaler | None = None,
+                 max_grad_norm: float | None = None) -> None:
         if loss_scaler is not None and (driver.mode != "sync" or driver.eager_updates):
             raise ValueError("loss scaling needs mode='sync' and a driver built with "
                              "eager_updates=False (an update must not read the gradients "
@@ -379,6 +385,7 @@ class Executor:
         self.kernels = kernels
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
+        self.max_grad_norm = max_grad_norm
         self.compiled = compiled
         self.workers = list(workers)
         self.schedule = schedule
@@ -514,6 +521,12 @@ class Executor:
                 # Nothing has been applied yet (sync, no eager updates): unscale the whole
                 # step's gradients before the update starts.
                 self.loss_scaler.unscale_([self.store.grad], scale=run.loss_scale)
+        grad_norm = None
+        if self.max_grad_norm is not None and not skipped:
+            # Every gradient of the step is home and no update has read it yet (sync updates
+            # wait for finish_step; async update k-1 consumed its gradients before this step's
+            # first accumulation): clip in place, as clip_grad_norm_ after a full backward.
+            grad_norm = clip_grad_norm(self.store, self.compiled.model, self.max_grad_norm)
         if skipped:
             self.driver.discard_step()
         else:
@@ -522,10 +535,10 @@ class Executor:
         self.steps_run += 1
         losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
                   for m in range(self.compiled.microbatches)]
-        loss = torch.stack(losses).sum() / total
+        loss = torch.stack(losses).sum() / loss_divisor(self.compiled.capture, total)
         return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over,
                           run.timeline, found_nonfinite=bool(bad), nonfinite_jobs=bad,
-                          skipped=skipped)
+                          skipped=skipped, grad_norm=grad_norm)
 
     def _item(self, run: _Run, a: Action) -> None:
         """One action on a stream thread: wait for its edges, act, set its event."""
@@ -833,7 +846,8 @@ class Executor:
 
         total = self.compiled.microbatches * self.compiled.rounds
         loss = run_backward_microbatch(prog, extras, params, batch, values, value_grads,
-                                       {}, scale=total, accumulate=accumulate,
+                                       {}, scale=loss_divisor(self.compiled.capture, total),
+                                       accumulate=accumulate,
                                        graph_module=self._graph(a), loss_scale=run.loss_scale)
         if loss is not None:
             host = worker.host_empty(loss.shape, loss.dtype)
@@ -853,6 +867,26 @@ class Executor:
         # step is complete; async: before the next update starts), and the next step's UPs
         # wait for driver.shadow_event(stage); here the rewrite has no work of its own.
         return
+
+
+def clip_grad_norm(store: HostStore, model: torch.nn.Module, max_norm: float) -> float:
+    """Clip the host's fp32 gradients by their global L2 norm, with torch's own
+    ``get_total_norm`` / ``clip_grads_with_norm_`` over the trainable parameters in
+    ``model.parameters()`` order (what ``clip_grad_norm_(model.parameters(), max_norm)`` sees
+    after a full backward); return the norm before clipping."""
+    trainable = {s.name for s in store.trainable_slots}
+    names = [n for n, p in model.named_parameters() if n in trainable]
+    grads = [store.grad_of(n) for n in names]
+    total = torch.nn.utils.get_total_norm(grads, 2.0)
+    torch.nn.utils.clip_grads_with_norm_([_Grad(g) for g in grads], max_norm, total)
+    return float(total)
+
+
+class _Grad:
+    """A parameter-like holder of a host gradient view, for torch's clipping helpers."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
 
 
 def _accumulate(job: _JobGrads, pairs: Sequence[tuple[str, torch.Tensor]],

@@ -1,0 +1,207 @@
+"""Real fine-tuning batches: padding masks, -100 labels, uneven splits, rounds, inputs bound by
+name, and the errors a batch gets at the door. Every numerical check is against eager Hugging
+Face training on the whole global batch (``model(**batch).loss``), which shares nothing with
+the capture."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import rpcompile
+from tests.tiny_models import SkipNet, eager_batch_grads, hf_model, sft_batch, token_batch
+
+
+def _adamw(params):
+    # Adam divides each gradient element by its own magnitude: an element whose gradient is
+    # ~1e-8 turns a 1e-9 difference of summation order (microbatches vs one whole batch, which
+    # no pipeline can avoid) into an update difference of order lr. eps bounds that gain at
+    # lr / eps; the gradients themselves agree to ~1e-8 (see the token-mean test below).
+    return torch.optim.AdamW(params, lr=1e-3, eps=1e-6)
+
+
+def _eager_training(model, batches, optimizer=_adamw):
+    opt = optimizer(list(model.parameters()))
+    losses = []
+    for b in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = model(**b, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def _max_weight_diff(compiled, eager):
+    masters = compiled.trainer().masters()
+    return max(float((masters[n] - p.detach()).abs().max())
+               for n, p in eager.named_parameters() if n in masters)
+
+
+@pytest.mark.parametrize(
+    ("arch", "workers", "left"),
+    [("qwen3", 1, False), ("qwen3", 3, True), ("qwen3", 8, False), ("llama", 3, True),
+     ("qwen3_moe", 3, False), ("qwen3_tied", 8, True)],
+)
+def test_runtime_trains_like_eager_hf_on_padded_sft_batches(arch, workers, left):
+    # 7 sequences over 2 microbatches x 2 rounds: an uneven split (2, 2, 2, 1) whose
+    # microbatches hold different numbers of labelled tokens.
+    model = hf_model(arch)
+    eager = copy.deepcopy(model)
+    batches = [sft_batch(7, 12, left=left, seed=10 + k) for k in range(3)]
+    compiled = rpcompile.compile(model, gpus=workers, microbatches=2, rounds=2,
+                                 example_inputs=batches[0], optimizer=_adamw,
+                                 device="virtual", chaos=workers)
+    try:
+        losses = [float(compiled.step(b)) for b in batches]
+        expected = _eager_training(eager, batches)
+        assert losses == pytest.approx(expected, abs=1e-6)
+        assert _max_weight_diff(compiled, eager) < 1e-5
+    finally:
+        compiled.close()
+
+
+def test_step_loss_is_the_global_token_mean_not_a_mean_of_microbatch_means():
+    model = hf_model("qwen3")
+    batch = sft_batch(6, 12, seed=3)
+    counts = (batch["labels"][:, 1:] != -100).sum(dim=1)
+    assert len(set(counts.tolist())) > 1  # microbatches differ in labelled tokens
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch)
+    loss, grads = compiled.reference_step(batch)
+    eager_loss, eager_grads = eager_batch_grads(model, batch)
+    torch.testing.assert_close(loss, eager_loss, rtol=0, atol=1e-6)
+    for name, g in eager_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-6, msg=name)
+    per_mb = [model(**{k: v[i:i + 2] for k, v in batch.items()}).loss for i in (0, 2, 4)]
+    assert abs(float(torch.stack(per_mb).mean()) - float(eager_loss)) > 1e-4
+
+
+def test_labels_that_differ_from_the_example_inputs_reach_the_loss():
+    # Regression: compiled from plain token ids (labels = ids), stepped with other labels.
+    model = hf_model("llama")
+    eager = copy.deepcopy(model)
+    compiled = rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=token_batch(6),
+                                 optimizer=_adamw, device="virtual")
+    steps = []
+    for k in range(2):
+        x = token_batch(6, seed=20 + k)
+        y = token_batch(6, seed=40 + k)
+        y[:, :5] = -100
+        steps.append({"input_ids": x, "labels": y})
+    ref_loss, _ = compiled.reference_step(steps[0])
+    try:
+        losses = [float(compiled.step(b)) for b in steps]
+        expected = _eager_training(eager, steps)
+        assert float(ref_loss) == pytest.approx(expected[0], abs=1e-6)
+        assert losses == pytest.approx(expected, abs=1e-6)
+        assert _max_weight_diff(compiled, eager) < 1e-5
+    finally:
+        compiled.close()
+
+
+@pytest.mark.parametrize("alias", ["same-tensor", "view"])
+def test_aliased_or_view_example_inputs_keep_two_arguments(alias):
+    model = hf_model("qwen3")
+    big = token_batch(12)
+    ids = big[:6]  # a view
+    example = {"input_ids": ids, "labels": ids} if alias == "same-tensor" else ids
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=example)
+    assert compiled.capture.input_keys[:2] == ["input_ids", "labels"]
+    other = token_batch(6, seed=9)
+    other[:, :3] = -100
+    batch = {"input_ids": ids, "labels": other}
+    loss, _ = compiled.reference_step(batch)
+    torch.testing.assert_close(loss, eager_batch_grads(model, batch)[0], rtol=0, atol=1e-6)
+
+
+def test_int32_token_ids_train_as_int64():
+    model = hf_model("qwen3")
+    batch = sft_batch(4, 10, seed=2)
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=batch)
+    narrow = {k: v.int() for k, v in batch.items()}
+    assert torch.equal(compiled.reference_step(narrow)[0], compiled.reference_step(batch)[0])
+
+
+def test_batches_smaller_than_the_plan_run_and_larger_ones_are_refused():
+    model = hf_model("qwen3")
+    eager = copy.deepcopy(model)
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=sft_batch(6, 12),
+                                 optimizer=_adamw, device="virtual")
+    try:
+        with pytest.raises(ValueError, match=r"longer|larger than the plan's shape.*12 tokens"):
+            compiled.step(sft_batch(6, 16))
+        with pytest.raises(ValueError, match="larger than the plan's shape"):
+            compiled.step(sft_batch(8, 12))
+        assert compiled.trainer().steps_done == 0
+        small = [sft_batch(5, 9, seed=5), sft_batch(4, 12, seed=6)]
+        losses = [float(compiled.step(b)) for b in small]
+        assert losses == pytest.approx(_eager_training(eager, small), abs=1e-6)
+    finally:
+        compiled.close()
+
+
+def test_padded_batch_on_a_graph_without_a_mask_is_refused():
+    compiled = rpcompile.compile(hf_model("qwen3"), gpus=2, microbatches=2,
+                                 example_inputs=token_batch(4))
+    padded = sft_batch(4, 12, seed=1)
+    padded["attention_mask"][0, -2:] = 0
+    with pytest.raises(ValueError, match="compile with an example batch that carries attention_mask"):
+        compiled.reference_step(padded)
+    # An all-ones mask masks nothing: it is dropped and the step is the unmasked one.
+    ones = {"input_ids": padded["input_ids"], "attention_mask": torch.ones(4, 12, dtype=torch.long)}
+    assert torch.equal(compiled.reference_step(ones)[0],
+                       compiled.reference_step(padded["input_ids"])[0])
+
+
+@pytest.mark.parametrize(
+    ("batch", "match"),
+    [
+        (torch.zeros(0, 12, dtype=torch.long), "the batch is empty"),
+        ({"input_ids": token_batch(4), "labels": None}, "labels=None"),
+        ({"input_ids": token_batch(4), "labels": torch.full((4, 12), -100)},
+         "no token of this batch is labelled"),
+        ({"input_ids": token_batch(4), "labels": torch.full((4, 12), 300)}, "-100"),
+        (token_batch(4).float(), r"convert with input_ids\.long\(\)"),
+        ({"input_ids": token_batch(4), "attention_mask": torch.full((4, 12), 2)},
+         "1 \\(real token\\) and 0"),
+        ({"input_ids": token_batch(4), "token_type_ids": token_batch(4)}, "unsupported batch keys"),
+    ],
+)
+def test_bad_batches_are_refused_before_anything_runs(batch, match):
+    compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
+                                 example_inputs=sft_batch(4, 12), device="virtual")
+    try:
+        with pytest.raises(ValueError, match=match):
+            compiled.step(batch)
+        assert compiled.trainer().steps_done == 0
+    finally:
+        compiled.close()
+
+
+def test_plain_module_without_loss_fn_names_loss_fn():
+    x, y = torch.randn(4, 16), torch.randint(0, 10, (4,))
+    with pytest.raises(rpcompile.CaptureError, match=r"no loss_fn was given.*loss_fn="):
+        rpcompile.compile(SkipNet(), gpus=2, microbatches=2, example_inputs=(x, y))
+    with pytest.raises(ValueError, match=r"not a scalar.*loss_fn"):
+        rpcompile.compile(SkipNet(), gpus=2, microbatches=2, example_inputs=(x,))
+
+
+def test_router_aux_loss_is_refused_with_the_fix():
+    model = hf_model("qwen3_moe")
+    model.config.output_router_logits = True
+    with pytest.raises(ValueError, match="output_router_logits = False"):
+        rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4))
+
+
+def test_loss_fn_models_keep_the_mean_of_microbatch_means_on_uneven_splits():
+    torch.manual_seed(0)
+    model = SkipNet()
+    x, y = torch.randn(5, 16), torch.randint(0, 10, (5,))
+    loss_fn = torch.nn.functional.cross_entropy
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=(x, y),
+                                 loss_fn=loss_fn)
+    loss, _ = compiled.reference_step((x, y))
+    means = [loss_fn(model(xs), ys) for xs, ys in zip(x.tensor_split(2), y.tensor_split(2))]
+    torch.testing.assert_close(loss, torch.stack(means).mean(), rtol=0, atol=1e-6)
