@@ -106,7 +106,7 @@ class Compiled:
         forward gives) but for a large model it is as slow as a CPU forward; a forward-only
         schedule on the workers is not built yet. For a causal LM the loss is Hugging Face's
         mean over the batch's target tokens (labels other than -100)."""
-        from rpcompile.capture import normalize_batch
+        from rpcompile.batch import normalize_batch
 
         batch = normalize_batch(self.model, batch, self.capture.loss_fn)
         self.sync_to_model()
@@ -116,8 +116,9 @@ class Compiled:
         try:
             with torch.no_grad():
                 if self.capture.loss_fn is None and is_causal_lm(model):
-                    out = model(input_ids=batch["input_ids"], labels=batch["labels"],
-                                use_cache=False)
+                    inputs = {k: batch[k] for k in ("input_ids", "labels", "attention_mask")
+                              if k in batch}
+                    out = model(**inputs, use_cache=False)
                     return out.loss.detach()
                 *inputs, target = batch.values()
                 return self.capture.loss_fn(model(*inputs), target).detach()

@@ -48,13 +48,14 @@ def files(tmp_path_factory):
     chat = root / "chat.jsonl"
     with pairs.open("w") as f:
         for i in range(60):
-            w = WORDS[i % len(WORDS)]
-            f.write(json.dumps({"prompt": f"copy {w}:", "completion": f" {w}"}) + "\n")
+            w, k = WORDS[i % len(WORDS)], 1 + (i // len(WORDS)) % 4
+            f.write(json.dumps({"prompt": f"{w} x{k}:", "completion": f" {w}" * k}) + "\n")
     with chat.open("w") as f:
         for i in range(60):
-            w = WORDS[(3 * i) % len(WORDS)]
-            f.write(json.dumps({"messages": [{"role": "user", "content": f"say {w}"},
-                                             {"role": "assistant", "content": w}]}) + "\n")
+            w, k = WORDS[(3 * i) % len(WORDS)], 1 + (i // len(WORDS)) % 4
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"say {w} x{k}"},
+                                             {"role": "assistant", "content": " ".join([w] * k)}]})
+                    + "\n")
     return {"ckpt": ckpt, "pairs": pairs, "chat": chat}
 
 
@@ -80,7 +81,7 @@ def _records(out: Path) -> list[dict]:
 
 
 COMMON = ["--steps", "30", "--workers", "2", "--batch", "6", "--lr", "3e-3",
-          "--max-grad-norm", "0", "--eval-every", "10", "--save-every", "0"]
+          "--eval-every", "10", "--save-every", "0"]
 
 
 @pytest.mark.parametrize("kind", ["pairs", "chat"])
@@ -94,7 +95,10 @@ def test_train_a_checkpoint_folder_on_a_data_file(tmp_path, files, kind):
     evals = [r["eval_loss"] for r in records if "eval_loss" in r]
     assert len(evals) == 4  # steps 0, 10, 20, 30
     assert evals[-1] < evals[0] - 1.0, evals
-    assert len([r for r in records if "loss" in r]) == 30
+    steps = [r for r in records if "loss" in r]
+    assert len(steps) == 30
+    assert all(r["grad_norm"] > 0 for r in steps)  # clipped at the default 1.0, norm logged
+    assert len({r["tokens"] for r in steps}) > 1  # padded to length buckets, not all to --seq
     for name in ("loss.png", "config.yaml", "final/model.safetensors", "final/tokenizer.json"):
         assert (out / name).stat().st_size > 0
     assert any(p.name.startswith("events.out.tfevents") for p in (out / "tensorboard").iterdir())
@@ -128,7 +132,7 @@ def test_lora_writes_an_adapter_peft_loads(tmp_path, files):
 def test_yaml_config_and_flags_override_it(tmp_path, files):
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {files['ckpt']}\ndata: {files['pairs']}\nsteps: 4\n"
-                      "workers: 2\nbatch: 6\nmax-grad-norm: 0\nschedule: linear\n"
+                      "workers: 2\nbatch: 6\nschedule: linear\n"
                       "eval_split: 0\nsave_every: 0\ntensorboard: false\n")
     out = tmp_path / "run"
     assert main(["train", "--config", str(config), "--steps", "3", "--out", str(out)]) == 0
@@ -215,7 +219,7 @@ _HAS_CHECKPOINTS = importlib.util.find_spec("rpcompile.runtime.checkpoint") is n
                    reason="needs rpcompile.runtime.checkpoint.CheckpointManager (issue 12)")
 def test_sigkill_then_resume_logs_the_same_losses(tmp_path, files):
     args = ["--model", str(files["ckpt"]), "--data", str(files["pairs"]), "--steps", "40",
-            "--workers", "2", "--batch", "6", "--lr", "3e-3", "--max-grad-norm", "0",
+            "--workers", "2", "--batch", "6", "--lr", "3e-3",
             "--eval-every", "10", "--save-every", "4", "--keep-last", "2",
             "--no-tensorboard"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
