@@ -96,8 +96,8 @@ OPTIONS: tuple[Option, ...] = (
 _BY_NAME = {o.name: o for o in OPTIONS}
 
 # What the no-argument `rpcompile train` runs: the shipped tiny Qwen3 on the shipped text.
-DEMO: dict[str, Any] = {"model": "qwen3-tiny", "steps": 200, "batch": 20, "seq": 128,
-                        "lr": 3e-3, "workers": 4, "device": "virtual", "eval_every": 50,
+DEMO: dict[str, Any] = {"model": "qwen3-tiny", "steps": 100, "batch": 20, "seq": 128,
+                        "lr": 3e-3, "workers": 4, "device": "virtual", "eval_every": 25,
                         "save_every": 0}
 
 
@@ -432,33 +432,34 @@ def run(args: argparse.Namespace) -> int:
         max_grad_norm=opts["max_grad_norm"] or None,
     )
     print(compiled.plan, file=sys.stderr)
-    warmup = opts["warmup_steps"] if opts["warmup_steps"] is not None else round(0.03 * total)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        compiled.optimizer, lr_lambda(opts["schedule"], warmup, total))
-    start = 0
-    if checkpoint is not None:
-        extra = compiled.load_checkpoint(checkpoint) or {}
-        start = int(extra["step"])
-        iterator.load_state(extra["data"])
-        scheduler.load_state_dict(extra["scheduler"])
-        # The optimizer's param_groups come back with the checkpoint; set the scheduler's lr
-        # explicitly so the next update uses the saved schedule position either way.
-        for group, value in zip(compiled.optimizer.param_groups, scheduler.get_last_lr()):
-            group["lr"] = value
-        print(f"train: resumed from {checkpoint} at step {start}", file=sys.stderr)
-    (out / "config.yaml").write_text(_dump_yaml(opts))
-
-    log = _Log(out, start, opts["tensorboard"])
-    t0 = time.perf_counter()
-    done_tokens, step_seconds = 0, 0.0
-
-    def evaluate(step: int) -> None:
-        if eval_sets:
-            value = _evaluate(compiled, eval_sets)
-            log.write({"step": step, "eval_loss": value})
-            tqdm.write(f"step {step}: eval loss {value:.4f}", file=sys.stderr)
-
+    log = None
     try:
+        warmup = opts["warmup_steps"] if opts["warmup_steps"] is not None else round(0.03 * total)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            compiled.optimizer, lr_lambda(opts["schedule"], warmup, total))
+        start = 0
+        if checkpoint is not None:
+            extra = compiled.load_checkpoint(checkpoint) or {}
+            start = int(extra["step"])
+            iterator.load_state(extra["data"])
+            scheduler.load_state_dict(extra["scheduler"])
+            # The optimizer's param_groups come back with the checkpoint; set the scheduler's lr
+            # explicitly so the next update uses the saved schedule position either way.
+            for group, value in zip(compiled.optimizer.param_groups, scheduler.get_last_lr()):
+                group["lr"] = value
+            print(f"train: resumed from {checkpoint} at step {start}", file=sys.stderr)
+        (out / "config.yaml").write_text(_dump_yaml(opts))
+
+        log = _Log(out, start, opts["tensorboard"])
+        t0 = time.perf_counter()
+        done_tokens, step_seconds = 0, 0.0
+
+        def evaluate(step: int) -> None:
+            if eval_sets:
+                value = _evaluate(compiled, eval_sets)
+                log.write({"step": step, "eval_loss": value})
+                tqdm.write(f"step {step}: eval loss {value:.4f}", file=sys.stderr)
+
         if start == 0:
             evaluate(0)
         with tqdm(total=total, initial=start, desc="train", unit="step") as bar:
@@ -497,7 +498,8 @@ def run(args: argparse.Namespace) -> int:
         trainer = compiled.trainer()
         sched = trainer.schedule
     finally:
-        log.close()
+        if log is not None:
+            log.close()
         compiled.close()
     elapsed = time.perf_counter() - t0
     _write_report(out, log.records, opts, elapsed, done_tokens / max(step_seconds, 1e-9),
