@@ -81,8 +81,25 @@ class Compiled:
         """Masters, optimizer state, step counter and a plan summary."""
         return self._finished_trainer().state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer().load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> None:
+        """Restore :meth:`state_dict` (validated first: a bad state changes nothing)."""
+        self.trainer().load_state_dict(state, strict=strict, allow_nonfinite=allow_nonfinite)
+
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
+        """Write masters, optimizer state, step counter, RNG states, loss-scale state, the
+        plan's identity and ``extra`` (a JSON-serializable dict) to the folder ``path``
+        atomically, in safetensors + a JSON manifest (:mod:`rpcompile.runtime.checkpoint`).
+        Returns the folder's path."""
+        return self._finished_trainer().save_checkpoint(path, extra=extra)
+
+    def load_checkpoint(self, path: Any, *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> dict[str, Any]:
+        """Restore a checkpoint written by :meth:`save_checkpoint`, after checking all of it
+        (a corrupt, truncated or mismatched one is refused naming the key, changing nothing);
+        returns the ``extra`` dict it stored ({} when none)."""
+        return self.trainer().load_checkpoint(path, strict=strict,
+                                              allow_nonfinite=allow_nonfinite)
 
     def sync_to_model(self) -> None:
         """Write the trained masters back into the original module (then save_pretrained)."""
@@ -243,6 +260,7 @@ def compile(
     skip_nonfinite: bool = False,
     loss_scale: Any = None,
     max_grad_norm: float | None = None,
+    timeout_s: float | None = None,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -265,9 +283,11 @@ def compile(
     ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``);
     ``skip_nonfinite`` drops a step whose gradients hold inf/NaN (masters and optimizer state
     unchanged); ``loss_scale`` (``True`` or a ``runtime.loss_scale.LossScaleConfig``) runs
-    dynamic loss scaling for fp16 in sync mode; ``max_grad_norm`` clips the step's gradients
-    by their global norm over all trainable parameters before the update, as
-    ``torch.nn.utils.clip_grad_norm_`` after a full backward (``StepResult.grad_norm`` reports
+    dynamic loss scaling for fp16 in sync mode; ``timeout_s`` is the step watchdog (default
+    ``max(300 s, 20 x the predicted step time)``, ``math.inf`` turns it off): a step that
+    outlives it raises ``StepTimeout`` at that time with the masters kept; ``max_grad_norm``
+    clips the step's gradients by their global norm over all trainable parameters before the
+    update, as ``torch.nn.utils.clip_grad_norm_`` after a full backward (``StepResult.grad_norm`` reports
     the norm before clipping).
 
     Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
@@ -312,7 +332,7 @@ def compile(
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes, kernels=kernels,
                              skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
-                             max_grad_norm=max_grad_norm)
+                             max_grad_norm=max_grad_norm, timeout_s=timeout_s)
     return compiled
 
 
@@ -411,7 +431,13 @@ def _default_hardware() -> Hardware | str:
 def _close_ref(ref: weakref.ref) -> None:
     compiled = ref()
     if compiled is not None:
-        compiled.close()
+        try:
+            compiled.close()
+        except BaseException as exc:  # exit must not raise because a run failed
+            import warnings
+
+            warnings.warn(f"rpcompile: closing at exit: {type(exc).__name__}: {exc}",
+                          RuntimeWarning, stacklevel=1)
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype:
