@@ -4,7 +4,6 @@ checkpoints are measured with plain Hugging Face / PEFT code, not with rpcompile
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -212,11 +211,6 @@ def _summary(state):
 
 # -- resume ------------------------------------------------------------------------------------
 
-_HAS_CHECKPOINTS = importlib.util.find_spec("rpcompile.runtime.checkpoint") is not None
-
-
-@pytest.mark.xfail(not _HAS_CHECKPOINTS, strict=True,
-                   reason="needs rpcompile.runtime.checkpoint.CheckpointManager (issue 12)")
 def test_sigkill_then_resume_logs_the_same_losses(tmp_path, files):
     args = ["--model", str(files["ckpt"]), "--data", str(files["pairs"]), "--steps", "40",
             "--workers", "2", "--batch", "6", "--lr", "3e-3",
