@@ -32,7 +32,7 @@ import torch
 import torch.utils.flop_counter
 from torch import nn
 
-from rpcompile.batch import RNG, normalize_batch
+from rpcompile.batch import NUM_ITEMS, RNG, normalize_batch
 from rpcompile.dropout import dropout_seed as _dropout_seed
 from rpcompile.dropout import replay_random_ops
 
@@ -153,11 +153,15 @@ class _CausalLMLoss(nn.Module):
         out = getattr(self, _WRAPPED)(**dict(zip(self.keys, args)), use_cache=False)
         loss = getattr(out, "loss", None)
         if loss is None:
-            raise ValueError(
+            raise NoLossError(
                 f"{type(getattr(self, _WRAPPED)).__name__} returned no loss for a batch with "
                 "labels; give compile() a loss_fn(outputs, target) and pass (inputs..., target)"
             )
         return loss
+
+
+class NoLossError(ValueError):
+    """The model returned no loss for a batch with labels (raised through every strategy)."""
 
 
 class _LossOf(nn.Module):
@@ -259,6 +263,8 @@ def capture(
             except _NotRepeatable as exc:
                 attempts.append((strategy, str(exc)))
                 break
+            except NoLossError:
+                raise
             except Exception as exc:  # capture errors come in many types; each is recorded
                 culprit = _culprit_of(exc)
                 if culprit is not None and _is_data_dependent(exc) and culprit not in extra:
@@ -348,6 +354,16 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
             "loss_fn must return a scalar (reduce over the microbatch)")
         raise ValueError(f"the captured loss has shape {tuple(out_val.shape)}, not a scalar: "
                          f"{what}")
+    if causal:
+        counted = next(n for n in gm.graph.find_nodes(op="placeholder")
+                       if n.name == inputs[list(batch).index(NUM_ITEMS)])
+        if not counted.users:
+            raise ValueError(
+                f"{type(model).__name__}'s loss ignores num_items_in_batch, so rpcompile cannot "
+                "make the microbatch losses add up to the token mean of the whole batch: give "
+                "compile() a loss_fn(outputs, target) and pass (inputs..., target) (each "
+                "microbatch's loss is then a mean, the step's the mean of those)"
+            )
     unit_names = _assign_units(gm, layer_names, params)
     seeded = replay_random_ops(gm, inputs[0], _WRAPPED)
     if seeded:

@@ -205,3 +205,29 @@ def test_loss_fn_models_keep_the_mean_of_microbatch_means_on_uneven_splits():
     loss, _ = compiled.reference_step((x, y))
     means = [loss_fn(model(xs), ys) for xs, ys in zip(x.tensor_split(2), y.tensor_split(2))]
     torch.testing.assert_close(loss, torch.stack(means).mean(), rtol=0, atol=1e-6)
+
+
+class _LogitsOnly(torch.nn.Module):
+    """Looks like a causal LM (config, output embeddings) but returns no loss, or a loss that
+    ignores ``num_items_in_batch``."""
+
+    def __init__(self, with_loss: bool) -> None:
+        super().__init__()
+        self.lm = hf_model("qwen3", layers=2)
+        self.config = self.lm.config
+        self.with_loss = with_loss
+
+    def get_output_embeddings(self):
+        return self.lm.lm_head
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        return self.lm(input_ids=input_ids, labels=labels if self.with_loss else None)
+
+
+def test_a_causal_lm_without_a_usable_loss_names_loss_fn():
+    with pytest.raises(ValueError, match=r"returned no loss.*loss_fn"):
+        rpcompile.compile(_LogitsOnly(False), gpus=2, microbatches=2,
+                          example_inputs=token_batch(4))
+    with pytest.raises(ValueError, match=r"ignores num_items_in_batch.*loss_fn"):
+        rpcompile.compile(_LogitsOnly(True), gpus=2, microbatches=2,
+                          example_inputs=token_batch(4))
