@@ -52,6 +52,7 @@ OPTIONS: tuple[Option, ...] = (
            "tensorboard/, loss.png, config.yaml, summary.json, schedule.*"),
     Option("lora", 0, "LoRA rank on every linear layer but the LM head (0: full fine-tune)", int),
     Option("lora_alpha", None, "LoRA alpha (none: 2 x rank)", float),
+    Option("lora_dropout", 0.0, "dropout on the LoRA adapters' input", float),
     Option("merge", False, "with --lora: write final/ as merged full weights, not an adapter", bool),
     Option("lr", None, "peak learning rate of AdamW (none: 2e-5, or 2e-4 with --lora)", float),
     Option("weight_decay", 0.0, "AdamW weight decay", float),
@@ -256,7 +257,7 @@ def load_model(spec: str, out: Path, dtype: Any, seed: int) -> tuple[Any, Any, s
     return model, tokenizer, source
 
 
-def add_lora(model: Any, rank: int, alpha: float | None, seed: int) -> Any:
+def add_lora(model: Any, rank: int, alpha: float | None, dropout: float, seed: int) -> Any:
     """PEFT LoRA adapters on every linear layer but the LM head (seeded init)."""
     import torch
 
@@ -265,7 +266,7 @@ def add_lora(model: Any, rank: int, alpha: float | None, seed: int) -> Any:
     except ImportError as exc:
         raise ImportError("--lora needs peft: pip install 'rpcompile[lora]'") from exc
     torch.manual_seed(seed)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=0.0,
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha or 2 * rank, lora_dropout=dropout,
                              target_modules="all-linear", task_type="CAUSAL_LM")
     return peft.get_peft_model(model, config)
 
@@ -414,7 +415,7 @@ def run(args: argparse.Namespace) -> int:
           f"{iterator.batches_per_epoch} per epoch", file=sys.stderr)
 
     if opts["lora"]:
-        model = add_lora(model, opts["lora"], opts["lora_alpha"], seed)
+        model = add_lora(model, opts["lora"], opts["lora_alpha"], opts["lora_dropout"], seed)
     lr = opts["lr"] or (2e-4 if opts["lora"] else 2e-5)
     example = {"input_ids": torch.zeros(batch_size, seq, dtype=torch.long)}
     example["labels"] = example["input_ids"].clone()
