@@ -111,6 +111,7 @@ class Captured:
     loss_reduction: str = "mean"
     dropout_seed: int = 0  # base of the step's dropout seeds (rpcompile.dropout.step_seeds)
     random_ops: tuple[str, ...] = ()  # modules whose dropout is replayed from seeds
+    loss_chunk_tokens: int | None = None  # set when the LM head + loss run chunked
 
     def parameter(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)
@@ -285,15 +286,13 @@ def capture(
             captured.opaque_entries = keep
             return captured
     failed = "; ".join(f"{s}: {why}" for s, why in attempts)
+    hint = ""
     if not causal and loss_fn is None:
-        raise CaptureError(
-            f"could not capture {type(model).__name__}: {_NO_LOSS_FN.format(type(model).__name__)}"
-            f" (strategies tried -> {failed})"
-        )
+        hint = " Note: " + _NO_LOSS_FN.format(type(model).__name__) + "."
     raise CaptureError(
         f"could not capture {type(model).__name__}. Strategies tried -> {failed}. To proceed, "
         "name the repeated layers with units=[...] and the modules that cannot be traced with "
-        "opaque=[...] (module names as in model.named_modules())."
+        f"opaque=[...] (module names as in model.named_modules()).{hint}"
     )
 
 

@@ -261,6 +261,7 @@ def compile(
     loss_scale: Any = None,
     max_grad_norm: float | None = None,
     timeout_s: float | None = None,
+    loss_chunk_tokens: int | str | None = "auto",
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -290,6 +291,11 @@ def compile(
     update, as ``torch.nn.utils.clip_grad_norm_`` after a full backward (``StepResult.grad_norm`` reports
     the norm before clipping).
 
+    ``loss_chunk_tokens``: compute a causal LM's head and loss this many tokens at a time, never
+    holding a microbatch's full logits (:mod:`rpcompile.passes.chunked_loss`); ``"auto"``
+    (default) chunks by 4,096 tokens when a microbatch's fp32 logits would exceed 1 GiB;
+    ``None`` never chunks.
+
     Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
     ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
     padding); its step loss is Hugging Face's token mean over the whole global batch. A batch
@@ -318,6 +324,12 @@ def compile(
         history, "capture",
         lambda: capture(model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque),
     )
+    chunk = _loss_chunk(captured, loss_chunk_tokens, (microbatches or gpus + 1) * rounds)
+    if chunk is not None:
+        from rpcompile.passes.chunked_loss import chunk_lm_loss
+
+        _timed(history, "chunk-loss", lambda: chunk_lm_loss(captured.graph_module, chunk))
+        captured.loss_chunk_tokens = chunk
     unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
     dtype = _floating_dtype(model)
     if compute_dtype is not None and compute_dtype != dtype:
@@ -334,6 +346,26 @@ def compile(
                              skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
                              max_grad_norm=max_grad_norm, timeout_s=timeout_s)
     return compiled
+
+
+AUTO_CHUNK_TOKENS = 4096
+AUTO_CHUNK_ABOVE_BYTES = 1 << 30
+
+
+def _loss_chunk(captured: Captured, option: int | str | None, parts: int) -> int | None:
+    """Tokens per chunk of the LM head + loss, or None for the captured (whole-logits) form."""
+    if option is None or captured.loss_reduction != "sum":
+        return None
+    if option == "auto":
+        from rpcompile.passes.chunked_loss import logits_bytes
+
+        ids = captured.example_batch["input_ids"]
+        tokens = -(-ids.shape[0] // parts) * ids.shape[1]
+        return AUTO_CHUNK_TOKENS if logits_bytes(captured, tokens) > AUTO_CHUNK_ABOVE_BYTES else None
+    if isinstance(option, bool) or not isinstance(option, int) or option < 1:
+        raise ValueError(f"loss_chunk_tokens must be a positive number of tokens, 'auto' or "
+                         f"None, got {option!r}")
+    return option
 
 
 def _check_counts(gpus, microbatches, rounds) -> None:

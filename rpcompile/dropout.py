@@ -29,6 +29,7 @@ import torch.fx as fx
 
 __all__ = [
     "dropout_seed",
+    "emit_like",
     "record_masks",
     "replay_random_ops",
     "seeded_dropout",
@@ -163,7 +164,7 @@ def replay_random_ops(gm: fx.GraphModule, first_input: str, wrapped: str) -> fx.
         with gm.graph.inserting_before(node):
             if node.target in _DROPOUT:
                 p = float(_arg(node, 1, "p", 0.5))
-                new = _emit(gm, node, torch.ops.rpcompile.dropout.default,
+                new = emit_like(gm, node, torch.ops.rpcompile.dropout.default,
                             (node.args[0], rng, p, salt))
             else:
                 new = _sdpa_math(gm, node, rng, salt)
@@ -189,7 +190,7 @@ def _arg(node: fx.Node, index: int, name: str, default):
     return node.kwargs.get(name, default)
 
 
-def _emit(gm: fx.GraphModule, like: fx.Node, target, args: tuple, kwargs: dict | None = None):
+def emit_like(gm: fx.GraphModule, like: fx.Node, target, args: tuple, kwargs: dict | None = None):
     """A new node computing ``target(*args)``, with the fake value and provenance of ``like``'s
     place in the graph."""
     kwargs = kwargs or {}
@@ -215,22 +216,22 @@ def _sdpa_math(gm: fx.GraphModule, node: fx.Node, rng: fx.Node, salt: int) -> fx
         scale = 1.0 / float(qv.shape[-1]) ** 0.5
     if gqa and kv.shape[-3] != qv.shape[-3]:
         reps = int(qv.shape[-3]) // int(kv.shape[-3])
-        k = _emit(gm, node, aten.repeat_interleave.self_int, (k, reps, -3))
-        v = _emit(gm, node, aten.repeat_interleave.self_int, (v, reps, -3))
-    kt = _emit(gm, node, aten.transpose.int, (k, -2, -1))
-    scores = _emit(gm, node, aten.matmul.default, (q, kt))
-    scores = _emit(gm, node, aten.mul.Tensor, (scores, float(scale)))
+        k = emit_like(gm, node, aten.repeat_interleave.self_int, (k, reps, -3))
+        v = emit_like(gm, node, aten.repeat_interleave.self_int, (v, reps, -3))
+    kt = emit_like(gm, node, aten.transpose.int, (k, -2, -1))
+    scores = emit_like(gm, node, aten.matmul.default, (q, kt))
+    scores = emit_like(gm, node, aten.mul.Tensor, (scores, float(scale)))
     if causal:
-        ones = _emit(gm, node, aten.ones_like.default, (scores,), {"dtype": torch.bool})
-        lower = _emit(gm, node, aten.tril.default, (ones,))
-        upper = _emit(gm, node, aten.logical_not.default, (lower,))
-        scores = _emit(gm, node, aten.masked_fill.Scalar, (scores, upper, float("-inf")))
+        ones = emit_like(gm, node, aten.ones_like.default, (scores,), {"dtype": torch.bool})
+        lower = emit_like(gm, node, aten.tril.default, (ones,))
+        upper = emit_like(gm, node, aten.logical_not.default, (lower,))
+        scores = emit_like(gm, node, aten.masked_fill.Scalar, (scores, upper, float("-inf")))
     if mask is not None:
         if mask.meta["val"].dtype == torch.bool:
-            hidden = _emit(gm, node, aten.logical_not.default, (mask,))
-            scores = _emit(gm, node, aten.masked_fill.Scalar, (scores, hidden, float("-inf")))
+            hidden = emit_like(gm, node, aten.logical_not.default, (mask,))
+            scores = emit_like(gm, node, aten.masked_fill.Scalar, (scores, hidden, float("-inf")))
         else:
-            scores = _emit(gm, node, aten.add.Tensor, (scores, mask))
-    probs = _emit(gm, node, aten.softmax.int, (scores, -1))
-    probs = _emit(gm, node, torch.ops.rpcompile.dropout.default, (probs, rng, p, salt))
-    return _emit(gm, node, aten.matmul.default, (probs, v))
+            scores = emit_like(gm, node, aten.add.Tensor, (scores, mask))
+    probs = emit_like(gm, node, aten.softmax.int, (scores, -1))
+    probs = emit_like(gm, node, torch.ops.rpcompile.dropout.default, (probs, rng, p, salt))
+    return emit_like(gm, node, aten.matmul.default, (probs, v))
