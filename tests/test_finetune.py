@@ -262,3 +262,18 @@ def _logged_steps(out: Path) -> list[int]:
         if "loss" in record:
             steps.append(record["step"])
     return steps
+
+
+def test_lr_schedule_warms_up_then_decays_to_zero():
+    import math
+
+    from rpcompile.finetune import lr_lambda
+
+    cosine = lr_lambda("cosine", warmup=4, total=20)
+    assert [cosine(k) for k in range(4)] == [0.2, 0.4, 0.6, 0.8]
+    assert cosine(4) == 1.0
+    assert cosine(12) == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert cosine(20) == pytest.approx(0.0)
+    linear = lr_lambda("linear", warmup=0, total=10)
+    assert [linear(k) for k in (0, 5, 10)] == [1.0, 0.5, 0.0]
+    assert lr_lambda("constant", warmup=2, total=10)(7) == 1.0
