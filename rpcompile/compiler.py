@@ -81,12 +81,86 @@ class Compiled:
         """Masters, optimizer state, step counter and a plan summary."""
         return self._finished_trainer().state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer().load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> None:
+        """Restore :meth:`state_dict` (validated first: a bad state changes nothing)."""
+        self.trainer().load_state_dict(state, strict=strict, allow_nonfinite=allow_nonfinite)
+
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
+        """Write masters, optimizer state, step counter, RNG states, loss-scale state, the
+        plan's identity and ``extra`` (a JSON-serializable dict) to the folder ``path``
+        atomically, in safetensors + a JSON manifest (:mod:`rpcompile.runtime.checkpoint`).
+        Returns the folder's path."""
+        return self._finished_trainer().save_checkpoint(path, extra=extra)
+
+    def load_checkpoint(self, path: Any, *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> dict[str, Any]:
+        """Restore a checkpoint written by :meth:`save_checkpoint`, after checking all of it
+        (a corrupt, truncated or mismatched one is refused naming the key, changing nothing);
+        returns the ``extra`` dict it stored ({} when none)."""
+        return self.trainer().load_checkpoint(path, strict=strict,
+                                              allow_nonfinite=allow_nonfinite)
 
     def sync_to_model(self) -> None:
         """Write the trained masters back into the original module (then save_pretrained)."""
         self._finished_trainer().sync_to_model()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The host optimizer over the fp32 masters (``trainer().optimizer``). Attach an LR
+        scheduler to it as to any optimizer and call ``scheduler.step()`` after each
+        :meth:`step`: step ``k``'s update uses the learning rate set when step ``k`` began,
+        also in async mode where that update runs during step ``k + 1``."""
+        return self.trainer().optimizer
+
+    def evaluate(self, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` under the current trained weights, forward only, without
+        gradients; the optimizer, its state and the masters are not touched.
+
+        This forward runs **on the host, not on the workers**: the trained masters are written
+        into ``self.model`` (as :meth:`sync_to_model`) and the eager model runs under
+        ``torch.no_grad()`` in eval mode on the CPU. It is exact (the same loss a Hugging Face
+        forward gives) but for a large model it is as slow as a CPU forward; a forward-only
+        schedule on the workers is not built yet. For a causal LM the loss is Hugging Face's
+        mean over the batch's target tokens (labels other than -100)."""
+        from rpcompile.batch import normalize_batch
+
+        batch = normalize_batch(self.model, batch, self.capture.loss_fn)
+        self.sync_to_model()
+        model = self.model
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                if self.capture.loss_fn is None and is_causal_lm(model):
+                    inputs = {k: batch[k] for k in ("input_ids", "labels", "attention_mask")
+                              if k in batch}
+                    out = model(**inputs, use_cache=False)
+                    return out.loss.detach()
+                *inputs, target = batch.values()
+                return self.capture.loss_fn(model(*inputs), target).detach()
+        finally:
+            model.train(was_training)
+
+    def save_pretrained(self, directory: str | Any, *, merge: bool = False) -> None:
+        """Write the trained weights into ``self.model`` and save it with Hugging Face's
+        ``save_pretrained`` (safetensors). A PEFT model saves its adapter folder (loadable with
+        ``PeftModel.from_pretrained``); ``merge=True`` saves the base model with the adapters
+        merged in instead, from a copy, so this compiled model keeps training."""
+        import copy
+
+        self.sync_to_model()
+        model = self.model
+        if merge:
+            if not hasattr(model, "merge_and_unload"):
+                raise ValueError("merge=True merges LoRA adapters; this model is not a PEFT model")
+            model = copy.deepcopy(model).merge_and_unload()
+        if not hasattr(model, "save_pretrained"):
+            raise ValueError(
+                f"{type(model).__name__} has no save_pretrained (not a Hugging Face model); "
+                "save compiled.model.state_dict() after sync_to_model() instead"
+            )
+        model.save_pretrained(str(directory))
 
     def memory_report(self) -> Any:
         """Host bytes per trainable parameter: masters, shadow, gradients, optimizer state."""
@@ -186,6 +260,7 @@ def compile(
     skip_nonfinite: bool = False,
     loss_scale: Any = None,
     max_grad_norm: float | None = None,
+    timeout_s: float | None = None,
     loss_chunk_tokens: int | str | None = "auto",
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
@@ -209,9 +284,11 @@ def compile(
     ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``);
     ``skip_nonfinite`` drops a step whose gradients hold inf/NaN (masters and optimizer state
     unchanged); ``loss_scale`` (``True`` or a ``runtime.loss_scale.LossScaleConfig``) runs
-    dynamic loss scaling for fp16 in sync mode; ``max_grad_norm`` clips the step's gradients
-    by their global norm over all trainable parameters before the update, as
-    ``torch.nn.utils.clip_grad_norm_`` after a full backward (``StepResult.grad_norm`` reports
+    dynamic loss scaling for fp16 in sync mode; ``timeout_s`` is the step watchdog (default
+    ``max(300 s, 20 x the predicted step time)``, ``math.inf`` turns it off): a step that
+    outlives it raises ``StepTimeout`` at that time with the masters kept; ``max_grad_norm``
+    clips the step's gradients by their global norm over all trainable parameters before the
+    update, as ``torch.nn.utils.clip_grad_norm_`` after a full backward (``StepResult.grad_norm`` reports
     the norm before clipping).
 
     ``loss_chunk_tokens``: compute a causal LM's head and loss this many tokens at a time, never
@@ -267,7 +344,7 @@ def compile(
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes, kernels=kernels,
                              skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
-                             max_grad_norm=max_grad_norm)
+                             max_grad_norm=max_grad_norm, timeout_s=timeout_s)
     return compiled
 
 
@@ -386,7 +463,13 @@ def _default_hardware() -> Hardware | str:
 def _close_ref(ref: weakref.ref) -> None:
     compiled = ref()
     if compiled is not None:
-        compiled.close()
+        try:
+            compiled.close()
+        except BaseException as exc:  # exit must not raise because a run failed
+            import warnings
+
+            warnings.warn(f"rpcompile: closing at exit: {type(exc).__name__}: {exc}",
+                          RuntimeWarning, stacklevel=1)
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype:
