@@ -114,33 +114,38 @@ class Compiled:
         return self.trainer().optimizer
 
     def evaluate(self, batch: Any) -> torch.Tensor:
-        """The loss of ``batch`` under the current trained weights, forward only, without
-        gradients; the optimizer, its state and the masters are not touched.
+        """The loss of ``batch`` under the current trained weights, forward only: no gradients,
+        dropout off, the optimizer, its state and the masters untouched.
 
-        This forward runs **on the host, not on the workers**: the trained masters are written
-        into ``self.model`` (as :meth:`sync_to_model`) and the eager model runs under
-        ``torch.no_grad()`` in eval mode on the CPU. It is exact (the same loss a Hugging Face
-        forward gives) but for a large model it is as slow as a CPU forward; a forward-only
-        schedule on the workers is not built yet. For a causal LM the loss is Hugging Face's
-        mean over the batch's target tokens (labels other than -100)."""
-        from rpcompile.batch import normalize_batch
+        It runs the stage programs on the first worker's device (a GPU for CUDA workers), one
+        stage at a time with that stage's weights uploaded for it (the low-precision copy the
+        workers train with, from the masters once queued updates have run), then the tail's
+        forward; values between stages stay on that device. It is sequential, not the
+        pipelined schedule. For a causal LM the loss is Hugging Face's token mean over the
+        whole batch (labels other than -100); the batch may not exceed the plan's shape."""
+        from rpcompile.batch import bind_batch
+        from rpcompile.reference import forward_loss
+        from rpcompile.trainer import check_plan_shape
 
-        batch = normalize_batch(self.model, batch, self.capture.loss_fn)
-        self.sync_to_model()
-        model = self.model
-        was_training = model.training
-        model.eval()
-        try:
-            with torch.no_grad():
-                if self.capture.loss_fn is None and is_causal_lm(model):
-                    inputs = {k: batch[k] for k in ("input_ids", "labels", "attention_mask")
-                              if k in batch}
-                    out = model(**inputs, use_cache=False)
-                    return out.loss.detach()
-                *inputs, target = batch.values()
-                return self.capture.loss_fn(model(*inputs), target).detach()
-        finally:
-            model.train(was_training)
+        trainer = self.trainer()
+        bound = bind_batch(self.capture, batch, step=trainer.steps_done)
+        check_plan_shape(self, bound)
+        masters = trainer.masters()  # waits for queued updates
+        dtype = self.compute_dtype
+
+        def stage_params(prog):
+            out = {}
+            for name in prog.params:
+                if name in masters:
+                    out[name] = masters[name].to(dtype)
+                else:  # frozen: the model's own tensor
+                    out[name] = self.model.get_parameter(name).detach()
+            return out
+
+        sequences = next(iter(bound.values())).shape[0]
+        parts = min(self.microbatches * self.rounds, sequences)  # a short last eval batch
+        return forward_loss(self.stages, self.capture, stage_params, bound, parts,
+                            trainer.workers[0].device)
 
     def save_pretrained(self, directory: str | Any, *, merge: bool = False) -> None:
         """Write the trained weights into ``self.model`` and save it with Hugging Face's

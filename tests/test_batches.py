@@ -269,3 +269,33 @@ def test_loss_fn_models_get_a_token_mean_from_a_weight_input():
         expected = torch.nn.functional.cross_entropy(model(x, weight)[0].flatten(0, 1),
                                                      labels.flatten(), ignore_index=-100)
         torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+
+
+def test_evaluate_is_the_eager_eval_loss_and_changes_nothing():
+    torch.manual_seed(0)
+    import transformers as tf
+
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=3, n_head=4,
+                                             n_positions=32, attn_implementation="eager"))
+    model.train()  # dropout in the graph: evaluate must turn it off
+    batches = [sft_batch(7, 12, left=True, seed=k) for k in range(2)]
+    compiled = rpcompile.compile(model, gpus=3, microbatches=2, rounds=2,
+                                 example_inputs=batches[0], device="virtual",
+                                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    try:
+        compiled.step(batches[0])
+        before = {n: t.clone() for n, t in compiled.trainer().masters().items()}
+        loss = compiled.evaluate(batches[1])
+        short = compiled.evaluate({k: v[:2] for k, v in batches[1].items()})  # < 4 sequences
+        after = compiled.trainer().masters()
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        assert compiled.trainer().steps_done == 1
+        compiled.sync_to_model()
+    finally:
+        compiled.close()
+    model.eval()
+    with torch.no_grad():
+        want = model(**batches[1]).loss
+        want_short = model(**{k: v[:2] for k, v in batches[1].items()}).loss
+    torch.testing.assert_close(loss, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(short, want_short, rtol=0, atol=1e-6)
