@@ -404,9 +404,11 @@ def run(args: argparse.Namespace) -> int:
             note += f"; {dropped} dropped (nothing left to predict after truncation)"
     micro = opts["microbatches"] or workers + 1
     batch_size = opts["batch"] or micro * opts["rounds"]
-    if batch_size % (micro * opts["rounds"]):
-        raise ValueError(f"--batch {batch_size} must be a multiple of microbatches x rounds = "
-                         f"{micro} x {opts['rounds']}")
+    if batch_size < micro * opts["rounds"]:
+        # An uneven split is fine (the loss is the global token mean either way); an empty
+        # microbatch is not.
+        raise ValueError(f"--batch {batch_size} is smaller than microbatches x rounds = "
+                         f"{micro} x {opts['rounds']}: every microbatch needs a sequence")
     iterator = rpdata.BatchIterator(rows, batch_size, seed, buckets=opts["buckets"])
     total = opts["steps"] or max(1, math.ceil(opts["epochs"] * iterator.batches_per_epoch))
     eval_sets = rpdata.eval_batches(prepared.eval, seq, pad_id, batch_size)
