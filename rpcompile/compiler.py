@@ -105,6 +105,68 @@ class Compiled:
         """Write the trained masters back into the original module (then save_pretrained)."""
         self._finished_trainer().sync_to_model()
 
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The host optimizer over the fp32 masters (``trainer().optimizer``). Attach an LR
+        scheduler to it as to any optimizer and call ``scheduler.step()`` after each
+        :meth:`step`: step ``k``'s update uses the learning rate set when step ``k`` began,
+        also in async mode where that update runs during step ``k + 1``."""
+        return self.trainer().optimizer
+
+    def evaluate(self, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` under the current trained weights, forward only: no gradients,
+        dropout off, the optimizer, its state and the masters untouched.
+
+        It runs the stage programs on the first worker's device (a GPU for CUDA workers), one
+        stage at a time with that stage's weights uploaded for it (the low-precision copy the
+        workers train with, from the masters once queued updates have run), then the tail's
+        forward; values between stages stay on that device. It is sequential, not the
+        pipelined schedule. For a causal LM the loss is Hugging Face's token mean over the
+        whole batch (labels other than -100); the batch may not exceed the plan's shape."""
+        from rpcompile.batch import bind_batch
+        from rpcompile.reference import forward_loss
+        from rpcompile.trainer import check_plan_shape
+
+        trainer = self.trainer()
+        bound = bind_batch(self.capture, batch, step=trainer.steps_done)
+        check_plan_shape(self, bound)
+        masters = trainer.masters()  # waits for queued updates
+        dtype = self.compute_dtype
+
+        def stage_params(prog):
+            out = {}
+            for name in prog.params:
+                if name in masters:
+                    out[name] = masters[name].to(dtype)
+                else:  # frozen: the model's own tensor
+                    out[name] = self.model.get_parameter(name).detach()
+            return out
+
+        sequences = next(iter(bound.values())).shape[0]
+        parts = min(self.microbatches * self.rounds, sequences)  # a short last eval batch
+        return forward_loss(self.stages, self.capture, stage_params, bound, parts,
+                            trainer.workers[0].device)
+
+    def save_pretrained(self, directory: str | Any, *, merge: bool = False) -> None:
+        """Write the trained weights into ``self.model`` and save it with Hugging Face's
+        ``save_pretrained`` (safetensors). A PEFT model saves its adapter folder (loadable with
+        ``PeftModel.from_pretrained``); ``merge=True`` saves the base model with the adapters
+        merged in instead, from a copy, so this compiled model keeps training."""
+        import copy
+
+        self.sync_to_model()
+        model = self.model
+        if merge:
+            if not hasattr(model, "merge_and_unload"):
+                raise ValueError("merge=True merges LoRA adapters; this model is not a PEFT model")
+            model = copy.deepcopy(model).merge_and_unload()
+        if not hasattr(model, "save_pretrained"):
+            raise ValueError(
+                f"{type(model).__name__} has no save_pretrained (not a Hugging Face model); "
+                "save compiled.model.state_dict() after sync_to_model() instead"
+            )
+        model.save_pretrained(str(directory))
+
     def memory_report(self) -> Any:
         """Host bytes per trainable parameter: masters, shadow, gradients, optimizer state."""
         return self._finished_trainer().memory_report()

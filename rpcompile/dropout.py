@@ -21,6 +21,7 @@ PyTorch's dropout (no system can promise that), and differ between CPU and CUDA 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Iterator
 
@@ -28,6 +29,7 @@ import torch
 import torch.fx as fx
 
 __all__ = [
+    "dropout_disabled",
     "dropout_seed",
     "emit_like",
     "record_masks",
@@ -71,6 +73,18 @@ def step_seeds(base: int, step: int, sequences: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 _recording: list[list] = []
+_disabled = contextvars.ContextVar("rpcompile_dropout_disabled", default=False)
+
+
+@contextlib.contextmanager
+def dropout_disabled() -> Iterator[None]:
+    """Inside the block (this thread), ``rpcompile::dropout`` is the identity: the graph's
+    forward in eval mode (``Compiled.evaluate``)."""
+    token = _disabled.set(True)
+    try:
+        yield
+    finally:
+        _disabled.reset(token)
 _recording_lock = threading.Lock()
 
 
@@ -96,6 +110,8 @@ def _keep(rng: torch.Tensor, salt: int, p: float, like: torch.Tensor) -> tuple[i
 
 
 def _scaled(keep: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    if p >= 1.0:
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device)  # as F.dropout(p=1)
     return keep.to(dtype) * (1.0 / (1.0 - p))
 
 
@@ -103,6 +119,8 @@ def _scaled(keep: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
 def seeded_dropout(x: torch.Tensor, rng: torch.Tensor, p: float, salt: int) -> torch.Tensor:
     """``x * keep / (1 - p)`` with ``keep`` drawn from (``rng[0]``, ``salt``): the same mask in
     every forward, recompute and backward of one microbatch."""
+    if _disabled.get():
+        return x.clone()
     seed, keep = _keep(rng, salt, p, x)
     if _recording:
         with _recording_lock:
@@ -232,6 +250,7 @@ def _sdpa_math(gm: fx.GraphModule, node: fx.Node, rng: fx.Node, salt: int) -> fx
             scores = emit_like(gm, node, aten.masked_fill.Scalar, (scores, hidden, float("-inf")))
         else:
             scores = emit_like(gm, node, aten.add.Tensor, (scores, mask))
-    probs = emit_like(gm, node, aten.softmax.int, (scores, -1))
+    # Torch's SDPA gives 0, not NaN, for a query that sees no key (left padding): same here.
+    probs = emit_like(gm, node, aten._safe_softmax.default, (scores, -1))
     probs = emit_like(gm, node, torch.ops.rpcompile.dropout.default, (probs, rng, p, salt))
     return emit_like(gm, node, aten.matmul.default, (probs, v))

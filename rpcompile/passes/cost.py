@@ -801,7 +801,7 @@ _SAVES: dict[str, Callable] = {
     **dict.fromkeys(["pow", "silu", "gelu", "log", "sin", "cos", "abs", "erf", "log1p",
                      "square", "reciprocal_", "clamp", "clamp_min", "clamp_max", "maximum",
                      "minimum", "max", "min", "prod", "cumprod", "norm"], _save_self),
-    **dict.fromkeys(["rsqrt", "exp", "softmax", "_softmax", "log_softmax", "_log_softmax",
+    **dict.fromkeys(["rsqrt", "exp", "softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax",
                      "tanh", "sigmoid", "sqrt", "relu", "reciprocal", "expm1"], _save_result),
     **dict.fromkeys(["embedding", "index", "index_select", "gather", "take_along_dim",
                      "where", "masked_fill", "masked_select"], _save_indices),
