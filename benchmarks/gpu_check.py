@@ -1,6 +1,13 @@
-"""CUDA readiness check of the runtime: exactness on the GPU, then a bf16 step-time comparison.
+"""CUDA readiness check of the runtime: the fine-tuning command, exactness on the GPU, then a
+bf16 step-time comparison.
 
     python benchmarks/gpu_check.py [--json gpu_check.json] [--workers 1 2 4] [--skip-bench]
+
+0. The job. ``rpcompile train`` on a small Qwen3 checkpoint folder (hidden 256, 4 layers, random
+   weights, the byte-level tokenizer; no weights can be downloaded) with the prompt/completion
+   file ``examples/ledger.jsonl``: 40 steps in bf16 on the CUDA workers (fp32 with
+   ``--virtual``). Reports the eval loss before and after, tokens/s and seconds; the check fails
+   when the eval loss does not fall or ``final/`` is missing.
 
 1. Exactness. For 1, 2 and 4 workers sharing the GPU(s), tiny fp32 Qwen3 / Llama / Qwen3-MoE /
    tied-embedding Qwen3 models train 3 steps with AdamW on CUDA workers. Their masters must
@@ -158,6 +165,45 @@ def bench(trainer_device: str, hidden: int, layers: int, seq: int, workers: int,
     return result
 
 
+def check_finetune(trainer_device: str, workers: int) -> dict:
+    """``rpcompile train --model FOLDER --data examples/ledger.jsonl`` (section 0)."""
+    import tempfile
+
+    import transformers as tf
+
+    from rpcompile.cli import main as cli
+    from rpcompile.data import byte_tokenizer
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        folder, out = Path(tmp) / "ckpt", Path(tmp) / "run"
+        tokenizer = byte_tokenizer()
+        torch.manual_seed(0)
+        tf.Qwen3ForCausalLM(tf.Qwen3Config(
+            vocab_size=264, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+            tie_word_embeddings=True, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.eos_token_id)).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+        dtype = "bf16" if trainer_device == "cuda" else "fp32"
+        rc = cli(["train", "--model", str(folder), "--data", str(root / "examples/ledger.jsonl"),
+                  "--out", str(out), "--steps", "40", "--batch", str(2 * (workers + 1)),
+                  "--workers", str(workers), "--device", trainer_device, "--dtype", dtype,
+                  "--lr", "1e-3", "--eval-every", "20", "--save-every", "0",
+                  "--no-tensorboard"])
+        if rc != 0:
+            return {"error": f"rpcompile train exited {rc}"}
+        summary = json.loads((out / "summary.json").read_text())
+        row = {"workers": workers, "dtype": dtype, "steps": summary["steps"],
+               "seconds": round(summary["seconds"], 1),
+               "tokens_per_s": round(summary["tokens_per_s"]),
+               "eval_loss_first": summary["eval_loss_first"],
+               "eval_loss_last": summary["eval_loss_last"],
+               "final_saved": (out / "final" / "model.safetensors").is_file()}
+    row["ok"] = row["final_saved"] and row["eval_loss_last"] < row["eval_loss_first"]
+    return row
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="CUDA readiness check: exactness of the runtime on the GPU against a "
@@ -194,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
 
     begin = time.perf_counter()
     results: dict = {"device": name, "torch": torch.__version__, "exact": []}
+    try:
+        results["finetune"] = check_finetune(trainer_device, max(args.workers))
+    except Exception as exc:
+        results["finetune"] = {"error": f"{type(exc).__name__}: {exc}"}
+    print(json.dumps(results["finetune"]), flush=True)
     for workers in args.workers:
         for arch in args.archs:
             try:
@@ -219,7 +270,12 @@ def main(argv: list[str] | None = None) -> int:
     close = [r for r in rows if r.get("close_to_eager")]
     worst = max((r.get("max_abs_diff_vs_reference", 0.0) for r in rows if "error" not in r),
                 default=0.0)
-    summary = (f"gpu_check on {name}: {len(exact)}/{len(rows)} bit-identical to the same-device "
+    job = results["finetune"]
+    job_text = (f"train: eval loss {job['eval_loss_first']:.3f} -> {job['eval_loss_last']:.3f}, "
+                f"{job['tokens_per_s']} tok/s; " if "error" not in job else
+                f"train failed: {job['error']}; ")
+    summary = (f"gpu_check on {name}: {job_text}"
+               f"{len(exact)}/{len(rows)} bit-identical to the same-device "
                f"reference (worst max abs diff {worst:.3g}), {len(close)}/{len(rows)} close to "
                f"eager, {len(errors)} errors")
     bench_row = results.get("bench")
@@ -234,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     summary += f"; {results['seconds']} s; JSON in {args.json}"
     print(summary)
     ok = not errors and len(exact) == len(rows) and len(close) == len(rows)
+    ok = ok and bool(job.get("ok"))
     ok = ok and not (bench_row and "error" in bench_row)
     return 0 if ok else 1
 

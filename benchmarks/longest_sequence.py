@@ -8,13 +8,14 @@ less the 1.5 GiB reserve; rpcompile.passes.memory). The first length that does n
 the limiting resource: the unit whose working set alone is too large, or the worker, action
 and parts at the peak of the best plan.
 
-Two tails are searched:
+Two tails are searched (the paper models' memory model, rpcompile.paper.PaperModel.units):
 
   unchunked   the LM head and loss over the whole microbatch at once ([tokens, vocab] logits
-              and their gradient), which is what rpcompile's captured tail computes TODAY
-  chunked     logits 4,096 tokens at a time, as RoundPipe computes them; rpcompile does NOT
-              do this yet (issue 14, item 3): these lengths are what the chunked tail would
-              allow under the same memory model, not something rpcompile runs
+              and their gradient), as a model whose head the chunk-loss rewrite does not match
+              keeps it (or compile(loss_chunk_tokens=None))
+  chunked     logits 4,096 tokens at a time, as RoundPipe computes them and as rpcompile's
+              chunk-loss rewrite does for a plain LM head (docs/compiler.md); the cost of the
+              rewrite's captured tail is not re-measured here, the paper models' figure is used
 
 Recompute is stage by stage (a backward stage keeps one microbatch's working set of all its
 layers); layer-by-layer recompute is not modelled. Host memory (masters, optimizer state,
@@ -108,7 +109,7 @@ def main() -> None:
         for tail, chunk in (("unchunked", None), ("chunked", 4096)):
             seq, why = longest(name, chunk)
             row[tail] = {"longest": seq, "limit": why}
-            label = "unchunked (today)" if chunk is None else "chunked (not built)"
+            label = "unchunked tail" if chunk is None else "4,096-token chunks"
             print(f"  {label:<20} {seq:>8,} tokens   limit {why}")
         row["host"] = workload_host(name)
         print(f"  host memory of the workload: {row['host']}")

@@ -12,18 +12,24 @@ from rpcompile.ir import Action, Plan, Schedule, Stage, UnitProfile
 from rpcompile.passes.lower import lower
 from rpcompile.passes.partition import PartitionError
 from rpcompile.passes.schedule import build_schedule
+from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager
+from rpcompile.runtime.executor import StepFailed, StepTimeout
 
 __all__ = [
     "Action",
     "CaptureError",
     "CaptureReport",
     "Captured",
+    "CheckpointError",
+    "CheckpointManager",
     "Compiled",
     "Hardware",
     "PartitionError",
     "Plan",
     "Schedule",
     "Stage",
+    "StepFailed",
+    "StepTimeout",
     "UnitProfile",
     "build_schedule",
     "capture",

@@ -31,6 +31,7 @@ import sympy
 import torch
 import torch.utils.flop_counter
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rpcompile.batch import NUM_ITEMS, RNG, normalize_batch
 from rpcompile.dropout import dropout_seed as _dropout_seed
@@ -111,6 +112,7 @@ class Captured:
     loss_reduction: str = "mean"
     dropout_seed: int = 0  # base of the step's dropout seeds (rpcompile.dropout.step_seeds)
     random_ops: tuple[str, ...] = ()  # modules whose dropout is replayed from seeds
+    loss_chunk_tokens: int | None = None  # set when the LM head + loss run chunked
 
     def parameter(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)
@@ -160,8 +162,13 @@ class _CausalLMLoss(nn.Module):
         return loss
 
 
-class NoLossError(ValueError):
-    """The model returned no loss for a batch with labels (raised through every strategy)."""
+class RefusedModel(ValueError):
+    """A model rpcompile cannot train exactly: raised through every capture strategy (no
+    other strategy would change the answer)."""
+
+
+class NoLossError(RefusedModel):
+    """The model returned no loss for a batch with labels."""
 
 
 class _LossOf(nn.Module):
@@ -263,7 +270,7 @@ def capture(
             except _NotRepeatable as exc:
                 attempts.append((strategy, str(exc)))
                 break
-            except NoLossError:
+            except RefusedModel:
                 raise
             except Exception as exc:  # capture errors come in many types; each is recorded
                 culprit = _culprit_of(exc)
@@ -285,15 +292,17 @@ def capture(
             captured.opaque_entries = keep
             return captured
     failed = "; ".join(f"{s}: {why}" for s, why in attempts)
+    advice = ("name the repeated layers with units=[...] and the modules that cannot be "
+              "traced with opaque=[...] (module names as in model.named_modules())")
     if not causal and loss_fn is None:
         raise CaptureError(
-            f"could not capture {type(model).__name__}: {_NO_LOSS_FN.format(type(model).__name__)}"
-            f" (strategies tried -> {failed})"
+            f"could not capture {type(model).__name__}: "
+            f"{_NO_LOSS_FN.format(type(model).__name__)}. Strategies tried -> {failed}. If the "
+            f"model does return its loss from forward(*batch), {advice}."
         )
     raise CaptureError(
         f"could not capture {type(model).__name__}. Strategies tried -> {failed}. To proceed, "
-        "name the repeated layers with units=[...] and the modules that cannot be traced with "
-        "opaque=[...] (module names as in model.named_modules())."
+        f"{advice}."
     )
 
 
@@ -417,7 +426,9 @@ def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
             continue
         where = list((node.meta.get("nn_module_stack") or {}).values())
         module = where[-1][0].removeprefix(_WRAPPED + ".") if where else "the model"
-        if "lora_" in module:
+        if str(node.target).split(".")[-2].endswith("_") and "dropout" in name:
+            fix = "construct that dropout with inplace=False (in-place dropout is not replayed)"
+        elif "lora_" in module:
             fix = "build the adapter with LoraConfig(lora_dropout=0.0)"
         elif where:
             fix = (f"set that module's probability to 0 (model.get_submodule({module!r})), or "
@@ -931,7 +942,7 @@ def _opaque_patched(model: nn.Module, names: Sequence[str], seen: dict, keep: li
         for name in names:
             mod = model.get_submodule(name)
             original = mod.forward  # bound method of the class's forward
-            entry = _probe_opaque(mod, original, seen.get(name))
+            entry = _probe_opaque(mod, original, seen.get(name), name)
             key = f"{name}#{next(_KEYS)}"
             _OPAQUE[key] = entry
             keep.append(entry)
@@ -957,7 +968,7 @@ def _opaque_patched(model: nn.Module, names: Sequence[str], seen: dict, keep: li
                 mod.__dict__["forward"] = prev
 
 
-def _probe_opaque(mod: nn.Module, forward: Callable, seen=None) -> _OpaqueEntry:
+def _probe_opaque(mod: nn.Module, forward: Callable, seen=None, name: str = "") -> _OpaqueEntry:
     """Learn an opaque block's output shapes and FLOPs by running it on two small inputs.
 
     Blocks of a causal LM take hidden states [b, s, h]: probed at two (b, s) pairs. Other
@@ -979,8 +990,18 @@ def _probe_opaque(mod: nn.Module, forward: Callable, seen=None) -> _OpaqueEntry:
     for shape in shapes:
         x = torch.randn(shape, dtype=dtype).to(device)
         tokens = math.prod(shape[:-1]) if len(shape) == 3 else shape[0]
-        with torch.no_grad(), torch.utils.flop_counter.FlopCounterMode(display=False) as fc:
+        with torch.no_grad(), torch.utils.flop_counter.FlopCounterMode(display=False) as fc, \
+                _RandomOpSpy() as spy:
             out = forward(x)
+        if spy.seen:
+            raise RefusedModel(
+                f"opaque block {name or type(mod).__name__} ({type(mod).__name__}) draws random "
+                "numbers in training "
+                f"({', '.join(sorted(spy.seen))}), which rpcompile cannot replay inside an opaque "
+                "block when a backward stage recomputes it, so the gradients would not match "
+                "the loss: set its dropout/noise to 0 (e.g. config.router_jitter_noise = 0.0, "
+                "a dropout's p = 0.0) or put that block in eval mode"
+            )
         flops.append(fc.get_total_flops() / tokens)
         results.append((x.shape, out))
     tuple_out = isinstance(results[0][1], tuple)
@@ -999,6 +1020,25 @@ def _probe_opaque(mod: nn.Module, forward: Callable, seen=None) -> _OpaqueEntry:
         per_token = round(max(flops))
     tokens = B * S if len(shapes[0]) == 3 else B
     return _OpaqueEntry(mod, forward, param_names, rules, tuple_out, per_token, tokens)
+
+
+class _RandomOpSpy(TorchDispatchMode):
+    """Records the random ops an opaque block's probe run dispatches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[str] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._overloadpacket.__name__.rstrip("_")
+        if "dropout" in name:
+            p = args[1] if len(args) > 1 else 0.5
+            train = args[2] if len(args) > 2 else True
+            if p and train is not False:
+                self.seen.add(name)
+        elif name in _RANDOM_OPS and name != "scaled_dot_product_attention":
+            self.seen.add(name)
+        return func(*args, **(kwargs or {}))
 
 
 def _moe_flops_per_token(mod: nn.Module) -> int | None:

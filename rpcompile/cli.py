@@ -1,5 +1,7 @@
 """Command line: ``rpcompile plan | train | models | hardware``.
 
+``rpcompile train`` fine-tunes a checkpoint folder on a data file: see rpcompile.finetune.
+
 ``rpcompile plan`` builds a shipped model from its config on the ``meta`` device (no weights are
 allocated), compiles it for a hardware profile, schedules and lowers one optimizer step,
 simulates it, prints the stage table, predicted tokens/s, the bubble split, peak device memory
@@ -64,30 +66,17 @@ def _parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser(
         "train",
-        help="train a small model on the shipped text over virtual (or CUDA) workers",
-        description="Train a shipped model (default: a tiny Qwen3, byte-level) on the text "
-                    "that ships with rpcompile, with the RoundPipe runtime, and write the "
-                    "loss curve, the schedule and its measured timeline.",
+        help="fine-tune a checkpoint folder on a data file with the RoundPipe runtime",
+        description="Fine-tune a Hugging Face checkpoint folder on a data file (JSONL, JSON, "
+                    "CSV, Parquet or text) over RoundPipe workers, and write final/ "
+                    "(from_pretrained), checkpoints, metrics.jsonl, TensorBoard events and "
+                    "loss.png. With no arguments: build the tiny shipped Qwen3 (byte-level), "
+                    "write it as a checkpoint folder and fine-tune it on the shipped text. "
+                    "Options come from the defaults, then --config run.yaml, then the flags.",
     )
-    train.add_argument("--model", default="qwen3-tiny", help="a shipped model config")
-    train.add_argument("--workers", type=int, default=4, help="workers (GPUs or virtual)")
-    train.add_argument("--device", default="virtual", choices=["auto", "virtual", "cuda"])
-    train.add_argument("--steps", type=int, default=200, help="optimizer steps")
-    train.add_argument("--seq", type=int, default=128, help="tokens per sequence (bytes)")
-    train.add_argument("--batch", type=int, default=20, help="sequences per step")
-    train.add_argument("--microbatches", type=int, default=None,
-                       help="microbatches per step (default: workers + 1)")
-    train.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate")
-    train.add_argument("--mode", default="sync", choices=["sync", "async"],
-                       help="optimizer: exact (sync) or one step stale (async)")
-    train.add_argument("--chaos", type=int, default=None,
-                       help="seed for random delays on virtual workers (tests the protocol)")
-    train.add_argument("--kernels", default="auto", choices=["auto", "torch", "triton"],
-                       help="transfer-path kernels: Triton (interpreter on CPU, slow) or the "
-                            "torch reference (auto: Triton on CUDA only)")
-    train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--out", type=Path, default=Path("runs/train"),
-                       help="folder for loss.json, loss.png, schedule.csv/.json/.png")
+    from rpcompile.finetune import add_train_arguments
+
+    add_train_arguments(train)
 
     sub.add_parser("models", help="list the shipped model configs")
     sub.add_parser("hardware", help="list the hardware profiles")
@@ -262,97 +251,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    import time
-    from importlib import resources
+    from rpcompile.finetune import run
 
-    import torch
-    from tqdm import tqdm
-
-    import rpcompile
-    from rpcompile.models import build_model
-
-    torch.manual_seed(args.seed)
-    text = resources.files("rpcompile").joinpath("data/corpus.txt").read_bytes()
-    data = torch.tensor(list(text), dtype=torch.long)
-    if len(data) <= args.seq:
-        raise ValueError(f"--seq {args.seq} is longer than the text ({len(data)} bytes)")
-    for flag, value in (("--steps", args.steps), ("--workers", args.workers),
-                        ("--seq", args.seq), ("--batch", args.batch)):
-        if value < 1:
-            raise ValueError(f"{flag} must be at least 1, got {value}")
-    micro = args.microbatches or args.workers + 1
-    if args.batch % micro:
-        raise ValueError(f"--batch {args.batch} must be a multiple of --microbatches {micro}")
-    gen = torch.Generator().manual_seed(args.seed)
-
-    def sample() -> torch.Tensor:
-        starts = torch.randint(0, len(data) - args.seq, (args.batch,), generator=gen)
-        return torch.stack([data[s : s + args.seq] for s in starts.tolist()])
-
-    model = build_model(args.model, device="cpu", dtype=torch.float32)
-    if model.config.vocab_size < 256:
-        raise ValueError(f"{args.model} has a vocabulary of {model.config.vocab_size}; the "
-                         "demo feeds raw bytes and needs at least 256")
-    compiled = rpcompile.compile(
-        model, gpus=args.workers, microbatches=micro, example_inputs=sample(),
-        device=args.device, mode=args.mode, chaos=args.chaos, kernels=args.kernels,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=args.lr, fused=True),
-    )
-    print(compiled.plan)
-    losses: list[float] = []
-    tokens = args.batch * args.seq
-    t0 = time.perf_counter()
-    try:
-        with tqdm(range(args.steps), desc="train", unit="step") as bar:
-            for _ in bar:
-                losses.append(float(compiled.step(sample())))
-                rate = tokens * len(losses) / (time.perf_counter() - t0)
-                bar.set_postfix(loss=f"{losses[-1]:.3f}", tok_s=f"{rate:,.0f}")
-        trainer = compiled.trainer()
-        peaks = trainer.peak_bytes()
-        predicted = trainer.predicted_peak_bytes()
-        sched = trainer.schedule
-    finally:
-        compiled.close()
-    elapsed = time.perf_counter() - t0
-    args.out.mkdir(parents=True, exist_ok=True)
-    first = sum(losses[:10]) / min(10, len(losses))
-    last = sum(losses[-10:]) / min(10, len(losses))
-    report = {
-        "model": args.model, "workers": args.workers, "device": args.device, "mode": args.mode,
-        "steps": args.steps, "tokens_per_step": tokens, "seconds": elapsed,
-        "tokens_per_s": tokens * len(losses) / elapsed, "loss": losses,
-        "loss_first10": first, "loss_last10": last,
-        "peak_device_bytes": list(peaks), "predicted_peak_bytes": list(predicted),
-    }
-    (args.out / "loss.json").write_text(json.dumps(report, indent=2))
-    _plot_loss(losses, args.out / "loss.png")
-    # The schedule the workers ran, with the simulator's timeline on the plan's profile.
-    from rpcompile.sim import simulate
-
-    sim = simulate(sched, compiled.plan, compiled.hardware)
-    sched.dump(args.out / "schedule.csv")
-    for ext in ("json", "png"):
-        sim.dump(args.out / f"schedule.{ext}")
-    print(f"train: {args.steps} steps in {elapsed:.1f}s ({report['tokens_per_s']:,.0f} tokens/s), "
-          f"loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps); wrote {args.out}/"
-          "loss.json, loss.png, schedule.csv, schedule.json, schedule.png (simulated timeline)")
-    return 0
-
-
-def _plot_loss(losses: list[float], path: Path) -> None:
-    from rpcompile.viz import _pyplot
-
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    ax.plot(range(1, len(losses) + 1), losses)
-    ax.set_xlabel("step")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title("rpcompile train")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    return run(args)
 
 
 def _summary(res) -> dict:

@@ -86,12 +86,91 @@ class Compiled:
         """Masters, optimizer state, step counter and a plan summary."""
         return self._finished_trainer().state_dict()
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.trainer().load_state_dict(state)
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> None:
+        """Restore :meth:`state_dict` (validated first: a bad state changes nothing)."""
+        self.trainer().load_state_dict(state, strict=strict, allow_nonfinite=allow_nonfinite)
+
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
+        """Write masters, optimizer state, step counter, RNG states, loss-scale state, the
+        plan's identity and ``extra`` (a JSON-serializable dict) to the folder ``path``
+        atomically, in safetensors + a JSON manifest (:mod:`rpcompile.runtime.checkpoint`).
+        Returns the folder's path."""
+        return self._finished_trainer().save_checkpoint(path, extra=extra)
+
+    def load_checkpoint(self, path: Any, *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> dict[str, Any]:
+        """Restore a checkpoint written by :meth:`save_checkpoint`, after checking all of it
+        (a corrupt, truncated or mismatched one is refused naming the key, changing nothing);
+        returns the ``extra`` dict it stored ({} when none)."""
+        return self.trainer().load_checkpoint(path, strict=strict,
+                                              allow_nonfinite=allow_nonfinite)
 
     def sync_to_model(self) -> None:
         """Write the trained masters back into the original module (then save_pretrained)."""
         self._finished_trainer().sync_to_model()
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        """The host optimizer over the fp32 masters (``trainer().optimizer``). Attach an LR
+        scheduler to it as to any optimizer and call ``scheduler.step()`` after each
+        :meth:`step`: step ``k``'s update uses the learning rate set when step ``k`` began,
+        also in async mode where that update runs during step ``k + 1``."""
+        return self.trainer().optimizer
+
+    def evaluate(self, batch: Any) -> torch.Tensor:
+        """The loss of ``batch`` under the current trained weights, forward only: no gradients,
+        dropout off, the optimizer, its state and the masters untouched.
+
+        It runs the stage programs on the first worker's device (a GPU for CUDA workers), one
+        stage at a time with that stage's weights uploaded for it (the low-precision copy the
+        workers train with, from the masters once queued updates have run), then the tail's
+        forward; values between stages stay on that device. It is sequential, not the
+        pipelined schedule. For a causal LM the loss is Hugging Face's token mean over the
+        whole batch (labels other than -100); the batch may not exceed the plan's shape."""
+        from rpcompile.batch import bind_batch
+        from rpcompile.reference import forward_loss
+        from rpcompile.trainer import check_plan_shape
+
+        trainer = self.trainer()
+        bound = bind_batch(self.capture, batch, step=trainer.steps_done)
+        check_plan_shape(self, bound)
+        masters = trainer.masters()  # waits for queued updates
+        dtype = self.compute_dtype
+
+        def stage_params(prog):
+            out = {}
+            for name in prog.params:
+                if name in masters:
+                    out[name] = masters[name].to(dtype)
+                else:  # frozen: the model's own tensor
+                    out[name] = self.model.get_parameter(name).detach()
+            return out
+
+        sequences = next(iter(bound.values())).shape[0]
+        parts = min(self.microbatches * self.rounds, sequences)  # a short last eval batch
+        return forward_loss(self.stages, self.capture, stage_params, bound, parts,
+                            trainer.workers[0].device)
+
+    def save_pretrained(self, directory: str | Any, *, merge: bool = False) -> None:
+        """Write the trained weights into ``self.model`` and save it with Hugging Face's
+        ``save_pretrained`` (safetensors). A PEFT model saves its adapter folder (loadable with
+        ``PeftModel.from_pretrained``); ``merge=True`` saves the base model with the adapters
+        merged in instead, from a copy, so this compiled model keeps training."""
+        import copy
+
+        self.sync_to_model()
+        model = self.model
+        if merge:
+            if not hasattr(model, "merge_and_unload"):
+                raise ValueError("merge=True merges LoRA adapters; this model is not a PEFT model")
+            model = copy.deepcopy(model).merge_and_unload()
+        if not hasattr(model, "save_pretrained"):
+            raise ValueError(
+                f"{type(model).__name__} has no save_pretrained (not a Hugging Face model); "
+                "save compiled.model.state_dict() after sync_to_model() instead"
+            )
+        model.save_pretrained(str(directory))
 
     def memory_report(self) -> Any:
         """Host bytes per trainable parameter: masters, shadow, gradients, optimizer state."""
@@ -192,6 +271,8 @@ def compile(
     skip_nonfinite: bool = False,
     loss_scale: Any = None,
     max_grad_norm: float | None = None,
+    timeout_s: float | None = None,
+    loss_chunk_tokens: int | str | None = "auto",
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -214,10 +295,17 @@ def compile(
     ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``);
     ``skip_nonfinite`` drops a step whose gradients hold inf/NaN (masters and optimizer state
     unchanged); ``loss_scale`` (``True`` or a ``runtime.loss_scale.LossScaleConfig``) runs
-    dynamic loss scaling for fp16 in sync mode; ``max_grad_norm`` clips the step's gradients
-    by their global norm over all trainable parameters before the update, as
-    ``torch.nn.utils.clip_grad_norm_`` after a full backward (``StepResult.grad_norm`` reports
-    the norm before clipping).
+    dynamic loss scaling for fp16 in sync mode; ``timeout_s`` is the step watchdog (default
+    ``max(300 s, 20 x the predicted step time)``, ``math.inf`` turns it off): a step that
+    outlives it raises ``StepTimeout`` at that time with the masters kept; ``max_grad_norm``
+    clips the step's gradients by their global norm over all trainable parameters before the
+    update, as ``torch.nn.utils.clip_grad_norm_`` after a full backward
+    (``StepResult.grad_norm`` reports the norm before clipping).
+
+    ``loss_chunk_tokens``: compute a causal LM's head and loss this many tokens at a time, never
+    holding a microbatch's full logits (:mod:`rpcompile.passes.chunked_loss`); ``"auto"``
+    (default) chunks by 4,096 tokens when a microbatch's fp32 logits would exceed 1 GiB;
+    ``None`` never chunks.
 
     Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
     ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
@@ -247,6 +335,12 @@ def compile(
         history, "capture",
         lambda: capture(model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque),
     )
+    chunk = _loss_chunk(captured, loss_chunk_tokens, (microbatches or gpus + 1) * rounds)
+    if chunk is not None:
+        from rpcompile.passes.chunked_loss import chunk_lm_loss
+
+        _timed(history, "chunk-loss", lambda: chunk_lm_loss(captured.graph_module, chunk))
+        captured.loss_chunk_tokens = chunk
     unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
     dtype = _floating_dtype(model)
     if compute_dtype is not None and compute_dtype != dtype:
@@ -261,9 +355,29 @@ def compile(
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes, kernels=kernels,
                              skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
-                             max_grad_norm=max_grad_norm)
+                             max_grad_norm=max_grad_norm, timeout_s=timeout_s)
     check_memory(compiled)
     return compiled
+
+
+AUTO_CHUNK_TOKENS = 4096
+AUTO_CHUNK_ABOVE_BYTES = 1 << 30
+
+
+def _loss_chunk(captured: Captured, option: int | str | None, parts: int) -> int | None:
+    """Tokens per chunk of the LM head + loss, or None for the captured (whole-logits) form."""
+    if option is None or captured.loss_reduction != "sum":
+        return None
+    if option == "auto":
+        from rpcompile.passes.chunked_loss import logits_bytes
+
+        ids = captured.example_batch["input_ids"]
+        tokens = -(-ids.shape[0] // parts) * ids.shape[1]
+        return AUTO_CHUNK_TOKENS if logits_bytes(captured, tokens) > AUTO_CHUNK_ABOVE_BYTES else None
+    if isinstance(option, bool) or not isinstance(option, int) or option < 1:
+        raise ValueError(f"loss_chunk_tokens must be a positive number of tokens, 'auto' or "
+                         f"None, got {option!r}")
+    return option
 
 
 def _check_counts(gpus, microbatches, rounds) -> None:
@@ -413,7 +527,13 @@ def _default_hardware() -> Hardware | str:
 def _close_ref(ref: weakref.ref) -> None:
     compiled = ref()
     if compiled is not None:
-        compiled.close()
+        try:
+            compiled.close()
+        except BaseException as exc:  # exit must not raise because a run failed
+            import warnings
+
+            warnings.warn(f"rpcompile: closing at exit: {type(exc).__name__}: {exc}",
+                          RuntimeWarning, stacklevel=1)
 
 
 def _floating_dtype(model: nn.Module) -> torch.dtype:

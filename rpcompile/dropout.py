@@ -21,6 +21,7 @@ PyTorch's dropout (no system can promise that), and differ between CPU and CUDA 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import threading
 from collections.abc import Iterator
 
@@ -28,7 +29,9 @@ import torch
 import torch.fx as fx
 
 __all__ = [
+    "dropout_disabled",
     "dropout_seed",
+    "emit_like",
     "record_masks",
     "replay_random_ops",
     "seeded_dropout",
@@ -70,6 +73,18 @@ def step_seeds(base: int, step: int, sequences: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 _recording: list[list] = []
+_disabled = contextvars.ContextVar("rpcompile_dropout_disabled", default=False)
+
+
+@contextlib.contextmanager
+def dropout_disabled() -> Iterator[None]:
+    """Inside the block (this thread), ``rpcompile::dropout`` is the identity: the graph's
+    forward in eval mode (``Compiled.evaluate``)."""
+    token = _disabled.set(True)
+    try:
+        yield
+    finally:
+        _disabled.reset(token)
 _recording_lock = threading.Lock()
 
 
@@ -95,6 +110,8 @@ def _keep(rng: torch.Tensor, salt: int, p: float, like: torch.Tensor) -> tuple[i
 
 
 def _scaled(keep: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
+    if p >= 1.0:
+        return torch.zeros(keep.shape, dtype=dtype, device=keep.device)  # as F.dropout(p=1)
     return keep.to(dtype) * (1.0 / (1.0 - p))
 
 
@@ -102,6 +119,8 @@ def _scaled(keep: torch.Tensor, p: float, dtype: torch.dtype) -> torch.Tensor:
 def seeded_dropout(x: torch.Tensor, rng: torch.Tensor, p: float, salt: int) -> torch.Tensor:
     """``x * keep / (1 - p)`` with ``keep`` drawn from (``rng[0]``, ``salt``): the same mask in
     every forward, recompute and backward of one microbatch."""
+    if _disabled.get():
+        return x.clone()
     seed, keep = _keep(rng, salt, p, x)
     if _recording:
         with _recording_lock:
@@ -163,7 +182,7 @@ def replay_random_ops(gm: fx.GraphModule, first_input: str, wrapped: str) -> fx.
         with gm.graph.inserting_before(node):
             if node.target in _DROPOUT:
                 p = float(_arg(node, 1, "p", 0.5))
-                new = _emit(gm, node, torch.ops.rpcompile.dropout.default,
+                new = emit_like(gm, node, torch.ops.rpcompile.dropout.default,
                             (node.args[0], rng, p, salt))
             else:
                 new = _sdpa_math(gm, node, rng, salt)
@@ -189,7 +208,7 @@ def _arg(node: fx.Node, index: int, name: str, default):
     return node.kwargs.get(name, default)
 
 
-def _emit(gm: fx.GraphModule, like: fx.Node, target, args: tuple, kwargs: dict | None = None):
+def emit_like(gm: fx.GraphModule, like: fx.Node, target, args: tuple, kwargs: dict | None = None):
     """A new node computing ``target(*args)``, with the fake value and provenance of ``like``'s
     place in the graph."""
     kwargs = kwargs or {}
@@ -215,22 +234,23 @@ def _sdpa_math(gm: fx.GraphModule, node: fx.Node, rng: fx.Node, salt: int) -> fx
         scale = 1.0 / float(qv.shape[-1]) ** 0.5
     if gqa and kv.shape[-3] != qv.shape[-3]:
         reps = int(qv.shape[-3]) // int(kv.shape[-3])
-        k = _emit(gm, node, aten.repeat_interleave.self_int, (k, reps, -3))
-        v = _emit(gm, node, aten.repeat_interleave.self_int, (v, reps, -3))
-    kt = _emit(gm, node, aten.transpose.int, (k, -2, -1))
-    scores = _emit(gm, node, aten.matmul.default, (q, kt))
-    scores = _emit(gm, node, aten.mul.Tensor, (scores, float(scale)))
+        k = emit_like(gm, node, aten.repeat_interleave.self_int, (k, reps, -3))
+        v = emit_like(gm, node, aten.repeat_interleave.self_int, (v, reps, -3))
+    kt = emit_like(gm, node, aten.transpose.int, (k, -2, -1))
+    scores = emit_like(gm, node, aten.matmul.default, (q, kt))
+    scores = emit_like(gm, node, aten.mul.Tensor, (scores, float(scale)))
     if causal:
-        ones = _emit(gm, node, aten.ones_like.default, (scores,), {"dtype": torch.bool})
-        lower = _emit(gm, node, aten.tril.default, (ones,))
-        upper = _emit(gm, node, aten.logical_not.default, (lower,))
-        scores = _emit(gm, node, aten.masked_fill.Scalar, (scores, upper, float("-inf")))
+        ones = emit_like(gm, node, aten.ones_like.default, (scores,), {"dtype": torch.bool})
+        lower = emit_like(gm, node, aten.tril.default, (ones,))
+        upper = emit_like(gm, node, aten.logical_not.default, (lower,))
+        scores = emit_like(gm, node, aten.masked_fill.Scalar, (scores, upper, float("-inf")))
     if mask is not None:
         if mask.meta["val"].dtype == torch.bool:
-            hidden = _emit(gm, node, aten.logical_not.default, (mask,))
-            scores = _emit(gm, node, aten.masked_fill.Scalar, (scores, hidden, float("-inf")))
+            hidden = emit_like(gm, node, aten.logical_not.default, (mask,))
+            scores = emit_like(gm, node, aten.masked_fill.Scalar, (scores, hidden, float("-inf")))
         else:
-            scores = _emit(gm, node, aten.add.Tensor, (scores, mask))
-    probs = _emit(gm, node, aten.softmax.int, (scores, -1))
-    probs = _emit(gm, node, torch.ops.rpcompile.dropout.default, (probs, rng, p, salt))
-    return _emit(gm, node, aten.matmul.default, (probs, v))
+            scores = emit_like(gm, node, aten.add.Tensor, (scores, mask))
+    # Torch's SDPA gives 0, not NaN, for a query that sees no key (left padding): same here.
+    probs = emit_like(gm, node, aten._safe_softmax.default, (scores, -1))
+    probs = emit_like(gm, node, torch.ops.rpcompile.dropout.default, (probs, rng, p, salt))
+    return emit_like(gm, node, aten.matmul.default, (probs, v))

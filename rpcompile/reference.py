@@ -17,7 +17,7 @@ from rpcompile.batch import split_batch
 from rpcompile.capture import Captured
 from rpcompile.passes.split import StageProgram
 
-__all__ = ["loss_divisor", "reference_step", "split_batch", "stage_arguments"]
+__all__ = ["forward_loss", "loss_divisor", "reference_step", "split_batch", "stage_arguments"]
 
 
 def stage_arguments(
@@ -107,6 +107,41 @@ def loss_divisor(captured: Captured, microbatches: int) -> int:
     """What each microbatch's loss is divided by before its backward: 1 when the losses
     already sum to the step's loss (a causal LM's token mean), else the microbatch count."""
     return 1 if captured.loss_reduction == "sum" else microbatches
+
+
+def forward_loss(
+    programs: Sequence[StageProgram],
+    captured: Captured,
+    stage_params: Callable[[StageProgram], Mapping[str, torch.Tensor]],
+    batch: Mapping[str, torch.Tensor],
+    parts: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """The loss of ``batch`` by the forward stages and the tail's forward, forward only (no
+    gradients, dropout off), on ``device``: one stage at a time, each with only its own
+    weights there (``stage_params(program)``, moved over and freed after it), like a worker's
+    job; values between stages stay on ``device``. Returns the loss on the host."""
+    from rpcompile.dropout import dropout_disabled
+
+    device = torch.device(device)
+    moved = _Moved(captured, device)
+    mbs = [{k: v.to(device) for k, v in mb.items()} for mb in split_batch(batch, parts)]
+    values: list[dict[str, object]] = [{} for _ in mbs]
+    losses = []
+    order = [p for p in programs if p.kind == "forward"] + [
+        p for p in programs if p.kind == "tail"]
+    with torch.no_grad(), dropout_disabled():
+        for prog in order:
+            graph = prog.on_device(device) if device.type != "cpu" else prog.graph_module
+            params = {n: t.to(device) for n, t in stage_params(prog).items()}
+            for m, mb in enumerate(mbs):
+                outs = graph(*stage_arguments(prog, moved, params, mb, values[m]))
+                if prog.kind == "tail":
+                    losses.append(outs[0].float().cpu())
+                else:
+                    values[m].update(zip(prog.outputs, outs))
+            del params
+    return torch.stack(losses).sum() / loss_divisor(captured, parts)
 
 
 class _Moved:

@@ -28,6 +28,7 @@ import torch
 from rpcompile.ir import Schedule
 from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.schedule import build_schedule
+from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.kernels import BACKENDS
 from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
@@ -35,13 +36,25 @@ from rpcompile.runtime.memory import HostStore, MemoryReport
 from rpcompile.runtime.optim import MODES, OptimizerDriver
 from rpcompile.runtime.workers import make_workers
 
-__all__ = ["StepFailed", "Trainer", "plan_summary"]
+__all__ = ["StepFailed", "Trainer", "default_timeout_s", "plan_summary"]
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
 
 def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-4)
+
+
+# The watchdog's default: generous, because the plan's prediction is for the hardware
+# profile, and a first step also compiles kernels and warms allocators.
+TIMEOUT_FLOOR_S = 300.0
+TIMEOUT_PREDICTION_FACTOR = 20.0
+
+
+def default_timeout_s(compiled: Any) -> float:
+    """The step watchdog's default: ``max(300 s, 20 x the plan's predicted step time)``."""
+    predicted = float(getattr(compiled.plan, "predicted_step_ms", 0.0) or 0.0) / 1e3
+    return max(TIMEOUT_FLOOR_S, TIMEOUT_PREDICTION_FACTOR * predicted)
 
 
 def plan_summary(compiled: Any) -> dict[str, Any]:
@@ -64,7 +77,10 @@ class Trainer:
     (default AdamW, lr 1e-4). ``device``: ``"auto"`` (CUDA if present, else virtual with a
     warning), ``"virtual"`` or ``"cuda"``. ``mode``: ``"sync"`` or ``"async"``. ``chaos``: a
     seed for the virtual workers' random delays. ``capacity_bytes``: device memory per worker
-    (virtual default: unlimited, accounted). ``timeout_s``: bound on a step's waits.
+    (virtual default: unlimited, accounted). ``timeout_s``: the step watchdog: a step (its
+    host waits and its drain together) that outlives it raises :class:`StepFailed` at that
+    time, masters kept, and workers stuck in an item are replaced (default
+    :func:`default_timeout_s`; ``math.inf`` turns it off).
     ``schedule_steps``: override the schedule's step count (default: the dealing period).
     ``chunk_bytes``: piece size of bulk transfers (weights, gradients; default 64 MiB).
     ``kernels``: ``"auto"`` (Triton kernels on CUDA workers, their torch reference elsewhere),
@@ -112,6 +128,12 @@ class Trainer:
         if loss_scale:
             config = LossScaleConfig() if loss_scale is True else loss_scale
             self.loss_scaler = DynamicLossScaler(config)
+        if timeout_s is None:
+            timeout_s = default_timeout_s(compiled)
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive (math.inf: no watchdog), got {timeout_s!r}")
+        self.timeout_s: float | None = None if math.isinf(timeout_s) else float(timeout_s)
+        self._closed = False
         self.schedule = self._lowered_schedule(compiled, mode, schedule_steps, chunk_bytes)
         self.workers = make_workers(compiled.workers, device, capacity_bytes, chaos)
         driver = None
@@ -126,7 +148,7 @@ class Trainer:
                                      eager_updates=False)
             self.driver = driver
             self.executor = Executor(compiled, self.workers, self.schedule, self.store,
-                                     self.driver, timeout_s=timeout_s, kernels=kernels,
+                                     self.driver, timeout_s=self.timeout_s, kernels=kernels,
                                      skip_nonfinite=skip_nonfinite,
                                      loss_scaler=self.loss_scaler,
                                      max_grad_norm=max_grad_norm)
@@ -136,6 +158,7 @@ class Trainer:
             for w in self.workers:
                 w.shutdown()
             raise
+        self.workers = self.executor.workers  # one list: the executor replaces stuck workers
         self.last: StepResult | None = None
         self._peaks = [0] * len(self.workers)
 
@@ -187,16 +210,23 @@ class Trainer:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.driver.optimizer
 
+    def _settle(self) -> None:
+        """Wait for the queued updates; a failed one raises (once) as :class:`StepFailed`."""
+        try:
+            self.driver.wait(self.timeout_s)
+        except OptimizerError as exc:
+            raise StepFailed.from_update(exc) from exc
+
     def masters(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name (live views; see ``state_dict`` for
         copies), once every queued update has run."""
-        self.driver.wait()
+        self._settle()
         return {s.name: self.store.master_of(s.name) for s in self.store.trainable_slots}
 
     def sync_to_model(self) -> None:
         """Write the trained masters into the original module's parameters (cast to their
         dtype), so ``model.save_pretrained`` and plain inference see the trained weights."""
-        self.driver.wait()
+        self._settle()
         self.store.load_into_module(self.compiled.model)
 
     # -- checkpoints -------------------------------------------------------------------------
@@ -204,13 +234,23 @@ class Trainer:
         """Masters, optimizer state, step counter, mode and a plan summary: a snapshot
         (copies), unlike ``torch.optim.Optimizer.state_dict`` whose tensors later steps
         would keep changing."""
+        self._settle()
         state = copy.deepcopy(self.driver.state_dict())
         state["plan"] = plan_summary(self.compiled)
         state["executor_steps"] = self.executor.steps_run
         return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict` from a trainer over the same plan."""
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> None:
+        """Restore :meth:`state_dict` from a trainer over the same model. Everything is
+        validated first (:func:`~rpcompile.runtime.checkpoint.validate_state`: names, shapes,
+        finiteness, optimizer structure, mode); a bad state raises ``CheckpointError`` naming
+        the key and changes nothing. ``strict=False`` ignores unknown keys and parameters;
+        ``allow_nonfinite=True`` accepts inf/NaN masters and optimizer state."""
+        from rpcompile.runtime.checkpoint import validate_state
+
+        self._settle()
+        validate_state(self, state, strict=strict, allow_nonfinite=allow_nonfinite)
         mine = plan_summary(self.compiled)
         theirs = state.get("plan")
         if theirs is not None and _comparable(theirs) != _comparable(mine):
@@ -224,6 +264,19 @@ class Trainer:
             )
         self.driver.load_state_dict(state)
         self.executor.steps_run = int(state.get("executor_steps", state["step"]))
+
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
+        """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`)."""
+        from rpcompile.runtime import checkpoint
+
+        return checkpoint.save(self, path, extra=extra)
+
+    def load_checkpoint(self, path: Any, *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> dict[str, Any]:
+        """Restore a checkpoint folder; returns the ``extra`` dict it stored."""
+        from rpcompile.runtime import checkpoint
+
+        return checkpoint.load(self, path, strict=strict, allow_nonfinite=allow_nonfinite)
 
     # -- inspection ----------------------------------------------------------------------------
     def peak_bytes(self) -> tuple[int, ...]:
@@ -245,14 +298,25 @@ class Trainer:
     def memory_report(self) -> MemoryReport:
         """Host bytes kept per trainable parameter, once every queued update has run (the
         optimizer's state exists only after its first update)."""
-        self.driver.wait()
+        self._settle()
         return self.driver.memory_report()
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish queued updates, stop the optimizer thread and every worker's streams."""
+        """Finish queued updates, stop the optimizer thread and every worker's streams. From
+        another thread it first aborts the running step (which raises :class:`StepFailed`
+        there). Never raises: a failure not yet reported becomes a warning. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         try:
-            self.driver.wait()
+            finished = self.executor.abort("the trainer was closed", wait_s=self.timeout_s or 60.0)
+            if not finished:
+                warnings.warn("close(): the running step did not stop in time; shutting down "
+                              "anyway", RuntimeWarning, stacklevel=2)
+            self.driver.wait(self.timeout_s)
+        except BaseException as exc:  # close() must not raise for an earlier failure
+            warnings.warn(f"close(): {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
         finally:
             self.driver.close()
             for w in self.workers:

@@ -231,3 +231,71 @@ def test_a_causal_lm_without_a_usable_loss_names_loss_fn():
     with pytest.raises(ValueError, match=r"ignores num_items_in_batch.*loss_fn"):
         rpcompile.compile(_LogitsOnly(True), gpus=2, microbatches=2,
                           example_inputs=token_batch(4))
+
+
+class _TokenModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(20, 16)
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(16, 16) for _ in range(3))
+        self.head = torch.nn.Linear(16, 20)
+
+    def forward(self, x, weight):
+        h = self.emb(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h), weight
+
+
+def _weighted_token_sum(out, target):
+    logits, weight = out
+    tok = torch.nn.functional.cross_entropy(logits.flatten(0, 1), target.flatten(),
+                                            ignore_index=-100, reduction="none")
+    return (tok.view(target.shape).sum(dim=1) * weight).sum()
+
+
+def test_loss_fn_models_get_a_token_mean_from_a_weight_input():
+    # The recipe of docs/batches.md section 2: the normalisation travels as data.
+    torch.manual_seed(0)
+    model = _TokenModel()
+    x = torch.randint(0, 20, (6, 8))
+    y = torch.randint(0, 20, (6, 8))
+    y[:3, :5] = -100
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3,
+                                 example_inputs=(x, torch.ones(6), y), loss_fn=_weighted_token_sum)
+    for labels in (y, y.masked_fill(torch.arange(8) < 6, -100)):
+        weight = torch.full((6,), 3 / int((labels != -100).sum()))
+        loss, _ = compiled.reference_step((x, weight, labels))
+        expected = torch.nn.functional.cross_entropy(model(x, weight)[0].flatten(0, 1),
+                                                     labels.flatten(), ignore_index=-100)
+        torch.testing.assert_close(loss, expected, rtol=0, atol=1e-6)
+
+
+def test_evaluate_is_the_eager_eval_loss_and_changes_nothing():
+    torch.manual_seed(0)
+    import transformers as tf
+
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=32, n_layer=3, n_head=4,
+                                             n_positions=32, attn_implementation="eager"))
+    model.train()  # dropout in the graph: evaluate must turn it off
+    batches = [sft_batch(7, 12, left=True, seed=k) for k in range(2)]
+    compiled = rpcompile.compile(model, gpus=3, microbatches=2, rounds=2,
+                                 example_inputs=batches[0], device="virtual",
+                                 optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    try:
+        compiled.step(batches[0])
+        before = {n: t.clone() for n, t in compiled.trainer().masters().items()}
+        loss = compiled.evaluate(batches[1])
+        short = compiled.evaluate({k: v[:2] for k, v in batches[1].items()})  # < 4 sequences
+        after = compiled.trainer().masters()
+        assert all(torch.equal(before[n], after[n]) for n in before)
+        assert compiled.trainer().steps_done == 1
+        compiled.sync_to_model()
+    finally:
+        compiled.close()
+    model.eval()
+    with torch.no_grad():
+        want = model(**batches[1]).loss
+        want_short = model(**{k: v[:2] for k, v in batches[1].items()}).loss
+    torch.testing.assert_close(loss, want, rtol=0, atol=1e-6)
+    torch.testing.assert_close(short, want_short, rtol=0, atol=1e-6)

@@ -190,7 +190,9 @@ def _hooked_run(model: nn.Module, b: int, s: int):
     ids = torch.randint(0, VOCAB, (b, s))
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model(input_ids=ids, labels=ids, use_cache=False)
+            # As rpcompile calls it: the loss divided by the step's labelled-token count.
+            model(input_ids=ids, labels=ids, num_items_in_batch=(ids[:, 1:] != -100).sum(),
+                  use_cache=False)
     finally:
         for h in hooks:
             h.remove()

@@ -98,7 +98,10 @@ def _eager_dropout_uses(masks):
         if attn_mask is not None:
             scores = (scores.masked_fill(~attn_mask, float("-inf"))
                       if attn_mask.dtype == torch.bool else scores + attn_mask)
-        return fixed_dropout(scores.softmax(-1), dropout_p) @ v
+        # A query that sees no key (left padding) attends to nothing, as in torch's SDPA.
+        blind = torch.isneginf(scores).all(-1, keepdim=True)
+        probs = scores.masked_fill(blind, 0.0).softmax(-1).masked_fill(blind, 0.0)
+        return fixed_dropout(probs, dropout_p) @ v
 
     F.dropout, F.scaled_dot_product_attention = fixed_dropout, fixed_sdpa
     try:
@@ -108,12 +111,14 @@ def _eager_dropout_uses(masks):
     assert next(order, None) is None, "eager drew fewer dropout masks than the graph holds"
 
 
-@pytest.mark.parametrize("kind", ["gpt2", "sdpa", "lora"])
-def test_recompute_replays_the_forwards_dropout_masks(kind):
+@pytest.mark.parametrize(("kind", "left"), [("gpt2", False), ("sdpa", False), ("sdpa", True),
+                                            ("lora", True)])
+def test_recompute_replays_the_forwards_dropout_masks(kind, left):
+    # Left padding gives SDPA queries that see no key: torch's SDPA returns 0 there, not NaN.
     model = _tiny(kind)
     model.train()
     eager = copy.deepcopy(model)
-    batch = sft_batch(6, 12, seed=4)
+    batch = sft_batch(6, 12, left=left, seed=4)
     compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
                                  optimizer=_sgd, device="virtual", chaos=2)
     assert len(compiled.capture.random_ops) > 0
@@ -166,3 +171,25 @@ def test_lora_with_dropout_trains_and_its_loss_falls():
     finally:
         compiled.close()
     assert losses[-1] < losses[0] - 0.3, losses
+
+
+def test_dropout_inside_an_opaque_block_is_refused_naming_it():
+    model = hf_model("qwen3", layers=2)
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.3))
+    with pytest.raises(ValueError, match=r"opaque block model\.layers\.0\.mlp .*eval mode"):
+        rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                          opaque=["model.layers.0.mlp"])
+
+
+def test_inplace_dropout_is_refused_with_its_fix_and_p_one_drops_everything():
+    from rpcompile.dropout import seeded_dropout
+
+    model = hf_model("qwen3", layers=2)
+    model.model.layers[0].mlp.act_fn = torch.nn.Sequential(
+        torch.nn.SiLU(), torch.nn.Dropout(0.3, inplace=True))
+    with pytest.raises(ValueError, match="inplace=False"):
+        rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4))
+    x = torch.randn(3, 4, requires_grad=True)
+    out = seeded_dropout(x, torch.tensor([5]), 1.0, 0)
+    out.sum().backward()
+    assert torch.equal(out, torch.zeros(3, 4)) and torch.equal(x.grad, torch.zeros(3, 4))

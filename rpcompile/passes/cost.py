@@ -627,6 +627,13 @@ def _is_transposed_conv(node: fx.Node) -> bool:
     return False
 
 
+def _linear_ce(shapes, consts, out, node):  # linear_cross_entropy(x [N, h], w [V, h], ...)
+    x, w = shapes[0], shapes[1]
+    f = 2 * x[0] * x[1] * w[0]
+    # Backward recomputes each chunk's logits (one more head matmul), charged to x's gradient.
+    return f, [2 * f, f, 0]
+
+
 def _mv_like(shapes, consts, out, node):  # mv(a, v), dot(a, b)
     a = shapes[0]
     f = 2 * _prod(a)
@@ -656,6 +663,7 @@ _FLOPS: dict[str, Callable] = {
     "_convolution": _conv,
     "mv": _mv_like,
     "dot": _mv_like,
+    "linear_cross_entropy": _linear_ce,
 }
 
 _OPAQUE_PACKETS = {"opaque"}  # rpcompile::opaque, made by capture
@@ -727,7 +735,15 @@ def _save_sdpa(node, walk):
     return [*_tensor_args(node)[:3], node], logsumexp
 
 
+def _save_linear_ce(node, walk):
+    # The input and the targets, and one fp32 log-sum-exp per token (the weight is a parameter).
+    x = node.args[0]
+    return [x, node.args[2]], 4 * walk._shape(x.meta["val"])[0]
+
+
 def _save_dropout(node, walk):
+    if node.target is torch.ops.rpcompile.dropout.default:
+        return [node.args[1]], 0  # the seeds: backward draws the mask again from them
     if _is_identity_dropout(node):
         return [], 0
     return [], _prod(walk._shape(node.meta["val"]))  # bool mask, one byte per element
@@ -785,7 +801,7 @@ _SAVES: dict[str, Callable] = {
     **dict.fromkeys(["pow", "silu", "gelu", "log", "sin", "cos", "abs", "erf", "log1p",
                      "square", "reciprocal_", "clamp", "clamp_min", "clamp_max", "maximum",
                      "minimum", "max", "min", "prod", "cumprod", "norm"], _save_self),
-    **dict.fromkeys(["rsqrt", "exp", "softmax", "_softmax", "log_softmax", "_log_softmax",
+    **dict.fromkeys(["rsqrt", "exp", "softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax",
                      "tanh", "sigmoid", "sqrt", "relu", "reciprocal", "expm1"], _save_result),
     **dict.fromkeys(["embedding", "index", "index_select", "gather", "take_along_dim",
                      "where", "masked_fill", "masked_select"], _save_indices),
@@ -794,6 +810,7 @@ _SAVES: dict[str, Callable] = {
     "div": _save_div,
     "cross_entropy_loss": _save_cross_entropy,
     "dropout": _save_dropout,
+    "linear_cross_entropy": _save_linear_ce,
     "scaled_dot_product_attention": _save_sdpa,
     "opaque": _save_opaque,
 }
@@ -804,6 +821,11 @@ def _scratch(node: fx.Node, walk: _Walk) -> sympy.Expr:
     name = _packet(node.target)
     if name == "cross_entropy_loss":
         return walk._bytes_of(node.args[0].meta["val"])
+    if name == "linear_cross_entropy":
+        # One chunk at a time: its fp32 logits and their softmax (the backward's gradient).
+        # (A whole chunk is charged even when the microbatch has fewer tokens: a polynomial
+        # in b and s stays one.)
+        return sympy.Integer(2 * 4 * node.args[4]) * walk._shape(node.args[1].meta["val"])[0]
     return sympy.Integer(0)
 
 

@@ -42,8 +42,13 @@ Whether the masters keep their pre-step values depends on the driver: in sync mo
 builds it with ``eager_updates=False`` (nothing is applied before the step completes); in async
 mode the failed step's gradients are dropped and the previous step's update (already owed)
 still completes, so the masters equal what ``state_dict()`` returned before the failed step.
-A step that outlives ``timeout_s`` (an item stuck in user code cannot be interrupted) raises
-:class:`EventTimeout` the same way, and the executor then refuses further steps.
+A failed optimizer update is undone by the driver and raised once, by the next step, as
+:meth:`StepFailed.from_update`. One deadline (``timeout_s``, the watchdog) covers a step's host
+waits and its drain; past it the step raises :class:`StepTimeout` the same way, and a worker
+whose stream is stuck in an item (user code cannot be interrupted) or whose thread died is
+replaced by a fresh one, so the next step runs. ``KeyboardInterrupt``/``SystemExit`` abort the
+step the same way and re-raise as themselves once it is taken apart; ``abort()`` (the
+trainer's ``close()`` from another thread) ends a running step with :class:`StepAborted`.
 
 **Transfers** are copies made by the action itself on its stream (one per contiguous segment
 for UP, one per tensor of a value for H2D/D2H; bulk ones, UP and D2H grad, in the action's
@@ -78,6 +83,7 @@ from rpcompile.reference import loss_divisor, run_backward_microbatch, stage_arg
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.errors import (
     EventTimeout,
+    OptimizerError,
     RuntimeFault,
     UpstreamFailed,
     WorkerAborted,
@@ -88,7 +94,7 @@ from rpcompile.runtime.memory import HostStore
 from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import Event, Worker
 
-__all__ = ["Executor", "StepFailed", "StepResult"]
+__all__ = ["Executor", "StepAborted", "StepFailed", "StepResult", "StepTimeout"]
 
 _HOST_VALUES = ("ids", "labels")  # schedule values that live on the host from the start
 
@@ -102,27 +108,59 @@ class StepFailed(RuntimeFault):
     """A step stopped because an action failed. ``action`` is the failing schedule action,
     ``worker``/``stream`` where it ran (None/"host" for the host queue), ``stage`` its stage
     name (``F2``, ``B1``), ``microbatch``/``round`` as in the action; ``cause`` the original
-    exception (also ``__cause__``). ``others`` lists secondary failures (waits that gave up)."""
+    exception (also ``__cause__``). ``others`` lists secondary failures (waits that gave up).
 
-    def __init__(self, action: Action, stage_name: str, worker_name: str | None,
-                 cause: BaseException, others: Sequence[str] = ()) -> None:
+    A failure outside any action (the optimizer's update, the watchdog, a stream thread, a
+    ``close()`` from another thread) has ``action`` None and ``where`` saying what failed;
+    ``step`` is the optimizer step that was undone (the update's step for an optimizer
+    failure: its masters, optimizer state and step counter were restored)."""
+
+    def __init__(self, action: Action | None, stage_name: str | None, worker_name: str | None,
+                 cause: BaseException, others: Sequence[str] = (), *, where: str = "",
+                 step: int | None = None, message: str = "") -> None:
         self.action = action
         self.worker = worker_name
-        self.stream = action.stream
+        self.stream = action.stream if action is not None else (where or "host")
         self.stage = stage_name
-        self.microbatch = action.microbatch
-        self.round = action.round
+        self.microbatch = None if action is None else action.microbatch
+        self.round = None if action is None else action.round
         self.cause = cause
         self.others = tuple(others)
-        where = "host" if worker_name is None else f"worker {worker_name}"
-        mb = "" if action.microbatch is None else f", microbatch {action.microbatch}"
-        rnd = "" if action.round is None else f", round {action.round}"
-        super().__init__(
-            f"step failed at {where}, stream {action.stream}, stage {stage_name}{mb}{rnd}, "
-            f"action '{action}': {type(cause).__name__}: {cause}. The step's gradients were "
-            "discarded and the workers recovered; fix the cause and call step() again."
-        )
+        self.step = step
+        if action is None:
+            text = f"step failed in {where}: {type(cause).__name__}: {cause}. " + (
+                message or "The step's gradients were discarded and the masters kept; fix the "
+                "cause and call step() again.")
+        else:
+            at = "host" if worker_name is None else f"worker {worker_name}"
+            mb = "" if action.microbatch is None else f", microbatch {action.microbatch}"
+            rnd = "" if action.round is None else f", round {action.round}"
+            text = (
+                f"step failed at {at}, stream {action.stream}, stage {stage_name}{mb}{rnd}, "
+                f"action '{action}': {type(cause).__name__}: {cause}. The step's gradients "
+                "were discarded and the workers recovered; fix the cause and call step() again."
+            )
+        if others:
+            text += f" Also failed: {', '.join(others)}."
+        super().__init__(text)
         self.__cause__ = cause
+
+    @classmethod
+    def from_update(cls, error: BaseException) -> StepFailed:
+        """The failure of an optimizer update (an :class:`OptimizerError` from the driver)."""
+        step = getattr(error, "step", None)
+        undone = getattr(error, "rolled_back", False)
+        message = (
+            f"Update {step} was undone: masters, optimizer state and shadows are as they were "
+            f"before step {step}, and the step counter is back at {step} (that step's loss was "
+            "returned, its update never happened); fix the cause and call step() again."
+            if undone else
+            "The update could not be undone (rollback=False or the undo failed): masters may "
+            "hold a partial update; load a checkpoint.")
+        return cls(None, None, None, error, where="the optimizer update", step=step,
+                   message=message)
+
+
 
 
 @dataclass(frozen=True)
@@ -313,6 +351,14 @@ class _Run:
         self.start = time.perf_counter()
         self.timeline: dict[Action, tuple[float, float]] = {}
         self.loss_scale = 1.0  # the tail's backward starts from loss * loss_scale
+        self.deadline: float | None = None  # time.monotonic() the watchdog fires at
+        self.workers: Sequence[Worker] = ()
+        self.root: tuple[str, BaseException] | None = None  # a failure outside any action
+        self.stuck: dict[int, dict[str, str]] = {}
+        self.stuck_checked: set[int] = set()
+        self.replaced: set[int] = set()
+        self.worker_errors: list[tuple[str, WorkerError]] = []
+        self._next_health = 0.0
 
     def timed(self, executor: Executor, a: Action) -> None:
         begin = time.perf_counter()
@@ -320,7 +366,33 @@ class _Run:
         self.timeline[a] = ((begin - self.start) * 1e3, (time.perf_counter() - self.start) * 1e3)
 
     def abort_requested(self) -> bool:
-        return self.aborted
+        """Polled by every blocked wait: the step failed, or a stream thread died (checked
+        at most every 20 ms), or the watchdog's deadline passed."""
+        if self.aborted:
+            return True
+        now = time.monotonic()
+        if now >= self._next_health:
+            self._next_health = now + 0.02
+            for worker in self.workers:
+                dead = worker.dead_streams()
+                if dead:
+                    self.abort_with(f"worker {worker.name}: the thread of stream(s) {dead} died",
+                                    where=f"worker {worker.name}")
+                    return True
+            if self.deadline is not None and now >= self.deadline:
+                self.aborted = True
+                return True
+        return False
+
+    def left(self) -> float | None:
+        """Seconds to the step's deadline (None: no watchdog)."""
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    def abort_with(self, reason: str, where: str = "the trainer") -> None:
+        with self.lock:
+            if self.root is None:
+                self.root = (where, StepAborted(reason))
+            self.aborted = True
 
     def fail(self, action: Action, exc: BaseException) -> None:
         with self.lock:
@@ -352,6 +424,33 @@ class _Buffers:
 
 
 _SECONDARY = (WorkerAborted, UpstreamFailed)
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)
+
+
+class StepTimeout(StepFailed, TimeoutError):
+    """The watchdog fired: the step outlived ``timeout_s`` (see :meth:`Executor.run_step`)."""
+
+
+class StepAborted(RuntimeFault):
+    """The step was abandoned from outside it (``close()`` from another thread)."""
+
+
+def _grace(timeout_s: float | None) -> float:
+    """How long streams get to drain after the watchdog fired (their waits abort within a
+    poll; a stream still busy after that is stuck)."""
+    return min(2.0, max(0.05, 0.05 * (timeout_s or 0.0)))
+
+
+def _uninterrupted(fn: Any, interrupts: list[BaseException], run: _Run) -> Any:
+    """Run ``fn`` (idempotent clean-up) to the end: a KeyboardInterrupt or SystemExit arriving
+    meanwhile is kept in ``interrupts`` (re-raised by the caller afterwards) and ``fn`` runs
+    again."""
+    while True:
+        try:
+            return fn()
+        except _INTERRUPTS as exc:
+            interrupts.append(exc)
+            run.aborted = True
 
 class Executor:
     """Runs steps of a fully lowered RoundPipe schedule on ``workers`` (see the module doc).
@@ -380,6 +479,9 @@ class Executor:
             raise ValueError("loss scaling needs mode='sync' and a driver built with "
                              "eager_updates=False (an update must not read the gradients "
                              "before they are unscaled)")
+        if max_grad_norm is not None and driver.eager_updates:
+            raise ValueError("max_grad_norm needs a driver built with eager_updates=False (an "
+                             "update must not read the gradients before they are clipped)")
         if kernels not in _kernels.BACKENDS:
             raise ValueError(f"kernels must be one of {_kernels.BACKENDS}, got {kernels!r}")
         self.kernels = kernels
@@ -419,7 +521,9 @@ class Executor:
         self._graphs_lock = threading.Lock()
         self._plans: dict[int, _StepPlan] = {}
         self._run: _Run | None = None
-        self._broken = ""  # set when a step timed out with a worker still inside it
+        self._step_lock = threading.Lock()
+        self._closed = ""  # why steps are refused (set by abort())
+        self.abandoned: list[Worker] = []  # replaced workers whose threads were stuck
         self.steps_run = 0
         for worker in self.workers:
             worker.add_error_listener(self._on_worker_error)
@@ -461,22 +565,57 @@ class Executor:
         if run is not None:
             run.aborted = True
 
+    # -- lifetime ------------------------------------------------------------------------------
+    def abort(self, reason: str, wait_s: float = 30.0) -> bool:
+        """Refuse further steps and abort the running one, if any (``close()`` from another
+        thread): its waits give up within a poll, it drains and raises :class:`StepFailed`.
+        Returns False when the running step did not return within ``wait_s``."""
+        self._closed = reason
+        run = self._run
+        if run is not None:
+            run.abort_with(reason)
+        if self._step_lock.acquire(timeout=wait_s):
+            self._step_lock.release()
+            return True
+        return False
+
     # -- one step --------------------------------------------------------------------------
     def run_step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
         """Run one optimizer step over ``batch`` (a normalized batch dict, dim 0 = sequences)
-        and return its loss; raises :class:`StepFailed` (masters kept, see the module doc)."""
-        if self._broken:
-            raise RuntimeError(self._broken)
+        and return its loss; raises :class:`StepFailed` (masters kept, see the module doc).
+        ``KeyboardInterrupt`` and ``SystemExit`` during the step abort it the same way and
+        re-raise as themselves. One step at a time: a call while another thread's step runs
+        raises at once."""
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError(
+                "step() was called while another step() is still running (from another "
+                "thread): a trainer runs one step at a time, in order. Call step() from one "
+                "thread, or serialize the calls with a lock."
+            )
+        try:
+            if self._closed:
+                raise RuntimeError(f"cannot run a step: {self._closed}")
+            return self._run_step(batch)
+        finally:
+            self._step_lock.release()
+
+    def _run_step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
         start = time.perf_counter()
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         total = self.compiled.microbatches * self.compiled.rounds
         parts = split_batch(batch, total)
         plan = self.plan_for(self.steps_run)
         for w in self.workers:
             w.check()
             w.reset_peak()
-        self.driver.begin_step()
+        try:
+            self.driver.begin_step()
+        except OptimizerError as exc:  # an earlier update failed and was undone
+            raise StepFailed.from_update(exc) from exc
         shadow_ready = {s: self.driver.shadow_event(s) for s in range(len(self.programs))}
         run = _Run(plan, parts, shadow_ready, len(self.workers))
+        run.deadline = deadline
+        run.workers = self.workers
         run.loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
         self._run = run
         host_error: BaseException | None = None
@@ -489,28 +628,33 @@ class Executor:
         except BaseException as exc:  # every failure ends the step alike
             host_error = exc
             run.aborted = True
-        try:
-            self._drain(run)
-            peaks = tuple(w.peak_bytes for w in self.workers)
-            left_over = tuple(w.memory_in_use for w in self.workers)
-            failed = host_error is not None or run.failures or any(w.errors for w in self.workers)
-            self._cleanup(run)
-        except EventTimeout as exc:
-            # A stream is stuck inside an item (a callable that never returns cannot be
-            # interrupted): give up on the step without waiting for it any longer.
-            self._run = None
-            self.driver.discard_step()
-            self._broken = (
-                f"step {self.steps_run} did not finish within timeout_s={self.timeout_s} "
-                f"({exc}); its gradients were discarded and the masters kept, but a worker is "
-                "still busy with it, so this executor cannot run another step: close the "
-                "trainer (its state_dict() is intact) and build a new one"
-            )
-            raise EventTimeout(self._broken) from host_error
+        interrupts: list[BaseException] = []
+        if isinstance(host_error, _INTERRUPTS):
+            interrupts.append(host_error)
+        # From here on the step is taken apart whatever arrives: an interrupt delivered while
+        # it drains is kept and re-raised once every stream has stopped and the masters are
+        # known to be intact.
+        stuck = _uninterrupted(lambda: self._drain(run), interrupts, run)
+        peaks = tuple(w.peak_bytes for w in self.workers)
+        left_over = tuple(w.memory_in_use for w in self.workers)
+        run.worker_errors = [(w.name, e) for w in self.workers for e in w.errors]
+        failed = (host_error is not None or bool(run.failures) or run.root is not None
+                  or bool(stuck) or bool(run.worker_errors) or bool(interrupts))
+        _uninterrupted(lambda: self._cleanup(run, stuck), interrupts, run)
         self._run = None
         if failed:
-            self.driver.discard_step()
-            error = self._step_error(run, host_error)
+            _uninterrupted(self._discard_open, interrupts, run)
+            update_error = self.driver.take_failure(self.timeout_s)
+            if interrupts:
+                raise interrupts[0]
+            if stuck:
+                error = self._timeout_error(run, stuck)
+            elif update_error is not None and not self._roots(run):
+                error = StepFailed.from_update(update_error)
+            else:
+                error = self._step_error(run, host_error)
+                if update_error is not None:
+                    error.add_note(str(StepFailed.from_update(update_error)))
             raise error from error.__cause__
         bad = tuple(sorted((self.programs[s].name, r) for (s, r), flag in run.nonfinite.items()
                            if int(flag.item())))
@@ -540,6 +684,10 @@ class Executor:
                           run.timeline, found_nonfinite=bool(bad), nonfinite_jobs=bad,
                           skipped=skipped, grad_norm=grad_norm)
 
+    def _discard_open(self) -> None:
+        if self.driver._open is not None:
+            self.driver.discard_step()
+
     def _item(self, run: _Run, a: Action) -> None:
         """One action on a stream thread: wait for its edges, act, set its event."""
         event = run.events.get(a)
@@ -561,14 +709,15 @@ class Executor:
             event.set()
 
     def _run_host(self, run: _Run) -> None:
-        """The host queue, in order, on the calling thread."""
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        """The host queue, in order, on the calling thread; its waits end at the step's
+        deadline (the watchdog)."""
         for a in run.plan.queues.get((None, "host"), ()):
             try:
                 for src in run.plan.waits.get(a, ()):
-                    left = None if deadline is None else max(0.0, deadline - time.monotonic())
-                    run.events[src].wait(left, abort=run.abort_requested)
+                    run.events[src].wait(run.left(), abort=run.abort_requested)
                 run.timed(self, a)
+            except EventTimeout:
+                raise  # the watchdog: reported with the streams that are stuck
             except BaseException as exc:
                 if not isinstance(exc, _SECONDARY):
                     run.fail(a, exc)
@@ -577,37 +726,87 @@ class Executor:
             if event is not None:
                 event.set()
 
-    def _drain(self, run: _Run) -> None:
-        """Return once every stream has run or dropped everything submitted this step."""
-        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
-        for worker in self.workers:
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+    def _drain(self, run: _Run) -> dict[int, dict[str, str]]:
+        """Return once every stream has run or dropped everything submitted this step, or has
+        outlived the step's deadline: then the worker index -> its stuck streams and items."""
+        stuck: dict[int, dict[str, str]] = {}
+        for i, worker in enumerate(self.workers):
+            if i in run.stuck_checked:
+                continue
+            left = run.left()
+            if left is not None and left <= 0:
+                # Past the deadline the others had their abort: give them a short grace.
+                left = _grace(self.timeout_s)
+            if worker.dead_streams():
+                continue  # its queue has no consumer: replaced below
             try:
                 worker.synchronize(left)
             except EventTimeout:
                 run.aborted = True
-                raise
+                stuck[i] = worker.busy_streams() or {"?": "unknown item"}
+            except _INTERRUPTS:
+                raise  # kept by the caller, which drains again
             except BaseException:  # a failed worker: recover() drains it below
                 run.aborted = True
-
-    def _cleanup(self, run: _Run) -> None:
-        """Free the step's device memory; a failed worker first drains every stream."""
+            run.stuck_checked.add(i)
         for i, worker in enumerate(self.workers):
+            if i not in stuck and worker.dead_streams():
+                stuck[i] = {s: "dead thread" for s in worker.dead_streams()}
+        run.stuck.update(stuck)
+        return dict(run.stuck)
+
+    def _cleanup(self, run: _Run, stuck: Mapping[int, Any]) -> None:
+        """Free the step's device memory; a failed worker first drains every stream. A worker
+        with a stream stuck in an item (or a dead stream thread) is replaced by a fresh one:
+        an item that never returns cannot be interrupted, but it need not hold up the run."""
+        for i, worker in enumerate(self.workers):
+            if i in stuck and i not in run.replaced:
+                fresh = worker.respawn()
+                fresh.add_error_listener(self._on_worker_error)
+                self.workers[i] = fresh
+                run.replaced.add(i)
+                worker.shutdown(timeout=0.0, warn=False)  # its daemon threads are abandoned
+                self.abandoned.append(worker)
+                continue
             if worker.errors:
                 worker.recover(timeout=self.timeout_s or 60.0)
             run.holds[i].release_all()
             worker.free_all()
 
+    def _roots(self, run: _Run) -> list[tuple[Action, BaseException]]:
+        return [(a, e) for a, e in run.failures if not isinstance(e, _SECONDARY)]
+
+    def _timeout_error(self, run: _Run, stuck: Mapping[int, Mapping[str, str]]) -> StepTimeout:
+        where = "; ".join(
+            f"worker {self.workers[i].name}: " + ", ".join(f"{s} running {lbl!r}"
+                                                         for s, lbl in streams.items())
+            for i, streams in stuck.items())
+        cause = EventTimeout(
+            f"step {self.steps_run} did not finish within timeout_s={self.timeout_s} "
+            f"({where})")
+        return StepTimeout(
+            None, None, None, cause, where="the watchdog", step=self.driver.step,
+            message="The step's gradients were discarded and the masters kept; the stuck "
+            "workers were replaced by fresh ones (their threads are abandoned), so step() can "
+            "be called again. Raise timeout_s if the step is only slow.")
+
     def _step_error(self, run: _Run, host_error: BaseException | None) -> BaseException:
-        roots = [(a, e) for a, e in run.failures if not isinstance(e, _SECONDARY)]
+        roots = self._roots(run)
+        if run.root is not None:
+            where, cause = run.root
+            others = [f"'{a}': {type(e).__name__}" for a, e in roots][:8]
+            return StepFailed(None, None, None, cause, others, where=where,
+                              step=self.driver.step)
         if not roots:
-            # Nothing of ours failed first: a wait gave up because the optimizer thread (or a
-            # worker outside any action) failed; re-raise that root.
-            try:
-                self.driver.check()
-            except BaseException as exc:
-                return exc
-            return host_error or RuntimeFault("step failed without a recorded cause")
+            # Nothing of ours failed first: a wait gave up because a worker failed outside
+            # any action (a stream loop, an error listener); re-raise that root.
+            ordered = sorted(run.worker_errors, key=lambda we: we[1].secondary)
+            for name, err in ordered:
+                return StepFailed(None, None, name, err,
+                                  where=f"worker {name}, stream {err.stream}, {err.label!r}",
+                                  step=self.driver.step)
+            cause = host_error or RuntimeFault("step failed without a recorded cause")
+            return StepFailed(None, None, None, cause, where="the host", step=self.driver.step)
         action, cause = roots[0]
         others = [f"'{a}': {type(e).__name__}" for a, e in run.failures if a is not action][:8]
         worker = None if action.worker is None else self.workers[action.worker].name

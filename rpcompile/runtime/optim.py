@@ -37,6 +37,17 @@ computed at weights ``w``:
 Hyperparameters (``param_groups`` entries: lr, betas, ...) are snapshotted at ``begin_step``:
 update ``k`` uses what was set when step ``k`` began, even if an LR scheduler changes them
 while an async update is still running.
+
+**Failure atomicity.** Before a group is stepped the thread saves what the update will change
+(the group's masters, their optimizer state, their shadow; in async mode the shadow before the
+refresh), so an exception anywhere in update ``k`` (the user's ``step()`` at any group, the
+refresh, the zeroing) is undone: every group of update ``k`` already applied is restored, the
+step's gradients are zeroed, and the next call that meets the failure (``begin_step``,
+``wait``, ``take_failure``) raises it once as an :class:`OptimizerError` and puts the step
+counter back to ``k``. The driver is then usable again: update ``k`` never happened. The saved
+copy lives only while update ``k`` runs (at most the trainable masters, their optimizer state
+and shadow: the largest transient, 14 bytes per trainable parameter for AdamW with a bf16
+shadow); ``rollback=False`` does without it and leaves a failed update half-applied.
 """
 
 from __future__ import annotations
@@ -52,7 +63,7 @@ from typing import Any
 
 import torch
 
-from rpcompile.runtime.errors import OptimizerError
+from rpcompile.runtime.errors import EventTimeout, OptimizerError, UpstreamFailed
 from rpcompile.runtime.memory import HostStore, MemoryReport
 from rpcompile.runtime.workers import Event
 
@@ -79,6 +90,17 @@ class UpdateGroup:
     label: str
 
 
+class _Journal:
+    """What update ``k`` is about to change, saved before it changes it (see the module doc):
+    master copies and shadow copies by slot, optimizer state by parameter (None: the
+    parameter had no state yet)."""
+
+    def __init__(self) -> None:
+        self.masters: dict[int, torch.Tensor] = {}
+        self.shadows: dict[int, torch.Tensor] = {}
+        self.state: list[tuple[torch.Tensor, dict[str, Any] | None]] = []
+
+
 class _StepState:
     def __init__(self, step: int, groups: int, hyperparams: list[dict[str, Any]]) -> None:
         self.step = step
@@ -87,6 +109,9 @@ class _StepState:
         self.group_done = [Event(f"update {step} group {g}") for g in range(groups)]
         self.refreshed = Event(f"shadow after update {step - 1}")  # async only
         self.hyperparams = hyperparams
+        self.journal: _Journal | None = None
+        self.applied = 0  # groups whose update completed
+        self.failed = False  # the update failed: its queued tasks are dropped
 
 
 class OptimizerDriver:
@@ -96,7 +121,8 @@ class OptimizerDriver:
     ``store.masters()`` (e.g. ``lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True)``), or an
     optimizer already built over those same tensors. ``eager_updates=False`` (sync mode) holds
     every update until :meth:`finish_step`, so a step that fails part-way leaves the masters
-    untouched (:meth:`discard_step`), at the cost of the overlap.
+    untouched (:meth:`discard_step`), at the cost of the overlap. ``rollback`` (default True)
+    undoes a failed update (see the module doc).
     """
 
     def __init__(
@@ -107,12 +133,14 @@ class OptimizerDriver:
         mode: str = "sync",
         per_parameter: bool | None = None,
         eager_updates: bool = True,
+        rollback: bool = True,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.store = store
         self.mode = mode
         self.eager_updates = eager_updates
+        self.rollback = rollback
         masters = store.masters()
         built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(masters)
         if not isinstance(built, torch.optim.Optimizer):
@@ -193,8 +221,11 @@ class OptimizerDriver:
 
     # -- the step protocol ---------------------------------------------------------------
     def begin_step(self) -> int:
-        """Open the next step; returns its index. Raises an earlier update's error."""
-        self.check()
+        """Open the next step; returns its index. Raises an earlier update's error (once; the
+        step counter is then back at the failed update's step)."""
+        error = self.take_failure()
+        if error is not None:
+            raise error
         with self._lock:
             if self._open is not None:
                 raise RuntimeError(f"step {self._open.step} is still open; call finish_step()")
@@ -230,7 +261,9 @@ class OptimizerDriver:
         """Block until every stage's shadow is ready for the open (or next) step."""
         for stage in range(len(self.store.stages)):
             self.shadow_event(stage).wait(timeout, abort=self._failed)
-        self.check()
+        error = self.take_failure()
+        if error is not None:
+            raise error
 
     def accumulate_grad(
         self, stage: int, flat_grad: torch.Tensor, timeout: float | None = None
@@ -271,8 +304,9 @@ class OptimizerDriver:
             if self.mode == "async":
                 # Before update k changes the masters (w_k -> w_{k+1}), write them into the
                 # shadow: step k+1 computes with w_k. Update k-1 is done by then (one thread).
-                self._tasks.put((self.store.refresh_shadow, f"shadow refresh before update {state.step}",
-                                 [state.refreshed]))
+                self._tasks.put((lambda: self._refresh_before_update(state),
+                                 f"shadow refresh before update {state.step}",
+                                 [state.refreshed], state))
             self._schedule_ready(state)
             self._open = None
             self.step += 1
@@ -288,7 +322,7 @@ class OptimizerDriver:
         ``eager_updates=False`` where a failed step must leave the masters untouched."""
         state = self._require_open()
         updated = [self.groups[g].label for g, s in enumerate(state.scheduled) if s]
-        self.wait()
+        self._drain()  # an earlier update's failure stays pending for take_failure()
         self.store.zero_grads()
         with self._lock:
             self._open = None
@@ -328,10 +362,13 @@ class OptimizerDriver:
                     lambda group=group: self._update(group, state),
                     f"update {state.step}, group {group.label}",
                     [state.group_done[group.index]],
+                    state,
                 ))
 
     # -- the optimizer thread ------------------------------------------------------------
     def _update(self, group: UpdateGroup, state: _StepState) -> None:
+        if self.rollback:
+            self._save(state, group.slots, shadows=self.mode == "sync")
         self.store.attach_grads(group.slots)
         optimizer = self.optimizer
         if state.hyperparams:
@@ -348,6 +385,48 @@ class OptimizerDriver:
         self.store.zero_grads(group.slots)
         if self.mode == "sync":
             self.store.refresh_slots(group.slots)
+        state.applied += 1
+        if state.applied == len(self.groups):
+            state.journal = None  # update complete: nothing left to undo
+
+    def _refresh_before_update(self, state: _StepState) -> None:
+        if self.rollback:
+            journal = state.journal = state.journal or _Journal()
+            for slot in self.store.trainable_slots:
+                journal.shadows[slot.index] = self.store.shadow_of(slot.name).clone()
+        self.store.refresh_shadow()
+
+    def _save(self, state: _StepState, slots: tuple[int, ...], shadows: bool) -> None:
+        """Save what updating ``slots`` changes, before it changes (the optimizer thread)."""
+        journal = state.journal = state.journal or _Journal()
+        params = self.store.masters()
+        position = {s.index: i for i, s in enumerate(self.store.trainable_slots)}
+        for index in slots:
+            name = self.store.slots[index].name
+            journal.masters[index] = self.store.master_of(name).clone()
+            if shadows:
+                journal.shadows[index] = self.store.shadow_of(name).clone()
+            param = params[position[index]]
+            saved = self.optimizer.state.get(param)
+            journal.state.append((param, None if saved is None else {
+                k: (v.clone() if isinstance(v, torch.Tensor) else copy.deepcopy(v))
+                for k, v in saved.items()}))
+
+    def _undo(self, state: _StepState) -> None:
+        """Put back what update ``state.step`` changed (the optimizer thread, after it failed)."""
+        journal, state.journal = state.journal, None
+        with torch.no_grad():
+            if journal is not None:
+                for index, value in journal.masters.items():
+                    self.store.master_of(self.store.slots[index].name).copy_(value)
+                for param, saved in reversed(journal.state):
+                    if saved is None:
+                        self.optimizer.state.pop(param, None)
+                    else:
+                        self.optimizer.state[param] = saved
+                for index, value in journal.shadows.items():
+                    self.store.shadow_of(self.store.slots[index].name).copy_(value)
+            self.store.zero_grads()
 
     def _snapshot_hyperparams(self) -> list[dict[str, Any]]:
         return [
@@ -361,10 +440,12 @@ class OptimizerDriver:
             task = self._tasks.get()
             if task is None:
                 return
-            fn, label, produces = task
-            if self._error is not None:
+            fn, label, produces, owner = task
+            pending = self._error
+            if pending is not None or (owner is not None and owner.failed):
+                reason = pending or OptimizerError(f"{label} dropped: update {owner.step} failed")
                 for event in produces:
-                    event.fail(self._error)
+                    event.fail(reason)
                 continue
             try:
                 fn()
@@ -372,6 +453,17 @@ class OptimizerDriver:
                 error = OptimizerError(f"optimizer thread: {label} failed: {type(exc).__name__}: {exc}")
                 error.__cause__ = exc
                 error.traceback_text = traceback.format_exc()  # type: ignore[attr-defined]
+                error.step = None if owner is None else owner.step  # type: ignore[attr-defined]
+                error.label = label  # type: ignore[attr-defined]
+                error.rolled_back = False  # type: ignore[attr-defined]
+                if owner is not None:
+                    owner.failed = True
+                    if self.rollback:
+                        try:
+                            self._undo(owner)
+                            error.rolled_back = True  # type: ignore[attr-defined]
+                        except BaseException as undo_exc:  # reported with the error itself
+                            error.add_note(f"undoing the update failed too: {undo_exc!r}")
                 self._error = error
                 for event in produces:
                     event.fail(error)
@@ -383,24 +475,65 @@ class OptimizerDriver:
         return self._error is not None
 
     def check(self) -> None:
-        """Raise the optimizer thread's error, if it had one."""
+        """Raise the optimizer thread's pending error, if it had one (without taking it)."""
         if self._error is not None:
             raise self._error
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Block until every queued update and refresh has run; raise its error."""
+    @property
+    def failure(self) -> OptimizerError | None:
+        """The failed update not yet taken by :meth:`take_failure`, if any."""
+        return self._error
+
+    def take_failure(self, timeout: float | None = None) -> OptimizerError | None:
+        """Return (once) the error of a failed update, after settling its aftermath: the
+        thread has finished dropping the failed update's tasks, the open step (if any) is
+        discarded, and the step counter is back at the failed update's step (whose masters,
+        optimizer state and shadow the thread restored). None when nothing failed."""
+        if self._error is None:
+            return None
+        self._drain(timeout)
+        with self._lock:
+            error, self._error = self._error, None
+            if error is None:
+                return None
+            failed = getattr(error, "step", None)
+            self._open = None
+            if failed is not None:
+                self.step = failed
+                for k in [k for k in self._steps if k >= failed]:
+                    del self._steps[k]
+                if failed > 0 and failed - 1 not in self._steps:
+                    self._steps[failed - 1] = _completed_state(failed - 1, len(self.groups))
+        self.store.zero_grads()
+        return error
+
+    def _drain(self, timeout: float | None = None) -> bool:
+        """Wait until the thread has handled every queued task; never raises. False when it
+        is still busy after ``timeout`` (a user ``step()`` that never returns)."""
         if not self._thread.is_alive():
-            self.check()
-            return
+            return True
         marker = Event("optimizer idle")
-        self._tasks.put((lambda: None, "idle marker", [marker]))
+        self._tasks.put((lambda: None, "idle marker", [marker], None))
         try:
             marker.wait(timeout)
-        finally:
-            self.check()
+        except EventTimeout:
+            return False
+        except UpstreamFailed:
+            pass
+        return True
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every queued update and refresh has run; raise a failed update's
+        error (once, see :meth:`take_failure`) or :class:`EventTimeout`."""
+        if not self._drain(timeout):
+            raise EventTimeout(f"the optimizer thread is still busy after {timeout} s "
+                               "(a user optimizer step() that does not return?)")
+        error = self.take_failure()
+        if error is not None:
+            raise error
 
     def close(self, timeout: float = 10.0) -> None:
-        """Finish queued work and stop the optimizer thread."""
+        """Finish queued work and stop the optimizer thread; never raises."""
         self._tasks.put(None)
         self._thread.join(timeout)
 
@@ -431,17 +564,16 @@ class OptimizerDriver:
         if self._open is not None:
             raise RuntimeError("load_state_dict() inside an open step")
         self.wait()
+        # The optimizer first: torch checks its groups before it changes anything, so a bad
+        # state fails before the masters are touched.
+        self.optimizer.load_state_dict(state["optimizer"])
         self.store.load_state_dict(state["masters"])
         self.store.zero_grads()
-        self.optimizer.load_state_dict(state["optimizer"])
         self.step = int(state["step"])
         self._steps.clear()
         if self.step > 0:
             # Updates before the checkpoint are complete, and its shadow is in place.
-            done = _StepState(self.step - 1, len(self.groups), [])
-            for event in [*done.group_done, done.refreshed]:
-                event.set()
-            self._steps[self.step - 1] = done
+            self._steps[self.step - 1] = _completed_state(self.step - 1, len(self.groups))
         if self.mode == "async":
             with torch.no_grad():
                 for name, value in state["shadow"].items():
@@ -449,3 +581,11 @@ class OptimizerDriver:
 
     def memory_report(self) -> MemoryReport:
         return self.store.memory_report(self.optimizer)
+
+
+def _completed_state(step: int, groups: int) -> _StepState:
+    """A step whose update is complete and whose shadow is in place (events all set)."""
+    done = _StepState(step, groups, [])
+    for event in [*done.group_done, done.refreshed]:
+        event.set()
+    return done

@@ -257,6 +257,7 @@ class Worker(abc.ABC):
         self._queues: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         self._current: dict[str, str | None] = dict.fromkeys(STREAMS)
+        self._holding: dict[str, _Item] = {}  # the item each stream took from its queue
         self._lock = threading.Lock()
         self._errors: list[WorkerError] = []
         self._error_listeners: list[Callable[[WorkerError], None]] = []
@@ -338,15 +339,34 @@ class Worker(abc.ABC):
                 self._drop(item)
             return
         try:
-            self._run_items(stream, q, rng)
+            while True:
+                try:
+                    self._run_items(stream, q, rng)
+                    return
+                except BaseException as exc:
+                    # Something escaped the item loop itself (not an item: those are caught
+                    # in _run_items). The stream must not die silently with items queued:
+                    # report it, so every wait gives up at once, fail the item it held, and
+                    # serve the queue again.
+                    self._current[stream] = None
+                    self.report_error(WorkerError(
+                        self.name, stream, "stream loop", exc,
+                        traceback_text=traceback.format_exc(),
+                    ))
+                    held = self._holding.pop(stream, None)
+                    if held is not None:
+                        self._drop(held)
         finally:
             context.__exit__(None, None, None)
 
     def _run_items(self, stream: str, q: Any, rng: random.Random | None) -> None:
+        holding = self._holding
         while True:
+            holding.pop(stream, None)
             item = q.get()
             if item is None:
                 return
+            holding[stream] = item
             if (self._failed and not item.always) or self._stopping:
                 self._drop(item)
                 continue
@@ -392,12 +412,41 @@ class Worker(abc.ABC):
             self._failed = True
             listeners = list(self._error_listeners)
         for listener in listeners:
-            listener(error)
+            try:
+                listener(error)
+            except BaseException as exc:
+                # A listener that raises must not kill the stream thread calling it: record
+                # its error with the one it was told about (both end the step).
+                with self._lock:
+                    self._errors.append(WorkerError(
+                        self.name, error.stream, f"error listener {listener!r}", exc,
+                        secondary=True, traceback_text=traceback.format_exc(),
+                    ))
 
     def add_error_listener(self, listener: Callable[[WorkerError], None]) -> None:
-        """Call ``listener(error)`` (from the failing thread) on every captured error."""
+        """Call ``listener(error)`` (from the failing thread) on every captured error. An
+        exception from the listener is recorded on the worker (secondary), never raised."""
         with self._lock:
             self._error_listeners.append(listener)
+
+    def dead_streams(self) -> list[str]:
+        """Streams whose thread is no longer alive although the worker is not stopping."""
+        if self._stopping:
+            return []
+        return [s for s, t in zip(STREAMS, self._threads) if not t.is_alive()]
+
+    def busy_streams(self) -> dict[str, str]:
+        """The label of the item each busy stream is running now."""
+        return {s: label for s, label in self._current.items() if label is not None}
+
+    def respawn(self) -> Worker:
+        """A fresh worker of the same kind, index, capacity and chaos, with new stream threads:
+        what replaces this one when one of its streams is stuck in an item that never returns
+        (this worker is then abandoned; its daemon threads drop everything once they return)."""
+        return self._respawn()
+
+    @abc.abstractmethod
+    def _respawn(self) -> Worker: ...
 
     def should_abort(self) -> bool:
         """True once the worker failed or is shutting down: blocked waits give up."""
@@ -482,7 +531,7 @@ class Worker(abc.ABC):
             self._failed = False
         self.free_all()
 
-    def shutdown(self, timeout: float = 5.0) -> list[str]:
+    def shutdown(self, timeout: float = 5.0, warn: bool = True) -> list[str]:
         """Stop every stream thread and join it; blocked waits wake within ``_POLL_S``.
 
         Returns the names of threads still alive after ``timeout`` (a user callable that never
@@ -498,7 +547,7 @@ class Worker(abc.ABC):
         for thread in self._threads:
             thread.join(max(0.0, deadline - time.monotonic()))
         alive = [t.name for t in self._threads if t.is_alive()]
-        if alive:
+        if alive and warn:
             warnings.warn(
                 f"worker {self.name}: {alive} still running {timeout} s after shutdown "
                 f"(items {self._current}); they are daemon threads",
@@ -653,7 +702,12 @@ class VirtualWorker(Worker):
             index, torch.device("cpu"), name or f"v{index}", capacity_bytes, chaos,
             chaos_max_delay_s,
         )
+        self._given_capacity = capacity_bytes
         self._start_threads()
+
+    def _respawn(self) -> Worker:
+        return VirtualWorker(self.index, self._given_capacity, self.chaos, self.chaos_max_delay_s,
+                             self.name)
 
     def _stream_context(self, stream: str) -> contextlib.AbstractContextManager[Any]:
         return contextlib.nullcontext()
@@ -723,6 +777,10 @@ class CudaWorker(Worker):
         )
         self._torch_streams = {s: torch.cuda.Stream(device=device) for s in STREAMS}
         self._start_threads()
+
+    def _respawn(self) -> Worker:
+        return CudaWorker(self.index, self.device.index, self.capacity_bytes, self.chaos,
+                          self.chaos_max_delay_s, self.name)
 
     def torch_stream(self, stream: str) -> torch.cuda.Stream:
         return self._torch_streams[stream]

@@ -1,0 +1,82 @@
+"""Training data for ``rpcompile train``: read a file, encode its records (formats.py), make
+batches by packing or padding with a seeded, resumable order (batches.py). ``corpus.txt`` in
+this folder is the shipped text of the no-argument demo.
+
+See docs/data.md for the formats, the choice between packing and padding, and resume.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rpcompile.data.batches import (
+    BatchIterator,
+    Rows,
+    bucket_lengths,
+    collate,
+    eval_batches,
+    pack,
+    pad_rows,
+    split_eval,
+)
+from rpcompile.data.formats import IGNORE_INDEX, Example, detect_format, encode_record, read_records
+from rpcompile.data.tokenizer import byte_tokenizer
+
+__all__ = [
+    "IGNORE_INDEX",
+    "BatchIterator",
+    "Example",
+    "Prepared",
+    "Rows",
+    "bucket_lengths",
+    "byte_tokenizer",
+    "collate",
+    "detect_format",
+    "encode_record",
+    "eval_batches",
+    "pack",
+    "pad_rows",
+    "prepare",
+    "read_records",
+    "shipped_corpus",
+    "split_eval",
+]
+
+
+def shipped_corpus() -> Path:
+    """The text the no-argument ``rpcompile train`` fine-tunes on."""
+    return Path(__file__).with_name("corpus.txt")
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """Encoded data, ready for batching."""
+
+    format: str
+    train: tuple[Example, ...]
+    eval: tuple[Example, ...]
+
+    def longest(self) -> int:
+        return max(len(e) for e in (*self.train, *self.eval))
+
+
+def prepare(
+    path: str | Path, tokenizer: Any, *, completion_only: bool = True, eval_split: float = 0.0,
+    eval_path: str | Path | None = None, seed: int = 0,
+) -> Prepared:
+    """Read and encode ``path``; hold out ``eval_split`` of it (seeded), or read the eval
+    examples from ``eval_path``."""
+    records = read_records(path)
+    if not records:
+        raise ValueError(f"{path} holds no records")
+    fmt = detect_format(records[0])
+    examples = [encode_record(r, tokenizer, fmt, completion_only) for r in records]
+    if eval_path is not None:
+        eval_records = read_records(eval_path)
+        eval_fmt = detect_format(eval_records[0]) if eval_records else fmt
+        held = [encode_record(r, tokenizer, eval_fmt, completion_only) for r in eval_records]
+        return Prepared(fmt, tuple(examples), tuple(held))
+    train, held = split_eval(examples, eval_split, seed)
+    return Prepared(fmt, tuple(train), tuple(held))

@@ -1,0 +1,261 @@
+"""Checkpoints: a round trip continues bit-identically (sync and async, RNG and extra
+included); SIGKILL during a checkpoint write, between writes or at a random moment, then a
+resume in a new process, trains to the same losses and masters bit for bit as an uninterrupted
+run; a corrupt, truncated or mismatched checkpoint, and a bad state dict, are refused with the
+key named and nothing changed."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager, read_manifest
+from tests.tiny_models import hf_model, token_batch
+
+CHILD = Path(__file__).with_name("checkpoint_child.py")
+
+
+def make(mode="sync", layers=2):
+    warnings.simplefilter("ignore")
+    model = hf_model("qwen3", layers=layers)
+    return rpcompile.compile(
+        model, gpus=2, microbatches=3, example_inputs=token_batch(6), device="virtual",
+        mode=mode, timeout_s=120, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+
+
+def masters_of(compiled):
+    return {k: v.clone() for k, v in compiled.trainer().masters().items()}
+
+
+def assert_same_masters(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_round_trip_continues_bit_identically(tmp_path, mode):
+    first = make(mode)
+    for k in range(2):
+        first.step(token_batch(6, seed=k))
+    torch.manual_seed(1234)
+    path = first.save_checkpoint(tmp_path / "ckpt", extra={"loader": {"epoch": 0, "index": 12}})
+    after_save = torch.rand(3)
+    manifest = read_manifest(path)
+    assert manifest["step"] == 2 and manifest["mode"] == mode and len(manifest["plan_id"]) == 64
+    assert sorted(os.listdir(path)) == ["manifest.json", "state.safetensors"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # nothing left aside
+    losses = [first.step(token_batch(6, seed=k)) for k in (2, 3)]
+
+    second = make(mode)
+    second.step(token_batch(6, seed=99))  # state to be overwritten
+    torch.manual_seed(0)
+    extra = second.load_checkpoint(path)
+    assert extra == {"loader": {"epoch": 0, "index": 12}}
+    assert torch.equal(torch.rand(3), after_save)  # the RNG state came back
+    assert second.trainer().steps_done == 2
+    again = [second.step(token_batch(6, seed=k)) for k in (2, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(losses, again))
+    assert_same_masters(masters_of(first), masters_of(second))
+    first.close()
+    second.close()
+
+
+def test_corrupt_truncated_or_mismatched_checkpoints_are_refused(tmp_path):
+    source = make()
+    source.step(token_batch(6))
+    good = source.save_checkpoint(tmp_path / "good")
+    target = make()
+    target.step(token_batch(6, seed=5))
+    before = masters_of(target)
+    opt_before = target.trainer().state_dict()["optimizer"]
+
+    def refused(path, key_part, **kw):
+        with pytest.raises(CheckpointError) as info:
+            target.load_checkpoint(path, **kw)
+        assert key_part in str(info.value) and key_part in (info.value.key or "")
+        assert_same_masters(before, masters_of(target))
+        opt_after = target.trainer().state_dict()["optimizer"]
+        for i, entry in opt_before["state"].items():
+            for name, value in entry.items():
+                assert torch.equal(value, opt_after["state"][i][name])
+        assert target.trainer().steps_done == 1
+
+    import shutil
+
+    def copy(name):
+        dst = tmp_path / name
+        shutil.copytree(good, dst)
+        return dst
+
+    corrupt = copy("corrupt")
+    data = bytearray((corrupt / "state.safetensors").read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    (corrupt / "state.safetensors").write_bytes(bytes(data))
+    refused(corrupt, "state.safetensors")
+
+    truncated = copy("truncated")
+    data = (truncated / "state.safetensors").read_bytes()
+    (truncated / "state.safetensors").write_bytes(data[: len(data) // 3])
+    refused(truncated, "state.safetensors")
+
+    half_manifest = copy("half_manifest")
+    text = (half_manifest / "manifest.json").read_text()
+    (half_manifest / "manifest.json").write_text(text[: len(text) // 2])
+    refused(half_manifest, "manifest.json")
+
+    no_manifest = copy("no_manifest")
+    (no_manifest / "manifest.json").unlink()
+    refused(no_manifest, "manifest.json")
+
+    other = make(layers=3)  # another model: a layer more
+    other.step(token_batch(6))
+    mismatched = other.save_checkpoint(tmp_path / "other")
+    refused(mismatched, "masters['model.layers.2.")
+    other.close()
+
+    async_run = make("async")
+    async_run.step(token_batch(6))
+    refused(async_run.save_checkpoint(tmp_path / "async"), "mode")
+    async_run.close()
+    source.close()
+    target.close()
+
+
+def test_load_state_dict_validates_everything_first():
+    trainer_owner = make()
+    trainer_owner.step(token_batch(6))
+    trainer = trainer_owner.trainer()
+    state = trainer.state_dict()
+    before = masters_of(trainer_owner)
+    names = list(state["masters"])
+    assert len(names) > 10
+
+    def refused(bad, key_part, **kw):
+        with pytest.raises(CheckpointError) as info:
+            trainer.load_state_dict(bad, **kw)
+        assert key_part in str(info.value), str(info.value)
+        assert_same_masters(before, masters_of(trainer_owner))
+
+    # One wrong-shaped tensor, last in order: nothing of the earlier ones is loaded.
+    bad = {**state, "masters": {n: v + 1 for n, v in state["masters"].items()}}
+    bad["masters"][names[-1]] = torch.zeros(3)
+    refused(bad, names[-1])
+
+    missing = {**state, "masters": dict(state["masters"])}
+    del missing["masters"][names[0]]
+    refused(missing, names[0])
+
+    extra_param = {**state, "masters": {**state["masters"], "not.a.param": torch.zeros(2)}}
+    refused(extra_param, "not.a.param")
+    extra_key = {**state, "surprise": 1}
+    refused(extra_key, "surprise")
+    trainer.load_state_dict(extra_key, strict=False)  # explicitly allowed
+
+    nan = {**state, "masters": dict(state["masters"])}
+    nan["masters"][names[3]] = torch.full_like(state["masters"][names[3]], float("nan"))
+    refused(nan, names[3])
+    bad_opt = {**state, "optimizer": {**state["optimizer"],
+                                      "state": {0: {**state["optimizer"]["state"][0]}}}}
+    bad_opt["optimizer"]["state"][0]["exp_avg"] = torch.zeros(7)
+    refused(bad_opt, "exp_avg")
+    trainer.load_state_dict(nan, allow_nonfinite=True)
+    assert torch.isnan(trainer.masters()[names[3]]).all()
+    trainer_owner.close()
+
+
+def test_manager_keeps_the_last_k_and_finds_the_latest(tmp_path):
+    compiled = make()
+    manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)
+    assert manager.latest() is None
+    # A killed write's leftovers and an incomplete folder are neither latest nor kept.
+    (tmp_path / "ckpts").mkdir()
+    (tmp_path / "ckpts" / ".step-00000009.tmp-1-abcd").mkdir()
+    (tmp_path / "ckpts" / "step-00000099").mkdir()
+    for step in range(1, 5):
+        compiled.step(token_batch(6, seed=step))
+        path = manager.save(compiled, step, extra={"next_step": step})
+        assert path == tmp_path / "ckpts" / f"step-{step:08d}"
+    assert [p.name for p in manager.checkpoints()] == ["step-00000003", "step-00000004"]
+    assert manager.latest().name == "step-00000004"
+    assert not (tmp_path / "ckpts" / ".step-00000009.tmp-1-abcd").exists()
+    compiled.close()
+
+
+def _run_child(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, str(CHILD), "--root", str(root), *args],
+                          capture_output=True, text=True, env=env, timeout=300)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def _losses(root: Path) -> dict[int, str]:
+    out = {}
+    for line in (root / "losses.txt").read_text().splitlines():
+        parts = line.split()
+        if len(parts) == 2:
+            out[int(parts[0])] = parts[1]  # a resumed run rewrites the steps it redoes
+    return out
+
+
+def _final(root: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(root / "final.safetensors"))
+
+
+def test_sigkill_then_resume_is_bit_identical(tmp_path):
+    steps = ["--steps", "7", "--every", "2"]
+    clean = tmp_path / "clean"
+    clean.mkdir()
+    _run_child(clean, *steps)
+    want_losses, want_masters = _losses(clean), _final(clean)
+    assert sorted(want_losses) == list(range(7))
+
+    cases = {"in_write": ["--kill-in-write", "4"], "between": ["--kill-after", "2"],
+             "random": None}
+    for name, kill in cases.items():
+        root = tmp_path / name
+        root.mkdir()
+        if kill is not None:
+            proc = _run_child(root, *steps, *kill, check=False)
+            assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+        else:
+            env = dict(os.environ, OMP_NUM_THREADS="1")
+            child = subprocess.Popen([sys.executable, str(CHILD), "--root", str(root), *steps],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     env=env)
+            deadline = time.monotonic() + 200
+            while time.monotonic() < deadline and child.poll() is None:
+                log = root / "losses.txt"
+                if log.exists() and len(log.read_text().splitlines()) >= 3:
+                    break
+                time.sleep(0.01)
+            time.sleep(random.Random(0).uniform(0.0, 0.3))
+            child.send_signal(signal.SIGKILL)
+            child.wait()
+        if name == "in_write":
+            leftovers = [p.name for p in (root / "ckpts").iterdir() if p.name.startswith(".")]
+            assert leftovers, "the kill was meant to land inside a write"
+            latest = CheckpointManager(root / "ckpts").latest()
+            assert latest is not None and latest.name == "step-00000002"
+        _run_child(root, *steps, "--resume")
+        got = _losses(root)
+        assert got == want_losses, name
+        assert_same_masters(want_masters, _final(root))
+        assert json.loads(
+            (CheckpointManager(root / "ckpts").latest() / "manifest.json").read_text()
+        )["extra"] == {"next_step": 6}

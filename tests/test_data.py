@@ -1,0 +1,138 @@
+"""The data pipeline: formats, completion-only labels, packing/padding, seeded resumable order."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from rpcompile.data import (
+    IGNORE_INDEX,
+    BatchIterator,
+    Example,
+    byte_tokenizer,
+    encode_record,
+    pack,
+    pad_rows,
+    prepare,
+    read_records,
+)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+def test_chat_prompt_tokens_are_ignored_completion_tokens_are_targets(tok):
+    record = {"messages": [{"role": "user", "content": "hi"},
+                           {"role": "assistant", "content": "yo"}]}
+    ex = encode_record(record, tok, "messages")
+    # By hand: <|im_start|>=257 "user\n" "hi" <|im_end|>=258 "\n", then the assistant header
+    # <|im_start|> "assistant\n" (prompt), then "yo" <|im_end|> "\n" (completion).
+    prompt = [257, *b"user\n", *b"hi", 258, 10, 257, *b"assistant\n"]
+    completion = [*b"yo", 258, 10]
+    assert list(ex.input_ids) == prompt + completion
+    assert list(ex.labels) == [IGNORE_INDEX] * len(prompt) + completion
+    everything = encode_record(record, tok, "messages", completion_only=False)
+    assert list(everything.labels) == prompt + completion
+
+
+def test_multi_turn_chat_labels_every_assistant_turn(tok):
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "a"},
+            {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+            {"role": "assistant", "content": "d"}]
+    ex = encode_record({"messages": msgs}, tok, "messages")
+    targets = bytes(t for t in ex.labels if 0 <= t < 256)
+    assert targets == b"b\nd\n"  # each assistant content and the newline after <|im_end|>
+    assert sum(1 for t in ex.labels if t == 258) == 2
+
+
+def test_prompt_completion_and_text(tok):
+    ex = encode_record({"prompt": "2+2=", "completion": "4"}, tok, "prompt-completion")
+    assert list(ex.input_ids) == [*b"2+2=4", tok.eos_token_id]
+    assert list(ex.labels) == [IGNORE_INDEX] * 4 + [ord("4"), tok.eos_token_id]
+    text = encode_record({"text": "ab"}, tok, "text")
+    assert list(text.labels) == list(text.input_ids) == [97, 98, tok.eos_token_id]
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".csv", ".parquet"])
+def test_read_formats(tmp_path, suffix):
+    rows = [{"prompt": f"q{i}", "completion": f"a{i}"} for i in range(3)]
+    path = tmp_path / f"d{suffix}"
+    if suffix == ".jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        import pandas as pd
+
+        frame = pd.DataFrame(rows)
+        frame.to_csv(path, index=False) if suffix == ".csv" else frame.to_parquet(path)
+    assert read_records(path) == rows
+
+
+def test_unknown_columns_name_the_formats(tmp_path, tok):
+    path = tmp_path / "d.jsonl"
+    path.write_text('{"question": "x"}\n')
+    with pytest.raises(ValueError, match="'prompt' and 'completion'"):
+        prepare(path, tok)
+
+
+def test_chat_data_needs_a_chat_template(tok):
+    plain = byte_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        encode_record({"messages": [{"role": "assistant", "content": "x"}]}, plain, "messages")
+
+
+def _examples(n: int, seed: int = 0) -> list[Example]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        length = int(torch.randint(3, 20, (1,), generator=gen))
+        ids = tuple(range(i, i + length))
+        out.append(Example(ids, (IGNORE_INDEX, IGNORE_INDEX, *ids[2:])))
+    return out
+
+
+def test_packing_fills_rows_and_keeps_every_token():
+    examples = _examples(30)
+    rows = pack(examples, 16, pad_id=0, seed=1)
+    assert all(len(r) == 16 for r in rows.rows[:-1])
+    packed = [t for r in rows.rows for t in r.input_ids]
+    assert sorted(packed) == sorted(t for e in examples for t in e.input_ids)
+
+
+def test_padding_truncates_drops_and_masks_padding():
+    long = Example(tuple(range(40)), tuple(range(40)))
+    prompt_only = Example(tuple(range(40)), (IGNORE_INDEX,) * 30 + tuple(range(30, 40)))
+    rows, truncated, dropped = pad_rows([long, prompt_only, *_examples(3)], 16, pad_id=999)
+    assert (truncated, dropped, len(rows.rows)) == (2, 1, 4)
+    batch = next(BatchIterator(rows, 4, seed=0))
+    assert batch["input_ids"].shape == (4, 16)
+    padding = batch["input_ids"] == 999
+    assert padding.sum() == 4 * 16 - 16 - sum(len(r) for r in rows.rows[1:])
+    assert (batch["labels"][padding] == IGNORE_INDEX).all()
+
+
+@pytest.mark.parametrize("buckets", [1, 3])
+def test_order_is_seeded_and_resumes_exactly(buckets):
+    rows, _, _ = pad_rows(_examples(50), 24, pad_id=0)
+    run = BatchIterator(rows, 4, seed=7, buckets=buckets)
+    first = [next(run) for _ in range(30)]  # crosses two epochs of 12 batches
+    again = BatchIterator(rows, 4, seed=7, buckets=buckets)
+    for _ in range(17):
+        next(again)
+    state = again.state()
+    resumed = BatchIterator(rows, 4, seed=7, buckets=buckets)
+    resumed.load_state(json.loads(json.dumps(state)))
+    for expected in first[17:]:
+        got = next(resumed)
+        assert torch.equal(got["input_ids"], expected["input_ids"])
+        assert torch.equal(got["labels"], expected["labels"])
+    other = BatchIterator(rows, 4, seed=8, buckets=buckets)
+    assert not all(torch.equal(next(other)["input_ids"], b["input_ids"]) for b in first[:3])
+    if buckets > 1:
+        assert {b["input_ids"].shape[1] for b in first} > {24}  # shorter buckets are used
+    with pytest.raises(ValueError, match="--seed 7"):
+        BatchIterator(rows, 4, seed=8).load_state(state)
