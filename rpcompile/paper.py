@@ -173,8 +173,8 @@ class PaperModel:
         attention and MLP modules; by default it cuts between layers.)
 
         ``loss_chunk_tokens``: the tail's working set holds the logits of this many tokens at
-        a time (RoundPipe's chunked LM head and loss); ``None``: of the whole microbatch, as
-        rpcompile's captured tail computes them today.
+        a time (RoundPipe's chunked LM head and loss, and rpcompile's chunk-loss rewrite);
+        ``None``: of the whole microbatch (a tail that rewrite does not apply to).
 
         ``microbatch_size`` may be fractional: the paper splits e.g. 128 sequences into 10
         microbatches, and times scale with the mean tokens per microbatch. The embedding
