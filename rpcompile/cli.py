@@ -46,7 +46,9 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--batch", type=int, default=None,
                       help="global batch in sequences per optimizer step (default: the "
                            "smallest multiple of microbatches x rounds, up to 64 sequences "
-                           "per microbatch, whose plan gives every worker a job each step)")
+                           "per microbatch, whose plan gives every worker a job each step); "
+                           "a batch that does not divide is split as evenly as possible and "
+                           "every microbatch is timed at the largest one's size")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="microbatches per round (default: gpus + 1)")
     plan.add_argument("--rounds", type=int, default=1, help="rounds per step (accumulation)")
@@ -126,9 +128,10 @@ def _plan(args: argparse.Namespace) -> int:
             f"--microbatches {gpus * max(1, micro // gpus)} (or another multiple of {gpus})"
         )
     batch = args.batch or micro * args.rounds
-    if batch % (micro * args.rounds):
+    if batch < micro * args.rounds:
         raise ValueError(
-            f"--batch {batch} is not a multiple of microbatches x rounds = {micro * args.rounds}"
+            f"--batch {batch} is smaller than microbatches x rounds = {micro * args.rounds}: "
+            "every microbatch needs a sequence"
         )
     model_config(args.model)  # unknown names fail here with the list of known ones
     print(f"building {args.model} on the meta device ...", file=sys.stderr)
