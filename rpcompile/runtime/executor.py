@@ -748,6 +748,10 @@ class Executor:
                 raise  # kept by the caller, which drains again
             except BaseException:  # a failed worker: recover() drains it below
                 run.aborted = True
+                busy = worker.busy_streams()
+                past = run.left()
+                if busy and past is not None and past <= 0:
+                    stuck[i] = busy  # still inside an item past the deadline: replace it
             run.stuck_checked.add(i)
         for i, worker in enumerate(self.workers):
             if i not in stuck and worker.dead_streams():
@@ -761,17 +765,25 @@ class Executor:
         an item that never returns cannot be interrupted, but it need not hold up the run."""
         for i, worker in enumerate(self.workers):
             if i in stuck and i not in run.replaced:
-                fresh = worker.respawn()
-                fresh.add_error_listener(self._on_worker_error)
-                self.workers[i] = fresh
-                run.replaced.add(i)
-                worker.shutdown(timeout=0.0, warn=False)  # its daemon threads are abandoned
-                self.abandoned.append(worker)
+                self._replace(run, i, worker)
                 continue
             if worker.errors:
-                worker.recover(timeout=self.timeout_s or 60.0)
+                try:
+                    worker.recover(timeout=self.timeout_s or 60.0)
+                except EventTimeout:
+                    # A stream that never drains is stuck in an item: replace the worker.
+                    self._replace(run, i, worker)
+                    continue
             run.holds[i].release_all()
             worker.free_all()
+
+    def _replace(self, run: _Run, i: int, worker: Worker) -> None:
+        fresh = worker.respawn()
+        fresh.add_error_listener(self._on_worker_error)
+        self.workers[i] = fresh
+        run.replaced.add(i)
+        worker.shutdown(timeout=0.0, warn=False)  # its daemon threads are abandoned
+        self.abandoned.append(worker)
 
     def _roots(self, run: _Run) -> list[tuple[Action, BaseException]]:
         return [(a, e) for a, e in run.failures if not isinstance(e, _SECONDARY)]
