@@ -27,6 +27,7 @@ __all__ = [
     "RNG",
     "bind_batch",
     "count_labelled",
+    "largest_microbatch",
     "normalize_batch",
     "split_batch",
 ]
@@ -222,6 +223,12 @@ def split_batch(batch: Mapping[str, torch.Tensor], parts: int) -> list[dict[str,
     chunks = {k: v.tensor_split(parts, dim=0) if v.dim() else (v,) * parts
               for k, v in batch.items()}
     return [{k: chunks[k][i] for k in batch} for i in range(parts)]
+
+
+def largest_microbatch(sequences: int, parts: int) -> int:
+    """Sequences in the largest of ``parts`` microbatches of :func:`split_batch` (the shape a
+    plan is made for and checked against)."""
+    return -(-sequences // parts)
 
 
 def describe(x: Any) -> str:

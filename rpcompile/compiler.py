@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rpcompile.batch import largest_microbatch
 from rpcompile.capture import Captured, capture, is_causal_lm
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
@@ -372,7 +373,7 @@ def _loss_chunk(captured: Captured, option: int | str | None, parts: int) -> int
         from rpcompile.passes.chunked_loss import logits_bytes
 
         ids = captured.example_batch["input_ids"]
-        tokens = -(-ids.shape[0] // parts) * ids.shape[1]
+        tokens = largest_microbatch(ids.shape[0], parts) * ids.shape[1]
         return AUTO_CHUNK_TOKENS if logits_bytes(captured, tokens) > AUTO_CHUNK_ABOVE_BYTES else None
     if isinstance(option, bool) or not isinstance(option, int) or option < 1:
         raise ValueError(f"loss_chunk_tokens must be a positive number of tokens, 'auto' or "
@@ -411,7 +412,7 @@ def _plan_and_split(
         )
     # An uneven split (torch.tensor_split) gives some microbatches one sequence more: the plan
     # and its memory figures are made for the largest.
-    mb_size = -(-example.shape[0] // (microbatches * rounds))
+    mb_size = largest_microbatch(example.shape[0], microbatches * rounds)
     seq = example.shape[1] if "input_ids" in captured.example_batch else 1
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)

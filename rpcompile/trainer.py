@@ -336,7 +336,9 @@ def check_plan_shape(compiled: Any, batch: dict[str, torch.Tensor]) -> None:
     plan = compiled.plan
     first = next(iter(batch.values()))
     parts = compiled.microbatches * compiled.rounds
-    per_mb = -(-first.shape[0] // parts)
+    from rpcompile.batch import largest_microbatch
+
+    per_mb = largest_microbatch(first.shape[0], parts)
     seq = first.shape[1] if compiled.capture.loss_reduction == "sum" else None
     too_long = seq is not None and seq > plan.seq_len
     if per_mb > plan.microbatch_size or too_long:
