@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from rpcompile.batch import largest_microbatch
-from rpcompile.capture import Captured, capture, is_causal_lm
+from rpcompile.capture.batch import largest_microbatch
+from rpcompile.capture.core import Captured, capture, is_causal_lm
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
@@ -31,10 +31,10 @@ from rpcompile.passes.invariants import (
 from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.manager import PassRecord, debug_checks, run_pass
 from rpcompile.passes.memory import format_bytes, worker_peaks
-from rpcompile.passes.partition import StageCosting, partition
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.passes.split import StageProgram, split
-from rpcompile.reference import reference_step
+from rpcompile.planner.partition import StageCosting, partition
+from rpcompile.runtime.reference import reference_step
 
 __all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule"]
 
@@ -65,7 +65,7 @@ class Compiled:
 
     # -- training (the runtime starts on the first step) ----------------------------------
     def trainer(self) -> Any:
-        """The :class:`rpcompile.trainer.Trainer` that runs this plan (created on first use
+        """The :class:`rpcompile.runtime.trainer.Trainer` that runs this plan (created on first use
         with the options given to :func:`compile`)."""
         if self._closed:
             raise RuntimeError(
@@ -74,7 +74,7 @@ class Compiled:
                 "again and load_state_dict() the saved state"
             )
         if self._trainer is None:
-            from rpcompile.trainer import Trainer
+            from rpcompile.runtime.trainer import Trainer
 
             self._trainer = Trainer(self, options=self.options.train)
             # Stop the worker threads before the interpreter tears down (a thread still
@@ -136,9 +136,9 @@ class Compiled:
         forward; values between stages stay on that device. It is sequential, not the
         pipelined schedule. For a causal LM the loss is Hugging Face's token mean over the
         whole batch (labels other than -100); the batch may not exceed the plan's shape."""
-        from rpcompile.batch import bind_batch
-        from rpcompile.reference import forward_loss
-        from rpcompile.trainer import check_plan_shape
+        from rpcompile.capture.batch import bind_batch
+        from rpcompile.runtime.reference import forward_loss
+        from rpcompile.runtime.trainer import check_plan_shape
 
         trainer = self.trainer()
         bound = bind_batch(self.capture, batch, step=trainer.steps_done)
@@ -249,7 +249,7 @@ class Compiled:
         """Loss and gradients of one step run stage by stage on one device (no update);
         ``device`` runs the stage programs retargeted to another device; ``step`` is the
         optimizer step whose dropout masks to draw (the runtime's step ``k`` draws step ``k``'s)."""
-        from rpcompile.batch import bind_batch
+        from rpcompile.capture.batch import bind_batch
 
         batch = bind_batch(self.capture, batch, step=step)
         params = params if params is not None else dict(self.model.named_parameters())
@@ -344,7 +344,7 @@ def compile(
     history: list[PassRecord] = []
     parts = po.microbatches_per_round * po.rounds
     if example_inputs is None and co.loss_fn is None and is_causal_lm(model):
-        from rpcompile.capture import example_batch_for
+        from rpcompile.capture.core import example_batch_for
 
         example_inputs = example_batch_for(model, batch=parts, seq=16)
     captured = run_pass(

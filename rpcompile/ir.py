@@ -717,7 +717,7 @@ class Schedule:
         elif ext == ".png":
             from rpcompile._draw import draw_timeline
 
-            draw_timeline(self, p, timeline)
+            draw_timeline(self, p, timeline, STREAMS)
             return
         else:
             raise ValueError(f"cannot dump a schedule to {p!r}: use .csv, .json, .txt or .png")

@@ -33,9 +33,9 @@ import torch.utils.flop_counter
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rpcompile.batch import NUM_ITEMS, RNG, normalize_batch
-from rpcompile.dropout import RANDOM_OPS, draws_random, replay_random_ops
-from rpcompile.dropout import dropout_seed as _dropout_seed
+from rpcompile.capture.batch import NUM_ITEMS, RNG, is_causal_lm, normalize_batch
+from rpcompile.capture.dropout import RANDOM_OPS, draws_random, replay_random_ops
+from rpcompile.capture.dropout import dropout_seed as _dropout_seed
 
 __all__ = [
     "B",
@@ -110,7 +110,7 @@ class Captured:
     # step's labelled tokens, ``num_items_in_batch``); "mean": each microbatch's loss is a mean
     # (``loss_fn`` models), the step's loss is their mean.
     loss_reduction: str = "mean"
-    dropout_seed: int = 0  # base of the step's dropout seeds (rpcompile.dropout.step_seeds)
+    dropout_seed: int = 0  # base of the step's dropout seeds (rpcompile.capture.dropout.step_seeds)
     random_ops: tuple[str, ...] = ()  # modules whose dropout is replayed from seeds
     loss_chunk_tokens: int | None = None  # set when the LM head + loss run chunked
 
@@ -129,16 +129,6 @@ class Captured:
 # ---------------------------------------------------------------------------------------------
 # 2. capture()
 # ---------------------------------------------------------------------------------------------
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """A Hugging Face causal LM (or a PEFT wrapper of one): takes input_ids and labels."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "vocab_size", None) is None:
-        return False
-    head = getattr(model, "get_output_embeddings", None)
-    # Every PreTrainedModel has the method; only language-model heads return a module.
-    return callable(head) and head() is not None
 
 
 class _CausalLMLoss(nn.Module):
@@ -408,7 +398,7 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
 
 def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
     """Backward stages recompute their forward: a random op that is not replayed from seeds
-    (:func:`rpcompile.dropout.replay_random_ops` rewrites dropout and SDPA dropout) would draw
+    (:func:`rpcompile.capture.dropout.replay_random_ops` rewrites dropout and SDPA dropout) would draw
     new numbers there, and the gradients would belong to another forward than the loss.
     Refuse, naming the module and the fix that applies to it."""
     for node in gm.graph.nodes:
