@@ -116,7 +116,7 @@ def test_opaque_call_is_thread_safe():
     import sys
     import threading
 
-    from rpcompile.capture.core import _run_opaque
+    from rpcompile.capture.opaque import _run_opaque
 
     model = hf_model("qwen3_moe", layers=1)
     compiled = rpcompile.compile(model, gpus=1, microbatches=1, example_inputs=token_batch(2))

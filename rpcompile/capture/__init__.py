@@ -1,5 +1,7 @@
-"""Capture: a model and a batch become one loss graph (``core``), with the batch layer
-(``batch``: binding, splitting, checks) and seeded dropout replay (``dropout``)."""
+"""Capture: a model and a batch become one loss graph (``core``: the strategy ladder; ``types``;
+``units``: prefix / layers / tail; ``replicate``: identical layers copied; ``opaque``: blocks
+kept whole), with the batch layer (``batch``: binding, splitting, checks) and seeded dropout
+replay (``dropout``)."""
 
 from rpcompile.capture.core import (
     B,

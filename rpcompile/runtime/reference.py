@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from rpcompile.capture.batch import split_batch
-from rpcompile.capture.core import Captured
+from rpcompile.capture.types import Captured
 from rpcompile.passes.split import StageProgram
 
 __all__ = ["forward_loss", "loss_divisor", "reference_step", "split_batch", "stage_arguments"]
