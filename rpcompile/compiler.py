@@ -274,6 +274,7 @@ def compile(
     max_grad_norm: float | None = None,
     timeout_s: float | None = None,
     loss_chunk_tokens: int | str | None = "auto",
+    process_group: Any = None,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -307,6 +308,13 @@ def compile(
     holding a microbatch's full logits (:mod:`rpcompile.passes.chunked_loss`); ``"auto"``
     (default) chunks by 4,096 tokens when a microbatch's fp32 logits would exceed 1 GiB;
     ``None`` never chunks.
+
+    ``process_group``: data parallel across processes (``docs/distributed.md``): every rank
+    compiles the same model with its share of the global batch as ``example_inputs`` and steps
+    on its share; the loss is the token mean over the whole global batch, gradients are
+    all-reduced on the host (gloo) as each stage's are home, and every rank ends each step
+    with identical masters. Default: the default group once
+    ``torch.distributed.init_process_group("gloo")`` ran with more than one rank.
 
     Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
     ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
@@ -356,7 +364,8 @@ def compile(
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes, kernels=kernels,
                              skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
-                             max_grad_norm=max_grad_norm, timeout_s=timeout_s)
+                             max_grad_norm=max_grad_norm, timeout_s=timeout_s,
+                             process_group=process_group)
     check_memory(compiled)
     return compiled
 

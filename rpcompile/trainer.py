@@ -96,6 +96,10 @@ class Trainer:
     non-finite step is skipped and the scale backs off, clean steps are unscaled and applied;
     ``trainer.loss_scaler`` holds its state. ``max_grad_norm``: clip by the global gradient
     norm before each update (``trainer.last.grad_norm`` is the norm before clipping).
+    ``process_group``: train data parallel across the ranks of this ``torch.distributed``
+    group (gloo); default: the default group once ``init_process_group`` ran with more than
+    one rank. Each rank steps on its own share of the global batch; losses, clipping and
+    updates are those of the global batch (:mod:`rpcompile.runtime.distributed`).
     """
 
     def __init__(
@@ -114,6 +118,7 @@ class Trainer:
         skip_nonfinite: bool = False,
         loss_scale: LossScaleConfig | bool | None = None,
         max_grad_norm: float | None = None,
+        process_group: Any = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -140,6 +145,7 @@ class Trainer:
         try:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
             self.store.kernels = kernels
+            self.dp = self._data_parallel(compiled, process_group)
             # Updates wait until the step's gradients are all home (sync mode; async updates
             # run after the step anyway), so a step that fails part-way leaves masters and
             # optimizer state untouched, at the cost of overlapping the update with the
@@ -151,7 +157,7 @@ class Trainer:
                                      self.driver, timeout_s=self.timeout_s, kernels=kernels,
                                      skip_nonfinite=skip_nonfinite,
                                      loss_scaler=self.loss_scaler,
-                                     max_grad_norm=max_grad_norm)
+                                     max_grad_norm=max_grad_norm, reducer=self.dp)
         except BaseException:
             if driver is not None:
                 driver.close()
@@ -185,6 +191,16 @@ class Trainer:
         return HostStore.build(stage_params, compute_dtype=compiled.compute_dtype, pin=pin,
                                grad_stages=grad_stages)
 
+    def _data_parallel(self, compiled: Any, process_group: Any) -> Any:
+        from rpcompile.runtime.distributed import DataParallel, resolve_group
+
+        group = resolve_group(process_group)
+        if group is None:
+            return None
+        dp = DataParallel(group, self.store, mean_loss=compiled.capture.loss_reduction != "sum")
+        dp.broadcast_store(self.timeout_s)
+        return dp
+
     # -- training ----------------------------------------------------------------------------
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step over ``batch`` (token ids ``[batch, seq]`` or a dict with
@@ -194,10 +210,16 @@ class Trainer:
         batch; else the mean over microbatches). Raises :class:`StepFailed` if any action
         fails, ``ValueError`` before anything runs if the batch is malformed or larger than
         the plan's shape."""
-        from rpcompile.batch import bind_batch
+        from rpcompile.batch import NUM_ITEMS, bind_batch
 
         batch = bind_batch(self.compiled.capture, batch, step=self.executor.steps_run)
         check_plan_shape(self.compiled, batch)
+        if self.dp is not None:
+            # The loss is the token mean over the global batch of every rank.
+            if NUM_ITEMS in batch:
+                batch[NUM_ITEMS] = self.dp.global_count(batch[NUM_ITEMS], self.timeout_s)
+            else:
+                self.dp.begin_step()
         self.last = self.executor.run_step(batch)
         self._peaks = [max(a, b) for a, b in zip(self._peaks, self.last.peak_bytes)]
         return self.last.loss
@@ -269,6 +291,8 @@ class Trainer:
         """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`)."""
         from rpcompile.runtime import checkpoint
 
+        if self.dp is not None and self.dp.rank != 0:
+            return None  # every rank holds the same state: rank 0 alone writes it
         return checkpoint.save(self, path, extra=extra)
 
     def load_checkpoint(self, path: Any, *, strict: bool = True,

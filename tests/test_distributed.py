@@ -1,0 +1,207 @@
+"""Data parallel across processes (torch.distributed, gloo, localhost): each rank trains on its
+share of the global batch over its own virtual workers. Every check is against a run that
+shares nothing with the cross-rank code: one process training the whole global batch, and
+eager Hugging Face on the whole global batch."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import rpcompile
+from tests.tiny_models import hf_model, sft_batch
+
+GLOBAL = 6  # sequences per global batch (divides by 2 and 3 ranks)
+STEPS = 3
+
+
+def _sgd(params):
+    # No per-element normalisation (unlike Adam): summation-order differences stay ~1e-8.
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _batches():
+    return [sft_batch(GLOBAL, 12, left=k % 2 == 1, seed=40 + k) for k in range(STEPS)]
+
+
+def _share(batch, rank, world):
+    return {k: v.tensor_split(world)[rank] for k, v in batch.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, options: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    result: dict = {}
+    try:
+        # Rank 0's weights are the run's: the other ranks start elsewhere on purpose, and
+        # the trainer's broadcast must bring them to rank 0's.
+        model = hf_model("qwen3", seed=rank)
+        batches = [_share(b, rank, world) for b in _batches()]
+        compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=batches[0],
+                                     optimizer=_sgd, device="virtual", chaos=rank + 1,
+                                     **options)
+        trainer = compiled.trainer()
+        if scenario == "train":
+            result["losses"] = [float(compiled.step(b)) for b in batches]
+            result["norms"] = [trainer.last.grad_norm]
+            result["reductions"] = trainer.dp.reductions
+        else:
+            compiled.step(batches[0])
+            result["before"] = {k: v.clone() for k, v in trainer.masters().items()}
+            if rank == 1:
+                _fail_in_backward(trainer, scenario)
+            start = time.monotonic()
+            try:
+                compiled.step(batches[1])
+                result["error"] = None
+            except Exception as exc:  # what the surviving rank saw, and when
+                result["error"] = type(exc).__name__
+                result["message"] = str(exc)
+            result["elapsed"] = time.monotonic() - start
+            result["after"] = {k: v.clone() for k, v in trainer.masters().items()}
+            if rank == 1 and scenario == "raise":
+                time.sleep(15)  # alive, so the other rank can only learn of it by its deadline
+        result["masters"] = {k: v.clone() for k, v in trainer.masters().items()}
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+        compiled.close()
+    finally:
+        if scenario == "train":
+            dist.destroy_process_group()
+
+
+def _fail_in_backward(trainer, scenario: str) -> None:
+    """Make this rank die (``kill``) or raise and stay alive (``raise``) in its first
+    backward job of the next step."""
+    executor = trainer.executor
+    original = executor._do_B
+
+    def failing(run, a):
+        if scenario == "kill":
+            os._exit(17)
+        raise RuntimeError("injected failure on rank 1")
+
+    executor._do_B = failing
+    del original
+
+
+def _spawn(world: int, tmp_path, scenario: str = "train", options: dict | None = None,
+           timeout: float = 240.0) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world, port, str(tmp_path), scenario, options or {}))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+            pytest.fail(f"a rank did not finish within {timeout} s (hang)")
+    out = []
+    for r in range(world):
+        path = tmp_path / f"rank{r}.pt"
+        out.append(torch.load(path) if path.exists() else None)
+    return out
+
+
+def _single_process(options: dict | None = None):
+    model = hf_model("qwen3", seed=0)
+    batches = _batches()
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=batches[0],
+                                 optimizer=_sgd, device="virtual", **(options or {}))
+    try:
+        losses = [float(compiled.step(b)) for b in batches]
+        return losses, {k: v.clone() for k, v in compiled.trainer().masters().items()}
+    finally:
+        compiled.close()
+
+
+def _eager(max_norm: float | None = None):
+    model = hf_model("qwen3", seed=0)
+    opt = _sgd(list(model.parameters()))
+    losses = []
+    for b in _batches():
+        opt.zero_grad(set_to_none=True)
+        loss = model(**b, use_cache=False).loss
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+@pytest.mark.parametrize(("world", "max_norm"), [(2, None), (3, 0.5)])
+def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, world, max_norm):
+    options = {} if max_norm is None else {"max_grad_norm": max_norm}
+    ranks = _spawn(world, tmp_path, options=options)
+    assert all(r is not None for r in ranks), "a rank failed (see its output)"
+    # Every rank ends every step with the same masters, bit for bit, and reports the same
+    # (global) loss.
+    for r in ranks[1:]:
+        assert _max_diff(r["masters"], ranks[0]["masters"]) == 0.0
+        assert r["losses"] == ranks[0]["losses"]
+    assert ranks[0]["reductions"] >= 2  # one per gradient stage at least, not one at the end
+    single_losses, single = _single_process(options)
+    eager_losses, eager = _eager(max_norm)
+    assert ranks[0]["losses"] == pytest.approx(single_losses, abs=1e-6)
+    assert ranks[0]["losses"] == pytest.approx(eager_losses, abs=1e-6)
+    assert _max_diff(ranks[0]["masters"], single) < 1e-6
+    assert _max_diff(ranks[0]["masters"], {n: eager[n] for n in single}) < 1e-6
+    if max_norm is not None:
+        # The clip fired: the global norm is above max_norm (a per-rank norm would differ).
+        assert ranks[0]["norms"][0] > max_norm
+        for r in ranks[1:]:
+            assert r["norms"] == ranks[0]["norms"]
+
+
+@pytest.mark.parametrize("scenario", ["kill", "raise"])
+def test_a_failing_rank_makes_the_other_fail_with_a_named_error_in_time(tmp_path, scenario):
+    timeout_s = 6.0
+    ranks = _spawn(2, tmp_path, scenario, options={"timeout_s": timeout_s}, timeout=180.0)
+    survivor = ranks[0]
+    assert survivor is not None
+    assert survivor["error"] == "RankFailed", survivor.get("message")
+    assert "rank 0 of 2" in survivor["message"] and "restart every rank" in survivor["message"]
+    # Within the watchdog's bound: at once when the peer died, by the deadline when it lives.
+    assert survivor["elapsed"] <= timeout_s * 1.1 + 1.0
+    if scenario == "kill":
+        assert survivor["elapsed"] < timeout_s
+    # The failed step changed nothing.
+    assert _max_diff(survivor["after"], survivor["before"]) == 0.0
+    if scenario == "raise":
+        assert ranks[1]["error"] == "StepFailed"
+
+
+def test_one_process_without_a_group_is_not_data_parallel():
+    model = hf_model("qwen3")
+    compiled = rpcompile.compile(copy.deepcopy(model), gpus=2, microbatches=2,
+                                 example_inputs=_batches()[0], device="virtual")
+    try:
+        assert compiled.trainer().dp is None
+    finally:
+        compiled.close()
