@@ -452,7 +452,10 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
                          + ": every microbatch needs a sequence")
     iterator = rpdata.BatchIterator(rows, batch_size, seed, buckets=opts["buckets"])
     total = opts["steps"] or max(1, math.ceil(opts["epochs"] * iterator.batches_per_epoch))
-    eval_sets = rpdata.eval_batches(prepared.eval, seq, pad_id, batch_size)
+    # Every rank draws the same global batches (same seed) and trains on its share of each;
+    # the plan is for the largest share, and rank 0 alone evaluates, in batches of that size.
+    share = -(-batch_size // world)
+    eval_sets = rpdata.eval_batches(prepared.eval, seq, pad_id, share)
     if lead:
         print(f"train: {data_path}: {len(prepared.train)} {prepared.format} examples ({note}), "
               f"{len(prepared.eval)} eval; {total} steps of {batch_size} x {seq} tokens, "
@@ -463,9 +466,6 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
     if opts["lora"]:
         model = add_lora(model, opts["lora"], opts["lora_alpha"], opts["lora_dropout"], seed)
     lr = opts["lr"] or (2e-4 if opts["lora"] else 2e-5)
-    # Every rank draws the same global batches (same seed) and trains on its share of each;
-    # the plan is for the largest share.
-    share = -(-batch_size // world)
     example = {"input_ids": torch.zeros(share, seq, dtype=torch.long)}
     example["labels"] = example["input_ids"].clone()
     manager = None
