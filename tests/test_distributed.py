@@ -205,3 +205,57 @@ def test_one_process_without_a_group_is_not_data_parallel():
         assert compiled.trainer().dp is None
     finally:
         compiled.close()
+
+
+def _run_cli(cmd: list[str], env: dict, cwd) -> None:
+    import subprocess
+
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    from tests.test_finetune import WORDS, _tiny_checkpoint
+
+    root = Path(__file__).resolve().parents[1]
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    data = tmp_path / "pairs.jsonl"
+    with data.open("w") as f:
+        for i in range(40):
+            w, k = WORDS[i % len(WORDS)], 1 + (i // len(WORDS)) % 4
+            f.write(json.dumps({"prompt": f"{w} x{k}:", "completion": f" {w}" * k}) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    args = ["train", "--model", str(ckpt), "--data", str(data), "--steps", "4", "--workers",
+            "2", "--microbatches", "2", "--batch", "8", "--lr", "3e-3", "--eval-every", "0",
+            "--save-every", "2", "--keep-last", "2", "--no-tensorboard"]
+    two, one, resumed = tmp_path / "two", tmp_path / "one", tmp_path / "resumed"
+    _run_cli([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+              "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "rpcompile",
+              *args, "--out", str(two)], env, tmp_path)
+    _run_cli([sys.executable, "-m", "rpcompile", *args, "--out", str(one)], env, tmp_path)
+
+    def records(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    got, want = records(two), records(one)
+    # Rank 0 alone wrote: one line per step and eval, one final/, its checkpoints.
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4, 4]
+    assert (two / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()
+                  if p.name.startswith("step-")) == ["step-00000002", "step-00000004"]
+    for a, b in zip(got, want):
+        for key in ("loss", "eval_loss", "tokens", "target_tokens"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a, b)
+    # The two-rank checkpoint of step 2 resumes on one rank and continues as both runs did.
+    _run_cli([sys.executable, "-m", "rpcompile", "train", "--resume",
+              str(two / "checkpoints" / "step-00000002"), "--out", str(resumed)], env, tmp_path)
+    after = {r["step"]: r["loss"] for r in records(resumed) if "loss" in r}
+    assert sorted(after) == [3, 4]
+    for step in (3, 4):
+        assert after[step] == pytest.approx(next(r["loss"] for r in want if r["step"] == step
+                                                 and "loss" in r), abs=1e-5)
