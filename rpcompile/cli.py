@@ -65,6 +65,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-ram", type=float, default=None, metavar="GIB",
                       help="host RAM of the target server in GiB (default: the profile's, "
                            "else this machine's); the plan's host memory is checked against it")
+    plan.add_argument("--nodes", type=int, default=1,
+                      help="servers training data parallel (one pipeline each, on its share "
+                           "of a --nodes times larger global batch); N > 1 also prints the "
+                           "tokens/s of N servers and the scaling efficiency against one")
+    plan.add_argument("--link", default="eth100",
+                      help="the network between servers for --nodes: eth25 or eth100 "
+                           "(25 / 100 Gbit/s Ethernet)")
 
     train = sub.add_parser(
         "train",
@@ -184,7 +191,12 @@ def _plan(args: argparse.Namespace) -> int:
           f"{summary['tokens_per_s']:,.0f} tokens/s; bubble {summary['bubble_pct']:.2f}% "
           f"(fill {summary['bubble_fill_pct']:.2f}%, steady {summary['bubble_steady_pct']:.2f}%, "
           f"drain {summary['bubble_drain_pct']:.2f}%)")
-    if args.schedule == "roundpipe" and args.optimizer == "async":
+    if args.nodes < 1:
+        raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.nodes > 1 and args.schedule != "roundpipe":
+        raise ValueError("--nodes simulates RoundPipe pipelines; drop --schedule")
+    run = None
+    if args.schedule == "roundpipe" and (args.optimizer == "async" or args.nodes > 1):
         # A training run overlaps steps: report the steady state too.
         from rpcompile.sim import (
             simulate_roundpipe,
@@ -194,14 +206,23 @@ def _plan(args: argparse.Namespace) -> int:
         )
 
         run = simulate_roundpipe(plan, hw, steps=steady_steps(plan, rounds=args.rounds),
-                                 rounds=args.rounds, optimizer="async")
+                                 rounds=args.rounds, optimizer=args.optimizer)
         step_ms = steady_step_ms(run)
         summary["steady_step_ms"] = step_ms
         summary["steady_tokens_per_s"] = tokens * 1e3 / step_ms
         summary["steady_bubble_pct"] = 100 * (1 - steady_utilization(run))
-        print(f"predicted, steady state (async, steps overlapping): {step_ms:.1f} ms per step, "
-              f"{summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
+        print(f"predicted, steady state ({args.optimizer}, steps overlapping): {step_ms:.1f} "
+              f"ms per step, {summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
               f"{summary['steady_bubble_pct']:.2f}%")
+    if run is not None and args.nodes > 1:
+        from rpcompile.passes.memory import host_memory
+        from rpcompile.sim.scaling import simulate_nodes
+
+        masters = host_memory(plan, args.optimizer, 0).masters
+        scaling = simulate_nodes(run, args.nodes, args.link, tokens_per_step=tokens,
+                                 gradient_bytes=masters)
+        summary["nodes"] = scaling.to_dict()
+        print(f"predicted, {scaling.summary()}")
     jobs = len(plan.stages) * args.rounds
     if args.schedule == "roundpipe" and jobs < gpus:
         filling = None if args.batch is None else filling_microbatch(  # None: searched above

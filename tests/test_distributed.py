@@ -259,3 +259,78 @@ def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_pat
     for step in (3, 4):
         assert after[step] == pytest.approx(next(r["loss"] for r in want if r["step"] == step
                                                  and "loss" in r), abs=1e-5)
+
+
+# -- planning at scale (no processes) -----------------------------------------------------------
+
+
+def test_link_presets_and_the_ring_all_reduce_time():
+    from rpcompile.hardware import get_link, list_links
+
+    assert list_links() == ["eth100", "eth25"]
+    eth25 = get_link("eth25")
+    # 1 GB over 4 servers: each sends 2 * 3/4 GB at 25 Gbit/s * 0.9, plus 6 latencies.
+    expected_ms = 1.5e9 * 8 / (25e9 * 0.9) * 1e3 + 6 * eth25.latency_us * 1e-3
+    assert eth25.allreduce_ms(1e9, 4) == pytest.approx(expected_ms, rel=1e-12)
+    assert eth25.allreduce_ms(1e9, 1) == 0.0
+    assert get_link("eth100").allreduce_ms(1e9, 4) < expected_ms / 3.9
+    with pytest.raises(ValueError, match="known: eth100, eth25"):
+        get_link("infiniband")
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    from rpcompile.hardware import get_hardware
+    from rpcompile.paper import MODELS
+    from rpcompile.passes.partition import partition
+    from rpcompile.sim import simulate_roundpipe, steady_steps
+
+    hw = get_hardware("rtx4090x8").with_gpus(4)
+    units = MODELS["qwen3-1.7b"].units(2, 1024)[:6] + MODELS["qwen3-1.7b"].units(2, 1024)[-1:]
+    plan = partition(units, hw, 4, 5, 2, 1024, 1)
+    run = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
+    grads = 4 * sum(u.trainable_params for u in plan.units)
+    return run, grads, 10 * 1024
+
+
+def test_simulated_nodes_queue_each_stage_reduction_on_the_link(small_run):
+    from rpcompile.hardware import get_link
+    from rpcompile.sim import steady_step_ms
+    from rpcompile.sim.scaling import simulate_nodes
+
+    run, grads, tokens = small_run
+    one = simulate_nodes(run, 1, "eth100", tokens_per_step=tokens, gradient_bytes=grads)
+    assert one.efficiency == 1.0 and one.exposed_ms == 0.0
+    assert one.step_ms == pytest.approx(steady_step_ms(run))
+    by_link = {}
+    for link in ("eth25", "eth100"):
+        for n in (2, 4):
+            s = simulate_nodes(run, n, link, tokens_per_step=tokens, gradient_bytes=grads)
+            assert s.gradient_bytes == grads  # each parameter reduced once (tied: once)
+            # The link time is every stage's ring all-reduce, computed here independently.
+            lk = get_link(link)
+            ring = 2 * (n - 1) / n * grads / (lk.gbit_per_s * lk.efficiency / 8 * 1e6)
+            assert s.link_busy_ms == pytest.approx(
+                ring + s.reductions * 2 * (n - 1) * lk.latency_us * 1e-3, rel=1e-9)
+            assert 0.0 <= s.exposed_ms <= s.link_busy_ms
+            assert s.step_ms == pytest.approx(max(one.step_ms + s.exposed_ms, s.link_busy_ms))
+            assert s.tokens_per_s == pytest.approx(n * tokens * 1e3 / s.step_ms)
+            by_link[link, n] = s.efficiency
+    assert by_link["eth25", 2] < by_link["eth100", 2] <= 1.0
+    assert by_link["eth25", 4] <= by_link["eth25", 2]
+
+
+def test_plan_nodes_prints_scaling(capsys, tmp_path):
+    import json
+
+    from rpcompile.cli import main
+
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--seq", "256", "--batch",
+                 "18", "--microbatches", "9", "--gpus", "4", "--nodes", "2", "--link", "eth25",
+                 "--no-fit-search", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 servers over eth25" in text and "scaling efficiency" in text
+    nodes = json.loads((out / "summary.json").read_text())["nodes"]
+    assert nodes["nodes"] == 2 and 0 < nodes["efficiency"] <= 1.0
+    assert nodes["tokens_per_step"] == 2 * 18 * 256
