@@ -482,8 +482,6 @@ class Executor:
         if max_grad_norm is not None and driver.eager_updates:
             raise ValueError("max_grad_norm needs a driver built with eager_updates=False (an "
                              "update must not read the gradients before they are clipped)")
-        if kernels not in _kernels.BACKENDS:
-            raise ValueError(f"kernels must be one of {_kernels.BACKENDS}, got {kernels!r}")
         self.kernels = kernels
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
