@@ -283,11 +283,16 @@ class Trainer:
         self.executor.steps_run = int(state.get("executor_steps", state["step"]))
 
     def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
-        """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`)."""
+        """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`). Data
+        parallel: rank 0 alone writes it (every rank holds the same state); every rank gets
+        the path back."""
         from rpcompile.runtime import checkpoint
 
         if self.dp is not None and self.dp.rank != 0:
-            return None  # every rank holds the same state: rank 0 alone writes it
+            # Every rank holds the same state: rank 0 alone writes it, to this path.
+            from pathlib import Path
+
+            return Path(path)
         return checkpoint.save(self, path, extra=extra)
 
     def load_checkpoint(self, path: Any, *, strict: bool = True,

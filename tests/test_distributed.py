@@ -93,6 +93,12 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
                 result[name] = {
                     "losses": losses, "norms": norms, "reductions": trainer.dp.reductions,
                     "masters": {k: v.clone() for k, v in trainer.masters().items()}}
+                if name == "sync":  # every rank saves; rank 0 alone writes
+                    from rpcompile.runtime.checkpoint import CheckpointManager
+
+                    manager = CheckpointManager(os.path.join(out, "ckpts"), keep_last=1)
+                    for step in (STEPS - 1, STEPS):
+                        result[name]["saved"] = str(manager.save(compiled, step))
                 compiled.close()
         else:
             model = hf_model("qwen3", seed=rank)
@@ -214,6 +220,20 @@ def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, wo
             eager_losses, eager = _eager(options.get("max_grad_norm"))
             assert first["losses"] == pytest.approx(eager_losses, abs=1e-6), name
             assert _max_diff(first["masters"], {n: eager[n] for n in single}) < 1e-6, name
+        if name == "sync":
+            # One checkpoint, written once, resumes in one process with the same masters.
+            from rpcompile.runtime.checkpoint import CheckpointManager
+
+            saved = CheckpointManager(tmp_path / "ckpts").checkpoints()
+            assert [p.name for p in saved] == [f"step-{STEPS:08d}"]
+            assert all(r[name]["saved"] == str(saved[0]) for r in ranks)
+            resumed = _compile(model_name, 1, _batches()[0])
+            try:
+                with pytest.warns(RuntimeWarning, match="another plan"):
+                    resumed.load_checkpoint(saved[0])
+                assert _max_diff(resumed.trainer().masters(), first["masters"]) == 0.0
+            finally:
+                resumed.close()
         if name == "clip":
             # The clip fired on the global norm (every rank's norm is the same).
             assert first["norms"][0] > options["max_grad_norm"]
