@@ -404,7 +404,7 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
     device = opts["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "virtual"
-        if device == "virtual":
+        if device == "virtual" and lead:
             print("train: no CUDA device; running on virtual CPU workers", file=sys.stderr)
     workers = opts["workers"] or (torch.cuda.device_count() if device == "cuda" else 4)
     dtype = _torch_dtype(opts["dtype"], device)
@@ -413,9 +413,14 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
     if world > 1:
         import torch.distributed as dist
 
+        spec = opts["model"]
         if not lead:
-            dist.barrier()  # rank 0 writes a shipped model's folder first
-        model, tokenizer, source = load_model(opts["model"], out, dtype, seed)
+            dist.barrier()  # rank 0 writes a shipped model's folder first; the others read it
+            from rpcompile.models import list_models
+
+            if spec in list_models() and not Path(spec).is_dir():
+                spec = str(out / "base")
+        model, tokenizer, source = load_model(spec, out, dtype, seed)
         if lead:
             dist.barrier()
     else:
