@@ -215,7 +215,12 @@ class Trainer:
                 batch[NUM_ITEMS] = self.dp.global_count(batch[NUM_ITEMS], self.timeout_s)
             else:
                 self.dp.begin_step()
-        self.last = self.executor.run_step(batch)
+        try:
+            self.last = self.executor.run_step(batch)
+        except BaseException:
+            if self.dp is not None:  # whatever failed, this rank's collectives are now behind
+                self.dp.abandon(f"step {self.executor.steps_run} failed on rank {self.dp.rank}")
+            raise
         self._peaks = [max(a, b) for a, b in zip(self._peaks, self.last.peak_bytes)]
         return self.last.loss
 
