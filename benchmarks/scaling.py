@@ -21,8 +21,8 @@ import time
 from pathlib import Path
 
 from rpcompile.hardware import get_hardware
-from rpcompile.paper import MODELS, PAPER_MODELS, WORKLOADS
-from rpcompile.passes.partition import partition
+from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
+from rpcompile.planner.partition import partition
 from rpcompile.sim import simulate_roundpipe, steady_steps
 from rpcompile.sim.scaling import simulate_nodes
 

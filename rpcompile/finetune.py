@@ -203,7 +203,7 @@ def _write_shipped(name: str, folder: Path, seed: int) -> Path:
     import torch
 
     from rpcompile.data import byte_tokenizer
-    from rpcompile.models import build_model
+    from rpcompile.workloads.models import build_model
 
     tokenizer = byte_tokenizer()
     torch.manual_seed(seed)
@@ -221,7 +221,7 @@ def load_model(spec: str, out: Path, dtype: Any, seed: int) -> tuple[Any, Any, s
     """(model, tokenizer, folder it was loaded from)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rpcompile.models import list_models
+    from rpcompile.workloads.models import list_models
 
     path = Path(spec)
     if not path.is_dir() and spec in list_models():
@@ -416,7 +416,7 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
         spec = opts["model"]
         if not lead:
             dist.barrier()  # rank 0 writes a shipped model's folder first; the others read it
-            from rpcompile.models import list_models
+            from rpcompile.workloads.models import list_models
 
             if spec in list_models() and not Path(spec).is_dir():
                 spec = str(out / "base")

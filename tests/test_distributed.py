@@ -341,8 +341,8 @@ def test_link_presets_and_the_ring_all_reduce_time():
 @pytest.fixture(scope="module")
 def small_run():
     from rpcompile.hardware import get_hardware
-    from rpcompile.paper import MODELS
-    from rpcompile.passes.partition import partition
+    from rpcompile.workloads.paper import MODELS
+    from rpcompile.planner.partition import partition
     from rpcompile.sim import simulate_roundpipe, steady_steps
 
     hw = get_hardware("rtx4090x8").with_gpus(4)
