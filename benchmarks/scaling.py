@@ -21,10 +21,10 @@ import time
 from pathlib import Path
 
 from rpcompile.hardware import get_hardware
-from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 from rpcompile.planner.partition import partition
 from rpcompile.sim import simulate_roundpipe, steady_steps
 from rpcompile.sim.scaling import simulate_nodes
+from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 
 HARDWARE = "rtx4090x8"
 RESULTS = Path(__file__).resolve().parent / "results"

@@ -341,9 +341,9 @@ def test_link_presets_and_the_ring_all_reduce_time():
 @pytest.fixture(scope="module")
 def small_run():
     from rpcompile.hardware import get_hardware
-    from rpcompile.workloads.paper import MODELS
     from rpcompile.planner.partition import partition
     from rpcompile.sim import simulate_roundpipe, steady_steps
+    from rpcompile.workloads.paper import MODELS
 
     hw = get_hardware("rtx4090x8").with_gpus(4)
     units = MODELS["qwen3-1.7b"].units(2, 1024)[:6] + MODELS["qwen3-1.7b"].units(2, 1024)[-1:]
