@@ -8,7 +8,8 @@ batch over its own workers. What makes the ranks one training run is here, and o
                              ``torch.distributed.init_process_group`` ran; None on one process
   2. ``DataParallel``      - the cross-rank steps of a training step, in the order they run:
        ``broadcast_store``   rank 0's masters and shadows to every rank (once, at the start)
-       ``global_count``      the step's labelled tokens summed over ranks (the loss divisor)
+       ``begin_step``        the ranks enter the step together; the step's labelled tokens
+                             summed over ranks (the loss divisor)
        ``stage_done``        a gradient stage's last job is home: every parameter whose
                              gradient stages are now all done is all-reduced (SUM) at once,
                              asynchronously, on the host fp32 gradient buffer, while the
@@ -108,9 +109,11 @@ class DataParallel:
         self.reductions = 0  # all-reduces launched in the last step (for tests and reports)
 
     # -- start --------------------------------------------------------------------------------
-    def broadcast_store(self, timeout_s: float | None) -> None:
+    def broadcast_store(self) -> None:
         """Make every rank start from rank 0's weights: its fp32 masters and its shadows (the
-        compute-dtype copies, frozen parameters included), broadcast as raw bytes."""
+        compute-dtype copies, frozen parameters included), broadcast as raw bytes. Ranks
+        reach this after compiling, at their own pace: the wait is the process group's
+        timeout (``init_process_group(timeout=)``), not a step's."""
         store = self.store
         for what, tensor in (("masters", store.master), ("shadows", store.shadow)):
             if tensor.numel():
@@ -118,7 +121,7 @@ class DataParallel:
                 self._wait(f"broadcast of rank 0's {what}",
                            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0),
                                           group=self.group, async_op=True),
-                           timeout_s)
+                           None)
 
     # -- one step -----------------------------------------------------------------------------
     def check(self) -> None:
@@ -130,25 +133,22 @@ class DataParallel:
                 "rank and resume from the last checkpoint."
             )
 
-    def global_count(self, count: torch.Tensor, timeout_s: float | None) -> torch.Tensor:
-        """The labelled-token count of the whole global step: this rank's, summed over ranks."""
+    def begin_step(self, count: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Enter a step together: one all-reduce that returns the labelled-token count of the
+        whole global step (``count``, this rank's; None for a ``loss_fn`` model). Between
+        steps a rank may do work of its own (rank 0 evaluates and writes checkpoints), so
+        this wait is the process group's timeout; the step's own waits, from here on, end at
+        the step's deadline."""
         self.check()
         self._pending = list(self._slots)
         self._works = []
         self._done = set()
         self.reductions = 0
-        total = count.detach().to(torch.int64).reshape(1).clone()
-        self._wait("the global labelled-token count", dist.all_reduce(
-            total, group=self.group, async_op=True), timeout_s)
-        return total.reshape(()).to(count.dtype)
-
-    def begin_step(self) -> None:
-        """Start a step of a model without a token count (``loss_fn``)."""
-        self.check()
-        self._pending = list(self._slots)
-        self._works = []
-        self._done = set()
-        self.reductions = 0
+        local = torch.zeros(1, dtype=torch.int64) if count is None else \
+            count.detach().to(torch.int64).reshape(1).clone()
+        self._wait("the start of the step (the global labelled-token count)",
+                   dist.all_reduce(local, group=self.group, async_op=True), None)
+        return None if count is None else local.reshape(()).to(count.dtype)
 
     def stage_done(self, stage: int) -> None:
         """``stage``'s gradients of this step are all home: launch the all-reduce of every

@@ -193,7 +193,7 @@ class Trainer:
         if group is None:
             return None
         dp = DataParallel(group, self.store, mean_loss=compiled.capture.loss_reduction != "sum")
-        dp.broadcast_store(self.timeout_s)
+        dp.broadcast_store()
         return dp
 
     # -- training ----------------------------------------------------------------------------
@@ -212,7 +212,7 @@ class Trainer:
         if self.dp is not None:
             # The loss is the token mean over the global batch of every rank.
             if NUM_ITEMS in batch:
-                batch[NUM_ITEMS] = self.dp.global_count(batch[NUM_ITEMS], self.timeout_s)
+                batch[NUM_ITEMS] = self.dp.begin_step(batch[NUM_ITEMS])
             else:
                 self.dp.begin_step()
         try:
