@@ -394,3 +394,7 @@ def test_plan_nodes_prints_scaling(capsys, tmp_path):
     nodes = json.loads((out / "summary.json").read_text())["nodes"]
     assert nodes["nodes"] == 2 and 0 < nodes["efficiency"] <= 1.0
     assert nodes["tokens_per_step"] == 2 * 18 * 256
+    assert main(["plan", "--model", "qwen3-1.7b", "--nodes", "2", "--link", "ib"]) == 2
+    assert "unknown link 'ib'; known: eth100, eth25" in capsys.readouterr().err
+    assert main(["hardware"]) == 0
+    assert "eth25       link between servers" in capsys.readouterr().out
