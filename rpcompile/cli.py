@@ -13,7 +13,10 @@ leaves workers idle says so. For
 RoundPipe with the async optimizer it also simulates overlapping steps (two warm-up steps
 and a steady-state window of at least 8 steps, rpcompile.sim.steady_steps) and prints the
 steady-state time per step, tokens/s and bubble (summary.json: steady_step_ms,
-steady_tokens_per_s, steady_bubble_pct).
+steady_tokens_per_s, steady_bubble_pct). ``--nodes N`` (with ``--link eth25|eth100``) also
+predicts N such servers training data parallel: each gradient stage's all-reduce queued on the
+link from when its gradients are home, the step time, tokens/s of all N and the scaling
+efficiency against one server (summary.json: nodes; docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -65,6 +68,13 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-ram", type=float, default=None, metavar="GIB",
                       help="host RAM of the target server in GiB (default: the profile's, "
                            "else this machine's); the plan's host memory is checked against it")
+    plan.add_argument("--nodes", type=int, default=1,
+                      help="servers training data parallel (one pipeline each, on its share "
+                           "of a --nodes times larger global batch); N > 1 also prints the "
+                           "tokens/s of N servers and the scaling efficiency against one")
+    plan.add_argument("--link", default="eth100",
+                      help="the network between servers for --nodes: eth25 or eth100 "
+                           "(25 / 100 Gbit/s Ethernet)")
 
     train = sub.add_parser(
         "train",
@@ -81,7 +91,7 @@ def _parser() -> argparse.ArgumentParser:
     add_train_arguments(train)
 
     sub.add_parser("models", help="list the shipped model configs")
-    sub.add_parser("hardware", help="list the hardware profiles")
+    sub.add_parser("hardware", help="list the hardware profiles and the inter-server links")
     return ap
 
 
@@ -94,12 +104,16 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(list_models()))
             return 0
         if args.command == "hardware":
-            from rpcompile.hardware import get_hardware, list_hardware
+            from rpcompile.hardware import get_hardware, get_link, list_hardware, list_links
 
             for name in list_hardware():
                 hw = get_hardware(name)
                 print(f"{name:<11} {hw.gpus} x {hw.gpu}, {hw.memory_gib:g} GiB, "
                       f"{hw.matmul_tflops:g} TFLOP/s, H2D {hw.h2d_gbps:g} GB/s")
+            for name in list_links():
+                link = get_link(name)
+                print(f"{name:<11} link between servers (plan --nodes): {link.name}, "
+                      f"{100 * link.efficiency:g}% achieved, {link.latency_us:g} us per message")
             return 0
         if args.command == "train":
             return _train(args)
@@ -120,6 +134,13 @@ def _plan(args: argparse.Namespace) -> int:
     from rpcompile.workloads.models import build_model, model_config
 
     hw = get_hardware(args.hardware)
+    if args.nodes < 1:
+        raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.nodes > 1 and args.schedule != "roundpipe":
+        raise ValueError("--nodes simulates RoundPipe pipelines; drop --schedule")
+    from rpcompile.hardware import get_link
+
+    get_link(args.link)  # an unknown name fails here, with the known ones
     gpus = args.gpus or hw.gpus
     micro = args.microbatches or gpus + 1
     if args.schedule == "interleaved" and micro % gpus:
@@ -184,7 +205,8 @@ def _plan(args: argparse.Namespace) -> int:
           f"{summary['tokens_per_s']:,.0f} tokens/s; bubble {summary['bubble_pct']:.2f}% "
           f"(fill {summary['bubble_fill_pct']:.2f}%, steady {summary['bubble_steady_pct']:.2f}%, "
           f"drain {summary['bubble_drain_pct']:.2f}%)")
-    if args.schedule == "roundpipe" and args.optimizer == "async":
+    run = None
+    if args.schedule == "roundpipe" and (args.optimizer == "async" or args.nodes > 1):
         # A training run overlaps steps: report the steady state too.
         from rpcompile.sim import (
             simulate_roundpipe,
@@ -194,14 +216,23 @@ def _plan(args: argparse.Namespace) -> int:
         )
 
         run = simulate_roundpipe(plan, hw, steps=steady_steps(plan, rounds=args.rounds),
-                                 rounds=args.rounds, optimizer="async")
+                                 rounds=args.rounds, optimizer=args.optimizer)
         step_ms = steady_step_ms(run)
         summary["steady_step_ms"] = step_ms
         summary["steady_tokens_per_s"] = tokens * 1e3 / step_ms
         summary["steady_bubble_pct"] = 100 * (1 - steady_utilization(run))
-        print(f"predicted, steady state (async, steps overlapping): {step_ms:.1f} ms per step, "
-              f"{summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
+        print(f"predicted, steady state ({args.optimizer}, steps overlapping): {step_ms:.1f} "
+              f"ms per step, {summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
               f"{summary['steady_bubble_pct']:.2f}%")
+    if run is not None and args.nodes > 1:
+        from rpcompile.passes.memory import host_memory
+        from rpcompile.sim.scaling import simulate_nodes
+
+        masters = host_memory(plan, args.optimizer, 0).masters
+        scaling = simulate_nodes(run, args.nodes, args.link, tokens_per_step=tokens,
+                                 gradient_bytes=masters)
+        summary["nodes"] = scaling.to_dict()
+        print(f"predicted, {scaling.summary()}")
     jobs = len(plan.stages) * args.rounds
     if args.schedule == "roundpipe" and jobs < gpus:
         filling = None if args.batch is None else filling_microbatch(  # None: searched above

@@ -297,6 +297,7 @@ def compile(
     loss_scale: Any = UNSET,
     max_grad_norm: float | None = UNSET,
     timeout_s: float | None = UNSET,
+    process_group: Any = UNSET,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -323,6 +324,13 @@ def compile(
     trainable parameters before the update, as ``torch.nn.utils.clip_grad_norm_`` after a
     full backward (``StepResult.grad_norm`` reports the norm before clipping).
 
+    ``process_group``: data parallel across processes (``docs/distributed.md``): every rank
+    compiles the same model with its share of the global batch as ``example_inputs`` and steps
+    on its share; the loss is the token mean over the whole global batch, gradients are
+    all-reduced on the host (gloo) as each stage's are home, and every rank ends each step
+    with identical masters. Default: the default group once
+    ``torch.distributed.init_process_group("gloo")`` ran with more than one rank.
+
     Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
     ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
     padding); its step loss is Hugging Face's token mean over the whole global batch. A batch
@@ -337,6 +345,7 @@ def compile(
         schedule_steps=schedule_steps, optimizer=optimizer, device=device, chaos=chaos,
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
+        process_group=process_group,
     ).items() if v is not UNSET}
     options = resolve({"capture": capture_options, "plan": plan_options,
                        "train": train_options}, flat)

@@ -359,28 +359,72 @@ def _evaluate(compiled: Any, batches: list[dict[str, Any]]) -> float | None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``rpcompile train`` (see the module doc); returns the exit status."""
-    import torch
-    from tqdm import tqdm
     from transformers.utils import logging as hf_logging
-
-    import rpcompile
-    from rpcompile import data as rpdata
 
     opts, checkpoint = resolve_options(args)
     _check(opts)
     hf_logging.disable_progress_bar()  # one bar: ours
+    rank, world, started = _join_ranks()
+    try:
+        return _run(opts, checkpoint, rank, world)
+    finally:
+        if started:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _join_ranks() -> tuple[int, int, bool]:
+    """(rank, world size, whether this call started the process group). Under ``torchrun``
+    (``WORLD_SIZE`` > 1 in the environment) every rank joins the default gloo group and the
+    run is data parallel (rpcompile.runtime.distributed); otherwise (0, 1, False)."""
+    import os
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size(), False
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return 0, 1, False
+    dist.init_process_group("gloo")
+    return dist.get_rank(), dist.get_world_size(), True
+
+
+def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -> int:
+    import torch
+    from tqdm import tqdm
+
+    import rpcompile
+    from rpcompile import data as rpdata
+
+    lead = rank == 0  # only rank 0 writes: metrics, checkpoints, final/, the report
     out = Path(opts["out"])
-    out.mkdir(parents=True, exist_ok=True)
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
     device = opts["device"]
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "virtual"
-        if device == "virtual":
+        if device == "virtual" and lead:
             print("train: no CUDA device; running on virtual CPU workers", file=sys.stderr)
     workers = opts["workers"] or (torch.cuda.device_count() if device == "cuda" else 4)
     dtype = _torch_dtype(opts["dtype"], device)
     seed = opts["seed"]
 
-    model, tokenizer, source = load_model(opts["model"], out, dtype, seed)
+    if world > 1:
+        import torch.distributed as dist
+
+        spec = opts["model"]
+        if not lead:
+            dist.barrier()  # rank 0 writes a shipped model's folder first; the others read it
+            from rpcompile.workloads.models import list_models
+
+            if spec in list_models() and not Path(spec).is_dir():
+                spec = str(out / "base")
+        model, tokenizer, source = load_model(spec, out, dtype, seed)
+        if lead:
+            dist.barrier()
+    else:
+        model, tokenizer, source = load_model(opts["model"], out, dtype, seed)
     opts["model"] = source  # a built shipped model is resumed from its folder
     data_path = opts["data"] = opts["data"] or str(rpdata.shipped_corpus())
     prepared = rpdata.prepare(
@@ -403,26 +447,34 @@ def run(args: argparse.Namespace) -> int:
         if dropped:
             note += f"; {dropped} dropped (nothing left to predict after truncation)"
     micro = opts["microbatches"] or workers + 1
-    batch_size = opts["batch"] or micro * opts["rounds"]
-    if batch_size < micro * opts["rounds"]:
+    batch_size = opts["batch"] or micro * opts["rounds"] * world
+    if batch_size < micro * opts["rounds"] * world:
         # An uneven split is fine (the loss is the global token mean either way); an empty
         # microbatch is not.
-        raise ValueError(f"--batch {batch_size} is smaller than microbatches x rounds = "
-                         f"{micro} x {opts['rounds']}: every microbatch needs a sequence")
+        raise ValueError(f"--batch {batch_size} is smaller than microbatches x rounds"
+                         + (" x ranks" if world > 1 else "") + f" = {micro} x {opts['rounds']}"
+                         + (f" x {world}" if world > 1 else "")
+                         + ": every microbatch needs a sequence")
     iterator = rpdata.BatchIterator(rows, batch_size, seed, buckets=opts["buckets"])
     total = opts["steps"] or max(1, math.ceil(opts["epochs"] * iterator.batches_per_epoch))
-    eval_sets = rpdata.eval_batches(prepared.eval, seq, pad_id, batch_size)
-    print(f"train: {data_path}: {len(prepared.train)} {prepared.format} examples ({note}), "
-          f"{len(prepared.eval)} eval; {total} steps of {batch_size} x {seq} tokens, "
-          f"{iterator.batches_per_epoch} per epoch", file=sys.stderr)
+    # Every rank draws the same global batches (same seed) and trains on its share of each;
+    # the plan is for the largest share, and rank 0 alone evaluates, in batches of that size.
+    share = -(-batch_size // world)
+    eval_sets = rpdata.eval_batches(prepared.eval, seq, pad_id, share)
+    if lead:
+        print(f"train: {data_path}: {len(prepared.train)} {prepared.format} examples ({note}), "
+              f"{len(prepared.eval)} eval; {total} steps of {batch_size} x {seq} tokens, "
+              f"{iterator.batches_per_epoch} per epoch"
+              + (f", each of {world} ranks training on its share" if world > 1 else ""),
+              file=sys.stderr)
 
     if opts["lora"]:
         model = add_lora(model, opts["lora"], opts["lora_alpha"], opts["lora_dropout"], seed)
     lr = opts["lr"] or (2e-4 if opts["lora"] else 2e-5)
-    example = {"input_ids": torch.zeros(batch_size, seq, dtype=torch.long)}
+    example = {"input_ids": torch.zeros(share, seq, dtype=torch.long)}
     example["labels"] = example["input_ids"].clone()
     manager = None
-    if opts["save_every"]:
+    if opts["save_every"] and lead:
         from rpcompile.runtime.checkpoint import CheckpointManager
 
         manager = CheckpointManager(out / "checkpoints", keep_last=opts["keep_last"])
@@ -434,7 +486,8 @@ def run(args: argparse.Namespace) -> int:
                                               fused=True),
         max_grad_norm=opts["max_grad_norm"] or None,
     )
-    print(compiled.plan, file=sys.stderr)
+    if lead:
+        print(compiled.plan, file=sys.stderr)
     log = None
     try:
         warmup = opts["warmup_steps"] if opts["warmup_steps"] is not None else round(0.03 * total)
@@ -450,27 +503,31 @@ def run(args: argparse.Namespace) -> int:
             # explicitly so the next update uses the saved schedule position either way.
             for group, value in zip(compiled.optimizer.param_groups, scheduler.get_last_lr()):
                 group["lr"] = value
-            print(f"train: resumed from {checkpoint} at step {start}", file=sys.stderr)
-        (out / "config.yaml").write_text(_dump_yaml(opts))
+            if lead:
+                print(f"train: resumed from {checkpoint} at step {start}", file=sys.stderr)
+        if lead:
+            (out / "config.yaml").write_text(_dump_yaml(opts))
 
-        log = _Log(out, start, opts["tensorboard"])
+        log = _Log(out, start, opts["tensorboard"]) if lead else None
         t0 = time.perf_counter()
         done_tokens, step_seconds = 0, 0.0
 
         def evaluate(step: int) -> None:
-            if eval_sets:
+            if eval_sets and lead:
                 value = _evaluate(compiled, eval_sets)
                 log.write({"step": step, "eval_loss": value})
                 tqdm.write(f"step {step}: eval loss {value:.4f}", file=sys.stderr)
 
         if start == 0:
             evaluate(0)
-        with tqdm(total=total, initial=start, desc="train", unit="step") as bar:
+        with tqdm(total=total, initial=start, desc="train", unit="step", disable=not lead) as bar:
             for step in range(start + 1, total + 1):
                 batch = next(iterator)
                 step_lr = compiled.optimizer.param_groups[0]["lr"]
                 t_step = time.perf_counter()
-                loss = float(compiled.step(batch))
+                mine = batch if world == 1 else {
+                    k: v.tensor_split(world)[rank] for k, v in batch.items()}
+                loss = float(compiled.step(mine))  # the global batch's loss on every rank
                 scheduler.step()
                 step_seconds += time.perf_counter() - t_step
                 done_tokens += batch["input_ids"].numel()
@@ -481,7 +538,8 @@ def run(args: argparse.Namespace) -> int:
                           "tokens": batch["input_ids"].numel(),
                           "target_tokens": int((batch["labels"][:, 1:] != -100).sum()),
                           "tokens_per_s": rate, "epoch": iterator.epoch}
-                log.write(record)
+                if log is not None:
+                    log.write(record)
                 shown = {"loss": f"{loss:.3f}", "tok_s": f"{rate:,.0f}", "lr": f"{step_lr:.2e}"}
                 if norm is not None:
                     shown["gnorm"] = f"{norm:.2f}"
@@ -496,8 +554,9 @@ def run(args: argparse.Namespace) -> int:
                     })
         evaluate(total)
         final = out / "final"
-        compiled.save_pretrained(final, merge=opts["merge"])
-        tokenizer.save_pretrained(final)
+        if lead:
+            compiled.save_pretrained(final, merge=opts["merge"])
+            tokenizer.save_pretrained(final)
         trainer = compiled.trainer()
         sched = trainer.schedule
     finally:
@@ -505,6 +564,8 @@ def run(args: argparse.Namespace) -> int:
             log.close()
         compiled.close()
     elapsed = time.perf_counter() - t0
+    if not lead:
+        return 0
     _write_report(out, log.records, opts, elapsed, done_tokens / max(step_seconds, 1e-9),
                   compiled, sched)
     return 0

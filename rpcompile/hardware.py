@@ -13,7 +13,16 @@ from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
 
-__all__ = ["Hardware", "get_hardware", "host_ram_bytes", "list_hardware", "probe"]
+__all__ = [
+    "Hardware",
+    "Link",
+    "get_hardware",
+    "get_link",
+    "host_ram_bytes",
+    "list_hardware",
+    "list_links",
+    "probe",
+]
 
 
 @dataclass(frozen=True)
@@ -73,10 +82,54 @@ class Hardware:
         return asdict(self)
 
 
+@dataclass(frozen=True)
+class Link:
+    """The network between servers (one NIC per server, full duplex): what data parallel
+    across servers reduces its gradients over. ``gbit_per_s`` is the nominal line rate;
+    ``efficiency`` the fraction a host-memory all-reduce (gloo over TCP) achieves of it."""
+
+    key: str
+    name: str
+    gbit_per_s: float
+    efficiency: float = 0.9
+    latency_us: float = 30.0  # one message's fixed cost (TCP round trip, gloo's step)
+
+    @property
+    def bytes_per_ms(self) -> float:
+        return self.gbit_per_s * self.efficiency * 1e9 / 8 / 1e3
+
+    def allreduce_ms(self, nbytes: float, nodes: int) -> float:
+        """A ring all-reduce of ``nbytes`` over ``nodes`` servers: each sends and receives
+        ``2 (n - 1) / n`` of the bytes, in ``2 (n - 1)`` steps (reduce-scatter, all-gather)."""
+        if nodes <= 1 or nbytes <= 0:
+            return 0.0
+        steps = 2 * (nodes - 1)
+        return steps / nodes * nbytes / self.bytes_per_ms + steps * self.latency_us * 1e-3
+
+
 @cache
-def _table() -> dict[str, dict]:
+def _file() -> dict[str, dict]:
     text = resources.files("rpcompile").joinpath("configs/hardware.json").read_text()
     return json.loads(text)
+
+
+def _table() -> dict[str, dict]:
+    return {k: v for k, v in _file().items() if k != "links"}
+
+
+def list_links() -> list[str]:
+    return sorted(_file()["links"])
+
+
+def get_link(name: str | Link) -> Link:
+    """The named inter-server link preset (``eth25``, ``eth100``); raises ``ValueError``
+    listing the known names when there is none."""
+    if isinstance(name, Link):
+        return name
+    links = _file()["links"]
+    if name not in links:
+        raise ValueError(f"unknown link {name!r}; known: {', '.join(sorted(links))}")
+    return Link(key=name, **links[name])
 
 
 def list_hardware() -> list[str]:

@@ -172,7 +172,9 @@ class TrainOptions:
     :class:`~rpcompile.runtime.loss_scale.LossScaleConfig`: dynamic loss scaling for fp16
     (sync mode). ``max_grad_norm``: clip by the global gradient norm before each update.
     ``timeout_s``: the step watchdog (``None``: ``max(300 s, 20 x the predicted step)``;
-    ``math.inf``: off)."""
+    ``math.inf``: off). ``process_group``: a gloo ``torch.distributed`` group to train data
+    parallel over (``None``: the default group once ``init_process_group`` ran with more
+    than one rank, else one process; docs/distributed.md)."""
 
     optimizer: Callable | None = None
     device: str = "auto"
@@ -183,6 +185,7 @@ class TrainOptions:
     loss_scale: Any = None
     max_grad_norm: float | None = None
     timeout_s: float | None = None
+    process_group: Any = None
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and not (callable(self.optimizer) or isinstance(

@@ -508,7 +508,9 @@ class CheckpointManager:
 
     def save(self, compiled: Any, step: int, extra: Mapping[str, Any] | None = None) -> Path:
         path = compiled.save_checkpoint(self.path_for(step), extra=extra)
-        self._prune()
+        dp = getattr(getattr(compiled, "_trainer", compiled), "dp", None)
+        if dp is None or dp.rank == 0:  # data parallel: rank 0 alone writes and prunes
+            self._prune()
         return Path(path)
 
     def checkpoints(self) -> list[Path]:

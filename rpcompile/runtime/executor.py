@@ -474,7 +474,7 @@ class Executor:
                  timeout_s: float | None = None, kernels: str = "auto",
                  skip_nonfinite: bool = False,
                  loss_scaler: DynamicLossScaler | None = None,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, reducer: Any = None) -> None:
         if loss_scaler is not None and (driver.mode != "sync" or driver.eager_updates):
             raise ValueError("loss scaling needs mode='sync' and a driver built with "
                              "eager_updates=False (an update must not read the gradients "
@@ -486,6 +486,9 @@ class Executor:
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
         self.max_grad_norm = max_grad_norm
+        # Data parallel across ranks (rpcompile.runtime.distributed.DataParallel): told when a
+        # gradient stage is home (OPT) and waited once the step has drained.
+        self.reducer = reducer
         self.compiled = compiled
         self.workers = list(workers)
         self.schedule = schedule
@@ -641,6 +644,8 @@ class Executor:
         _uninterrupted(lambda: self._cleanup(run, stuck), interrupts, run)
         self._run = None
         if failed:
+            if self.reducer is not None:
+                self.reducer.abandon(f"step {self.steps_run} failed on this rank")
             _uninterrupted(self._discard_open, interrupts, run)
             update_error = self.driver.take_failure(self.timeout_s)
             if interrupts:
@@ -656,9 +661,20 @@ class Executor:
             raise error from error.__cause__
         bad = tuple(sorted((self.programs[s].name, r) for (s, r), flag in run.nonfinite.items()
                            if int(flag.item())))
-        skipped = bool(bad) and (self.skip_nonfinite or self.loss_scaler is not None)
+        losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
+                  for m in range(self.compiled.microbatches)]
+        loss = torch.stack(losses).sum() / loss_divisor(self.compiled.capture, total)
+        found = bool(bad)
+        if self.reducer is not None:
+            left = None if deadline is None else deadline - time.monotonic()
+            try:
+                loss, found = self.reducer.finish(loss, found, left)
+            except BaseException:
+                self.driver.discard_step()
+                raise
+        skipped = found and (self.skip_nonfinite or self.loss_scaler is not None)
         if self.loss_scaler is not None:
-            self.loss_scaler.update(bool(bad))
+            self.loss_scaler.update(found)
             if not skipped:
                 # Nothing has been applied yet (sync, no eager updates): unscale the whole
                 # step's gradients before the update starts.
@@ -675,11 +691,8 @@ class Executor:
             self.driver.finish_step()
         # The schedule step ran to the end either way: the round-robin dealing continues.
         self.steps_run += 1
-        losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
-                  for m in range(self.compiled.microbatches)]
-        loss = torch.stack(losses).sum() / loss_divisor(self.compiled.capture, total)
         return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over,
-                          run.timeline, found_nonfinite=bool(bad), nonfinite_jobs=bad,
+                          run.timeline, found_nonfinite=found, nonfinite_jobs=bad,
                           skipped=skipped, grad_norm=grad_norm)
 
     def _discard_open(self) -> None:
@@ -1070,6 +1083,8 @@ class Executor:
 
     def _do_OPT(self, run: _Run, a: Action) -> None:
         self.driver.stage_done(a.stage)
+        if self.reducer is not None:
+            self.reducer.stage_done(a.stage)
 
     def _do_SHADOW(self, run: _Run, a: Action) -> None:
         # The driver rewrites the shadows itself (sync: after each group's update, when the

@@ -77,8 +77,9 @@ class Trainer:
     ``options``: a :class:`~rpcompile.options.TrainOptions` (what :func:`rpcompile.compile`
     passes), or the same options as keywords (``optimizer``, ``device``, ``chaos``,
     ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``, ``max_grad_norm``,
-    ``timeout_s``); each is described there. ``mode``, ``schedule_steps`` and ``chunk_bytes``
-    override the compiled plan's :class:`~rpcompile.options.PlanOptions`.
+    ``timeout_s``, ``process_group``); each is described there. ``mode``,
+    ``schedule_steps`` and ``chunk_bytes`` override the compiled plan's
+    :class:`~rpcompile.options.PlanOptions`.
 
     Kernel backends give the same bits. A step whose gradients hold an inf or NaN (the
     accumulation kernel's fused check) sets ``trainer.last.found_nonfinite``; with
@@ -89,6 +90,9 @@ class Trainer:
     clipping. The watchdog covers a step's host waits and its drain together: a step that
     outlives ``timeout_s`` raises :class:`StepFailed` at that time, masters kept, and workers
     stuck in an item are replaced.
+    ``process_group``: train data parallel across the ranks of a gloo group: each rank steps
+    on its own share of the global batch; losses, clipping and updates are those of the global
+    batch (:mod:`rpcompile.runtime.distributed`).
     """
 
     def __init__(
@@ -136,6 +140,7 @@ class Trainer:
         try:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
             self.store.kernels = kernels
+            self.dp = self._data_parallel(compiled, options.process_group)
             # Updates wait until the step's gradients are all home (sync mode; async updates
             # run after the step anyway), so a step that fails part-way leaves masters and
             # optimizer state untouched, at the cost of overlapping the update with the
@@ -147,7 +152,7 @@ class Trainer:
                                      self.driver, timeout_s=self.timeout_s, kernels=kernels,
                                      skip_nonfinite=options.skip_nonfinite,
                                      loss_scaler=self.loss_scaler,
-                                     max_grad_norm=options.max_grad_norm)
+                                     max_grad_norm=options.max_grad_norm, reducer=self.dp)
         except BaseException:
             if driver is not None:
                 driver.close()
@@ -181,6 +186,16 @@ class Trainer:
         return HostStore.build(stage_params, compute_dtype=compiled.compute_dtype, pin=pin,
                                grad_stages=grad_stages)
 
+    def _data_parallel(self, compiled: Any, process_group: Any) -> Any:
+        from rpcompile.runtime.distributed import DataParallel, resolve_group
+
+        group = resolve_group(process_group)
+        if group is None:
+            return None
+        dp = DataParallel(group, self.store, mean_loss=compiled.capture.loss_reduction != "sum")
+        dp.broadcast_store()
+        return dp
+
     # -- training ----------------------------------------------------------------------------
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step over ``batch`` (token ids ``[batch, seq]`` or a dict with
@@ -190,11 +205,22 @@ class Trainer:
         batch; else the mean over microbatches). Raises :class:`StepFailed` if any action
         fails, ``ValueError`` before anything runs if the batch is malformed or larger than
         the plan's shape."""
-        from rpcompile.capture.batch import bind_batch
+        from rpcompile.capture.batch import NUM_ITEMS, bind_batch
 
         batch = bind_batch(self.compiled.capture, batch, step=self.executor.steps_run)
         check_plan_shape(self.compiled, batch)
-        self.last = self.executor.run_step(batch)
+        if self.dp is not None:
+            # The loss is the token mean over the global batch of every rank.
+            if NUM_ITEMS in batch:
+                batch[NUM_ITEMS] = self.dp.begin_step(batch[NUM_ITEMS])
+            else:
+                self.dp.begin_step()
+        try:
+            self.last = self.executor.run_step(batch)
+        except BaseException:
+            if self.dp is not None:  # whatever failed, this rank's collectives are now behind
+                self.dp.abandon(f"step {self.executor.steps_run} failed on rank {self.dp.rank}")
+            raise
         self._peaks = [max(a, b) for a, b in zip(self._peaks, self.last.peak_bytes)]
         return self.last.loss
 
@@ -262,9 +288,16 @@ class Trainer:
         self.executor.steps_run = int(state.get("executor_steps", state["step"]))
 
     def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
-        """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`)."""
+        """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`). Data
+        parallel: rank 0 alone writes it (every rank holds the same state); every rank gets
+        the path back."""
         from rpcompile.runtime import checkpoint
 
+        if self.dp is not None and self.dp.rank != 0:
+            # Every rank holds the same state: rank 0 alone writes it, to this path.
+            from pathlib import Path
+
+            return Path(path)
         return checkpoint.save(self, path, extra=extra)
 
     def load_checkpoint(self, path: Any, *, strict: bool = True,

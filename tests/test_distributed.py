@@ -1,0 +1,400 @@
+"""Data parallel across processes (torch.distributed, gloo, localhost): each rank trains on its
+share of the global batch over its own virtual workers. Every check is against a run that
+shares nothing with the cross-rank code: one process training the whole global batch, and
+eager Hugging Face on the whole global batch."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import rpcompile
+from tests.tiny_models import SkipNet, hf_model, sft_batch, skipnet_batch
+
+GLOBAL = 6  # sequences per global batch (divides by 2 and 3 ranks)
+STEPS = 3
+
+# What each rank trains, in order, in one process group (one spawn: start-up costs once).
+# (name, model, compile options); "skipnet" is a loss_fn model (a mean per microbatch).
+CASES = {
+    2: [("sync", "qwen3", {}), ("async", "qwen3", {"mode": "async"}),
+        ("loss_fn", "skipnet", {})],
+    3: [("clip", "qwen3", {"max_grad_norm": 0.5})],
+}
+
+
+def _sgd(params):
+    # No per-element normalisation (unlike Adam): summation-order differences stay ~1e-8.
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _batches(model: str = "qwen3"):
+    if model == "skipnet":
+        return [skipnet_batch(2 * GLOBAL, seed=40 + k) for k in range(STEPS)]
+    return [sft_batch(GLOBAL, 12, left=k % 2 == 1, seed=40 + k) for k in range(STEPS)]
+
+
+def _model(model: str, seed: int):
+    if model == "skipnet":
+        torch.manual_seed(seed)
+        return SkipNet()
+    return hf_model("qwen3", seed=seed)
+
+
+def _compile(model_name: str, seed: int, example, parts: int = 2, **options):
+    extra = {"loss_fn": torch.nn.functional.cross_entropy} if model_name == "skipnet" else {}
+    return rpcompile.compile(_model(model_name, seed), gpus=2, microbatches=parts,
+                             example_inputs=example, optimizer=_sgd, device="virtual",
+                             **extra, **options)
+
+
+def _share(batch, rank, world):
+    if isinstance(batch, tuple):
+        # Copies, not views: a view as a loss_fn model's example input trips the cost pass
+        # (TypeError from sympy: cannot determine truth value of Relational), a bug outside
+        # data parallel, reported.
+        return tuple(v.tensor_split(world)[rank].clone() for v in batch)
+    return {k: v.tensor_split(world)[rank] for k, v in batch.items()}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, options: dict) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    result: dict = {}
+    try:
+        if scenario == "train":
+            for name, model_name, case_options in CASES[world]:
+                # Rank 0's weights are the run's: the other ranks start elsewhere on purpose,
+                # and the trainer's broadcast must bring them to rank 0's.
+                batches = [_share(b, rank, world) for b in _batches(model_name)]
+                compiled = _compile(model_name, rank, batches[0], chaos=rank + 1,
+                                    **case_options)
+                trainer = compiled.trainer()
+                losses, norms = [], []
+                for b in batches:
+                    losses.append(float(compiled.step(b)))
+                    norms.append(trainer.last.grad_norm)
+                result[name] = {
+                    "losses": losses, "norms": norms, "reductions": trainer.dp.reductions,
+                    "masters": {k: v.clone() for k, v in trainer.masters().items()}}
+                if name == "sync":  # every rank saves; rank 0 alone writes
+                    from rpcompile.runtime.checkpoint import CheckpointManager
+
+                    manager = CheckpointManager(os.path.join(out, "ckpts"), keep_last=1)
+                    for step in (STEPS - 1, STEPS):
+                        result[name]["saved"] = str(manager.save(compiled, step))
+                compiled.close()
+        else:
+            model = hf_model("qwen3", seed=rank)
+            batches = [_share(b, rank, world) for b in _batches()]
+            compiled = rpcompile.compile(model, gpus=2, microbatches=2,
+                                         example_inputs=batches[0], optimizer=_sgd,
+                                         device="virtual", chaos=rank + 1, **options)
+            trainer = compiled.trainer()
+            compiled.step(batches[0])
+            result["before"] = {k: v.clone() for k, v in trainer.masters().items()}
+            if rank == 1:
+                _fail_in_backward(trainer, scenario)
+            start = time.monotonic()
+            try:
+                compiled.step(batches[1])
+                result["error"] = None
+            except Exception as exc:  # what the surviving rank saw, and when
+                result["error"] = type(exc).__name__
+                result["message"] = str(exc)
+            result["elapsed"] = time.monotonic() - start
+            result["after"] = {k: v.clone() for k, v in trainer.masters().items()}
+            if rank == 1 and scenario == "raise":
+                time.sleep(15)  # alive, so the other rank can only learn of it by its deadline
+            compiled.close()
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        if scenario == "train":
+            dist.destroy_process_group()
+
+
+def _fail_in_backward(trainer, scenario: str) -> None:
+    """Make this rank die (``kill``) or raise and stay alive (``raise``) in its first
+    backward job of the next step."""
+    executor = trainer.executor
+    original = executor._do_B
+
+    def failing(run, a):
+        if scenario == "kill":
+            os._exit(17)
+        raise RuntimeError("injected failure on rank 1")
+
+    executor._do_B = failing
+    del original
+
+
+def _spawn(world: int, tmp_path, scenario: str = "train", options: dict | None = None,
+           timeout: float = 240.0) -> list[dict]:
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_rank_main,
+                         args=(r, world, port, str(tmp_path), scenario, options or {}))
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+            pytest.fail(f"a rank did not finish within {timeout} s (hang)")
+    out = []
+    for r in range(world):
+        path = tmp_path / f"rank{r}.pt"
+        out.append(torch.load(path) if path.exists() else None)
+    return out
+
+
+def _single_process(model_name: str, options: dict, parts: int = 2):
+    batches = _batches(model_name)
+    compiled = _compile(model_name, 0, batches[0], parts=parts, **options)
+    try:
+        losses = [float(compiled.step(b)) for b in batches]
+        return losses, {k: v.clone() for k, v in compiled.trainer().masters().items()}
+    finally:
+        compiled.close()
+
+
+def _eager(max_norm: float | None = None):
+    model = hf_model("qwen3", seed=0)
+    opt = _sgd(list(model.parameters()))
+    losses = []
+    for b in _batches():
+        opt.zero_grad(set_to_none=True)
+        loss = model(**b, use_cache=False).loss
+        loss.backward()
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    return max(float((a[n] - b[n]).abs().max()) for n in a)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, world):
+    ranks = _spawn(world, tmp_path)
+    assert all(r is not None for r in ranks), "a rank failed (see its output)"
+    for name, model_name, options in CASES[world]:
+        first = ranks[0][name]
+        # Every rank ends every step with the same masters, bit for bit, and reports the same
+        # (global) loss and gradient norm.
+        for r in ranks[1:]:
+            assert _max_diff(r[name]["masters"], first["masters"]) == 0.0, name
+            assert r[name]["losses"] == first["losses"], name
+            assert r[name]["norms"] == first["norms"], name
+        assert first["reductions"] >= 2, name  # one per gradient stage at least, not one at the end
+        # One process on the whole global batch: a loss_fn model's loss is the mean over
+        # microbatches, so it gets as many microbatches as all ranks together.
+        parts = 2 * world if model_name == "skipnet" else 2
+        single_losses, single = _single_process(model_name, options, parts)
+        assert first["losses"] == pytest.approx(single_losses, abs=1e-6), name
+        assert _max_diff(first["masters"], single) < 1e-6, name
+        if name in ("sync", "clip"):  # eager HF on the whole global batch (async is stale)
+            eager_losses, eager = _eager(options.get("max_grad_norm"))
+            assert first["losses"] == pytest.approx(eager_losses, abs=1e-6), name
+            assert _max_diff(first["masters"], {n: eager[n] for n in single}) < 1e-6, name
+        if name == "sync":
+            # One checkpoint, written once, resumes in one process with the same masters.
+            from rpcompile.runtime.checkpoint import CheckpointManager
+
+            saved = CheckpointManager(tmp_path / "ckpts").checkpoints()
+            assert [p.name for p in saved] == [f"step-{STEPS:08d}"]
+            assert all(r[name]["saved"] == str(saved[0]) for r in ranks)
+            resumed = _compile(model_name, 1, _batches()[0])
+            try:
+                with pytest.warns(RuntimeWarning, match="another plan"):
+                    resumed.load_checkpoint(saved[0])
+                assert _max_diff(resumed.trainer().masters(), first["masters"]) == 0.0
+            finally:
+                resumed.close()
+        if name == "clip":
+            # The clip fired on the global norm (every rank's norm is the same).
+            assert first["norms"][0] > options["max_grad_norm"]
+
+
+@pytest.mark.parametrize("scenario", ["kill", "raise"])
+def test_a_failing_rank_makes_the_other_fail_with_a_named_error_in_time(tmp_path, scenario):
+    timeout_s = 6.0
+    ranks = _spawn(2, tmp_path, scenario, options={"timeout_s": timeout_s}, timeout=180.0)
+    survivor = ranks[0]
+    assert survivor is not None
+    assert survivor["error"] == "RankFailed", survivor.get("message")
+    assert "rank 0 of 2" in survivor["message"] and "restart every rank" in survivor["message"]
+    # Within the watchdog's bound: at once when the peer died, by the deadline when it lives.
+    assert survivor["elapsed"] <= timeout_s * 1.1 + 1.0
+    if scenario == "kill":
+        assert survivor["elapsed"] < timeout_s
+    # The failed step changed nothing.
+    assert _max_diff(survivor["after"], survivor["before"]) == 0.0
+    if scenario == "raise":
+        assert ranks[1]["error"] == "StepFailed"
+
+
+def test_one_process_without_a_group_is_not_data_parallel():
+    model = hf_model("qwen3")
+    compiled = rpcompile.compile(copy.deepcopy(model), gpus=2, microbatches=2,
+                                 example_inputs=_batches()[0], device="virtual")
+    try:
+        assert compiled.trainer().dp is None
+    finally:
+        compiled.close()
+
+
+def _run_cli(cmd: list[str], env: dict, cwd) -> None:
+    import subprocess
+
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    from tests.test_finetune import WORDS, _tiny_checkpoint
+
+    root = Path(__file__).resolve().parents[1]
+    ckpt = _tiny_checkpoint(tmp_path / "ckpt")
+    data = tmp_path / "pairs.jsonl"
+    with data.open("w") as f:
+        for i in range(40):
+            w, k = WORDS[i % len(WORDS)], 1 + (i // len(WORDS)) % 4
+            f.write(json.dumps({"prompt": f"{w} x{k}:", "completion": f" {w}" * k}) + "\n")
+    env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
+    args = ["train", "--model", str(ckpt), "--data", str(data), "--steps", "4", "--workers",
+            "2", "--microbatches", "2", "--batch", "8", "--lr", "3e-3", "--eval-every", "0",
+            "--save-every", "2", "--keep-last", "2", "--no-tensorboard"]
+    two, one, resumed = tmp_path / "two", tmp_path / "one", tmp_path / "resumed"
+    _run_cli([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+              "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "rpcompile",
+              *args, "--out", str(two)], env, tmp_path)
+    _run_cli([sys.executable, "-m", "rpcompile", *args, "--out", str(one)], env, tmp_path)
+
+    def records(out):
+        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+    got, want = records(two), records(one)
+    # Rank 0 alone wrote: one line per step and eval, one final/, its checkpoints.
+    assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4, 4]
+    assert (two / "final" / "config.json").is_file()
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()
+                  if p.name.startswith("step-")) == ["step-00000002", "step-00000004"]
+    for a, b in zip(got, want):
+        for key in ("loss", "eval_loss", "tokens", "target_tokens"):
+            if key in b:
+                assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a, b)
+    # The two-rank checkpoint of step 2 resumes on one rank and continues as both runs did.
+    _run_cli([sys.executable, "-m", "rpcompile", "train", "--resume",
+              str(two / "checkpoints" / "step-00000002"), "--out", str(resumed)], env, tmp_path)
+    after = {r["step"]: r["loss"] for r in records(resumed) if "loss" in r}
+    assert sorted(after) == [3, 4]
+    for step in (3, 4):
+        assert after[step] == pytest.approx(next(r["loss"] for r in want if r["step"] == step
+                                                 and "loss" in r), abs=1e-5)
+
+
+# -- planning at scale (no processes) -----------------------------------------------------------
+
+
+def test_link_presets_and_the_ring_all_reduce_time():
+    from rpcompile.hardware import get_link, list_links
+
+    assert list_links() == ["eth100", "eth25"]
+    eth25 = get_link("eth25")
+    # 1 GB over 4 servers: each sends 2 * 3/4 GB at 25 Gbit/s * 0.9, plus 6 latencies.
+    expected_ms = 1.5e9 * 8 / (25e9 * 0.9) * 1e3 + 6 * eth25.latency_us * 1e-3
+    assert eth25.allreduce_ms(1e9, 4) == pytest.approx(expected_ms, rel=1e-12)
+    assert eth25.allreduce_ms(1e9, 1) == 0.0
+    assert get_link("eth100").allreduce_ms(1e9, 4) < expected_ms / 3.9
+    with pytest.raises(ValueError, match="known: eth100, eth25"):
+        get_link("infiniband")
+
+
+@pytest.fixture(scope="module")
+def small_run():
+    from rpcompile.hardware import get_hardware
+    from rpcompile.planner.partition import partition
+    from rpcompile.sim import simulate_roundpipe, steady_steps
+    from rpcompile.workloads.paper import MODELS
+
+    hw = get_hardware("rtx4090x8").with_gpus(4)
+    units = MODELS["qwen3-1.7b"].units(2, 1024)[:6] + MODELS["qwen3-1.7b"].units(2, 1024)[-1:]
+    plan = partition(units, hw, 4, 5, 2, 1024, 1)
+    run = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
+    grads = 4 * sum(u.trainable_params for u in plan.units)
+    return run, grads, 10 * 1024
+
+
+def test_simulated_nodes_queue_each_stage_reduction_on_the_link(small_run):
+    from rpcompile.hardware import get_link
+    from rpcompile.sim import steady_step_ms
+    from rpcompile.sim.scaling import simulate_nodes
+
+    run, grads, tokens = small_run
+    one = simulate_nodes(run, 1, "eth100", tokens_per_step=tokens, gradient_bytes=grads)
+    assert one.efficiency == 1.0 and one.exposed_ms == 0.0
+    assert one.step_ms == pytest.approx(steady_step_ms(run))
+    by_link = {}
+    for link in ("eth25", "eth100"):
+        for n in (2, 4):
+            s = simulate_nodes(run, n, link, tokens_per_step=tokens, gradient_bytes=grads)
+            assert s.gradient_bytes == grads  # each parameter reduced once (tied: once)
+            # The link time is every stage's ring all-reduce, computed here independently.
+            lk = get_link(link)
+            ring = 2 * (n - 1) / n * grads / (lk.gbit_per_s * lk.efficiency / 8 * 1e6)
+            assert s.link_busy_ms == pytest.approx(
+                ring + s.reductions * 2 * (n - 1) * lk.latency_us * 1e-3, rel=1e-9)
+            assert 0.0 <= s.exposed_ms <= s.link_busy_ms
+            assert s.step_ms == pytest.approx(max(one.step_ms + s.exposed_ms, s.link_busy_ms))
+            assert s.tokens_per_s == pytest.approx(n * tokens * 1e3 / s.step_ms)
+            by_link[link, n] = s.efficiency
+    assert by_link["eth25", 2] < by_link["eth100", 2] <= 1.0
+    assert by_link["eth25", 4] <= by_link["eth25", 2]
+
+
+def test_plan_nodes_prints_scaling(capsys, tmp_path):
+    import json
+
+    from rpcompile.cli import main
+
+    out = tmp_path / "plan"
+    assert main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--seq", "256", "--batch",
+                 "18", "--microbatches", "9", "--gpus", "4", "--nodes", "2", "--link", "eth25",
+                 "--no-fit-search", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "2 servers over eth25" in text and "scaling efficiency" in text
+    nodes = json.loads((out / "summary.json").read_text())["nodes"]
+    assert nodes["nodes"] == 2 and 0 < nodes["efficiency"] <= 1.0
+    assert nodes["tokens_per_step"] == 2 * 18 * 256
+    assert main(["plan", "--model", "qwen3-1.7b", "--nodes", "2", "--link", "ib"]) == 2
+    assert "unknown link 'ib'; known: eth100, eth25" in capsys.readouterr().err
+    assert main(["hardware"]) == 0
+    assert "eth25       link between servers" in capsys.readouterr().out
