@@ -5,13 +5,13 @@ costs it, cuts it into RoundPipe stages and builds one program per stage; every 
 on the returned object. Its options come in three groups (:mod:`rpcompile.options`).
 """
 
-from rpcompile.capture.core import (
+from rpcompile.capture.core import capture
+from rpcompile.capture.types import (
     Captured,
     CaptureError,
     CaptureReport,
     NoLossError,
     RefusedModel,
-    capture,
 )
 from rpcompile.compiler import Compiled, MemoryPlanError, compile
 from rpcompile.hardware import Hardware, get_hardware, list_hardware
@@ -21,6 +21,7 @@ from rpcompile.passes.lower import lower
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.planner.partition import PartitionError
 from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager
+from rpcompile.runtime.distributed import RankFailed
 from rpcompile.runtime.errors import (
     EventTimeout,
     OptimizerError,
@@ -51,6 +52,7 @@ __all__ = [
     "PartitionError",
     "Plan",
     "PlanOptions",
+    "RankFailed",
     "RefusedModel",
     "RuntimeFault",
     "Schedule",
