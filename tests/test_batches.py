@@ -116,6 +116,23 @@ def test_aliased_or_view_example_inputs_keep_two_arguments(alias):
     torch.testing.assert_close(loss, eager_batch_grads(model, batch)[0], rtol=0, atol=1e-6)
 
 
+def test_a_loss_fn_model_compiles_from_views_of_a_larger_batch():
+    """A share of a larger batch (tensor_split: a view with a storage offset) once gave export
+    a size symbol no batch dimension names, and the cost pass failed on it."""
+    import torch.nn.functional as F
+
+    from tests.tiny_models import skipnet_batch
+
+    model = SkipNet()
+    x, y = skipnet_batch(12)
+    xs, ys = x.tensor_split(2)[1], y.tensor_split(2)[1]
+    compiled = rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=(xs, ys),
+                                 loss_fn=F.cross_entropy)
+    loss, _ = compiled.reference_step((xs, ys))
+    want = sum(F.cross_entropy(model(a), b) for a, b in zip(xs.tensor_split(3), ys.tensor_split(3)))
+    torch.testing.assert_close(loss, want / 3, rtol=0, atol=1e-6)
+
+
 def test_int32_token_ids_train_as_int64():
     model = hf_model("qwen3")
     batch = sft_batch(4, 10, seed=2)

@@ -57,10 +57,7 @@ def _compile(model_name: str, seed: int, example, parts: int = 2, **options):
 
 def _share(batch, rank, world):
     if isinstance(batch, tuple):
-        # Copies, not views: a view as a loss_fn model's example input trips the cost pass
-        # (TypeError from sympy: cannot determine truth value of Relational), a bug outside
-        # data parallel, reported.
-        return tuple(v.tensor_split(world)[rank].clone() for v in batch)
+        return tuple(v.tensor_split(world)[rank] for v in batch)
     return {k: v.tensor_split(world)[rank] for k, v in batch.items()}
 
 

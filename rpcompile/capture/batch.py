@@ -86,7 +86,9 @@ def normalize_batch(
         )
     if 0 in sizes:
         raise ValueError("the batch is empty (0 samples): there is nothing to train on")
-    return {f"arg{i}": t for i, t in enumerate(batch)}
+    # Copies, as for a causal LM's batch: a view (a share of a larger batch, with a storage
+    # offset) would give export a size symbol of its own that no batch dimension names.
+    return {f"arg{i}": t.clone() for i, t in enumerate(batch)}
 
 
 def _causal_batch(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
