@@ -36,6 +36,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rpcompile.batch import NUM_ITEMS, RNG, normalize_batch
 from rpcompile.dropout import dropout_seed as _dropout_seed
 from rpcompile.dropout import replay_random_ops
+from rpcompile.runtime.tracing import tracing
 
 __all__ = [
     "B",
@@ -327,7 +328,8 @@ def _export(model, wrapper, batch, causal, opaque_names, dynamic, seen, keep):
             shapes = (tuple({0: bdim} if t.dim() else None for t in args),)
     with _opaque_patched(model, opaque_names, seen, keep), _module_tracker(model) as tracker:
         try:
-            return torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
+            with tracing():  # no optimizer update runs meanwhile (rpcompile.runtime.tracing)
+                return torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
         except Exception as exc:
             exc.rp_module = tracker.innermost()  # type: ignore[attr-defined]
             seen.update(tracker.first_inputs)

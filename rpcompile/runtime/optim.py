@@ -65,6 +65,7 @@ import torch
 
 from rpcompile.runtime.errors import EventTimeout, OptimizerError, UpstreamFailed
 from rpcompile.runtime.memory import HostStore, MemoryReport
+from rpcompile.runtime.tracing import outside_tracing
 from rpcompile.runtime.workers import Event
 
 __all__ = ["OptimizerDriver", "UpdateGroup"]
@@ -377,8 +378,10 @@ class OptimizerDriver:
                 {**g, **hp} for g, hp in zip(self.optimizer.param_groups, state.hyperparams)
             ]
         # Call the class's step on the twin: an LR scheduler replaces the *instance's* step
-        # with a wrapper bound to the original optimizer, which would bypass the twin.
-        type(self.optimizer).step(optimizer)
+        # with a wrapper bound to the original optimizer, which would bypass the twin. Never
+        # while a capture traces: torch.optim reads torch's process-global tracing flags.
+        with outside_tracing():
+            type(self.optimizer).step(optimizer)
         self.store.zero_grads(group.slots)
         if self.mode == "sync":
             self.store.refresh_slots(group.slots)
