@@ -44,7 +44,9 @@ refresh), so an exception anywhere in update ``k`` (the user's ``step()`` at any
 refresh, the zeroing) is undone: every group of update ``k`` already applied is restored, the
 step's gradients are zeroed, and the next call that meets the failure (``begin_step``,
 ``wait``, ``take_failure``) raises it once as an :class:`OptimizerError` and puts the step
-counter back to ``k``. The driver is then usable again: update ``k`` never happened. The saved
+counter back to ``k``; then it calls each of ``undo_hooks`` with ``k`` (state kept outside
+the driver, the executor's loss scaler, goes back too). The driver is then usable again:
+update ``k`` never happened. The saved
 copy lives only while update ``k`` runs (at most the trainable masters, their optimizer state
 and shadow: the largest transient, 14 bytes per trainable parameter for AdamW with a bf16
 shadow); ``rollback=False`` does without it and leaves a failed update half-applied.
@@ -160,6 +162,9 @@ class OptimizerDriver:
         self._lock = threading.Lock()
         self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._error: OptimizerError | None = None
+        # Called with k when update k's failure is taken (take_failure): state kept outside
+        # the driver (the loss scaler) goes back to before step k too.
+        self.undo_hooks: list[Callable[[int], None]] = []
         self._thread = threading.Thread(target=self._main, name="rpcompile-optimizer", daemon=True)
         self._thread.start()
 
@@ -505,6 +510,9 @@ class OptimizerDriver:
                 if failed > 0 and failed - 1 not in self._steps:
                     self._steps[failed - 1] = _completed_state(failed - 1, len(self.groups))
         self.store.zero_grads()
+        if failed is not None:
+            for hook in self.undo_hooks:
+                hook(failed)
         return error
 
     def _drain(self, timeout: float | None = None) -> bool:
