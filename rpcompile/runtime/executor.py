@@ -687,7 +687,7 @@ class Executor:
                 self.loss_scaler.load_state_dict(self._scaler_before.pop(k))
             _uninterrupted(self._discard_open, interrupts, run)
             if interrupts:
-                raise interrupts[0]
+                raise interrupts[0] from None
             raise StepFailed(None, None, None, exc, where="the host, closing the step",
                              step=self.driver.step) from exc
         # The schedule step ran to the end either way: the round-robin dealing continues.

@@ -27,8 +27,16 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
-__all__ = ["outside_tracing", "tracer_waiting", "tracing"]
+__all__ = [
+    "fx_source_mark",
+    "outside_tracing",
+    "release_fx_sources",
+    "release_shape_env_caches",
+    "tracer_waiting",
+    "tracing",
+]
 
 _cond = threading.Condition()
 _updates = 0  # threads inside outside_tracing()
@@ -86,3 +94,71 @@ def tracer_waiting() -> bool:
     """True while a capture waits for the running updates to leave (for tests)."""
     with _cond:
         return bool(_waiting_tracers)
+
+
+# --------------------------------------------------------------------------------------------
+# What a capture leaves in torch's process-global state, released at Compiled.close()
+# --------------------------------------------------------------------------------------------
+#
+# Measured with benchmarks/compile_cycles.py (see docs/runtime.md 5e): without this, every
+# compile/close cycle kept ~1.1 MB. Two torch objects hold it:
+#   - the capture's ShapeEnv (torch.fx.experimental.symbolic_shapes), with its per-env
+#     ``fake_tensor_cache`` (~500 dispatch entries of symbolic keys per capture of the tiny
+#     qwen3). The ShapeEnv itself stays alive after the Compiled is gone: two of its SymNodes
+#     are referenced from C++ (no Python object refers to them), so the cache goes only when
+#     it is cleared.
+#   - torch.fx's ``graph_module._loader.eval_cache`` and ``linecache``: the generated source
+#     of every GraphModule recompiled (the capture's own and torch.export's intermediate ones),
+#     kept forever for tracebacks.
+
+
+def fx_source_mark() -> int:
+    """The id the next generated fx source will get (bracket a compile with two marks)."""
+    from torch.fx.graph_module import _loader
+
+    return int(_loader.next_id)
+
+
+def release_fx_sources(start: int, stop: int) -> int:
+    """Drop the generated fx sources with ids in ``[start, stop)`` from torch.fx's cache and
+    linecache (tracebacks through those graphs then show no source line); returns how many."""
+    import linecache
+
+    from torch.fx.graph_module import _loader
+
+    dropped = 0
+    for key in list(_loader.eval_cache):
+        head = key.split(" ", 1)[0]
+        prefix, _, number = head.rpartition(".")
+        if prefix == "<eval_with_key>" and number.isdigit() and start <= int(number) < stop:
+            _loader.eval_cache.pop(key, None)
+            linecache.cache.pop(key, None)
+            dropped += 1
+    return dropped
+
+
+def release_shape_env_caches(graphs: Any) -> int:
+    """Clear the fake-tensor dispatch cache of every ShapeEnv the fake values in ``graphs``'
+    node meta belong to (a cache: nothing is lost but speed); returns how many entries."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    envs: dict[int, Any] = {}
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            values = node.meta.get("val")
+            for value in values if isinstance(values, (list, tuple)) else (values,):
+                env = None
+                if isinstance(value, FakeTensor):
+                    env = value.fake_mode.shape_env
+                elif isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                    env = value.node.shape_env
+                if env is not None:
+                    envs[id(env)] = env
+    cleared = 0
+    for env in envs.values():
+        cache = getattr(env, "fake_tensor_cache", None)
+        if cache:
+            cleared += len(cache)
+            cache.clear()
+    return cleared
