@@ -355,3 +355,36 @@ def test_a_failed_step_leaves_the_loss_scaler_as_before(qwen3, monkeypatch, wher
         assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
         assert trainer.loss_scaler.state_dict() == want_scaler
         _assert_state_is(trainer, want_masters, want_opt, steps=3)
+
+
+def test_an_exception_escaping_the_optimizer_threads_loop_fails_only_that_update(qwen3, monkeypatch):  # noqa: F811
+    """The optimizer thread, like the stream threads, survives an exception raised outside
+    the update itself (here: in announcing the finished update, after the masters changed):
+    the update is undone and raised once by the next step; the thread serves on."""
+    from rpcompile.runtime.workers import Event
+
+    data = batches(3, 6)
+    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60) as trainer:
+        trainer.step(data[0])
+        masters, opt_state = _snapshot(trainer)
+        thread = trainer.driver._thread
+        original = Event.set
+        fired = []
+
+        def set_(self):
+            if threading.current_thread() is thread and not fired:
+                fired.append(1)
+                raise ThreadKilled  # a BaseException, in the thread's loop (not in the update)
+            return original(self)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Event, "set", set_)
+            trainer.step(data[1])  # its update runs after it returns, then fails to announce
+            start = time.monotonic()
+            with pytest.raises(StepFailed, match="ThreadKilled") as info:
+                trainer.step(data[2])
+            assert time.monotonic() - start < 10
+        assert fired and thread.is_alive()
+        assert info.value.step == 1 and "undone" in str(info.value)
+        _assert_state_is(trainer, masters, opt_state, steps=1)
+        _assert_continues_like(trainer, qwen3, data, ADAMW, "sync", upto=1)

@@ -391,8 +391,6 @@ class OptimizerDriver:
         if self.mode == "sync":
             self.store.refresh_slots(group.slots)
         state.applied += 1
-        if state.applied == len(self.groups):
-            state.journal = None  # update complete: nothing left to undo
 
     def _refresh_before_update(self, state: _StepState) -> None:
         if self.rollback:
@@ -442,39 +440,55 @@ class OptimizerDriver:
 
     def _main(self) -> None:
         while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            fn, label, produces, owner = task
-            pending = self._error
-            if pending is not None or (owner is not None and owner.failed):
-                reason = pending or OptimizerError(f"{label} dropped: update {owner.step} failed")
-                for event in produces:
-                    event.fail(reason)
-                continue
+            task = None
             try:
-                fn()
+                task = self._tasks.get()
+                if task is None:
+                    return
+                self._run_task(task)
             except BaseException as exc:
-                error = OptimizerError(f"optimizer thread: {label} failed: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
-                error.traceback_text = traceback.format_exc()  # type: ignore[attr-defined]
-                error.step = None if owner is None else owner.step  # type: ignore[attr-defined]
-                error.label = label  # type: ignore[attr-defined]
-                error.rolled_back = False  # type: ignore[attr-defined]
-                if owner is not None:
-                    owner.failed = True
-                    if self.rollback:
-                        try:
-                            self._undo(owner)
-                            error.rolled_back = True  # type: ignore[attr-defined]
-                        except BaseException as undo_exc:  # reported with the error itself
-                            error.add_note(f"undoing the update failed too: {undo_exc!r}")
-                self._error = error
-                for event in produces:
-                    event.fail(error)
-                continue
+                # Escaped the task's own handling (an exception raised into this thread between
+                # bytecodes, say): the thread lives on and the task fails like an update would.
+                if task is not None:
+                    self._task_failed(task, exc)
+
+    def _run_task(self, task: Any) -> None:
+        fn, label, produces, owner = task
+        pending = self._error
+        if pending is not None or (owner is not None and owner.failed):
+            reason = pending or OptimizerError(f"{label} dropped: update {owner.step} failed")
             for event in produces:
-                event.set()
+                event.fail(reason)
+            return
+        try:
+            fn()
+        except BaseException as exc:
+            self._task_failed(task, exc)
+            return
+        for event in produces:
+            event.set()
+        if owner is not None and owner.applied == len(self.groups):
+            owner.journal = None  # update complete and announced: nothing left to undo
+
+    def _task_failed(self, task: Any, exc: BaseException) -> None:
+        _, label, produces, owner = task
+        error = OptimizerError(f"optimizer thread: {label} failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        error.traceback_text = "".join(traceback.format_exception(exc))  # type: ignore[attr-defined]
+        error.step = None if owner is None else owner.step  # type: ignore[attr-defined]
+        error.label = label  # type: ignore[attr-defined]
+        error.rolled_back = False  # type: ignore[attr-defined]
+        if owner is not None:
+            owner.failed = True
+            if self.rollback:
+                try:
+                    self._undo(owner)
+                    error.rolled_back = True  # type: ignore[attr-defined]
+                except BaseException as undo_exc:  # reported with the error itself
+                    error.add_note(f"undoing the update failed too: {undo_exc!r}")
+        self._error = error
+        for event in produces:
+            event.fail(error)
 
     def _failed(self) -> bool:
         return self._error is not None
