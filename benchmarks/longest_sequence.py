@@ -1,6 +1,6 @@
 """The longest sequence the memory model proves for each paper model on 8x RTX 4090, and why.
 
-For each of the paper's five workloads (rpcompile.paper; Qwen3-235B-A22B with LoRA), with
+For each of the paper's five workloads (rpcompile.workloads.paper; Qwen3-235B-A22B with LoRA), with
 microbatches of ONE sequence and the workload's microbatch count, the sequence length is
 searched (doubling from 2,048 tokens, then bisecting to 1,024 tokens) for the longest at which
 the partitioner finds a plan whose whole lowered schedule fits the GPUs' usable memory (24 GiB
@@ -8,7 +8,7 @@ less the 1.5 GiB reserve; rpcompile.passes.memory). The first length that does n
 the limiting resource: the unit whose working set alone is too large, or the worker, action
 and parts at the peak of the best plan.
 
-Two tails are searched (the paper models' memory model, rpcompile.paper.PaperModel.units):
+Two tails are searched (the paper models' memory model, rpcompile.workloads.paper.PaperModel.units):
 
   unchunked   the LM head and loss over the whole microbatch at once ([tokens, vocab] logits
               and their gradient), as a model whose head the chunk-loss rewrite does not match
@@ -34,10 +34,10 @@ import time
 from pathlib import Path
 
 from rpcompile.hardware import get_hardware
-from rpcompile.paper import MODELS, PAPER_MODELS, WORKLOADS
 from rpcompile.passes.memory import host_memory
-from rpcompile.passes.partition import PartitionError, partition
+from rpcompile.planner.partition import PartitionError, partition
 from rpcompile.sim import simulate_roundpipe
+from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 
 HARDWARE = "rtx4090x8"
 RESULTS = Path(__file__).resolve().parent / "results"

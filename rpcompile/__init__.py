@@ -5,7 +5,7 @@ costs it, cuts it into RoundPipe stages and builds one program per stage; every 
 on the returned object. Its options come in three groups (:mod:`rpcompile.options`).
 """
 
-from rpcompile.capture import (
+from rpcompile.capture.core import (
     Captured,
     CaptureError,
     CaptureReport,
@@ -18,8 +18,8 @@ from rpcompile.hardware import Hardware, get_hardware, list_hardware
 from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage, UnitProfile
 from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions
 from rpcompile.passes.lower import lower
-from rpcompile.passes.partition import PartitionError
 from rpcompile.passes.schedule import build_schedule
+from rpcompile.planner.partition import PartitionError
 from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager
 from rpcompile.runtime.errors import (
     EventTimeout,

@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "models":
-            from rpcompile.models import list_models
+            from rpcompile.workloads.models import list_models
 
             print("\n".join(list_models()))
             return 0
@@ -114,10 +114,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     import rpcompile
     from rpcompile.hardware import get_hardware
-    from rpcompile.models import build_model, model_config
     from rpcompile.passes.lower import lower
     from rpcompile.passes.schedule import build_schedule
     from rpcompile.sim import simulate, simulate_pipeline
+    from rpcompile.workloads.models import build_model, model_config
 
     hw = get_hardware(args.hardware)
     gpus = args.gpus or hw.gpus
@@ -290,7 +290,7 @@ def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimiz
     """The smallest microbatch size (sequences, doubling from the plan's) whose plan gives
     each of ``gpus`` workers a job every step (jobs per step >= workers), or None."""
     from rpcompile.compiler import unit_profiles
-    from rpcompile.passes.partition import PartitionError, StageCosting, partition
+    from rpcompile.planner.partition import PartitionError, StageCosting, partition
 
     dtype_bytes = compiled.compute_dtype.itemsize
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
@@ -315,7 +315,7 @@ def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimiz
 def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int) -> int:
     """The longest sequence (at the plan's microbatch size) for which some plan fits."""
     from rpcompile.compiler import unit_profiles
-    from rpcompile.passes.partition import PartitionError, StageCosting, partition
+    from rpcompile.planner.partition import PartitionError, StageCosting, partition
 
     b = compiled.plan.microbatch_size
     dtype_bytes = compiled.compute_dtype.itemsize

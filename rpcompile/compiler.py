@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import atexit
 import math
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -16,24 +15,31 @@ from typing import Any
 import torch
 from torch import nn
 
-from rpcompile.batch import largest_microbatch
-from rpcompile.capture import Captured, capture, is_causal_lm
-from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Plan, UnitProfile
-from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
-from rpcompile.passes.cost import UnitCost, annotate_costs
-from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
-from rpcompile.passes.manager import PassRecord
-from rpcompile.passes.memory import format_bytes, worker_peaks
-from rpcompile.passes.partition import StageCosting, partition
-from rpcompile.passes.schedule import build_schedule
-from rpcompile.passes.split import StageProgram, split
-from rpcompile.reference import reference_step
-from rpcompile.runtime.tracing import (
+from rpcompile.capture.batch import largest_microbatch
+from rpcompile.capture.core import Captured, capture, is_causal_lm
+from rpcompile.capture.tracing import (
     fx_source_mark,
     release_fx_sources,
     release_shape_env_caches,
 )
+from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.ir import Plan, UnitProfile
+from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
+from rpcompile.passes.cost import UnitCost, annotate_costs
+from rpcompile.passes.invariants import (
+    check_captured,
+    check_costs,
+    check_dispatch,
+    check_plan,
+    check_stages,
+)
+from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
+from rpcompile.passes.manager import PassRecord, debug_checks, run_pass
+from rpcompile.passes.memory import format_bytes, worker_peaks
+from rpcompile.passes.schedule import build_schedule
+from rpcompile.passes.split import StageProgram, split
+from rpcompile.planner.partition import StageCosting, partition
+from rpcompile.runtime.reference import reference_step
 
 __all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule"]
 
@@ -66,7 +72,7 @@ class Compiled:
 
     # -- training (the runtime starts on the first step) ----------------------------------
     def trainer(self) -> Any:
-        """The :class:`rpcompile.trainer.Trainer` that runs this plan (created on first use
+        """The :class:`rpcompile.runtime.trainer.Trainer` that runs this plan (created on first use
         with the options given to :func:`compile`)."""
         if self._closed:
             raise RuntimeError(
@@ -75,7 +81,7 @@ class Compiled:
                 "again and load_state_dict() the saved state"
             )
         if self._trainer is None:
-            from rpcompile.trainer import Trainer
+            from rpcompile.runtime.trainer import Trainer
 
             self._trainer = Trainer(self, options=self.options.train)
             # Stop the worker threads before the interpreter tears down (a thread still
@@ -137,9 +143,9 @@ class Compiled:
         forward; values between stages stay on that device. It is sequential, not the
         pipelined schedule. For a causal LM the loss is Hugging Face's token mean over the
         whole batch (labels other than -100); the batch may not exceed the plan's shape."""
-        from rpcompile.batch import bind_batch
-        from rpcompile.reference import forward_loss
-        from rpcompile.trainer import check_plan_shape
+        from rpcompile.capture.batch import bind_batch
+        from rpcompile.runtime.reference import forward_loss
+        from rpcompile.runtime.trainer import check_plan_shape
 
         trainer = self.trainer()
         bound = bind_batch(self.capture, batch, step=trainer.steps_done)
@@ -260,7 +266,7 @@ class Compiled:
         """Loss and gradients of one step run stage by stage on one device (no update);
         ``device`` runs the stage programs retargeted to another device; ``step`` is the
         optimizer step whose dropout masks to draw (the runtime's step ``k`` draws step ``k``'s)."""
-        from rpcompile.batch import bind_batch
+        from rpcompile.capture.batch import bind_batch
 
         batch = bind_batch(self.capture, batch, step=step)
         params = params if params is not None else dict(self.model.named_parameters())
@@ -356,21 +362,27 @@ def compile(
     fx_start = fx_source_mark()  # the generated fx sources from here on are this compile's
     parts = po.microbatches_per_round * po.rounds
     if example_inputs is None and co.loss_fn is None and is_causal_lm(model):
-        from rpcompile.capture import example_batch_for
+        from rpcompile.capture.core import example_batch_for
 
         example_inputs = example_batch_for(model, batch=parts, seq=16)
-    captured = _timed(
+    captured = run_pass(
         history, "capture",
         lambda: capture(model, example_inputs, loss_fn=co.loss_fn, units=co.units,
                         opaque=co.opaque),
+        check_captured,
     )
     chunk = _loss_chunk(captured, co.loss_chunk_tokens, parts)
     if chunk is not None:
         from rpcompile.passes.chunked_loss import chunk_lm_loss
 
-        _timed(history, "chunk-loss", lambda: chunk_lm_loss(captured.graph_module, chunk))
-        captured.loss_chunk_tokens = chunk
-    unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
+        def chunk_loss() -> Captured:
+            chunk_lm_loss(captured.graph_module, chunk)
+            captured.loss_chunk_tokens = chunk
+            return captured
+
+        run_pass(history, "chunk-loss", chunk_loss, check_captured)
+    unit_costs = run_pass(history, "cost", lambda: annotate_costs(captured),
+                          lambda costs: check_costs(costs, captured))
     dtype = _floating_dtype(model)
     if co.compute_dtype is not None and co.compute_dtype != dtype:
         raise ValueError(
@@ -402,13 +414,6 @@ def _loss_chunk(captured: Captured, option: int | str | None, parts: int) -> int
     return option
 
 
-def _timed(history: list[PassRecord], name: str, fn: Callable[[], Any]) -> Any:
-    t0 = time.perf_counter()
-    out = fn()
-    history.append(PassRecord(name, (time.perf_counter() - t0) * 1e3, 0.0, out))
-    return out
-
-
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options) -> Compiled:
     po = options.plan
     gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
@@ -427,14 +432,18 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
-    plan = _timed(
+    plan = run_pass(
         history, "partition",
         lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
                           optimizer=mode),
+        lambda p: check_plan(p, len(captured.units)),
     )
-    stages = _timed(history, "split", lambda: split(captured, plan))
-    compute = _timed(history, "dispatch", lambda: build_schedule(
-        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode))
+    stages = run_pass(history, "split", lambda: split(captured, plan),
+                      lambda progs: check_stages(progs, plan))
+    compute = run_pass(history, "dispatch", lambda: build_schedule(
+        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode),
+        check_dispatch)
+    # The lowering runs its own passes through a PassManager that validates each schedule.
     lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes)
     history.extend(lowering)
     memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
@@ -456,8 +465,10 @@ def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, m
     period = workers // math.gcd(jobs, workers)
     compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
                              steps=period, kind="roundpipe", optimizer=mode)
+    # Validated like the one-step schedule under RPCOMPILE_DEBUG=1 (it is the same passes
+    # over more steps; the check costs seconds on a large model).
     lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-                       validate=False)
+                       validate=debug_checks())
     return lowered
 
 

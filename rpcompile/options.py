@@ -23,13 +23,13 @@ from typing import Any
 
 import torch
 
-from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES
-
 __all__ = [
+    "DEFAULT_CHUNK_BYTES",
     "DEVICES",
     "KERNELS",
     "MODES",
     "CaptureOptions",
+    "LossScaleConfig",
     "Options",
     "PlanOptions",
     "TrainOptions",
@@ -39,6 +39,9 @@ __all__ = [
 MODES = ("sync", "async")
 DEVICES = ("auto", "cuda", "virtual")
 KERNELS = ("auto", "torch", "triton")
+# Bulk transfers (weights, gradients) move in 64 MiB pieces, so a critical transfer queued
+# behind one waits at most one piece: the one place the size is set.
+DEFAULT_CHUNK_BYTES = 64 << 20
 
 
 def _positive_int(name: str, value: Any, *, optional: bool = False) -> None:
@@ -51,6 +54,37 @@ def _positive_int(name: str, value: Any, *, optional: bool = False) -> None:
 def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (``TrainOptions.loss_scale``): how the scale moves. Powers of two keep scaling and unscaling exact in binary floats."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
+            problems.append(f"init_scale must be finite and > 0, got {self.init_scale}")
+        if not self.growth_factor > 1:
+            problems.append(f"growth_factor must be > 1, got {self.growth_factor}")
+        if not 0 < self.backoff_factor < 1:
+            problems.append(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
+        if self.growth_interval < 1:
+            problems.append(f"growth_interval must be >= 1, got {self.growth_interval}")
+        if not 0 < self.min_scale <= self.init_scale <= self.max_scale < math.inf:
+            problems.append(
+                "need 0 < min_scale <= init_scale <= max_scale < inf, got "
+                f"{self.min_scale}, {self.init_scale}, {self.max_scale}"
+            )
+        if problems:
+            raise ValueError("invalid loss scale config: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -174,8 +208,6 @@ class TrainOptions:
             raise ValueError(f"timeout_s must be positive (math.inf: no watchdog), got {t!r}")
         if self.loss_scale is not None and self.loss_scale is not False and \
                 self.loss_scale is not True:
-            from rpcompile.runtime.loss_scale import LossScaleConfig
-
             if not isinstance(self.loss_scale, LossScaleConfig):
                 raise ValueError(f"loss_scale must be True, a LossScaleConfig or None, got "
                                  f"{self.loss_scale!r}")

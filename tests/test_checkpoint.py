@@ -21,8 +21,8 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile.capture.tracing import tracer_waiting
 from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager, read_manifest
-from rpcompile.runtime.tracing import tracer_waiting
 from tests.tiny_models import hf_model, token_batch
 
 CHILD = Path(__file__).with_name("checkpoint_child.py")

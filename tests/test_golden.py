@@ -25,8 +25,8 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.models import build_model
 from rpcompile.sim import simulate, simulate_roundpipe, steady_step_ms, steady_steps
+from rpcompile.workloads.models import build_model
 
 GOLDEN = Path(__file__).parent / "golden" / "plans"
 REGEN = bool(os.environ.get("RPCOMPILE_REGEN_GOLDEN"))

@@ -13,9 +13,9 @@ import rpcompile
 from rpcompile.compiler import MemoryPlanError, runtime_schedule
 from rpcompile.hardware import get_hardware
 from rpcompile.passes.memory import format_bytes, worker_peaks
-from rpcompile.passes.partition import PartitionError
+from rpcompile.planner.partition import PartitionError
+from rpcompile.runtime.trainer import Trainer
 from rpcompile.sim import simulate, simulate_roundpipe
-from rpcompile.trainer import Trainer
 from tests.tiny_models import hf_model, token_batch
 
 
@@ -102,9 +102,9 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
     # 8.9 GiB on every worker although each of its stages alone is below 8.8 GiB. With 8.86 GiB
     # usable the planner picks a plan whose whole schedule fits, as its recorded peaks say,
     # and the simulated async run stays under them.
-    from rpcompile.paper import MODELS
-    from rpcompile.passes.partition import partition
+    from rpcompile.planner.partition import partition
     from rpcompile.sim import steady_steps
+    from rpcompile.workloads.paper import MODELS
 
     units = MODELS["qwen3-1.7b"].units(4, 2048)
     options = dict(shortlist=50, search=50, refine=2)

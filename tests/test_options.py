@@ -14,7 +14,7 @@ import torch
 import rpcompile
 from rpcompile import CaptureOptions, PlanOptions, TrainOptions
 from rpcompile.options import FLAT
-from rpcompile.trainer import Trainer
+from rpcompile.runtime.trainer import Trainer
 from tests.tiny_models import hf_model, token_batch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -136,16 +136,16 @@ def test_errors_the_docs_name_are_exported():
 
 
 def _modules():
-    import rpcompile.capture
+    import rpcompile.capture.core
     import rpcompile.compiler
     import rpcompile.ir
-    import rpcompile.passes.partition
+    import rpcompile.planner.partition
     import rpcompile.runtime.checkpoint
     import rpcompile.runtime.errors
     import rpcompile.runtime.executor
     import rpcompile.sim.engine
 
-    return (rpcompile.capture, rpcompile.compiler, rpcompile.ir, rpcompile.passes.partition,
+    return (rpcompile.capture.core, rpcompile.compiler, rpcompile.ir, rpcompile.planner.partition,
             rpcompile.runtime.checkpoint, rpcompile.runtime.errors, rpcompile.runtime.executor,
             rpcompile.sim.engine)
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rpcompile.ir import ORDERED_STREAMS, Action, Edge, Plan, Schedule, Stage
+from rpcompile.options import DEFAULT_CHUNK_BYTES  # cut so a critical transfer waits <= 1 chunk
 from rpcompile.passes.manager import PassManager, PassRecord
 from rpcompile.passes.validate import validate as check
 
@@ -39,7 +40,6 @@ __all__ = [
     "lower",
 ]
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20  # bulk transfers are cut so a critical one waits <= 1 chunk
 LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "events")
 _BASELINE_PASSES = ("transfers", "events")  # weights and optimizer stay on the bound workers
 

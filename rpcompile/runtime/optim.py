@@ -65,9 +65,9 @@ from typing import Any
 
 import torch
 
+from rpcompile.capture.tracing import outside_tracing
 from rpcompile.runtime.errors import EventTimeout, OptimizerError, UpstreamFailed
 from rpcompile.runtime.memory import HostStore, MemoryReport
-from rpcompile.runtime.tracing import outside_tracing
 from rpcompile.runtime.workers import Event
 
 __all__ = ["OptimizerDriver", "UpdateGroup"]

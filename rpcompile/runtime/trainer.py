@@ -190,7 +190,7 @@ class Trainer:
         batch; else the mean over microbatches). Raises :class:`StepFailed` if any action
         fails, ``ValueError`` before anything runs if the batch is malformed or larger than
         the plan's shape."""
-        from rpcompile.batch import bind_batch
+        from rpcompile.capture.batch import bind_batch
 
         batch = bind_batch(self.compiled.capture, batch, step=self.executor.steps_run)
         check_plan_shape(self.compiled, batch)
@@ -332,7 +332,7 @@ def check_plan_shape(compiled: Any, batch: dict[str, torch.Tensor]) -> None:
     plan = compiled.plan
     first = next(iter(batch.values()))
     parts = compiled.microbatches * compiled.rounds
-    from rpcompile.batch import largest_microbatch
+    from rpcompile.capture.batch import largest_microbatch
 
     per_mb = largest_microbatch(first.shape[0], parts)
     seq = first.shape[1] if compiled.capture.loss_reduction == "sum" else None
