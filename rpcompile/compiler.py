@@ -17,6 +17,11 @@ from torch import nn
 
 from rpcompile.capture.batch import largest_microbatch
 from rpcompile.capture.core import Captured, capture, is_causal_lm
+from rpcompile.capture.tracing import (
+    fx_source_mark,
+    release_fx_sources,
+    release_shape_env_caches,
+)
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
@@ -62,6 +67,8 @@ class Compiled:
     options: Options = field(default_factory=Options)  # the compile's option groups
     _trainer: Any = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
+    # Ids of the generated fx sources this compile made (released at close()).
+    _fx_sources: tuple[int, int] | None = field(default=None, repr=False)
 
     # -- training (the runtime starts on the first step) ----------------------------------
     def trainer(self) -> Any:
@@ -78,8 +85,8 @@ class Compiled:
 
             self._trainer = Trainer(self, options=self.options.train)
             # Stop the worker threads before the interpreter tears down (a thread still
-            # blocked at exit aborts the process).
-            atexit.register(_close_ref, weakref.ref(self))
+            # blocked at exit aborts the process); one exit handler for all (not one each).
+            _OPEN[id(self)] = self
         return self._trainer
 
     def step(self, batch: Any) -> torch.Tensor:
@@ -185,11 +192,21 @@ class Compiled:
         return self._finished_trainer().memory_report()
 
     def close(self) -> None:
-        """Stop the workers. The trained state stays readable (sync_to_model, state_dict);
-        further steps raise."""
-        if self._trainer is not None and not self._closed:
+        """Stop the workers and release what the capture left in torch's process-global
+        caches (the fake-tensor dispatch cache of its ShapeEnv, the generated fx sources kept
+        for tracebacks). The trained state stays readable (sync_to_model, state_dict); further
+        steps raise."""
+        if self._closed:
+            return
+        if self._trainer is not None:
             self._trainer.close()
         self._closed = True
+        _OPEN.pop(id(self), None)
+        graphs = [self.capture.graph_module] + [p.graph_module for p in self.stages]
+        release_shape_env_caches(graphs)
+        if self._fx_sources is not None:
+            release_fx_sources(*self._fx_sources)
+            self._fx_sources = None
 
     # -- inspection ----------------------------------------------------------------------
     def explain(self) -> str:
@@ -351,6 +368,7 @@ def compile(
                        "train": train_options}, flat)
     co, po = options.capture, options.plan
     history: list[PassRecord] = []
+    fx_start = fx_source_mark()  # the generated fx sources from here on are this compile's
     parts = po.microbatches_per_round * po.rounds
     if example_inputs is None and co.loss_fn is None and is_causal_lm(model):
         from rpcompile.capture.core import example_batch_for
@@ -383,6 +401,7 @@ def compile(
         )
     compiled = _plan_and_split(model, captured, unit_costs, dtype, history, options)
     check_memory(compiled)
+    compiled._fx_sources = (fx_start, fx_source_mark())
     return compiled
 
 
@@ -538,9 +557,13 @@ def _default_hardware() -> Hardware | str:
     return "cpu"
 
 
-def _close_ref(ref: weakref.ref) -> None:
-    compiled = ref()
-    if compiled is not None:
+# Compiled models with a running trainer, by id (a dataclass is not hashable).
+_OPEN: weakref.WeakValueDictionary[int, Compiled] = weakref.WeakValueDictionary()
+
+
+@atexit.register
+def _close_open() -> None:
+    for compiled in list(_OPEN.values()):
         try:
             compiled.close()
         except BaseException as exc:  # exit must not raise because a run failed

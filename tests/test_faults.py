@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from rpcompile.runtime.executor import Executor, StepAborted, StepFailed, StepTimeout
+from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 from rpcompile.runtime.trainer import Trainer
 from rpcompile.runtime.workers import Worker
 from tests.test_executor import (
@@ -310,3 +311,80 @@ def test_default_watchdog_from_the_plan(qwen3):  # noqa: F811
         assert trainer.executor.timeout_s == trainer.timeout_s
     with Trainer(qwen3, SGD, device="virtual", timeout_s=float("inf")) as trainer:
         assert trainer.executor.timeout_s is None
+
+
+@pytest.mark.parametrize("where", ["update", "unscale"])
+def test_a_failed_step_leaves_the_loss_scaler_as_before(qwen3, monkeypatch, where):  # noqa: F811
+    """A failed update (met by the next step) or a failure while the step closes (unscaling
+    its gradients) leaves the dynamic loss scaler exactly as before the step, like the masters;
+    the run then goes on bit for bit like one that never saw the failed step, scaler included.
+    The second clean step grows the scale, so a scaler left advanced shows."""
+    data = batches(4, 6)
+    config = LossScaleConfig(init_scale=2.0**8, growth_interval=2)
+
+    def make_trainer():
+        return Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, loss_scale=config)
+
+    with make_trainer() as skip:  # the run that skipped the failed step
+        want_losses = [skip.step(b) for b in (data[0], data[2], data[3])][1:]
+        want_masters, want_opt = _snapshot(skip)
+        want_scaler = skip.loss_scaler.state_dict()
+    assert want_scaler["scale"] == 2.0**9  # grown once, at the second clean step
+
+    def broken(self, *args, **kwargs):
+        raise FloatingPointError("injected fault")
+
+    with make_trainer() as trainer:
+        trainer.step(data[0])
+        masters, opt_state = _snapshot(trainer)
+        scaler = trainer.loss_scaler.state_dict()
+        with monkeypatch.context() as patch:
+            if where == "update":
+                patch.setattr(torch.optim.AdamW, "step", broken)
+                trainer.step(data[1])  # returns its loss; the update fails after it
+                with pytest.raises(StepFailed, match="undone"):
+                    trainer.step(data[2])
+            else:
+                patch.setattr(DynamicLossScaler, "unscale_", broken)
+                with pytest.raises(StepFailed, match="closing the step") as info:
+                    trainer.step(data[1])
+                assert isinstance(info.value.cause, FloatingPointError)
+        assert trainer.loss_scaler.state_dict() == scaler
+        _assert_state_is(trainer, masters, opt_state, steps=1)
+        losses = [trainer.step(b) for b in (data[2], data[3])]
+        assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
+        assert trainer.loss_scaler.state_dict() == want_scaler
+        _assert_state_is(trainer, want_masters, want_opt, steps=3)
+
+
+def test_an_exception_escaping_the_optimizer_threads_loop_fails_only_that_update(qwen3, monkeypatch):  # noqa: F811
+    """The optimizer thread, like the stream threads, survives an exception raised outside
+    the update itself (here: in announcing the finished update, after the masters changed):
+    the update is undone and raised once by the next step; the thread serves on."""
+    from rpcompile.runtime.workers import Event
+
+    data = batches(3, 6)
+    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60) as trainer:
+        trainer.step(data[0])
+        masters, opt_state = _snapshot(trainer)
+        thread = trainer.driver._thread
+        original = Event.set
+        fired = []
+
+        def set_(self):
+            if threading.current_thread() is thread and not fired:
+                fired.append(1)
+                raise ThreadKilled  # a BaseException, in the thread's loop (not in the update)
+            return original(self)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(Event, "set", set_)
+            trainer.step(data[1])  # its update runs after it returns, then fails to announce
+            start = time.monotonic()
+            with pytest.raises(StepFailed, match="ThreadKilled") as info:
+                trainer.step(data[2])
+            assert time.monotonic() - start < 10
+        assert fired and thread.is_alive()
+        assert info.value.step == 1 and "undone" in str(info.value)
+        _assert_state_is(trainer, masters, opt_state, steps=1)
+        _assert_continues_like(trainer, qwen3, data, ADAMW, "sync", upto=1)

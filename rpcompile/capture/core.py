@@ -32,6 +32,7 @@ from rpcompile.capture.dropout import RANDOM_OPS, draws_random, replay_random_op
 from rpcompile.capture.dropout import dropout_seed as _dropout_seed
 from rpcompile.capture.opaque import _default_opaque, _opaque_patched, _OpaqueEntry, opaque_flops
 from rpcompile.capture.replicate import _NotRepeatable, _repeat_plan, _replicate, _truncated
+from rpcompile.capture.tracing import tracing
 from rpcompile.capture.types import (
     _WRAPPED,
     B,
@@ -242,7 +243,8 @@ def _export(model, wrapper, batch, causal, opaque_names, dynamic, seen, keep):
             shapes = (tuple({0: bdim} if t.dim() else None for t in args),)
     with _opaque_patched(model, opaque_names, seen, keep), _module_tracker(model) as tracker:
         try:
-            return torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
+            with tracing():  # no optimizer update runs meanwhile (rpcompile.capture.tracing)
+                return torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
         except Exception as exc:
             exc.rp_module = tracker.innermost()  # type: ignore[attr-defined]
             seen.update(tracker.first_inputs)

@@ -526,6 +526,11 @@ class Executor:
         self._closed = ""  # why steps are refused (set by abort())
         self.abandoned: list[Worker] = []  # replaced workers whose threads were stuck
         self.steps_run = 0
+        # The loss scaler's state before each step whose update may still fail (by the
+        # driver's step index): a failed step or update puts it back, like the masters.
+        self._scaler_before: dict[int, dict[str, Any]] = {}
+        if loss_scaler is not None:
+            driver.undo_hooks.append(self._restore_scaler)
         for worker in self.workers:
             worker.add_error_listener(self._on_worker_error)
 
@@ -560,6 +565,14 @@ class Executor:
         if j not in self._plans:
             self._plans[j] = _StepPlan(self.schedule, j)
         return self._plans[j]
+
+    def _restore_scaler(self, step: int) -> None:
+        """Put the loss scaler back to before step ``step`` (its update was undone)."""
+        saved = self._scaler_before.get(step)
+        if saved is not None and self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(saved)
+        for k in [k for k in self._scaler_before if k >= step]:
+            del self._scaler_before[k]
 
     def _on_worker_error(self, error: WorkerError) -> None:
         run = self._run
@@ -610,9 +623,13 @@ class Executor:
             w.check()
             w.reset_peak()
         try:
-            self.driver.begin_step()
+            k = self.driver.begin_step()
         except OptimizerError as exc:  # an earlier update failed and was undone
             raise StepFailed.from_update(exc) from exc
+        if self.loss_scaler is not None:
+            self._scaler_before[k] = self.loss_scaler.state_dict()
+            for old in [j for j in self._scaler_before if j < k - 1]:
+                del self._scaler_before[old]  # updates before k - 1 are complete
         shadow_ready = {s: self.driver.shadow_event(s) for s in range(len(self.programs))}
         run = _Run(plan, parts, shadow_ready, len(self.workers))
         run.deadline = deadline
@@ -673,8 +690,33 @@ class Executor:
                 self.driver.discard_step()
                 raise
         skipped = found and (self.skip_nonfinite or self.loss_scaler is not None)
+        try:
+            grad_norm = self._finish(run, skipped, found)
+        except BaseException as exc:
+            if self.driver._open is None:  # handed to the driver (or skipped) before it came
+                self.steps_run += 1
+                raise
+            # Unscaling, clipping or closing the step failed (or an interrupt came): nothing
+            # was applied; the step is discarded and the scaler put back, as for any failure.
+            interrupts = [exc] if isinstance(exc, _INTERRUPTS) else []
+            if self.loss_scaler is not None and k in self._scaler_before:
+                self.loss_scaler.load_state_dict(self._scaler_before.pop(k))
+            _uninterrupted(self._discard_open, interrupts, run)
+            if interrupts:
+                raise interrupts[0] from None
+            raise StepFailed(None, None, None, exc, where="the host, closing the step",
+                             step=self.driver.step) from exc
+        # The schedule step ran to the end either way: the round-robin dealing continues.
+        self.steps_run += 1
+        return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over,
+                          run.timeline, found_nonfinite=found, nonfinite_jobs=bad,
+                          skipped=skipped, grad_norm=grad_norm)
+
+    def _finish(self, run: _Run, skipped: bool, nonfinite: bool) -> float | None:
+        """After every action succeeded: move the loss scale, unscale and clip the gradients,
+        then hand the step to the driver (or discard it when skipped); the gradient norm."""
         if self.loss_scaler is not None:
-            self.loss_scaler.update(found)
+            self.loss_scaler.update(nonfinite)
             if not skipped:
                 # Nothing has been applied yet (sync, no eager updates): unscale the whole
                 # step's gradients before the update starts.
@@ -689,11 +731,7 @@ class Executor:
             self.driver.discard_step()
         else:
             self.driver.finish_step()
-        # The schedule step ran to the end either way: the round-robin dealing continues.
-        self.steps_run += 1
-        return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over,
-                          run.timeline, found_nonfinite=found, nonfinite_jobs=bad,
-                          skipped=skipped, grad_norm=grad_norm)
+        return grad_norm
 
     def _discard_open(self) -> None:
         if self.driver._open is not None:

@@ -44,7 +44,9 @@ refresh), so an exception anywhere in update ``k`` (the user's ``step()`` at any
 refresh, the zeroing) is undone: every group of update ``k`` already applied is restored, the
 step's gradients are zeroed, and the next call that meets the failure (``begin_step``,
 ``wait``, ``take_failure``) raises it once as an :class:`OptimizerError` and puts the step
-counter back to ``k``. The driver is then usable again: update ``k`` never happened. The saved
+counter back to ``k``; then it calls each of ``undo_hooks`` with ``k`` (state kept outside
+the driver, the executor's loss scaler, goes back too). The driver is then usable again:
+update ``k`` never happened. The saved
 copy lives only while update ``k`` runs (at most the trainable masters, their optimizer state
 and shadow: the largest transient, 14 bytes per trainable parameter for AdamW with a bf16
 shadow); ``rollback=False`` does without it and leaves a failed update half-applied.
@@ -63,6 +65,7 @@ from typing import Any
 
 import torch
 
+from rpcompile.capture.tracing import outside_tracing
 from rpcompile.runtime.errors import EventTimeout, OptimizerError, UpstreamFailed
 from rpcompile.runtime.memory import HostStore, MemoryReport
 from rpcompile.runtime.workers import Event
@@ -159,6 +162,9 @@ class OptimizerDriver:
         self._lock = threading.Lock()
         self._tasks: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._error: OptimizerError | None = None
+        # Called with k when update k's failure is taken (take_failure): state kept outside
+        # the driver (the loss scaler) goes back to before step k too.
+        self.undo_hooks: list[Callable[[int], None]] = []
         self._thread = threading.Thread(target=self._main, name="rpcompile-optimizer", daemon=True)
         self._thread.start()
 
@@ -377,14 +383,14 @@ class OptimizerDriver:
                 {**g, **hp} for g, hp in zip(self.optimizer.param_groups, state.hyperparams)
             ]
         # Call the class's step on the twin: an LR scheduler replaces the *instance's* step
-        # with a wrapper bound to the original optimizer, which would bypass the twin.
-        type(self.optimizer).step(optimizer)
+        # with a wrapper bound to the original optimizer, which would bypass the twin. Never
+        # while a capture traces: torch.optim reads torch's process-global tracing flags.
+        with outside_tracing():
+            type(self.optimizer).step(optimizer)
         self.store.zero_grads(group.slots)
         if self.mode == "sync":
             self.store.refresh_slots(group.slots)
         state.applied += 1
-        if state.applied == len(self.groups):
-            state.journal = None  # update complete: nothing left to undo
 
     def _refresh_before_update(self, state: _StepState) -> None:
         if self.rollback:
@@ -434,39 +440,55 @@ class OptimizerDriver:
 
     def _main(self) -> None:
         while True:
-            task = self._tasks.get()
-            if task is None:
-                return
-            fn, label, produces, owner = task
-            pending = self._error
-            if pending is not None or (owner is not None and owner.failed):
-                reason = pending or OptimizerError(f"{label} dropped: update {owner.step} failed")
-                for event in produces:
-                    event.fail(reason)
-                continue
+            task = None
             try:
-                fn()
+                task = self._tasks.get()
+                if task is None:
+                    return
+                self._run_task(task)
             except BaseException as exc:
-                error = OptimizerError(f"optimizer thread: {label} failed: {type(exc).__name__}: {exc}")
-                error.__cause__ = exc
-                error.traceback_text = traceback.format_exc()  # type: ignore[attr-defined]
-                error.step = None if owner is None else owner.step  # type: ignore[attr-defined]
-                error.label = label  # type: ignore[attr-defined]
-                error.rolled_back = False  # type: ignore[attr-defined]
-                if owner is not None:
-                    owner.failed = True
-                    if self.rollback:
-                        try:
-                            self._undo(owner)
-                            error.rolled_back = True  # type: ignore[attr-defined]
-                        except BaseException as undo_exc:  # reported with the error itself
-                            error.add_note(f"undoing the update failed too: {undo_exc!r}")
-                self._error = error
-                for event in produces:
-                    event.fail(error)
-                continue
+                # Escaped the task's own handling (an exception raised into this thread between
+                # bytecodes, say): the thread lives on and the task fails like an update would.
+                if task is not None:
+                    self._task_failed(task, exc)
+
+    def _run_task(self, task: Any) -> None:
+        fn, label, produces, owner = task
+        pending = self._error
+        if pending is not None or (owner is not None and owner.failed):
+            reason = pending or OptimizerError(f"{label} dropped: update {owner.step} failed")
             for event in produces:
-                event.set()
+                event.fail(reason)
+            return
+        try:
+            fn()
+        except BaseException as exc:
+            self._task_failed(task, exc)
+            return
+        for event in produces:
+            event.set()
+        if owner is not None and owner.applied == len(self.groups):
+            owner.journal = None  # update complete and announced: nothing left to undo
+
+    def _task_failed(self, task: Any, exc: BaseException) -> None:
+        _, label, produces, owner = task
+        error = OptimizerError(f"optimizer thread: {label} failed: {type(exc).__name__}: {exc}")
+        error.__cause__ = exc
+        error.traceback_text = "".join(traceback.format_exception(exc))  # type: ignore[attr-defined]
+        error.step = None if owner is None else owner.step  # type: ignore[attr-defined]
+        error.label = label  # type: ignore[attr-defined]
+        error.rolled_back = False  # type: ignore[attr-defined]
+        if owner is not None:
+            owner.failed = True
+            if self.rollback:
+                try:
+                    self._undo(owner)
+                    error.rolled_back = True  # type: ignore[attr-defined]
+                except BaseException as undo_exc:  # reported with the error itself
+                    error.add_note(f"undoing the update failed too: {undo_exc!r}")
+        self._error = error
+        for event in produces:
+            event.fail(error)
 
     def _failed(self) -> bool:
         return self._error is not None
@@ -502,6 +524,9 @@ class OptimizerDriver:
                 if failed > 0 and failed - 1 not in self._steps:
                     self._steps[failed - 1] = _completed_state(failed - 1, len(self.groups))
         self.store.zero_grads()
+        if failed is not None:
+            for hook in self.undo_hooks:
+                hook(failed)
         return error
 
     def _drain(self, timeout: float | None = None) -> bool:
