@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,7 +76,7 @@ import torch
 from torch import fx
 
 from rpcompile.batch import split_batch
-from rpcompile.ir import Action, Schedule
+from rpcompile.ir import Action, ActionKind, Schedule, check_registry
 from rpcompile.passes.lower import LOWERING_PASSES
 from rpcompile.passes.split import StageProgram
 from rpcompile.reference import loss_divisor, run_backward_microbatch, stage_arguments
@@ -94,7 +94,8 @@ from rpcompile.runtime.memory import HostStore
 from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import Event, Worker
 
-__all__ = ["Executor", "StepAborted", "StepFailed", "StepResult", "StepTimeout"]
+__all__ = ["RUNTIME_ACTIONS", "Executor", "StepAborted", "StepFailed", "StepResult",
+           "StepTimeout"]
 
 _HOST_VALUES = ("ids", "labels")  # schedule values that live on the host from the start
 
@@ -362,7 +363,7 @@ class _Run:
 
     def timed(self, executor: Executor, a: Action) -> None:
         begin = time.perf_counter()
-        getattr(executor, "_do_" + a.kind)(self, a)
+        _RUNTIME[a.kind](executor, self, a)
         self.timeline[a] = ((begin - self.start) * 1e3, (time.perf_counter() - self.start) * 1e3)
 
     def abort_requested(self) -> bool:
@@ -1078,6 +1079,25 @@ class Executor:
         # step is complete; async: before the next update starts), and the next step's UPs
         # wait for driver.shadow_event(stage); here the rewrite has no work of its own.
         return
+
+
+# The runtime half of each action kind's record (rpcompile.ir.ACTION_SPECS is the other):
+# one implementation per ActionKind, checked complete at import. The entries call the method
+# by name when they run, so a test (or a fault injector) patching Executor._do_X reaches it.
+RUNTIME_ACTIONS: Mapping[ActionKind, Callable[[Executor, _Run, Action], None]] = {
+    ActionKind.F: lambda ex, run, a: ex._do_F(run, a),
+    ActionKind.T: lambda ex, run, a: ex._do_T(run, a),
+    ActionKind.B: lambda ex, run, a: ex._do_B(run, a),
+    ActionKind.EVICT: lambda ex, run, a: ex._do_EVICT(run, a),
+    ActionKind.UP: lambda ex, run, a: ex._do_UP(run, a),
+    ActionKind.H2D: lambda ex, run, a: ex._do_H2D(run, a),
+    ActionKind.D2H: lambda ex, run, a: ex._do_D2H(run, a),
+    ActionKind.ACC: lambda ex, run, a: ex._do_ACC(run, a),
+    ActionKind.OPT: lambda ex, run, a: ex._do_OPT(run, a),
+    ActionKind.SHADOW: lambda ex, run, a: ex._do_SHADOW(run, a),
+}
+check_registry(RUNTIME_ACTIONS, "the runtime executor")
+_RUNTIME = {k.value: fn for k, fn in RUNTIME_ACTIONS.items()}  # keyed by Action.kind's string
 
 
 def clip_grad_norm(store: HostStore, model: torch.nn.Module, max_norm: float) -> float:
