@@ -6,7 +6,6 @@ capture -> cost -> partition -> split -> dispatch -> lower; every artifact stays
 from __future__ import annotations
 
 import atexit
-import math
 import time
 import weakref
 from collections.abc import Callable, Sequence
@@ -25,11 +24,12 @@ from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.manager import PassRecord
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.partition import StageCosting, partition
-from rpcompile.passes.schedule import build_schedule
+from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.reference import reference_step
 
-__all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule"]
+__all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule",
+           "update_order"]
 
 
 @dataclass
@@ -48,7 +48,10 @@ class Compiled:
     rounds: int
     history: list[PassRecord]
     compute_dtype: torch.dtype
-    schedule: Any = None  # one step's lowered Schedule (ir.Schedule), as the runtime runs it
+    # The lowered Schedule (ir.Schedule) the runtime runs: one dealing period of steps (step k
+    # of a run is schedule step k mod steps), its sync update order set by the training options
+    # (update_order); the Trainer, the CLI and the benchmarks read this one.
+    schedule: Any = None
     # Per worker, the proven device-memory peak of the schedule the runtime runs (every step
     # of one dealing period, each from empty workers): rpcompile.passes.memory.WorkerPeak.
     memory: tuple[Any, ...] = ()
@@ -228,6 +231,7 @@ class Compiled:
             self.model, self.capture, self.unit_costs, gpus, microbatches,
             hardware or self.hardware, self.rounds if rounds is None else rounds,
             self.compute_dtype, list(self.history[:2]), self.training.get("mode", "sync"),
+            update_order(**self.training),
         )
         compiled.training = dict(self.training)
         check_memory(compiled)
@@ -350,13 +354,15 @@ def compile(
             f"graph is captured in the model's dtype, so convert the model first "
             f"(model.to({compute_dtype})): rpcompile keeps fp32 masters on the host either way"
         )
+    training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
+                    capacity_bytes=capacity_bytes, kernels=kernels,
+                    skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
+                    max_grad_norm=max_grad_norm, timeout_s=timeout_s)
     compiled = _plan_and_split(
-        model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode
+        model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode,
+        update_order(**training),
     )
-    compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
-                             capacity_bytes=capacity_bytes, kernels=kernels,
-                             skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
-                             max_grad_norm=max_grad_norm, timeout_s=timeout_s)
+    compiled.training = training
     check_memory(compiled)
     return compiled
 
@@ -398,7 +404,8 @@ def _timed(history: list[PassRecord], name: str, fn: Callable[[], Any]) -> Any:
 
 
 def _plan_and_split(
-    model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode
+    model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode,
+    updates="overlap",
 ) -> Compiled:
     _check_counts(gpus, microbatches, rounds)
     microbatches = microbatches or gpus + 1
@@ -424,11 +431,11 @@ def _plan_and_split(
     )
     stages = _timed(history, "split", lambda: split(captured, plan))
     compute = _timed(history, "dispatch", lambda: build_schedule(
-        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode))
-    lowered, lowering = lower(compute, plan)
+        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode,
+        steps=dispatch_period(len(plan.stages) * rounds, gpus)))
+    lowered, lowering = lower(compute, plan, updates=updates)
     history.extend(lowering)
-    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode), plan,
-                          overlap_steps=False)
+    memory = worker_peaks(lowered, plan, overlap_steps=False)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
@@ -437,16 +444,30 @@ def _plan_and_split(
 
 
 def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, mode: str,
-                     chunk_bytes: int | None = None) -> Any:
+                     chunk_bytes: int | None = None, *, steps: int | None = None,
+                     updates: str = "overlap") -> Any:
     """The lowered schedule the runtime runs: as many steps as the round-robin job counter
-    takes to come back to worker 0 (step ``k`` of a run runs schedule step ``k mod steps``)."""
-    jobs = len(plan.stages) * rounds
-    period = workers // math.gcd(jobs, workers)
+    takes to come back to worker 0 (:func:`~rpcompile.passes.schedule.dispatch_period`; step
+    ``k`` of a run runs schedule step ``k mod steps``). What :func:`compile` keeps as
+    ``Compiled.schedule``; a Trainer given other options (mode, ``schedule_steps``,
+    ``chunk_bytes``) builds its own with this."""
+    period = dispatch_period(len(plan.stages) * rounds, workers)
     compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
-                             steps=period, kind="roundpipe", optimizer=mode)
+                             steps=steps or period, kind="roundpipe", optimizer=mode)
     lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-                       validate=False)
+                       validate=False, updates=updates)
     return lowered
+
+
+def update_order(mode: str = "sync", *, max_grad_norm: float | None = None,
+                 loss_scale: Any = None, skip_nonfinite: bool = False, **_: Any) -> str:
+    """The sync update order a run needs (rpcompile.passes.lower.add_optimizer):
+    ``deferred`` when clipping, loss scaling or skipping non-finite steps must see the whole
+    step's gradients before any update, else ``overlap`` (updates run while later backward
+    jobs compute, undone if the step fails). Async mode: ``overlap`` (not used)."""
+    if mode == "sync" and (max_grad_norm is not None or loss_scale or skip_nonfinite):
+        return "deferred"
+    return "overlap"
 
 
 class MemoryPlanError(ValueError):

@@ -25,9 +25,9 @@ from typing import Any
 
 import torch
 
+from rpcompile.compiler import runtime_schedule, update_order
 from rpcompile.ir import Schedule
-from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
-from rpcompile.passes.schedule import build_schedule
+from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, updates_deferred
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.kernels import BACKENDS
@@ -134,7 +134,10 @@ class Trainer:
             raise ValueError(f"timeout_s must be positive (math.inf: no watchdog), got {timeout_s!r}")
         self.timeout_s: float | None = None if math.isinf(timeout_s) else float(timeout_s)
         self._closed = False
-        self.schedule = self._lowered_schedule(compiled, mode, schedule_steps, chunk_bytes)
+        self.schedule = self._lowered_schedule(
+            compiled, mode, schedule_steps, chunk_bytes,
+            update_order(mode, max_grad_norm=max_grad_norm, loss_scale=loss_scale,
+                         skip_nonfinite=skip_nonfinite))
         self.workers = make_workers(compiled.workers, device, capacity_bytes, chaos)
         driver = None
         try:
@@ -165,14 +168,17 @@ class Trainer:
     # -- construction ------------------------------------------------------------------------
     @staticmethod
     def _lowered_schedule(compiled: Any, mode: str, steps: int | None,
-                          chunk_bytes: int | None) -> Schedule:
-        jobs = len(compiled.stages) * compiled.rounds
-        period = compiled.workers // math.gcd(jobs, compiled.workers)
-        compute = build_schedule(compiled.plan, workers=compiled.workers,
-                                 microbatches=compiled.microbatches, rounds=compiled.rounds,
-                                 steps=steps or period, kind="roundpipe", optimizer=mode)
-        lowered, _ = lower(compute, compiled.plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES)
-        return lowered
+                          chunk_bytes: int | None, updates: str) -> Schedule:
+        """``compiled.schedule`` when it is the one these options run (one schedule per
+        compile), else one built the same way (:func:`rpcompile.compiler.runtime_schedule`)."""
+        kept = getattr(compiled, "schedule", None)
+        if (kept is not None and kept.optimizer == mode and steps in (None, kept.steps)
+                and chunk_bytes in (None, DEFAULT_CHUNK_BYTES)
+                and (mode != "sync" or updates_deferred(kept) == (updates == "deferred"))):
+            return kept
+        return runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
+                                compiled.rounds, mode, chunk_bytes, steps=steps,
+                                updates=updates)
 
     @staticmethod
     def _build_store(compiled: Any, pin: bool) -> HostStore:

@@ -77,7 +77,7 @@ from torch import fx
 
 from rpcompile.batch import split_batch
 from rpcompile.ir import Action, ActionKind, Schedule, check_registry
-from rpcompile.passes.lower import LOWERING_PASSES
+from rpcompile.passes.lower import LOWERING_PASSES, updates_deferred
 from rpcompile.passes.split import StageProgram
 from rpcompile.reference import loss_divisor, run_backward_microbatch, stage_arguments
 from rpcompile.runtime import kernels as _kernels
@@ -153,8 +153,8 @@ class StepFailed(RuntimeFault):
         undone = getattr(error, "rolled_back", False)
         message = (
             f"Update {step} was undone: masters, optimizer state and shadows are as they were "
-            f"before step {step}, and the step counter is back at {step} (that step's loss was "
-            "returned, its update never happened); fix the cause and call step() again."
+            f"before step {step}, and the step counter is back at {step} (its update never "
+            "happened); fix the cause and call step() again."
             if undone else
             "The update could not be undone (rollback=False or the undo failed): masters may "
             "hold a partial update; load a checkpoint.")
@@ -352,6 +352,12 @@ class _Run:
         self.start = time.perf_counter()
         self.timeline: dict[Action, tuple[float, float]] = {}
         self.loss_scale = 1.0  # the tail's backward starts from loss * loss_scale
+        # The step's gradient checks, made once every gradient is home (sync deferred: at
+        # the first OPT; otherwise after the drain): non-finite jobs, skipped, the norm.
+        self.checked = False
+        self.bad: tuple[tuple[str, int], ...] = ()
+        self.skipped = False
+        self.grad_norm: float | None = None
         self.deadline: float | None = None  # time.monotonic() the watchdog fires at
         self.workers: Sequence[Worker] = ()
         self.root: tuple[str, BaseException] | None = None  # a failure outside any action
@@ -476,13 +482,24 @@ class Executor:
                  skip_nonfinite: bool = False,
                  loss_scaler: DynamicLossScaler | None = None,
                  max_grad_norm: float | None = None) -> None:
-        if loss_scaler is not None and (driver.mode != "sync" or driver.eager_updates):
-            raise ValueError("loss scaling needs mode='sync' and a driver built with "
-                             "eager_updates=False (an update must not read the gradients "
-                             "before they are unscaled)")
-        if max_grad_norm is not None and driver.eager_updates:
+        if loss_scaler is not None and driver.mode != "sync":
+            raise ValueError("loss scaling needs mode='sync' (an update must not read the "
+                             "gradients before they are unscaled)")
+        if max_grad_norm is not None and driver.mode == "async" and driver.eager_updates:
             raise ValueError("max_grad_norm needs a driver built with eager_updates=False (an "
                              "update must not read the gradients before they are clipped)")
+        # Sync updates are the schedule's OPT actions: where they sit in the host queue is
+        # when they run. Clipping, loss scaling and skipping a non-finite step look at all
+        # of the step's gradients before any update, so they need the deferred order.
+        self.deferred = schedule.optimizer == "sync" and updates_deferred(schedule)
+        needs = [name for name, on in (("max_grad_norm", max_grad_norm is not None),
+                                       ("loss_scale", loss_scaler is not None),
+                                       ("skip_nonfinite", skip_nonfinite)) if on]
+        if schedule.optimizer == "sync" and needs and not self.deferred:
+            raise ValueError(
+                f"{', '.join(needs)} must see every gradient of the step before any update, "
+                "but this schedule runs sync updates while later backward jobs compute; lower "
+                "it with updates='deferred' (rpcompile.passes.lower.lower)")
         if kernels not in _kernels.BACKENDS:
             raise ValueError(f"kernels must be one of {_kernels.BACKENDS}, got {kernels!r}")
         self.kernels = kernels
@@ -613,7 +630,11 @@ class Executor:
             self.driver.begin_step()
         except OptimizerError as exc:  # an earlier update failed and was undone
             raise StepFailed.from_update(exc) from exc
-        shadow_ready = {s: self.driver.shadow_event(s) for s in range(len(self.programs))}
+        # Async updates still run on the driver's thread after the step: an upload waits for
+        # the shadow it reads there. Sync updates and refreshes are the schedule's own OPT and
+        # SHADOW actions, ordered by its edges alone.
+        shadow_ready = ({s: self.driver.shadow_event(s) for s in range(len(self.programs))}
+                        if self.driver.mode == "async" else {})
         run = _Run(plan, parts, shadow_ready, len(self.workers))
         run.deadline = deadline
         run.workers = self.workers
@@ -657,23 +678,13 @@ class Executor:
                 if update_error is not None:
                     error.add_note(str(StepFailed.from_update(update_error)))
             raise error from error.__cause__
-        bad = tuple(sorted((self.programs[s].name, r) for (s, r), flag in run.nonfinite.items()
-                           if int(flag.item())))
-        skipped = bool(bad) and (self.skip_nonfinite or self.loss_scaler is not None)
+        self._check_grads(run)
         if self.loss_scaler is not None:
-            self.loss_scaler.update(bool(bad))
-            if not skipped:
-                # Nothing has been applied yet (sync, no eager updates): unscale the whole
-                # step's gradients before the update starts.
-                self.loss_scaler.unscale_([self.store.grad], scale=run.loss_scale)
-        grad_norm = None
-        if self.max_grad_norm is not None and not skipped:
-            # Every gradient of the step is home and no update has read it yet (sync updates
-            # wait for finish_step; async update k-1 consumed its gradients before this step's
-            # first accumulation): clip in place, as clip_grad_norm_ after a full backward.
-            grad_norm = clip_grad_norm(self.store, self.compiled.model, self.max_grad_norm)
-        if skipped:
+            self.loss_scaler.update(bool(run.bad))
+        if run.skipped:
             self.driver.discard_step()
+        elif self.driver.mode == "sync":
+            self.driver.commit_step()
         else:
             self.driver.finish_step()
         # The schedule step ran to the end either way: the round-robin dealing continues.
@@ -682,8 +693,25 @@ class Executor:
                   for m in range(self.compiled.microbatches)]
         loss = torch.stack(losses).sum() / loss_divisor(self.compiled.capture, total)
         return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over,
-                          run.timeline, found_nonfinite=bool(bad), nonfinite_jobs=bad,
-                          skipped=skipped, grad_norm=grad_norm)
+                          run.timeline, found_nonfinite=bool(run.bad), nonfinite_jobs=run.bad,
+                          skipped=run.skipped, grad_norm=run.grad_norm)
+
+    def _check_grads(self, run: _Run) -> None:
+        """Once per step, when every gradient is home and before any update reads one: find
+        the non-finite jobs, decide whether the step is skipped, unscale (loss scaling) and
+        clip in place, as clip_grad_norm_ after a full backward."""
+        if run.checked:
+            return
+        run.checked = True
+        run.bad = tuple(sorted((self.programs[s].name, r)
+                               for (s, r), flag in run.nonfinite.items() if int(flag.item())))
+        run.skipped = bool(run.bad) and (self.skip_nonfinite or self.loss_scaler is not None)
+        if run.skipped:
+            return
+        if self.loss_scaler is not None:
+            self.loss_scaler.unscale_([self.store.grad], scale=run.loss_scale)
+        if self.max_grad_norm is not None:
+            run.grad_norm = clip_grad_norm(self.store, self.compiled.model, self.max_grad_norm)
 
     def _discard_open(self) -> None:
         if self.driver._open is not None:
@@ -695,7 +723,7 @@ class Executor:
         try:
             for src in run.plan.waits.get(a, ()):
                 run.events[src].wait_recorded(abort=run.abort_requested)
-            if a.kind == "UP":
+            if a.kind == "UP" and run.shadow_ready:
                 run.shadow_ready[a.stage].wait_recorded(abort=run.abort_requested)
             if run.aborted:
                 raise WorkerAborted(f"step aborted before '{a}' ran")
@@ -821,6 +849,8 @@ class Executor:
             cause = host_error or RuntimeFault("step failed without a recorded cause")
             return StepFailed(None, None, None, cause, where="the host", step=self.driver.step)
         action, cause = roots[0]
+        if isinstance(cause, OptimizerError):  # a sync OPT: the driver undid the update
+            return StepFailed.from_update(cause)
         others = [f"'{a}': {type(e).__name__}" for a, e in run.failures if a is not action][:8]
         worker = None if action.worker is None else self.workers[action.worker].name
         return StepFailed(action, self.programs[action.stage].name, worker, cause, others)
@@ -1072,13 +1102,19 @@ class Executor:
         self.driver.accumulate_grad(a.stage, run.host_grads.pop((a.stage, a.round)))
 
     def _do_OPT(self, run: _Run, a: Action) -> None:
-        self.driver.stage_done(a.stage)
+        if self.driver.mode == "async":
+            # Async: the driver's thread runs update k after step k (module doc).
+            self.driver.stage_done(a.stage)
+            return
+        if self.deferred:
+            self._check_grads(run)  # every ACC of the step ran before this first OPT
+        if not run.skipped:
+            self.driver.update(a.stage)  # now, on this thread; undone if the step fails
 
     def _do_SHADOW(self, run: _Run, a: Action) -> None:
-        # The driver rewrites the shadows itself (sync: after each group's update, when the
-        # step is complete; async: before the next update starts), and the next step's UPs
-        # wait for driver.shadow_event(stage); here the rewrite has no work of its own.
-        return
+        # Async: the driver rewrites the shadow before its update starts (module doc).
+        if self.driver.mode == "sync" and not run.skipped:
+            self.driver.refresh(a.stage)
 
 
 # The runtime half of each action kind's record (rpcompile.ir.ACTION_SPECS is the other):

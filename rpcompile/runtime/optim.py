@@ -315,6 +315,66 @@ class OptimizerDriver:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return Event.all_of(state.group_done, f"update {state.step}")
 
+    # -- the schedule's host actions (sync mode) -------------------------------------------
+    def update(self, stage: int) -> None:
+        """``OPT``: all of this step's gradients from ``stage`` are home; update, now and on the
+        calling thread, every group whose gradient stages are all done. What the update
+        changes (masters, optimizer state) is saved first and kept until :meth:`commit_step`
+        (or put back by :meth:`discard_step`), so an update the schedule runs while later
+        backward jobs still compute leaves the masters as they were if the step fails."""
+        state = self._require_open()
+        if self.mode != "sync":
+            raise RuntimeError("update() is the sync mode's OPT; async updates run through "
+                               "stage_done()/finish_step()")
+        if not self._is_grad_stage(stage):
+            return
+        with self._lock:
+            state.done_stages.add(stage)
+            ready = [g for g in self.groups
+                     if not state.scheduled[g.index] and g.stages <= state.done_stages]
+            for g in ready:
+                state.scheduled[g.index] = True
+        for group in ready:
+            try:
+                self._apply(group, state, refresh=False)
+            except BaseException as exc:
+                state.failed = True
+                error = OptimizerError(f"update {state.step}, group {group.label} failed: "
+                                       f"{type(exc).__name__}: {exc}")
+                error.step = state.step  # type: ignore[attr-defined]
+                error.label = group.label  # type: ignore[attr-defined]
+                error.rolled_back = self.rollback  # type: ignore[attr-defined]
+                raise error from exc
+
+    def refresh(self, stage: int) -> None:
+        """``SHADOW``: rewrite ``stage``'s shadow (what its UP reads) from the masters, saving
+        the old values first (undone by :meth:`discard_step`, like the updates)."""
+        state = self._require_open()
+        if self.rollback:
+            journal = state.journal = state.journal or _Journal()
+            for index in self.store.stages[stage].layout.slots:
+                slot = self.store.slots[index]
+                if slot.trainable and index not in journal.shadows:
+                    journal.shadows[index] = self.store.shadow_of(slot.name).clone()
+        self.store.refresh_shadow(stage)
+
+    def commit_step(self) -> Event:
+        """End a sync step whose OPT and SHADOW actions all ran: the saved copies are dropped
+        (the update is kept) and the step counter advances. Returns the (set) update event."""
+        state = self._require_open()
+        missing = self._grad_stages - state.done_stages
+        if missing:
+            raise RuntimeError(f"step {state.step}: the schedule ran no OPT of gradient stages "
+                               f"{sorted(missing)}")
+        with self._lock:
+            state.journal = None
+            self._open = None
+            self.step += 1
+            for event in state.group_done:
+                event.set()
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        return Event.all_of(state.group_done, f"update {state.step}")
+
     def discard_step(self) -> None:
         """Abandon the open step after a failure: zero its gradients, keep the masters.
 
@@ -323,11 +383,14 @@ class OptimizerDriver:
         state = self._require_open()
         updated = [self.groups[g].label for g, s in enumerate(state.scheduled) if s]
         self._drain()  # an earlier update's failure stays pending for take_failure()
+        undone = state.journal is not None  # this step's updates and refreshes, saved
+        if undone:
+            self._undo(state)
         self.store.zero_grads()
         with self._lock:
             self._open = None
             del self._steps[state.step]
-        if updated:
+        if updated and not undone:
             raise RuntimeError(
                 f"step {state.step} was discarded, but groups {updated} had already been "
                 "updated (eager updates); the masters are not at their pre-step values"
@@ -367,8 +430,11 @@ class OptimizerDriver:
 
     # -- the optimizer thread ------------------------------------------------------------
     def _update(self, group: UpdateGroup, state: _StepState) -> None:
+        self._apply(group, state, refresh=self.mode == "sync")
+
+    def _apply(self, group: UpdateGroup, state: _StepState, refresh: bool) -> None:
         if self.rollback:
-            self._save(state, group.slots, shadows=self.mode == "sync")
+            self._save(state, group.slots, shadows=refresh)
         self.store.attach_grads(group.slots)
         optimizer = self.optimizer
         if state.hyperparams:
@@ -383,9 +449,10 @@ class OptimizerDriver:
         # with a wrapper bound to the original optimizer, which would bypass the twin.
         type(self.optimizer).step(optimizer)
         self.store.zero_grads(group.slots)
-        if self.mode == "sync":
-            self.store.refresh_slots(group.slots)
         state.applied += 1
+        if not refresh:
+            return  # the schedule's SHADOW actions refresh; commit_step drops the journal
+        self.store.refresh_slots(group.slots)
         if state.applied == len(self.groups):
             state.journal = None  # update complete: nothing left to undo
 
