@@ -27,7 +27,7 @@ import torch
 
 from rpcompile.compiler import runtime_schedule, update_order
 from rpcompile.ir import Schedule
-from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, updates_deferred
+from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, UPDATE_ORDERS, updates_deferred
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.kernels import BACKENDS
@@ -96,6 +96,11 @@ class Trainer:
     non-finite step is skipped and the scale backs off, clean steps are unscaled and applied;
     ``trainer.loss_scaler`` holds its state. ``max_grad_norm``: clip by the global gradient
     norm before each update (``trainer.last.grad_norm`` is the norm before clipping).
+    ``updates`` (sync mode): ``"overlap"`` runs each stage's update as soon as its gradients
+    are home, while later backward jobs compute; ``"deferred"`` runs them after the step's
+    last gradient (default: ``"deferred"`` when clipping, loss scaling or ``skip_nonfinite``
+    need the whole step's gradients first, else ``"overlap"``). Either way a failed step
+    changes nothing (docs/runtime.md, "the protocol").
     """
 
     def __init__(
@@ -114,6 +119,7 @@ class Trainer:
         skip_nonfinite: bool = False,
         loss_scale: LossScaleConfig | bool | None = None,
         max_grad_norm: float | None = None,
+        updates: str | None = None,
     ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
@@ -134,10 +140,17 @@ class Trainer:
             raise ValueError(f"timeout_s must be positive (math.inf: no watchdog), got {timeout_s!r}")
         self.timeout_s: float | None = None if math.isinf(timeout_s) else float(timeout_s)
         self._closed = False
-        self.schedule = self._lowered_schedule(
-            compiled, mode, schedule_steps, chunk_bytes,
-            update_order(mode, max_grad_norm=max_grad_norm, loss_scale=loss_scale,
-                         skip_nonfinite=skip_nonfinite))
+        needed = update_order(mode, max_grad_norm=max_grad_norm, loss_scale=loss_scale,
+                              skip_nonfinite=skip_nonfinite)
+        if updates is None:
+            updates = needed
+        elif updates not in UPDATE_ORDERS:
+            raise ValueError(f"updates must be one of {UPDATE_ORDERS}, got {updates!r}")
+        elif updates != needed and needed == "deferred":
+            raise ValueError("max_grad_norm, loss_scale and skip_nonfinite look at the whole "
+                             "step's gradients before any update: they need updates='deferred'")
+        self.schedule = self._lowered_schedule(compiled, mode, schedule_steps, chunk_bytes,
+                                               updates)
         self.workers = make_workers(compiled.workers, device, capacity_bytes, chaos)
         driver = None
         try:

@@ -52,11 +52,10 @@ trainer's ``close()`` from another thread) ends a running step with :class:`Step
 
 **Transfers** are copies made by the action itself on its stream (one per contiguous segment
 for UP, one per tensor of a value for H2D/D2H; bulk ones, UP and D2H grad, in the action's
-``chunks`` pieces, each completed before the next), in the stream's list order; uploads of weights
-and of activations run on different stream threads, so a weight upload never delays an
-activation on a virtual worker. The chunked, prioritised :mod:`~rpcompile.runtime.transfers`
-engine is not used: it needs its source and destination when a transfer is submitted, and here
-they exist only once the producing action has run.
+``chunks`` pieces, each completed before the next), in the stream's list order;
+uploads of weights and of activations run on different stream threads, so a weight upload
+never delays an activation on a virtual worker. This is the only transfer path, and the
+chunk size is set once, by the lowering (``rpcompile.passes.lower.DEFAULT_CHUNK_BYTES``).
 
 **Device memory** accounted on each worker: the weight slots, the buffers uploaded with them
 and each job's fp32 gradient buffer (``Worker.alloc``), plus every activation or value gradient
