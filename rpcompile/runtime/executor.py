@@ -32,17 +32,20 @@ reference's order too.
 **Steps and failure.** ``run_step`` runs the actions of one schedule step (``step % steps``;
 the trainer builds a schedule whose step count makes the round-robin counter continue across
 steps) and returns when every stream has drained: steps are separated by a barrier, and edges
-from an earlier step count as satisfied. The optimizer driver is given the step's gradients
-(``ACC`` -> ``accumulate_grad``, ``OPT`` -> ``stage_done``) and rewrites the shadows itself
-(``SHADOW`` is a marker here); ``UP`` waits for the driver's shadow event of its stage. When
-any item fails, a run-level abort flag makes every other wait give up, every stream drains, the
-workers are recovered and device memory freed, the driver discards the step's gradients, and
-:class:`StepFailed` is raised naming the worker, stream, stage, microbatch, round and action.
-Whether the masters keep their pre-step values depends on the driver: in sync mode the trainer
-builds it with ``eager_updates=False`` (nothing is applied before the step completes); in async
-mode the failed step's gradients are dropped and the previous step's update (already owed)
-still completes, so the masters equal what ``state_dict()`` returned before the failed step.
-A failed optimizer update is undone by the driver and raised once, by the next step, as
+from an earlier step count as satisfied. ``ACC``, ``OPT`` and ``SHADOW`` are the optimizer
+driver's ``accumulate_grad``, ``update`` and ``refresh`` in sync mode, run where the schedule
+puts them (``add_optimizer(updates=)``: overlapping the step's later backward jobs, or after
+its last gradient when clipping, loss scaling or skipping non-finite steps must see them all
+first, done at the first ``OPT``). The driver saves what each update and refresh changes, so
+when any item fails, a run-level abort flag makes every other wait give up, every stream
+drains, the workers are recovered and device memory freed, the driver puts the step's updates
+back and discards its gradients, and :class:`StepFailed` is raised naming the worker, stream,
+stage, microbatch, round and action: masters, optimizer state and shadows are as before the
+step. In async mode ``OPT`` reports the stage to the driver's thread, which runs update ``k``
+after the step (an ``UP`` waits for the driver's shadow event of its stage); a failed step's
+gradients are dropped and the previous step's update (already owed) still completes, so the
+masters equal what ``state_dict()`` returned before the failed step.
+A failed async update is undone by the driver and raised once, by the next step, as
 :meth:`StepFailed.from_update`. One deadline (``timeout_s``, the watchdog) covers a step's host
 waits and its drain; past it the step raises :class:`StepTimeout` the same way, and a worker
 whose stream is stuck in an item (user code cannot be interrupted) or whose thread died is

@@ -22,7 +22,14 @@ computed at weights ``w``:
   RoundPipe. Update ``k`` runs in the background during step ``k+1``, which computes with the
   shadow written just before update ``k`` starts (``w_k``).
 
-**The caller's contract** (the executor follows it):
+**The schedule's actions (sync mode, what the executor runs).** ``begin_step()``; per job
+``accumulate_grad(stage, flat)`` (``ACC``); ``update(stage)`` (``OPT``: every group whose
+gradient stages are all done is stepped now, on the caller's thread); ``refresh(stage)``
+(``SHADOW``); ``commit_step()`` when the step completed, ``discard_step()`` when it failed
+(both put back or drop the journal below). The lowering decides where these run; the driver
+adds no wait and no order of its own.
+
+**The thread contract** (async steps, and callers without a schedule):
 
 1. ``begin_step()``; then for each job, wait ``shadow_event(stage)`` before uploading the
    stage's shadow.
@@ -38,7 +45,7 @@ Hyperparameters (``param_groups`` entries: lr, betas, ...) are snapshotted at ``
 update ``k`` uses what was set when step ``k`` began, even if an LR scheduler changes them
 while an async update is still running.
 
-**Failure atomicity.** Before a group is stepped the thread saves what the update will change
+**Failure atomicity.** Before a group is stepped the driver saves what the update will change
 (the group's masters, their optimizer state, their shadow; in async mode the shadow before the
 refresh), so an exception anywhere in update ``k`` (the user's ``step()`` at any group, the
 refresh, the zeroing) is undone: every group of update ``k`` already applied is restored, the
