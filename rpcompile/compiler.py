@@ -19,6 +19,7 @@ from rpcompile.batch import largest_microbatch
 from rpcompile.capture import Captured, capture, is_causal_lm
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
+from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
 from rpcompile.passes.cost import UnitCost, annotate_costs
 from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.manager import PassRecord
@@ -55,7 +56,7 @@ class Compiled:
     # Per worker, the proven device-memory peak of the schedule the runtime runs (every step
     # of one dealing period, each from empty workers): rpcompile.passes.memory.WorkerPeak.
     memory: tuple[Any, ...] = ()
-    training: dict[str, Any] = field(default_factory=dict)  # Trainer options
+    options: Options = field(default_factory=Options)  # the compile's option groups
     _trainer: Any = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
 
@@ -72,7 +73,7 @@ class Compiled:
         if self._trainer is None:
             from rpcompile.trainer import Trainer
 
-            self._trainer = Trainer(self, **self.training)
+            self._trainer = Trainer(self, options=self.options.train)
             # Stop the worker threads before the interpreter tears down (a thread still
             # blocked at exit aborts the process).
             atexit.register(_close_ref, weakref.ref(self))
@@ -227,13 +228,13 @@ class Compiled:
     ) -> Compiled:
         """The same captured model planned for another worker count or machine, without
         capturing or costing it again."""
+        plan = replace(self.options.plan, gpus=gpus, microbatches=microbatches,
+                       hardware=hardware or self.hardware,
+                       rounds=self.rounds if rounds is None else rounds)
         compiled = _plan_and_split(
-            self.model, self.capture, self.unit_costs, gpus, microbatches,
-            hardware or self.hardware, self.rounds if rounds is None else rounds,
-            self.compute_dtype, list(self.history[:2]), self.training.get("mode", "sync"),
-            update_order(**self.training),
+            self.model, self.capture, self.unit_costs, self.compute_dtype,
+            list(self.history[:2]), replace(self.options, plan=plan),
         )
-        compiled.training = dict(self.training)
         check_memory(compiled)
         return compiled
 
@@ -255,62 +256,69 @@ class Compiled:
         )
 
 
+class _Unset:
+    """A keyword of :func:`compile` that was not passed (its group's value, or default, holds)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+UNSET: Any = _Unset()
+
+
 def compile(
     model: nn.Module,
-    gpus: int = 8,
-    microbatches: int | None = None,
-    hardware: Hardware | str | None = None,
+    gpus: int = UNSET,
+    microbatches: int | None = UNSET,
+    hardware: Hardware | str | None = UNSET,
     example_inputs: Any = None,
     *,
-    rounds: int = 1,
-    loss_fn: Callable | None = None,
-    units: Sequence[str] | None = None,
-    opaque: Sequence[str] | None = None,
-    compute_dtype: torch.dtype | None = None,
-    optimizer: Callable | None = None,
-    device: str = "auto",
-    mode: str = "sync",
-    chaos: int | None = None,
-    capacity_bytes: int | None = None,
-    kernels: str = "auto",
-    skip_nonfinite: bool = False,
-    loss_scale: Any = None,
-    max_grad_norm: float | None = None,
-    timeout_s: float | None = None,
-    loss_chunk_tokens: int | str | None = "auto",
+    capture_options: CaptureOptions | None = None,
+    plan_options: PlanOptions | None = None,
+    train_options: TrainOptions | None = None,
+    rounds: int = UNSET,
+    loss_fn: Callable | None = UNSET,
+    units: Sequence[str] | None = UNSET,
+    opaque: Sequence[str] | None = UNSET,
+    compute_dtype: torch.dtype | None = UNSET,
+    loss_chunk_tokens: int | str | None = UNSET,
+    mode: str = UNSET,
+    chunk_bytes: int = UNSET,
+    schedule_steps: int | None = UNSET,
+    optimizer: Callable | None = UNSET,
+    device: str = UNSET,
+    chaos: int | None = UNSET,
+    capacity_bytes: int | None = UNSET,
+    kernels: str = UNSET,
+    skip_nonfinite: bool = UNSET,
+    loss_scale: Any = UNSET,
+    max_grad_norm: float | None = UNSET,
+    timeout_s: float | None = UNSET,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
-    ``gpus``: workers to plan for. ``microbatches``: per round (default ``gpus + 1``).
-    ``hardware``: a profile name or :class:`Hardware` (default: a probe of the GPU when CUDA
-    is present, else ``"cpu"``, the virtual workers' profile). ``example_inputs``: one global batch; for a Hugging Face causal LM it
-    may be omitted (token ids are synthesized from the config). The plan is made for the
-    example batch's size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch.
+    Options come in three groups (:mod:`rpcompile.options`, where each is described and
+    checked): ``capture_options=CaptureOptions(...)`` (``loss_fn``, ``units``, ``opaque``,
+    ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
+    ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
+    ``schedule_steps``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
+    ``max_grad_norm``, ``timeout_s``). Every option is also a keyword of this function; an
+    option given both ways is refused. The result keeps them as ``Compiled.options``.
 
-    ``compute_dtype``: optional check that the model's parameters are in this dtype (the graph
-    is captured in the model's dtype; convert the model first, masters stay fp32).
-
-    Training options (used from the first :meth:`Compiled.step`): ``optimizer`` builds any
-    ``torch.optim`` optimizer over the fp32 masters (default AdamW, lr 1e-4); ``device`` is
-    ``"auto"`` (CUDA when present, else virtual CPU workers, with a warning), ``"cuda"`` or
-    ``"virtual"``; ``mode`` is ``"sync"`` (ordinary training) or ``"async"`` (the update of
-    step k overlaps step k+1, one step stale); ``chaos`` seeds random delays on virtual
-    workers; ``capacity_bytes`` caps each virtual worker's memory; ``kernels`` picks the
-    transfer-path kernels (``"auto"``: Triton on CUDA, the torch reference elsewhere;
-    ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``);
-    ``skip_nonfinite`` drops a step whose gradients hold inf/NaN (masters and optimizer state
-    unchanged); ``loss_scale`` (``True`` or a ``runtime.loss_scale.LossScaleConfig``) runs
-    dynamic loss scaling for fp16 in sync mode; ``timeout_s`` is the step watchdog (default
-    ``max(300 s, 20 x the predicted step time)``, ``math.inf`` turns it off): a step that
-    outlives it raises ``StepTimeout`` at that time with the masters kept; ``max_grad_norm``
-    clips the step's gradients by their global norm over all trainable parameters before the
-    update, as ``torch.nn.utils.clip_grad_norm_`` after a full backward
-    (``StepResult.grad_norm`` reports the norm before clipping).
-
-    ``loss_chunk_tokens``: compute a causal LM's head and loss this many tokens at a time, never
-    holding a microbatch's full logits (:mod:`rpcompile.passes.chunked_loss`); ``"auto"``
-    (default) chunks by 4,096 tokens when a microbatch's fp32 logits would exceed 1 GiB;
-    ``None`` never chunks.
+    The main ones: ``gpus``: workers to plan for (default 8). ``microbatches``: per round
+    (default ``gpus + 1``). ``hardware``: a profile name or :class:`Hardware` (default: a
+    probe of the GPU when CUDA is present, else ``"cpu"``, the virtual workers' profile).
+    ``example_inputs``: one global batch; for a Hugging Face causal LM it may be omitted
+    (token ids are synthesized from the config). The plan is made for the example batch's
+    size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch. ``mode``:
+    ``"sync"`` (ordinary training, the default) or ``"async"`` (the update of step k
+    overlaps step k+1, one step stale). ``device``: ``"auto"`` (CUDA when present, else
+    virtual CPU workers, with a warning), ``"cuda"`` or ``"virtual"``. ``timeout_s`` is the
+    step watchdog: a step that outlives it raises ``StepTimeout`` at that time with the
+    masters kept. ``max_grad_norm`` clips the step's gradients by their global norm over all
+    trainable parameters before the update, as ``torch.nn.utils.clip_grad_norm_`` after a
+    full backward (``StepResult.grad_norm`` reports the norm before clipping).
 
     Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
     ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
@@ -319,28 +327,29 @@ def compile(
     plan (and its memory proof) is made for the example batch's shape: later batches may be
     smaller (fewer sequences, shorter), never larger.
     """
-    _check_counts(gpus, microbatches, rounds)
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
-                                          and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be a positive number (or None: no clipping), "
-                         f"got {max_grad_norm!r}")
-    if mode not in ("sync", "async"):
-        raise ValueError(f"mode must be 'sync' (exact) or 'async' (one step stale), got {mode!r}")
-    if device not in ("auto", "cuda", "virtual"):
-        raise ValueError(f"device must be 'auto', 'cuda' or 'virtual', got {device!r}")
-    if kernels not in ("auto", "torch", "triton"):
-        raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+    flat = {k: v for k, v in dict(
+        gpus=gpus, microbatches=microbatches, hardware=hardware, rounds=rounds, loss_fn=loss_fn,
+        units=units, opaque=opaque, compute_dtype=compute_dtype,
+        loss_chunk_tokens=loss_chunk_tokens, mode=mode, chunk_bytes=chunk_bytes,
+        schedule_steps=schedule_steps, optimizer=optimizer, device=device, chaos=chaos,
+        capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
+        loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
+    ).items() if v is not UNSET}
+    options = resolve({"capture": capture_options, "plan": plan_options,
+                       "train": train_options}, flat)
+    co, po = options.capture, options.plan
     history: list[PassRecord] = []
-    if example_inputs is None and loss_fn is None and is_causal_lm(model):
+    parts = po.microbatches_per_round * po.rounds
+    if example_inputs is None and co.loss_fn is None and is_causal_lm(model):
         from rpcompile.capture import example_batch_for
 
-        total = (microbatches or gpus + 1) * rounds
-        example_inputs = example_batch_for(model, batch=total, seq=16)
+        example_inputs = example_batch_for(model, batch=parts, seq=16)
     captured = _timed(
         history, "capture",
-        lambda: capture(model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque),
+        lambda: capture(model, example_inputs, loss_fn=co.loss_fn, units=co.units,
+                        opaque=co.opaque),
     )
-    chunk = _loss_chunk(captured, loss_chunk_tokens, (microbatches or gpus + 1) * rounds)
+    chunk = _loss_chunk(captured, co.loss_chunk_tokens, parts)
     if chunk is not None:
         from rpcompile.passes.chunked_loss import chunk_lm_loss
 
@@ -348,21 +357,13 @@ def compile(
         captured.loss_chunk_tokens = chunk
     unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
     dtype = _floating_dtype(model)
-    if compute_dtype is not None and compute_dtype != dtype:
+    if co.compute_dtype is not None and co.compute_dtype != dtype:
         raise ValueError(
-            f"compute_dtype={compute_dtype} differs from the model's parameters ({dtype}); the "
-            f"graph is captured in the model's dtype, so convert the model first "
-            f"(model.to({compute_dtype})): rpcompile keeps fp32 masters on the host either way"
+            f"compute_dtype={co.compute_dtype} differs from the model's parameters ({dtype}); "
+            f"the graph is captured in the model's dtype, so convert the model first "
+            f"(model.to({co.compute_dtype})): rpcompile keeps fp32 masters on the host either way"
         )
-    training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
-                    capacity_bytes=capacity_bytes, kernels=kernels,
-                    skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
-                    max_grad_norm=max_grad_norm, timeout_s=timeout_s)
-    compiled = _plan_and_split(
-        model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode,
-        update_order(**training),
-    )
-    compiled.training = training
+    compiled = _plan_and_split(model, captured, unit_costs, dtype, history, options)
     check_memory(compiled)
     return compiled
 
@@ -372,7 +373,8 @@ AUTO_CHUNK_ABOVE_BYTES = 1 << 30
 
 
 def _loss_chunk(captured: Captured, option: int | str | None, parts: int) -> int | None:
-    """Tokens per chunk of the LM head + loss, or None for the captured (whole-logits) form."""
+    """Tokens per chunk of the LM head + loss, or None for the captured (whole-logits) form
+    (``option`` was checked by :class:`CaptureOptions`)."""
     if option is None or captured.loss_reduction != "sum":
         return None
     if option == "auto":
@@ -381,19 +383,7 @@ def _loss_chunk(captured: Captured, option: int | str | None, parts: int) -> int
         ids = captured.example_batch["input_ids"]
         tokens = largest_microbatch(ids.shape[0], parts) * ids.shape[1]
         return AUTO_CHUNK_TOKENS if logits_bytes(captured, tokens) > AUTO_CHUNK_ABOVE_BYTES else None
-    if isinstance(option, bool) or not isinstance(option, int) or option < 1:
-        raise ValueError(f"loss_chunk_tokens must be a positive number of tokens, 'auto' or "
-                         f"None, got {option!r}")
     return option
-
-
-def _check_counts(gpus, microbatches, rounds) -> None:
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
 
 
 def _timed(history: list[PassRecord], name: str, fn: Callable[[], Any]) -> Any:
@@ -403,13 +393,10 @@ def _timed(history: list[PassRecord], name: str, fn: Callable[[], Any]) -> Any:
     return out
 
 
-def _plan_and_split(
-    model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode,
-    updates="overlap",
-) -> Compiled:
-    _check_counts(gpus, microbatches, rounds)
-    microbatches = microbatches or gpus + 1
-    hw = get_hardware(hardware or _default_hardware()).with_gpus(gpus)
+def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options) -> Compiled:
+    po = options.plan
+    gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
+    hw = get_hardware(po.hardware or _default_hardware()).with_gpus(gpus)
     example = next(iter(captured.example_batch.values()))
     if example.shape[0] < microbatches * rounds:
         raise ValueError(
@@ -430,16 +417,18 @@ def _plan_and_split(
                           optimizer=mode),
     )
     stages = _timed(history, "split", lambda: split(captured, plan))
+    steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
     compute = _timed(history, "dispatch", lambda: build_schedule(
-        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode,
-        steps=dispatch_period(len(plan.stages) * rounds, gpus)))
-    lowered, lowering = lower(compute, plan, updates=updates)
+        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode, steps=steps))
+    lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes,
+                              updates=update_order(mode, options.train))
     history.extend(lowering)
     memory = worker_peaks(lowered, plan, overlap_steps=False)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
         history=history, compute_dtype=dtype, schedule=lowered, memory=memory,
+        options=options,
     )
 
 
@@ -459,13 +448,13 @@ def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, m
     return lowered
 
 
-def update_order(mode: str = "sync", *, max_grad_norm: float | None = None,
-                 loss_scale: Any = None, skip_nonfinite: bool = False, **_: Any) -> str:
+def update_order(mode: str, train: TrainOptions) -> str:
     """The sync update order a run needs (rpcompile.passes.lower.add_optimizer):
     ``deferred`` when clipping, loss scaling or skipping non-finite steps must see the whole
     step's gradients before any update, else ``overlap`` (updates run while later backward
     jobs compute, undone if the step fails). Async mode: ``overlap`` (not used)."""
-    if mode == "sync" and (max_grad_norm is not None or loss_scale or skip_nonfinite):
+    if mode == "sync" and (train.max_grad_norm is not None or train.loss_scale
+                           or train.skip_nonfinite):
         return "deferred"
     return "overlap"
 
@@ -481,12 +470,12 @@ def check_memory(compiled: Compiled) -> None:
     if not compiled.memory:
         return
     hw = compiled.hardware
-    device = compiled.training.get("device", "auto")
+    device = compiled.options.train.device
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     limits: list[tuple[int, str]] = [
         (hw.usable_memory_bytes, f"the {hw.name!r} profile's usable memory "
          f"({hw.memory_gib:g} GiB less a {hw.memory_reserve_gib:g} GiB reserve)")]
-    capacity = compiled.training.get("capacity_bytes")
+    capacity = compiled.options.train.capacity_bytes
     if capacity is not None:
         limits.append((int(capacity), "capacity_bytes"))
     for peak in compiled.memory:

@@ -502,8 +502,6 @@ class Executor:
                 f"{', '.join(needs)} must see every gradient of the step before any update, "
                 "but this schedule runs sync updates while later backward jobs compute; lower "
                 "it with updates='deferred' (rpcompile.passes.lower.lower)")
-        if kernels not in _kernels.BACKENDS:
-            raise ValueError(f"kernels must be one of {_kernels.BACKENDS}, got {kernels!r}")
         self.kernels = kernels
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
