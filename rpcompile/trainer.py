@@ -151,10 +151,8 @@ class Trainer:
         try:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
             self.store.kernels = kernels
-            # Updates wait until the step's gradients are all home (sync mode; async updates
-            # run after the step anyway), so a step that fails part-way leaves masters and
-            # optimizer state untouched, at the cost of overlapping the update with the
-            # step's last backward jobs.
+            # Sync updates are the schedule's OPT actions (undone if the step fails); async
+            # ones run on the driver's thread after the step (eager_updates=False).
             driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode,
                                      eager_updates=False)
             self.driver = driver
