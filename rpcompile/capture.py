@@ -34,8 +34,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rpcompile.batch import NUM_ITEMS, RNG, normalize_batch
+from rpcompile.dropout import RANDOM_OPS, draws_random, replay_random_ops
 from rpcompile.dropout import dropout_seed as _dropout_seed
-from rpcompile.dropout import replay_random_ops
 
 __all__ = [
     "B",
@@ -406,13 +406,6 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
     )
 
 
-_RANDOM_OPS = {"bernoulli", "rand", "randn", "rand_like", "randn_like", "randint",
-               "randint_like", "randperm", "normal", "multinomial", "native_dropout",
-               "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-               "scaled_dot_product_attention", "rrelu_with_noise", "uniform", "exponential",
-               "geometric", "cauchy", "log_normal", "random"}
-
-
 def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
     """Backward stages recompute their forward: a random op that is not replayed from seeds
     (:func:`rpcompile.dropout.replay_random_ops` rewrites dropout and SDPA dropout) would draw
@@ -422,7 +415,7 @@ def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
         if node.op != "call_function" or node.target is torch.ops.rpcompile.dropout.default:
             continue
         name = getattr(node.target, "__name__", str(node.target)).split(".")[0].rstrip("_")
-        if name not in _RANDOM_OPS or not _draws_random(node, name):
+        if name not in RANDOM_OPS or not draws_random(name, node.args, node.kwargs):
             continue
         where = list((node.meta.get("nn_module_stack") or {}).values())
         module = where[-1][0].removeprefix(_WRAPPED + ".") if where else "the model"
@@ -441,18 +434,6 @@ def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
             "F.dropout and scaled_dot_product_attention(dropout_p=...) only), so the gradients "
             f"would not match the loss: {fix}"
         )
-
-
-def _draws_random(node: torch.fx.Node, name: str) -> bool:
-    if name == "scaled_dot_product_attention":
-        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        return bool(p)
-    if name in ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-                "native_dropout"):
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return bool(p) and train is not False
-    return True
 
 
 def _symbol_map(gm: torch.fx.GraphModule, inputs: list[str], causal: bool) -> dict:
@@ -1031,12 +1012,7 @@ class _RandomOpSpy(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._overloadpacket.__name__.rstrip("_")
-        if "dropout" in name:
-            p = args[1] if len(args) > 1 else 0.5
-            train = args[2] if len(args) > 2 else True
-            if p and train is not False:
-                self.seen.add(name)
-        elif name in _RANDOM_OPS and name != "scaled_dot_product_attention":
+        if name in RANDOM_OPS and draws_random(name, args, kwargs):
             self.seen.add(name)
         return func(*args, **(kwargs or {}))
 

@@ -6,7 +6,6 @@ capture -> cost -> partition -> split -> dispatch -> lower; every artifact stays
 from __future__ import annotations
 
 import atexit
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -21,8 +20,15 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
 from rpcompile.passes.cost import UnitCost, annotate_costs
+from rpcompile.passes.invariants import (
+    check_captured,
+    check_costs,
+    check_dispatch,
+    check_plan,
+    check_stages,
+)
 from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
-from rpcompile.passes.manager import PassRecord
+from rpcompile.passes.manager import PassRecord, debug_checks, run_pass
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.partition import StageCosting, partition
 from rpcompile.passes.schedule import build_schedule, dispatch_period
@@ -344,18 +350,24 @@ def compile(
         from rpcompile.capture import example_batch_for
 
         example_inputs = example_batch_for(model, batch=parts, seq=16)
-    captured = _timed(
+    captured = run_pass(
         history, "capture",
         lambda: capture(model, example_inputs, loss_fn=co.loss_fn, units=co.units,
                         opaque=co.opaque),
+        check_captured,
     )
     chunk = _loss_chunk(captured, co.loss_chunk_tokens, parts)
     if chunk is not None:
         from rpcompile.passes.chunked_loss import chunk_lm_loss
 
-        _timed(history, "chunk-loss", lambda: chunk_lm_loss(captured.graph_module, chunk))
-        captured.loss_chunk_tokens = chunk
-    unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
+        def chunk_loss() -> Captured:
+            chunk_lm_loss(captured.graph_module, chunk)
+            captured.loss_chunk_tokens = chunk
+            return captured
+
+        run_pass(history, "chunk-loss", chunk_loss, check_captured)
+    unit_costs = run_pass(history, "cost", lambda: annotate_costs(captured),
+                          lambda costs: check_costs(costs, captured))
     dtype = _floating_dtype(model)
     if co.compute_dtype is not None and co.compute_dtype != dtype:
         raise ValueError(
@@ -386,13 +398,6 @@ def _loss_chunk(captured: Captured, option: int | str | None, parts: int) -> int
     return option
 
 
-def _timed(history: list[PassRecord], name: str, fn: Callable[[], Any]) -> Any:
-    t0 = time.perf_counter()
-    out = fn()
-    history.append(PassRecord(name, (time.perf_counter() - t0) * 1e3, 0.0, out))
-    return out
-
-
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options) -> Compiled:
     po = options.plan
     gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
@@ -411,15 +416,19 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
-    plan = _timed(
+    plan = run_pass(
         history, "partition",
         lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
                           optimizer=mode),
+        lambda p: check_plan(p, len(captured.units)),
     )
-    stages = _timed(history, "split", lambda: split(captured, plan))
+    stages = run_pass(history, "split", lambda: split(captured, plan),
+                      lambda progs: check_stages(progs, plan))
     steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
-    compute = _timed(history, "dispatch", lambda: build_schedule(
-        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode, steps=steps))
+    compute = run_pass(history, "dispatch", lambda: build_schedule(
+        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode, steps=steps),
+        check_dispatch)
+    # The lowering runs its own passes through a PassManager that validates each schedule.
     lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes,
                               updates=update_order(mode, options.train))
     history.extend(lowering)
@@ -443,8 +452,10 @@ def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, m
     period = dispatch_period(len(plan.stages) * rounds, workers)
     compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
                              steps=steps or period, kind="roundpipe", optimizer=mode)
+    # Validated like the compiled schedule under RPCOMPILE_DEBUG=1 (it is the same passes
+    # over other options; the check costs seconds on a large model).
     lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-                       validate=False, updates=updates)
+                       validate=debug_checks(), updates=updates)
     return lowered
 
 
