@@ -127,9 +127,9 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     import rpcompile
+    from rpcompile.compiler import runtime_schedule
     from rpcompile.hardware import get_hardware
-    from rpcompile.passes.lower import lower
-    from rpcompile.passes.schedule import build_schedule
+    from rpcompile.passes.lower import LOWERING_PASSES
     from rpcompile.sim import simulate, simulate_pipeline
     from rpcompile.workloads.models import build_model, model_config
 
@@ -175,9 +175,13 @@ def _plan(args: argparse.Namespace) -> int:
             compiled = compile_for(batch)
     plan = compiled.plan
     if args.schedule == "roundpipe":
-        compute = build_schedule(plan, gpus, micro, rounds=args.rounds, steps=1,
-                                 kind="roundpipe", optimizer=args.optimizer)
-        lowered, history = lower(compute, plan)
+        # The compile's own lowered schedule (what a trainer runs); the figures below are of
+        # one isolated step, so a schedule of several dealing steps is rebuilt for one step
+        # the same way (rpcompile.compiler.runtime_schedule).
+        lowered = compiled.schedule
+        history = tuple(r for r in compiled.history if r.name in LOWERING_PASSES)
+        if lowered.steps != 1:
+            lowered = runtime_schedule(plan, gpus, micro, args.rounds, args.optimizer, steps=1)
         sim = simulate(lowered, plan, hw)
     else:
         # Weight-bound baselines: one stage per GPU (two per GPU for the interleaved and

@@ -6,7 +6,6 @@ capture -> cost -> partition -> split -> dispatch -> lower; every artifact stays
 from __future__ import annotations
 
 import atexit
-import math
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,12 +35,13 @@ from rpcompile.passes.invariants import (
 from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.manager import PassRecord, debug_checks, run_pass
 from rpcompile.passes.memory import format_bytes, worker_peaks
-from rpcompile.passes.schedule import build_schedule
+from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import StageCosting, partition
 from rpcompile.runtime.reference import reference_step
 
-__all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule"]
+__all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule",
+           "update_order"]
 
 
 @dataclass
@@ -60,7 +60,10 @@ class Compiled:
     rounds: int
     history: list[PassRecord]
     compute_dtype: torch.dtype
-    schedule: Any = None  # one step's lowered Schedule (ir.Schedule), as the runtime runs it
+    # The lowered Schedule (ir.Schedule) the runtime runs: one dealing period of steps (step k
+    # of a run is schedule step k mod steps), its sync update order set by the training options
+    # (update_order); the Trainer, the CLI and the benchmarks read this one.
+    schedule: Any = None
     # Per worker, the proven device-memory peak of the schedule the runtime runs (every step
     # of one dealing period, each from empty workers): rpcompile.passes.memory.WorkerPeak.
     memory: tuple[Any, ...] = ()
@@ -449,15 +452,15 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     )
     stages = run_pass(history, "split", lambda: split(captured, plan),
                       lambda progs: check_stages(progs, plan))
+    steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
     compute = run_pass(history, "dispatch", lambda: build_schedule(
-        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode),
+        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode, steps=steps),
         check_dispatch)
     # The lowering runs its own passes through a PassManager that validates each schedule.
-    lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes)
+    lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes,
+                              updates=update_order(mode, options.train))
     history.extend(lowering)
-    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
-                                           chunk_bytes=po.chunk_bytes), plan,
-                          overlap_steps=False)
+    memory = worker_peaks(lowered, plan, overlap_steps=False)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
@@ -467,18 +470,40 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
 
 
 def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, mode: str,
-                     chunk_bytes: int | None = None) -> Any:
+                     chunk_bytes: int | None = None, *, steps: int | None = None,
+                     updates: str = "overlap") -> Any:
     """The lowered schedule the runtime runs: as many steps as the round-robin job counter
-    takes to come back to worker 0 (step ``k`` of a run runs schedule step ``k mod steps``)."""
-    jobs = len(plan.stages) * rounds
-    period = workers // math.gcd(jobs, workers)
+    takes to come back to worker 0 (:func:`~rpcompile.passes.schedule.dispatch_period`; step
+    ``k`` of a run runs schedule step ``k mod steps``). What :func:`compile` keeps as
+    ``Compiled.schedule``; a Trainer given other options (mode, ``schedule_steps``,
+    ``chunk_bytes``) builds its own with this."""
+    period = dispatch_period(len(plan.stages) * rounds, workers)
     compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
-                             steps=period, kind="roundpipe", optimizer=mode)
-    # Validated like the one-step schedule under RPCOMPILE_DEBUG=1 (it is the same passes
-    # over more steps; the check costs seconds on a large model).
+                             steps=steps or period, kind="roundpipe", optimizer=mode)
+    # Validated like the compiled schedule under RPCOMPILE_DEBUG=1 (it is the same passes
+    # over other options; the check costs seconds on a large model).
     lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-                       validate=debug_checks())
+                       validate=debug_checks(), updates=updates)
     return lowered
+
+
+def update_order(mode: str, train: TrainOptions) -> str:
+    """The sync update order a run needs (rpcompile.passes.lower.add_optimizer):
+    ``deferred`` when clipping, loss scaling, skipping non-finite steps or data parallel
+    (an update reads the gradients summed over every rank) must see the whole step's
+    gradients before any update, else ``overlap`` (updates run while later backward
+    jobs compute, undone if the step fails). Async mode: ``overlap`` (not used)."""
+    if mode == "sync" and (train.max_grad_norm is not None or train.loss_scale
+                           or train.skip_nonfinite or _data_parallel(train)):
+        return "deferred"
+    return "overlap"
+
+
+def _data_parallel(train: TrainOptions) -> bool:
+    """Whether the run reduces gradients across ranks (rpcompile.runtime.distributed)."""
+    from rpcompile.runtime.distributed import resolve_group
+
+    return resolve_group(train.process_group) is not None
 
 
 class MemoryPlanError(ValueError):

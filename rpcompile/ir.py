@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import enum
 import io
 import json
 import os
 import re
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 __all__ = [
     "ACTION_KINDS",
+    "ACTION_SPECS",
     "BULK_PAYLOADS",
     "COMPUTE_KINDS",
     "EDGE_KINDS",
@@ -31,15 +34,18 @@ __all__ = [
     "STREAMS",
     "TRANSFER_KINDS",
     "Action",
+    "ActionKind",
     "DryRun",
     "Edge",
     "Flow",
+    "KindSpec",
     "Plan",
     "Schedule",
     "ScheduleError",
     "Stage",
     "StageKind",
     "UnitProfile",
+    "check_registry",
 ]
 
 
@@ -257,21 +263,81 @@ def _bytes(n: float) -> str:
 # runtime may copy any ready transfer first, critical before bulk), so every dependency of a
 # transfer is an edge. docs/schedule.md describes every action kind and edge kind.
 
-# Compute kinds run on the compute stream: F forward, T fused tail (forward + loss + backward),
-# B backward (RoundPipe: recompute + backward), EVICT frees a job's weights.
-COMPUTE_KINDS = ("F", "T", "B", "EVICT")
-# Transfer kinds: UP uploads a stage's weights, H2D/D2H move activations and gradients.
-TRANSFER_KINDS = ("UP", "H2D", "D2H")
-# Host kinds run on the host's one ordered queue: ACC adds a job's downloaded gradients into
-# the host's fp32 accumulator, OPT runs the optimizer over a stage's masters, SHADOW rewrites a
-# stage's low-precision flat buffer (what UP reads) from the masters.
-HOST_KINDS = ("ACC", "OPT", "SHADOW")
-ACTION_KINDS = COMPUTE_KINDS + TRANSFER_KINDS + HOST_KINDS
+class ActionKind(str, enum.Enum):
+    """Every kind of action a schedule may hold. Each has one :class:`KindSpec` in
+    :data:`ACTION_SPECS` (stream, payload); the runtime (``rpcompile.runtime.executor``) and the
+    simulator (``rpcompile.sim.engine``) each register one implementation per kind, checked
+    complete by :func:`check_registry` when they are imported. ``Action.kind`` holds the plain
+    string value (``"F"``), which compares and hashes equal to the member."""
+
+    F = "F"  # forward of one microbatch
+    T = "T"  # fused tail: forward + loss + backward of one microbatch
+    B = "B"  # backward stage: recompute + backward of one microbatch
+    EVICT = "EVICT"  # free a job's weights
+    UP = "UP"  # upload a stage's weights (a job's)
+    H2D = "H2D"  # one microbatch's tensor into a worker
+    D2H = "D2H"  # a tensor out of a worker (a microbatch's, or a job's gradients)
+    ACC = "ACC"  # add a job's downloaded gradients into the host's fp32 accumulator
+    OPT = "OPT"  # run the optimizer over a stage's masters
+    SHADOW = "SHADOW"  # rewrite a stage's low-precision flat buffer (what UP reads)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """The interpreter-independent half of an action kind's record: the stream it runs on,
+    the payloads (``Action.what``) it may carry (empty: none), whether it is a compute of a
+    microbatch, and what ``Action.bytes`` counts. The other half (runtime implementation,
+    simulator cost) is registered by each interpreter against the same :class:`ActionKind`."""
+
+    kind: ActionKind
+    stream: str
+    payloads: tuple[str, ...] = ()
+    computes: bool = False
+    bytes: str = ""
+
 
 # What a transfer carries. weights and grad are bulk (large, chunked); the others are one
 # microbatch's tensor and are latency-critical.
 PAYLOADS = ("weights", "act", "save", "igrad", "grad")
 BULK_PAYLOADS = ("weights", "grad")
+
+ACTION_SPECS: Mapping[ActionKind, KindSpec] = {
+    s.kind: s for s in (
+        KindSpec(ActionKind.F, "compute", computes=True),
+        KindSpec(ActionKind.T, "compute", computes=True),
+        KindSpec(ActionKind.B, "compute", computes=True),
+        KindSpec(ActionKind.EVICT, "compute"),
+        KindSpec(ActionKind.UP, "weight_upload", ("weights",), bytes="the stage's weights"),
+        KindSpec(ActionKind.H2D, "activation_upload", ("act", "save", "igrad", "grad"),
+                 bytes="the microbatch's tensor"),
+        KindSpec(ActionKind.D2H, "download", ("act", "save", "igrad", "grad"),
+                 bytes="the tensor (grad: the job's fp32 gradients)"),
+        KindSpec(ActionKind.ACC, "host", bytes="the job's fp32 gradients"),
+        KindSpec(ActionKind.OPT, "host", bytes="the stage's fp32 gradients"),
+        KindSpec(ActionKind.SHADOW, "host", bytes="the stage's low-precision weights"),
+    )
+}
+
+
+def check_registry(table: Mapping[Any, Any], interpreter: str) -> None:
+    """Raise unless ``table`` has exactly one entry per :class:`ActionKind`: an interpreter
+    that lacks a kind (or knows one the IR does not) would run a different protocol."""
+    keys = {ActionKind(k) for k in table}
+    missing = [k.value for k in ActionKind if k not in keys]
+    if missing or len(keys) != len(table):
+        raise TypeError(f"{interpreter} has no implementation of action kinds {missing}: every "
+                        "ActionKind needs one in each interpreter (runtime and simulator)")
+
+
+COMPUTE_KINDS = tuple(k.value for k, s in ACTION_SPECS.items() if s.stream == "compute")
+TRANSFER_KINDS = tuple(k.value for k, s in ACTION_SPECS.items() if s.payloads)
+HOST_KINDS = tuple(k.value for k, s in ACTION_SPECS.items() if s.stream == "host")
+ACTION_KINDS = tuple(k.value for k in ActionKind)
+_STREAM_OF = {k.value: s.stream for k, s in ACTION_SPECS.items()}
+_COMPUTES = frozenset(k.value for k, s in ACTION_SPECS.items() if s.computes)
 
 # Stream names match rpcompile.runtime.workers.STREAMS (plus the host queue).
 STREAMS = ("compute", "weight_upload", "activation_upload", "download", "host")
@@ -325,14 +391,16 @@ class Action:
     chunks: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.kind, ActionKind):  # kept as the plain string: cheap to hash
+            object.__setattr__(self, "kind", self.kind.value)
         if self.kind not in ACTION_KINDS:
             raise ValueError(f"unknown action kind {self.kind!r}; expected one of {ACTION_KINDS}")
         if (self.worker is None) != (self.kind in HOST_KINDS):
             raise ValueError(f"{self.kind} actions run on {'the host' if self.kind in HOST_KINDS else 'a worker'}")
         if self.kind == "UP" and self.what is None:
             object.__setattr__(self, "what", "weights")
-        if self.kind in TRANSFER_KINDS:
-            allowed = ("weights",) if self.kind == "UP" else PAYLOADS[1:]
+        allowed = ACTION_SPECS[self.kind].payloads  # type: ignore[index]
+        if allowed:
             if self.what not in allowed:
                 raise ValueError(f"{self.kind} carries one of {allowed}, not {self.what!r}")
         elif self.what is not None:
@@ -344,15 +412,7 @@ class Action:
 
     @property
     def stream(self) -> str:
-        if self.kind in COMPUTE_KINDS:
-            return "compute"
-        if self.kind in HOST_KINDS:
-            return "host"
-        if self.kind == "UP":
-            return "weight_upload"
-        if self.kind == "H2D":
-            return "activation_upload"
-        return "download"
+        return _STREAM_OF[self.kind]
 
     @property
     def priority(self) -> str | None:
@@ -363,7 +423,7 @@ class Action:
 
     @property
     def is_compute(self) -> bool:
-        return self.kind in ("F", "T", "B")
+        return self.kind in _COMPUTES
 
     def short(self) -> str:
         """The string form without the worker, for grid cells."""

@@ -75,10 +75,13 @@ def test_optimizer_step_failing_at_each_group_is_undone(qwen3, monkeypatch, mode
 
             with monkeypatch.context() as patch:
                 patch.setattr(torch.optim.AdamW, "step", broken)
-                trainer.step(data[1])  # its update runs after it returns (sync) or during
-                start = time.monotonic()  # the next step (async)
+                # Sync: the update is the step's own OPT actions, so the step fails. Async:
+                # it runs after the step returns and fails the next one.
+                if mode == "async":
+                    trainer.step(data[1])
+                start = time.monotonic()
                 with pytest.raises(StepFailed) as info:
-                    trainer.step(data[2])
+                    trainer.step(data[1] if mode == "sync" else data[2])
                 assert time.monotonic() - start < 10
             err = info.value
             assert err.step == 1 and err.stream == "the optimizer update"
@@ -92,7 +95,9 @@ def test_optimizer_step_failing_at_each_group_is_undone(qwen3, monkeypatch, mode
 
 def test_optimizer_failure_met_by_state_dict_then_close(qwen3, monkeypatch):  # noqa: F811
     data = batches(2, 6)
-    trainer = Trainer(qwen3, SGD, device="virtual", timeout_s=60)
+    # Async: the failing update runs after step() returned, so state_dict() meets it (a sync
+    # update is the step's own action: the step itself fails, tested above).
+    trainer = Trainer(qwen3, SGD, device="virtual", timeout_s=60, mode="async")
     trainer.step(data[0])
     masters, opt_state = _snapshot(trainer)
 

@@ -4,9 +4,9 @@ Each case compiles a shipped model on the ``meta`` device (no weights) exactly a
 plan`` does, then compares with the files in ``tests/golden/plans/``:
 
 - ``<case>.json``: the stage table, the proven per-worker device-memory peaks, and the
-  simulator's figures for the lowered schedule ``Compiled.schedule`` (one step: makespan,
-  tokens/s, bubble split; for the async optimizer also the steady-state step of overlapping
-  steps);
+  simulator's figures for the lowered schedule ``Compiled.schedule`` (the one the runtime
+  runs: one dealing period of steps; makespan, tokens/s, bubble split; for the async
+  optimizer also the steady-state step of overlapping steps);
 - ``<case>.schedule.csv``: ``Compiled.schedule``, action by action, with its edges.
 
 A change that is meant to change a plan, a schedule or a figure regenerates the files with

@@ -287,7 +287,7 @@ def test_optimizer_thread_error_surfaces_with_context():
     driver.close()
 
 
-def test_discard_step_keeps_masters_only_without_eager_updates():
+def test_discard_step_keeps_masters_unless_an_update_was_not_saved():
     model = _model()
     store = _roundpipe_store(model)
     driver = OptimizerDriver(store, OPTIMIZERS["adamw_fused"], eager_updates=False)
@@ -306,9 +306,19 @@ def test_discard_step_keeps_masters_only_without_eager_updates():
     eager.accumulate_grad(1, torch.ones(eager.store.stages[1].layout.grad_numel))
     eager.stage_done(1)
     eager.wait(timeout=10)
-    with pytest.raises(RuntimeError, match="already been updated"):
-        eager.discard_step()
+    assert not torch.equal(eager.store.master, before)  # group 1 was updated eagerly ...
+    eager.discard_step()
+    assert torch.equal(eager.store.master, before)  # ... and put back from the journal
     eager.close()
+    unsaved = OptimizerDriver(_roundpipe_store(model), OPTIMIZERS["adamw_fused"],
+                              rollback=False)
+    unsaved.begin_step()
+    unsaved.accumulate_grad(1, torch.ones(unsaved.store.stages[1].layout.grad_numel))
+    unsaved.stage_done(1)
+    unsaved.wait(timeout=10)
+    with pytest.raises(RuntimeError, match="already been updated"):
+        unsaved.discard_step()
+    unsaved.close()
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

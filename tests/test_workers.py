@@ -274,21 +274,23 @@ def test_streams_are_the_four_named_ones(workers):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_cuda_worker_orders_streams_with_cuda_events_and_accounts_memory():
-    from rpcompile.runtime.transfers import Priority, TransferEngine
-
     a, b = CudaWorker(0, capacity_bytes=1 << 30), CudaWorker(1, device_index=0)
     try:
+        # Transfers as the executor makes them: a copy inside an item on the transfer stream.
         host = torch.randn(1 << 20)
-        engine = TransferEngine(a, chunk_bytes=1 << 20)
-        up = engine.h2d(host, label="weights", tag="s0 weights")
-        assert up.dst.device.type == "cuda" and a.memory_in_use == host.numel() * 4
-        a.wait("compute", up.done)
+        up = a.alloc(shape=host.shape, dtype=host.dtype, tag="s0 weights")
+        a.submit("weight_upload", lambda: (a.copy_(up, host), a.complete_copies()), label="UP")
+        uploaded = a.record("weight_upload", "UP done")
+        assert up.device.type == "cuda" and a.memory_in_use == host.numel() * 4
+        a.wait("compute", uploaded)
         out = a.alloc(shape=host.shape, dtype=host.dtype, tag="out")
-        a.submit("compute", lambda: torch.mul(up.dst, 2, out=out), label="F1")
+        a.submit("compute", lambda: torch.mul(up, 2, out=out), label="F1")
         ready = a.record("compute", "F1 out")
-        down = engine.d2h(out, after=[ready], priority=Priority.CRITICAL, label="act")
-        down.done.wait(timeout=30)
-        assert down.dst.is_pinned() and torch.equal(down.dst, host * 2)
+        down = a.host_empty(host.shape, host.dtype)
+        a.wait("download", ready)
+        a.submit("download", lambda: (a.copy_(down, out), a.complete_copies()), label="D2H")
+        a.synchronize(timeout=30)
+        assert down.is_pinned() and torch.equal(down, host * 2)
         # Cross-worker: b's compute waits on a's CUDA event on the device.
         result = b.alloc(shape=host.shape, dtype=host.dtype, tag="b out")
         b.wait("compute", ready)
@@ -297,7 +299,6 @@ def test_cuda_worker_orders_streams_with_cuda_events_and_accounts_memory():
         assert torch.equal(result.cpu(), host * 2 + 1)
         with pytest.raises(WorkerOutOfMemory, match="cuda0"):
             a.alloc(1 << 30, tag="too big")
-        engine.close()
     finally:
         a.shutdown()
         b.shutdown()

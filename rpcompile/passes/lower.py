@@ -32,12 +32,14 @@ from rpcompile.passes.validate import validate as check
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LOWERING_PASSES",
+    "UPDATE_ORDERS",
     "add_activation_transfers",
     "add_events",
     "add_gradient_downloads",
     "add_optimizer",
     "add_weight_uploads",
     "lower",
+    "updates_deferred",
 ]
 
 LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "events")
@@ -295,8 +297,20 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
 
-def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage]) -> Schedule:
+UPDATE_ORDERS = ("overlap", "deferred")
+
+
+def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
+                  updates: str = "overlap") -> Schedule:
     """OPT per stage with gradients, SHADOW per stage whose parameters changed, and their edges.
+
+    ``updates`` (sync mode) is when a step's updates run, the one decision the runtime and
+    the simulator both read from the host queue's order: ``overlap`` (default) puts OPT(s, k)
+    right after the last round's ACC of s, so it runs while later backward jobs compute (the
+    runtime saves what each update changes and puts it back if the step fails);
+    ``deferred`` puts every OPT and SHADOW of step k after step k's last ACC, so no update
+    reads a gradient before the whole step's gradients are home (needed by clipping, loss
+    scaling and skipping non-finite steps, which look at all of them first).
 
     OPT(s, k) follows the last round's ACC of s (``accumulated``). A stage's shadow (the flat
     low-precision buffer UP reads) is rewritten once every OPT over parameters it holds is done
@@ -336,6 +350,16 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage]) -> Schedule:
                 host.append(sh)
                 shadows[(x, k)] = sh
                 edges += [Edge(opts[(y, k)], sh, "updated") for y in ys]
+    if updates not in UPDATE_ORDERS:
+        raise ValueError(f"updates must be one of {UPDATE_ORDERS}, got {updates!r}")
+    if updates == "deferred":
+        if sched.optimizer != "sync":
+            raise ValueError("updates='deferred' is a sync-mode order (async updates already "
+                             "read one step's gradients while the next step computes)")
+        by_step: dict[int, tuple[list[Action], list[Action]]] = {}
+        for a in host:
+            by_step.setdefault(a.step, ([], []))[a.kind != "ACC"].append(a)
+        host = [a for k in sorted(by_step) for part in by_step[k] for a in part]
     lag = 1 if sched.optimizer == "sync" else 2
     for lst in sched.actions:
         for up in lst:
@@ -349,6 +373,20 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage]) -> Schedule:
                 edges.append(Edge(up, war, "shadow_read"))
     return sched.replace(host=tuple(host), edges=tuple(edges),
                          passes=(*sched.passes, "optimizer"))
+
+
+def updates_deferred(sched: Schedule) -> bool:
+    """Whether every OPT of each step comes after that step's last ACC in the host queue
+    (``add_optimizer(updates="deferred")``): then no update reads a gradient before all of
+    the step's gradients are home."""
+    last_acc: dict[int, int] = {}
+    first_opt: dict[int, int] = {}
+    for i, a in enumerate(sched.host):
+        if a.kind == "ACC":
+            last_acc[a.step] = i
+        elif a.kind == "OPT":
+            first_opt.setdefault(a.step, i)
+    return all(first_opt[k] > last_acc.get(k, -1) for k in first_opt)
 
 
 # --------------------------------------------------------------------------------------------
@@ -400,18 +438,20 @@ def add_events(sched: Schedule) -> Schedule:
 
 def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
           chunk_bytes: int = DEFAULT_CHUNK_BYTES, passes: Sequence[str] | None = None,
-          validate: bool = True) -> tuple[Schedule, tuple[PassRecord[Schedule], ...]]:
+          validate: bool = True, updates: str = "overlap",
+          ) -> tuple[Schedule, tuple[PassRecord[Schedule], ...]]:
     """Run the lowering passes (default: all of :data:`LOWERING_PASSES` for RoundPipe, only
     ``transfers`` and ``events`` for the weight-bound baselines) through a :class:`PassManager`
-    that validates the input (as pass ``dispatch``) and the output of each pass. Returns the
-    lowered schedule and one record per pass."""
+    that validates the input (as pass ``dispatch``) and the output of each pass. ``updates``
+    is the sync update order (:func:`add_optimizer`). Returns the lowered schedule and one
+    record per pass."""
     if passes is None:
         passes = LOWERING_PASSES if schedule.stage_workers is None else _BASELINE_PASSES
     table = {
         "upload": lambda s: add_weight_uploads(s, plan, chunk_bytes),
         "transfers": add_activation_transfers,
         "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes),
-        "optimizer": lambda s: add_optimizer(s, plan),
+        "optimizer": lambda s: add_optimizer(s, plan, updates),
         "events": add_events,
     }
     unknown = [p for p in passes if p not in table]

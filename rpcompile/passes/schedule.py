@@ -12,13 +12,15 @@ producer -> consumer). :mod:`rpcompile.passes.lower` adds transfers, optimizer w
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from rpcompile.ir import Action, Edge, Flow, Plan, Schedule, Stage
 
 __all__ = [
-    "SCHEDULE_KINDS", "build_schedule", "dispatch_period", "roundpipe_jobs", "steady_window",
+    "SCHEDULE_KINDS", "build_schedule", "deal", "dispatch_period", "roundpipe_jobs",
+    "steady_window",
 ]
 
 SCHEDULE_KINDS = ("roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs")
@@ -72,22 +74,28 @@ def build_schedule(
 # --------------------------------------------------------------------------------------------
 
 
-def roundpipe_jobs(num_stages: int, workers: int, rounds: int, steps: int,
-                   ) -> list[tuple[int, int, int, int]]:
-    """(worker, stage, round, step) of every job in dispatch order.
+def deal(num_stages: int, workers: int, rounds: int) -> Iterator[tuple[int, int, int, int]]:
+    """(worker, stage, round, step) of every job in dispatch order, step after step without
+    end: THE round-robin counter (the dispatch pass and the partitioner's ranking model both
+    deal from here).
 
     A round's jobs are the stages in index order (F1..Fp, B1 the fused tail, B2..Bq). The
     global counter runs over (step, round, stage) and never restarts, so a round that does not
     divide evenly among the workers continues where the previous one stopped.
     """
-    jobs = []
     counter = 0
-    for k in range(steps):
+    for k in itertools.count():
         for r in range(rounds):
             for s in range(num_stages):
-                jobs.append((counter % workers, s, r, k))
+                yield counter % workers, s, r, k
                 counter += 1
-    return jobs
+
+
+def roundpipe_jobs(num_stages: int, workers: int, rounds: int, steps: int,
+                   ) -> list[tuple[int, int, int, int]]:
+    """The first ``steps`` steps of :func:`deal`."""
+    return list(itertools.islice(deal(num_stages, workers, rounds),
+                                 num_stages * rounds * steps))
 
 
 def dispatch_period(jobs_per_step: int, workers: int) -> int:

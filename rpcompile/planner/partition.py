@@ -25,7 +25,7 @@ from functools import cache
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
 from rpcompile.passes.memory import format_bytes, worker_peaks
-from rpcompile.passes.schedule import steady_window
+from rpcompile.passes.schedule import deal, steady_window
 
 __all__ = ["PartitionError", "StageCosting", "build_plan", "partition", "predict_step_ms"]
 
@@ -663,16 +663,16 @@ def _dispatch_ends(stages: Sequence[Stage], hardware: Hardware, workers: int,
     free = [0.0] * workers  # when the worker's compute is free
     last_start = [0.0] * workers  # start of the worker's previous job (prefetch may begin)
     link_free = [0.0] * workers
-    counter = 0
+    dealt = deal(len(stages), workers, rounds)  # the dispatch pass's own counter
     while True:
         end_time = 0.0
         for _r in range(rounds):
             prev_done: list[float] | None = None
             prev_worker = -1
             prev_out = 0
-            for st in stages:
-                w = counter % workers
-                counter += 1
+            for position, st in enumerate(stages):
+                w, dealt_stage, _, _ = next(dealt)
+                assert dealt_stage == position  # the model walks the jobs in dealing order
                 up_start = max(link_free[w], last_start[w])
                 up_done = up_start + hardware.h2d_ms(st.weight_bytes)
                 link_free[w] = up_done

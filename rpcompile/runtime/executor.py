@@ -32,17 +32,20 @@ reference's order too.
 **Steps and failure.** ``run_step`` runs the actions of one schedule step (``step % steps``;
 the trainer builds a schedule whose step count makes the round-robin counter continue across
 steps) and returns when every stream has drained: steps are separated by a barrier, and edges
-from an earlier step count as satisfied. The optimizer driver is given the step's gradients
-(``ACC`` -> ``accumulate_grad``, ``OPT`` -> ``stage_done``) and rewrites the shadows itself
-(``SHADOW`` is a marker here); ``UP`` waits for the driver's shadow event of its stage. When
-any item fails, a run-level abort flag makes every other wait give up, every stream drains, the
-workers are recovered and device memory freed, the driver discards the step's gradients, and
-:class:`StepFailed` is raised naming the worker, stream, stage, microbatch, round and action.
-Whether the masters keep their pre-step values depends on the driver: in sync mode the trainer
-builds it with ``eager_updates=False`` (nothing is applied before the step completes); in async
-mode the failed step's gradients are dropped and the previous step's update (already owed)
-still completes, so the masters equal what ``state_dict()`` returned before the failed step.
-A failed optimizer update is undone by the driver and raised once, by the next step, as
+from an earlier step count as satisfied. ``ACC``, ``OPT`` and ``SHADOW`` are the optimizer
+driver's ``accumulate_grad``, ``update`` and ``refresh`` in sync mode, run where the schedule
+puts them (``add_optimizer(updates=)``: overlapping the step's later backward jobs, or after
+its last gradient when clipping, loss scaling or skipping non-finite steps must see them all
+first, done at the first ``OPT``). The driver saves what each update and refresh changes, so
+when any item fails, a run-level abort flag makes every other wait give up, every stream
+drains, the workers are recovered and device memory freed, the driver puts the step's updates
+back and discards its gradients, and :class:`StepFailed` is raised naming the worker, stream,
+stage, microbatch, round and action: masters, optimizer state and shadows are as before the
+step. In async mode ``OPT`` reports the stage to the driver's thread, which runs update ``k``
+after the step (an ``UP`` waits for the driver's shadow event of its stage); a failed step's
+gradients are dropped and the previous step's update (already owed) still completes, so the
+masters equal what ``state_dict()`` returned before the failed step.
+A failed async update is undone by the driver and raised once, by the next step, as
 :meth:`StepFailed.from_update`. One deadline (``timeout_s``, the watchdog) covers a step's host
 waits and its drain; past it the step raises :class:`StepTimeout` the same way, and a worker
 whose stream is stuck in an item (user code cannot be interrupted) or whose thread died is
@@ -52,11 +55,10 @@ trainer's ``close()`` from another thread) ends a running step with :class:`Step
 
 **Transfers** are copies made by the action itself on its stream (one per contiguous segment
 for UP, one per tensor of a value for H2D/D2H; bulk ones, UP and D2H grad, in the action's
-``chunks`` pieces, each completed before the next), in the stream's list order; uploads of weights
-and of activations run on different stream threads, so a weight upload never delays an
-activation on a virtual worker. The chunked, prioritised :mod:`~rpcompile.runtime.transfers`
-engine is not used: it needs its source and destination when a transfer is submitted, and here
-they exist only once the producing action has run.
+``chunks`` pieces, each completed before the next), in the stream's list order;
+uploads of weights and of activations run on different stream threads, so a weight upload
+never delays an activation on a virtual worker. This is the only transfer path, and the
+chunk size is set once, by the lowering (``rpcompile.passes.lower.DEFAULT_CHUNK_BYTES``).
 
 **Device memory** accounted on each worker: the weight slots, the buffers uploaded with them
 and each job's fp32 gradient buffer (``Worker.alloc``), plus every activation or value gradient
@@ -68,7 +70,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,8 +78,8 @@ import torch
 from torch import fx
 
 from rpcompile.capture.batch import split_batch
-from rpcompile.ir import Action, Schedule
-from rpcompile.passes.lower import LOWERING_PASSES
+from rpcompile.ir import Action, ActionKind, Schedule, check_registry
+from rpcompile.passes.lower import LOWERING_PASSES, updates_deferred
 from rpcompile.passes.split import StageProgram
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.errors import (
@@ -94,7 +96,8 @@ from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.reference import loss_divisor, run_backward_microbatch, stage_arguments
 from rpcompile.runtime.workers import Event, Worker
 
-__all__ = ["Executor", "StepAborted", "StepFailed", "StepResult", "StepTimeout"]
+__all__ = ["RUNTIME_ACTIONS", "Executor", "StepAborted", "StepFailed", "StepResult",
+           "StepTimeout"]
 
 _HOST_VALUES = ("ids", "labels")  # schedule values that live on the host from the start
 
@@ -152,8 +155,8 @@ class StepFailed(RuntimeFault):
         undone = getattr(error, "rolled_back", False)
         message = (
             f"Update {step} was undone: masters, optimizer state and shadows are as they were "
-            f"before step {step}, and the step counter is back at {step} (that step's loss was "
-            "returned, its update never happened); fix the cause and call step() again."
+            f"before step {step}, and the step counter is back at {step} (its update never "
+            "happened); fix the cause and call step() again."
             if undone else
             "The update could not be undone (rollback=False or the undo failed): masters may "
             "hold a partial update; load a checkpoint.")
@@ -351,6 +354,14 @@ class _Run:
         self.start = time.perf_counter()
         self.timeline: dict[Action, tuple[float, float]] = {}
         self.loss_scale = 1.0  # the tail's backward starts from loss * loss_scale
+        # The step's gradient checks, made once every gradient is home (sync deferred: at
+        # the first OPT; otherwise after the drain): non-finite jobs, skipped, the norm.
+        self.checked = False
+        self.bad: tuple[tuple[str, int], ...] = ()
+        self.skipped = False
+        self.grad_norm: float | None = None
+        self.loss: torch.Tensor | None = None  # the step's loss (data parallel: every rank's)
+        self.found = False  # a non-finite gradient on this rank (data parallel: on any rank)
         self.deadline: float | None = None  # time.monotonic() the watchdog fires at
         self.workers: Sequence[Worker] = ()
         self.root: tuple[str, BaseException] | None = None  # a failure outside any action
@@ -362,7 +373,7 @@ class _Run:
 
     def timed(self, executor: Executor, a: Action) -> None:
         begin = time.perf_counter()
-        getattr(executor, "_do_" + a.kind)(self, a)
+        _RUNTIME[a.kind](executor, self, a)
         self.timeline[a] = ((begin - self.start) * 1e3, (time.perf_counter() - self.start) * 1e3)
 
     def abort_requested(self) -> bool:
@@ -475,19 +486,33 @@ class Executor:
                  skip_nonfinite: bool = False,
                  loss_scaler: DynamicLossScaler | None = None,
                  max_grad_norm: float | None = None, reducer: Any = None) -> None:
-        if loss_scaler is not None and (driver.mode != "sync" or driver.eager_updates):
-            raise ValueError("loss scaling needs mode='sync' and a driver built with "
-                             "eager_updates=False (an update must not read the gradients "
-                             "before they are unscaled)")
-        if max_grad_norm is not None and driver.eager_updates:
+        if loss_scaler is not None and driver.mode != "sync":
+            raise ValueError("loss scaling needs mode='sync' (an update must not read the "
+                             "gradients before they are unscaled)")
+        if max_grad_norm is not None and driver.mode == "async" and driver.eager_updates:
             raise ValueError("max_grad_norm needs a driver built with eager_updates=False (an "
                              "update must not read the gradients before they are clipped)")
+        # Sync updates are the schedule's OPT actions: where they sit in the host queue is
+        # when they run. Clipping, loss scaling and skipping a non-finite step look at all
+        # of the step's gradients before any update, so they need the deferred order.
+        self.deferred = schedule.optimizer == "sync" and updates_deferred(schedule)
+        needs = [name for name, on in (("max_grad_norm", max_grad_norm is not None),
+                                       ("loss_scale", loss_scaler is not None),
+                                       ("skip_nonfinite", skip_nonfinite),
+                                       ("process_group (data parallel: an update reads the "
+                                        "gradients summed over every rank)",
+                                        reducer is not None)) if on]
+        if schedule.optimizer == "sync" and needs and not self.deferred:
+            raise ValueError(
+                f"{', '.join(needs)} must see every gradient of the step before any update, "
+                "but this schedule runs sync updates while later backward jobs compute; lower "
+                "it with updates='deferred' (rpcompile.passes.lower.lower)")
         self.kernels = kernels
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
         self.max_grad_norm = max_grad_norm
         # Data parallel across ranks (rpcompile.runtime.distributed.DataParallel): told when a
-        # gradient stage is home (OPT) and waited once the step has drained.
+        # stage's gradients are home (its last ACC), waited before any update reads them.
         self.reducer = reducer
         self.compiled = compiled
         self.workers = list(workers)
@@ -630,7 +655,11 @@ class Executor:
             self._scaler_before[k] = self.loss_scaler.state_dict()
             for old in [j for j in self._scaler_before if j < k - 1]:
                 del self._scaler_before[old]  # updates before k - 1 are complete
-        shadow_ready = {s: self.driver.shadow_event(s) for s in range(len(self.programs))}
+        # Async updates still run on the driver's thread after the step: an upload waits for
+        # the shadow it reads there. Sync updates and refreshes are the schedule's own OPT and
+        # SHADOW actions, ordered by its edges alone.
+        shadow_ready = ({s: self.driver.shadow_event(s) for s in range(len(self.programs))}
+                        if self.driver.mode == "async" else {})
         run = _Run(plan, parts, shadow_ready, len(self.workers))
         run.deadline = deadline
         run.workers = self.workers
@@ -676,62 +705,65 @@ class Executor:
                 if update_error is not None:
                     error.add_note(str(StepFailed.from_update(update_error)))
             raise error from error.__cause__
-        bad = tuple(sorted((self.programs[s].name, r) for (s, r), flag in run.nonfinite.items()
-                           if int(flag.item())))
-        losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
-                  for m in range(self.compiled.microbatches)]
-        loss = torch.stack(losses).sum() / loss_divisor(self.compiled.capture, total)
-        found = bool(bad)
-        if self.reducer is not None:
-            left = None if deadline is None else deadline - time.monotonic()
-            try:
-                loss, found = self.reducer.finish(loss, found, left)
-            except BaseException:
-                self.driver.discard_step()
-                raise
-        skipped = found and (self.skip_nonfinite or self.loss_scaler is not None)
         try:
-            grad_norm = self._finish(run, skipped, found)
+            self._check_grads(run)
+            if self.loss_scaler is not None:
+                self.loss_scaler.update(run.found)
+            if run.skipped:
+                self.driver.discard_step()
+            elif self.driver.mode == "sync":
+                self.driver.commit_step()
+            else:
+                self.driver.finish_step()
         except BaseException as exc:
             if self.driver._open is None:  # handed to the driver (or skipped) before it came
                 self.steps_run += 1
                 raise
-            # Unscaling, clipping or closing the step failed (or an interrupt came): nothing
-            # was applied; the step is discarded and the scaler put back, as for any failure.
+            # Agreeing with the other ranks, unscaling, clipping or closing the step failed (or
+            # an interrupt came): the step is discarded (its journal undoes any update) and the
+            # scaler put back, as for any failure.
+            if self.reducer is not None:
+                self.reducer.abandon(f"step {self.steps_run} failed on this rank")
             interrupts = [exc] if isinstance(exc, _INTERRUPTS) else []
             if self.loss_scaler is not None and k in self._scaler_before:
                 self.loss_scaler.load_state_dict(self._scaler_before.pop(k))
             _uninterrupted(self._discard_open, interrupts, run)
             if interrupts:
                 raise interrupts[0] from None
+            if isinstance(exc, StepFailed):  # already named (another rank failed)
+                raise
             raise StepFailed(None, None, None, exc, where="the host, closing the step",
                              step=self.driver.step) from exc
         # The schedule step ran to the end either way: the round-robin dealing continues.
         self.steps_run += 1
-        return StepResult(loss, plan.step, time.perf_counter() - start, peaks, left_over,
-                          run.timeline, found_nonfinite=found, nonfinite_jobs=bad,
-                          skipped=skipped, grad_norm=grad_norm)
+        return StepResult(run.loss, plan.step, time.perf_counter() - start, peaks, left_over,
+                          run.timeline, found_nonfinite=run.found, nonfinite_jobs=run.bad,
+                          skipped=run.skipped, grad_norm=run.grad_norm)
 
-    def _finish(self, run: _Run, skipped: bool, nonfinite: bool) -> float | None:
-        """After every action succeeded: move the loss scale, unscale and clip the gradients,
-        then hand the step to the driver (or discard it when skipped); the gradient norm."""
+    def _check_grads(self, run: _Run) -> None:
+        """Once per step, when every gradient is home and before any update reads one: find
+        the non-finite jobs, the step's loss (data parallel: agreed with the other ranks once
+        the gradient all-reduces are done), decide whether the step is skipped, unscale (loss
+        scaling) and clip in place, as clip_grad_norm_ after a full backward."""
+        if run.checked:
+            return
+        run.checked = True
+        run.bad = tuple(sorted((self.programs[s].name, r)
+                               for (s, r), flag in run.nonfinite.items() if int(flag.item())))
+        total = self.compiled.microbatches * self.compiled.rounds
+        losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
+                  for m in range(self.compiled.microbatches)]
+        run.loss = torch.stack(losses).sum() / loss_divisor(self.compiled.capture, total)
+        run.found = bool(run.bad)
+        if self.reducer is not None:
+            run.loss, run.found = self.reducer.finish(run.loss, run.found, run.left())
+        run.skipped = run.found and (self.skip_nonfinite or self.loss_scaler is not None)
+        if run.skipped:
+            return
         if self.loss_scaler is not None:
-            self.loss_scaler.update(nonfinite)
-            if not skipped:
-                # Nothing has been applied yet (sync, no eager updates): unscale the whole
-                # step's gradients before the update starts.
-                self.loss_scaler.unscale_([self.store.grad], scale=run.loss_scale)
-        grad_norm = None
-        if self.max_grad_norm is not None and not skipped:
-            # Every gradient of the step is home and no update has read it yet (sync updates
-            # wait for finish_step; async update k-1 consumed its gradients before this step's
-            # first accumulation): clip in place, as clip_grad_norm_ after a full backward.
-            grad_norm = clip_grad_norm(self.store, self.compiled.model, self.max_grad_norm)
-        if skipped:
-            self.driver.discard_step()
-        else:
-            self.driver.finish_step()
-        return grad_norm
+            self.loss_scaler.unscale_([self.store.grad], scale=run.loss_scale)
+        if self.max_grad_norm is not None:
+            run.grad_norm = clip_grad_norm(self.store, self.compiled.model, self.max_grad_norm)
 
     def _discard_open(self) -> None:
         if self.driver._open is not None:
@@ -743,7 +775,7 @@ class Executor:
         try:
             for src in run.plan.waits.get(a, ()):
                 run.events[src].wait_recorded(abort=run.abort_requested)
-            if a.kind == "UP":
+            if a.kind == "UP" and run.shadow_ready:
                 run.shadow_ready[a.stage].wait_recorded(abort=run.abort_requested)
             if run.aborted:
                 raise WorkerAborted(f"step aborted before '{a}' ran")
@@ -869,6 +901,8 @@ class Executor:
             cause = host_error or RuntimeFault("step failed without a recorded cause")
             return StepFailed(None, None, None, cause, where="the host", step=self.driver.step)
         action, cause = roots[0]
+        if isinstance(cause, OptimizerError):  # a sync OPT: the driver undid the update
+            return StepFailed.from_update(cause)
         others = [f"'{a}': {type(e).__name__}" for a, e in run.failures if a is not action][:8]
         worker = None if action.worker is None else self.workers[action.worker].name
         return StepFailed(action, self.programs[action.stage].name, worker, cause, others)
@@ -1118,17 +1152,44 @@ class Executor:
     # -- host --------------------------------------------------------------------------------
     def _do_ACC(self, run: _Run, a: Action) -> None:
         self.driver.accumulate_grad(a.stage, run.host_grads.pop((a.stage, a.round)))
-
-    def _do_OPT(self, run: _Run, a: Action) -> None:
-        self.driver.stage_done(a.stage)
-        if self.reducer is not None:
+        if self.reducer is not None and a.round == self.compiled.rounds - 1:
+            # The stage's last job of the step is home: its gradients' all-reduce starts now,
+            # overlapping the backward jobs still running.
             self.reducer.stage_done(a.stage)
 
+    def _do_OPT(self, run: _Run, a: Action) -> None:
+        if self.driver.mode == "async":
+            # Async: the driver's thread runs update k after step k (module doc).
+            self.driver.stage_done(a.stage)
+            return
+        if self.deferred:
+            self._check_grads(run)  # every ACC of the step ran before this first OPT
+        if not run.skipped:
+            self.driver.update(a.stage)  # now, on this thread; undone if the step fails
+
     def _do_SHADOW(self, run: _Run, a: Action) -> None:
-        # The driver rewrites the shadows itself (sync: after each group's update, when the
-        # step is complete; async: before the next update starts), and the next step's UPs
-        # wait for driver.shadow_event(stage); here the rewrite has no work of its own.
-        return
+        # Async: the driver rewrites the shadow before its update starts (module doc).
+        if self.driver.mode == "sync" and not run.skipped:
+            self.driver.refresh(a.stage)
+
+
+# The runtime half of each action kind's record (rpcompile.ir.ACTION_SPECS is the other):
+# one implementation per ActionKind, checked complete at import. The entries call the method
+# by name when they run, so a test (or a fault injector) patching Executor._do_X reaches it.
+RUNTIME_ACTIONS: Mapping[ActionKind, Callable[[Executor, _Run, Action], None]] = {
+    ActionKind.F: lambda ex, run, a: ex._do_F(run, a),
+    ActionKind.T: lambda ex, run, a: ex._do_T(run, a),
+    ActionKind.B: lambda ex, run, a: ex._do_B(run, a),
+    ActionKind.EVICT: lambda ex, run, a: ex._do_EVICT(run, a),
+    ActionKind.UP: lambda ex, run, a: ex._do_UP(run, a),
+    ActionKind.H2D: lambda ex, run, a: ex._do_H2D(run, a),
+    ActionKind.D2H: lambda ex, run, a: ex._do_D2H(run, a),
+    ActionKind.ACC: lambda ex, run, a: ex._do_ACC(run, a),
+    ActionKind.OPT: lambda ex, run, a: ex._do_OPT(run, a),
+    ActionKind.SHADOW: lambda ex, run, a: ex._do_SHADOW(run, a),
+}
+check_registry(RUNTIME_ACTIONS, "the runtime executor")
+_RUNTIME = {k.value: fn for k, fn in RUNTIME_ACTIONS.items()}  # keyed by Action.kind's string
 
 
 def clip_grad_norm(store: HostStore, model: torch.nn.Module, max_norm: float) -> float:

@@ -22,7 +22,14 @@ computed at weights ``w``:
   RoundPipe. Update ``k`` runs in the background during step ``k+1``, which computes with the
   shadow written just before update ``k`` starts (``w_k``).
 
-**The caller's contract** (the executor follows it):
+**The schedule's actions (sync mode, what the executor runs).** ``begin_step()``; per job
+``accumulate_grad(stage, flat)`` (``ACC``); ``update(stage)`` (``OPT``: every group whose
+gradient stages are all done is stepped now, on the caller's thread); ``refresh(stage)``
+(``SHADOW``); ``commit_step()`` when the step completed, ``discard_step()`` when it failed
+(both put back or drop the journal below). The lowering decides where these run; the driver
+adds no wait and no order of its own.
+
+**The thread contract** (async steps, and callers without a schedule):
 
 1. ``begin_step()``; then for each job, wait ``shadow_event(stage)`` before uploading the
    stage's shadow.
@@ -38,7 +45,7 @@ Hyperparameters (``param_groups`` entries: lr, betas, ...) are snapshotted at ``
 update ``k`` uses what was set when step ``k`` began, even if an LR scheduler changes them
 while an async update is still running.
 
-**Failure atomicity.** Before a group is stepped the thread saves what the update will change
+**Failure atomicity.** Before a group is stepped the driver saves what the update will change
 (the group's masters, their optimizer state, their shadow; in async mode the shadow before the
 refresh), so an exception anywhere in update ``k`` (the user's ``step()`` at any group, the
 refresh, the zeroing) is undone: every group of update ``k`` already applied is restored, the
@@ -318,6 +325,66 @@ class OptimizerDriver:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return Event.all_of(state.group_done, f"update {state.step}")
 
+    # -- the schedule's host actions (sync mode) -------------------------------------------
+    def update(self, stage: int) -> None:
+        """``OPT``: all of this step's gradients from ``stage`` are home; update, now and on the
+        calling thread, every group whose gradient stages are all done. What the update
+        changes (masters, optimizer state) is saved first and kept until :meth:`commit_step`
+        (or put back by :meth:`discard_step`), so an update the schedule runs while later
+        backward jobs still compute leaves the masters as they were if the step fails."""
+        state = self._require_open()
+        if self.mode != "sync":
+            raise RuntimeError("update() is the sync mode's OPT; async updates run through "
+                               "stage_done()/finish_step()")
+        if not self._is_grad_stage(stage):
+            return
+        with self._lock:
+            state.done_stages.add(stage)
+            ready = [g for g in self.groups
+                     if not state.scheduled[g.index] and g.stages <= state.done_stages]
+            for g in ready:
+                state.scheduled[g.index] = True
+        for group in ready:
+            try:
+                self._apply(group, state, refresh=False)
+            except BaseException as exc:
+                state.failed = True
+                error = OptimizerError(f"update {state.step}, group {group.label} failed: "
+                                       f"{type(exc).__name__}: {exc}")
+                error.step = state.step  # type: ignore[attr-defined]
+                error.label = group.label  # type: ignore[attr-defined]
+                error.rolled_back = self.rollback  # type: ignore[attr-defined]
+                raise error from exc
+
+    def refresh(self, stage: int) -> None:
+        """``SHADOW``: rewrite ``stage``'s shadow (what its UP reads) from the masters, saving
+        the old values first (undone by :meth:`discard_step`, like the updates)."""
+        state = self._require_open()
+        if self.rollback:
+            journal = state.journal = state.journal or _Journal()
+            for index in self.store.stages[stage].layout.slots:
+                slot = self.store.slots[index]
+                if slot.trainable and index not in journal.shadows:
+                    journal.shadows[index] = self.store.shadow_of(slot.name).clone()
+        self.store.refresh_shadow(stage)
+
+    def commit_step(self) -> Event:
+        """End a sync step whose OPT and SHADOW actions all ran: the saved copies are dropped
+        (the update is kept) and the step counter advances. Returns the (set) update event."""
+        state = self._require_open()
+        missing = self._grad_stages - state.done_stages
+        if missing:
+            raise RuntimeError(f"step {state.step}: the schedule ran no OPT of gradient stages "
+                               f"{sorted(missing)}")
+        with self._lock:
+            state.journal = None
+            self._open = None
+            self.step += 1
+            for event in state.group_done:
+                event.set()
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        return Event.all_of(state.group_done, f"update {state.step}")
+
     def discard_step(self) -> None:
         """Abandon the open step after a failure: zero its gradients, keep the masters.
 
@@ -326,11 +393,14 @@ class OptimizerDriver:
         state = self._require_open()
         updated = [self.groups[g].label for g, s in enumerate(state.scheduled) if s]
         self._drain()  # an earlier update's failure stays pending for take_failure()
+        undone = state.journal is not None  # this step's updates and refreshes, saved
+        if undone:
+            self._undo(state)
         self.store.zero_grads()
         with self._lock:
             self._open = None
             del self._steps[state.step]
-        if updated:
+        if updated and not undone:
             raise RuntimeError(
                 f"step {state.step} was discarded, but groups {updated} had already been "
                 "updated (eager updates); the masters are not at their pre-step values"
@@ -370,8 +440,11 @@ class OptimizerDriver:
 
     # -- the optimizer thread ------------------------------------------------------------
     def _update(self, group: UpdateGroup, state: _StepState) -> None:
+        self._apply(group, state, refresh=self.mode == "sync")
+
+    def _apply(self, group: UpdateGroup, state: _StepState, refresh: bool) -> None:
         if self.rollback:
-            self._save(state, group.slots, shadows=self.mode == "sync")
+            self._save(state, group.slots, shadows=refresh)
         self.store.attach_grads(group.slots)
         optimizer = self.optimizer
         if state.hyperparams:
@@ -388,9 +461,11 @@ class OptimizerDriver:
         with outside_tracing():
             type(self.optimizer).step(optimizer)
         self.store.zero_grads(group.slots)
-        if self.mode == "sync":
-            self.store.refresh_slots(group.slots)
         state.applied += 1
+        if not refresh:
+            return  # the schedule's SHADOW actions refresh; commit_step drops the journal
+        # (On the optimizer thread, _run_task drops the journal once the update is announced.)
+        self.store.refresh_slots(group.slots)
 
     def _refresh_before_update(self, state: _StepState) -> None:
         if self.rollback:

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from rpcompile.compiler import runtime_schedule, update_order
 from rpcompile.ir import Schedule
 from rpcompile.options import Options, TrainOptions
-from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
-from rpcompile.passes.schedule import build_schedule
+from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, UPDATE_ORDERS, updates_deferred
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
@@ -93,6 +93,12 @@ class Trainer:
     ``process_group``: train data parallel across the ranks of a gloo group: each rank steps
     on its own share of the global batch; losses, clipping and updates are those of the global
     batch (:mod:`rpcompile.runtime.distributed`).
+
+    ``updates`` (sync mode): ``"overlap"`` runs each stage's update as soon as its gradients
+    are home, while later backward jobs compute; ``"deferred"`` runs them after the step's
+    last gradient (default: ``"deferred"`` when clipping, loss scaling or ``skip_nonfinite``
+    need the whole step's gradients first, else ``"overlap"``). Either way a failed step
+    changes nothing (docs/runtime.md, "the protocol").
     """
 
     def __init__(
@@ -104,6 +110,7 @@ class Trainer:
         mode: str | None = None,
         schedule_steps: int | None = None,
         chunk_bytes: int | None = None,
+        updates: str | None = None,
         **train: Any,
     ) -> None:
         # ``options`` (as compile() passes them) or the same options as keywords; ``mode``,
@@ -132,8 +139,16 @@ class Trainer:
             timeout_s = default_timeout_s(compiled)
         self.timeout_s: float | None = None if math.isinf(timeout_s) else float(timeout_s)
         self._closed = False
+        needed = update_order(mode, options)
+        if updates is None:
+            updates = needed
+        elif updates not in UPDATE_ORDERS:
+            raise ValueError(f"updates must be one of {UPDATE_ORDERS}, got {updates!r}")
+        elif updates != needed and needed == "deferred":
+            raise ValueError("max_grad_norm, loss_scale and skip_nonfinite look at the whole "
+                             "step's gradients before any update: they need updates='deferred'")
         self.schedule = self._lowered_schedule(compiled, mode, plan_options.schedule_steps,
-                                               plan_options.chunk_bytes)
+                                               plan_options.chunk_bytes, updates)
         self.workers = make_workers(compiled.workers, device, options.capacity_bytes,
                                     options.chaos)
         driver = None
@@ -141,10 +156,8 @@ class Trainer:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
             self.store.kernels = kernels
             self.dp = self._data_parallel(compiled, options.process_group)
-            # Updates wait until the step's gradients are all home (sync mode; async updates
-            # run after the step anyway), so a step that fails part-way leaves masters and
-            # optimizer state untouched, at the cost of overlapping the update with the
-            # step's last backward jobs.
+            # Sync updates are the schedule's OPT actions (undone if the step fails); async
+            # ones run on the driver's thread after the step (eager_updates=False).
             driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode,
                                      eager_updates=False)
             self.driver = driver
@@ -166,14 +179,19 @@ class Trainer:
     # -- construction ------------------------------------------------------------------------
     @staticmethod
     def _lowered_schedule(compiled: Any, mode: str, steps: int | None,
-                          chunk_bytes: int | None) -> Schedule:
-        jobs = len(compiled.stages) * compiled.rounds
-        period = compiled.workers // math.gcd(jobs, compiled.workers)
-        compute = build_schedule(compiled.plan, workers=compiled.workers,
-                                 microbatches=compiled.microbatches, rounds=compiled.rounds,
-                                 steps=steps or period, kind="roundpipe", optimizer=mode)
-        lowered, _ = lower(compute, compiled.plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES)
-        return lowered
+                          chunk_bytes: int | None, updates: str) -> Schedule:
+        """``compiled.schedule`` when it is the one these options run (one schedule per
+        compile), else one built the same way (:func:`rpcompile.compiler.runtime_schedule`)."""
+        kept = getattr(compiled, "schedule", None)
+        built = getattr(getattr(compiled, "options", None), "plan", None)
+        kept_chunk = built.chunk_bytes if built is not None else DEFAULT_CHUNK_BYTES
+        if (kept is not None and kept.optimizer == mode and steps in (None, kept.steps)
+                and chunk_bytes in (None, kept_chunk)
+                and (mode != "sync" or updates_deferred(kept) == (updates == "deferred"))):
+            return kept
+        return runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
+                                compiled.rounds, mode, chunk_bytes, steps=steps,
+                                updates=updates)
 
     @staticmethod
     def _build_store(compiled: Any, pin: bool) -> HostStore:

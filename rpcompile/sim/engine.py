@@ -23,14 +23,15 @@ Ties are broken by fixed orders (worker, stream, list position), so a replay is 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Action, Plan, Schedule, Stage, UnitProfile
+from rpcompile.ir import Action, ActionKind, Plan, Schedule, Stage, UnitProfile, check_registry
 from rpcompile.sim.result import SimResult
 
-__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "SimulationError", "compute_times", "simulate"]
+__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "SIM_COSTS", "SimulationError", "compute_times",
+           "simulate"]
 
 # Fused AdamW over fp32 tensors reads param, grad, exp_avg, exp_avg_sq and writes three of them:
 # 28 bytes of host memory traffic per parameter.
@@ -192,27 +193,25 @@ class _Replay:
         self.duration = [0.0] * n
         self.compute_q: list[list[int]] = []
         self.transfers: dict[int, _Transfer] = {}
+        self.times = times
         for lst in sched.actions:
             q = []
             for order, a in enumerate(lst):
                 i = ids[a]
-                if a.stream == "compute":
+                cost = _COST[a.kind](self, a)
+                if isinstance(cost, _Link):  # a transfer lane: the action's bytes on a link
+                    self.transfers[i] = self._transfer(a, i, order, cost)
+                else:  # the compute stream: a duration
                     q.append(i)
-                    if a.is_compute:
-                        if (a.kind, a.stage) not in times:
-                            raise ValueError(f"no compute time for {a} (kind {a.kind}, stage "
-                                             f"{a.stage}); the plan does not match the schedule")
-                        self.duration[i] = times[(a.kind, a.stage)]
-                else:
-                    self.transfers[i] = self._transfer(a, i, order)
+                    self.duration[i] = float(cost)
             self.compute_q.append(q)
         self.host_q = [ids[a] for a in sched.host]
         self.pools: list[list[_Transfer]] = [[] for _ in range(2 * sched.workers)]
         self.start = [0.0] * n
         self.end = [-1.0] * n
 
-    def _transfer(self, a: Action, index: int, order: int) -> _Transfer:
-        d2h = a.kind == "D2H"
+    def _transfer(self, a: Action, index: int, order: int, link: _Link) -> _Transfer:
+        d2h = link.d2h
         rate = (self.hw.d2h_gbps if d2h else self.hw.h2d_gbps) * 1e6
         bulk = a.priority == "bulk"
         chunks = a.chunks if bulk else 1
@@ -269,7 +268,7 @@ class _Replay:
                     i = self.host_q[host_head]
                     host_head += 1
                     start[i] = now
-                    work, rate = self._host_work(self.acts[i])
+                    work, rate = _COST[self.acts[i].kind](self, self.acts[i])
                     if work <= 0.0:
                         finish(i)
                     else:
@@ -332,16 +331,6 @@ class _Replay:
                     f.remaining -= f.rate * dt
         return {a: (start[i], end[i]) for i, a in enumerate(self.acts)}
 
-    def _host_work(self, a: Action) -> tuple[float, float]:
-        """(bytes of host memory traffic, full-speed rate in bytes per ms) of a host action."""
-        if a.kind == "OPT":
-            params = a.bytes / 4  # fp32 gradients of the stage
-            rate = self.hw.optimizer_params_per_s * OPTIMIZER_BYTES_PER_PARAM / 1e3
-            return params * OPTIMIZER_BYTES_PER_PARAM, rate
-        # ACC: read the accumulator and the staged gradients, write the accumulator.
-        # SHADOW: read fp32 masters (2x the low-precision bytes), write the shadow.
-        return 3.0 * a.bytes, self.host_rate
-
     def _deadlock(self, head: list[int], host_head: int) -> str:
         blocked = [str(self.acts[q[h]]) for q, h in zip(self.compute_q, head) if h < len(q)]
         if host_head < len(self.host_q):
@@ -351,6 +340,53 @@ class _Replay:
         return ("the replay cannot progress (deadlock): blocked stream heads "
                 f"{blocked[:8]}, transfers never ready {waiting[:8]}; validate the schedule "
                 "with rpcompile.passes.validate.validate")
+
+
+@dataclass(frozen=True)
+class _Link:
+    """The cost of a transfer kind: it runs on its worker's D2H link or its H2D link."""
+
+    d2h: bool
+
+
+def _compute_ms(replay: _Replay, a: Action) -> float:
+    if (a.kind, a.stage) not in replay.times:
+        raise ValueError(f"no compute time for {a} (kind {a.kind}, stage {a.stage}); the plan "
+                         "does not match the schedule")
+    return replay.times[(a.kind, a.stage)]
+
+
+def _optimizer_work(replay: _Replay, a: Action) -> tuple[float, float]:
+    """(bytes of host memory traffic, full-speed rate in bytes per ms) of an update: fused
+    AdamW's traffic per parameter, at the profile's optimizer throughput."""
+    params = a.bytes / 4  # fp32 gradients of the stage
+    rate = replay.hw.optimizer_params_per_s * OPTIMIZER_BYTES_PER_PARAM / 1e3
+    return params * OPTIMIZER_BYTES_PER_PARAM, rate
+
+
+def _memory_pass_work(replay: _Replay, a: Action) -> tuple[float, float]:
+    """ACC reads the accumulator and the staged gradients and writes the accumulator; SHADOW
+    reads the fp32 masters (2x the low-precision bytes) and writes the shadow: 3x bytes."""
+    return 3.0 * a.bytes, replay.host_rate
+
+
+# The simulator half of each action kind's record (rpcompile.ir.ACTION_SPECS is the other):
+# what an action costs, by the resource it holds: a compute stream (ms), a link (bytes, by
+# the action), the host queue (host memory traffic and its rate). Checked complete at import.
+SIM_COSTS: Mapping[ActionKind, Callable[[_Replay, Action], object]] = {
+    ActionKind.F: _compute_ms,
+    ActionKind.T: _compute_ms,
+    ActionKind.B: _compute_ms,
+    ActionKind.EVICT: lambda replay, a: 0.0,  # frees memory; takes no time
+    ActionKind.UP: lambda replay, a: _Link(d2h=False),
+    ActionKind.H2D: lambda replay, a: _Link(d2h=False),
+    ActionKind.D2H: lambda replay, a: _Link(d2h=True),
+    ActionKind.ACC: _memory_pass_work,
+    ActionKind.OPT: _optimizer_work,
+    ActionKind.SHADOW: _memory_pass_work,
+}
+check_registry(SIM_COSTS, "the simulator")
+_COST = {k.value: fn for k, fn in SIM_COSTS.items()}  # keyed by Action.kind's string
 
 
 # --------------------------------------------------------------------------------------------
