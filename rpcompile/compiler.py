@@ -21,7 +21,7 @@ from rpcompile.capture import Captured, capture, is_causal_lm
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.passes.cost import UnitCost, annotate_costs
-from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
+from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, MEMORY_WAITS, lower
 from rpcompile.passes.manager import PassRecord
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.partition import StageCosting, partition
@@ -228,6 +228,7 @@ class Compiled:
             self.model, self.capture, self.unit_costs, gpus, microbatches,
             hardware or self.hardware, self.rounds if rounds is None else rounds,
             self.compute_dtype, list(self.history[:2]), self.training.get("mode", "sync"),
+            self.training.get("capacity_bytes"),
         )
         compiled.training = dict(self.training)
         check_memory(compiled)
@@ -351,7 +352,8 @@ def compile(
             f"(model.to({compute_dtype})): rpcompile keeps fp32 masters on the host either way"
         )
     compiled = _plan_and_split(
-        model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode
+        model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode,
+        capacity_bytes,
     )
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes, kernels=kernels,
@@ -398,7 +400,8 @@ def _timed(history: list[PassRecord], name: str, fn: Callable[[], Any]) -> Any:
 
 
 def _plan_and_split(
-    model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode
+    model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode,
+    capacity_bytes=None,
 ) -> Compiled:
     _check_counts(gpus, microbatches, rounds)
     microbatches = microbatches or gpus + 1
@@ -422,13 +425,20 @@ def _plan_and_split(
         lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
                           optimizer=mode),
     )
+    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode), plan,
+                          overlap_steps=False)
+    fit = min(hw.usable_memory_bytes, capacity_bytes or hw.usable_memory_bytes)
+    if plan.memory_waits != MEMORY_WAITS and max(p.peak_bytes for p in memory) > fit:
+        # The plan was found to fit without the memory-bounding waits in the partitioner's
+        # simulated run; the runtime's own schedule, or capacity_bytes, needs them.
+        plan = replace(plan, memory_waits=MEMORY_WAITS)
+        memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode), plan,
+                              overlap_steps=False)
     stages = _timed(history, "split", lambda: split(captured, plan))
     compute = _timed(history, "dispatch", lambda: build_schedule(
         plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode))
     lowered, lowering = lower(compute, plan)
     history.extend(lowering)
-    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode), plan,
-                          overlap_steps=False)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,

@@ -208,7 +208,8 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
     # The ranking model misses link contention and transfer priorities; the simulator
     # replays the lowered schedule of the best few and picks the winner among those whose
     # whole schedule fits.
-    scored = [(_simulated_ms(plan, hw, rounds, optimizer), plan) for plan in _distinct(plans)]
+    scored = [_simulated_ms(plan, hw, rounds, optimizer, capacity)
+              for plan in _distinct(plans)]
     def top(peaks) -> int:
         return max(p.peak_bytes for p in peaks)
 
@@ -329,19 +330,31 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
     return _distinct(found)[:keep]
 
 
-def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str):
-    """(step time, bubble, proven peak of each worker) in the simulator: the steady state of
-    an async run (:func:`~rpcompile.sim.steady_steps` steps, overlapping), or one isolated
-    sync step. The peaks bound the simulated run's memory (rpcompile.passes.memory)."""
-    from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
+def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):
+    """((step time, bubble, proven peak of each worker), the plan as it runs) in the
+    simulator: the steady state of an async run (:func:`~rpcompile.sim.steady_steps` steps,
+    overlapping), or one isolated sync step. The plan runs without the lowering's
+    memory-bounding waits when its schedule's proven peak fits ``capacity`` without them
+    (they cost pipeline time), else with all of them (``Plan.memory_waits``). The peaks bound
+    the simulated run's memory (rpcompile.passes.memory)."""
+    from rpcompile.passes.lower import MEMORY_WAITS, lower
+    from rpcompile.passes.schedule import build_schedule
+    from rpcompile.sim import simulate, steady_step_ms, steady_steps, steady_utilization
 
+    steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
+    result = peaks = None
+    for waits in ((), MEMORY_WAITS):
+        plan = replace(plan, memory_waits=waits)
+        compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
+                                 steps=steps, kind="roundpipe", optimizer=optimizer)
+        lowered, _ = lower(compute, plan, validate=False)
+        peaks = worker_peaks(lowered, plan)
+        if max(p.peak_bytes for p in peaks) <= capacity:
+            break
+    result = simulate(lowered, plan, hw)
     if optimizer == "sync":  # steps do not overlap: one step's makespan
-        result = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer="sync")
-        return result.makespan_ms, result.bubble, worker_peaks(result.schedule, plan)
-    steps = steady_steps(plan, rounds=rounds)
-    result = simulate_roundpipe(plan, hw, steps=steps, rounds=rounds, optimizer="async")
-    return (steady_step_ms(result), 1.0 - steady_utilization(result),
-            worker_peaks(result.schedule, plan))
+        return (result.makespan_ms, result.bubble, peaks), plan
+    return (steady_step_ms(result), 1.0 - steady_utilization(result), peaks), plan
 
 
 def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, capacity, budget,
@@ -378,7 +391,8 @@ def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, capacity, budget
             candidate = make(trial[0], trial[1], tail, plan.notes)
             if any(st.peak_bytes > limit for st in candidate.stages):
                 continue
-            ms, trial_bubble, peaks = _simulated_ms(candidate, hw, rounds, "async")
+            (ms, trial_bubble, peaks), candidate = _simulated_ms(candidate, hw, rounds,
+                                                                 "async", capacity)
             spent += 1
             if ms < best_ms - 1e-6 and max(p.peak_bytes for p in peaks) <= capacity:
                 best, best_ms, bubble, sides, improved = candidate, ms, trial_bubble, trial, True
