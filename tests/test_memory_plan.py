@@ -163,3 +163,28 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
     assert tuple(p.peak_bytes for p in worker_peaks(r.schedule, plan)) == plan.worker_peak_bytes
     for got, bound in zip(r.peak_device_bytes, plan.worker_peak_bytes):
         assert got <= bound
+
+
+def test_longest_sequence_is_the_last_length_that_fits():
+    # Qwen3-1.7B with a whole-microbatch tail on 4 GPUs of 8 GiB: the search stops where the
+    # partitioner's answer changes, one step apart, and names what does not fit there.
+    from rpcompile.paper import MODELS
+    from rpcompile.passes.longest import QUICK_PARTITION, longest_sequence
+    from rpcompile.passes.partition import partition
+
+    model = MODELS["qwen3-1.7b"]
+    hw = replace(get_hardware("rtx4090x8"), memory_gib=8.0).with_gpus(4)
+
+    def units(s):
+        return model.units(1, s, loss_chunk_tokens=None)
+
+    found = longest_sequence(units, hw, 4, 5, 1, start=1024, step=512)
+    assert found.seq_len >= 1024 and found.seq_len % 512 == 0
+    assert found.next_len == found.seq_len + 512
+    plan = partition(units(found.seq_len), hw, 4, 5, 1, found.seq_len, **QUICK_PARTITION)
+    assert max(plan.worker_peak_bytes) <= hw.usable_memory_bytes
+    assert found.plan is not None and found.plan.seq_len == found.seq_len
+    with pytest.raises(PartitionError) as info:
+        partition(units(found.next_len), hw, 4, 5, 1, found.next_len, **QUICK_PARTITION)
+    assert str(info.value) == found.why and "'tail'" in found.why
+    assert f"at {found.next_len:,} tokens" in found.describe()

@@ -44,8 +44,8 @@ from dataclasses import dataclass, field, replace
 
 from rpcompile.ir import Action, Plan, Schedule, Stage
 
-__all__ = ["HostMemory", "WorkerPeak", "format_bytes", "host_memory", "worker_peaks",
-           "working_bytes"]
+__all__ = ["HostMemory", "WorkerPeak", "format_bytes", "host_memory", "host_static_bytes",
+           "worker_peaks", "working_bytes"]
 
 PARTS = ("weights", "grads", "values", "working")
 
@@ -292,13 +292,16 @@ def _sweep(w, stream, end, holds) -> WorkerPeak:
 
 @dataclass(frozen=True)
 class HostMemory:
-    """Host bytes a RoundPipe plan keeps (the same accounting as the simulator's host peak):
-    fp32 ``masters`` of trainable parameters, ``optimizer`` state (AdamW: two fp32 moments),
-    the fp32 ``gradients`` accumulator of every backward stage, the low-precision ``shadows``
-    the uploads read (one flat buffer per stage; async keeps a second copy of the trainable
-    part), and ``transfers``: the peak of activations, recompute inputs and downloaded
-    gradients staged on the host during a step (0 when no run was simulated). Shadows and
-    transfer staging are pinned; masters, optimizer state and gradients need not be."""
+    """Host bytes a RoundPipe plan keeps (the same accounting as the simulator's host peak),
+    laid out as the runtime's host store lays them (rpcompile.runtime.memory.HostStore: every
+    parameter once, however many stages read it): fp32 ``masters`` of trainable parameters,
+    ``optimizer`` state (AdamW: two fp32 moments), one fp32 ``gradients`` accumulator per
+    trainable parameter, the low-precision ``shadows`` the uploads read (one copy of every
+    parameter, frozen or trainable, that the forward and the backward stage holding it share;
+    async keeps a second copy of the trainable part), and ``transfers``: the peak of
+    activations, recompute inputs and downloaded gradients staged on the host during a step
+    (0 when no run was simulated). Shadows and transfer staging are pinned; masters,
+    optimizer state and gradients need not be."""
 
     masters: int
     optimizer: int
@@ -326,12 +329,34 @@ def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | Non
     """The host memory of ``plan`` (``optimizer``: ``"async"`` keeps two shadow versions of
     the trainable part). ``peak_host_bytes``: a simulated run's ``SimResult.peak_host_bytes``,
     whose part above the static buffers is the transfer staging."""
-    trainable = sum(u.trainable_params for u in plan.units)
-    shadows = sum(s.weight_bytes for s in plan.stages)
-    if optimizer == "async":
-        shadows += sum(2 * plan.units[u].trainable_params for s in plan.stages for u in s.units)
-    out = HostMemory(masters=4 * trainable, optimizer=optimizer_bytes_per_param * trainable,
-                     gradients=sum(s.grad_bytes for s in plan.stages), shadows=shadows)
+    out = _static_host(plan.stages, plan.units, optimizer, optimizer_bytes_per_param)
     if peak_host_bytes is not None:
         out = replace(out, transfers=max(0, peak_host_bytes - out.total))
     return out
+
+
+def host_static_bytes(stages: Sequence[Stage], units: Sequence, optimizer: str,
+                      optimizer_bytes_per_param: int = 8) -> int:
+    """The host bytes of a RoundPipe run that do not change during a step (the simulator's
+    base for its host peak): :class:`HostMemory` without ``transfers``."""
+    return _static_host(stages, units, optimizer, optimizer_bytes_per_param).total
+
+
+def _static_host(stages, units, optimizer, optimizer_bytes_per_param) -> HostMemory:
+    trainable = sum(u.trainable_params for u in units)
+    shadows = 0
+    # The forward stages and the tail hold every unit once; a parameter a stage borrows
+    # (tied weights) lives in its owner's stage.
+    for s in stages:
+        if s.kind == "backward":
+            continue
+        own = sum(units[u].params for u in s.units)
+        own_trainable = sum(units[u].trainable_params for u in s.units)
+        outside = {(o, n) for u in s.units for o, n, _t in units[u].borrowed if o not in s.units}
+        held = own + sum(n for _o, n in outside)
+        if held:
+            shadows += s.weight_bytes * own // held
+            if optimizer == "async":
+                shadows += s.weight_bytes * own_trainable // held
+    return HostMemory(masters=4 * trainable, optimizer=optimizer_bytes_per_param * trainable,
+                      gradients=4 * trainable, shadows=shadows)
