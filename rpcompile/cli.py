@@ -228,6 +228,15 @@ def _plan(args: argparse.Namespace) -> int:
         peak = max(compiled.memory, key=lambda p: p.peak_bytes)
         summary["proven_peak_device_gib"] = peak.peak_bytes / 2**30
         print(f"proven peak over the schedule: {peak.describe(plan.stage_name)}")
+        summary["memory_waits"] = list(plan.memory_waits)
+        print("memory-bounding waits: " + (", ".join(plan.memory_waits) + " (the schedule "
+              "needs them to fit)" if plan.memory_waits else "none (the schedule fits "
+              "without them)"))
+        chunk = compiled.capture.loss_chunk_tokens
+        summary["loss_chunk_tokens"] = chunk
+        choice = next((n for n in plan.notes if n.startswith("LM head + loss:")), None)
+        print(choice or ("LM head + loss: whole logits" if chunk is None else
+                         f"LM head + loss: {chunk:,}-token chunks"))
         host = host_memory(plan, args.optimizer, round(summary["host_gib"] * 2**30))
         summary["host"] = {k: getattr(host, k) for k in
                            ("masters", "optimizer", "gradients", "shadows", "transfers")}

@@ -11,6 +11,7 @@ import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -24,7 +25,7 @@ from rpcompile.passes.cost import UnitCost, annotate_costs
 from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, MEMORY_WAITS, lower
 from rpcompile.passes.manager import PassRecord
 from rpcompile.passes.memory import format_bytes, worker_peaks
-from rpcompile.passes.partition import StageCosting, partition
+from rpcompile.passes.partition import PartitionError, StageCosting, partition
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.reference import reference_step
@@ -337,13 +338,6 @@ def compile(
         history, "capture",
         lambda: capture(model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque),
     )
-    chunk = _loss_chunk(captured, loss_chunk_tokens, (microbatches or gpus + 1) * rounds)
-    if chunk is not None:
-        from rpcompile.passes.chunked_loss import chunk_lm_loss
-
-        _timed(history, "chunk-loss", lambda: chunk_lm_loss(captured.graph_module, chunk))
-        captured.loss_chunk_tokens = chunk
-    unit_costs = _timed(history, "cost", lambda: annotate_costs(captured))
     dtype = _floating_dtype(model)
     if compute_dtype is not None and compute_dtype != dtype:
         raise ValueError(
@@ -351,10 +345,34 @@ def compile(
             f"graph is captured in the model's dtype, so convert the model first "
             f"(model.to({compute_dtype})): rpcompile keeps fp32 masters on the host either way"
         )
-    compiled = _plan_and_split(
-        model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode,
-        capacity_bytes,
-    )
+    parts = (microbatches or gpus + 1) * rounds
+    base = list(history)
+    tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
+    for chunk in _loss_chunks(captured, loss_chunk_tokens, parts):
+        if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
+            if all(isinstance(c, Compiled) and _fits(c, capacity_bytes) for _, c in tried) \
+                    and not _large_logits(captured, parts):
+                break
+            continue
+        run = list(base)
+        if tried:  # each variant rewrites its own capture of the model
+            captured = _timed(run, "capture", partial(
+                capture, model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque))
+        if chunk is not None:
+            from rpcompile.passes.chunked_loss import chunk_lm_loss
+
+            if not _timed(run, "chunk-loss", partial(chunk_lm_loss, captured.graph_module,
+                                                     chunk)):
+                continue  # no head + loss the rewrite matches: the captured form only
+            captured.loss_chunk_tokens = chunk
+        unit_costs = _timed(run, "cost", partial(annotate_costs, captured))
+        try:
+            tried.append((chunk, _plan_and_split(
+                model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, run,
+                mode, capacity_bytes)))
+        except PartitionError as exc:
+            tried.append((chunk, exc))
+    compiled = _choose_loss_chunk(tried, capacity_bytes)
     compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
                              capacity_bytes=capacity_bytes, kernels=kernels,
                              skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
@@ -363,24 +381,67 @@ def compile(
     return compiled
 
 
-AUTO_CHUNK_TOKENS = 4096
+AUTO_CHUNK_TOKENS = (4096, 1024)  # the chunk sizes "auto" considers besides the whole logits
 AUTO_CHUNK_ABOVE_BYTES = 1 << 30
+AGAIN = object()  # in _loss_chunks: the chunked variants follow only when they may be needed
 
 
-def _loss_chunk(captured: Captured, option: int | str | None, parts: int) -> int | None:
-    """Tokens per chunk of the LM head + loss, or None for the captured (whole-logits) form."""
+def _loss_chunks(captured: Captured, option: int | str | None, parts: int) -> list:
+    """The loss-chunk variants to plan, in order of preference: the option itself, or for
+    ``"auto"`` the whole logits, then (when the microbatch's fp32 logits exceed 1 GiB or the
+    whole-logits plan does not fit) those of :data:`AUTO_CHUNK_TOKENS` shorter than a
+    microbatch."""
     if option is None or captured.loss_reduction != "sum":
-        return None
-    if option == "auto":
-        from rpcompile.passes.chunked_loss import logits_bytes
-
-        ids = captured.example_batch["input_ids"]
-        tokens = largest_microbatch(ids.shape[0], parts) * ids.shape[1]
-        return AUTO_CHUNK_TOKENS if logits_bytes(captured, tokens) > AUTO_CHUNK_ABOVE_BYTES else None
+        return [None]
+    if option == "auto":  # a chunk as long as the microbatch saves nothing
+        tokens = _microbatch_tokens(captured, parts)
+        return [None, AGAIN, *(c for c in AUTO_CHUNK_TOKENS if c < tokens)]
     if isinstance(option, bool) or not isinstance(option, int) or option < 1:
         raise ValueError(f"loss_chunk_tokens must be a positive number of tokens, 'auto' or "
                          f"None, got {option!r}")
-    return option
+    return [option]
+
+
+def _microbatch_tokens(captured: Captured, parts: int) -> int:
+    ids = captured.example_batch["input_ids"]
+    return largest_microbatch(ids.shape[0], parts) * ids.shape[1]
+
+
+def _large_logits(captured: Captured, parts: int) -> bool:
+    from rpcompile.passes.chunked_loss import logits_bytes
+
+    return logits_bytes(captured, _microbatch_tokens(captured, parts)) > AUTO_CHUNK_ABOVE_BYTES
+
+
+def _fits(compiled: Compiled, capacity_bytes: int | None) -> bool:
+    limit = compiled.hardware.usable_memory_bytes
+    if capacity_bytes is not None:
+        limit = min(limit, int(capacity_bytes))
+    return max(p.peak_bytes for p in compiled.memory) <= limit
+
+
+def _choose_loss_chunk(tried: list, capacity_bytes: int | None) -> Compiled:
+    """The planned variant with the shortest predicted step among those whose schedule fits
+    (ties: the earlier, so the whole logits before chunks and larger chunks before smaller);
+    when none fits, the first planned (compile() then refuses it, naming the worker), else
+    the first variant's PartitionError."""
+    planned = [(chunk, c) for chunk, c in tried if isinstance(c, Compiled)]
+    if not planned:
+        raise tried[0][1]
+    fitting = [(chunk, c) for chunk, c in planned if _fits(c, capacity_bytes)]
+    chunk, best = min(fitting or planned[:1], key=lambda t: round(t[1].plan.predicted_step_ms, 6))
+    if len(tried) > 1:
+        def label(k):
+            return "whole logits" if k is None else f"{k:,}-token chunks"
+        considered = ", ".join(
+            f"{label(k)}: " + (f"{c.plan.predicted_step_ms:.1f} ms" + ("" if _fits(
+                c, capacity_bytes) else " (does not fit)") if isinstance(c, Compiled)
+                               else "no plan fits")
+            for k, c in tried)
+        best.plan = replace(best.plan, notes=(
+            *best.plan.notes, f"LM head + loss: {label(chunk)}, the fastest plan that fits "
+            f"({considered})"))
+    return best
 
 
 def _check_counts(gpus, microbatches, rounds) -> None:

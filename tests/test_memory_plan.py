@@ -188,3 +188,27 @@ def test_longest_sequence_is_the_last_length_that_fits():
         partition(units(found.next_len), hw, 4, 5, 1, found.next_len, **QUICK_PARTITION)
     assert str(info.value) == found.why and "'tail'" in found.why
     assert f"at {found.next_len:,} tokens" in found.describe()
+
+
+@pytest.mark.parametrize("gib,chunk", [(0.6, 1024), (3.0, None)])
+def test_the_planner_chooses_the_loss_chunk_that_fits_fastest(gib, chunk):
+    # 4,096 tokens per microbatch over a 32,768 vocabulary: the whole fp32 logits (512 MiB)
+    # and their gradient do not fit 0.6 GiB GPUs, 1,024-token chunks do; with 3 GiB the
+    # whole logits fit and are faster (chunks cost one more head matmul), so they stay.
+    from tests.test_chunked_loss import sft_batch
+
+    hw = replace(get_hardware("cpu"), memory_gib=gib, memory_reserve_gib=0.0)
+    compiled = rpcompile.compile(hf_model("qwen3", layers=2, vocab_size=32768), gpus=2,
+                                 microbatches=2, example_inputs=sft_batch(8, 1024, vocab=32768),
+                                 hardware=hw, device="virtual")
+    assert compiled.capture.loss_chunk_tokens == chunk
+    assert max(p.peak_bytes for p in compiled.memory) <= hw.usable_memory_bytes
+    if chunk is not None:
+        assert any("linear_cross_entropy" in s.code for s in compiled.stages)
+        note = compiled.plan.notes[-1]
+        assert "1,024-token chunks, the fastest plan that fits" in note
+        assert "whole logits: no plan fits" in note
+        with pytest.raises(PartitionError):  # the whole logits alone: refused
+            rpcompile.compile(hf_model("qwen3", layers=2, vocab_size=32768), gpus=2,
+                              microbatches=2, example_inputs=sft_batch(8, 1024, vocab=32768),
+                              hardware=hw, device="virtual", loss_chunk_tokens=None)

@@ -95,21 +95,25 @@ def partition(
     # weights while they upload, inputs uploaded ahead, values kept for a later stage. The
     # simulated candidates are checked over their whole lowered schedule
     # (rpcompile.passes.memory); when none fits, the stages are cut again under a stage
-    # limit lowered by the overshoot.
-    limit, overshoot = capacity, 0
-    for _attempt in range(6):
-        limit = min(limit, capacity) - overshoot
+    # limit lowered by the overshoot, and when that limit leaves no cut at all, under limits
+    # bisected between the two (finer stages usually fit, but not always the finest).
+    limit, loose, tight, best = capacity, None, None, None
+    for _attempt in range(8):
         try:
             return _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
                               costing, max_tail_layers, shortlist, simulate_top, optimizer,
                               refine, target_bubble, search, limit, capacity)
         except _NoPlanFits as exc:
-            overshoot = exc.overshoot
-            best = exc
+            best, loose = exc, limit
+            limit -= exc.overshoot
         except PartitionError:
-            if not overshoot:
+            if loose is None:
                 raise
-            break  # no stage cut fits the lowered limit: the schedule's peak is what limits
+            tight = limit
+        if tight is not None and limit <= tight:
+            if loose - tight < capacity // 100:  # bisected to within 1% of the capacity
+                break
+            limit = (loose + tight) // 2
     raise PartitionError(
         f"no plan fits {format_bytes(capacity)} per GPU over its whole schedule: the best "
         f"candidate peaks at {best.peak.describe()}; use a smaller microbatch (more microbatches for the same "
