@@ -27,7 +27,8 @@ from rpcompile.ir import Plan, Stage, UnitProfile
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import steady_window
 
-__all__ = ["PartitionError", "StageCosting", "build_plan", "partition", "predict_step_ms"]
+__all__ = ["PartitionError", "StageCosting", "build_plan", "fit_memory_waits", "partition",
+           "predict_step_ms"]
 
 
 class PartitionError(ValueError):
@@ -334,19 +335,22 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
     return _distinct(found)[:keep]
 
 
-def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):
-    """((step time, bubble, proven peak of each worker), the plan as it runs) in the
-    simulator: the steady state of an async run (:func:`~rpcompile.sim.steady_steps` steps,
-    overlapping), or one isolated sync step. The plan runs without the lowering's
-    memory-bounding waits when its schedule's proven peak fits ``capacity`` without them
-    (they cost pipeline time), else with all of them (``Plan.memory_waits``). The peaks bound
-    the simulated run's memory (rpcompile.passes.memory)."""
+def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
+                     optimizer: str = "async", capacity: int | None = None,
+                     steps: int | None = None):
+    """``(plan, lowered schedule, proven peaks)``: ``plan`` without the lowering's
+    memory-bounding waits (``Plan.memory_waits``) when its schedule's proven peak fits
+    ``capacity`` (default: the hardware's usable memory) without them, else with all of them.
+    The schedule is ``steps`` steps (default: one sync step, or the async steady-state run of
+    :func:`~rpcompile.sim.steady_steps`), dispatched and lowered as the simulator runs it."""
     from rpcompile.passes.lower import MEMORY_WAITS, lower
     from rpcompile.passes.schedule import build_schedule
-    from rpcompile.sim import simulate, steady_step_ms, steady_steps, steady_utilization
+    from rpcompile.sim import steady_steps
 
-    steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
-    result = peaks = None
+    hw = get_hardware(hardware)
+    capacity = hw.usable_memory_bytes if capacity is None else capacity
+    if steps is None:
+        steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
     for waits in ((), MEMORY_WAITS):
         plan = replace(plan, memory_waits=waits)
         compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
@@ -355,6 +359,18 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
         peaks = worker_peaks(lowered, plan)
         if max(p.peak_bytes for p in peaks) <= capacity:
             break
+    return plan, lowered, peaks
+
+
+def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):
+    """((step time, bubble, proven peak of each worker), the plan as it runs) in the
+    simulator: the steady state of an async run (:func:`~rpcompile.sim.steady_steps` steps,
+    overlapping), or one isolated sync step, with the memory waits :func:`fit_memory_waits`
+    gives (they cost pipeline time). The peaks bound the simulated run's memory
+    (rpcompile.passes.memory)."""
+    from rpcompile.sim import simulate, steady_step_ms, steady_utilization
+
+    plan, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity)
     result = simulate(lowered, plan, hw)
     if optimizer == "sync":  # steps do not overlap: one step's makespan
         return (result.makespan_ms, result.bubble, peaks), plan
