@@ -212,3 +212,26 @@ def test_the_planner_chooses_the_loss_chunk_that_fits_fastest(gib, chunk):
             rpcompile.compile(hf_model("qwen3", layers=2, vocab_size=32768), gpus=2,
                               microbatches=2, example_inputs=sft_batch(8, 1024, vocab=32768),
                               hardware=hw, device="virtual", loss_chunk_tokens=None)
+
+
+def test_every_set_of_waits_is_proven_and_the_first_that_fits_is_kept():
+    # RoundPipe's own Qwen3-1.7B plan, overlapping async steps: with any set of the
+    # memory-bounding waits the simulated peak stays under the proof, more waits never prove
+    # more, and fit_memory_waits keeps the first set (fewest waits) that fits the capacity.
+    from rpcompile.paper import MODELS, hop_hardware, roundpipe_qwen3_1_7b_plan
+    from rpcompile.passes.partition import WAIT_SETS, fit_memory_waits
+
+    hw = hop_hardware(MODELS["qwen3-1.7b"])
+    plan = roundpipe_qwen3_1_7b_plan(hw)
+    proven = {}
+    for waits in WAIT_SETS:
+        p = replace(plan, memory_waits=waits)
+        r = simulate_roundpipe(p, hw, steps=4, optimizer="async")
+        proven[waits] = max(x.peak_bytes for x in worker_peaks(r.schedule, p))
+        assert max(r.peak_device_bytes) <= proven[waits], waits
+        assert proven[waits] <= proven[()]
+    assert proven[MEMORY_WAITS] < proven[()]
+    capacity = proven[MEMORY_WAITS]
+    chosen, _lowered, peaks = fit_memory_waits(plan, hw, capacity=capacity, steps=4)
+    assert chosen.memory_waits == next(w for w in WAIT_SETS if proven[w] <= capacity)
+    assert max(p.peak_bytes for p in peaks) <= capacity

@@ -335,15 +335,23 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
     return _distinct(found)[:keep]
 
 
+# The sets of memory-bounding waits fit_memory_waits tries, fewest first; among sets of one
+# size, the activation waits before grad_slot (which can hold a gradient job's first compute
+# behind the previous job's whole gradient download).
+WAIT_SETS = ((), ("window",), ("sent",), ("window", "sent"), ("grad_slot",),
+             ("window", "grad_slot"), ("sent", "grad_slot"), ("window", "sent", "grad_slot"))
+
+
 def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
                      optimizer: str = "async", capacity: int | None = None,
                      steps: int | None = None):
-    """``(plan, lowered schedule, proven peaks)``: ``plan`` without the lowering's
-    memory-bounding waits (``Plan.memory_waits``) when its schedule's proven peak fits
-    ``capacity`` (default: the hardware's usable memory) without them, else with all of them.
-    The schedule is ``steps`` steps (default: one sync step, or the async steady-state run of
+    """``(plan, lowered schedule, proven peaks)``: ``plan`` with the first set of the
+    lowering's memory-bounding waits (``Plan.memory_waits``) in :data:`WAIT_SETS` (none, then
+    one, two, all three) whose schedule's proven peak fits ``capacity`` (default: the
+    hardware's usable memory); all three when none fits. The schedule is ``steps`` steps
+    (default: one sync step, or the async steady-state run of
     :func:`~rpcompile.sim.steady_steps`), dispatched and lowered as the simulator runs it."""
-    from rpcompile.passes.lower import MEMORY_WAITS, lower
+    from rpcompile.passes.lower import lower
     from rpcompile.passes.schedule import build_schedule
     from rpcompile.sim import steady_steps
 
@@ -351,7 +359,7 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     capacity = hw.usable_memory_bytes if capacity is None else capacity
     if steps is None:
         steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
-    for waits in ((), MEMORY_WAITS):
+    for waits in WAIT_SETS:
         plan = replace(plan, memory_waits=waits)
         compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
                                  steps=steps, kind="roundpipe", optimizer=optimizer)
