@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 import rpcompile
-from rpcompile.models import build_model, list_models
+from rpcompile.workloads.models import build_model, list_models
 
 DEFAULT = ["qwen3-32b", "llama3.1-8b", "qwen3-235b-a22b"]
 

@@ -12,7 +12,7 @@ bf16 step-time comparison.
 1. Exactness. For 1, 2 and 4 workers sharing the GPU(s), tiny fp32 Qwen3 / Llama / Qwen3-MoE /
    tied-embedding Qwen3 models train 3 steps with AdamW on CUDA workers. Their masters must
    equal, bit for bit, a reference that runs the same stage programs on the same device one
-   after another (``rpcompile.reference.reference_step(..., device=...)``) with the same AdamW
+   after another (``rpcompile.runtime.reference.reference_step(..., device=...)``) with the same AdamW
    on fp32 CPU masters; the max abs difference is reported when they do not. They must also be
    close to plain eager training of the model on the device (same microbatches, AdamW there):
    ``|masters - eager| / |masters - initial|`` below 1e-2 (kernels and summation order differ,
@@ -64,9 +64,9 @@ def tokens(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
 def check_exact(arch: str, workers: int, trainer_device: str, device: torch.device,
                 steps: int) -> dict:
     import rpcompile
-    from rpcompile.batch import bind_batch
-    from rpcompile.reference import reference_step
-    from rpcompile.trainer import Trainer
+    from rpcompile.capture.batch import bind_batch
+    from rpcompile.runtime.reference import reference_step
+    from rpcompile.runtime.trainer import Trainer
 
     start = time.perf_counter()
     model = tiny_model(arch)
@@ -128,7 +128,7 @@ def bench(trainer_device: str, hidden: int, layers: int, seq: int, workers: int,
     import transformers as tf
 
     import rpcompile
-    from rpcompile.trainer import Trainer
+    from rpcompile.runtime.trainer import Trainer
 
     heads = max(1, hidden // 64)
     torch.manual_seed(0)

@@ -1,15 +1,15 @@
 """The longest sequence the memory model proves for each paper model on 8x RTX 4090, and why.
 
-For each of the paper's five workloads (rpcompile.paper; Qwen3-235B-A22B with LoRA), with
+For each of the paper's five workloads (rpcompile.workloads.paper; Qwen3-235B-A22B with LoRA), with
 microbatches of ONE sequence and the workload's microbatch count, the sequence length is
 searched (doubling from 2,048 tokens, then bisecting to 1,024 tokens) for the longest at which
 the partitioner finds a plan whose whole lowered schedule fits the GPUs' usable memory (24 GiB
 less the 1.5 GiB reserve; rpcompile.passes.memory). The first length that does not fit gives
 the limiting resource: the unit whose working set alone is too large, or the worker, action
-and parts at the peak of the best plan. The search is rpcompile.passes.longest, the one
+and parts at the peak of the best plan. The search is rpcompile.planner.longest, the one
 ``rpcompile plan --longest`` runs.
 
-Two tails are searched (the paper models' memory model, rpcompile.paper.PaperModel.units):
+Two tails are searched (the paper models' memory model, rpcompile.workloads.paper.PaperModel.units):
 
   unchunked   the LM head and loss over the whole microbatch at once ([tokens, vocab] logits
               and their gradient), as a model whose head the chunk-loss rewrite does not match
@@ -35,11 +35,11 @@ import time
 from pathlib import Path
 
 from rpcompile.hardware import get_hardware
-from rpcompile.paper import MODELS, PAPER_MODELS, WORKLOADS
-from rpcompile.passes.longest import QUICK_PARTITION, longest_sequence
 from rpcompile.passes.memory import host_memory
-from rpcompile.passes.partition import partition
+from rpcompile.planner.longest import QUICK_PARTITION, longest_sequence
+from rpcompile.planner.partition import partition
 from rpcompile.sim import simulate_roundpipe
+from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 
 HARDWARE = "rtx4090x8"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -48,7 +48,7 @@ START, STEP, LIMIT = 2048, 1024, 1 << 20
 
 def longest(name: str, chunk: int | None) -> tuple[int, str]:
     """(longest sequence that fits, why the next length does not), microbatches of one
-    sequence (rpcompile.passes.longest, as ``rpcompile plan --longest``)."""
+    sequence (rpcompile.planner.longest, as ``rpcompile plan --longest``)."""
     w = WORKLOADS[name]
     hw = get_hardware(HARDWARE)
     found = longest_sequence(lambda s: MODELS[name].units(1, s, loss_chunk_tokens=chunk), hw,

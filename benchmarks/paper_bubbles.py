@@ -11,7 +11,7 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
                          3 instead of 4, Qwen3-235B-A22B: 11 instead of 12); the artifact's
                          ideal bubble (p - 1) / (v m + p - 1) is printed beside them
   roundpipe-sync         our partitioner's plan over attention/MLP blocks (each layer's measured
-                         times shared by FLOPs, rpcompile.paper.PaperModel.attention_share),
+                         times shared by FLOPs, rpcompile.workloads.paper.PaperModel.attention_share),
                          round-robin dispatch, weights uploaded per job,
                          sync optimizer on the host: ONE isolated step (fill, drain and the
                          last optimizer update included)
@@ -23,7 +23,7 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
   rp-async-layers        (printed only) our partitioner limited to whole layers, async steady state
   rp-partition-*         (printed only) RoundPipe's own greedy partitioner (whole layers)
 
-Also prints RoundPipe's own Qwen3-1.7B partition (rpcompile.paper.ROUNDPIPE_QWEN3_1_7B) in
+Also prints RoundPipe's own Qwen3-1.7B partition (rpcompile.workloads.paper.ROUNDPIPE_QWEN3_1_7B) in
 our simulator beside the artifact's figures for it (docs/simulator.md).
 
 Hardware: RTX 4090 x 8, except that each model's PCIe links are set so that a D2H plus an H2D
@@ -46,21 +46,21 @@ import time
 from pathlib import Path
 
 from rpcompile.hardware import Hardware
-from rpcompile.paper import (
+from rpcompile.planner.partition import fit_memory_waits, partition
+from rpcompile.planner.partition_baseline import partition_roundpipe
+from rpcompile.sim import (
+    simulate_pipeline,
+    simulate_roundpipe,
+    steady_steps,
+    steady_utilization,
+)
+from rpcompile.workloads.paper import (
     MODELS,
     PAPER_MODELS,
     ROUNDPIPE_QWEN3_1_7B_BUBBLES,
     PaperModel,
     hop_hardware,
     roundpipe_qwen3_1_7b_plan,
-)
-from rpcompile.passes.partition import fit_memory_waits, partition
-from rpcompile.passes.partition_baseline import partition_roundpipe
-from rpcompile.sim import (
-    simulate_pipeline,
-    simulate_roundpipe,
-    steady_steps,
-    steady_utilization,
 )
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "roundpipe-sync", "roundpipe-async")

@@ -1,11 +1,11 @@
 """Predicted training throughput (tokens/s) of the paper's five workloads on 8x RTX 4090.
 
-Workloads (the RoundPipe paper, arXiv 2604.27085, and its artifact, rpcompile.paper.WORKLOADS): global batches of 512/256/128/128/64
+Workloads (the RoundPipe paper, arXiv 2604.27085, and its artifact, rpcompile.workloads.paper.WORKLOADS): global batches of 512/256/128/128/64
 sequences of 2048 tokens, 10 microbatches per round (16 for GPT-OSS), 4/2/1/2/1 rounds; per-layer
 times from the paper's table, scaled to the microbatch's tokens. Configurations:
 
-  rpcompile            our partitioner (rpcompile.passes.partition) + RoundPipe dispatch
-  roundpipe-partition  RoundPipe's greedy partitioner (passes.partition_baseline), same dispatch
+  rpcompile            our partitioner (rpcompile.planner.partition) + RoundPipe dispatch
+  roundpipe-partition  RoundPipe's greedy partitioner (planner.partition_baseline), same dispatch
   1f1b, gpipe          8 stages bound to the 8 GPUs, all of a step's microbatches in one flush
 
 RoundPipe runs are lowered in full (weight uploads, activation hops through the host, gradient
@@ -33,11 +33,11 @@ import time
 from pathlib import Path
 
 from rpcompile.hardware import get_hardware
-from rpcompile.paper import MODELS, PAPER_MODELS, WORKLOADS
 from rpcompile.passes.memory import worker_peaks
-from rpcompile.passes.partition import partition
-from rpcompile.passes.partition_baseline import partition_roundpipe
+from rpcompile.planner.partition import partition
+from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms, steady_steps
+from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 
 HARDWARE = "rtx4090x8"
 CONFIGS = ("rpcompile", "roundpipe-partition", "1f1b", "gpipe")

@@ -2,35 +2,69 @@
 
 ``rpcompile.compile(model, gpus=8)`` captures the model's training loss as a torch.fx graph,
 costs it, cuts it into RoundPipe stages and builds one program per stage; every artifact stays
-on the returned object.
+on the returned object. Its options come in three groups (:mod:`rpcompile.options`).
 """
 
-from rpcompile.capture import Captured, CaptureError, CaptureReport, capture
-from rpcompile.compiler import Compiled, compile
+from rpcompile.capture.core import (
+    Captured,
+    CaptureError,
+    CaptureReport,
+    NoLossError,
+    RefusedModel,
+    capture,
+)
+from rpcompile.compiler import Compiled, MemoryPlanError, compile
 from rpcompile.hardware import Hardware, get_hardware, list_hardware
-from rpcompile.ir import Action, Plan, Schedule, Stage, UnitProfile
+from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage, UnitProfile
+from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions
 from rpcompile.passes.lower import lower
-from rpcompile.passes.partition import PartitionError
 from rpcompile.passes.schedule import build_schedule
+from rpcompile.planner.partition import PartitionError
 from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager
+from rpcompile.runtime.errors import (
+    EventTimeout,
+    OptimizerError,
+    RuntimeFault,
+    TransferError,
+    UpstreamFailed,
+    WorkerError,
+    WorkerOutOfMemory,
+)
 from rpcompile.runtime.executor import StepFailed, StepTimeout
+from rpcompile.sim.engine import SimulationError
 
 __all__ = [
     "Action",
     "CaptureError",
+    "CaptureOptions",
     "CaptureReport",
     "Captured",
     "CheckpointError",
     "CheckpointManager",
     "Compiled",
+    "EventTimeout",
     "Hardware",
+    "MemoryPlanError",
+    "NoLossError",
+    "OptimizerError",
+    "Options",
     "PartitionError",
     "Plan",
+    "PlanOptions",
+    "RefusedModel",
+    "RuntimeFault",
     "Schedule",
+    "ScheduleError",
+    "SimulationError",
     "Stage",
     "StepFailed",
     "StepTimeout",
+    "TrainOptions",
+    "TransferError",
     "UnitProfile",
+    "UpstreamFailed",
+    "WorkerError",
+    "WorkerOutOfMemory",
     "build_schedule",
     "capture",
     "compile",

@@ -1,8 +1,11 @@
-"""PNG timeline of a Schedule (matplotlib, imported only when a PNG is asked for)."""
+"""PNG timeline of a Schedule (matplotlib, imported only when a PNG is asked for).
+
+A leaf: it imports nothing of rpcompile at run time (the caller passes the stream order), so
+``ir`` can draw its schedules without an import running back into it."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -17,16 +20,15 @@ _COLORS = {
 
 
 def draw_timeline(sched: Schedule, path: str,
-                  timeline: Mapping[Action, tuple[float, float]] | None = None) -> None:
-    """One lane per (worker, stream) in use, one bar per action, coloured by kind. Times are
-    ``timeline`` (ms) when given, else dry-run steps."""
+                  timeline: Mapping[Action, tuple[float, float]] | None,
+                  streams: Sequence[str]) -> None:
+    """One lane per (worker, stream) in use, in ``streams`` order, one bar per action, coloured
+    by kind. Times are ``timeline`` (ms) when given, else dry-run steps."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
-
-    from rpcompile.ir import STREAMS
 
     unit = "ms"
     if timeline is None:
@@ -34,7 +36,7 @@ def draw_timeline(sched: Schedule, path: str,
         unit = "dry-run step"
     lanes: list[tuple[int | None, str]] = []
     for w in [*range(sched.workers), None]:
-        for stream in STREAMS:
+        for stream in streams:
             if any(a.worker == w and a.stream == stream for a in timeline):
                 lanes.append((w, stream))
     row = {lane: i for i, lane in enumerate(lanes)}

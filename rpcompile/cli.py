@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         if args.command == "models":
-            from rpcompile.models import list_models
+            from rpcompile.workloads.models import list_models
 
             print("\n".join(list_models()))
             return 0
@@ -122,10 +122,10 @@ def _plan(args: argparse.Namespace) -> int:
 
     import rpcompile
     from rpcompile.hardware import get_hardware
-    from rpcompile.models import build_model, model_config
     from rpcompile.passes.lower import lower
     from rpcompile.passes.schedule import build_schedule
     from rpcompile.sim import simulate, simulate_pipeline
+    from rpcompile.workloads.models import build_model, model_config
 
     hw = get_hardware(args.hardware)
     gpus = args.gpus or hw.gpus
@@ -322,7 +322,7 @@ def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimiz
     """The smallest microbatch size (sequences, doubling from the plan's) whose plan gives
     each of ``gpus`` workers a job every step (jobs per step >= workers), or None."""
     from rpcompile.compiler import unit_profiles
-    from rpcompile.passes.partition import PartitionError, StageCosting, partition
+    from rpcompile.planner.partition import PartitionError, StageCosting, partition
 
     dtype_bytes = compiled.compute_dtype.itemsize
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
@@ -346,12 +346,12 @@ def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimiz
 
 def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
                      microbatch_size: int | None = None, optimizer: str = "async"):
-    """The longest sequence for which some plan fits (rpcompile.passes.longest), at
+    """The longest sequence for which some plan fits (rpcompile.planner.longest), at
     ``microbatch_size`` sequences per microbatch (default: the plan's), searched from the
     plan's length up to the model's ``max_position_embeddings`` to a multiple of 64 tokens."""
     from rpcompile.compiler import unit_profiles
-    from rpcompile.passes import longest
-    from rpcompile.passes.partition import StageCosting
+    from rpcompile.planner import longest
+    from rpcompile.planner.partition import StageCosting
 
     b = microbatch_size or compiled.plan.microbatch_size
     dtype_bytes = compiled.compute_dtype.itemsize

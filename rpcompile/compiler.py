@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import atexit
 import math
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -17,18 +16,26 @@ from typing import Any
 import torch
 from torch import nn
 
-from rpcompile.batch import largest_microbatch
-from rpcompile.capture import Captured, capture, is_causal_lm
+from rpcompile.capture.batch import largest_microbatch
+from rpcompile.capture.core import Captured, capture, is_causal_lm
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
+from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
 from rpcompile.passes.cost import UnitCost, annotate_costs
+from rpcompile.passes.invariants import (
+    check_captured,
+    check_costs,
+    check_dispatch,
+    check_plan,
+    check_stages,
+)
 from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, MEMORY_WAITS, lower
-from rpcompile.passes.manager import PassRecord
+from rpcompile.passes.manager import PassRecord, debug_checks, run_pass
 from rpcompile.passes.memory import format_bytes, worker_peaks
-from rpcompile.passes.partition import PartitionError, StageCosting, partition
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.passes.split import StageProgram, split
-from rpcompile.reference import reference_step
+from rpcompile.planner.partition import PartitionError, StageCosting, partition
+from rpcompile.runtime.reference import reference_step
 
 __all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule"]
 
@@ -53,13 +60,13 @@ class Compiled:
     # Per worker, the proven device-memory peak of the schedule the runtime runs (every step
     # of one dealing period, each from empty workers): rpcompile.passes.memory.WorkerPeak.
     memory: tuple[Any, ...] = ()
-    training: dict[str, Any] = field(default_factory=dict)  # Trainer options
+    options: Options = field(default_factory=Options)  # the compile's option groups
     _trainer: Any = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
 
     # -- training (the runtime starts on the first step) ----------------------------------
     def trainer(self) -> Any:
-        """The :class:`rpcompile.trainer.Trainer` that runs this plan (created on first use
+        """The :class:`rpcompile.runtime.trainer.Trainer` that runs this plan (created on first use
         with the options given to :func:`compile`)."""
         if self._closed:
             raise RuntimeError(
@@ -68,9 +75,9 @@ class Compiled:
                 "again and load_state_dict() the saved state"
             )
         if self._trainer is None:
-            from rpcompile.trainer import Trainer
+            from rpcompile.runtime.trainer import Trainer
 
-            self._trainer = Trainer(self, **self.training)
+            self._trainer = Trainer(self, options=self.options.train)
             # Stop the worker threads before the interpreter tears down (a thread still
             # blocked at exit aborts the process).
             atexit.register(_close_ref, weakref.ref(self))
@@ -130,9 +137,9 @@ class Compiled:
         forward; values between stages stay on that device. It is sequential, not the
         pipelined schedule. For a causal LM the loss is Hugging Face's token mean over the
         whole batch (labels other than -100); the batch may not exceed the plan's shape."""
-        from rpcompile.batch import bind_batch
-        from rpcompile.reference import forward_loss
-        from rpcompile.trainer import check_plan_shape
+        from rpcompile.capture.batch import bind_batch
+        from rpcompile.runtime.reference import forward_loss
+        from rpcompile.runtime.trainer import check_plan_shape
 
         trainer = self.trainer()
         bound = bind_batch(self.capture, batch, step=trainer.steps_done)
@@ -225,13 +232,13 @@ class Compiled:
     ) -> Compiled:
         """The same captured model planned for another worker count or machine, without
         capturing or costing it again."""
+        plan = replace(self.options.plan, gpus=gpus, microbatches=microbatches,
+                       hardware=hardware or self.hardware,
+                       rounds=self.rounds if rounds is None else rounds)
         compiled = _plan_and_split(
-            self.model, self.capture, self.unit_costs, gpus, microbatches,
-            hardware or self.hardware, self.rounds if rounds is None else rounds,
-            self.compute_dtype, list(self.history[:2]), self.training.get("mode", "sync"),
-            self.training.get("capacity_bytes"),
+            self.model, self.capture, self.unit_costs, self.compute_dtype,
+            list(self.history[:2]), replace(self.options, plan=plan),
         )
-        compiled.training = dict(self.training)
         check_memory(compiled)
         return compiled
 
@@ -243,7 +250,7 @@ class Compiled:
         """Loss and gradients of one step run stage by stage on one device (no update);
         ``device`` runs the stage programs retargeted to another device; ``step`` is the
         optimizer step whose dropout masks to draw (the runtime's step ``k`` draws step ``k``'s)."""
-        from rpcompile.batch import bind_batch
+        from rpcompile.capture.batch import bind_batch
 
         batch = bind_batch(self.capture, batch, step=step)
         params = params if params is not None else dict(self.model.named_parameters())
@@ -253,62 +260,69 @@ class Compiled:
         )
 
 
+class _Unset:
+    """A keyword of :func:`compile` that was not passed (its group's value, or default, holds)."""
+
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+UNSET: Any = _Unset()
+
+
 def compile(
     model: nn.Module,
-    gpus: int = 8,
-    microbatches: int | None = None,
-    hardware: Hardware | str | None = None,
+    gpus: int = UNSET,
+    microbatches: int | None = UNSET,
+    hardware: Hardware | str | None = UNSET,
     example_inputs: Any = None,
     *,
-    rounds: int = 1,
-    loss_fn: Callable | None = None,
-    units: Sequence[str] | None = None,
-    opaque: Sequence[str] | None = None,
-    compute_dtype: torch.dtype | None = None,
-    optimizer: Callable | None = None,
-    device: str = "auto",
-    mode: str = "sync",
-    chaos: int | None = None,
-    capacity_bytes: int | None = None,
-    kernels: str = "auto",
-    skip_nonfinite: bool = False,
-    loss_scale: Any = None,
-    max_grad_norm: float | None = None,
-    timeout_s: float | None = None,
-    loss_chunk_tokens: int | str | None = "auto",
+    capture_options: CaptureOptions | None = None,
+    plan_options: PlanOptions | None = None,
+    train_options: TrainOptions | None = None,
+    rounds: int = UNSET,
+    loss_fn: Callable | None = UNSET,
+    units: Sequence[str] | None = UNSET,
+    opaque: Sequence[str] | None = UNSET,
+    compute_dtype: torch.dtype | None = UNSET,
+    loss_chunk_tokens: int | str | None = UNSET,
+    mode: str = UNSET,
+    chunk_bytes: int = UNSET,
+    schedule_steps: int | None = UNSET,
+    optimizer: Callable | None = UNSET,
+    device: str = UNSET,
+    chaos: int | None = UNSET,
+    capacity_bytes: int | None = UNSET,
+    kernels: str = UNSET,
+    skip_nonfinite: bool = UNSET,
+    loss_scale: Any = UNSET,
+    max_grad_norm: float | None = UNSET,
+    timeout_s: float | None = UNSET,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
-    ``gpus``: workers to plan for. ``microbatches``: per round (default ``gpus + 1``).
-    ``hardware``: a profile name or :class:`Hardware` (default: a probe of the GPU when CUDA
-    is present, else ``"cpu"``, the virtual workers' profile). ``example_inputs``: one global batch; for a Hugging Face causal LM it
-    may be omitted (token ids are synthesized from the config). The plan is made for the
-    example batch's size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch.
+    Options come in three groups (:mod:`rpcompile.options`, where each is described and
+    checked): ``capture_options=CaptureOptions(...)`` (``loss_fn``, ``units``, ``opaque``,
+    ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
+    ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
+    ``schedule_steps``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
+    ``max_grad_norm``, ``timeout_s``). Every option is also a keyword of this function; an
+    option given both ways is refused. The result keeps them as ``Compiled.options``.
 
-    ``compute_dtype``: optional check that the model's parameters are in this dtype (the graph
-    is captured in the model's dtype; convert the model first, masters stay fp32).
-
-    Training options (used from the first :meth:`Compiled.step`): ``optimizer`` builds any
-    ``torch.optim`` optimizer over the fp32 masters (default AdamW, lr 1e-4); ``device`` is
-    ``"auto"`` (CUDA when present, else virtual CPU workers, with a warning), ``"cuda"`` or
-    ``"virtual"``; ``mode`` is ``"sync"`` (ordinary training) or ``"async"`` (the update of
-    step k overlaps step k+1, one step stale); ``chaos`` seeds random delays on virtual
-    workers; ``capacity_bytes`` caps each virtual worker's memory; ``kernels`` picks the
-    transfer-path kernels (``"auto"``: Triton on CUDA, the torch reference elsewhere;
-    ``"triton"`` runs them in the Triton interpreter on virtual workers; ``"torch"``);
-    ``skip_nonfinite`` drops a step whose gradients hold inf/NaN (masters and optimizer state
-    unchanged); ``loss_scale`` (``True`` or a ``runtime.loss_scale.LossScaleConfig``) runs
-    dynamic loss scaling for fp16 in sync mode; ``timeout_s`` is the step watchdog (default
-    ``max(300 s, 20 x the predicted step time)``, ``math.inf`` turns it off): a step that
-    outlives it raises ``StepTimeout`` at that time with the masters kept; ``max_grad_norm``
-    clips the step's gradients by their global norm over all trainable parameters before the
-    update, as ``torch.nn.utils.clip_grad_norm_`` after a full backward
-    (``StepResult.grad_norm`` reports the norm before clipping).
-
-    ``loss_chunk_tokens``: compute a causal LM's head and loss this many tokens at a time, never
-    holding a microbatch's full logits (:mod:`rpcompile.passes.chunked_loss`); ``"auto"``
-    (default) chunks by 4,096 tokens when a microbatch's fp32 logits would exceed 1 GiB;
-    ``None`` never chunks.
+    The main ones: ``gpus``: workers to plan for (default 8). ``microbatches``: per round
+    (default ``gpus + 1``). ``hardware``: a profile name or :class:`Hardware` (default: a
+    probe of the GPU when CUDA is present, else ``"cpu"``, the virtual workers' profile).
+    ``example_inputs``: one global batch; for a Hugging Face causal LM it may be omitted
+    (token ids are synthesized from the config). The plan is made for the example batch's
+    size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch. ``mode``:
+    ``"sync"`` (ordinary training, the default) or ``"async"`` (the update of step k
+    overlaps step k+1, one step stale). ``device``: ``"auto"`` (CUDA when present, else
+    virtual CPU workers, with a warning), ``"cuda"`` or ``"virtual"``. ``timeout_s`` is the
+    step watchdog: a step that outlives it raises ``StepTimeout`` at that time with the
+    masters kept. ``max_grad_norm`` clips the step's gradients by their global norm over all
+    trainable parameters before the update, as ``torch.nn.utils.clip_grad_norm_`` after a
+    full backward (``StepResult.grad_norm`` reports the norm before clipping).
 
     Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
     ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
@@ -317,66 +331,69 @@ def compile(
     plan (and its memory proof) is made for the example batch's shape: later batches may be
     smaller (fewer sequences, shorter), never larger.
     """
-    _check_counts(gpus, microbatches, rounds)
-    if max_grad_norm is not None and not (isinstance(max_grad_norm, (int, float))
-                                          and max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be a positive number (or None: no clipping), "
-                         f"got {max_grad_norm!r}")
-    if mode not in ("sync", "async"):
-        raise ValueError(f"mode must be 'sync' (exact) or 'async' (one step stale), got {mode!r}")
-    if device not in ("auto", "cuda", "virtual"):
-        raise ValueError(f"device must be 'auto', 'cuda' or 'virtual', got {device!r}")
-    if kernels not in ("auto", "torch", "triton"):
-        raise ValueError(f"kernels must be 'auto', 'torch' or 'triton', got {kernels!r}")
+    flat = {k: v for k, v in dict(
+        gpus=gpus, microbatches=microbatches, hardware=hardware, rounds=rounds, loss_fn=loss_fn,
+        units=units, opaque=opaque, compute_dtype=compute_dtype,
+        loss_chunk_tokens=loss_chunk_tokens, mode=mode, chunk_bytes=chunk_bytes,
+        schedule_steps=schedule_steps, optimizer=optimizer, device=device, chaos=chaos,
+        capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
+        loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
+    ).items() if v is not UNSET}
+    options = resolve({"capture": capture_options, "plan": plan_options,
+                       "train": train_options}, flat)
+    co, po = options.capture, options.plan
     history: list[PassRecord] = []
-    if example_inputs is None and loss_fn is None and is_causal_lm(model):
-        from rpcompile.capture import example_batch_for
+    parts = po.microbatches_per_round * po.rounds
+    if example_inputs is None and co.loss_fn is None and is_causal_lm(model):
+        from rpcompile.capture.core import example_batch_for
 
-        total = (microbatches or gpus + 1) * rounds
-        example_inputs = example_batch_for(model, batch=total, seq=16)
-    captured = _timed(
+        example_inputs = example_batch_for(model, batch=parts, seq=16)
+    captured = run_pass(
         history, "capture",
-        lambda: capture(model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque),
+        lambda: capture(model, example_inputs, loss_fn=co.loss_fn, units=co.units,
+                        opaque=co.opaque),
+        check_captured,
     )
     dtype = _floating_dtype(model)
-    if compute_dtype is not None and compute_dtype != dtype:
+    if co.compute_dtype is not None and co.compute_dtype != dtype:
         raise ValueError(
-            f"compute_dtype={compute_dtype} differs from the model's parameters ({dtype}); the "
-            f"graph is captured in the model's dtype, so convert the model first "
-            f"(model.to({compute_dtype})): rpcompile keeps fp32 masters on the host either way"
+            f"compute_dtype={co.compute_dtype} differs from the model's parameters ({dtype}); "
+            f"the graph is captured in the model's dtype, so convert the model first "
+            f"(model.to({co.compute_dtype})): rpcompile keeps fp32 masters on the host either way"
         )
-    parts = (microbatches or gpus + 1) * rounds
+    capacity = options.train.capacity_bytes
     base = list(history)
     tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
-    for chunk in _loss_chunks(captured, loss_chunk_tokens, parts):
+    for chunk in _loss_chunks(captured, co.loss_chunk_tokens, parts):
         if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
-            if all(isinstance(c, Compiled) and _fits(c, capacity_bytes) for _, c in tried) \
+            if all(isinstance(c, Compiled) and _fits(c, capacity) for _, c in tried) \
                     and not _large_logits(captured, parts):
                 break
             continue
         run = list(base)
         if tried:  # each variant rewrites its own capture of the model
-            captured = _timed(run, "capture", partial(
-                capture, model, example_inputs, loss_fn=loss_fn, units=units, opaque=opaque))
+            captured = run_pass(run, "capture", partial(
+                capture, model, example_inputs, loss_fn=co.loss_fn, units=co.units,
+                opaque=co.opaque), check_captured)
         if chunk is not None:
             from rpcompile.passes.chunked_loss import chunk_lm_loss
 
-            if not _timed(run, "chunk-loss", partial(chunk_lm_loss, captured.graph_module,
-                                                     chunk)):
+            def chunk_loss(captured: Captured = captured, chunk: int = chunk) -> Captured:
+                if chunk_lm_loss(captured.graph_module, chunk):
+                    captured.loss_chunk_tokens = chunk
+                return captured
+
+            run_pass(run, "chunk-loss", chunk_loss, check_captured)
+            if captured.loss_chunk_tokens != chunk:
                 continue  # no head + loss the rewrite matches: the captured form only
-            captured.loss_chunk_tokens = chunk
-        unit_costs = _timed(run, "cost", partial(annotate_costs, captured))
+        unit_costs = run_pass(run, "cost", partial(annotate_costs, captured),
+                              partial(check_costs, captured=captured))
         try:
-            tried.append((chunk, _plan_and_split(
-                model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, run,
-                mode, capacity_bytes)))
+            tried.append((chunk, _plan_and_split(model, captured, unit_costs, dtype, run,
+                                                 options)))
         except PartitionError as exc:
             tried.append((chunk, exc))
-    compiled = _choose_loss_chunk(tried, capacity_bytes)
-    compiled.training = dict(optimizer=optimizer, device=device, mode=mode, chaos=chaos,
-                             capacity_bytes=capacity_bytes, kernels=kernels,
-                             skip_nonfinite=skip_nonfinite, loss_scale=loss_scale,
-                             max_grad_norm=max_grad_norm, timeout_s=timeout_s)
+    compiled = _choose_loss_chunk(tried, capacity)
     check_memory(compiled)
     return compiled
 
@@ -387,18 +404,15 @@ AGAIN = object()  # in _loss_chunks: the chunked variants follow only when they 
 
 
 def _loss_chunks(captured: Captured, option: int | str | None, parts: int) -> list:
-    """The loss-chunk variants to plan, in order of preference: the option itself, or for
-    ``"auto"`` the whole logits, then (when the microbatch's fp32 logits exceed 1 GiB or the
-    whole-logits plan does not fit) those of :data:`AUTO_CHUNK_TOKENS` shorter than a
-    microbatch."""
+    """The loss-chunk variants to plan, in order of preference: the option itself (checked
+    by :class:`CaptureOptions`), or for ``"auto"`` the whole logits, then (when the
+    microbatch's fp32 logits exceed 1 GiB or the whole-logits plan does not fit) those of
+    :data:`AUTO_CHUNK_TOKENS` shorter than a microbatch."""
     if option is None or captured.loss_reduction != "sum":
         return [None]
     if option == "auto":  # a chunk as long as the microbatch saves nothing
         tokens = _microbatch_tokens(captured, parts)
         return [None, AGAIN, *(c for c in AUTO_CHUNK_TOKENS if c < tokens)]
-    if isinstance(option, bool) or not isinstance(option, int) or option < 1:
-        raise ValueError(f"loss_chunk_tokens must be a positive number of tokens, 'auto' or "
-                         f"None, got {option!r}")
     return [option]
 
 
@@ -444,29 +458,10 @@ def _choose_loss_chunk(tried: list, capacity_bytes: int | None) -> Compiled:
     return best
 
 
-def _check_counts(gpus, microbatches, rounds) -> None:
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ValueError(f"gpus must be a positive integer, got {gpus!r}")
-    if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
-    if not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f"rounds must be a positive integer, got {rounds!r}")
-
-
-def _timed(history: list[PassRecord], name: str, fn: Callable[[], Any]) -> Any:
-    t0 = time.perf_counter()
-    out = fn()
-    history.append(PassRecord(name, (time.perf_counter() - t0) * 1e3, 0.0, out))
-    return out
-
-
-def _plan_and_split(
-    model, captured, unit_costs, gpus, microbatches, hardware, rounds, dtype, history, mode,
-    capacity_bytes=None,
-) -> Compiled:
-    _check_counts(gpus, microbatches, rounds)
-    microbatches = microbatches or gpus + 1
-    hw = get_hardware(hardware or _default_hardware()).with_gpus(gpus)
+def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options) -> Compiled:
+    po = options.plan
+    gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
+    hw = get_hardware(po.hardware or _default_hardware()).with_gpus(gpus)
     example = next(iter(captured.example_batch.values()))
     if example.shape[0] < microbatches * rounds:
         raise ValueError(
@@ -481,29 +476,38 @@ def _plan_and_split(
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
-    plan = _timed(
+    plan = run_pass(
         history, "partition",
         lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
                           optimizer=mode),
+        lambda p: check_plan(p, len(captured.units)),
     )
-    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode), plan,
+    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
+                                           chunk_bytes=po.chunk_bytes), plan,
                           overlap_steps=False)
-    fit = min(hw.usable_memory_bytes, capacity_bytes or hw.usable_memory_bytes)
+    fit = hw.usable_memory_bytes
+    if options.train.capacity_bytes is not None:
+        fit = min(fit, int(options.train.capacity_bytes))
     if plan.memory_waits != MEMORY_WAITS and max(p.peak_bytes for p in memory) > fit:
-        # The plan was found to fit without the memory-bounding waits in the partitioner's
-        # simulated run; the runtime's own schedule, or capacity_bytes, needs them.
+        # The partitioner's simulated run fits with fewer memory-bounding waits; the
+        # runtime's own schedule, or capacity_bytes, needs all of them.
         plan = replace(plan, memory_waits=MEMORY_WAITS)
-        memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode), plan,
+        memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
+                                               chunk_bytes=po.chunk_bytes), plan,
                               overlap_steps=False)
-    stages = _timed(history, "split", lambda: split(captured, plan))
-    compute = _timed(history, "dispatch", lambda: build_schedule(
-        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode))
-    lowered, lowering = lower(compute, plan)
+    stages = run_pass(history, "split", lambda: split(captured, plan),
+                      lambda progs: check_stages(progs, plan))
+    compute = run_pass(history, "dispatch", lambda: build_schedule(
+        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode),
+        check_dispatch)
+    # The lowering runs its own passes through a PassManager that validates each schedule.
+    lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes)
     history.extend(lowering)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,
         history=history, compute_dtype=dtype, schedule=lowered, memory=memory,
+        options=options,
     )
 
 
@@ -515,8 +519,10 @@ def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, m
     period = workers // math.gcd(jobs, workers)
     compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
                              steps=period, kind="roundpipe", optimizer=mode)
+    # Validated like the one-step schedule under RPCOMPILE_DEBUG=1 (it is the same passes
+    # over more steps; the check costs seconds on a large model).
     lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-                       validate=False)
+                       validate=debug_checks())
     return lowered
 
 
@@ -531,12 +537,12 @@ def check_memory(compiled: Compiled) -> None:
     if not compiled.memory:
         return
     hw = compiled.hardware
-    device = compiled.training.get("device", "auto")
+    device = compiled.options.train.device
     cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
     limits: list[tuple[int, str]] = [
         (hw.usable_memory_bytes, f"the {hw.name!r} profile's usable memory "
          f"({hw.memory_gib:g} GiB less a {hw.memory_reserve_gib:g} GiB reserve)")]
-    capacity = compiled.training.get("capacity_bytes")
+    capacity = compiled.options.train.capacity_bytes
     if capacity is not None:
         limits.append((int(capacity), "capacity_bytes"))
     for peak in compiled.memory:

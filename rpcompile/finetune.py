@@ -203,7 +203,7 @@ def _write_shipped(name: str, folder: Path, seed: int) -> Path:
     import torch
 
     from rpcompile.data import byte_tokenizer
-    from rpcompile.models import build_model
+    from rpcompile.workloads.models import build_model
 
     tokenizer = byte_tokenizer()
     torch.manual_seed(seed)
@@ -221,7 +221,7 @@ def load_model(spec: str, out: Path, dtype: Any, seed: int) -> tuple[Any, Any, s
     """(model, tokenizer, folder it was loaded from)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rpcompile.models import list_models
+    from rpcompile.workloads.models import list_models
 
     path = Path(spec)
     if not path.is_dir() and spec in list_models():

@@ -114,16 +114,17 @@ class Stage:
     output_bytes: int  # per microbatch, leaving (activation + saved recompute inputs, or input grad)
     peak_bytes: int  # predicted device memory peak of one job of this stage
 
-    @property
-    def name(self) -> str:
-        return self.label()
-
     def label(self, num_forward: int | None = None) -> str:
-        """``F1``..``Fp`` for forward stages, ``B1``.. for the tail and backward stages."""
+        """``F1``..``Fp`` for forward stages, ``B1`` for the tail, ``B2``.. for the backward
+        stages. A stage does not know how many forward stages its plan has, so a backward
+        stage's label needs ``num_forward`` (``Plan.stage_name(i)`` passes it)."""
         if self.kind == "forward":
             return f"F{self.index + 1}"
+        if self.kind == "tail":
+            return "B1"
         if num_forward is None:
-            raise ValueError("label() of a backward stage needs num_forward")
+            raise ValueError(f"the label of backward stage {self.index} needs num_forward "
+                             "(use plan.stage_name(index))")
         return f"B{self.index - num_forward + 1}"
 
 
@@ -720,7 +721,7 @@ class Schedule:
         elif ext == ".png":
             from rpcompile._draw import draw_timeline
 
-            draw_timeline(self, p, timeline)
+            draw_timeline(self, p, timeline, STREAMS)
             return
         else:
             raise ValueError(f"cannot dump a schedule to {p!r}: use .csv, .json, .txt or .png")

@@ -29,8 +29,9 @@ def timeline_png(result: SimResult, path: str | os.PathLike) -> None:
     """Workers x time: one lane per (worker, stream) in use plus the host, one bar per action
     coloured by kind, at the simulated times (the same drawing as ``Schedule.dump('.png')``)."""
     from rpcompile._draw import draw_timeline
+    from rpcompile.ir import STREAMS
 
-    draw_timeline(result.schedule, os.fspath(path), result.timeline)
+    draw_timeline(result.schedule, os.fspath(path), result.timeline, STREAMS)
 
 
 def bar_chart(groups: Mapping[str, Mapping[str, float | None]], path: str | os.PathLike,

@@ -16,7 +16,7 @@ import torch
 
 import rpcompile
 from rpcompile.runtime.executor import StepFailed
-from rpcompile.trainer import Trainer
+from rpcompile.runtime.trainer import Trainer
 from tests.test_executor import reference_training
 from tests.tiny_models import hf_model, token_batch
 

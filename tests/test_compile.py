@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.capture import CaptureError, capture
+from rpcompile.capture.core import CaptureError, capture
 from tests.tiny_models import ARCHS, SkipNet, eager_grads, hf_model, skipnet_batch, token_batch
 
 BIT_EXACT = {"qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss"}
@@ -266,7 +266,7 @@ def test_capture_error_names_module_and_fix():
 
 
 def _run_whole_graph(captured, ids):
-    from rpcompile.batch import bind_batch
+    from rpcompile.capture.batch import bind_batch
 
     gm = captured.graph_module
     names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]

@@ -21,7 +21,7 @@ import transformers
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
-from rpcompile.capture import capture
+from rpcompile.capture.core import capture
 from rpcompile.hardware import get_hardware
 from rpcompile.passes.cost import B, NodeCost, S, UnitCost, annotate_costs
 

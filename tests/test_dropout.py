@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 
 import rpcompile
-from rpcompile.batch import bind_batch, split_batch
-from rpcompile.dropout import _mix, record_masks
+from rpcompile.capture.batch import bind_batch, split_batch
+from rpcompile.capture.dropout import _mix, record_masks
 from tests.tiny_models import hf_model, sft_batch, token_batch
 
 
@@ -182,7 +182,7 @@ def test_dropout_inside_an_opaque_block_is_refused_naming_it():
 
 
 def test_inplace_dropout_is_refused_with_its_fix_and_p_one_drops_everything():
-    from rpcompile.dropout import seeded_dropout
+    from rpcompile.capture.dropout import seeded_dropout
 
     model = hf_model("qwen3", layers=2)
     model.model.layers[0].mlp.act_fn = torch.nn.Sequential(

@@ -14,7 +14,7 @@ import torch
 import rpcompile
 from rpcompile.runtime.errors import WorkerOutOfMemory
 from rpcompile.runtime.executor import Executor, StepFailed
-from rpcompile.trainer import Trainer
+from rpcompile.runtime.trainer import Trainer
 from tests.tiny_models import SkipNet, hf_model, skipnet_batch, token_batch
 
 
@@ -116,7 +116,7 @@ def test_opaque_call_is_thread_safe():
     import sys
     import threading
 
-    from rpcompile.capture import _run_opaque
+    from rpcompile.capture.core import _run_opaque
 
     model = hf_model("qwen3_moe", layers=1)
     compiled = rpcompile.compile(model, gpus=1, microbatches=1, example_inputs=token_batch(2))

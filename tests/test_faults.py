@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from rpcompile.runtime.executor import Executor, StepAborted, StepFailed, StepTimeout
+from rpcompile.runtime.trainer import Trainer
 from rpcompile.runtime.workers import Worker
-from rpcompile.trainer import Trainer
 from tests.test_executor import (
     ADAMW,
     SGD,
@@ -303,7 +303,7 @@ def test_empty_batch_is_refused_with_the_fix(qwen3):  # noqa: F811
 
 
 def test_default_watchdog_from_the_plan(qwen3):  # noqa: F811
-    from rpcompile.trainer import TIMEOUT_FLOOR_S, default_timeout_s
+    from rpcompile.runtime.trainer import TIMEOUT_FLOOR_S, default_timeout_s
 
     with Trainer(qwen3, SGD, device="virtual") as trainer:
         assert trainer.timeout_s == default_timeout_s(qwen3) >= TIMEOUT_FLOOR_S

@@ -14,9 +14,9 @@ from rpcompile.compiler import MemoryPlanError, runtime_schedule
 from rpcompile.hardware import get_hardware
 from rpcompile.passes.lower import MEMORY_WAITS
 from rpcompile.passes.memory import format_bytes, worker_peaks
-from rpcompile.passes.partition import PartitionError
+from rpcompile.planner.partition import PartitionError
+from rpcompile.runtime.trainer import Trainer
 from rpcompile.sim import simulate, simulate_roundpipe
-from rpcompile.trainer import Trainer
 from tests.tiny_models import hf_model, token_batch
 
 
@@ -145,9 +145,9 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
     # 8.9 GiB on every worker although each of its stages alone is below 8.8 GiB. With 8.86 GiB
     # usable the planner picks a plan whose whole schedule fits, as its recorded peaks say,
     # and the simulated async run stays under them.
-    from rpcompile.paper import MODELS
-    from rpcompile.passes.partition import partition
+    from rpcompile.planner.partition import partition
     from rpcompile.sim import steady_steps
+    from rpcompile.workloads.paper import MODELS
 
     units = MODELS["qwen3-1.7b"].units(4, 2048)
     options = dict(shortlist=50, search=50, refine=2)
@@ -168,9 +168,9 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
 def test_longest_sequence_is_the_last_length_that_fits():
     # Qwen3-1.7B with a whole-microbatch tail on 4 GPUs of 8 GiB: the search stops where the
     # partitioner's answer changes, one step apart, and names what does not fit there.
-    from rpcompile.paper import MODELS
-    from rpcompile.passes.longest import QUICK_PARTITION, longest_sequence
-    from rpcompile.passes.partition import partition
+    from rpcompile.planner.longest import QUICK_PARTITION, longest_sequence
+    from rpcompile.planner.partition import partition
+    from rpcompile.workloads.paper import MODELS
 
     model = MODELS["qwen3-1.7b"]
     hw = replace(get_hardware("rtx4090x8"), memory_gib=8.0).with_gpus(4)
@@ -218,8 +218,8 @@ def test_every_set_of_waits_is_proven_and_the_first_that_fits_is_kept():
     # RoundPipe's own Qwen3-1.7B plan, overlapping async steps: with any set of the
     # memory-bounding waits the simulated peak stays under the proof, more waits never prove
     # more, and fit_memory_waits keeps the first set (fewest waits) that fits the capacity.
-    from rpcompile.paper import MODELS, hop_hardware, roundpipe_qwen3_1_7b_plan
-    from rpcompile.passes.partition import WAIT_SETS, fit_memory_waits
+    from rpcompile.planner.partition import WAIT_SETS, fit_memory_waits
+    from rpcompile.workloads.paper import MODELS, hop_hardware, roundpipe_qwen3_1_7b_plan
 
     hw = hop_hardware(MODELS["qwen3-1.7b"])
     plan = roundpipe_qwen3_1_7b_plan(hw)

@@ -10,8 +10,8 @@ import pytest
 
 from rpcompile.hardware import get_hardware
 from rpcompile.ir import Plan, UnitProfile
-from rpcompile.paper import MODELS
-from rpcompile.passes.partition import (
+from rpcompile.passes.schedule import dispatch_period, roundpipe_jobs, steady_window
+from rpcompile.planner.partition import (
     StageCosting,
     _all_cuts,
     _bounds,
@@ -23,8 +23,8 @@ from rpcompile.passes.partition import (
     partition,
     predict_step_ms,
 )
-from rpcompile.passes.schedule import dispatch_period, roundpipe_jobs, steady_window
 from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
+from rpcompile.workloads.paper import MODELS
 
 
 def _brute_force(cost, k, starts):

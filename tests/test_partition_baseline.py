@@ -6,14 +6,14 @@ import pytest
 
 from rpcompile.hardware import Hardware
 from rpcompile.ir import UnitProfile
-from rpcompile.paper import MODELS
-from rpcompile.passes.partition import PartitionError
-from rpcompile.passes.partition_baseline import (
+from rpcompile.planner.partition import PartitionError
+from rpcompile.planner.partition_baseline import (
     WEIGHT_MEMORY_FRACTION,
     candidate_budgets,
     greedy_pack,
     partition_roundpipe,
 )
+from rpcompile.workloads.paper import MODELS
 
 GIB = 2**30
 

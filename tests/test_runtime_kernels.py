@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.trainer import Trainer
+from rpcompile.runtime.trainer import Trainer
 from tests.test_executor import reference_training
 from tests.tiny_models import hf_model, token_batch
 

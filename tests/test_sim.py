@@ -11,10 +11,9 @@ import pytest
 
 from rpcompile.hardware import Hardware
 from rpcompile.ir import Action, Edge, Schedule, Stage, UnitProfile
-from rpcompile.paper import MODELS
 from rpcompile.passes.lower import lower
-from rpcompile.passes.partition import build_plan
 from rpcompile.passes.schedule import build_schedule
+from rpcompile.planner.partition import build_plan
 from rpcompile.sim import (
     SimulationError,
     compute_times,
@@ -24,6 +23,7 @@ from rpcompile.sim import (
     steady_step_ms,
     steady_utilization,
 )
+from rpcompile.workloads.paper import MODELS
 
 MB25 = 25_000_000  # bytes one 25 GB/s link moves in 1 ms
 
@@ -334,9 +334,9 @@ def test_roundpipe_own_plan_against_the_artifact():
     # RoundPipe's own Qwen3-1.7B partition, 8 GPUs, 16 microbatches, the paper's layer times
     # (docs/simulator.md, "RoundPipe's own plan"). The artifact: a 19.07 % isolated sync step
     # (fill 7.51, drain 7.51, steady 4.05) and a 4.05 % async steady state.
-    from rpcompile.paper import ROUNDPIPE_QWEN3_1_7B_BUBBLES as ref
-    from rpcompile.paper import hop_hardware, roundpipe_qwen3_1_7b_plan
     from rpcompile.sim import steady_steps
+    from rpcompile.workloads.paper import ROUNDPIPE_QWEN3_1_7B_BUBBLES as ref
+    from rpcompile.workloads.paper import hop_hardware, roundpipe_qwen3_1_7b_plan
 
     hw = hop_hardware(MODELS["qwen3-1.7b"])
     plan = roundpipe_qwen3_1_7b_plan(hw)

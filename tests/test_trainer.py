@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.trainer import Trainer, plan_summary
+from rpcompile.runtime.trainer import Trainer, plan_summary
 from tests.test_executor import ADAMW, SGD, assert_trains_like_reference, batches
 from tests.tiny_models import eager_grads, hf_model, token_batch
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from rpcompile.dropout import emit_like
+from rpcompile.capture.dropout import emit_like
 
 __all__ = ["chunk_lm_loss", "linear_cross_entropy", "logits_bytes"]
 

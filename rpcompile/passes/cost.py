@@ -30,7 +30,7 @@ import sympy
 import torch
 from torch import fx
 
-from rpcompile.capture import B, S
+from rpcompile.capture.core import B, S
 from rpcompile.hardware import Hardware
 from rpcompile.ir import UnitProfile
 

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rpcompile.ir import ORDERED_STREAMS, Action, Edge, Plan, Schedule, Stage
+from rpcompile.options import DEFAULT_CHUNK_BYTES  # cut so a critical transfer waits <= 1 chunk
 from rpcompile.passes.manager import PassManager, PassRecord
 from rpcompile.passes.validate import validate as check
 
@@ -40,7 +41,6 @@ __all__ = [
     "lower",
 ]
 
-DEFAULT_CHUNK_BYTES = 64 * 2**20  # bulk transfers are cut so a critical one waits <= 1 chunk
 LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "events")
 # The waits that bound what a worker holds in flight (rpcompile.passes.memory): "window" and
 # "sent" (pass 2), "grad_slot" (pass 3). A plan lists the ones its lowering adds

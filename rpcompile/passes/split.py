@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
-from rpcompile.capture import Captured, loss_node
+from rpcompile.capture.core import Captured, loss_node
 from rpcompile.ir import Plan
 
 __all__ = ["StageInput", "StageProgram", "retarget", "split"]

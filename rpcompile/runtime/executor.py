@@ -23,7 +23,7 @@ gradient accumulated so far whose value was produced at or before ``b``, in the 
 reference executor threads through the backward stages, so the sums happen in the same order.
 
 **Numerics.** Forward stages run ``graph_module`` under ``no_grad`` like the reference; tail
-and backward stages call :func:`rpcompile.reference.run_backward_microbatch` with the job's
+and backward stages call :func:`rpcompile.runtime.reference.run_backward_microbatch` with the job's
 parameter gradients pre-bound to views of one fp32 flat buffer on the worker (zero-filled when
 the job starts), so each job's sum is the reference's sum bit for bit. The host adds each job's
 buffer into the master gradients (``ACC``) in the schedule's (round, stage) order, which is the
@@ -75,11 +75,10 @@ from typing import Any
 import torch
 from torch import fx
 
-from rpcompile.batch import split_batch
+from rpcompile.capture.batch import split_batch
 from rpcompile.ir import Action, Schedule
 from rpcompile.passes.lower import LOWERING_PASSES
 from rpcompile.passes.split import StageProgram
-from rpcompile.reference import loss_divisor, run_backward_microbatch, stage_arguments
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.errors import (
     EventTimeout,
@@ -92,6 +91,7 @@ from rpcompile.runtime.errors import (
 from rpcompile.runtime.loss_scale import DynamicLossScaler
 from rpcompile.runtime.memory import HostStore
 from rpcompile.runtime.optim import OptimizerDriver
+from rpcompile.runtime.reference import loss_divisor, run_backward_microbatch, stage_arguments
 from rpcompile.runtime.workers import Event, Worker
 
 __all__ = ["Executor", "StepAborted", "StepFailed", "StepResult", "StepTimeout"]
@@ -482,8 +482,6 @@ class Executor:
         if max_grad_norm is not None and driver.eager_updates:
             raise ValueError("max_grad_norm needs a driver built with eager_updates=False (an "
                              "update must not read the gradients before they are clipped)")
-        if kernels not in _kernels.BACKENDS:
-            raise ValueError(f"kernels must be one of {_kernels.BACKENDS}, got {kernels!r}")
         self.kernels = kernels
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler

@@ -18,11 +18,12 @@ update rule is the pure function :func:`next_loss_scale_state`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, replace
 
 import torch
+
+from rpcompile.options import LossScaleConfig  # the option value; defined with the options
 
 __all__ = [
     "DynamicLossScaler",
@@ -31,37 +32,6 @@ __all__ = [
     "any_nonfinite",
     "next_loss_scale_state",
 ]
-
-
-@dataclass(frozen=True)
-class LossScaleConfig:
-    """How the scale moves. Powers of two keep scaling and unscaling exact in binary floats."""
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-    min_scale: float = 1.0
-    max_scale: float = 2.0**24
-    dynamic: bool = True
-
-    def __post_init__(self) -> None:
-        problems = []
-        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
-            problems.append(f"init_scale must be finite and > 0, got {self.init_scale}")
-        if not self.growth_factor > 1:
-            problems.append(f"growth_factor must be > 1, got {self.growth_factor}")
-        if not 0 < self.backoff_factor < 1:
-            problems.append(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
-        if self.growth_interval < 1:
-            problems.append(f"growth_interval must be >= 1, got {self.growth_interval}")
-        if not 0 < self.min_scale <= self.init_scale <= self.max_scale < math.inf:
-            problems.append(
-                "need 0 < min_scale <= init_scale <= max_scale < inf, got "
-                f"{self.min_scale}, {self.init_scale}, {self.max_scale}"
-            )
-        if problems:
-            raise ValueError("invalid loss scale config: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)

@@ -67,9 +67,8 @@ from rpcompile.runtime.errors import EventTimeout, OptimizerError, UpstreamFaile
 from rpcompile.runtime.memory import HostStore, MemoryReport
 from rpcompile.runtime.workers import Event
 
-__all__ = ["MODES", "OptimizerDriver", "UpdateGroup"]
+__all__ = ["OptimizerDriver", "UpdateGroup"]
 
-MODES = ("sync", "async")
 
 # Optimizers whose update of a parameter reads only that parameter's gradient and state.
 _PER_PARAMETER = tuple(
@@ -135,8 +134,6 @@ class OptimizerDriver:
         eager_updates: bool = True,
         rollback: bool = True,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.store = store
         self.mode = mode
         self.eager_updates = eager_updates

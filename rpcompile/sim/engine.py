@@ -75,7 +75,7 @@ def compute_times(
     if units is None:
         raise ValueError(
             f"a {schedule.kind} schedule needs per-unit forward and backward times to split "
-            "each stage into F and B: pass units= (e.g. plan.units or rpcompile.paper units)"
+            "each stage into F and B: pass units= (e.g. plan.units or rpcompile.workloads.paper units)"
         )
     last = len(units) - 1
     for i, s in enumerate(stages):

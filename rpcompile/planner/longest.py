@@ -10,7 +10,7 @@ parts at the peak of the best plan. ``rpcompile plan --longest`` and
 
 The caller gives the unit profiles at a sequence length (``units_at``): a compiled model's
 cost model (rpcompile.compiler.unit_profiles), or the paper models' shapes
-(rpcompile.paper.PaperModel.units). Memory grows with the sequence length, so the lengths that
+(rpcompile.workloads.paper.PaperModel.units). Memory grows with the sequence length, so the lengths that
 fit form a prefix and the search finds its end.
 """
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
-from rpcompile.passes.partition import PartitionError, StageCosting, partition
+from rpcompile.planner.partition import PartitionError, StageCosting, partition
 
 __all__ = ["QUICK_PARTITION", "LongestSequence", "longest_sequence"]
 
@@ -62,7 +62,7 @@ def longest_sequence(
     partition_options: dict | None = None,
 ) -> LongestSequence:
     """The longest sequence (a multiple of ``step``, between ``start`` and ``limit``) at which
-    :func:`~rpcompile.passes.partition.partition` finds a plan for ``workers`` GPUs,
+    :func:`~rpcompile.planner.partition.partition` finds a plan for ``workers`` GPUs,
     ``microbatches`` microbatches of ``microbatch_size`` sequences and ``rounds`` rounds whose
     whole schedule fits. ``partition_options`` default to :data:`QUICK_PARTITION`."""
     hw = get_hardware(hardware)

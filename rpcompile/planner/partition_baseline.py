@@ -14,7 +14,7 @@ The rule (from the RoundPipe paper and library, re-implemented from its descript
 
 The backward side is cut first over all units; its first group (the model's last units) is the
 fused tail, and the forward side is cut over the units before it. Ties go to fewer stages, then
-to the smaller budget. Unlike :mod:`rpcompile.passes.partition`, nothing here sees transfer
+to the smaller budget. Unlike :mod:`rpcompile.planner.partition`, nothing here sees transfer
 time or activation memory, which is the point of keeping it: it is the plan RoundPipe would
 make. The stage figures (bytes, memory, predicted step) come from the same ``build_plan`` as
 ours, so the two plans are compared like for like.
@@ -26,7 +26,7 @@ from collections.abc import Sequence
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
-from rpcompile.passes.partition import PartitionError, StageCosting, build_plan
+from rpcompile.planner.partition import PartitionError, StageCosting, build_plan
 
 __all__ = ["WEIGHT_MEMORY_FRACTION", "candidate_budgets", "greedy_pack", "partition_roundpipe"]
 
@@ -98,7 +98,7 @@ def partition_roundpipe(
 ) -> Plan:
     """The plan RoundPipe's greedy partitioner makes, as a :class:`Plan` (same type as ours).
 
-    Raises :class:`~rpcompile.passes.partition.PartitionError` when one unit's weights alone
+    Raises :class:`~rpcompile.planner.partition.PartitionError` when one unit's weights alone
     exceed half of 60% of the GPU's memory.
     """
     hw = get_hardware(hardware)

@@ -333,7 +333,7 @@ def hop_hardware(model: PaperModel, microbatch_tokens: int = _TABLE_TOKENS):
 def roundpipe_qwen3_1_7b_plan(hardware=None, workers: int = 8, microbatches: int = 16):
     """RoundPipe's own Qwen3-1.7B partition (ROUNDPIPE_QWEN3_1_7B) as a Plan, for
     microbatches of 4 x 2048 tokens on ``hardware`` (default: :func:`hop_hardware`)."""
-    from rpcompile.passes.partition import build_plan
+    from rpcompile.planner.partition import build_plan
 
     model = MODELS["qwen3-1.7b"]
     hw = hardware or hop_hardware(model)

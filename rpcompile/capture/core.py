@@ -33,9 +33,9 @@ import torch.utils.flop_counter
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from rpcompile.batch import NUM_ITEMS, RNG, normalize_batch
-from rpcompile.dropout import dropout_seed as _dropout_seed
-from rpcompile.dropout import replay_random_ops
+from rpcompile.capture.batch import NUM_ITEMS, RNG, is_causal_lm, normalize_batch
+from rpcompile.capture.dropout import RANDOM_OPS, draws_random, replay_random_ops
+from rpcompile.capture.dropout import dropout_seed as _dropout_seed
 
 __all__ = [
     "B",
@@ -110,7 +110,7 @@ class Captured:
     # step's labelled tokens, ``num_items_in_batch``); "mean": each microbatch's loss is a mean
     # (``loss_fn`` models), the step's loss is their mean.
     loss_reduction: str = "mean"
-    dropout_seed: int = 0  # base of the step's dropout seeds (rpcompile.dropout.step_seeds)
+    dropout_seed: int = 0  # base of the step's dropout seeds (rpcompile.capture.dropout.step_seeds)
     random_ops: tuple[str, ...] = ()  # modules whose dropout is replayed from seeds
     loss_chunk_tokens: int | None = None  # set when the LM head + loss run chunked
 
@@ -129,16 +129,6 @@ class Captured:
 # ---------------------------------------------------------------------------------------------
 # 2. capture()
 # ---------------------------------------------------------------------------------------------
-
-
-def is_causal_lm(model: nn.Module) -> bool:
-    """A Hugging Face causal LM (or a PEFT wrapper of one): takes input_ids and labels."""
-    config = getattr(model, "config", None)
-    if config is None or getattr(config, "vocab_size", None) is None:
-        return False
-    head = getattr(model, "get_output_embeddings", None)
-    # Every PreTrainedModel has the method; only language-model heads return a module.
-    return callable(head) and head() is not None
 
 
 class _CausalLMLoss(nn.Module):
@@ -406,23 +396,16 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
     )
 
 
-_RANDOM_OPS = {"bernoulli", "rand", "randn", "rand_like", "randn_like", "randint",
-               "randint_like", "randperm", "normal", "multinomial", "native_dropout",
-               "dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-               "scaled_dot_product_attention", "rrelu_with_noise", "uniform", "exponential",
-               "geometric", "cauchy", "log_normal", "random"}
-
-
 def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
     """Backward stages recompute their forward: a random op that is not replayed from seeds
-    (:func:`rpcompile.dropout.replay_random_ops` rewrites dropout and SDPA dropout) would draw
+    (:func:`rpcompile.capture.dropout.replay_random_ops` rewrites dropout and SDPA dropout) would draw
     new numbers there, and the gradients would belong to another forward than the loss.
     Refuse, naming the module and the fix that applies to it."""
     for node in gm.graph.nodes:
         if node.op != "call_function" or node.target is torch.ops.rpcompile.dropout.default:
             continue
         name = getattr(node.target, "__name__", str(node.target)).split(".")[0].rstrip("_")
-        if name not in _RANDOM_OPS or not _draws_random(node, name):
+        if name not in RANDOM_OPS or not draws_random(name, node.args, node.kwargs):
             continue
         where = list((node.meta.get("nn_module_stack") or {}).values())
         module = where[-1][0].removeprefix(_WRAPPED + ".") if where else "the model"
@@ -441,18 +424,6 @@ def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
             "F.dropout and scaled_dot_product_attention(dropout_p=...) only), so the gradients "
             f"would not match the loss: {fix}"
         )
-
-
-def _draws_random(node: torch.fx.Node, name: str) -> bool:
-    if name == "scaled_dot_product_attention":
-        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
-        return bool(p)
-    if name in ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
-                "native_dropout"):
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        return bool(p) and train is not False
-    return True
 
 
 def _symbol_map(gm: torch.fx.GraphModule, inputs: list[str], causal: bool) -> dict:
@@ -1031,12 +1002,7 @@ class _RandomOpSpy(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._overloadpacket.__name__.rstrip("_")
-        if "dropout" in name:
-            p = args[1] if len(args) > 1 else 0.5
-            train = args[2] if len(args) > 2 else True
-            if p and train is not False:
-                self.seen.add(name)
-        elif name in _RANDOM_OPS and name != "scaled_dot_product_attention":
+        if name in RANDOM_OPS and draws_random(name, args, kwargs):
             self.seen.add(name)
         return func(*args, **(kwargs or {}))
 

@@ -23,7 +23,7 @@ _CLASSES = {
 
 @cache
 def _configs() -> dict[str, dict]:
-    folder = resources.files("rpcompile").joinpath("configs/models")
+    folder = resources.files("rpcompile").joinpath("workloads/configs")
     return {
         f.name.removesuffix(".json"): json.loads(f.read_text())
         for f in folder.iterdir() if f.name.endswith(".json")

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from rpcompile.batch import split_batch
-from rpcompile.capture import Captured
+from rpcompile.capture.batch import split_batch
+from rpcompile.capture.core import Captured
 from rpcompile.passes.split import StageProgram
 
 __all__ = ["forward_loss", "loss_divisor", "reference_step", "split_batch", "stage_arguments"]
@@ -54,7 +54,7 @@ def reference_step(
     """One optimizer step's loss and fp32 gradient per parameter.
 
     ``params`` maps parameter names to tensors (not modified); ``batch`` is bound to the
-    graph's inputs (:func:`rpcompile.batch.bind_batch`). A causal LM's microbatch losses are
+    graph's inputs (:func:`rpcompile.capture.batch.bind_batch`). A causal LM's microbatch losses are
     already divided by the step's labelled tokens (``loss_reduction == "sum"``): they are
     summed, and so are their gradients. A ``loss_fn`` model's losses are means: each is divided
     by ``microbatches * rounds`` before backward, and the step's loss is their mean.
@@ -121,7 +121,7 @@ def forward_loss(
     gradients, dropout off), on ``device``: one stage at a time, each with only its own
     weights there (``stage_params(program)``, moved over and freed after it), like a worker's
     job; values between stages stay on ``device``. Returns the loss on the host."""
-    from rpcompile.dropout import dropout_disabled
+    from rpcompile.capture.dropout import dropout_disabled
 
     device = torch.device(device)
     moved = _Moved(captured, device)

@@ -21,19 +21,20 @@ import copy
 import math
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from rpcompile.ir import Schedule
+from rpcompile.options import Options, TrainOptions
 from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
-from rpcompile.runtime.kernels import BACKENDS
 from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 from rpcompile.runtime.memory import HostStore, MemoryReport
-from rpcompile.runtime.optim import MODES, OptimizerDriver
+from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import make_workers
 
 __all__ = ["StepFailed", "Trainer", "default_timeout_s", "plan_summary"]
@@ -73,29 +74,21 @@ def plan_summary(compiled: Any) -> dict[str, Any]:
 class Trainer:
     """Trains ``compiled.model`` with RoundPipe on stateless workers (see the module doc).
 
-    ``optimizer``: a factory ``params -> torch.optim.Optimizer`` called with the fp32 masters
-    (default AdamW, lr 1e-4). ``device``: ``"auto"`` (CUDA if present, else virtual with a
-    warning), ``"virtual"`` or ``"cuda"``. ``mode``: ``"sync"`` or ``"async"``. ``chaos``: a
-    seed for the virtual workers' random delays. ``capacity_bytes``: device memory per worker
-    (virtual default: unlimited, accounted). ``timeout_s``: the step watchdog: a step (its
-    host waits and its drain together) that outlives it raises :class:`StepFailed` at that
-    time, masters kept, and workers stuck in an item are replaced (default
-    :func:`default_timeout_s`; ``math.inf`` turns it off).
-    ``schedule_steps``: override the schedule's step count (default: the dealing period).
-    ``chunk_bytes``: piece size of bulk transfers (weights, gradients; default 64 MiB).
-    ``kernels``: ``"auto"`` (Triton kernels on CUDA workers, their torch reference elsewhere),
-    ``"torch"`` or ``"triton"`` (on CPU: Triton's interpreter, slow, for tests): the backend
-    of each job's gradient accumulation on its worker (one launch per microbatch) and of the
-    host's shadow refresh (masters -> compute dtype; the host is a CPU, so ``"auto"`` is
-    torch there). Every backend gives the same bits. ``skip_nonfinite``: a step whose
-    gradients hold an inf or NaN (the accumulation kernel's fused check) is not applied:
-    masters, optimizer state and ``steps_done`` stay, ``trainer.last.skipped`` is True.
-    ``trainer.last.found_nonfinite`` reports such a step in any case. ``loss_scale``: a
-    :class:`~rpcompile.runtime.loss_scale.LossScaleConfig` (or True for its defaults) turns
-    on dynamic loss scaling for fp16 (sync mode): the loss is scaled before backward, a
-    non-finite step is skipped and the scale backs off, clean steps are unscaled and applied;
-    ``trainer.loss_scaler`` holds its state. ``max_grad_norm``: clip by the global gradient
-    norm before each update (``trainer.last.grad_norm`` is the norm before clipping).
+    ``options``: a :class:`~rpcompile.options.TrainOptions` (what :func:`rpcompile.compile`
+    passes), or the same options as keywords (``optimizer``, ``device``, ``chaos``,
+    ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``, ``max_grad_norm``,
+    ``timeout_s``); each is described there. ``mode``, ``schedule_steps`` and ``chunk_bytes``
+    override the compiled plan's :class:`~rpcompile.options.PlanOptions`.
+
+    Kernel backends give the same bits. A step whose gradients hold an inf or NaN (the
+    accumulation kernel's fused check) sets ``trainer.last.found_nonfinite``; with
+    ``skip_nonfinite`` it is not applied (masters, optimizer state and ``steps_done`` stay,
+    ``trainer.last.skipped``). With ``loss_scale`` the loss is scaled before backward, a
+    non-finite step is skipped and the scale backs off, clean steps are unscaled and applied
+    (``trainer.loss_scaler`` holds its state). ``trainer.last.grad_norm`` is the norm before
+    clipping. The watchdog covers a step's host waits and its drain together: a step that
+    outlives ``timeout_s`` raises :class:`StepFailed` at that time, masters kept, and workers
+    stuck in an item are replaced.
     """
 
     def __init__(
@@ -103,39 +96,42 @@ class Trainer:
         compiled: Any,
         optimizer: OptimizerFactory | None = None,
         *,
-        device: str = "auto",
-        mode: str = "sync",
-        chaos: int | None = None,
-        capacity_bytes: int | None = None,
-        timeout_s: float | None = None,
+        options: TrainOptions | None = None,
+        mode: str | None = None,
         schedule_steps: int | None = None,
         chunk_bytes: int | None = None,
-        kernels: str = "auto",
-        skip_nonfinite: bool = False,
-        loss_scale: LossScaleConfig | bool | None = None,
-        max_grad_norm: float | None = None,
+        **train: Any,
     ) -> None:
-        if mode not in MODES:
-            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        if kernels not in BACKENDS:
-            raise ValueError(f"kernels must be one of {BACKENDS}, got {kernels!r}")
+        # ``options`` (as compile() passes them) or the same options as keywords; ``mode``,
+        # ``schedule_steps`` and ``chunk_bytes`` override the compiled plan options.
+        if options is None:
+            options = TrainOptions(optimizer=optimizer, **train)
+        elif optimizer is not None or train:
+            raise ValueError("pass the training options either as options=TrainOptions(...) "
+                             "or as keywords, not both")
+        overrides = {k: v for k, v in dict(mode=mode, schedule_steps=schedule_steps,
+                                           chunk_bytes=chunk_bytes).items() if v is not None}
+        base = getattr(compiled, "options", None) or Options()
+        plan_options = replace(base.plan, **overrides) if overrides else base.plan
+        Options(plan=plan_options, train=options)  # the checks across groups
+        self.options = options
+        self.plan_options = plan_options
         self.compiled = compiled
-        self.mode = mode
-        if loss_scale and mode != "sync":
-            raise ValueError("loss_scale needs mode='sync' (async updates would read the "
-                             "gradients before they are unscaled)")
+        mode = self.mode = plan_options.mode
+        optimizer, device, kernels = options.optimizer, options.device, options.kernels
+        timeout_s, loss_scale = options.timeout_s, options.loss_scale
         self.loss_scaler: DynamicLossScaler | None = None
         if loss_scale:
             config = LossScaleConfig() if loss_scale is True else loss_scale
             self.loss_scaler = DynamicLossScaler(config)
         if timeout_s is None:
             timeout_s = default_timeout_s(compiled)
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s must be positive (math.inf: no watchdog), got {timeout_s!r}")
         self.timeout_s: float | None = None if math.isinf(timeout_s) else float(timeout_s)
         self._closed = False
-        self.schedule = self._lowered_schedule(compiled, mode, schedule_steps, chunk_bytes)
-        self.workers = make_workers(compiled.workers, device, capacity_bytes, chaos)
+        self.schedule = self._lowered_schedule(compiled, mode, plan_options.schedule_steps,
+                                               plan_options.chunk_bytes)
+        self.workers = make_workers(compiled.workers, device, options.capacity_bytes,
+                                    options.chaos)
         driver = None
         try:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
@@ -149,9 +145,9 @@ class Trainer:
             self.driver = driver
             self.executor = Executor(compiled, self.workers, self.schedule, self.store,
                                      self.driver, timeout_s=self.timeout_s, kernels=kernels,
-                                     skip_nonfinite=skip_nonfinite,
+                                     skip_nonfinite=options.skip_nonfinite,
                                      loss_scaler=self.loss_scaler,
-                                     max_grad_norm=max_grad_norm)
+                                     max_grad_norm=options.max_grad_norm)
         except BaseException:
             if driver is not None:
                 driver.close()
@@ -194,7 +190,7 @@ class Trainer:
         batch; else the mean over microbatches). Raises :class:`StepFailed` if any action
         fails, ``ValueError`` before anything runs if the batch is malformed or larger than
         the plan's shape."""
-        from rpcompile.batch import bind_batch
+        from rpcompile.capture.batch import bind_batch
 
         batch = bind_batch(self.compiled.capture, batch, step=self.executor.steps_run)
         check_plan_shape(self.compiled, batch)
@@ -336,7 +332,7 @@ def check_plan_shape(compiled: Any, batch: dict[str, torch.Tensor]) -> None:
     plan = compiled.plan
     first = next(iter(batch.values()))
     parts = compiled.microbatches * compiled.rounds
-    from rpcompile.batch import largest_microbatch
+    from rpcompile.capture.batch import largest_microbatch
 
     per_mb = largest_microbatch(first.shape[0], parts)
     seq = first.shape[1] if compiled.capture.loss_reduction == "sum" else None

@@ -29,6 +29,8 @@ import torch
 import torch.fx as fx
 
 __all__ = [
+    "RANDOM_OPS",
+    "draws_random",
     "dropout_disabled",
     "dropout_seed",
     "emit_like",
@@ -152,6 +154,33 @@ seeded_dropout.register_autograd(_backward, setup_context=_setup_context)
 # 3. The capture pass
 # ---------------------------------------------------------------------------------------------
 
+# The ops that draw random numbers (by overload packet name, trailing "_" removed).
+RANDOM_OPS = frozenset({
+    "bernoulli", "rand", "randn", "rand_like", "randn_like", "randint", "randint_like",
+    "randperm", "normal", "multinomial", "native_dropout", "dropout", "feature_dropout",
+    "alpha_dropout", "feature_alpha_dropout", "scaled_dot_product_attention",
+    "rrelu_with_noise", "uniform", "exponential", "geometric", "cauchy", "log_normal", "random"})
+_DROPOUT_FAMILY = ("dropout", "feature_dropout", "alpha_dropout", "feature_alpha_dropout",
+                   "native_dropout")
+
+
+def draws_random(name: str, args: tuple, kwargs: dict | None) -> bool:
+    """Whether a call of the random op ``name`` (one of :data:`RANDOM_OPS`) with these
+    arguments draws: a dropout only with ``p > 0`` in training, SDPA only with
+    ``dropout_p > 0``; every other random op always. The one reader of these arguments for the
+    capture's refusal, the opaque probe's spy and the replay pass."""
+    kwargs = kwargs or {}
+
+    def arg(index: int, key: str, default):
+        return args[index] if len(args) > index else kwargs.get(key, default)
+
+    if name == "scaled_dot_product_attention":
+        return bool(arg(4, "dropout_p", 0.0))
+    if name in _DROPOUT_FAMILY:
+        return bool(arg(1, "p", 0.5)) and arg(2, "train", True) is not False
+    return name in RANDOM_OPS
+
+
 _DROPOUT = (torch.ops.aten.dropout.default,)
 _SDPA = (torch.ops.aten.scaled_dot_product_attention.default,)
 _KEEP_META = ("nn_module_stack", "rp_unit", "stack_trace", "source_fn_stack", "from_node")
@@ -196,9 +225,9 @@ def replay_random_ops(gm: fx.GraphModule, first_input: str, wrapped: str) -> fx.
 
 def _replayable(node: fx.Node) -> bool:
     if node.target in _DROPOUT:
-        return bool(_arg(node, 1, "p", 0.5)) and _arg(node, 2, "train", True) is not False
+        return draws_random("dropout", node.args, node.kwargs)
     if node.target in _SDPA:
-        return bool(_arg(node, 4, "dropout_p", 0.0))
+        return draws_random("scaled_dot_product_attention", node.args, node.kwargs)
     return False
 
 

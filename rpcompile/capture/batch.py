@@ -11,7 +11,7 @@ by the user: ``num_items_in_batch``, the number of labelled tokens of the *whole
 microbatch of every round), which the model's own loss divides its token-loss sum by, so that the
 microbatch losses add up to Hugging Face's token mean over the whole batch; and, when the
 captured graph holds dropout, ``rp_rng``, one seed per sequence from which every dropout mask of
-the step is drawn (see :mod:`rpcompile.dropout`).
+the step is drawn (see :mod:`rpcompile.capture.dropout`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,16 @@ _CAUSAL_KEYS = ("input_ids", "labels", "attention_mask")
 # ---------------------------------------------------------------------------------------------
 
 
+def is_causal_lm(model: nn.Module) -> bool:
+    """A Hugging Face causal LM (or a PEFT wrapper of one): takes input_ids and labels."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "vocab_size", None) is None:
+        return False
+    head = getattr(model, "get_output_embeddings", None)
+    # Every PreTrainedModel has the method; only language-model heads return a module.
+    return callable(head) and head() is not None
+
+
 def normalize_batch(
     model: nn.Module, batch: Any, loss_fn: Callable | None, *, causal: bool | None = None
 ) -> dict[str, torch.Tensor]:
@@ -53,8 +63,6 @@ def normalize_batch(
     then ``num_items_in_batch`` (labelled tokens after the one-token shift, as Hugging Face's
     loss counts them). Any other model: a tensor or a tuple of tensors, keys ``arg0``, ``arg1``...
     """
-    from rpcompile.capture import is_causal_lm
-
     if causal is None:
         causal = loss_fn is None and is_causal_lm(model)
     if causal:
@@ -179,7 +187,7 @@ def bind_batch(captured: Any, batch: Any, *, step: int = 0) -> dict[str, torch.T
     ``captured.input_keys``: a mask the graph does not take is dropped when it masks nothing
     (else refused), a mask it takes is filled with ones when absent, ``rp_rng`` holds the
     dropout seeds of optimizer step ``step``."""
-    from rpcompile.dropout import step_seeds
+    from rpcompile.capture.dropout import step_seeds
 
     normal = normalize_batch(captured.model, batch, captured.loss_fn,
                              causal=captured.loss_reduction == "sum")

@@ -1,0 +1,259 @@
+"""The options of a compile, in three frozen groups that every layer reads.
+
+- :class:`CaptureOptions`: how the model becomes a graph (loss, units, opaque blocks, the
+  chunked LM head).
+- :class:`PlanOptions`: what the plan and its lowered schedule are made for (workers,
+  microbatches, rounds, machine, optimizer mode, transfer pieces).
+- :class:`TrainOptions`: how the runtime runs it (optimizer, workers' backend, watchdog,
+  kernels, non-finite steps, loss scaling, clipping).
+
+Each option is checked once, here, when its group is built; a bad value fails with the option's
+name and what to pass instead. ``rpcompile.compile`` takes the groups
+(``capture_options=``, ``plan_options=``, ``train_options=``) and, for scripts written
+against the flat form, every option as a plain keyword too; the two are merged by
+:func:`resolve`, which refuses an option given both ways.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+import torch
+
+__all__ = [
+    "DEFAULT_CHUNK_BYTES",
+    "DEVICES",
+    "KERNELS",
+    "MODES",
+    "CaptureOptions",
+    "LossScaleConfig",
+    "Options",
+    "PlanOptions",
+    "TrainOptions",
+    "resolve",
+]
+
+MODES = ("sync", "async")
+DEVICES = ("auto", "cuda", "virtual")
+KERNELS = ("auto", "torch", "triton")
+# Bulk transfers (weights, gradients) move in 64 MiB pieces, so a critical transfer queued
+# behind one waits at most one piece: the one place the size is set.
+DEFAULT_CHUNK_BYTES = 64 << 20
+
+
+def _positive_int(name: str, value: Any, *, optional: bool = False) -> None:
+    if optional and value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class LossScaleConfig:
+    """Dynamic loss scaling for fp16 (``TrainOptions.loss_scale``): how the scale moves. Powers of two keep scaling and unscaling exact in binary floats."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    dynamic: bool = True
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not (math.isfinite(self.init_scale) and self.init_scale > 0):
+            problems.append(f"init_scale must be finite and > 0, got {self.init_scale}")
+        if not self.growth_factor > 1:
+            problems.append(f"growth_factor must be > 1, got {self.growth_factor}")
+        if not 0 < self.backoff_factor < 1:
+            problems.append(f"backoff_factor must be in (0, 1), got {self.backoff_factor}")
+        if self.growth_interval < 1:
+            problems.append(f"growth_interval must be >= 1, got {self.growth_interval}")
+        if not 0 < self.min_scale <= self.init_scale <= self.max_scale < math.inf:
+            problems.append(
+                "need 0 < min_scale <= init_scale <= max_scale < inf, got "
+                f"{self.min_scale}, {self.init_scale}, {self.max_scale}"
+            )
+        if problems:
+            raise ValueError("invalid loss scale config: " + "; ".join(problems))
+
+
+@dataclass(frozen=True)
+class CaptureOptions:
+    """``loss_fn``: ``loss_fn(outputs, *inputs) -> scalar`` for a model that returns no loss
+    (a Hugging Face causal LM needs none). ``units``/``opaque``: module names that are the
+    partition's units / are kept whole as one opaque block. ``compute_dtype``: a check that
+    the model's parameters are in this dtype. ``loss_chunk_tokens``: compute a causal LM's head
+    and loss this many tokens at a time (``"auto"``: 4,096 when a microbatch's fp32 logits
+    would pass 1 GiB; ``None``: never chunk)."""
+
+    loss_fn: Callable | None = None
+    units: Sequence[str] | None = None
+    opaque: Sequence[str] | None = None
+    compute_dtype: torch.dtype | None = None
+    loss_chunk_tokens: int | str | None = "auto"
+
+    def __post_init__(self) -> None:
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise ValueError(f"loss_fn must be callable, got {self.loss_fn!r}")
+        for name in ("units", "opaque"):
+            v = getattr(self, name)
+            if v is not None:
+                if isinstance(v, str) or not all(isinstance(x, str) for x in v):
+                    raise ValueError(f"{name} must be a list of module names, got {v!r}")
+                object.__setattr__(self, name, tuple(v))
+        if self.compute_dtype is not None and not isinstance(self.compute_dtype, torch.dtype):
+            raise ValueError(f"compute_dtype must be a torch.dtype, got {self.compute_dtype!r}")
+        c = self.loss_chunk_tokens
+        if c is not None and c != "auto" and (isinstance(c, bool) or not isinstance(c, int)
+                                              or c < 1):
+            raise ValueError(f"loss_chunk_tokens must be a positive number of tokens, 'auto' "
+                             f"or None, got {c!r}")
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """``gpus``: workers to plan for. ``microbatches``: per round (``None``: ``gpus + 1``).
+    ``rounds``: rounds per step (gradient accumulation). ``hardware``: a profile name or
+    :class:`~rpcompile.hardware.Hardware` (``None``: a probe of the GPU here, else ``"cpu"``,
+    the virtual workers' profile). ``mode``: ``"sync"`` (exact) or ``"async"`` (the update of
+    step k overlaps step k+1, one step stale): the optimizer's place in the schedule.
+    ``chunk_bytes``: the piece size of bulk transfers in the lowered schedule.
+    ``schedule_steps``: steps of the lowered schedule the runtime cycles through (``None``:
+    the dealing period, the steps the round-robin job counter takes to come back to worker 0)."""
+
+    gpus: int = 8
+    microbatches: int | None = None
+    rounds: int = 1
+    hardware: Any = None
+    mode: str = "sync"
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES
+    schedule_steps: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("gpus", self.gpus)
+        _positive_int("microbatches", self.microbatches, optional=True)
+        _positive_int("rounds", self.rounds)
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be 'sync' (exact) or 'async' (one step stale), got "
+                             f"{self.mode!r}")
+        _positive_int("chunk_bytes", self.chunk_bytes)
+        _positive_int("schedule_steps", self.schedule_steps, optional=True)
+        if self.hardware is not None and not isinstance(self.hardware, str):
+            from rpcompile.hardware import Hardware
+
+            if not isinstance(self.hardware, Hardware):
+                raise ValueError(f"hardware must be a profile name or a Hardware, got "
+                                 f"{self.hardware!r} (see `rpcompile hardware`)")
+
+    @property
+    def microbatches_per_round(self) -> int:
+        return self.microbatches or self.gpus + 1
+
+
+@dataclass(frozen=True)
+class TrainOptions:
+    """``optimizer``: a factory ``params -> torch.optim.Optimizer`` over the fp32 masters
+    (``None``: AdamW, lr 1e-4). ``device``: ``"auto"`` (CUDA when present, else virtual CPU
+    workers with a warning), ``"cuda"`` or ``"virtual"``. ``chaos``: a seed for the virtual
+    workers' random delays. ``capacity_bytes``: device memory per virtual worker (``None``:
+    unlimited, accounted). ``kernels``: ``"auto"`` (Triton on CUDA, the torch reference
+    elsewhere), ``"torch"`` or ``"triton"`` (Triton's interpreter on virtual workers).
+    ``skip_nonfinite``: drop a step whose gradients hold inf/NaN. ``loss_scale``: ``True`` or a
+    :class:`~rpcompile.runtime.loss_scale.LossScaleConfig`: dynamic loss scaling for fp16
+    (sync mode). ``max_grad_norm``: clip by the global gradient norm before each update.
+    ``timeout_s``: the step watchdog (``None``: ``max(300 s, 20 x the predicted step)``;
+    ``math.inf``: off)."""
+
+    optimizer: Callable | None = None
+    device: str = "auto"
+    chaos: int | None = None
+    capacity_bytes: int | None = None
+    kernels: str = "auto"
+    skip_nonfinite: bool = False
+    loss_scale: Any = None
+    max_grad_norm: float | None = None
+    timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.optimizer is not None and not (callable(self.optimizer) or isinstance(
+                self.optimizer, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer must be a factory params -> torch.optim.Optimizer, "
+                             f"got {self.optimizer!r}")
+        _choice("device", self.device, DEVICES)
+        _choice("kernels", self.kernels, KERNELS)
+        if self.chaos is not None and (isinstance(self.chaos, bool)
+                                       or not isinstance(self.chaos, int)):
+            raise ValueError(f"chaos must be an integer seed (or None), got {self.chaos!r}")
+        _positive_int("capacity_bytes", self.capacity_bytes, optional=True)
+        if not isinstance(self.skip_nonfinite, bool):
+            raise ValueError(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}")
+        g = self.max_grad_norm
+        if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float))
+                              or not g > 0 or math.isinf(g)):
+            raise ValueError(f"max_grad_norm must be a positive number (or None: no "
+                             f"clipping), got {g!r}")
+        t = self.timeout_s
+        if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
+                              or not t > 0):
+            raise ValueError(f"timeout_s must be positive (math.inf: no watchdog), got {t!r}")
+        if self.loss_scale is not None and self.loss_scale is not False and \
+                self.loss_scale is not True:
+            if not isinstance(self.loss_scale, LossScaleConfig):
+                raise ValueError(f"loss_scale must be True, a LossScaleConfig or None, got "
+                                 f"{self.loss_scale!r}")
+
+
+@dataclass(frozen=True)
+class Options:
+    """The three groups of one compile, as ``Compiled.options`` keeps them."""
+
+    capture: CaptureOptions = CaptureOptions()
+    plan: PlanOptions = PlanOptions()
+    train: TrainOptions = TrainOptions()
+
+    def __post_init__(self) -> None:
+        if self.train.loss_scale and self.plan.mode != "sync":
+            raise ValueError("loss_scale needs mode='sync' (async updates would read the "
+                             "gradients before they are unscaled)")
+
+
+_GROUPS: dict[str, type] = {"capture": CaptureOptions, "plan": PlanOptions,
+                            "train": TrainOptions}
+# Which group each flat keyword of ``compile`` belongs to.
+FLAT: dict[str, str] = {f.name: g for g, cls in _GROUPS.items() for f in fields(cls)}
+
+
+def resolve(groups: Mapping[str, Any], flat: Mapping[str, Any]) -> Options:
+    """One :class:`Options` from the groups given (``None``: defaults) and flat keywords.
+
+    An option given both in its group (set to something other than the group's default) and
+    as a keyword is refused: which one was meant cannot be known."""
+    built: dict[str, Any] = {}
+    for g, cls in _GROUPS.items():
+        given = groups.get(g)
+        if given is not None and not isinstance(given, cls):
+            raise ValueError(f"{g}_options must be an rpcompile.{cls.__name__}, got "
+                             f"{type(given).__name__}")
+        base = given if given is not None else cls()
+        mine = {k: v for k, v in flat.items() if FLAT.get(k) == g}
+        if given is not None:
+            default = cls()
+            twice = sorted(k for k in mine if getattr(given, k) != getattr(default, k))
+            if twice:
+                raise ValueError(f"{', '.join(twice)} given both as a keyword and in "
+                                 f"{g}_options: pass each option once")
+        built[g] = replace(base, **mine) if mine else base
+    unknown = sorted(set(flat) - set(FLAT))
+    if unknown:
+        raise TypeError(f"unknown option(s) {', '.join(unknown)}")
+    return Options(**built)

@@ -1,0 +1,161 @@
+"""The grouped public API: option groups, the flat keywords kept for scripts, one check each."""
+
+from __future__ import annotations
+
+import inspect
+import math
+import re
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+import torch
+
+import rpcompile
+from rpcompile import CaptureOptions, PlanOptions, TrainOptions
+from rpcompile.options import FLAT
+from rpcompile.runtime.trainer import Trainer
+from tests.tiny_models import hf_model, token_batch
+
+ROOT = Path(__file__).resolve().parent.parent
+# Every keyword the README and docs showed for compile() before the groups existed.
+DOCUMENTED = ("gpus", "microbatches", "rounds", "hardware", "example_inputs", "loss_fn",
+              "optimizer", "device", "mode", "chaos", "capacity_bytes", "kernels",
+              "skip_nonfinite", "loss_scale")
+
+
+def test_every_documented_keyword_is_still_a_keyword_of_compile():
+    params = inspect.signature(rpcompile.compile).parameters
+    missing = [k for k in DOCUMENTED if k not in params]
+    assert not missing, missing
+    # ... and every option of every group is one too, so nothing needs the groups.
+    assert set(FLAT) <= set(params)
+
+
+def test_everything_the_trainer_takes_is_reachable_from_compile():
+    params = set(inspect.signature(rpcompile.compile).parameters)
+    trainer = set(inspect.signature(Trainer).parameters) - {"compiled", "options", "train"}
+    trainer |= {f.name for f in fields(TrainOptions)}
+    assert trainer <= params, trainer - params
+
+
+def test_groups_and_flat_keywords_make_the_same_compile():
+    model = hf_model("qwen3", layers=2)
+    flat = rpcompile.compile(model, gpus=2, microbatches=3, rounds=2, mode="async",
+                             device="virtual", max_grad_norm=1.0, chunk_bytes=1 << 16,
+                             example_inputs=token_batch(6))
+    grouped = rpcompile.compile(
+        model, example_inputs=token_batch(6),
+        plan_options=PlanOptions(gpus=2, microbatches=3, rounds=2, mode="async",
+                                 chunk_bytes=1 << 16),
+        train_options=TrainOptions(device="virtual", max_grad_norm=1.0))
+    assert flat.options == grouped.options
+    assert flat.schedule == grouped.schedule
+    assert [s.units for s in flat.plan.stages] == [s.units for s in grouped.plan.stages]
+    # Groups and keywords mix when each option is given once.
+    mixed = rpcompile.compile(model, example_inputs=token_batch(6), rounds=2, mode="async",
+                              plan_options=PlanOptions(gpus=2, microbatches=3,
+                                                       chunk_bytes=1 << 16),
+                              device="virtual", max_grad_norm=1.0)
+    assert mixed.options == flat.options
+
+
+def test_plan_options_reach_the_runtime_schedule():
+    """chunk_bytes is a plan option: the schedule the trainer runs cuts bulk transfers by it."""
+    model = hf_model("qwen3", layers=2)
+    small = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                              device="virtual", chunk_bytes=4096)
+    big = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                            device="virtual")
+
+    def pieces(c):
+        return sum(a.chunks for a in c.trainer().schedule.all_actions())
+
+    try:
+        assert pieces(small) > pieces(big)
+    finally:
+        small.close()
+        big.close()
+
+
+def test_an_option_given_twice_is_refused():
+    with pytest.raises(ValueError, match="mode given both as a keyword and in plan_options"):
+        rpcompile.compile(hf_model("qwen3", layers=1), mode="sync",
+                          plan_options=PlanOptions(gpus=2, mode="async"))
+    with pytest.raises(ValueError, match=r"train_options must be an rpcompile\.TrainOptions"):
+        rpcompile.compile(hf_model("qwen3", layers=1), train_options={"device": "virtual"})
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (dict(gpus=2.5), "gpus must be a positive integer"),
+        (dict(rounds=0), "rounds must be a positive integer"),
+        (dict(mode="eventually"), "mode must be 'sync'"),
+        (dict(device="tpu"), "device must be one of"),
+        (dict(kernels="cuda"), "kernels must be one of"),
+        (dict(max_grad_norm=-1.0), "max_grad_norm must be a positive number"),
+        (dict(max_grad_norm=math.inf), "max_grad_norm must be a positive number"),
+        (dict(timeout_s=0), "timeout_s must be positive"),
+        (dict(loss_chunk_tokens=0), "loss_chunk_tokens must be a positive number"),
+        (dict(units="model.layers"), "units must be a list of module names"),
+        (dict(chunk_bytes=0), "chunk_bytes must be a positive integer"),
+        (dict(hardware=3), "hardware must be a profile name"),
+        (dict(loss_scale=True, mode="async"), "loss_scale needs mode='sync'"),
+        (dict(compute_dtype="bf16"), "compute_dtype must be a torch.dtype"),
+    ],
+)
+def test_bad_options_fail_before_any_capture(monkeypatch, kwargs, match):
+    def no_capture(*a, **k):
+        raise AssertionError("captured before the options were checked")
+
+    monkeypatch.setattr("rpcompile.compiler.capture", no_capture)
+    with pytest.raises(ValueError, match=match):
+        rpcompile.compile(hf_model("qwen3", layers=1), **kwargs)
+
+
+def test_trainer_keywords_are_checked_by_the_same_options():
+    compiled = rpcompile.compile(hf_model("qwen3", layers=1), gpus=2, microbatches=2,
+                                 example_inputs=token_batch(4), device="virtual")
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        Trainer(compiled, kernels="cuda")
+    with pytest.raises(ValueError, match="either as options=TrainOptions"):
+        Trainer(compiled, options=TrainOptions(), device="virtual")
+
+
+def test_errors_the_docs_name_are_exported():
+    text = (ROOT / "README.md").read_text() + "".join(
+        p.read_text() for p in (ROOT / "docs").glob("*.md"))
+    named = set(re.findall(r"\b([A-Z][A-Za-z]+(?:Error|Failed|Timeout|OutOfMemory|Model))\b",
+                           text))
+    ours = {n for n in named if any(
+        getattr(m, n, None) is not None for m in _modules())}
+    assert ours, "no error classes found in the docs"
+    missing = sorted(n for n in ours if n not in rpcompile.__all__)
+    assert not missing, f"documented errors not in rpcompile.__all__: {missing}"
+
+
+def _modules():
+    import rpcompile.capture.core
+    import rpcompile.compiler
+    import rpcompile.ir
+    import rpcompile.planner.partition
+    import rpcompile.runtime.checkpoint
+    import rpcompile.runtime.errors
+    import rpcompile.runtime.executor
+    import rpcompile.sim.engine
+
+    return (rpcompile.capture.core, rpcompile.compiler, rpcompile.ir, rpcompile.planner.partition,
+            rpcompile.runtime.checkpoint, rpcompile.runtime.errors, rpcompile.runtime.executor,
+            rpcompile.sim.engine)
+
+
+def test_options_are_frozen_and_compiled_keeps_them():
+    opts = PlanOptions(gpus=2)
+    with pytest.raises(AttributeError):
+        opts.gpus = 3  # type: ignore[misc]
+    c = rpcompile.compile(hf_model("qwen3", layers=1), example_inputs=token_batch(4),
+                          plan_options=PlanOptions(gpus=2, microbatches=2),
+                          capture_options=CaptureOptions(compute_dtype=torch.float32))
+    assert c.options.plan.gpus == 2 and c.workers == 2
+    assert c.options.capture.compute_dtype is torch.float32
