@@ -6,7 +6,8 @@ searched (doubling from 2,048 tokens, then bisecting to 1,024 tokens) for the lo
 the partitioner finds a plan whose whole lowered schedule fits the GPUs' usable memory (24 GiB
 less the 1.5 GiB reserve; rpcompile.passes.memory). The first length that does not fit gives
 the limiting resource: the unit whose working set alone is too large, or the worker, action
-and parts at the peak of the best plan.
+and parts at the peak of the best plan. The search is rpcompile.planner.longest, the one
+``rpcompile plan --longest`` runs.
 
 Two tails are searched (the paper models' memory model, rpcompile.workloads.paper.PaperModel.units):
 
@@ -35,52 +36,25 @@ from pathlib import Path
 
 from rpcompile.hardware import get_hardware
 from rpcompile.passes.memory import host_memory
-from rpcompile.planner.partition import PartitionError, partition
+from rpcompile.planner.longest import QUICK_PARTITION, longest_sequence
+from rpcompile.planner.partition import partition
 from rpcompile.sim import simulate_roundpipe
 from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 
 HARDWARE = "rtx4090x8"
 RESULTS = Path(__file__).resolve().parent / "results"
 START, STEP, LIMIT = 2048, 1024, 1 << 20
-# A quick partition: the plan only has to exist; its speed is not what is measured here.
-QUICK = dict(shortlist=20, simulate_top=1, search=0, refine=0)
-
-
-def try_plan(name: str, seq: int, chunk: int | None):
-    """(plan, None) when some plan fits at ``seq`` tokens, else (None, why)."""
-    w = WORKLOADS[name]
-    hw = get_hardware(HARDWARE)
-    units = MODELS[name].units(1, seq, loss_chunk_tokens=chunk)
-    try:
-        return partition(units, hw, hw.gpus, w.microbatches, 1, seq, **QUICK), None
-    except PartitionError as exc:
-        return None, str(exc)
 
 
 def longest(name: str, chunk: int | None) -> tuple[int, str]:
-    """(longest sequence that fits, why the next length does not)."""
-    plan, why = try_plan(name, START, chunk)
-    if plan is None:
-        return 0, why
-    lo, hi, why_hi = START, None, ""
-    while hi is None and lo < LIMIT:
-        plan, why = try_plan(name, 2 * lo, chunk)
-        if plan is None:
-            hi, why_hi = 2 * lo, why
-        else:
-            lo = 2 * lo
-    if hi is None:
-        return lo, f"fits up to the search limit ({LIMIT:,} tokens)"
-    while hi - lo > STEP:
-        mid = (lo + hi) // 2 // STEP * STEP
-        if mid in (lo, hi):
-            break
-        plan, why = try_plan(name, mid, chunk)
-        if plan is None:
-            hi, why_hi = mid, why
-        else:
-            lo = mid
-    return lo, f"at {hi:,} tokens: {why_hi}"
+    """(longest sequence that fits, why the next length does not), microbatches of one
+    sequence (rpcompile.planner.longest, as ``rpcompile plan --longest``)."""
+    w = WORKLOADS[name]
+    hw = get_hardware(HARDWARE)
+    found = longest_sequence(lambda s: MODELS[name].units(1, s, loss_chunk_tokens=chunk), hw,
+                             hw.gpus, w.microbatches, 1, start=START, step=STEP, limit=LIMIT)
+    return found.seq_len, (found.why if found.next_len is None else
+                           f"at {found.next_len:,} tokens: {found.why}")
 
 
 def workload_host(name: str) -> str:
@@ -89,7 +63,7 @@ def workload_host(name: str) -> str:
     hw = get_hardware(HARDWARE)
     units = MODELS[name].units(w.microbatch_size, w.seq_len)
     plan = partition(units, hw, hw.gpus, w.microbatches, max(1, round(w.microbatch_size)),
-                     w.seq_len, w.rounds, **QUICK)
+                     w.seq_len, w.rounds, **QUICK_PARTITION)
     r = simulate_roundpipe(plan, hw, steps=2, rounds=w.rounds, optimizer="async")
     return host_memory(plan, "async", r.peak_host_bytes).describe()
 

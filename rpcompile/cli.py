@@ -5,9 +5,13 @@
 ``rpcompile plan`` builds a shipped model from its config on the ``meta`` device (no weights are
 allocated), compiles it for a hardware profile, schedules and lowers one optimizer step,
 simulates it, prints the stage table, predicted tokens/s, the bubble split, peak device memory
-(simulated and proven over the schedule), host memory by part against the server's RAM
+(simulated and proven over the schedule, and whether the schedule needs the memory-bounding
+waits), the LM head's loss chunk, host memory by part against the server's RAM
 (``--host-ram``) and the longest sequence that fits, and writes the schedule as CSV,
-Chrome-trace JSON and PNG. Without ``--batch`` it picks the smallest batch (doubling the
+Chrome-trace JSON and PNG. ``--longest`` searches the longest sequence that fits with one
+sequence per microbatch (or the microbatch ``--batch`` gives), prints it with what limits the
+next length (the unit or the worker, action and memory parts at the peak) and the plan at
+that length. Without ``--batch`` it picks the smallest batch (doubling the
 microbatch up to 64 sequences) whose plan gives every worker a job each step; a plan that
 leaves workers idle says so. For
 RoundPipe with the async optimizer it also simulates overlapping steps (two warm-up steps
@@ -65,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                            "plan.txt and summary.json")
     plan.add_argument("--no-fit-search", action="store_true",
                       help="skip the search for the longest sequence that fits")
+    plan.add_argument("--longest", action="store_true",
+                      help="search the longest sequence that fits (one sequence per "
+                           "microbatch unless --batch is given) and print it, what limits "
+                           "the next length, and the plan at that length")
     plan.add_argument("--host-ram", type=float, default=None, metavar="GIB",
                       help="host RAM of the target server in GiB (default: the profile's, "
                            "else this machine's); the plan's host memory is checked against it")
@@ -255,6 +263,15 @@ def _plan(args: argparse.Namespace) -> int:
         peak = max(compiled.memory, key=lambda p: p.peak_bytes)
         summary["proven_peak_device_gib"] = peak.peak_bytes / 2**30
         print(f"proven peak over the schedule: {peak.describe(plan.stage_name)}")
+        summary["memory_waits"] = list(plan.memory_waits)
+        print("memory-bounding waits: " + (", ".join(plan.memory_waits) + " (the schedule "
+              "needs them to fit)" if plan.memory_waits else "none (the schedule fits "
+              "without them)"))
+        chunk = compiled.capture.loss_chunk_tokens
+        summary["loss_chunk_tokens"] = chunk
+        choice = next((n for n in plan.notes if n.startswith("LM head + loss:")), None)
+        print(choice or ("LM head + loss: whole logits" if chunk is None else
+                         f"LM head + loss: {chunk:,}-token chunks"))
         host = host_memory(plan, args.optimizer, round(summary["host_gib"] * 2**30))
         summary["host"] = {k: getattr(host, k) for k in
                            ("masters", "optimizer", "gradients", "shadows", "transfers")}
@@ -271,10 +288,25 @@ def _plan(args: argparse.Namespace) -> int:
               f"{hw.d2h_gbps:g} GB/s per GPU ({pageable})")
     else:
         print(f"host memory {summary['host_gib']:.1f} GiB")
-    if not args.no_fit_search and args.schedule == "roundpipe":
-        longest = longest_sequence(compiled, hw, gpus, micro, args.rounds)
-        summary["longest_seq"] = longest
-        print(f"longest sequence that fits (microbatch of {plan.microbatch_size}): {longest}")
+    if args.longest and args.schedule == "roundpipe":
+        b = 1 if args.batch is None else plan.microbatch_size
+        found = longest_sequence(compiled, hw, gpus, micro, args.rounds, microbatch_size=b,
+                                 optimizer=args.optimizer)
+        summary["longest"] = {"microbatch_size": b, "seq_len": found.seq_len,
+                              "next_len": found.next_len, "limit": found.why}
+        print(f"\nlongest sequence that fits ({micro} microbatches of {b} sequence"
+              f"{'s' if b > 1 else ''}, {gpus} GPUs): {found.describe()}")
+        if found.plan is not None:
+            print(found.plan)
+            print(f"proven peak at {found.seq_len:,} tokens: "
+                  f"{max(found.plan.worker_peak_bytes) / 2**30:.2f} GiB of "
+                  f"{hw.usable_memory_bytes / 2**30:.2f} GiB usable")
+    elif not args.no_fit_search and args.schedule == "roundpipe":
+        found = longest_sequence(compiled, hw, gpus, micro, args.rounds,
+                                 optimizer=args.optimizer)
+        summary["longest_seq"] = found.seq_len
+        print(f"longest sequence that fits (microbatch of {plan.microbatch_size}): "
+              f"{found.describe()}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         timeline = result.pop("_timeline", None)
@@ -347,41 +379,25 @@ def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimiz
     return None
 
 
-def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int) -> int:
-    """The longest sequence (at the plan's microbatch size) for which some plan fits."""
+def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
+                     microbatch_size: int | None = None, optimizer: str = "async"):
+    """The longest sequence for which some plan fits (rpcompile.planner.longest), at
+    ``microbatch_size`` sequences per microbatch (default: the plan's), searched from the
+    plan's length up to the model's ``max_position_embeddings`` to a multiple of 64 tokens."""
     from rpcompile.compiler import unit_profiles
-    from rpcompile.planner.partition import PartitionError, StageCosting, partition
+    from rpcompile.planner import longest
+    from rpcompile.planner.partition import StageCosting
 
-    b = compiled.plan.microbatch_size
+    b = microbatch_size or compiled.plan.microbatch_size
     dtype_bytes = compiled.compute_dtype.itemsize
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
-
-    def fits(s: int) -> bool:
-        profiles = unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes)
-        try:
-            partition(profiles, hw, gpus, micro, b, s, rounds, costing, shortlist=1, search=0)
-        except PartitionError:
-            return False
-        return True
-
     limit = getattr(getattr(compiled.model, "config", None), "max_position_embeddings", None)
     limit = int(limit or 1 << 20)
-    lo = compiled.plan.seq_len
-    if not fits(lo):
-        return 0
-    hi = lo
-    while hi < limit and fits(min(2 * hi, limit)):
-        hi = min(2 * hi, limit)
-    if hi == limit:
-        return limit
-    top = min(2 * hi, limit)  # does not fit
-    while top - hi > 64:
-        mid = (hi + top) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            top = mid
-    return hi
+    start = min(compiled.plan.seq_len, limit)
+    return longest.longest_sequence(
+        lambda s: unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes),
+        hw, gpus, micro, b, rounds, costing=costing, optimizer=optimizer, start=start,
+        step=min(64, start), limit=limit)
 
 
 if __name__ == "__main__":

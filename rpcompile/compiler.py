@@ -9,6 +9,7 @@ import atexit
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -32,13 +33,14 @@ from rpcompile.passes.invariants import (
     check_plan,
     check_stages,
 )
-from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, lower
-from rpcompile.passes.manager import PassRecord, debug_checks, run_pass
+from rpcompile.passes.lower import MEMORY_WAITS, lower, runtime_schedule
+from rpcompile.passes.manager import PassRecord, run_pass
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.split import StageProgram, split
-from rpcompile.planner.partition import StageCosting, partition
+from rpcompile.planner.partition import PartitionError, StageCosting, partition
 from rpcompile.runtime.reference import reference_step
+from rpcompile.runtime.trainer import update_order
 
 __all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule",
            "update_order"]
@@ -383,18 +385,6 @@ def compile(
                         opaque=co.opaque),
         check_captured,
     )
-    chunk = _loss_chunk(captured, co.loss_chunk_tokens, parts)
-    if chunk is not None:
-        from rpcompile.passes.chunked_loss import chunk_lm_loss
-
-        def chunk_loss() -> Captured:
-            chunk_lm_loss(captured.graph_module, chunk)
-            captured.loss_chunk_tokens = chunk
-            return captured
-
-        run_pass(history, "chunk-loss", chunk_loss, check_captured)
-    unit_costs = run_pass(history, "cost", lambda: annotate_costs(captured),
-                          lambda costs: check_costs(costs, captured))
     dtype = _floating_dtype(model)
     if co.compute_dtype is not None and co.compute_dtype != dtype:
         raise ValueError(
@@ -402,28 +392,102 @@ def compile(
             f"the graph is captured in the model's dtype, so convert the model first "
             f"(model.to({co.compute_dtype})): rpcompile keeps fp32 masters on the host either way"
         )
-    compiled = _plan_and_split(model, captured, unit_costs, dtype, history, options)
+    capacity = options.train.capacity_bytes
+    base = list(history)
+    tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
+    for chunk in _loss_chunks(captured, co.loss_chunk_tokens, parts):
+        if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
+            if all(isinstance(c, Compiled) and _fits(c, capacity) for _, c in tried) \
+                    and not _large_logits(captured, parts):
+                break
+            continue
+        run = list(base)
+        if tried:  # each variant rewrites its own capture of the model
+            captured = run_pass(run, "capture", partial(
+                capture, model, example_inputs, loss_fn=co.loss_fn, units=co.units,
+                opaque=co.opaque), check_captured)
+        if chunk is not None:
+            from rpcompile.passes.chunked_loss import chunk_lm_loss
+
+            def chunk_loss(captured: Captured = captured, chunk: int = chunk) -> Captured:
+                if chunk_lm_loss(captured.graph_module, chunk):
+                    captured.loss_chunk_tokens = chunk
+                return captured
+
+            run_pass(run, "chunk-loss", chunk_loss, check_captured)
+            if captured.loss_chunk_tokens != chunk:
+                continue  # no head + loss the rewrite matches: the captured form only
+        unit_costs = run_pass(run, "cost", partial(annotate_costs, captured),
+                              partial(check_costs, captured=captured))
+        try:
+            tried.append((chunk, _plan_and_split(model, captured, unit_costs, dtype, run,
+                                                 options)))
+        except PartitionError as exc:
+            tried.append((chunk, exc))
+    compiled = _choose_loss_chunk(tried, capacity)
     check_memory(compiled)
     compiled._fx_sources = (fx_start, fx_source_mark())
     return compiled
 
 
-AUTO_CHUNK_TOKENS = 4096
+AUTO_CHUNK_TOKENS = (4096, 1024)  # the chunk sizes "auto" considers besides the whole logits
 AUTO_CHUNK_ABOVE_BYTES = 1 << 30
+AGAIN = object()  # in _loss_chunks: the chunked variants follow only when they may be needed
 
 
-def _loss_chunk(captured: Captured, option: int | str | None, parts: int) -> int | None:
-    """Tokens per chunk of the LM head + loss, or None for the captured (whole-logits) form
-    (``option`` was checked by :class:`CaptureOptions`)."""
+def _loss_chunks(captured: Captured, option: int | str | None, parts: int) -> list:
+    """The loss-chunk variants to plan, in order of preference: the option itself (checked
+    by :class:`CaptureOptions`), or for ``"auto"`` the whole logits, then (when the
+    microbatch's fp32 logits exceed 1 GiB or the whole-logits plan does not fit) those of
+    :data:`AUTO_CHUNK_TOKENS` shorter than a microbatch."""
     if option is None or captured.loss_reduction != "sum":
-        return None
-    if option == "auto":
-        from rpcompile.passes.chunked_loss import logits_bytes
+        return [None]
+    if option == "auto":  # a chunk as long as the microbatch saves nothing
+        tokens = _microbatch_tokens(captured, parts)
+        return [None, AGAIN, *(c for c in AUTO_CHUNK_TOKENS if c < tokens)]
+    return [option]
 
-        ids = captured.example_batch["input_ids"]
-        tokens = largest_microbatch(ids.shape[0], parts) * ids.shape[1]
-        return AUTO_CHUNK_TOKENS if logits_bytes(captured, tokens) > AUTO_CHUNK_ABOVE_BYTES else None
-    return option
+
+def _microbatch_tokens(captured: Captured, parts: int) -> int:
+    ids = captured.example_batch["input_ids"]
+    return largest_microbatch(ids.shape[0], parts) * ids.shape[1]
+
+
+def _large_logits(captured: Captured, parts: int) -> bool:
+    from rpcompile.passes.chunked_loss import logits_bytes
+
+    return logits_bytes(captured, _microbatch_tokens(captured, parts)) > AUTO_CHUNK_ABOVE_BYTES
+
+
+def _fits(compiled: Compiled, capacity_bytes: int | None) -> bool:
+    limit = compiled.hardware.usable_memory_bytes
+    if capacity_bytes is not None:
+        limit = min(limit, int(capacity_bytes))
+    return max(p.peak_bytes for p in compiled.memory) <= limit
+
+
+def _choose_loss_chunk(tried: list, capacity_bytes: int | None) -> Compiled:
+    """The planned variant with the shortest predicted step among those whose schedule fits
+    (ties: the earlier, so the whole logits before chunks and larger chunks before smaller);
+    when none fits, the first planned (compile() then refuses it, naming the worker), else
+    the first variant's PartitionError."""
+    planned = [(chunk, c) for chunk, c in tried if isinstance(c, Compiled)]
+    if not planned:
+        raise tried[0][1]
+    fitting = [(chunk, c) for chunk, c in planned if _fits(c, capacity_bytes)]
+    chunk, best = min(fitting or planned[:1], key=lambda t: round(t[1].plan.predicted_step_ms, 6))
+    if len(tried) > 1:
+        def label(k):
+            return "whole logits" if k is None else f"{k:,}-token chunks"
+        considered = ", ".join(
+            f"{label(k)}: " + (f"{c.plan.predicted_step_ms:.1f} ms" + ("" if _fits(
+                c, capacity_bytes) else " (does not fit)") if isinstance(c, Compiled)
+                               else "no plan fits")
+            for k, c in tried)
+        best.plan = replace(best.plan, notes=(
+            *best.plan.notes, f"LM head + loss: {label(chunk)}, the fastest plan that fits "
+            f"({considered})"))
+    return best
 
 
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options) -> Compiled:
@@ -450,6 +514,19 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
                           optimizer=mode),
         lambda p: check_plan(p, len(captured.units)),
     )
+    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
+                                           chunk_bytes=po.chunk_bytes), plan,
+                          overlap_steps=False)
+    fit = hw.usable_memory_bytes
+    if options.train.capacity_bytes is not None:
+        fit = min(fit, int(options.train.capacity_bytes))
+    if plan.memory_waits != MEMORY_WAITS and max(p.peak_bytes for p in memory) > fit:
+        # The partitioner's simulated run fits with fewer memory-bounding waits; the
+        # runtime's own schedule, or capacity_bytes, needs all of them.
+        plan = replace(plan, memory_waits=MEMORY_WAITS)
+        memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
+                                               chunk_bytes=po.chunk_bytes), plan,
+                              overlap_steps=False)
     stages = run_pass(history, "split", lambda: split(captured, plan),
                       lambda progs: check_stages(progs, plan))
     steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
@@ -460,6 +537,7 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes,
                               updates=update_order(mode, options.train))
     history.extend(lowering)
+    # The proof is of the schedule that runs (its update order and waits included).
     memory = worker_peaks(lowered, plan, overlap_steps=False)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
@@ -467,43 +545,6 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         history=history, compute_dtype=dtype, schedule=lowered, memory=memory,
         options=options,
     )
-
-
-def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, mode: str,
-                     chunk_bytes: int | None = None, *, steps: int | None = None,
-                     updates: str = "overlap") -> Any:
-    """The lowered schedule the runtime runs: as many steps as the round-robin job counter
-    takes to come back to worker 0 (:func:`~rpcompile.passes.schedule.dispatch_period`; step
-    ``k`` of a run runs schedule step ``k mod steps``). What :func:`compile` keeps as
-    ``Compiled.schedule``; a Trainer given other options (mode, ``schedule_steps``,
-    ``chunk_bytes``) builds its own with this."""
-    period = dispatch_period(len(plan.stages) * rounds, workers)
-    compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
-                             steps=steps or period, kind="roundpipe", optimizer=mode)
-    # Validated like the compiled schedule under RPCOMPILE_DEBUG=1 (it is the same passes
-    # over other options; the check costs seconds on a large model).
-    lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-                       validate=debug_checks(), updates=updates)
-    return lowered
-
-
-def update_order(mode: str, train: TrainOptions) -> str:
-    """The sync update order a run needs (rpcompile.passes.lower.add_optimizer):
-    ``deferred`` when clipping, loss scaling, skipping non-finite steps or data parallel
-    (an update reads the gradients summed over every rank) must see the whole step's
-    gradients before any update, else ``overlap`` (updates run while later backward
-    jobs compute, undone if the step fails). Async mode: ``overlap`` (not used)."""
-    if mode == "sync" and (train.max_grad_norm is not None or train.loss_scale
-                           or train.skip_nonfinite or _data_parallel(train)):
-        return "deferred"
-    return "overlap"
-
-
-def _data_parallel(train: TrainOptions) -> bool:
-    """Whether the run reduces gradients across ranks (rpcompile.runtime.distributed)."""
-    from rpcompile.runtime.distributed import resolve_group
-
-    return resolve_group(train.process_group) is not None
 
 
 class MemoryPlanError(ValueError):

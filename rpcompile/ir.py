@@ -157,6 +157,9 @@ class Plan:
     # Per worker, the device memory proven over the simulated lowered schedule
     # (rpcompile.passes.memory.worker_peaks); empty when the plan was built by hand.
     worker_peak_bytes: tuple[int, ...] = field(default=())
+    # The memory-bounding waits its lowering adds (rpcompile.passes.lower): every one of
+    # MEMORY_WAITS by default; the partitioner drops them where the schedule fits without.
+    memory_waits: tuple[str, ...] = field(default=("window", "sent", "grad_slot"))
 
     # -- views ---------------------------------------------------------------------------
     @property

@@ -94,3 +94,18 @@ def test_plan_default_batch_fills_the_workers(tmp_path, capsys):
     else:
         assert summary["stages"] >= 8
         assert summary["batch"] % 9 == 0
+
+
+def test_plan_longest_reports_the_limit(tmp_path, capsys):
+    rc = main(["plan", "--model", "llama3.1-8b", "--layers", "4", "--seq", "2048", "--gpus", "4",
+               "--hardware", "rtx4090x8", "--longest", "--out", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    found = json.loads((tmp_path / "summary.json").read_text())["longest"]
+    assert found["microbatch_size"] == 1 and found["seq_len"] >= 2048
+    assert f"longest sequence that fits (5 microbatches of 1 sequence, 4 GPUs): " \
+           f"{found['seq_len']:,} tokens" in text
+    if found["next_len"] is not None:  # the reason names the unit or the worker at the peak
+        assert found["limit"] and found["limit"] in text
+        assert "unit" in found["limit"] or "worker" in found["limit"]
+    assert f"proven peak at {found['seq_len']:,} tokens" in text

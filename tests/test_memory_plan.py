@@ -12,6 +12,7 @@ import torch
 import rpcompile
 from rpcompile.compiler import MemoryPlanError, runtime_schedule
 from rpcompile.hardware import get_hardware
+from rpcompile.passes.lower import MEMORY_WAITS
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.planner.partition import PartitionError
 from rpcompile.runtime.trainer import Trainer
@@ -32,14 +33,17 @@ def compiled_for(arch: str, gpus: int, microbatches: int, **options):
 CASES = [("qwen3", 1, 3), ("qwen3", 2, 3), ("qwen3", 3, 4), ("qwen3", 4, 8), ("llama", 3, 6)]
 
 
-@pytest.mark.parametrize("arch,gpus,microbatches", CASES)
-def test_predicted_simulated_and_measured_peaks_agree(arch, gpus, microbatches):
-    compiled = compiled_for(arch, gpus, microbatches)
-    predicted = compiled.memory
-    assert len(predicted) == gpus
-    # Simulated: each step of the runtime's schedule (a step drains before the next one)
-    # replayed with the cost model's times reaches the proven peak within 5 % and never
-    # passes it.
+def bounded_peaks(compiled):
+    """The runtime schedule's proven peaks of ``compiled``'s plan with every memory wait."""
+    plan = replace(compiled.plan, memory_waits=MEMORY_WAITS)
+    sched = runtime_schedule(plan, compiled.workers, compiled.microbatches, compiled.rounds,
+                             "sync")
+    return worker_peaks(sched, plan, overlap_steps=False)
+
+
+def simulated_and_measured(compiled, gpus, microbatches):
+    """Per worker: the simulated peak of each runtime step replayed alone (a step drains
+    before the next one), and the virtual workers' measured peak over a few steps."""
     sched = runtime_schedule(compiled.plan, gpus, microbatches, 1, "sync")
     simulated = [0] * gpus
     for k in range(sched.steps):
@@ -50,22 +54,61 @@ def test_predicted_simulated_and_measured_peaks_agree(arch, gpus, microbatches):
                                         if e.src.step == k and e.dst.step == k))
         sim = simulate(one, compiled.plan, compiled.hardware)
         simulated = [max(a, b) for a, b in zip(simulated, sim.peak_device_bytes)]
-    for w, (got, bound) in enumerate(zip(simulated, predicted)):
-        assert 0.95 * bound.peak_bytes <= got <= bound.peak_bytes, (w, got, bound)
-    # Measured: the virtual workers account weights, gradient buffers and held values (not
-    # the transients inside a compute), against the prediction without working sets.
     with Trainer(compiled, SGD, device="virtual") as trainer:
         for k in range(max(2, sched.steps)):
             trainer.step(token_batch(2 * microbatches, seed=k))
         measured = trainer.peak_bytes()
-        assert trainer.predicted_peak_bytes() == tuple(p.peak_bytes for p in predicted)
+        assert trainer.predicted_peak_bytes() == tuple(p.peak_bytes for p in compiled.memory)
+    return simulated, measured
+
+
+@pytest.mark.parametrize("arch,gpus,microbatches", CASES)
+def test_predicted_simulated_and_measured_peaks_agree(arch, gpus, microbatches):
+    # The tiny model fits the CPU profile without the memory-bounding waits, so its plan runs
+    # without them. A capacity at the peak proven with every wait needs them where they
+    # lower the peak; the plan that runs there is proven tight.
+    free = compiled_for(arch, gpus, microbatches)
+    assert free.plan.memory_waits == ()
+    bound = max(p.peak_bytes for p in bounded_peaks(free))
+    compiled = compiled_for(arch, gpus, microbatches, capacity_bytes=bound)
+    if max(p.peak_bytes for p in free.memory) > bound:
+        assert compiled.plan.memory_waits == MEMORY_WAITS
+    else:  # one worker: nothing crosses workers, the waits change nothing
+        assert gpus == 1 and compiled.plan.memory_waits == ()
+    predicted = compiled.memory
+    assert len(predicted) == gpus
+    simulated, measured = simulated_and_measured(compiled, gpus, microbatches)
+    # Simulated with the cost model's times: reaches the proven peak within 5 %, never passes
+    # it. Measured: the virtual workers account weights, gradient buffers and held values (not
+    # the transients inside a compute), against the prediction without working sets.
+    for w, (got, bound) in enumerate(zip(simulated, predicted)):
+        assert 0.95 * bound.peak_bytes <= got <= bound.peak_bytes, (w, got, bound)
     for w, (got, bound) in enumerate(zip(measured, predicted)):
         assert 0.95 * bound.held_bytes <= got <= bound.held_bytes, (w, got, bound)
 
 
+@pytest.mark.parametrize("arch,gpus,microbatches", [("qwen3", 3, 4), ("llama", 3, 6)])
+def test_without_the_waits_the_proof_still_bounds_the_run(arch, gpus, microbatches):
+    # Without the memory-bounding waits transfers may start earlier and values stay longer:
+    # the proof follows the schedule's remaining order and still bounds what the simulator
+    # and the virtual workers reach (with chaos delays on the workers, too).
+    compiled = compiled_for(arch, gpus, microbatches, chaos=3)
+    assert compiled.plan.memory_waits == ()
+    sched = runtime_schedule(compiled.plan, gpus, microbatches, 1, "sync")
+    assert not any(e.kind in MEMORY_WAITS for e in sched.edges)
+    simulated, measured = simulated_and_measured(compiled, gpus, microbatches)
+    for got, bound in zip(simulated, compiled.memory):
+        assert got <= bound.peak_bytes
+    for got, bound in zip(measured, compiled.memory):
+        assert got <= bound.held_bytes
+    assert max(p.peak_bytes for p in compiled.memory) > max(
+        p.peak_bytes for p in bounded_peaks(compiled))
+
+
 @pytest.mark.parametrize("arch,gpus,microbatches", [("qwen3", 2, 3), ("llama", 3, 6)])
 def test_capacity_just_above_the_peak_runs_and_just_below_is_refused(arch, gpus, microbatches):
-    peak = max(p.peak_bytes for p in compiled_for(arch, gpus, microbatches).memory)
+    # The peak with every memory wait is the least this plan can be lowered to.
+    peak = max(p.peak_bytes for p in bounded_peaks(compiled_for(arch, gpus, microbatches)))
     compiled = compiled_for(arch, gpus, microbatches, capacity_bytes=int(1.05 * peak))
     for k in range(2):
         compiled.step(token_batch(2 * microbatches, seed=k))
@@ -120,3 +163,75 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
     assert tuple(p.peak_bytes for p in worker_peaks(r.schedule, plan)) == plan.worker_peak_bytes
     for got, bound in zip(r.peak_device_bytes, plan.worker_peak_bytes):
         assert got <= bound
+
+
+def test_longest_sequence_is_the_last_length_that_fits():
+    # Qwen3-1.7B with a whole-microbatch tail on 4 GPUs of 8 GiB: the search stops where the
+    # partitioner's answer changes, one step apart, and names what does not fit there.
+    from rpcompile.planner.longest import QUICK_PARTITION, longest_sequence
+    from rpcompile.planner.partition import partition
+    from rpcompile.workloads.paper import MODELS
+
+    model = MODELS["qwen3-1.7b"]
+    hw = replace(get_hardware("rtx4090x8"), memory_gib=8.0).with_gpus(4)
+
+    def units(s):
+        return model.units(1, s, loss_chunk_tokens=None)
+
+    found = longest_sequence(units, hw, 4, 5, 1, start=1024, step=512)
+    assert found.seq_len >= 1024 and found.seq_len % 512 == 0
+    assert found.next_len == found.seq_len + 512
+    plan = partition(units(found.seq_len), hw, 4, 5, 1, found.seq_len, **QUICK_PARTITION)
+    assert max(plan.worker_peak_bytes) <= hw.usable_memory_bytes
+    assert found.plan is not None and found.plan.seq_len == found.seq_len
+    with pytest.raises(PartitionError) as info:
+        partition(units(found.next_len), hw, 4, 5, 1, found.next_len, **QUICK_PARTITION)
+    assert str(info.value) == found.why and "'tail'" in found.why
+    assert f"at {found.next_len:,} tokens" in found.describe()
+
+
+@pytest.mark.parametrize("gib,chunk", [(0.6, 1024), (3.0, None)])
+def test_the_planner_chooses_the_loss_chunk_that_fits_fastest(gib, chunk):
+    # 4,096 tokens per microbatch over a 32,768 vocabulary: the whole fp32 logits (512 MiB)
+    # and their gradient do not fit 0.6 GiB GPUs, 1,024-token chunks do; with 3 GiB the
+    # whole logits fit and are faster (chunks cost one more head matmul), so they stay.
+    from tests.test_chunked_loss import sft_batch
+
+    hw = replace(get_hardware("cpu"), memory_gib=gib, memory_reserve_gib=0.0)
+    compiled = rpcompile.compile(hf_model("qwen3", layers=2, vocab_size=32768), gpus=2,
+                                 microbatches=2, example_inputs=sft_batch(8, 1024, vocab=32768),
+                                 hardware=hw, device="virtual")
+    assert compiled.capture.loss_chunk_tokens == chunk
+    assert max(p.peak_bytes for p in compiled.memory) <= hw.usable_memory_bytes
+    if chunk is not None:
+        assert any("linear_cross_entropy" in s.code for s in compiled.stages)
+        note = compiled.plan.notes[-1]
+        assert "1,024-token chunks, the fastest plan that fits" in note
+        assert "whole logits: no plan fits" in note
+        with pytest.raises(PartitionError):  # the whole logits alone: refused
+            rpcompile.compile(hf_model("qwen3", layers=2, vocab_size=32768), gpus=2,
+                              microbatches=2, example_inputs=sft_batch(8, 1024, vocab=32768),
+                              hardware=hw, device="virtual", loss_chunk_tokens=None)
+
+
+def test_every_set_of_waits_is_proven_and_the_first_that_fits_is_kept():
+    # RoundPipe's own Qwen3-1.7B plan, overlapping async steps: with any set of the
+    # memory-bounding waits the simulated peak stays under the proof, more waits never prove
+    # more, and fit_memory_waits keeps the first set (fewest waits) that fits the capacity.
+    from rpcompile.planner.partition import WAIT_SETS, fit_memory_waits
+    from rpcompile.workloads.paper import MODELS, hop_hardware, roundpipe_qwen3_1_7b_plan
+
+    hw = hop_hardware(MODELS["qwen3-1.7b"])
+    plan = roundpipe_qwen3_1_7b_plan(hw)
+    proven = {}
+    for waits in WAIT_SETS:
+        p = replace(plan, memory_waits=waits)
+        r = simulate_roundpipe(p, hw, steps=4, optimizer="async")
+        proven[waits] = max(x.peak_bytes for x in worker_peaks(r.schedule, p))
+        assert max(r.peak_device_bytes) <= proven[waits], waits
+        assert proven[waits] <= proven[()]
+    assert proven[MEMORY_WAITS] < proven[()]
+    capacity = proven[MEMORY_WAITS]
+    chosen, _lowered, peaks = fit_memory_waits(plan, hw, capacity=capacity, steps=4)
+    assert chosen.memory_waits == next(w for w in WAIT_SETS if proven[w] <= capacity)
+    assert max(p.peak_bytes for p in peaks) <= capacity

@@ -26,12 +26,14 @@ from dataclasses import dataclass
 
 from rpcompile.ir import ORDERED_STREAMS, Action, Edge, Plan, Schedule, Stage
 from rpcompile.options import DEFAULT_CHUNK_BYTES  # cut so a critical transfer waits <= 1 chunk
-from rpcompile.passes.manager import PassManager, PassRecord
+from rpcompile.passes.manager import PassManager, PassRecord, debug_checks
+from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.validate import validate as check
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "LOWERING_PASSES",
+    "MEMORY_WAITS",
     "UPDATE_ORDERS",
     "add_activation_transfers",
     "add_events",
@@ -39,10 +41,15 @@ __all__ = [
     "add_optimizer",
     "add_weight_uploads",
     "lower",
+    "runtime_schedule",
     "updates_deferred",
 ]
 
 LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "events")
+# The waits that bound what a worker holds in flight (rpcompile.passes.memory): "window" and
+# "sent" (pass 2), "grad_slot" (pass 3). A plan lists the ones its lowering adds
+# (Plan.memory_waits); a bare stage list gets all of them.
+MEMORY_WAITS = ("window", "sent", "grad_slot")
 _BASELINE_PASSES = ("transfers", "events")  # weights and optimizer stay on the bound workers
 
 
@@ -153,13 +160,15 @@ def add_weight_uploads(sched: Schedule, plan: Plan | Sequence[Stage],
 # --------------------------------------------------------------------------------------------
 
 
-def add_activation_transfers(sched: Schedule) -> Schedule:
+def add_activation_transfers(sched: Schedule,
+                             memory_waits: Sequence[str] = MEMORY_WAITS) -> Schedule:
     """D2H/H2D for every flow whose producer and consumer run on different workers.
 
     A value leaves its producer once (one D2H, issued right after the producing compute), however
     many remote consumers read it; each consumer's worker brings it in with one H2D issued just
     before the reading compute. Host-resident values (ids, labels) only need the H2D. Flows
     between computes on the same worker keep their ``data`` edge and move nothing.
+    ``memory_waits``: which of the ``window`` and ``sent`` waits below to add.
     """
     _once(sched, "transfers")
     where: dict[tuple, Action] = {}
@@ -184,12 +193,13 @@ def add_activation_transfers(sched: Schedule) -> Schedule:
     # upload starts no earlier than the end of the compute two places before its reader
     # ("window"), and a download ends before the compute two places after its producer
     # ("sent"). Two places leave one whole compute to hide the transfer behind.
-    bounded = sched.stage_workers is None
+    roundpipe = sched.stage_workers is None
     computes = [[a for a in lst if a.is_compute] for lst in sched.actions]
     place = {a: i for lst in computes for i, a in enumerate(lst)}
 
-    def nearby(c: Action, offset: int) -> Action | None:
+    def nearby(c: Action, offset: int, wait: str) -> Action | None:
         i = place[c] + offset
+        bounded = roundpipe and wait in memory_waits
         return computes[c.worker][i] if bounded and 0 <= i < len(computes[c.worker]) else None
 
     before: dict[Action, list[Action]] = {}
@@ -208,7 +218,7 @@ def add_activation_transfers(sched: Schedule) -> Schedule:
                 if f.from_host:
                     before.setdefault(c, []).append(h2d)
                     edges.append(Edge(h2d, c, "arrived"))
-                    if (early := nearby(c, -2)) is not None:
+                    if (early := nearby(c, -2, "window")) is not None:
                         edges.append(Edge(early, h2d, "window"))
                     continue
                 p = where[(f.src_kind, f.src_stage, m, r, k)]
@@ -222,9 +232,9 @@ def add_activation_transfers(sched: Schedule) -> Schedule:
                     d2h[(p, f.value)] = down
                     after.setdefault(p, []).append(down)
                     edges.append(Edge(p, down, "produced"))
-                    if (late := nearby(p, 2)) is not None:
+                    if (late := nearby(p, 2, "sent")) is not None:
                         edges.append(Edge(down, late, "sent"))
-                if (early := nearby(c, -2)) is not None:
+                if (early := nearby(c, -2, "window")) is not None:
                     edges.append(Edge(early, h2d, "window"))
                 before.setdefault(c, []).append(h2d)
                 edges.append(Edge(down, h2d, "on_host"))
@@ -241,14 +251,16 @@ def add_activation_transfers(sched: Schedule) -> Schedule:
 
 
 def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
-                           chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Schedule:
+                           chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                           grad_slot: bool = True) -> Schedule:
     """One D2H grad per backward job, and a host ACC per (stage, round, step).
 
     A T or B compute accumulates its microbatch's parameter gradients into the job's fp32
     gradient buffer on the worker (the job's first microbatch zero-fills it), so the job sends
     its gradients home once, after its last compute (``grad_ready``). The host adds them into
     the stage's fp32 accumulator (ACC after ``grad_home``), in dispatch order. Stages without
-    trainable parameters (grad_bytes == 0) send nothing.
+    trainable parameters (grad_bytes == 0) send nothing. ``grad_slot``: add the wait that
+    keeps one gradient buffer per worker.
     """
     _require_roundpipe(sched, "grads")
     stages = _stages(plan)
@@ -265,7 +277,7 @@ def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
                 continue
             down = Action(w, "D2H", j.stage, None, j.round, j.step, what="grad", bytes=nbytes,
                           chunks=_chunks(nbytes, chunk_bytes))
-            if previous is not None:
+            if previous is not None and grad_slot:
                 # One gradient buffer per worker: the next job's buffer is allocated once the
                 # previous one is home, so the worker never holds two (docs/compiler.md).
                 edges.append(Edge(previous, j.computes[0], "grad_slot"))
@@ -443,14 +455,19 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     """Run the lowering passes (default: all of :data:`LOWERING_PASSES` for RoundPipe, only
     ``transfers`` and ``events`` for the weight-bound baselines) through a :class:`PassManager`
     that validates the input (as pass ``dispatch``) and the output of each pass. ``updates``
-    is the sync update order (:func:`add_optimizer`). Returns the lowered schedule and one
-    record per pass."""
+    is the sync update order (:func:`add_optimizer`). The memory-bounding waits added are
+    ``plan.memory_waits`` (all of :data:`MEMORY_WAITS` for a bare stage list). Returns the
+    lowered schedule and one record per pass."""
     if passes is None:
         passes = LOWERING_PASSES if schedule.stage_workers is None else _BASELINE_PASSES
+    waits = plan.memory_waits if isinstance(plan, Plan) else MEMORY_WAITS
+    unknown = [w for w in waits if w not in MEMORY_WAITS]
+    if unknown:
+        raise ValueError(f"unknown memory waits {unknown}; known: {list(MEMORY_WAITS)}")
     table = {
         "upload": lambda s: add_weight_uploads(s, plan, chunk_bytes),
-        "transfers": add_activation_transfers,
-        "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes),
+        "transfers": lambda s: add_activation_transfers(s, waits),
+        "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes, "grad_slot" in waits),
         "optimizer": lambda s: add_optimizer(s, plan, updates),
         "events": add_events,
     }
@@ -462,3 +479,21 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     manager = PassManager([(p, table[p]) for p in passes],
                           check=check if validate else None)
     return manager.run(schedule)
+
+
+def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, mode: str,
+                     chunk_bytes: int | None = None, *, steps: int | None = None,
+                     updates: str = "overlap") -> Schedule:
+    """The lowered schedule the runtime runs: as many steps as the round-robin job counter
+    takes to come back to worker 0 (:func:`~rpcompile.passes.schedule.dispatch_period`; step
+    ``k`` of a run runs schedule step ``k mod steps``). What :func:`compile` keeps as
+    ``Compiled.schedule``; a Trainer given other options (mode, ``schedule_steps``,
+    ``chunk_bytes``) builds its own with this."""
+    period = dispatch_period(len(plan.stages) * rounds, workers)
+    compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
+                             steps=steps or period, kind="roundpipe", optimizer=mode)
+    # Validated like the compiled schedule under RPCOMPILE_DEBUG=1 (it is the same passes
+    # over other options; the check costs seconds on a large model).
+    lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+                       validate=debug_checks(), updates=updates)
+    return lowered

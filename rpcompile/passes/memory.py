@@ -5,36 +5,47 @@ one microbatch's working set) misses what the lowered schedule holds at once: th
 weights while they upload, the previous job's gradients while they download, values a forward
 stage keeps for a backward stage on the same worker, inputs uploaded ahead of their reader.
 :func:`worker_peaks` bounds each worker's memory at every point of its compute stream, whatever
-the timing, because the lowering (``rpcompile.passes.lower``) ties every transfer that
-allocates or frees device memory to that stream:
+the timing. It reads the schedule's happens-before order (its edges, plus list order on the
+ordered streams: each worker's compute stream and the host queue): a transfer that allocates
+device memory cannot start before every compute that precedes it in that order has ended, and
+one that frees memory has ended before every compute that follows it starts. So:
 
-  * a job's weights (UP) may start once the EVICT two jobs back has run (``buffer``) and live
-    until the job's EVICT;
+  * a job's weights (UP) live from the end of the last compute of their worker that precedes
+    the UP (at least the EVICT two jobs back: ``buffer``) until the job's EVICT;
   * a job's fp32 gradient buffer is allocated by its first compute and freed when its D2H ends,
-    which the worker's next gradient job waits for (``grad_slot``);
-  * an input (H2D) may start once the compute two places before its reader has ended
-    (``window``) and lives until its reader ends;
+    before the first compute of the worker that follows that D2H;
+  * an input (H2D) lives from the end of the last compute of its worker that precedes it until
+    its reader ends;
   * a value a compute produces lives from that compute's end until its last local reader ends
-    and its D2H, which the compute two places after the producer waits for (``sent``), is done;
+    and its D2H is done (before the first compute of the worker that follows the D2H);
   * each compute's working set (one microbatch's activations and transients:
     ``Stage.peak_bytes`` less twice the weights and the gradients) lives while it runs.
+
+The lowering's memory-bounding waits (``Plan.memory_waits``: ``window``, ``sent``,
+``grad_slot``; rpcompile.passes.lower) tighten that order so the peak is what the planner
+assumes: an input uploads no earlier than the end of the compute two places before its reader,
+a value's D2H ends before the compute two places after its producer, a worker holds one
+gradient buffer. Without them the proof still holds, over the longer holds the rest of the
+order allows (a value may wait for a chain of jobs round the other workers); the partitioner
+adds the waits only to plans whose schedule does not fit without them.
 
 Points of a worker's compute stream: the gap before action ``p`` is point ``2p``, action ``p``
 itself is ``2p + 1``, the gap after the last action is ``2L``. Every hold above is an interval
 of points; the peak is the largest sum over one point. Any replay that honours the schedule's
-edges (the simulator, the runtime) stays at or below it; the simulator reaches it when
-transfers are slow enough, the virtual workers when they are fast.
+edges (the simulator, the runtime) stays at or below it; with every wait in place the simulator
+reaches it when transfers are slow enough, the virtual workers when they are fast.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from rpcompile.ir import Action, Plan, Schedule, Stage
 
-__all__ = ["HostMemory", "WorkerPeak", "format_bytes", "host_memory", "worker_peaks",
-           "working_bytes"]
+__all__ = ["HostMemory", "WorkerPeak", "format_bytes", "host_memory", "host_static_bytes",
+           "worker_peaks", "working_bytes"]
 
 PARTS = ("weights", "grads", "values", "working")
 
@@ -91,13 +102,6 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
     if "upload" not in sched.passes:
         raise ValueError("worker_peaks needs a lowered schedule (rpcompile.passes.lower)")
     stages = tuple(plan.stages if isinstance(plan, Plan) else plan)
-    waits_for: dict[tuple[Action, str], Action] = {}  # (dst, kind) -> src
-    waited_by: dict[tuple[Action, str], Action] = {}  # (src, kind) -> dst
-    for e in sched.edges:
-        if e.kind in ("buffer", "window", "grad_slot"):
-            waits_for[(e.dst, e.kind)] = e.src
-        if e.kind in ("sent", "grad_slot"):
-            waited_by[(e.src, e.kind)] = e.dst
     flows_from: dict[tuple[str, int], dict[str, int]] = {}
     readers: dict[tuple[int, str], str] = {}
     for f in sched.flows:
@@ -110,18 +114,97 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
         if f.src_kind is not None:
             consumers.setdefault((f.src_kind, f.src_stage, f.value), []).append(
                 (f.dst_kind, f.dst_stage))
-    out = []
-    for w in range(sched.workers):
-        parts = [sched.actions[w]] if overlap_steps else [
-            [a for a in sched.actions[w] if a.step == k] for k in range(sched.steps)]
-        peaks = [_worker_peak(lst, w, stages, waits_for, waited_by, flows_from, readers,
-                              consumers) for lst in parts]
-        best = max(peaks, key=lambda p: p.peak_bytes)
-        out.append(replace(best, held_bytes=max(p.held_bytes for p in peaks)))
-    return tuple(out)
+    scopes = [None] if overlap_steps else list(range(sched.steps))
+    best: list[WorkerPeak | None] = [None] * sched.workers
+    held = [0] * sched.workers
+    for step in scopes:
+        lists = [lst if step is None else [a for a in lst if a.step == step]
+                 for lst in sched.actions]
+        host = sched.host if step is None else [a for a in sched.host if a.step == step]
+        edges = sched.edges if step is None else [
+            e for e in sched.edges if e.src.step == step and e.dst.step == step]
+        latest, earliest = _order(lists, host, edges)
+        for w, lst in enumerate(lists):
+            peak = _worker_peak(lst, w, stages, latest, earliest, flows_from, readers,
+                                consumers)
+            held[w] = max(held[w], peak.held_bytes)
+            if best[w] is None or peak.peak_bytes > best[w].peak_bytes:
+                best[w] = peak
+    return tuple(replace(p, held_bytes=h) for p, h in zip(best, held))
 
 
-def _worker_peak(lst, w, stages, waits_for, waited_by, flows_from, readers, consumers):
+_NONE = 1 << 62  # no compute of that worker follows
+
+
+def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, list[int]]]:
+    """Per action, per worker: ``latest``, the last compute-stream position of that worker
+    that ends before the action starts (-1: none), and ``earliest``, the first one that
+    starts after the action ends (``_NONE``: none), in the happens-before order of ``edges``
+    and the ordered streams' list order (transfer lanes may run in any order)."""
+    workers = len(lists)
+    succ: dict[Action, list[Action]] = {}
+    indegree: dict[Action, int] = {}
+    where: dict[Action, tuple[int, int]] = {}  # compute-stream action -> (worker, position)
+
+    def arc(src: Action, dst: Action) -> None:
+        succ.setdefault(src, []).append(dst)
+        indegree[dst] = indegree.get(dst, 0) + 1
+
+    for w, lst in enumerate(lists):
+        stream = [a for a in lst if a.stream == "compute"]
+        for p, a in enumerate(stream):
+            where[a] = (w, p)
+        for x, y in itertools.pairwise(stream):
+            arc(x, y)
+        for a in lst:
+            indegree.setdefault(a, 0)
+    for x, y in itertools.pairwise(host):
+        arc(x, y)
+    for a in host:
+        indegree.setdefault(a, 0)
+    for e in edges:
+        arc(e.src, e.dst)
+    ready = [a for a, d in indegree.items() if d == 0]
+    topo: list[Action] = []
+    while ready:
+        a = ready.pop()
+        topo.append(a)
+        for b in succ.get(a, ()):
+            indegree[b] -= 1
+            if indegree[b] == 0:
+                ready.append(b)
+    if len(topo) != len(indegree):
+        raise ValueError("the schedule's order has a cycle (it would deadlock)")
+    latest = {a: [-1] * workers for a in topo}
+    for a in topo:
+        mine = latest[a]
+        if a in where:
+            w, p = where[a]
+            done = list(mine)
+            done[w] = max(done[w], p)
+        else:
+            done = mine
+        for b in succ.get(a, ()):
+            theirs = latest[b]
+            for i in range(workers):
+                if done[i] > theirs[i]:
+                    theirs[i] = done[i]
+    earliest = {a: [_NONE] * workers for a in topo}
+    for a in reversed(topo):
+        mine = earliest[a]
+        for b in succ.get(a, ()):
+            theirs = earliest[b]
+            if b in where:
+                w, p = where[b]
+                if p < mine[w]:
+                    mine[w] = p
+            for i in range(workers):
+                if theirs[i] < mine[i]:
+                    mine[i] = theirs[i]
+    return latest, earliest
+
+
+def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumers):
     stream = [a for a in lst if a.stream == "compute"]
     pos = {a: p for p, a in enumerate(stream)}
     end = 2 * len(stream)
@@ -136,27 +219,26 @@ def _worker_peak(lst, w, stages, waits_for, waited_by, flows_from, readers, cons
         if nbytes > 0:
             holds.append((first, max(first, last), part, nbytes, stage))
 
-    def after(a: Action | None) -> int:  # the gap after compute-stream action a (0: none)
-        return 0 if a is None or a not in pos else 2 * pos[a] + 2
+    def starts(a: Action) -> int:  # the gap after the last compute ending before a starts
+        return 2 * latest[a][w] + 2
 
-    def before(a: Action | None) -> int:  # the gap before it (the end: none in this part)
-        return end if a is None or a not in pos else 2 * pos[a]
+    def freed(a: Action) -> int:  # the gap before the first compute starting after a ends
+        p = earliest[a][w]
+        return end if p == _NONE else 2 * p
 
     for a in lst:
         if a.kind == "UP":
             ev = evict.get((a.stage, a.round, a.step))
-            hold(after(waits_for.get((a, "buffer"))), end if ev is None else 2 * pos[ev],
-                 "weights", a.bytes, a.stage)
+            hold(starts(a), end if ev is None else 2 * pos[ev], "weights", a.bytes, a.stage)
         elif a.kind == "H2D":
             reader = compute_at.get((readers.get((a.stage, a.value)), a.stage, a.microbatch,
                                      a.round, a.step))
-            hold(after(waits_for.get((a, "window"))),
-                 end if reader is None else 2 * pos[reader] + 1, "values", a.bytes, a.stage)
+            hold(starts(a), end if reader is None else 2 * pos[reader] + 1, "values", a.bytes,
+                 a.stage)
         elif a.kind == "D2H" and a.what == "grad":
             first = next(c for c in stream if c.is_compute and
                          (c.stage, c.round, c.step) == (a.stage, a.round, a.step))
-            hold(2 * pos[first] + 1, before(waited_by.get((a, "grad_slot"))), "grads",
-                 a.bytes, a.stage)
+            hold(2 * pos[first] + 1, freed(a), "grads", a.bytes, a.stage)
         if not a.is_compute:
             continue
         p = pos[a]
@@ -171,7 +253,7 @@ def _worker_peak(lst, w, stages, waits_for, waited_by, flows_from, readers, cons
                     last, kept = max(last, 2 * pos[r] + 1), True
             down = d2h.get((a.stage, a.microbatch, a.round, a.step, value))
             if down is not None:
-                last, kept = max(last, before(waited_by.get((down, "sent")))), True
+                last, kept = max(last, freed(down)), True
             if kept:
                 hold(2 * p + 2, last, "values", nbytes, a.stage)
     return _sweep(w, stream, end, holds)
@@ -210,13 +292,16 @@ def _sweep(w, stream, end, holds) -> WorkerPeak:
 
 @dataclass(frozen=True)
 class HostMemory:
-    """Host bytes a RoundPipe plan keeps (the same accounting as the simulator's host peak):
-    fp32 ``masters`` of trainable parameters, ``optimizer`` state (AdamW: two fp32 moments),
-    the fp32 ``gradients`` accumulator of every backward stage, the low-precision ``shadows``
-    the uploads read (one flat buffer per stage; async keeps a second copy of the trainable
-    part), and ``transfers``: the peak of activations, recompute inputs and downloaded
-    gradients staged on the host during a step (0 when no run was simulated). Shadows and
-    transfer staging are pinned; masters, optimizer state and gradients need not be."""
+    """Host bytes a RoundPipe plan keeps (the same accounting as the simulator's host peak),
+    laid out as the runtime's host store lays them (rpcompile.runtime.memory.HostStore: every
+    parameter once, however many stages read it): fp32 ``masters`` of trainable parameters,
+    ``optimizer`` state (AdamW: two fp32 moments), one fp32 ``gradients`` accumulator per
+    trainable parameter, the low-precision ``shadows`` the uploads read (one copy of every
+    parameter, frozen or trainable, that the forward and the backward stage holding it share;
+    async keeps a second copy of the trainable part), and ``transfers``: the peak of
+    activations, recompute inputs and downloaded gradients staged on the host during a step
+    (0 when no run was simulated). Shadows and transfer staging are pinned; masters,
+    optimizer state and gradients need not be."""
 
     masters: int
     optimizer: int
@@ -244,12 +329,34 @@ def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | Non
     """The host memory of ``plan`` (``optimizer``: ``"async"`` keeps two shadow versions of
     the trainable part). ``peak_host_bytes``: a simulated run's ``SimResult.peak_host_bytes``,
     whose part above the static buffers is the transfer staging."""
-    trainable = sum(u.trainable_params for u in plan.units)
-    shadows = sum(s.weight_bytes for s in plan.stages)
-    if optimizer == "async":
-        shadows += sum(2 * plan.units[u].trainable_params for s in plan.stages for u in s.units)
-    out = HostMemory(masters=4 * trainable, optimizer=optimizer_bytes_per_param * trainable,
-                     gradients=sum(s.grad_bytes for s in plan.stages), shadows=shadows)
+    out = _static_host(plan.stages, plan.units, optimizer, optimizer_bytes_per_param)
     if peak_host_bytes is not None:
         out = replace(out, transfers=max(0, peak_host_bytes - out.total))
     return out
+
+
+def host_static_bytes(stages: Sequence[Stage], units: Sequence, optimizer: str,
+                      optimizer_bytes_per_param: int = 8) -> int:
+    """The host bytes of a RoundPipe run that do not change during a step (the simulator's
+    base for its host peak): :class:`HostMemory` without ``transfers``."""
+    return _static_host(stages, units, optimizer, optimizer_bytes_per_param).total
+
+
+def _static_host(stages, units, optimizer, optimizer_bytes_per_param) -> HostMemory:
+    trainable = sum(u.trainable_params for u in units)
+    shadows = 0
+    # The forward stages and the tail hold every unit once; a parameter a stage borrows
+    # (tied weights) lives in its owner's stage.
+    for s in stages:
+        if s.kind == "backward":
+            continue
+        own = sum(units[u].params for u in s.units)
+        own_trainable = sum(units[u].trainable_params for u in s.units)
+        outside = {(o, n) for u in s.units for o, n, _t in units[u].borrowed if o not in s.units}
+        held = own + sum(n for _o, n in outside)
+        if held:
+            shadows += s.weight_bytes * own // held
+            if optimizer == "async":
+                shadows += s.weight_bytes * own_trainable // held
+    return HostMemory(masters=4 * trainable, optimizer=optimizer_bytes_per_param * trainable,
+                      gradients=4 * trainable, shadows=shadows)

@@ -27,7 +27,8 @@ from rpcompile.ir import Plan, Stage, UnitProfile
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import deal, steady_window
 
-__all__ = ["PartitionError", "StageCosting", "build_plan", "partition", "predict_step_ms"]
+__all__ = ["PartitionError", "StageCosting", "build_plan", "fit_memory_waits", "partition",
+           "predict_step_ms"]
 
 
 class PartitionError(ValueError):
@@ -95,21 +96,25 @@ def partition(
     # weights while they upload, inputs uploaded ahead, values kept for a later stage. The
     # simulated candidates are checked over their whole lowered schedule
     # (rpcompile.passes.memory); when none fits, the stages are cut again under a stage
-    # limit lowered by the overshoot.
-    limit, overshoot = capacity, 0
-    for _attempt in range(6):
-        limit = min(limit, capacity) - overshoot
+    # limit lowered by the overshoot, and when that limit leaves no cut at all, under limits
+    # bisected between the two (finer stages usually fit, but not always the finest).
+    limit, loose, tight, best = capacity, None, None, None
+    for _attempt in range(8):
         try:
             return _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
                               costing, max_tail_layers, shortlist, simulate_top, optimizer,
                               refine, target_bubble, search, limit, capacity)
         except _NoPlanFits as exc:
-            overshoot = exc.overshoot
-            best = exc
+            best, loose = exc, limit
+            limit -= exc.overshoot
         except PartitionError:
-            if not overshoot:
+            if loose is None:
                 raise
-            break  # no stage cut fits the lowered limit: the schedule's peak is what limits
+            tight = limit
+        if tight is not None and limit <= tight:
+            if loose - tight < capacity // 100:  # bisected to within 1% of the capacity
+                break
+            limit = (loose + tight) // 2
     raise PartitionError(
         f"no plan fits {format_bytes(capacity)} per GPU over its whole schedule: the best "
         f"candidate peaks at {best.peak.describe()}; use a smaller microbatch (more microbatches for the same "
@@ -208,7 +213,8 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
     # The ranking model misses link contention and transfer priorities; the simulator
     # replays the lowered schedule of the best few and picks the winner among those whose
     # whole schedule fits.
-    scored = [(_simulated_ms(plan, hw, rounds, optimizer), plan) for plan in _distinct(plans)]
+    scored = [_simulated_ms(plan, hw, rounds, optimizer, capacity)
+              for plan in _distinct(plans)]
     def top(peaks) -> int:
         return max(p.peak_bytes for p in peaks)
 
@@ -329,19 +335,54 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
     return _distinct(found)[:keep]
 
 
-def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str):
-    """(step time, bubble, proven peak of each worker) in the simulator: the steady state of
-    an async run (:func:`~rpcompile.sim.steady_steps` steps, overlapping), or one isolated
-    sync step. The peaks bound the simulated run's memory (rpcompile.passes.memory)."""
-    from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
+# The sets of memory-bounding waits fit_memory_waits tries, fewest first; among sets of one
+# size, the activation waits before grad_slot (which can hold a gradient job's first compute
+# behind the previous job's whole gradient download).
+WAIT_SETS = ((), ("window",), ("sent",), ("window", "sent"), ("grad_slot",),
+             ("window", "grad_slot"), ("sent", "grad_slot"), ("window", "sent", "grad_slot"))
 
+
+def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
+                     optimizer: str = "async", capacity: int | None = None,
+                     steps: int | None = None):
+    """``(plan, lowered schedule, proven peaks)``: ``plan`` with the first set of the
+    lowering's memory-bounding waits (``Plan.memory_waits``) in :data:`WAIT_SETS` (none, then
+    one, two, all three) whose schedule's proven peak fits ``capacity`` (default: the
+    hardware's usable memory); all three when none fits. The schedule is ``steps`` steps
+    (default: one sync step, or the async steady-state run of
+    :func:`~rpcompile.sim.steady_steps`), dispatched and lowered as the simulator runs it."""
+    from rpcompile.passes.lower import lower
+    from rpcompile.passes.schedule import build_schedule
+    from rpcompile.sim import steady_steps
+
+    hw = get_hardware(hardware)
+    capacity = hw.usable_memory_bytes if capacity is None else capacity
+    if steps is None:
+        steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
+    for waits in WAIT_SETS:
+        plan = replace(plan, memory_waits=waits)
+        compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
+                                 steps=steps, kind="roundpipe", optimizer=optimizer)
+        lowered, _ = lower(compute, plan, validate=False)
+        peaks = worker_peaks(lowered, plan)
+        if max(p.peak_bytes for p in peaks) <= capacity:
+            break
+    return plan, lowered, peaks
+
+
+def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):
+    """((step time, bubble, proven peak of each worker), the plan as it runs) in the
+    simulator: the steady state of an async run (:func:`~rpcompile.sim.steady_steps` steps,
+    overlapping), or one isolated sync step, with the memory waits :func:`fit_memory_waits`
+    gives (they cost pipeline time). The peaks bound the simulated run's memory
+    (rpcompile.passes.memory)."""
+    from rpcompile.sim import simulate, steady_step_ms, steady_utilization
+
+    plan, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity)
+    result = simulate(lowered, plan, hw)
     if optimizer == "sync":  # steps do not overlap: one step's makespan
-        result = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer="sync")
-        return result.makespan_ms, result.bubble, worker_peaks(result.schedule, plan)
-    steps = steady_steps(plan, rounds=rounds)
-    result = simulate_roundpipe(plan, hw, steps=steps, rounds=rounds, optimizer="async")
-    return (steady_step_ms(result), 1.0 - steady_utilization(result),
-            worker_peaks(result.schedule, plan))
+        return (result.makespan_ms, result.bubble, peaks), plan
+    return (steady_step_ms(result), 1.0 - steady_utilization(result), peaks), plan
 
 
 def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, capacity, budget,
@@ -378,7 +419,8 @@ def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, capacity, budget
             candidate = make(trial[0], trial[1], tail, plan.notes)
             if any(st.peak_bytes > limit for st in candidate.stages):
                 continue
-            ms, trial_bubble, peaks = _simulated_ms(candidate, hw, rounds, "async")
+            (ms, trial_bubble, peaks), candidate = _simulated_ms(candidate, hw, rounds,
+                                                                 "async", capacity)
             spent += 1
             if ms < best_ms - 1e-6 and max(p.peak_bytes for p in peaks) <= capacity:
                 best, best_ms, bubble, sides, improved = candidate, ms, trial_bubble, trial, True

@@ -26,10 +26,14 @@ from typing import Any
 
 import torch
 
-from rpcompile.compiler import runtime_schedule, update_order
 from rpcompile.ir import Schedule
 from rpcompile.options import Options, TrainOptions
-from rpcompile.passes.lower import DEFAULT_CHUNK_BYTES, UPDATE_ORDERS, updates_deferred
+from rpcompile.passes.lower import (
+    DEFAULT_CHUNK_BYTES,
+    UPDATE_ORDERS,
+    runtime_schedule,
+    updates_deferred,
+)
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
@@ -50,6 +54,25 @@ def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimize
 # profile, and a first step also compiles kernels and warms allocators.
 TIMEOUT_FLOOR_S = 300.0
 TIMEOUT_PREDICTION_FACTOR = 20.0
+
+
+def update_order(mode: str, train: TrainOptions) -> str:
+    """The sync update order a run needs (rpcompile.passes.lower.add_optimizer):
+    ``deferred`` when clipping, loss scaling, skipping non-finite steps or data parallel
+    (an update reads the gradients summed over every rank) must see the whole step's
+    gradients before any update, else ``overlap`` (updates run while later backward
+    jobs compute, undone if the step fails). Async mode: ``overlap`` (not used)."""
+    if mode == "sync" and (train.max_grad_norm is not None or train.loss_scale
+                           or train.skip_nonfinite or _data_parallel(train)):
+        return "deferred"
+    return "overlap"
+
+
+def _data_parallel(train: TrainOptions) -> bool:
+    """Whether the run reduces gradients across ranks (rpcompile.runtime.distributed)."""
+    from rpcompile.runtime.distributed import resolve_group
+
+    return resolve_group(train.process_group) is not None
 
 
 def default_timeout_s(compiled: Any) -> float:
@@ -181,7 +204,7 @@ class Trainer:
     def _lowered_schedule(compiled: Any, mode: str, steps: int | None,
                           chunk_bytes: int | None, updates: str) -> Schedule:
         """``compiled.schedule`` when it is the one these options run (one schedule per
-        compile), else one built the same way (:func:`rpcompile.compiler.runtime_schedule`)."""
+        compile), else one built the same way (:func:`rpcompile.passes.lower.runtime_schedule`)."""
         kept = getattr(compiled, "schedule", None)
         built = getattr(getattr(compiled, "options", None), "plan", None)
         kept_chunk = built.chunk_bytes if built is not None else DEFAULT_CHUNK_BYTES

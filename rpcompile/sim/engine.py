@@ -599,24 +599,26 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
                  units: tuple[UnitProfile, ...] | None,
                  timeline: Mapping[Action, tuple[float, float]]) -> int:
     """Peak host bytes. Static: fp32 masters and Adam moments of the trainable parameters
-    (12 bytes each, when unit profiles are known); RoundPipe adds each stage's low-precision
-    flat shadow (weight_bytes: forward and backward stages hold separate buffers), in async
-    mode a second copy of its trainable part, and each backward stage's fp32 accumulator;
-    a baseline adds the bf16 weights of frozen parameters. Dynamic: activations between
+    (12 bytes each, when unit profiles are known); RoundPipe adds one low-precision shadow
+    and one fp32 gradient accumulator per parameter, shared by the stages that read it, in
+    async mode a second shadow of the trainable part (rpcompile.passes.memory.HostMemory;
+    without unit profiles: each stage's shadow and accumulator); a baseline adds the bf16
+    weights of frozen parameters. Dynamic: activations between
     their D2H start and the end of the last H2D reading them, and a job's gradients between
     their D2H start and the end of their ACC."""
-    static = 0
-    if units is not None:
-        static += sum(12 * u.trainable_params for u in units)
-    if sched.stage_workers is None:
-        static += sum(s.weight_bytes + s.grad_bytes for s in stages)
+    if sched.stage_workers is None and units is not None:
+        # Masters, Adam moments, gradients and shadows, every parameter once (the runtime's
+        # host store): rpcompile.passes.memory.HostMemory.
+        from rpcompile.passes.memory import host_static_bytes
+
+        static = host_static_bytes(stages, units, sched.optimizer)
+    elif sched.stage_workers is None:
+        static = sum(s.weight_bytes + s.grad_bytes for s in stages)
         if sched.optimizer == "async":
-            if units is not None:
-                static += sum(2 * units[u].trainable_params for s in stages for u in s.units)
-            else:
-                static += sum(s.grad_bytes // 2 for s in stages)
-    elif units is not None:
-        static += sum(2 * u.frozen_params for u in units)
+            static += sum(s.grad_bytes // 2 for s in stages)
+    else:
+        static = 0 if units is None else sum(12 * u.trainable_params + 2 * u.frozen_params
+                                             for u in units)
     deltas: list[tuple[float, int, int]] = []
     last_read: dict[tuple, float] = {}
     acc_end: dict[tuple, float] = {}
