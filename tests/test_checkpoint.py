@@ -78,15 +78,17 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
     """The round trip above used to fail now and then: torch.export sets process-global flags
     (torch.compiler.is_compiling()) that torch.optim reads (AdamW's bias corrections are then
     fp32 tensor math, not Python floats), and the last update of one trainer ran on its
-    optimizer thread while the next model compiled. Here that overlap is forced."""
+    optimizer thread while the next model compiled. Here that overlap is forced. (Sync updates
+    now run inside their step, as the schedule's OPT actions; async updates still run on the
+    optimizer thread after their step, so the overlap is forced in async mode.)"""
     data = [token_batch(6, seed=k) for k in range(2)]
-    quiet = make()
+    quiet = make("async")
     for batch in data:
         quiet.step(batch)
     expected = masters_of(quiet)
     quiet.close()
 
-    busy = make()
+    busy = make("async")
     busy.step(data[0])
     masters_of(busy)  # the first update is done
     groups = len(busy.trainer().driver.groups)
@@ -106,7 +108,7 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    busy.step(data[1])  # sync: its update runs on the optimizer thread after this returns
+    busy.step(data[1])  # async: its update runs on the optimizer thread after this returns
     assert started.wait(20)
     other = make()  # captures (torch.export) while the update is held
     assert met, "the update never overlapped the compile: the test proved nothing"
