@@ -901,6 +901,8 @@ class Executor:
             cause = host_error or RuntimeFault("step failed without a recorded cause")
             return StepFailed(None, None, None, cause, where="the host", step=self.driver.step)
         action, cause = roots[0]
+        if isinstance(cause, StepFailed):  # already named (data parallel: another rank failed)
+            return cause
         if isinstance(cause, OptimizerError):  # a sync OPT: the driver undid the update
             return StepFailed.from_update(cause)
         others = [f"'{a}': {type(e).__name__}" for a, e in run.failures if a is not action][:8]
