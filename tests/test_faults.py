@@ -320,7 +320,7 @@ def test_default_watchdog_from_the_plan(qwen3):  # noqa: F811
 
 @pytest.mark.parametrize("where", ["update", "unscale"])
 def test_a_failed_step_leaves_the_loss_scaler_as_before(qwen3, monkeypatch, where):  # noqa: F811
-    """A failed update (met by the next step) or a failure while the step closes (unscaling
+    """A failed update (inside its step: sync OPT actions) or a failure while the step closes (unscaling
     its gradients) leaves the dynamic loss scaler exactly as before the step, like the masters;
     the run then goes on bit for bit like one that never saw the failed step, scaler included.
     The second clean step grows the scale, so a scaler left advanced shows."""
@@ -346,12 +346,15 @@ def test_a_failed_step_leaves_the_loss_scaler_as_before(qwen3, monkeypatch, wher
         with monkeypatch.context() as patch:
             if where == "update":
                 patch.setattr(torch.optim.AdamW, "step", broken)
-                trainer.step(data[1])  # returns its loss; the update fails after it
+                # Sync updates are the schedule's OPT actions (deferred order with loss
+                # scaling): the update fails inside its own step.
                 with pytest.raises(StepFailed, match="undone"):
-                    trainer.step(data[2])
+                    trainer.step(data[1])
             else:
                 patch.setattr(DynamicLossScaler, "unscale_", broken)
-                with pytest.raises(StepFailed, match="closing the step") as info:
+                # Unscaling is part of the step's one gradient check, at its first (deferred)
+                # OPT: the step fails at that action.
+                with pytest.raises(StepFailed, match="injected fault") as info:
                     trainer.step(data[1])
                 assert isinstance(info.value.cause, FloatingPointError)
         assert trainer.loss_scaler.state_dict() == scaler
@@ -365,11 +368,13 @@ def test_a_failed_step_leaves_the_loss_scaler_as_before(qwen3, monkeypatch, wher
 def test_an_exception_escaping_the_optimizer_threads_loop_fails_only_that_update(qwen3, monkeypatch):  # noqa: F811
     """The optimizer thread, like the stream threads, survives an exception raised outside
     the update itself (here: in announcing the finished update, after the masters changed):
-    the update is undone and raised once by the next step; the thread serves on."""
+    the update is undone and raised once by the next step; the thread serves on. Async mode:
+    its updates run on the optimizer thread after their step (sync updates are the schedule's
+    OPT actions, run on the host queue)."""
     from rpcompile.runtime.workers import Event
 
     data = batches(3, 6)
-    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60) as trainer:
+    with Trainer(qwen3, ADAMW, device="virtual", mode="async", timeout_s=60) as trainer:
         trainer.step(data[0])
         masters, opt_state = _snapshot(trainer)
         thread = trainer.driver._thread
@@ -392,4 +397,4 @@ def test_an_exception_escaping_the_optimizer_threads_loop_fails_only_that_update
         assert fired and thread.is_alive()
         assert info.value.step == 1 and "undone" in str(info.value)
         _assert_state_is(trainer, masters, opt_state, steps=1)
-        _assert_continues_like(trainer, qwen3, data, ADAMW, "sync", upto=1)
+        _assert_continues_like(trainer, qwen3, data, ADAMW, "async", upto=1)
