@@ -310,6 +310,7 @@ def compile(
     mode: str = UNSET,
     chunk_bytes: int = UNSET,
     schedule_steps: int | None = UNSET,
+    updates: str | None = UNSET,
     optimizer: Callable | None = UNSET,
     device: str = UNSET,
     chaos: int | None = UNSET,
@@ -327,7 +328,7 @@ def compile(
     checked): ``capture_options=CaptureOptions(...)`` (``loss_fn``, ``units``, ``opaque``,
     ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
     ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
-    ``schedule_steps``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``schedule_steps``, ``updates``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
     ``max_grad_norm``, ``timeout_s``). Every option is also a keyword of this function; an
     option given both ways is refused. The result keeps them as ``Compiled.options``.
@@ -364,7 +365,7 @@ def compile(
         gpus=gpus, microbatches=microbatches, hardware=hardware, rounds=rounds, loss_fn=loss_fn,
         units=units, opaque=opaque, compute_dtype=compute_dtype,
         loss_chunk_tokens=loss_chunk_tokens, mode=mode, chunk_bytes=chunk_bytes,
-        schedule_steps=schedule_steps, optimizer=optimizer, device=device, chaos=chaos,
+        schedule_steps=schedule_steps, updates=updates, optimizer=optimizer, device=device, chaos=chaos,
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
         process_group=process_group,
@@ -535,7 +536,7 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         check_dispatch)
     # The lowering runs its own passes through a PassManager that validates each schedule.
     lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes,
-                              updates=update_order(mode, options.train))
+                              updates=po.updates or update_order(mode, options.train))
     history.extend(lowering)
     # The proof is of the schedule that runs (its update order and waits included).
     memory = worker_peaks(lowered, plan, overlap_steps=False)

@@ -39,6 +39,7 @@ __all__ = [
 MODES = ("sync", "async")
 DEVICES = ("auto", "cuda", "virtual")
 KERNELS = ("auto", "torch", "triton")
+UPDATE_ORDERS = ("overlap", "deferred")  # the sync update orders (rpcompile.passes.lower)
 # Bulk transfers (weights, gradients) move in 64 MiB pieces, so a critical transfer queued
 # behind one waits at most one piece: the one place the size is set.
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -129,7 +130,11 @@ class PlanOptions:
     step k overlaps step k+1, one step stale): the optimizer's place in the schedule.
     ``chunk_bytes``: the piece size of bulk transfers in the lowered schedule.
     ``schedule_steps``: steps of the lowered schedule the runtime cycles through (``None``:
-    the dealing period, the steps the round-robin job counter takes to come back to worker 0)."""
+    the dealing period, the steps the round-robin job counter takes to come back to worker 0).
+    ``updates``: the sync update order in the schedule, ``"overlap"`` (each stage's update as
+    soon as its gradients are home, while later backward jobs compute) or ``"deferred"``
+    (after the step's last gradient); ``None``: deferred when clipping, loss scaling,
+    ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap."""
 
     gpus: int = 8
     microbatches: int | None = None
@@ -138,6 +143,7 @@ class PlanOptions:
     mode: str = "sync"
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     schedule_steps: int | None = None
+    updates: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)
@@ -148,6 +154,8 @@ class PlanOptions:
                              f"{self.mode!r}")
         _positive_int("chunk_bytes", self.chunk_bytes)
         _positive_int("schedule_steps", self.schedule_steps, optional=True)
+        if self.updates is not None:
+            _choice("updates", self.updates, UPDATE_ORDERS)
         if self.hardware is not None and not isinstance(self.hardware, str):
             from rpcompile.hardware import Hardware
 
@@ -228,6 +236,12 @@ class Options:
         if self.train.loss_scale and self.plan.mode != "sync":
             raise ValueError("loss_scale needs mode='sync' (async updates would read the "
                              "gradients before they are unscaled)")
+        t = self.train
+        if self.plan.updates == "overlap" and self.plan.mode == "sync" and (
+                t.max_grad_norm is not None or t.loss_scale or t.skip_nonfinite):
+            raise ValueError("max_grad_norm, loss_scale and skip_nonfinite look at the whole "
+                             "step's gradients before any update: they need "
+                             "updates='deferred' (or None, which picks it)")
 
 
 _GROUPS: dict[str, type] = {"capture": CaptureOptions, "plan": PlanOptions,

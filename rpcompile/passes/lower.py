@@ -25,7 +25,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rpcompile.ir import ORDERED_STREAMS, Action, Edge, Plan, Schedule, Stage
-from rpcompile.options import DEFAULT_CHUNK_BYTES  # cut so a critical transfer waits <= 1 chunk
+from rpcompile.options import (  # the one chunk size; the sync update orders
+    DEFAULT_CHUNK_BYTES,
+    UPDATE_ORDERS,
+)
 from rpcompile.passes.manager import PassManager, PassRecord, debug_checks
 from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.validate import validate as check
@@ -309,7 +312,6 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
 
-UPDATE_ORDERS = ("overlap", "deferred")
 
 
 def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],

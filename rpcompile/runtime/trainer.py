@@ -30,7 +30,6 @@ from rpcompile.ir import Schedule
 from rpcompile.options import Options, TrainOptions
 from rpcompile.passes.lower import (
     DEFAULT_CHUNK_BYTES,
-    UPDATE_ORDERS,
     runtime_schedule,
     updates_deferred,
 )
@@ -137,13 +136,13 @@ class Trainer:
         **train: Any,
     ) -> None:
         # ``options`` (as compile() passes them) or the same options as keywords; ``mode``,
-        # ``schedule_steps`` and ``chunk_bytes`` override the compiled plan options.
+        # ``schedule_steps``, ``chunk_bytes`` and ``updates`` override the compiled plan options.
         if options is None:
             options = TrainOptions(optimizer=optimizer, **train)
         elif optimizer is not None or train:
             raise ValueError("pass the training options either as options=TrainOptions(...) "
                              "or as keywords, not both")
-        overrides = {k: v for k, v in dict(mode=mode, schedule_steps=schedule_steps,
+        overrides = {k: v for k, v in dict(mode=mode, schedule_steps=schedule_steps, updates=updates,
                                            chunk_bytes=chunk_bytes).items() if v is not None}
         base = getattr(compiled, "options", None) or Options()
         plan_options = replace(base.plan, **overrides) if overrides else base.plan
@@ -163,10 +162,9 @@ class Trainer:
         self.timeout_s: float | None = None if math.isinf(timeout_s) else float(timeout_s)
         self._closed = False
         needed = update_order(mode, options)
+        updates = plan_options.updates  # checked by PlanOptions
         if updates is None:
             updates = needed
-        elif updates not in UPDATE_ORDERS:
-            raise ValueError(f"updates must be one of {UPDATE_ORDERS}, got {updates!r}")
         elif updates != needed and needed == "deferred":
             raise ValueError("max_grad_norm, loss_scale and skip_nonfinite look at the whole "
                              "step's gradients before any update: they need updates='deferred'")
