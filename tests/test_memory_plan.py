@@ -80,11 +80,15 @@ def test_predicted_simulated_and_measured_peaks_agree(arch, gpus, microbatches):
     simulated, measured = simulated_and_measured(compiled, gpus, microbatches)
     # Simulated with the cost model's times: reaches the proven peak within 5 %, never passes
     # it. Measured: the virtual workers account weights, gradient buffers and held values (not
-    # the transients inside a compute), against the prediction without working sets.
+    # the transients inside a compute), against the prediction without working sets. Where
+    # the measured peak lands depends on when the transfer threads run (an upload the schedule
+    # lets start early may or may not have landed before a job ends), so it is held to the
+    # proven bracket, which no interleaving can leave: at least what every run holds for
+    # certain, at most the held peak.
     for w, (got, bound) in enumerate(zip(simulated, predicted)):
         assert 0.95 * bound.peak_bytes <= got <= bound.peak_bytes, (w, got, bound)
     for w, (got, bound) in enumerate(zip(measured, predicted)):
-        assert 0.95 * bound.held_bytes <= got <= bound.held_bytes, (w, got, bound)
+        assert 0 < bound.floor_bytes <= got <= bound.held_bytes, (w, got, bound)
 
 
 @pytest.mark.parametrize("arch,gpus,microbatches", [("qwen3", 3, 4), ("llama", 3, 6)])
@@ -100,7 +104,7 @@ def test_without_the_waits_the_proof_still_bounds_the_run(arch, gpus, microbatch
     for got, bound in zip(simulated, compiled.memory):
         assert got <= bound.peak_bytes
     for got, bound in zip(measured, compiled.memory):
-        assert got <= bound.held_bytes
+        assert bound.floor_bytes <= got <= bound.held_bytes
     assert max(p.peak_bytes for p in compiled.memory) > max(
         p.peak_bytes for p in bounded_peaks(compiled))
 

@@ -54,7 +54,13 @@ PARTS = ("weights", "grads", "values", "working")
 class WorkerPeak:
     """One worker's proven peak: ``peak_bytes`` = the sum of ``parts`` at ``action`` (the
     compute-stream action at, or just after, the peak), and ``held_bytes``: the peak of the
-    same holds without compute working sets (what a virtual worker accounts)."""
+    same holds without compute working sets (what a virtual worker accounts).
+
+    ``floor_bytes``: the least of those holds that every run of the schedule reaches, however
+    its transfers interleave: at the start of some compute, everything certain to have arrived
+    by then and certain not to be freed before it. A run's accounted peak lies in
+    ``[floor_bytes, held_bytes]``; how far apart the two are says how much the peak depends
+    on the timing of transfers the schedule leaves free."""
 
     worker: int
     peak_bytes: int
@@ -62,6 +68,7 @@ class WorkerPeak:
     action: Action | None
     parts: dict[str, int] = field(default_factory=dict)
     stages: tuple[int, ...] = ()  # stages whose weights, gradients or values are held then
+    floor_bytes: int = 0
 
     def describe(self, stage_name=lambda s: f"stage {s}") -> str:
         what = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.parts.items() if v)
@@ -117,6 +124,7 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
     scopes = [None] if overlap_steps else list(range(sched.steps))
     best: list[WorkerPeak | None] = [None] * sched.workers
     held = [0] * sched.workers
+    floor = [0] * sched.workers
     for step in scopes:
         lists = [lst if step is None else [a for a in lst if a.step == step]
                  for lst in sched.actions]
@@ -128,9 +136,11 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
             peak = _worker_peak(lst, w, stages, latest, earliest, flows_from, readers,
                                 consumers)
             held[w] = max(held[w], peak.held_bytes)
+            floor[w] = max(floor[w], peak.floor_bytes)
             if best[w] is None or peak.peak_bytes > best[w].peak_bytes:
                 best[w] = peak
-    return tuple(replace(p, held_bytes=h) for p, h in zip(best, held))
+    return tuple(replace(p, held_bytes=h, floor_bytes=f)
+                 for p, h, f in zip(best, held, floor))
 
 
 _NONE = 1 << 62  # no compute of that worker follows
@@ -214,10 +224,20 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
     d2h = {(a.stage, a.microbatch, a.round, a.step, a.value): a
            for a in lst if a.kind == "D2H" and a.what != "grad"}
     holds: list[tuple[int, int, str, int, int]] = []  # (first, last point, part, bytes, stage)
+    # Held for certain at the start of computes first..last (positions): arrived (a
+    # transfer's end, a compute's end) before the first starts, freed after the last starts.
+    sure: list[tuple[int, int, int]] = []
 
     def hold(first: int, last: int, part: str, nbytes: int, stage: int) -> None:
         if nbytes > 0:
             holds.append((first, max(first, last), part, nbytes, stage))
+
+    def surely(first: int, last: int, nbytes: int) -> None:
+        if nbytes > 0 and first <= last:
+            sure.append((first, last, nbytes))
+
+    def arrived(a: Action) -> int:  # the first compute certain to start after a has ended
+        return earliest[a][w]
 
     def starts(a: Action) -> int:  # the gap after the last compute ending before a starts
         return 2 * latest[a][w] + 2
@@ -230,15 +250,18 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
         if a.kind == "UP":
             ev = evict.get((a.stage, a.round, a.step))
             hold(starts(a), end if ev is None else 2 * pos[ev], "weights", a.bytes, a.stage)
+            surely(arrived(a), len(stream) - 1 if ev is None else pos[ev], a.bytes)
         elif a.kind == "H2D":
             reader = compute_at.get((readers.get((a.stage, a.value)), a.stage, a.microbatch,
                                      a.round, a.step))
             hold(starts(a), end if reader is None else 2 * pos[reader] + 1, "values", a.bytes,
                  a.stage)
+            surely(arrived(a), len(stream) - 1 if reader is None else pos[reader], a.bytes)
         elif a.kind == "D2H" and a.what == "grad":
             first = next(c for c in stream if c.is_compute and
                          (c.stage, c.round, c.step) == (a.stage, a.round, a.step))
             hold(2 * pos[first] + 1, freed(a), "grads", a.bytes, a.stage)
+            surely(pos[first] + 1, latest[a][w], a.bytes)
         if not a.is_compute:
             continue
         p = pos[a]
@@ -246,17 +269,26 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
         hold(2 * p + 1, 2 * p + 1, "working", working_bytes(stage), a.stage)
         for value, nbytes in flows_from.get((a.kind, a.stage), {}).items():
             last = 2 * p + 2
+            last_sure = p
             kept = False
             for dst_kind, dst_stage in consumers[(a.kind, a.stage, value)]:
                 r = compute_at.get((dst_kind, dst_stage, a.microbatch, a.round, a.step))
                 if r is not None:
                     last, kept = max(last, 2 * pos[r] + 1), True
+                    last_sure = max(last_sure, pos[r])
             down = d2h.get((a.stage, a.microbatch, a.round, a.step, value))
             if down is not None:
                 last, kept = max(last, freed(down)), True
+                last_sure = max(last_sure, latest[down][w])
             if kept:
                 hold(2 * p + 2, last, "values", nbytes, a.stage)
-    return _sweep(w, stream, end, holds)
+                surely(p + 1, last_sure, nbytes)
+    peak = _sweep(w, stream, end, holds)
+    level = [0] * (len(stream) + 2)
+    for first, last, nbytes in sure:
+        level[first] += nbytes
+        level[last + 1] -= nbytes
+    return replace(peak, floor_bytes=max(itertools.accumulate(level), default=0))
 
 
 def _sweep(w, stream, end, holds) -> WorkerPeak:
