@@ -119,6 +119,10 @@ class Stage:
     input_bytes: int  # per microbatch, arriving (activation or output gradient, + shared values)
     output_bytes: int  # per microbatch, leaving (activation + saved recompute inputs, or input grad)
     peak_bytes: int  # predicted device memory peak of one job of this stage
+    # How a backward stage recomputes its forward (rpcompile.passes.cost.RECOMPUTE): "stage"
+    # keeps every unit's activations for one backward; "layer" keeps only the unit
+    # boundaries, then recomputes and backpropagates one unit at a time (one more forward).
+    recompute: str = "stage"
 
     def label(self, num_forward: int | None = None) -> str:
         """``F1``..``Fp`` for forward stages, ``B1`` for the tail, ``B2``.. for the backward
@@ -196,6 +200,11 @@ class Plan:
                 raise ValueError(f"stage {s.label(self.num_forward)} has no units")
             if list(s.units) != list(range(s.units[0], s.units[-1] + 1)):
                 raise ValueError(f"stage {s.label(self.num_forward)} units are not contiguous")
+            if s.recompute not in ("stage", "layer") or (
+                    s.recompute == "layer" and s.kind != "backward"):
+                raise ValueError(f"stage {s.label(self.num_forward)} ({s.kind}) cannot "
+                                 f"recompute by {s.recompute!r}: only a backward stage "
+                                 "recomputes, by 'stage' or 'layer'")
         order = [s.kind for s in self.stages]
         p = len(fwd)
         if order[:p] != ["forward"] * p or order[p] != "tail":
@@ -221,8 +230,9 @@ class Plan:
             first, last = self.units[s.units[0]].name, self.units[s.units[-1]].name
             span = first if first == last else f"{first}..{last}"
             params = sum(self.units[u].params for u in s.units)
+            kind = s.kind if s.recompute == "stage" else f"{s.kind} ({s.recompute})"
             rows.append((
-                s.label(self.num_forward), s.kind, span, _si(params), f"{s.compute_ms:.2f}",
+                s.label(self.num_forward), kind, span, _si(params), f"{s.compute_ms:.2f}",
                 _bytes(s.weight_bytes), _bytes(s.grad_bytes), _bytes(s.input_bytes),
                 _bytes(s.output_bytes), _bytes(s.peak_bytes),
             ))
