@@ -311,6 +311,7 @@ def compile(
     chunk_bytes: int = UNSET,
     schedule_steps: int | None = UNSET,
     updates: str | None = UNSET,
+    recompute: str = UNSET,
     optimizer: Callable | None = UNSET,
     device: str = UNSET,
     chaos: int | None = UNSET,
@@ -328,7 +329,7 @@ def compile(
     checked): ``capture_options=CaptureOptions(...)`` (``loss_fn``, ``units``, ``opaque``,
     ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
     ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
-    ``schedule_steps``, ``updates``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``schedule_steps``, ``updates``, ``recompute``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
     ``max_grad_norm``, ``timeout_s``). Every option is also a keyword of this function; an
     option given both ways is refused. The result keeps them as ``Compiled.options``.
@@ -365,7 +366,8 @@ def compile(
         gpus=gpus, microbatches=microbatches, hardware=hardware, rounds=rounds, loss_fn=loss_fn,
         units=units, opaque=opaque, compute_dtype=compute_dtype,
         loss_chunk_tokens=loss_chunk_tokens, mode=mode, chunk_bytes=chunk_bytes,
-        schedule_steps=schedule_steps, updates=updates, optimizer=optimizer, device=device, chaos=chaos,
+        schedule_steps=schedule_steps, updates=updates, recompute=recompute, optimizer=optimizer,
+        device=device, chaos=chaos,
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
         process_group=process_group,
@@ -512,7 +514,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     plan = run_pass(
         history, "partition",
         lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
-                          optimizer=mode),
+                          optimizer=mode, recompute=po.recompute,
+                          capacity_bytes=options.train.capacity_bytes),
         lambda p: check_plan(p, len(captured.units)),
     )
     memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,

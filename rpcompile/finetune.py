@@ -83,6 +83,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_grad_norm", 1.0, "clip gradients to this global norm (0: no clipping)", float),
     Option("mode", "sync", "optimizer: exact (sync) or one step stale, overlapped (async)", str,
            ("sync", "async")),
+    Option("recompute", "auto", "how backward stages recompute their forward: stage (all "
+           "layers at once), layer (one layer at a time, one more forward), auto (stage unless "
+           "that plan does not fit, then layer where it fits)", str, ("auto", "stage", "layer")),
     Option("dtype", "auto", "compute dtype (auto: bf16 on CUDA, fp32 on virtual workers)", str,
            ("auto", "fp32", "bf16", "fp16")),
     Option("workers", None, "workers (none: the CUDA GPUs, or 4 virtual)", int),
@@ -481,7 +484,7 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
     compiled = rpcompile.compile(
         model, gpus=workers, microbatches=micro, rounds=opts["rounds"], example_inputs=example,
         device=device, mode=opts["mode"], chaos=opts["chaos"], kernels=opts["kernels"],
-        loss_scale=True if dtype == torch.float16 else None,
+        recompute=opts["recompute"], loss_scale=True if dtype == torch.float16 else None,
         optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=opts["weight_decay"],
                                               fused=True),
         max_grad_norm=opts["max_grad_norm"] or None,

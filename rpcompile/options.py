@@ -28,6 +28,7 @@ __all__ = [
     "DEVICES",
     "KERNELS",
     "MODES",
+    "RECOMPUTE_MODES",
     "CaptureOptions",
     "LossScaleConfig",
     "Options",
@@ -40,6 +41,9 @@ MODES = ("sync", "async")
 DEVICES = ("auto", "cuda", "virtual")
 KERNELS = ("auto", "torch", "triton")
 UPDATE_ORDERS = ("overlap", "deferred")  # the sync update orders (rpcompile.passes.lower)
+# How backward stages recompute their forward (rpcompile.passes.cost): the planner's choice,
+# whole stages, or layer by layer.
+RECOMPUTE_MODES = ("auto", "stage", "layer")
 # Bulk transfers (weights, gradients) move in 64 MiB pieces, so a critical transfer queued
 # behind one waits at most one piece: the one place the size is set.
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -134,7 +138,13 @@ class PlanOptions:
     ``updates``: the sync update order in the schedule, ``"overlap"`` (each stage's update as
     soon as its gradients are home, while later backward jobs compute) or ``"deferred"``
     (after the step's last gradient); ``None``: deferred when clipping, loss scaling,
-    ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap."""
+    ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap.
+    ``recompute``: how a backward stage recomputes its forward: ``"stage"`` (one forward with
+    autograd, keeping every layer's activations for one backward), ``"layer"`` (a forward
+    keeping only the layer boundaries, then each layer recomputed and backpropagated alone:
+    one more forward, one layer's activations at a time) or ``"auto"``: stage recompute
+    unless its plan does not fit the GPUs' usable memory (and ``capacity_bytes``), then the
+    plan cut for layer recompute (the plan's notes say which)."""
 
     gpus: int = 8
     microbatches: int | None = None
@@ -144,6 +154,7 @@ class PlanOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     schedule_steps: int | None = None
     updates: str | None = None
+    recompute: str = "auto"
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)
@@ -156,6 +167,7 @@ class PlanOptions:
         _positive_int("schedule_steps", self.schedule_steps, optional=True)
         if self.updates is not None:
             _choice("updates", self.updates, UPDATE_ORDERS)
+        _choice("recompute", self.recompute, RECOMPUTE_MODES)
         if self.hardware is not None and not isinstance(self.hardware, str):
             from rpcompile.hardware import Hardware
 

@@ -116,17 +116,31 @@ def partition(
         plan, refused = None, exc
     if plan is not None and (fit >= capacity or _fits(plan, hw, rounds, optimizer, fit)):
         return plan
-    try:
-        layer = _fitting_plan(*args, replace(costing, recompute="layer"), fit)
-    except PartitionError as exc:
-        if plan is None:
-            raise PartitionError(f"{refused} (layer-by-layer recompute: {exc})") from None
-        return plan  # the compiler refuses it against capacity_bytes, naming the worker
-    why = (f"the stage-recompute plan does not fit {format_bytes(fit)}" if plan is not None
-           else f"no stage-recompute plan fits {format_bytes(fit)}")
-    chosen = ", ".join(layer.stage_name(s.index) for s in layer.stages if s.recompute == "layer")
-    how = f"layer by layer in {chosen}" if chosen else "by stage, in stages cut finer"
-    return replace(layer, notes=(*layer.notes, f"recompute: {how}, since {why}"))
+    # The stage-recompute plan does not fit: each granularity is cut again under ``fit`` (by
+    # stage only when a plan was cut for the larger hardware figure; none fits less) and the
+    # faster that fits wins.
+    tried: dict[str, Plan | PartitionError] = {"stage": refused}
+    for mode in ("stage", "layer") if plan is not None else ("layer",):
+        try:  # a plan the partitioner returns fits ``fit`` over its whole schedule
+            tried[mode] = _fitting_plan(*args, replace(costing, recompute=mode), fit)
+        except PartitionError as exc:
+            tried[mode] = exc
+    fitting = {m: p for m, p in tried.items() if isinstance(p, Plan)}
+    if not fitting:
+        if plan is not None:
+            return plan  # the compiler refuses it against capacity_bytes, naming the worker
+        raise PartitionError(f"{refused} (layer-by-layer recompute: {tried['layer']})")
+    mode = min(fitting, key=lambda m: (round(fitting[m].predicted_step_ms, 6), m != "stage"))
+    best = fitting[mode]
+
+    def said(m: str) -> str:
+        p = tried[m]
+        return f"{m} {p.predicted_step_ms:.1f} ms" if isinstance(p, Plan) else f"{m}: no plan fits"
+    layered = ", ".join(best.stage_name(s.index) for s in best.stages if s.recompute == "layer")
+    how = f"layer by layer in {layered}" if layered else "by stage"
+    return replace(best, notes=(*best.notes, (
+        f"recompute: {how}, the fastest plan that fits {format_bytes(fit)} "
+        f"({', '.join(said(m) for m in ('stage', 'layer'))})")))
 
 
 def _fits(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int) -> bool:
@@ -663,20 +677,25 @@ def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -
         working = max((units[u].output_bytes + units[u].shared_bytes for u in r), default=0)
         working += max((units[u].working_bytes for u in r), default=0) // 4
     else:
-        working = recompute_working_bytes(units, r, _recompute(kind, r, costing))
+        working = recompute_working_bytes(units, r, _recompute(kind, r, units, costing))
     return int(weights + grads + working * costing.activation_scale)
 
 
-def _recompute(kind: str, r: tuple[int, ...], costing: StageCosting) -> str:
-    """A stage's recompute granularity: the costing's for a backward stage of several units."""
-    return costing.recompute if kind == "backward" and len(r) > 1 else "stage"
+def _recompute(kind: str, r: tuple[int, ...], units, costing: StageCosting) -> str:
+    """A stage's recompute granularity: the costing's for a backward stage of several units
+    where layer recompute holds less (a stage of one large layer and a small prefix holds
+    more by layer: the boundaries and a gradient for next to nothing saved)."""
+    if kind != "backward" or costing.recompute == "stage" or len(r) < 2:
+        return "stage"
+    return ("layer" if recompute_working_bytes(units, r, "layer")
+            < recompute_working_bytes(units, r, "stage") else "stage")
 
 
 def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges) -> Stage:
     if kind == "forward":
         ms = sum(units[u].forward_ms for u in r)
     else:
-        ms = recompute_ms(units, r, _recompute(kind, r, costing))
+        ms = recompute_ms(units, r, _recompute(kind, r, units, costing))
     params, trainable = _stage_params(units, r)
     first = r[0]
     incoming = units[first - 1].output_bytes if first > 0 else 0
@@ -706,7 +725,7 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         input_bytes=int(in_bytes * costing.activation_scale),
         output_bytes=int(out_bytes * costing.activation_scale),
         peak_bytes=_stage_memory(units, tuple(r), kind, costing),
-        recompute=_recompute(kind, tuple(r), costing),
+        recompute=_recompute(kind, tuple(r), units, costing),
     )
 
 
