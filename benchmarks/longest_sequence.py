@@ -44,7 +44,7 @@ from pathlib import Path
 from rpcompile.hardware import get_hardware
 from rpcompile.passes.memory import host_memory
 from rpcompile.planner.longest import QUICK_PARTITION, longest_sequence
-from rpcompile.planner.partition import partition
+from rpcompile.planner.partition import PartitionError, partition
 from rpcompile.sim import simulate_roundpipe
 from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 
@@ -53,19 +53,37 @@ RESULTS = Path(__file__).resolve().parent / "results"
 START, STEP, LIMIT = 2048, 1024, 1 << 20
 
 
-def longest(name: str, chunk: int | None, recompute: str) -> tuple[int, str, list[str]]:
+def longest(name: str, chunk: int | None, recompute: str,
+            start: int = START) -> tuple[int, str, list[str]]:
     """(longest sequence that fits, why the next length does not, the backward stages that
     recompute layer by layer there), microbatches of one sequence (rpcompile.planner.longest,
-    as ``rpcompile plan --longest``)."""
+    as ``rpcompile plan --longest``), searched from ``start`` (a length known to fit)."""
     w = WORKLOADS[name]
     hw = get_hardware(HARDWARE)
     found = longest_sequence(lambda s: MODELS[name].units(1, s, loss_chunk_tokens=chunk), hw,
-                             hw.gpus, w.microbatches, 1, start=START, step=STEP, limit=LIMIT,
+                             hw.gpus, w.microbatches, 1, start=start, step=STEP, limit=LIMIT,
                              recompute=recompute)
     layered = [] if found.plan is None else [
         found.plan.stage_name(s.index) for s in found.plan.stages if s.recompute == "layer"]
     return found.seq_len, (found.why if found.next_len is None else
                            f"at {found.next_len:,} tokens: {found.why}"), layered
+
+
+def longer(name: str, chunk: int | None, stage: dict) -> tuple[int, str, list[str]]:
+    """:func:`longest` with ``recompute="auto"``, given the stage-recompute result: the auto
+    plan fits at every length the stage plan does, so only the next length is tried, and the
+    search goes on from there only when it fits."""
+    if not stage["longest"] or stage["longest"] >= LIMIT:
+        return longest(name, chunk, "auto")
+    w = WORKLOADS[name]
+    hw = get_hardware(HARDWARE)
+    trial = stage["longest"] + STEP
+    try:
+        partition(MODELS[name].units(1, trial, loss_chunk_tokens=chunk), hw, hw.gpus,
+                  w.microbatches, 1, trial, recompute="auto", **QUICK_PARTITION)
+    except PartitionError as exc:
+        return stage["longest"], f"at {trial:,} tokens: {exc}", stage["layer_stages"]
+    return longest(name, chunk, "auto", start=trial)
 
 
 def workload_host(name: str) -> str:
@@ -95,7 +113,10 @@ def main() -> None:
         for tail, chunk in (("unchunked", None), ("chunked", 4096)):
             row[tail] = {}
             for mode, recompute in (("stage", "stage"), ("layer", "auto")):
-                seq, why, layered = longest(name, chunk, recompute)
+                if mode == "stage":
+                    seq, why, layered = longest(name, chunk, recompute)
+                else:  # "auto" fits wherever stage recompute does: search on from there
+                    seq, why, layered = longer(name, chunk, row[tail]["stage"])
                 row[tail][mode] = {"longest": seq, "limit": why, "layer_stages": layered}
                 label = "unchunked tail" if chunk is None else "4,096-token chunks"
                 by = ("stage recompute" if mode == "stage" else
