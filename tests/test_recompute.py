@@ -161,6 +161,11 @@ def test_unit_segments_cover_the_stage_once_in_model_order():
     # Every node once (graph order interleaves units where a node reads only earlier units).
     assert sorted(members) == sorted(stage_nodes) and len(set(members)) == len(members)
     assert unit_segments(stage) is cut  # cut once per graph
+    # A worker runs a retargeted copy of the stage's graph: it is cut again, same result.
+    batch = token_batch(2)
+    here, there = compiled.reference_step(batch), compiled.reference_step(batch, device="cpu")
+    assert torch.equal(here[0], there[0])
+    assert all(torch.equal(here[1][n], there[1][n]) for n in here[1])
 
 
 def _units(out=512 << 20, work=4 << 30, params=50_000_000):
