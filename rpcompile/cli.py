@@ -8,8 +8,9 @@ simulates it, prints the stage table, predicted tokens/s, the bubble split, peak
 (simulated and proven over the schedule, and whether the schedule needs the memory-bounding
 waits), the LM head's loss chunk, host memory by part against the server's RAM
 (``--host-ram``), how backward stages recompute (``--recompute``: ``auto``, the default,
-recomputes whole stages unless that plan does not fit, then layer by layer where that makes
-it fit) and the longest sequence that fits, and writes the schedule as CSV,
+recomputes whole stages unless that plan does not fit, then takes the faster plan that fits,
+cut again by stage or layer by layer) and the longest sequence that fits, and writes the
+schedule as CSV,
 Chrome-trace JSON and PNG. ``--longest`` searches the longest sequence that fits with one
 sequence per microbatch (or the microbatch ``--batch`` gives), prints it with what limits the
 next length (the unit or the worker, action and memory parts at the peak) and the plan at
@@ -73,7 +74,8 @@ def _parser() -> argparse.ArgumentParser:
                       help="how backward stages recompute their forward: stage (all layers' "
                            "activations for one backward), layer (one layer at a time, one "
                            "more forward) or auto (stage unless that plan does not fit, "
-                           "then layer where it fits; default)")
+                           "then the faster plan that fits, cut again by stage or by "
+                           "layer; default)")
     plan.add_argument("--no-fit-search", action="store_true",
                       help="skip the search for the longest sequence that fits")
     plan.add_argument("--longest", action="store_true",

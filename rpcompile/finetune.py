@@ -85,7 +85,7 @@ OPTIONS: tuple[Option, ...] = (
            ("sync", "async")),
     Option("recompute", "auto", "how backward stages recompute their forward: stage (all "
            "layers at once), layer (one layer at a time, one more forward), auto (stage unless "
-           "that plan does not fit, then layer where it fits)", str, ("auto", "stage", "layer")),
+           "that plan does not fit, then the faster plan that fits, by stage or layer)", str, ("auto", "stage", "layer")),
     Option("dtype", "auto", "compute dtype (auto: bf16 on CUDA, fp32 on virtual workers)", str,
            ("auto", "fp32", "bf16", "fp16")),
     Option("workers", None, "workers (none: the CUDA GPUs, or 4 virtual)", int),

@@ -144,7 +144,8 @@ class PlanOptions:
     keeping only the layer boundaries, then each layer recomputed and backpropagated alone:
     one more forward, one layer's activations at a time) or ``"auto"``: stage recompute
     unless its plan does not fit the GPUs' usable memory (and ``capacity_bytes``), then the
-    plan cut for layer recompute (the plan's notes say which)."""
+    faster plan that fits, cut again by stage or layer by layer (the plan's notes say
+    which)."""
 
     gpus: int = 8
     microbatches: int | None = None
