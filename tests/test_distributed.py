@@ -48,11 +48,16 @@ def _model(model: str, seed: int):
     return hf_model("qwen3", seed=seed)
 
 
+def _adamw(params):
+    # Per-element state (two moments): what sharding the optimizer state must get right.
+    return torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
+
+
 def _compile(model_name: str, seed: int, example, parts: int = 2, **options):
     extra = {"loss_fn": torch.nn.functional.cross_entropy} if model_name == "skipnet" else {}
+    options.setdefault("optimizer", _sgd)
     return rpcompile.compile(_model(model_name, seed), gpus=2, microbatches=parts,
-                             example_inputs=example, optimizer=_sgd, device="virtual",
-                             **extra, **options)
+                             example_inputs=example, device="virtual", **extra, **options)
 
 
 def _share(batch, rank, world):
