@@ -21,8 +21,15 @@ step computes with), ``optim/<param index>/<key>`` (optimizer state tensors),
 (generator states). ``manifest.json`` holds the rest: format and version, step counter, mode,
 the executor's schedule-step counter, the plan's summary and its sha256 (the plan identity),
 the dropout base seed, the optimizer's class and its non-tensor state and hyperparameters, the
-loss scaler's state, the caller's ``extra`` dict, and the size and sha256 of the tensor file.
-No pickle anywhere: loading runs no code from the file.
+name of the parameter behind each optimizer index (``optimizer.param_names``), how many ranks
+wrote it and whether they were sharded (``ranks``, ``sharded``), the loss scaler's state, the
+caller's ``extra`` dict, and the size and sha256 of the tensor file. No pickle anywhere:
+loading runs no code from the file.
+
+**Sharded data parallel** (``shard_optimizer``): the ranks' shards are gathered to rank 0,
+which writes this same format, the whole state as one process holds it; a sharded trainer on
+any number of ranks loads it by reading the whole state and keeping its own shard, by
+parameter name (:mod:`rpcompile.runtime.distributed`).
 
 **Atomicity.** ``save`` writes both files into a hidden temporary folder beside the target,
 fsyncs them and the folder, renames the folder to the target name and fsyncs the parent; the

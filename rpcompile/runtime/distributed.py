@@ -275,10 +275,12 @@ class DataParallel:
         torch.nn.utils.clip_grads_with_norm_(mine, max_norm, total)
         return float(total)
 
-    def gather_shadows(self, stage: int | None) -> None:
+    def gather_shadows(self, stage: int | None, *, in_step: bool = True) -> None:
         """Bring every rank the updated shadows of ``stage``'s trainable parameters (all, when
         None) from their owners, once each per step: the all-gather of the sharded update.
-        Called by the driver's ``SHADOW`` after this rank rewrote its own part."""
+        Called by the driver's ``SHADOW`` after this rank rewrote its own part (its waits end
+        at the step's deadline), and after a checkpoint is loaded (``in_step=False``: the
+        process group's timeout)."""
         store = self.store
         indices = (range(len(store.slots)) if stage is None
                    else store.stages[stage].layout.slots)
@@ -294,8 +296,10 @@ class DataParallel:
                                             async_op=True))
         where = "all" if stage is None else f"stage {stage}'s"
         for work in works:
-            self._wait(f"the all-gather of {where} updated shadows", work, self._left())
-        self._gathered.update(s.index for s in slots)
+            self._wait(f"the all-gather of {where} updated shadows", work,
+                       self._left() if in_step else None)
+        if in_step:
+            self._gathered.update(s.index for s in slots)
 
     def gather_masters(self) -> dict[str, torch.Tensor]:
         """Every rank gets every fp32 master (a collective: call it on every rank), by name:
@@ -376,7 +380,10 @@ class DataParallel:
         for name, i in index_of.items():
             local_names[i] = name
         out = dict(state)
-        out["masters"] = {n: v for n, v in state["masters"].items() if n in owned}
+        trainable = {s.name for s in store.trainable_slots}
+        # Unknown names stay, for validate_state to refuse (strict) or ignore.
+        out["masters"] = {n: v for n, v in state["masters"].items()
+                          if n in owned or n not in trainable}
         out["optimizer"] = {"state": entries, "param_groups": groups}
         out["param_names"] = local_names
         return out

@@ -391,7 +391,7 @@ class Trainer:
             )
         self.driver.load_state_dict(state)
         if self.sharded:  # every rank loaded its own shard's shadows: bring the others'
-            self.dp.gather_shadows(None)
+            self.dp.gather_shadows(None, in_step=False)
         self.executor.steps_run = int(state.get("executor_steps", state["step"]))
 
     def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
