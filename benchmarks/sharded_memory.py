@@ -7,8 +7,8 @@ buffer's storage, every optimizer state tensor's storage (each counted once), an
 and gradient buffers. The memory report (``trainer.memory_report()``) is printed beside them
 and must agree. With fp32 compute the shadow is 4 bytes per parameter; with bf16 it would be 2.
 
-    python benchmarks/sharded_memory.py [--hidden 256] [--layers 4] [--ranks 1 2 3]
-                                        [--json benchmarks/results/sharded_memory.json]
+    PYTHONPATH=. python benchmarks/sharded_memory.py [--hidden 256] [--layers 4] [--ranks 1 2 3]
+                                                    [--json benchmarks/results/sharded_memory.json]
 """
 
 from __future__ import annotations
