@@ -134,7 +134,14 @@ class PlanOptions:
     ``updates``: the sync update order in the schedule, ``"overlap"`` (each stage's update as
     soon as its gradients are home, while later backward jobs compute) or ``"deferred"``
     (after the step's last gradient); ``None``: deferred when clipping, loss scaling,
-    ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap."""
+    ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap.
+    ``ranks``: processes training data parallel, one pipeline each (docs/distributed.md):
+    above 1 the lowered schedule reduces each stage's gradients across ranks (REDUCE
+    actions on the host's network lane); ``None``: the process group's world size (1
+    without one); a value that differs from a group's world size is refused. ``link``: the
+    network between ranks the simulator times REDUCE on, a preset name (``"eth25"``,
+    ``"eth100"``, see ``rpcompile hardware``) or a :class:`~rpcompile.hardware.Link`;
+    ``None``: the hardware profile's own link, if it has one."""
 
     gpus: int = 8
     microbatches: int | None = None
@@ -144,6 +151,8 @@ class PlanOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     schedule_steps: int | None = None
     updates: str | None = None
+    ranks: int | None = None
+    link: Any = None
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)
@@ -156,6 +165,16 @@ class PlanOptions:
         _positive_int("schedule_steps", self.schedule_steps, optional=True)
         if self.updates is not None:
             _choice("updates", self.updates, UPDATE_ORDERS)
+        _positive_int("ranks", self.ranks, optional=True)
+        if self.ranks is not None and self.ranks > 1 and self.updates == "overlap" and \
+                self.mode == "sync":
+            raise ValueError("data parallel (ranks > 1) needs updates='deferred' (or None, "
+                             "which picks it): an update reads the gradients summed over "
+                             "every rank")
+        if self.link is not None:
+            from rpcompile.hardware import get_link
+
+            get_link(self.link)  # an unknown name fails here, with the known ones
         if self.hardware is not None and not isinstance(self.hardware, str):
             from rpcompile.hardware import Hardware
 
