@@ -155,6 +155,7 @@ def _protocol_rank(rank: int, world: int, port: int, out: str) -> None:
             "missing": [str(a) for a in set(expected) - set(ran)],
             "extra": [str(a) for a in set(ran) - set(expected)],
             "reduces": sum(1 for a in ran if a.kind == "REDUCE"),
+            "grad_stages": sum(1 for p in compiled.stages if p.kind != "forward"),
             "launched": {str(a): n for a, n in launched.items()},
             "reduced": reduced,
             "broken": [f"{e.kind}: {e.src} -> {e.dst}" for e in sched.edges
@@ -190,7 +191,7 @@ def test_at_run_time_every_reduce_runs_once_where_the_schedule_puts_it(tmp_path)
     ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
     for r in ranks:
         assert r["twice"] == 0 and not r["missing"] and not r["extra"], r
-        assert r["reduces"] == 2  # the tail and the one backward stage of this plan
+        assert r["reduces"] == r["grad_stages"] >= 2  # one per gradient stage
         assert not r["broken"], r["broken"]
         assert not r["unordered"], r["unordered"]
         # Each REDUCE's bytes are what it reduced: the lowering (from the plan's units) and
