@@ -79,6 +79,12 @@ def test_two_ranks_lower_one_reduce_per_gradient_stage_and_the_check_waits(mode)
             assert tail.bytes < tail_acc.bytes  # the borrowed embedding is reduced later
             assert tail_acc.bytes - tail.bytes == 4 * model.get_input_embeddings().weight.numel()
         assert sched.dry_run().ok
+        # The network lane and the ranks survive a CSV and a JSON round trip.
+        from rpcompile.ir import Schedule
+
+        assert Schedule.from_csv(sched.to_csv()) == sched
+        assert Schedule.from_json(sched.to_json()) == sched
+        assert "# ranks" not in single.to_csv()  # one-process schedules read as before
     finally:
         two.close()
         one.close()

@@ -268,8 +268,8 @@ class Trainer:
         from rpcompile.runtime.distributed import DataParallel, resolve_group
 
         group = resolve_group(process_group)
-        if group is None:
-            return None
+        if group is None or group_world(group) == 1:
+            return None  # one rank alone has nothing to reduce
         dp = DataParallel(group, self.store, mean_loss=compiled.capture.loss_reduction != "sum")
         dp.broadcast_store()
         return dp
