@@ -23,7 +23,7 @@ from rpcompile.capture.tracing import (
     release_shape_env_caches,
 )
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Plan, UnitProfile
+from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
 from rpcompile.passes.cost import UnitCost, annotate_costs
 from rpcompile.passes.invariants import (
@@ -323,6 +323,7 @@ def compile(
     max_grad_norm: float | None = UNSET,
     timeout_s: float | None = UNSET,
     process_group: Any = UNSET,
+    shard_optimizer: bool = UNSET,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -333,7 +334,7 @@ def compile(
     ``schedule_steps``, ``updates``, ``ranks``, ``link``) and
     ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
-    ``max_grad_norm``, ``timeout_s``). Every option is also a keyword of this function; an
+    ``max_grad_norm``, ``timeout_s``, ``process_group``, ``shard_optimizer``). Every option is also a keyword of this function; an
     option given both ways is refused. The result keeps them as ``Compiled.options``.
 
     The main ones: ``gpus``: workers to plan for (default 8). ``microbatches``: per round
@@ -358,6 +359,9 @@ def compile(
     ``torch.distributed.init_process_group("gloo")`` ran with more than one rank. The
     schedule is lowered for the group's world size (``ranks``, which must match it when
     given): its REDUCE actions are the reductions.
+    ``shard_optimizer=True`` (sync mode) shards the host state instead (ZeRO-1 style): each
+    rank keeps the fp32 masters and optimizer state of 1/N of the trainable parameters;
+    gradients are reduced to their owner and the updated shadows broadcast back.
 
     Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
     ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
@@ -374,7 +378,7 @@ def compile(
         optimizer=optimizer, device=device, chaos=chaos,
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
-        process_group=process_group,
+        process_group=process_group, shard_optimizer=shard_optimizer,
     ).items() if v is not UNSET}
     options = resolve({"capture": capture_options, "plan": plan_options,
                        "train": train_options}, flat)
@@ -529,9 +533,22 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
                           optimizer=mode),
         lambda p: check_plan(p, len(captured.units)),
     )
-    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
-                                           chunk_bytes=po.chunk_bytes, ranks=ranks), plan,
-                          overlap_steps=False)
+    steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
+
+    def schedule_of(plan: Plan) -> tuple[Schedule, list, tuple]:
+        """The schedule the runtime runs for ``plan`` (the dealing period, the run's update
+        order), its pass records, and its proven peaks."""
+        trail: list = []
+        compute = run_pass(trail, "dispatch", lambda: build_schedule(
+            plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode,
+            steps=steps), check_dispatch)
+        # The lowering runs its own passes through a PassManager that validates each one.
+        lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes, updates=order,
+                                  ranks=ranks)
+        trail.extend(lowering)
+        return lowered, trail, worker_peaks(lowered, plan, overlap_steps=False)
+
+    lowered, trail, memory = schedule_of(plan)
     fit = hw.usable_memory_bytes
     if options.train.capacity_bytes is not None:
         fit = min(fit, int(options.train.capacity_bytes))
@@ -539,21 +556,12 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         # The partitioner's simulated run fits with fewer memory-bounding waits; the
         # runtime's own schedule, or capacity_bytes, needs all of them.
         plan = replace(plan, memory_waits=MEMORY_WAITS)
-        memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
-                                               chunk_bytes=po.chunk_bytes, ranks=ranks), plan,
-                              overlap_steps=False)
+        lowered, trail, memory = schedule_of(plan)
     stages = run_pass(history, "split", lambda: split(captured, plan),
                       lambda progs: check_stages(progs, plan))
-    steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
-    compute = run_pass(history, "dispatch", lambda: build_schedule(
-        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode, steps=steps),
-        check_dispatch)
-    # The lowering runs its own passes through a PassManager that validates each schedule.
-    lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes, updates=order,
-                              ranks=ranks)
-    history.extend(lowering)
-    # The proof is of the schedule that runs (its update order and waits included).
-    memory = worker_peaks(lowered, plan, overlap_steps=False)
+    # The schedule lowered and proven above is the one kept: compile lowers it once (twice
+    # when the waits must be added), and the proof is of what runs.
+    history.extend(trail)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,

@@ -201,7 +201,10 @@ class TrainOptions:
     ``timeout_s``: the step watchdog (``None``: ``max(300 s, 20 x the predicted step)``;
     ``math.inf``: off). ``process_group``: a gloo ``torch.distributed`` group to train data
     parallel over (``None``: the default group once ``init_process_group`` ran with more
-    than one rank, else one process; docs/distributed.md)."""
+    than one rank, else one process; docs/distributed.md). ``shard_optimizer`` (data parallel,
+    sync mode): each rank keeps the fp32 masters and optimizer state of 1/N of the trainable
+    parameters (ZeRO-1 style: gradients reduce-scattered, shadows all-gathered); on one
+    process it changes nothing (the one shard is everything)."""
 
     optimizer: Callable | None = None
     device: str = "auto"
@@ -213,6 +216,7 @@ class TrainOptions:
     max_grad_norm: float | None = None
     timeout_s: float | None = None
     process_group: Any = None
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and not (callable(self.optimizer) or isinstance(
@@ -225,6 +229,9 @@ class TrainOptions:
                                        or not isinstance(self.chaos, int)):
             raise ValueError(f"chaos must be an integer seed (or None), got {self.chaos!r}")
         _positive_int("capacity_bytes", self.capacity_bytes, optional=True)
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(f"shard_optimizer must be True or False, got "
+                             f"{self.shard_optimizer!r}")
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}")
         g = self.max_grad_norm
@@ -256,11 +263,43 @@ class Options:
             raise ValueError("loss_scale needs mode='sync' (async updates would read the "
                              "gradients before they are unscaled)")
         t = self.train
-        if self.plan.updates == "overlap" and self.plan.mode == "sync" and (
-                t.max_grad_norm is not None or t.loss_scale or t.skip_nonfinite):
-            raise ValueError("max_grad_norm, loss_scale and skip_nonfinite look at the whole "
-                             "step's gradients before any update: they need "
-                             "updates='deferred' (or None, which picks it)")
+        if t.shard_optimizer and self.plan.mode != "sync":
+            raise ValueError("shard_optimizer needs mode='sync': an async update runs on the "
+                             "optimizer's thread after its step, outside the schedule's host "
+                             "queue where the ranks' collectives are ordered; use mode='sync', "
+                             "or shard_optimizer=False to keep async updates")
+        # The default process group is known only once the Trainer starts; it checks again.
+        check_update_order(self.plan.mode, self.plan.updates, deferred_reasons(
+            max_grad_norm=t.max_grad_norm, loss_scale=t.loss_scale,
+            skip_nonfinite=t.skip_nonfinite, data_parallel=t.process_group is not None))
+
+
+def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = None,
+                     skip_nonfinite: bool = False, data_parallel: bool = False) -> list[str]:
+    """What in a sync run must see every gradient of the step before any update, and so
+    needs the ``deferred`` update order: clipping (the global norm), loss scaling (the
+    unscale and the overflow check), skipping a non-finite step, and data parallel (an update
+    reads the gradients summed over every rank)."""
+    return [name for name, on in (
+        ("max_grad_norm", max_grad_norm is not None),
+        ("loss_scale", bool(loss_scale)),
+        ("skip_nonfinite", bool(skip_nonfinite)),
+        ("process_group (data parallel: an update reads the gradients summed over every rank)",
+         data_parallel)) if on]
+
+
+def check_update_order(mode: str, updates: str | None, reasons: Sequence[str],
+                       fix: str = "updates='deferred' (or None, which picks it)") -> None:
+    """The one rule of the sync update order, checked wherever options meet (the options
+    groups, the Trainer, an Executor given a schedule): an ``overlap`` order runs each
+    stage's update while later backward jobs compute, so it is refused when ``reasons``
+    (:func:`deferred_reasons`) need the whole step's gradients first; ``fix`` says what to
+    pass instead."""
+    if mode == "sync" and updates == "overlap" and reasons:
+        raise ValueError(
+            f"{', '.join(reasons)} must see every gradient of the step before any update, "
+            "but the 'overlap' sync update order runs each stage's update while later "
+            f"backward jobs compute: use {fix}")
 
 
 _GROUPS: dict[str, type] = {"capture": CaptureOptions, "plan": PlanOptions,
