@@ -21,9 +21,11 @@ RoundPipe with the async optimizer it also simulates overlapping steps (two warm
 and a steady-state window of at least 8 steps, rpcompile.sim.steady_steps) and prints the
 steady-state time per step, tokens/s and bubble (summary.json: steady_step_ms,
 steady_tokens_per_s, steady_bubble_pct). ``--nodes N`` (with ``--link eth25|eth100``) also
-predicts N such servers training data parallel: each gradient stage's all-reduce queued on the
-link from when its gradients are home, the step time, tokens/s of all N and the scaling
-efficiency against one server (summary.json: nodes; docs/distributed.md).
+predicts N such servers training data parallel: the schedule lowered for N ranks (a REDUCE
+action per gradient stage on the host's network lane, timed as a ring all-reduce on the link,
+with gloo's host-memory traffic) replayed over the same steps, its steady step time, tokens/s
+of all N and the scaling efficiency against one server (summary.json: nodes;
+docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -87,11 +89,13 @@ def _parser() -> argparse.ArgumentParser:
                            "else this machine's); the plan's host memory is checked against it")
     plan.add_argument("--nodes", type=int, default=1,
                       help="servers training data parallel (one pipeline each, on its share "
-                           "of a --nodes times larger global batch); N > 1 also prints the "
-                           "tokens/s of N servers and the scaling efficiency against one")
+                           "of a --nodes times larger global batch); N > 1 also simulates "
+                           "the schedule lowered for N ranks (REDUCE actions on the link) "
+                           "and prints the tokens/s of N servers and the scaling efficiency "
+                           "against one")
     plan.add_argument("--link", default="eth100",
                       help="the network between servers for --nodes: eth25 or eth100 "
-                           "(25 / 100 Gbit/s Ethernet)")
+                           "(25 / 100 Gbit/s Ethernet; default eth100)")
 
     train = sub.add_parser(
         "train",
@@ -248,12 +252,10 @@ def _plan(args: argparse.Namespace) -> int:
               f"ms per step, {summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
               f"{summary['steady_bubble_pct']:.2f}%")
     if run is not None and args.nodes > 1:
-        from rpcompile.passes.memory import host_memory
         from rpcompile.sim.scaling import simulate_nodes
 
-        masters = host_memory(plan, args.optimizer, 0).masters
-        scaling = simulate_nodes(run, args.nodes, args.link, tokens_per_step=tokens,
-                                 gradient_bytes=masters)
+        scaling = simulate_nodes(plan, hw, args.nodes, args.link, tokens_per_step=tokens,
+                                 optimizer=args.optimizer, rounds=args.rounds, one_server=run)
         summary["nodes"] = scaling.to_dict()
         print(f"predicted, {scaling.summary()}")
     jobs = len(plan.stages) * args.rounds

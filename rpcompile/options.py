@@ -145,7 +145,13 @@ class PlanOptions:
     one more forward, one layer's activations at a time) or ``"auto"``: stage recompute
     unless its plan does not fit the GPUs' usable memory (and ``capacity_bytes``), then the
     faster plan that fits, cut again by stage or layer by layer (the plan's notes say
-    which)."""
+    which). ``ranks``: processes training data parallel, one pipeline each (docs/distributed.md):
+    above 1 the lowered schedule reduces each stage's gradients across ranks (REDUCE
+    actions on the host's network lane); ``None``: the process group's world size (1
+    without one); a value that differs from a group's world size is refused. ``link``: the
+    network between ranks the simulator times REDUCE on, a preset name (``"eth25"``,
+    ``"eth100"``, see ``rpcompile hardware``) or a :class:`~rpcompile.hardware.Link`;
+    ``None``: the hardware profile's own link, if it has one."""
 
     gpus: int = 8
     microbatches: int | None = None
@@ -156,6 +162,8 @@ class PlanOptions:
     schedule_steps: int | None = None
     updates: str | None = None
     recompute: str = "auto"
+    ranks: int | None = None
+    link: Any = None
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)
@@ -169,6 +177,11 @@ class PlanOptions:
         if self.updates is not None:
             _choice("updates", self.updates, UPDATE_ORDERS)
         _choice("recompute", self.recompute, RECOMPUTE_MODES)
+        _positive_int("ranks", self.ranks, optional=True)
+        if self.link is not None:
+            from rpcompile.hardware import get_link
+
+            get_link(self.link)  # an unknown name fails here, with the known ones
         if self.hardware is not None and not isinstance(self.hardware, str):
             from rpcompile.hardware import Hardware
 
@@ -265,7 +278,8 @@ class Options:
         # The default process group is known only once the Trainer starts; it checks again.
         check_update_order(self.plan.mode, self.plan.updates, deferred_reasons(
             max_grad_norm=t.max_grad_norm, loss_scale=t.loss_scale,
-            skip_nonfinite=t.skip_nonfinite, data_parallel=t.process_group is not None))
+            skip_nonfinite=t.skip_nonfinite,
+            data_parallel=t.process_group is not None or (self.plan.ranks or 1) > 1))
 
 
 def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = None,

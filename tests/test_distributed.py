@@ -460,41 +460,40 @@ def test_link_presets_and_the_ring_all_reduce_time():
 
 
 @pytest.fixture(scope="module")
-def small_run():
+def small_plan():
     from rpcompile.hardware import get_hardware
     from rpcompile.planner.partition import partition
-    from rpcompile.sim import simulate_roundpipe, steady_steps
     from rpcompile.workloads.paper import MODELS
 
     hw = get_hardware("rtx4090x8").with_gpus(4)
     units = MODELS["qwen3-1.7b"].units(2, 1024)[:6] + MODELS["qwen3-1.7b"].units(2, 1024)[-1:]
-    plan = partition(units, hw, 4, 5, 2, 1024, 1)
-    run = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
-    grads = 4 * sum(u.trainable_params for u in plan.units)
-    return run, grads, 10 * 1024
+    return partition(units, hw, 4, 5, 2, 1024, 1), hw, 10 * 1024
 
 
-def test_simulated_nodes_queue_each_stage_reduction_on_the_link(small_run):
+def test_simulated_nodes_replay_the_schedule_lowered_for_n_ranks(small_plan):
     from rpcompile.hardware import get_link
-    from rpcompile.sim import steady_step_ms
+    from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps
     from rpcompile.sim.scaling import simulate_nodes
 
-    run, grads, tokens = small_run
-    one = simulate_nodes(run, 1, "eth100", tokens_per_step=tokens, gradient_bytes=grads)
-    assert one.efficiency == 1.0 and one.exposed_ms == 0.0
+    plan, hw, tokens = small_plan
+    steps = steady_steps(plan)
+    run = simulate_roundpipe(plan, hw, steps=steps, optimizer="async")
+    one = simulate_nodes(plan, hw, 1, "eth100", tokens_per_step=tokens, one_server=run)
+    assert one.efficiency == 1.0 and one.added_ms == 0.0 and one.reductions == 0
     assert one.step_ms == pytest.approx(steady_step_ms(run))
+    grads = 4 * sum(u.trainable_params for u in plan.units)  # these units share nothing
     by_link = {}
     for link in ("eth25", "eth100"):
         for n in (2, 4):
-            s = simulate_nodes(run, n, link, tokens_per_step=tokens, gradient_bytes=grads)
-            assert s.gradient_bytes == grads  # each parameter reduced once (tied: once)
-            # The link time is every stage's ring all-reduce, computed here independently.
+            s = simulate_nodes(plan, hw, n, link, tokens_per_step=tokens, one_server=run)
+            assert s.gradient_bytes == grads and s.reductions == 2  # one per gradient stage
+            # Each REDUCE takes at least its ring all-reduce time, computed here on its own.
             lk = get_link(link)
             ring = 2 * (n - 1) / n * grads / (lk.gbit_per_s * lk.efficiency / 8 * 1e6)
-            assert s.link_busy_ms == pytest.approx(
-                ring + s.reductions * 2 * (n - 1) * lk.latency_us * 1e-3, rel=1e-9)
-            assert 0.0 <= s.exposed_ms <= s.link_busy_ms
-            assert s.step_ms == pytest.approx(max(one.step_ms + s.exposed_ms, s.link_busy_ms))
+            assert s.link_busy_ms >= ring + 2 * 2 * (n - 1) * lk.latency_us * 1e-3 - 1e-6
+            again = simulate_roundpipe(plan, hw.with_link(link), steps=steps, ranks=n)
+            assert s.step_ms == pytest.approx(steady_step_ms(again))
+            assert s.added_ms == pytest.approx(s.step_ms - one.step_ms)
             assert s.tokens_per_s == pytest.approx(n * tokens * 1e3 / s.step_ms)
             by_link[link, n] = s.efficiency
     assert by_link["eth25", 2] < by_link["eth100", 2] <= 1.0

@@ -13,7 +13,8 @@ batch over its own workers. What makes the ranks one training run is here, and o
        ``stage_done``        a gradient stage's last job is home: every parameter whose
                              gradient stages are now all done is all-reduced (SUM) at once,
                              asynchronously, on the host fp32 gradient buffer, while the
-                             remaining backward jobs still run
+                             remaining backward jobs still run (called by the schedule's
+                             REDUCE action, which then ``wait_reductions``)
        ``finish``            wait for those reductions (bounded by the step's deadline), then
                              agree on the loss and the non-finite flag in one small all-reduce
   3. ``RankFailed``        - the named error when another rank died, raised or stalled
@@ -53,7 +54,7 @@ from identical gradients and masters and ends each step with identical masters. 
 after ``finish`` on the reduced gradients: its norm is the global norm.
 
 **Order.** Collectives match across ranks by their order. Every rank runs the same lowered
-schedule, whose host queue (where ``OPT`` calls ``stage_done``) runs in list order on one
+schedule, whose network lane (where ``REDUCE`` calls ``stage_done``) runs in list order on one
 thread, so every rank launches the same reductions in the same order.
 
 **Failure.** A rank that dies closes its connections: the others' next wait raises at once. A
@@ -223,6 +224,14 @@ class DataParallel:
                 self._works.append((f"the gradient reduction to rank {owner} after stage "
                                     f"{stage}", work))
                 self.reductions += 1
+
+    def wait_reductions(self, timeout_s: float | None) -> None:
+        """Wait for the reductions launched so far (the schedule's REDUCE action waits here,
+        on the host's network lane, so what reads the reduced gradients waits for that
+        action's edge); :meth:`finish` then finds them done."""
+        works, self._works = self._works, []
+        for what, work in works:
+            self._wait(what, work, timeout_s)
 
     def finish(self, loss: torch.Tensor, nonfinite: bool,
                timeout_s: float | None) -> tuple[torch.Tensor, bool]:
