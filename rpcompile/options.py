@@ -292,8 +292,8 @@ def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = No
         ("max_grad_norm", max_grad_norm is not None),
         ("loss_scale", bool(loss_scale)),
         ("skip_nonfinite", bool(skip_nonfinite)),
-        ("process_group (data parallel: an update reads the gradients summed over every rank)",
-         data_parallel)) if on]
+        ("data parallel (a process group or ranks > 1: an update reads the gradients summed "
+         "over every rank)", data_parallel)) if on]
 
 
 def check_update_order(mode: str, updates: str | None, reasons: Sequence[str],
