@@ -426,6 +426,10 @@ def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_pat
     # Rank 0 alone wrote: one line per step and eval, one final/, its checkpoints.
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4, 4]
     assert (two / "final" / "config.json").is_file()
+    # The cpu profile has no inter-server link to time REDUCE on: the schedule is written,
+    # its simulated timeline is left out (the run itself is not affected).
+    assert (two / "schedule.csv").is_file() and not (two / "schedule.json").exists()
+    assert (one / "schedule.json").is_file()
     assert sorted(p.name for p in (two / "checkpoints").iterdir()
                   if p.name.startswith("step-")) == ["step-00000002", "step-00000004"]
     for a, b in zip(got, want):
