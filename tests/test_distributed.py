@@ -44,7 +44,10 @@ def _adamw(params):
 CASES = {
     2: [("sync", "qwen3", {}), ("async", "qwen3", {"mode": "async"}),
         ("loss_fn", "skipnet", {}),
-        ("zero1", "qwen3", {"shard_optimizer": True, "optimizer": _adamw})],
+        ("zero1", "qwen3", {"shard_optimizer": True, "optimizer": _adamw}),
+        # Tied embedding and LM head: one parameter in three stages, updated at the last of
+        # its two gradient stages, after an earlier stage's SHADOW has already run.
+        ("zero1_tied", "qwen3_tied", {"shard_optimizer": True, "optimizer": _adamw})],
     3: [("clip", "qwen3", {"max_grad_norm": 0.5}),
         ("zero1_clip", "qwen3", {"shard_optimizer": True, "optimizer": _adamw,
                                  "max_grad_norm": 0.5})],
@@ -61,7 +64,7 @@ def _model(model: str, seed: int):
     if model == "skipnet":
         torch.manual_seed(seed)
         return SkipNet()
-    return hf_model("qwen3", seed=seed)
+    return hf_model(model, seed=seed)
 
 
 def _compile(model_name: str, seed: int, example, parts: int = 2, **options):
@@ -108,7 +111,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
                         saved = trainer.save_checkpoint(os.path.join(out, f"{name}-step2"))
                 result[name] = {
                     "losses": losses, "norms": norms, "reductions": trainer.dp.reductions,
-                    "masters": trainer.gather_masters()}
+                    "masters": trainer.gather_masters(), "shadow": trainer.store.shadow.clone()}
                 if sharded:
                     result[name]["saved"] = str(saved)
                     result[name]["memory"] = _held_bytes(trainer)
@@ -261,6 +264,8 @@ def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, wo
             assert _max_diff(r[name]["masters"], first["masters"]) == 0.0, name
             assert r[name]["losses"] == first["losses"], name
             assert r[name]["norms"] == first["norms"], name
+            # ... and uploads the same weights next step: the shadows match too.
+            assert torch.equal(r[name]["shadow"], first["shadow"]), name
         assert first["reductions"] >= 2, name  # one per gradient stage at least, not one at the end
         # One process on the whole global batch: a loss_fn model's loss is the mean over
         # microbatches, so it gets as many microbatches as all ranks together.
@@ -292,10 +297,11 @@ def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, wo
             # The clip fired on the global norm (every rank's norm is the same).
             assert first["norms"][0] > options["max_grad_norm"]
         if options.get("shard_optimizer"):
-            _check_sharded(name, options, ranks, world, memory[0])
+            _check_sharded(name, model_name, options, ranks, world, memory[0])
 
 
-def _check_sharded(name: str, options: dict, ranks: list, world: int, one: dict) -> None:
+def _check_sharded(name: str, model_name: str, options: dict, ranks: list, world: int,
+                   one: dict) -> None:
     # Host bytes per trainable parameter held for masters + optimizer state fall as 1/N:
     # every parameter's state is on exactly one rank (the ranks' figures add up to one
     # process's), and each rank holds its 1/N share give or take half the largest parameter
@@ -312,10 +318,10 @@ def _check_sharded(name: str, options: dict, ranks: list, world: int, one: dict)
     saved = ranks[0][name]["saved"]
     assert all(r[name]["saved"] == saved for r in ranks)
     unsharded = {k: v for k, v in options.items() if k != "shard_optimizer"}
-    single = _compile("qwen3", 5, _batches()[0], **unsharded)
+    single = _compile(model_name, 5, _batches(model_name)[0], **unsharded)
     try:
         single.load_checkpoint(saved)
-        single.step(_batches()[-1])
+        single.step(_batches(model_name)[-1])
         assert _max_diff(single.trainer().masters(), ranks[0][name]["masters"]) < 1e-6
     finally:
         single.close()
@@ -333,6 +339,11 @@ def test_sharded_checkpoints_refuse_an_incomplete_or_mismatched_set():
     store = HostStore.build([[("a", a), ("b", b)], [("c", c)]])
     bounds = shard_bounds(store.trainable_slots, 2)
     assert bounds == [(0, 6), (6, 12)]  # whole parameters, the cut nearest half of 12
+    # A large first parameter (a tied embedding) must not leave a rank with nothing to own.
+    big = HostStore.build([[("e", torch.nn.Parameter(torch.randn(155)))]]
+                          + [[(f"l{i}", torch.nn.Parameter(torch.randn(15)))] for i in range(29)])
+    cuts = shard_bounds(big.trainable_slots, 8)
+    assert all(b0 < b1 for b0, b1 in cuts) and cuts[0] == (0, 155) and cuts[-1][1] == 590
 
     def part(rank, names, world=2, cut=bounds):
         masters = {n: torch.zeros(store.slot(n).shape) for n in names}

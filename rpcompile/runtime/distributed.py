@@ -39,7 +39,8 @@ job's gradients land) stay whole on every rank. The step changes in three places
                    part), each owner broadcasts its part of the stage's trainable shadows, so
                    every rank's workers upload the same weights: an all-gather (gloo's
                    ``all_gather`` needs equal pieces, the shards are not). A parameter shared by
-                   several stages is gathered once per step.
+                   several stages is gathered once per step, at the first ``SHADOW`` after
+                   its update (all its gradient stages done).
 
 Masters are then no longer replicated: :meth:`gather_masters` (a collective) brings them all
 to every rank, :meth:`gather_state` this rank's optimizer state to rank 0 for a checkpoint,
@@ -139,6 +140,11 @@ class DataParallel:
         self.shard = shard
         # Shard r: the master index range [start, stop) rank r owns (sharded), else None.
         self.bounds = shard_bounds(store.trainable_slots, self.world) if shard else None
+        if self.bounds is not None and any(b0 == b1 for b0, b1 in self.bounds):
+            raise ValueError(
+                f"shard_optimizer=True on {self.world} ranks leaves a rank no parameter to "
+                f"own: the model has {len(store.trainable_slots)} trainable parameters (shards "
+                "hold whole parameters); use fewer ranks or shard_optimizer=False")
         self._gathered: set[int] = set()  # slots whose shadows were gathered this step
         self._deadline: float | None = None
 
@@ -284,17 +290,24 @@ class DataParallel:
         torch.nn.utils.clip_grads_with_norm_(mine, max_norm, total)
         return float(total)
 
-    def gather_shadows(self, stage: int | None, *, in_step: bool = True) -> None:
+    def gather_shadows(self, stage: int | None, done: set[int] | None = None, *,
+                       in_step: bool = True) -> None:
         """Bring every rank the updated shadows of ``stage``'s trainable parameters (all, when
-        None) from their owners, once each per step: the all-gather of the sharded update.
-        Called by the driver's ``SHADOW`` after this rank rewrote its own part (its waits end
-        at the step's deadline), and after a checkpoint is loaded (``in_step=False``: the
-        process group's timeout)."""
+        None) from their owners: the all-gather of the sharded update. Called by the driver's
+        ``SHADOW`` after this rank rewrote its own part, with ``done`` the stages whose
+        ``OPT`` ran this step (its waits end at the step's deadline): a parameter is gathered
+        once per step, at the first ``SHADOW`` after its update, that is once all its
+        gradient stages are in ``done`` (a tied parameter read by an earlier stage's
+        ``SHADOW`` is not updated yet then; every rank runs the same host queue, so all agree).
+        After a checkpoint is loaded (``in_step=False``: the process group's timeout) every
+        parameter is gathered, whatever an earlier step gathered."""
         store = self.store
         indices = (range(len(store.slots)) if stage is None
                    else store.stages[stage].layout.slots)
+        skip = self._gathered if in_step else set()
         slots = [store.slots[i] for i in indices
-                 if store.slots[i].trainable and i not in self._gathered]
+                 if store.slots[i].trainable and i not in skip
+                 and (done is None or set(store.slots[i].grad_stages) <= done)]
         if not slots:
             return
         works = []
