@@ -28,19 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def _model(hidden: int, layers: int):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.Qwen3Config(
-        vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden,
-        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128), head_dim=64, use_cache=False,
-        attn_implementation="sdpa",
-    )
-    return tf.Qwen3ForCausalLM(cfg)
+from _models import qwen3  # benchmarks/_models.py, beside this script
 
 
 def main() -> None:
@@ -64,7 +52,7 @@ def main() -> None:
         return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
     # eager with gradient checkpointing
-    eager = _model(args.hidden, args.layers)
+    eager = qwen3(args.hidden, args.layers)
     eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     eager.train()
     eager_opt = adamw(eager.parameters())
@@ -77,7 +65,7 @@ def main() -> None:
         eager_opt.zero_grad(set_to_none=True)
 
     # reference executor + optimizer over the model's own parameters
-    ref_model = _model(args.hidden, args.layers)
+    ref_model = qwen3(args.hidden, args.layers)
     compiled_ref = rpcompile.compile(ref_model, gpus=1, microbatches=args.microbatches,
                                      example_inputs=batches[0])
     ref_params = dict(ref_model.named_parameters())
@@ -90,7 +78,7 @@ def main() -> None:
         ref_opt.step()
 
     # the runtime on one virtual worker
-    run_model = _model(args.hidden, args.layers)
+    run_model = qwen3(args.hidden, args.layers)
     compiled = rpcompile.compile(run_model, gpus=1, microbatches=args.microbatches,
                                  example_inputs=batches[0], device="virtual", optimizer=adamw)
 

@@ -23,19 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-
-
-def _model(hidden: int, layers: int):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.Qwen3Config(
-        vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden,
-        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128), head_dim=64, use_cache=False,
-        attn_implementation="sdpa",
-    )
-    return tf.Qwen3ForCausalLM(cfg)
+from _models import qwen3  # benchmarks/_models.py, beside this script
 
 
 def _journal_bytes(journal) -> int:
@@ -69,7 +57,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 512, (args.batch, args.seq), generator=gen)
                for _ in range(args.steps + 2)]
-    compiled = rpcompile.compile(_model(args.hidden, args.layers), gpus=args.gpus,
+    compiled = rpcompile.compile(qwen3(args.hidden, args.layers), gpus=args.gpus,
                                  microbatches=args.microbatches, example_inputs=batches[0])
 
     def adamw(params):
