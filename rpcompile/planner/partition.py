@@ -27,6 +27,7 @@ from rpcompile.ir import Plan, Stage, UnitProfile
 from rpcompile.passes.cost import RECOMPUTE, recompute_ms, recompute_working_bytes
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import deal, steady_window
+from rpcompile.planner.bound import simulated_lower_bound
 
 __all__ = ["PartitionError", "StageCosting", "build_plan", "fit_memory_waits", "partition",
            "predict_step_ms"]
@@ -63,8 +64,8 @@ def partition(
     rounds: int = 1,
     costing: StageCosting | None = None,
     max_tail_layers: int = 3,
-    shortlist: int = 1000,
-    simulate_top: int = 12,
+    shortlist: int | None = None,
+    max_simulations: int = 32,
     optimizer: str = "async",
     refine: int = 16,
     target_bubble: float = 0.01,
@@ -107,7 +108,7 @@ def partition(
     capacity = hw.usable_memory_bytes
     fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
     args = (units, hw, workers, microbatches, microbatch_size, seq_len, rounds, max_tail_layers,
-            shortlist, simulate_top, optimizer, refine, target_bubble, search)
+            shortlist, max_simulations, optimizer, refine, target_bubble, search)
     if recompute != "auto":
         return _fitting_plan(*args, replace(costing, recompute=recompute), capacity)
     try:
@@ -150,7 +151,7 @@ def _fits(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int) 
 
 
 def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
-                  max_tail_layers, shortlist, simulate_top, optimizer, refine, target_bubble,
+                  max_tail_layers, shortlist, max_simulations, optimizer, refine, target_bubble,
                   search, costing, capacity) -> Plan:
     """The fastest plan under ``costing`` whose whole schedule fits ``capacity``."""
     _check_units_fit(units, costing, capacity)
@@ -164,7 +165,7 @@ def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, ro
     for _attempt in range(8):
         try:
             return _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
-                              costing, max_tail_layers, shortlist, simulate_top, optimizer,
+                              costing, max_tail_layers, shortlist, max_simulations, optimizer,
                               refine, target_bubble, search, limit, capacity)
         except _NoPlanFits as exc:
             best, loose = exc, limit
@@ -190,14 +191,14 @@ class _NoPlanFits(Exception):
 
 
 def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds, costing,
-               max_tail_layers, shortlist, simulate_top, optimizer, refine, target_bubble,
+               max_tail_layers, shortlist, max_simulations, optimizer, refine, target_bubble,
                search, limit, capacity) -> Plan:
     n = len(units)
 
     # Cut anywhere between units; and, when units are blocks of layers, also only between
     # whole layers (a finer grid is not always searched as well by the min-max cuts).
     grids = [None] if all(not u.group for u in units) else [None, _layer_starts(units)]
-    # Per grid: (bound, forward starts, backward starts, tail start).
+    # Per grid: (pre-order key, forward starts, backward starts, tail start).
     candidates: list[list[tuple[float, tuple[int, ...], tuple[int, ...], int]]] = [
         [] for _ in grids
     ]
@@ -224,17 +225,17 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
                 jobs = p + q + 1
                 work = microbatches * (sum(fwd_cost) + sum(bwd_cost) + tail_ms)
                 longest = max(f_max, b_max, tail_ms)
-                # Cheap lower bound used only to shortlist: total work spread over workers,
-                # and one job stream that can never be shorter than its longest job times
-                # the rounds-robin share that lands on one worker.
+                # A cheap pre-order, used only when a ``shortlist`` is asked for (it is not a
+                # bound on the simulator's figure): work spread over the workers, the longest
+                # job times the round-robin share of one worker, the one-microbatch chain.
                 share = -(-jobs * rounds // workers)
-                bound = max(
+                presort = max(
                     work * rounds / workers,
                     microbatches * longest * share,
                     sum(fwd_cost) + sum(bwd_cost) + tail_ms + (microbatches - 1) * longest,
                 )
                 # Rounded so that sums of block costs rank exactly like their layer's cost.
-                candidates[g].append((round(bound, 6), f_bounds, b_bounds, t))
+                candidates[g].append((round(presort, 6), f_bounds, b_bounds, t))
     if not any(candidates):
         raise PartitionError(
             "no partition fits: the tail (final norm, LM head, loss) needs "
@@ -247,56 +248,93 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
         return build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
                           microbatch_size, seq_len, rounds, costing, notes=notes, steps=steps)
 
-    # Per grid: the best ``shortlist`` by the cheap bound, ranked by the dispatch model, the
-    # best ``simulate_top`` of them replayed in the simulator.
     def predicted(plan: Plan) -> float:
         return round(plan.predicted_step_ms, 6)
 
+    # Every candidate (per grid: all of them, or the ``shortlist`` first by the pre-order),
+    # each cut once whichever grid found it; the dispatch model seeds the local search.
     plans: list[Plan] = []
     seeds: list[list[Plan]] = []
     for grid_candidates in candidates:
-        ranked = sorted(
-            (make(f_bounds, b_bounds, t)
-             for _bound, f_bounds, b_bounds, t in sorted(grid_candidates)[:shortlist]),
-            key=predicted,
-        )
-        plans += ranked[: max(1, simulate_top)]
-        seeds.append(ranked[:4])
+        chosen = sorted(grid_candidates)[:shortlist] if shortlist is not None else grid_candidates
+        built = [make(f_bounds, b_bounds, t) for _key, f_bounds, b_bounds, t in chosen]
+        plans += built
+        seeds.append(sorted(built, key=predicted)[:4])
     if search > 0:
         # Min-max cuts balance stage times; round-robin dispatch also cares how consecutive
         # jobs compare. A local search in the dispatch model starts from the best plans: on
         # the finest grid from the best of every grid, on a coarser grid from its own (so
-        # this also finds what a partition of whole layers alone would).
+        # this also finds what a partition of whole layers alone would). It only proposes
+        # candidates: the simulator ranks them with the rest.
         for g, grid in enumerate(grids):
             start = sorted(itertools.chain(*seeds), key=predicted)[:4] if grid is None else seeds[g]
             if start:
                 plans += _search(start, make, limit, search, random.Random(0),
                                  grid=grid or range(n))
-    ranked_only = simulate_top < 2 or len(plans) < 2
-    if ranked_only:  # the dispatch model's best; simulated only for its memory
-        plans = [min(plans, key=lambda plan: plan.predicted_step_ms)]
-    # The ranking model misses link contention and transfer priorities; the simulator
-    # replays the lowered schedule of the best few and picks the winner among those whose
-    # whole schedule fits.
-    scored = [_simulated_ms(plan, hw, rounds, optimizer, capacity)
-              for plan in _distinct(plans)]
-    def top(peaks) -> int:
-        return max(p.peak_bytes for p in peaks)
-
-    fitting = [pair for pair in scored if top(pair[0][2]) <= capacity]
-    if not fitting:
-        (_ms, _bubble, peaks), _plan = min(scored, key=lambda pair: top(pair[0][2]))
-        worst = max(peaks, key=lambda p: p.peak_bytes)
-        raise _NoPlanFits(worst.peak_bytes - capacity, worst)
-    (ms, bubble, peaks), best = min(fitting, key=lambda pair: round(pair[0][0], 6))
-    peak_bytes = tuple(p.peak_bytes for p in peaks)
-    if ranked_only:
-        return replace(best, worker_peak_bytes=peak_bytes)
-    best = replace(best, predicted_step_ms=ms, worker_peak_bytes=peak_bytes,
-                   notes=(*best.notes, "chosen by simulating the best candidates"))
+    best, search_note, bubble = _best_simulated(
+        _distinct(plans), hw, rounds, optimizer, capacity, max_simulations)
+    best = replace(best, notes=(*best.notes, search_note))
     if optimizer == "async" and refine > 0:
         best = _refine(best, bubble, make, hw, rounds, limit, capacity, refine, target_bubble)
     return best
+
+
+def _best_simulated(plans: Sequence[Plan], hw: Hardware, rounds: int, optimizer: str,
+                    capacity: int, max_simulations: int) -> tuple[Plan, str, float]:
+    """(the plan with the shortest simulated figure among ``plans`` whose whole schedule fits
+    ``capacity``, a note saying how it was found, its simulated bubble).
+
+    Best-first with a proven bound: each candidate has a lower bound on its simulated figure,
+    :func:`~rpcompile.planner.bound.simulated_lower_bound`. Candidates are simulated in
+    increasing order of the larger of that bound and the dispatch model's figure
+    (``Plan.predicted_step_ms``; in sync mode the bound is the larger, in async mode the
+    dispatch model, so likely winners come first), a candidate whose bound is at least the best
+    simulated figure is skipped, and the search ends when every candidate left has such a
+    bound: the plan is then the simulator's argmin over all of ``plans``. After
+    ``max_simulations`` replays it stops anyway, and the note gives the proven gap (no
+    candidate left can be faster than the smallest bound among them). ``predicted_step_ms`` of
+    the plan returned is its simulated figure. Raises :class:`_NoPlanFits` when no simulated
+    candidate fits.
+    """
+    bounds = [simulated_lower_bound(p, hw, rounds, optimizer) for p in plans]
+    order = sorted(range(len(plans)), key=lambda i: (
+        round(max(bounds[i], plans[i].predicted_step_ms), 6), round(bounds[i], 6), i))
+    best: tuple[float, float, tuple, Plan] | None = None  # (ms, bubble, peaks, plan)
+    misfit: tuple[int, object] | None = None  # (overshoot, worst peak) of the closest misfit
+    simulated, left = 0, []  # left: the bounds of candidates neither simulated nor pruned
+    for n, i in enumerate(order):
+        if best is not None and bounds[i] >= best[0]:
+            continue  # proven no faster than the best so far
+        if simulated >= max_simulations:
+            left = [bounds[j] for j in order[n:] if best is None or bounds[j] < best[0]]
+            break
+        (ms, bubble, peaks), ran = _simulated_ms(plans[i], hw, rounds, optimizer, capacity)
+        simulated += 1
+        top = max(peaks, key=lambda p: p.peak_bytes)
+        if top.peak_bytes > capacity:
+            if misfit is None or top.peak_bytes - capacity < misfit[0]:
+                misfit = (top.peak_bytes - capacity, top)
+            continue
+        if best is None or round(ms, 6) < round(best[0], 6):
+            best = (ms, bubble, peaks, ran)
+    if best is None:
+        if misfit is None:  # cannot happen: at least one candidate is simulated
+            raise PartitionError("no candidate plan to simulate")
+        raise _NoPlanFits(*misfit)
+    ms, bubble, peaks, plan = best
+    figure = "steady-state step" if optimizer == "async" else "step"
+    if not left:
+        note = (f"the simulator's fastest {figure} of all {len(plans)} candidates: {simulated} "
+                f"simulated, the other {len(plans) - simulated} proven no faster by their "
+                "lower bounds")
+    else:
+        floor = min(left)
+        note = (f"NOT proven the fastest of {len(plans)} candidates: the search stopped at "
+                f"max_simulations={max_simulations} with {len(left)} candidates left whose "
+                f"lower bounds are below this plan's {ms:.1f} ms; none of them can be faster "
+                f"than {floor:.1f} ms (a gap of at most {(ms - floor) / ms:.2%})")
+    plan = replace(plan, predicted_step_ms=ms, worker_peak_bytes=tuple(p.peak_bytes for p in peaks))
+    return plan, note, bubble
 
 
 def _bounds(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...], int]:
