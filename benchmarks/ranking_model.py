@@ -52,9 +52,9 @@ def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
         runs.append((plan.predicted_step_ms, out[0][0], bound))
         return out
 
-    def counting(plans, *args):
-        candidates.append(len(plans))
-        return best_simulated(plans, *args)
+    def counting(pools, *args):  # a candidate may be in several grids' pools: counted once
+        candidates.append(len({partition_module._bounds(p) for pool in pools for p in pool}))
+        return best_simulated(pools, *args)
 
     partition_module._simulated_ms = recording
     if best_simulated is not None:

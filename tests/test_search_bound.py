@@ -135,7 +135,7 @@ def test_best_first_returns_the_exhaustive_argmin(mode: str) -> None:
     partition_module._simulated_ms = counting
     try:
         chosen, note, _bubble = partition_module._best_simulated(
-            plans, hw, 1, mode, hw.usable_memory_bytes, max_simulations=len(plans))
+            [plans], hw, 1, mode, hw.usable_memory_bytes, max_simulations=len(plans))
     finally:
         partition_module._simulated_ms = real
     assert chosen.memory_waits == ()  # so its figure is the one computed above
@@ -150,7 +150,7 @@ def test_capped_search_states_its_gap() -> None:
     units = _tiny_units(random.Random(5), 3)
     plans = [build_plan(units, f, b, t, hw, 3, 4, steps=None) for f, b, t in _cuts(len(units))]
     chosen, note, _bubble = partition_module._best_simulated(
-        plans, hw, 1, "async", hw.usable_memory_bytes, max_simulations=2)
+        [plans], hw, 1, "async", hw.usable_memory_bytes, max_simulations=2)
     assert note.startswith("NOT proven the fastest") and "max_simulations=2" in note
     floor = min(simulated_lower_bound(p, hw, 1, "async") for p in plans)
     assert floor <= chosen.predicted_step_ms
@@ -165,9 +165,9 @@ def test_partition_picks_the_simulators_argmin_of_its_candidates(mode: str) -> N
     seen = []
     real = partition_module._best_simulated
 
-    def recording(plans, *args):
-        seen.extend(plans)
-        return real(plans, *args)
+    def recording(pools, *args):
+        seen.extend(plan for pool in pools for plan in pool)
+        return real(pools, *args)
 
     partition_module._best_simulated = recording
     try:

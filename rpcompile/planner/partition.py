@@ -1,17 +1,19 @@
 """Partition pass: cut a model's units into RoundPipe forward stages, a fused tail and
-backward stages, minimising the predicted step time.
+backward stages, minimising the simulated step time.
 
 Sections, in reading order:
-  1. partition(): enumerate tail sizes and stage counts, cut each side optimally, keep the best
+  1. partition(): enumerate tail sizes and stage counts, cut each side optimally, and keep the
+     simulator's fastest candidate, found best first under a proven lower bound
+     (rpcompile.planner.bound)
   2. Cutting: contiguous min-max partition (exact dynamic programme) under a memory limit
   3. Stage figures: compute time, transfer bytes and device memory of a stage
   4. predict_step_ms(): a small event model of round-robin dispatch (compute, weight
-     prefetch, activation hops) used to rank candidate plans
+     prefetch, activation hops) that steers the local search and orders the replays; the
+     simulator alone decides which candidate wins
 
 Why not greedy packing: a greedy pack that fills stages up to a budget leaves the last stage
 short, and RoundPipe's round-robin dispatch runs at the pace of its longest job. Here each
-side is cut by an exact min-max dynamic programme for every stage count, and the candidates are
-ranked by a model of the dispatch itself, which also sees weight uploads and activation hops.
+side is cut by an exact min-max dynamic programme for every stage count.
 """
 
 from __future__ import annotations
@@ -29,8 +31,16 @@ from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import deal, steady_window
 from rpcompile.planner.bound import simulated_lower_bound
 
-__all__ = ["PartitionError", "StageCosting", "build_plan", "fit_memory_waits", "partition",
-           "predict_step_ms"]
+__all__ = ["SIMULATION_CAPS", "PartitionError", "StageCosting", "build_plan", "fit_memory_waits",
+           "partition", "predict_step_ms"]
+
+
+# Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
+# replay is one step and its lower bound is within a few percent, so a search usually ends
+# proven well before the cap; an async replay is a dozen overlapping steps, and the only bound
+# valid for its steady-state figure is work over workers, too loose for a proof, so the search
+# stops at its cap and the plan's notes give the gap.
+SIMULATION_CAPS = {"sync": 1024, "async": 32}
 
 
 class PartitionError(ValueError):
@@ -65,7 +75,7 @@ def partition(
     costing: StageCosting | None = None,
     max_tail_layers: int = 3,
     shortlist: int | None = None,
-    max_simulations: int = 32,
+    max_simulations: int | None = None,
     optimizer: str = "async",
     refine: int = 16,
     target_bubble: float = 0.01,
@@ -76,9 +86,15 @@ def partition(
     """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
 
     The last unit is the tail (final norm, LM head, loss); the fused tail stage may also take
-    up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are cut exactly (min-max per stage
-    count), ranked by :func:`predict_step_ms` in steady state, and the best ``simulate_top``
-    are replayed in the simulator. With ``optimizer="async"`` steps overlap and the plan
+    up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are
+    cut exactly (min-max per stage count; all of them, or per grid the ``shortlist`` first by a
+    cheap pre-order), joined by a local search in the dispatch model (:func:`predict_step_ms`,
+    ``search`` plans per grid), and replayed in the simulator best first: each candidate has a
+    proven lower bound on its simulated figure (rpcompile.planner.bound), and the search stops
+    once every candidate not replayed has a bound at least the best simulated figure, so the
+    plan is the simulator's fastest of all candidates. At most ``max_simulations`` replays
+    (default :data:`SIMULATION_CAPS` of the mode); a search stopped there says so in the plan's
+    notes, with the proven gap. With ``optimizer="async"`` steps overlap and the plan
     minimises the steady-state time per step; with ``"sync"`` it minimises one step's
     makespan (fill and drain included). When units are blocks of layers (``UnitProfile.group``)
     candidates are cut both between any units and between whole layers only. In async mode
@@ -101,6 +117,10 @@ def partition(
     costing = costing or StageCosting()
     units = tuple(units)
     n = len(units)
+    if max_simulations is None:
+        max_simulations = SIMULATION_CAPS[optimizer]
+    if max_simulations < 1:
+        raise ValueError(f"max_simulations must be at least 1, got {max_simulations}")
     if n < 2:
         raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
     if workers < 1 or microbatches < 1 or rounds < 1:
@@ -251,14 +271,14 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
     def predicted(plan: Plan) -> float:
         return round(plan.predicted_step_ms, 6)
 
-    # Every candidate (per grid: all of them, or the ``shortlist`` first by the pre-order),
-    # each cut once whichever grid found it; the dispatch model seeds the local search.
-    plans: list[Plan] = []
+    # Every candidate (per grid: all of them, or the ``shortlist`` first by the pre-order);
+    # the dispatch model seeds the local search.
+    pools: list[list[Plan]] = []
     seeds: list[list[Plan]] = []
     for grid_candidates in candidates:
         chosen = sorted(grid_candidates)[:shortlist] if shortlist is not None else grid_candidates
         built = [make(f_bounds, b_bounds, t) for _key, f_bounds, b_bounds, t in chosen]
-        plans += built
+        pools.append(built)
         seeds.append(sorted(built, key=predicted)[:4])
     if search > 0:
         # Min-max cuts balance stage times; round-robin dispatch also cares how consecutive
@@ -269,70 +289,92 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
         for g, grid in enumerate(grids):
             start = sorted(itertools.chain(*seeds), key=predicted)[:4] if grid is None else seeds[g]
             if start:
-                plans += _search(start, make, limit, search, random.Random(0),
-                                 grid=grid or range(n))
-    best, search_note, bubble = _best_simulated(
-        _distinct(plans), hw, rounds, optimizer, capacity, max_simulations)
+                pools[g] += _search(start, make, limit, search, random.Random(0),
+                                    grid=grid or range(n))
+    best, search_note, bubble = _best_simulated(pools, hw, rounds, optimizer, capacity,
+                                                max_simulations)
     best = replace(best, notes=(*best.notes, search_note))
     if optimizer == "async" and refine > 0:
         best = _refine(best, bubble, make, hw, rounds, limit, capacity, refine, target_bubble)
     return best
 
 
-def _best_simulated(plans: Sequence[Plan], hw: Hardware, rounds: int, optimizer: str,
-                    capacity: int, max_simulations: int) -> tuple[Plan, str, float]:
-    """(the plan with the shortest simulated figure among ``plans`` whose whole schedule fits
-    ``capacity``, a note saying how it was found, its simulated bubble).
+def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
+                    optimizer: str, capacity: int, max_simulations: int,
+                    ) -> tuple[Plan, str, float]:
+    """(the plan with the shortest simulated figure among the candidates of ``pools`` whose
+    whole schedule fits ``capacity``, a note saying how it was found, its simulated bubble).
 
     Best-first with a proven bound: each candidate has a lower bound on its simulated figure,
-    :func:`~rpcompile.planner.bound.simulated_lower_bound`. Candidates are simulated in
-    increasing order of the larger of that bound and the dispatch model's figure
+    :func:`~rpcompile.planner.bound.simulated_lower_bound`. Each pool (a grid's candidates) is
+    walked in increasing order of the larger of that bound and the dispatch model's figure
     (``Plan.predicted_step_ms``; in sync mode the bound is the larger, in async mode the
-    dispatch model, so likely winners come first), a candidate whose bound is at least the best
-    simulated figure is skipped, and the search ends when every candidate left has such a
-    bound: the plan is then the simulator's argmin over all of ``plans``. After
-    ``max_simulations`` replays it stops anyway, and the note gives the proven gap (no
-    candidate left can be faster than the smallest bound among them). ``predicted_step_ms`` of
-    the plan returned is its simulated figure. Raises :class:`_NoPlanFits` when no simulated
-    candidate fits.
+    dispatch model, so likely winners come first); a candidate already simulated, or whose
+    bound is at least the best simulated figure so far (of any pool), is skipped. When every
+    candidate left has such a bound, the plan is the simulator's argmin over all candidates.
+    A pool stops after ``max_simulations`` replays of its own (so a coarser grid's candidates
+    are replayed as far as they would be alone), and the note then gives the proven gap: no
+    candidate left can be faster than the smallest bound among them. ``predicted_step_ms``
+    of the plan returned is its simulated figure. Raises :class:`_NoPlanFits` when no
+    simulated candidate fits.
     """
+    plans: list[Plan] = []
+    index: dict[tuple, int] = {}
+    members: list[list[int]] = []  # per pool, its candidates' indices into plans
+    for pool in pools:
+        mine: dict[int, None] = {}
+        for plan in pool:
+            i = index.setdefault(_bounds(plan), len(plans))
+            if i == len(plans):
+                plans.append(plan)
+            mine[i] = None
+        members.append(list(mine))
     bounds = [simulated_lower_bound(p, hw, rounds, optimizer) for p in plans]
-    order = sorted(range(len(plans)), key=lambda i: (
-        round(max(bounds[i], plans[i].predicted_step_ms), 6), round(bounds[i], 6), i))
+
+    def first(i: int) -> tuple:
+        return round(max(bounds[i], plans[i].predicted_step_ms), 6), round(bounds[i], 6), i
+
     best: tuple[float, float, tuple, Plan] | None = None  # (ms, bubble, peaks, plan)
     misfit: tuple[int, object] | None = None  # (overshoot, worst peak) of the closest misfit
-    simulated, left = 0, []  # left: the bounds of candidates neither simulated nor pruned
-    for n, i in enumerate(order):
-        if best is not None and bounds[i] >= best[0]:
-            continue  # proven no faster than the best so far
-        if simulated >= max_simulations:
-            left = [bounds[j] for j in order[n:] if best is None or bounds[j] < best[0]]
-            break
-        (ms, bubble, peaks), ran = _simulated_ms(plans[i], hw, rounds, optimizer, capacity)
-        simulated += 1
-        top = max(peaks, key=lambda p: p.peak_bytes)
-        if top.peak_bytes > capacity:
-            if misfit is None or top.peak_bytes - capacity < misfit[0]:
-                misfit = (top.peak_bytes - capacity, top)
-            continue
-        if best is None or round(ms, 6) < round(best[0], 6):
-            best = (ms, bubble, peaks, ran)
+    simulated: set[int] = set()
+    stopped: set[int] = set()  # candidates a pool stopped before (neither simulated nor pruned)
+    for mine in members:
+        order = sorted(mine, key=first)
+        spent = 0
+        for n, i in enumerate(order):
+            if i in simulated or (best is not None and bounds[i] >= best[0]):
+                continue  # replayed already, or proven no faster than the best so far
+            if spent >= max_simulations:
+                stopped.update(order[n:])
+                break
+            (ms, bubble, peaks), ran = _simulated_ms(plans[i], hw, rounds, optimizer, capacity)
+            simulated.add(i)
+            spent += 1
+            top = max(peaks, key=lambda p: p.peak_bytes)
+            if top.peak_bytes > capacity:
+                if misfit is None or top.peak_bytes - capacity < misfit[0]:
+                    misfit = (top.peak_bytes - capacity, top)
+                continue
+            if best is None or round(ms, 6) < round(best[0], 6):
+                best = (ms, bubble, peaks, ran)
     if best is None:
         if misfit is None:  # cannot happen: at least one candidate is simulated
             raise PartitionError("no candidate plan to simulate")
         raise _NoPlanFits(*misfit)
     ms, bubble, peaks, plan = best
+    left = [bounds[i] for i in stopped if i not in simulated and bounds[i] < ms]
     figure = "steady-state step" if optimizer == "async" else "step"
     if not left:
-        note = (f"the simulator's fastest {figure} of all {len(plans)} candidates: {simulated} "
-                f"simulated, the other {len(plans) - simulated} proven no faster by their "
-                "lower bounds")
+        note = (f"the simulator's fastest {figure} of all {len(plans)} candidates: "
+                f"{len(simulated)} simulated, the other {len(plans) - len(simulated)} proven no "
+                "faster by their lower bounds")
     else:
         floor = min(left)
         note = (f"NOT proven the fastest of {len(plans)} candidates: the search stopped at "
-                f"max_simulations={max_simulations} with {len(left)} candidates left whose "
-                f"lower bounds are below this plan's {ms:.1f} ms; none of them can be faster "
-                f"than {floor:.1f} ms (a gap of at most {(ms - floor) / ms:.2%})")
+                f"max_simulations={max_simulations} (per grid) after {len(simulated)} "
+                f"simulations, with {len(left)} candidates left whose lower bounds are below "
+                f"this plan's {ms:.1f} ms; none of them can be faster than {floor:.1f} ms (a "
+                f"gap of at most {(ms - floor) / ms:.2%})")
     plan = replace(plan, predicted_step_ms=ms, worker_peak_bytes=tuple(p.peak_bytes for p in peaks))
     return plan, note, bubble
 
