@@ -522,9 +522,11 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
     gives (they cost pipeline time). The peaks bound the simulated run's memory
     (rpcompile.passes.memory)."""
     from rpcompile.sim import simulate, steady_step_ms, steady_utilization
+    from rpcompile.sim.engine import paused_gc
 
-    plan, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity)
-    result = simulate(lowered, plan, hw)
+    with paused_gc():  # the lowering allocates as much as the replay (rpcompile.sim.engine)
+        plan, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity)
+        result = simulate(lowered, plan, hw)
     if optimizer == "sync":  # steps do not overlap: one step's makespan
         return (result.makespan_ms, result.bubble, peaks), plan
     return (steady_step_ms(result), 1.0 - steady_utilization(result), peaks), plan

@@ -25,7 +25,9 @@ Ties are broken by fixed orders (worker, stream, list position), so a replay is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import gc
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from rpcompile.hardware import Hardware, get_hardware
@@ -42,7 +44,7 @@ from rpcompile.ir import (
 from rpcompile.sim.result import SimResult
 
 __all__ = ["GLOO_HOST_BYTES_PER_BYTE", "OPTIMIZER_BYTES_PER_PARAM", "SIM_COSTS",
-           "SimulationError", "compute_times", "simulate"]
+           "SimulationError", "compute_times", "paused_gc", "simulate"]
 
 # Fused AdamW over fp32 tensors reads param, grad, exp_avg, exp_avg_sq and writes three of them:
 # 28 bytes of host memory traffic per parameter.
@@ -159,8 +161,27 @@ def simulate(
     times = compute_times(schedule, plan, base_units if explicit else None, recompute)
     if tokens_per_microbatch is None:
         tokens_per_microbatch = plan.microbatch_size * plan.seq_len if isinstance(plan, Plan) else 0
-    timeline = _Replay(schedule, times, hw).run()
-    return _measure(schedule, stages, base_units, hw, timeline, times, tokens_per_microbatch)
+    with paused_gc():
+        timeline = _Replay(schedule, times, hw).run()
+        return _measure(schedule, stages, base_units, hw, timeline, times, tokens_per_microbatch)
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, as it was before after it.
+
+    A replay (and the lowering before it) allocates hundreds of thousands of small objects
+    while a schedule's actions are alive, and every collection walks them all: a third of an
+    async replay's time. Nothing here makes reference cycles, so nothing waits for a
+    collection; the collector's on/off state is the process's, restored only by the block
+    that turned it off, so nested and concurrent blocks leave it as they found it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 # --------------------------------------------------------------------------------------------
