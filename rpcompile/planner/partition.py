@@ -365,12 +365,12 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
     left = [bounds[i] for i in stopped if i not in simulated and bounds[i] < ms]
     figure = "steady-state step" if optimizer == "async" else "step"
     if not left:
-        note = (f"the simulator's fastest {figure} of all {len(plans)} candidates: "
+        note = (f"search: the simulator's fastest {figure} of all {len(plans)} candidates: "
                 f"{len(simulated)} simulated, the other {len(plans) - len(simulated)} proven no "
                 "faster by their lower bounds")
     else:
         floor = min(left)
-        note = (f"NOT proven the fastest of {len(plans)} candidates: the search stopped at "
+        note = (f"search: NOT proven the fastest of {len(plans)} candidates: it stopped at "
                 f"max_simulations={max_simulations} (per grid) after {len(simulated)} "
                 f"simulations, with {len(left)} candidates left whose lower bounds are below "
                 f"this plan's {ms:.1f} ms; none of them can be faster than {floor:.1f} ms (a "
