@@ -1,25 +1,27 @@
-"""How the partitioner's ranking model compares with the simulator, on the paper's models.
+"""How the partitioner's search finds the simulator's fastest plan, on the paper's models.
 
-The partitioner shortlists candidate plans by a cheap bound, ranks the shortlist (and its
-local search) by the dispatch model ``rpcompile.planner.partition.predict_step_ms`` (about
-0.1 ms a plan), and replays the best few in the simulator (``rpcompile.sim.simulate`` of the
-lowered schedule, about 0.2 s a plan), which picks the winner. The two models are not one
-model: this script measures how far apart they are on the candidates the partitioner
-simulates, and whether the simulator's winner was the ranking model's first choice (if it was
-not, the ranking could prune the plan the simulator would have chosen).
-
-For each model and optimizer mode it prints the candidates simulated, how many the ranking
-model put at or below their simulated time, the range of simulated / ranked, and the rank
-the simulator's winner had in the ranking model's order (0: its first choice).
+The partitioner builds every candidate plan (tail size x forward count x backward count, cut
+min-max, plus its dispatch-model local search), bounds each candidate's simulated figure from
+below (``rpcompile.planner.bound.simulated_lower_bound``), and replays candidates in the
+simulator, best first, until every candidate left has a bound at least the best simulated
+figure (optimality proven) or ``max_simulations`` replays are spent (the plan's notes give the
+gap). This script partitions each model and reports: the candidates, the simulations run,
+whether optimality was proven (and the gap when not), the chosen figure, the planning time,
+and how far the bound and the dispatch model sit below the simulated figure of the candidates
+that were simulated (simulated / bound and simulated / dispatch, min-max).
 
     python benchmarks/ranking_model.py [--models qwen3-1.7b llama3.1-8b] [--modes sync async]
                                        [--json PATH]
+
+Run against an older tree (``PYTHONPATH=<tree>``) it reports what that tree's partitioner did:
+one without the best-first search has no candidate count or proof (``null``).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -32,31 +34,55 @@ MODELS = ["qwen3-1.7b", "llama3.1-8b", "gpt-oss-20b", "qwen3-32b"]
 
 def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
     """Partition ``name`` for ``mode`` (8 GPUs, 16 microbatches of 4 x 2,048 tokens, no
-    boundary refinement) and pair each simulated candidate's ranked and simulated times."""
-    pairs: list[tuple[float, float]] = []
+    boundary refinement) and record the search."""
+    hw = get_hardware(hardware)
+    try:
+        from rpcompile.planner.bound import simulated_lower_bound
+    except ImportError:  # a tree from before the best-first search
+        simulated_lower_bound = None
+    runs: list[tuple[float, float, float | None]] = []  # (dispatch, simulated, bound)
+    candidates: list[int] = []
     simulated_ms = partition_module._simulated_ms
+    best_simulated = getattr(partition_module, "_best_simulated", None)
 
-    def recording(plan, hw, rounds, optimizer, capacity):
-        out = simulated_ms(plan, hw, rounds, optimizer, capacity)
-        pairs.append((plan.predicted_step_ms, out[0][0]))
+    def recording(plan, hw_, rounds, optimizer, capacity):
+        out = simulated_ms(plan, hw_, rounds, optimizer, capacity)
+        bound = (simulated_lower_bound(plan, hw_, rounds, optimizer)
+                 if simulated_lower_bound is not None else None)
+        runs.append((plan.predicted_step_ms, out[0][0], bound))
         return out
 
+    def counting(pools, *args):  # a candidate may be in several grids' pools: counted once
+        candidates.append(len({partition_module._bounds(p) for pool in pools for p in pool}))
+        return best_simulated(pools, *args)
+
     partition_module._simulated_ms = recording
+    if best_simulated is not None:
+        partition_module._best_simulated = counting
     try:
         t0 = time.perf_counter()
-        partition_module.partition(get_model(name).units(4, 2048), get_hardware(hardware), 8,
-                                   16, optimizer=mode, refine=0)
+        plan = partition_module.partition(get_model(name).units(4, 2048), hw, 8, 16,
+                                          optimizer=mode, refine=0)
         seconds = time.perf_counter() - t0
     finally:
         partition_module._simulated_ms = simulated_ms
-    by_rank = sorted(pairs)
-    winner = min(pairs, key=lambda p: p[1])
-    ratios = [sim / ranked for ranked, sim in pairs]
+        if best_simulated is not None:
+            partition_module._best_simulated = best_simulated
+    notes = " ".join(plan.notes)
+    gap = re.search(r"a gap of at most ([0-9.]+)%", notes)
+    with_bound = [(sim, b) for _d, sim, b in runs if b is not None]
     return {
-        "model": name, "mode": mode, "candidates": len(pairs),
-        "ranked_at_or_below_simulated": sum(r <= s + 1e-6 for r, s in pairs),
-        "simulated_over_ranked_min": min(ratios), "simulated_over_ranked_max": max(ratios),
-        "winner_rank_in_ranking": by_rank.index(winner), "partition_s": seconds,
+        "model": name, "mode": mode,
+        "candidates": sum(candidates) if candidates else None,
+        "simulations": len(runs),
+        "proven_optimal": ("proven no faster" in notes) if candidates else None,
+        "gap_at_most_pct": float(gap.group(1)) if gap else None,
+        "chosen_ms": plan.predicted_step_ms,
+        "partition_s": seconds,
+        "simulated_over_bound": ([min(s / b for s, b in with_bound),
+                                  max(s / b for s, b in with_bound)] if with_bound else None),
+        "simulated_over_dispatch": [min(s / d for d, s, _b in runs),
+                                    max(s / d for d, s, _b in runs)],
     }
 
 
@@ -72,17 +98,19 @@ def main() -> None:
         for mode in args.modes:
             row = compare(name, mode)
             rows.append(row)
-            print(f"{name:14s} {mode:5s} {row['candidates']:3d} simulated, ranked <= simulated "
-                  f"for {row['ranked_at_or_below_simulated']}, simulated/ranked "
-                  f"{row['simulated_over_ranked_min']:.3f}-{row['simulated_over_ranked_max']:.3f}"
-                  f", winner ranked #{row['winner_rank_in_ranking']} ({row['partition_s']:.0f} s)",
-                  flush=True)
+            proof = {None: "no proof (shortlist)", True: "optimal proven",
+                     False: f"NOT proven (gap <= {row['gap_at_most_pct']}%)"}[row["proven_optimal"]]
+            bound = row["simulated_over_bound"]
+            print(f"{name:14s} {mode:5s} candidates {row['candidates']}, "
+                  f"{row['simulations']} simulated, {proof}, chosen {row['chosen_ms']:.1f} ms, "
+                  f"{row['partition_s']:.1f} s; simulated/bound "
+                  f"{'-' if bound is None else f'{bound[0]:.3f}-{bound[1]:.3f}'}, "
+                  f"simulated/dispatch {row['simulated_over_dispatch'][0]:.3f}-"
+                  f"{row['simulated_over_dispatch'][1]:.3f}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=2))
-    worst = max(r["simulated_over_ranked_max"] for r in rows)
-    firsts = sum(r["winner_rank_in_ranking"] == 0 for r in rows)
-    print(f"ranking_model: {len(rows)} runs, simulator's winner was the ranking model's first "
-          f"choice in {firsts}; simulated/ranked up to {worst:.3f} -> {args.json}")
+    print(f"ranking_model: {len(rows)} runs, optimality proven in "
+          f"{sum(bool(r['proven_optimal']) for r in rows)} -> {args.json}")
 
 
 if __name__ == "__main__":

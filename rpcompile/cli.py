@@ -6,7 +6,9 @@
 allocated), compiles it for a hardware profile, schedules and lowers one optimizer step,
 simulates it, prints the stage table, predicted tokens/s, the bubble split, peak device memory
 (simulated and proven over the schedule, and whether the schedule needs the memory-bounding
-waits), the LM head's loss chunk, host memory by part against the server's RAM
+waits), how the partition search ended (the simulator's fastest of all candidates, proven
+by lower bounds, or the most a candidate it did not replay could be faster), the LM head's
+loss chunk, host memory by part against the server's RAM
 (``--host-ram``), how backward stages recompute (``--recompute``: ``auto``, the default,
 recomputes whole stages unless that plan does not fit, then takes the faster plan that fits,
 cut again by stage or layer by layer) and the longest sequence that fits, and writes the
@@ -280,6 +282,9 @@ def _plan(args: argparse.Namespace) -> int:
         print("memory-bounding waits: " + (", ".join(plan.memory_waits) + " (the schedule "
               "needs them to fit)" if plan.memory_waits else "none (the schedule fits "
               "without them)"))
+        search = next((n for n in plan.notes if n.startswith("search:")), None)
+        if search is not None:  # proven the simulator's fastest candidate, or the gap left
+            print(search)
         chunk = compiled.capture.loss_chunk_tokens
         summary["loss_chunk_tokens"] = chunk
         choice = next((n for n in plan.notes if n.startswith("LM head + loss:")), None)

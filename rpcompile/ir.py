@@ -432,6 +432,23 @@ class Action:
             raise ValueError(f"value name {self.value!r} must match {_VALUE_RE.pattern}")
         if self.chunks < 1 or self.bytes < 0:
             raise ValueError("chunks must be >= 1 and bytes >= 0")
+        # Lowering, memory proofs and the replay key dicts by Action: the hash is computed once,
+        # the same value dataclass's own __hash__ gives (so set and dict orders are unchanged).
+        object.__setattr__(self, "_hash", hash(self._fields()))
+
+    def _fields(self) -> tuple:
+        return (self.worker, self.kind, self.stage, self.microbatch, self.round, self.step,
+                self.what, self.value, self.bytes, self.chunks)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __getstate__(self) -> dict:  # a string's hash differs between processes
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        object.__setattr__(self, "_hash", hash(self._fields()))
 
     @property
     def stream(self) -> str:
@@ -502,6 +519,13 @@ _TOKEN_RE = re.compile(
     r"s(?P<stage>\d+)|m(?P<microbatch>\d+)|r(?P<round>\d+)|k(?P<step>\d+)"
     r"|(?P<value>@[A-Za-z_][A-Za-z0-9_.]*)|(?P<bytes>\d+)B|x(?P<chunks>\d+)"
 )
+
+
+# Action's cached hash must cover exactly its fields, in order, as dataclass's would.
+if tuple(f.name for f in dataclasses.fields(Action)) != ("worker", "kind", "stage", "microbatch",
+                                                        "round", "step", "what", "value",
+                                                        "bytes", "chunks"):
+    raise TypeError("Action._fields must list Action's fields in order (its cached hash)")
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from rpcompile.planner.partition import PartitionError, StageCosting, partition
 __all__ = ["QUICK_PARTITION", "LongestSequence", "longest_sequence"]
 
 # A quick partition: at each trial length a plan only has to exist; its speed is not searched.
-QUICK_PARTITION = dict(shortlist=20, simulate_top=1, search=0, refine=0)
+QUICK_PARTITION = dict(shortlist=20, max_simulations=1, search=0, refine=0)
 
 
 @dataclass(frozen=True)

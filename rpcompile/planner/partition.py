@@ -1,17 +1,19 @@
 """Partition pass: cut a model's units into RoundPipe forward stages, a fused tail and
-backward stages, minimising the predicted step time.
+backward stages, minimising the simulated step time.
 
 Sections, in reading order:
-  1. partition(): enumerate tail sizes and stage counts, cut each side optimally, keep the best
+  1. partition(): enumerate tail sizes and stage counts, cut each side optimally, and keep the
+     simulator's fastest candidate, found best first under a proven lower bound
+     (rpcompile.planner.bound)
   2. Cutting: contiguous min-max partition (exact dynamic programme) under a memory limit
   3. Stage figures: compute time, transfer bytes and device memory of a stage
   4. predict_step_ms(): a small event model of round-robin dispatch (compute, weight
-     prefetch, activation hops) used to rank candidate plans
+     prefetch, activation hops) that steers the local search and orders the replays; the
+     simulator alone decides which candidate wins
 
 Why not greedy packing: a greedy pack that fills stages up to a budget leaves the last stage
 short, and RoundPipe's round-robin dispatch runs at the pace of its longest job. Here each
-side is cut by an exact min-max dynamic programme for every stage count, and the candidates are
-ranked by a model of the dispatch itself, which also sees weight uploads and activation hops.
+side is cut by an exact min-max dynamic programme for every stage count.
 """
 
 from __future__ import annotations
@@ -27,9 +29,18 @@ from rpcompile.ir import Plan, Stage, UnitProfile
 from rpcompile.passes.cost import RECOMPUTE, recompute_ms, recompute_working_bytes
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import deal, steady_window
+from rpcompile.planner.bound import simulated_lower_bound
 
-__all__ = ["PartitionError", "StageCosting", "build_plan", "fit_memory_waits", "partition",
-           "predict_step_ms"]
+__all__ = ["SIMULATION_CAPS", "PartitionError", "StageCosting", "build_plan", "fit_memory_waits",
+           "partition", "predict_step_ms"]
+
+
+# Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
+# replay is one step and its lower bound is within a few percent, so a search usually ends
+# proven well before the cap; an async replay is a dozen overlapping steps, and the only bound
+# valid for its steady-state figure is work over workers, too loose for a proof, so the search
+# stops at its cap and the plan's notes give the gap.
+SIMULATION_CAPS = {"sync": 1024, "async": 32}
 
 
 class PartitionError(ValueError):
@@ -63,8 +74,8 @@ def partition(
     rounds: int = 1,
     costing: StageCosting | None = None,
     max_tail_layers: int = 3,
-    shortlist: int = 1000,
-    simulate_top: int = 12,
+    shortlist: int | None = None,
+    max_simulations: int | None = None,
     optimizer: str = "async",
     refine: int = 16,
     target_bubble: float = 0.01,
@@ -75,9 +86,15 @@ def partition(
     """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
 
     The last unit is the tail (final norm, LM head, loss); the fused tail stage may also take
-    up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are cut exactly (min-max per stage
-    count), ranked by :func:`predict_step_ms` in steady state, and the best ``simulate_top``
-    are replayed in the simulator. With ``optimizer="async"`` steps overlap and the plan
+    up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are
+    cut exactly (min-max per stage count; all of them, or per grid the ``shortlist`` first by a
+    cheap pre-order), joined by a local search in the dispatch model (:func:`predict_step_ms`,
+    ``search`` plans per grid), and replayed in the simulator best first: each candidate has a
+    proven lower bound on its simulated figure (rpcompile.planner.bound), and the search stops
+    once every candidate not replayed has a bound at least the best simulated figure, so the
+    plan is the simulator's fastest of all candidates. At most ``max_simulations`` replays
+    (default :data:`SIMULATION_CAPS` of the mode); a search stopped there says so in the plan's
+    notes, with the proven gap. With ``optimizer="async"`` steps overlap and the plan
     minimises the steady-state time per step; with ``"sync"`` it minimises one step's
     makespan (fill and drain included). When units are blocks of layers (``UnitProfile.group``)
     candidates are cut both between any units and between whole layers only. In async mode
@@ -100,6 +117,10 @@ def partition(
     costing = costing or StageCosting()
     units = tuple(units)
     n = len(units)
+    if max_simulations is None:
+        max_simulations = SIMULATION_CAPS[optimizer]
+    if max_simulations < 1:
+        raise ValueError(f"max_simulations must be at least 1, got {max_simulations}")
     if n < 2:
         raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
     if workers < 1 or microbatches < 1 or rounds < 1:
@@ -107,7 +128,7 @@ def partition(
     capacity = hw.usable_memory_bytes
     fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
     args = (units, hw, workers, microbatches, microbatch_size, seq_len, rounds, max_tail_layers,
-            shortlist, simulate_top, optimizer, refine, target_bubble, search)
+            shortlist, max_simulations, optimizer, refine, target_bubble, search)
     if recompute != "auto":
         return _fitting_plan(*args, replace(costing, recompute=recompute), capacity)
     try:
@@ -150,7 +171,7 @@ def _fits(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int) 
 
 
 def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
-                  max_tail_layers, shortlist, simulate_top, optimizer, refine, target_bubble,
+                  max_tail_layers, shortlist, max_simulations, optimizer, refine, target_bubble,
                   search, costing, capacity) -> Plan:
     """The fastest plan under ``costing`` whose whole schedule fits ``capacity``."""
     _check_units_fit(units, costing, capacity)
@@ -164,7 +185,7 @@ def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, ro
     for _attempt in range(8):
         try:
             return _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
-                              costing, max_tail_layers, shortlist, simulate_top, optimizer,
+                              costing, max_tail_layers, shortlist, max_simulations, optimizer,
                               refine, target_bubble, search, limit, capacity)
         except _NoPlanFits as exc:
             best, loose = exc, limit
@@ -190,14 +211,14 @@ class _NoPlanFits(Exception):
 
 
 def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds, costing,
-               max_tail_layers, shortlist, simulate_top, optimizer, refine, target_bubble,
+               max_tail_layers, shortlist, max_simulations, optimizer, refine, target_bubble,
                search, limit, capacity) -> Plan:
     n = len(units)
 
     # Cut anywhere between units; and, when units are blocks of layers, also only between
     # whole layers (a finer grid is not always searched as well by the min-max cuts).
     grids = [None] if all(not u.group for u in units) else [None, _layer_starts(units)]
-    # Per grid: (bound, forward starts, backward starts, tail start).
+    # Per grid: (pre-order key, forward starts, backward starts, tail start).
     candidates: list[list[tuple[float, tuple[int, ...], tuple[int, ...], int]]] = [
         [] for _ in grids
     ]
@@ -224,17 +245,17 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
                 jobs = p + q + 1
                 work = microbatches * (sum(fwd_cost) + sum(bwd_cost) + tail_ms)
                 longest = max(f_max, b_max, tail_ms)
-                # Cheap lower bound used only to shortlist: total work spread over workers,
-                # and one job stream that can never be shorter than its longest job times
-                # the rounds-robin share that lands on one worker.
+                # A cheap pre-order, used only when a ``shortlist`` is asked for (it is not a
+                # bound on the simulator's figure): work spread over the workers, the longest
+                # job times the round-robin share of one worker, the one-microbatch chain.
                 share = -(-jobs * rounds // workers)
-                bound = max(
+                presort = max(
                     work * rounds / workers,
                     microbatches * longest * share,
                     sum(fwd_cost) + sum(bwd_cost) + tail_ms + (microbatches - 1) * longest,
                 )
                 # Rounded so that sums of block costs rank exactly like their layer's cost.
-                candidates[g].append((round(bound, 6), f_bounds, b_bounds, t))
+                candidates[g].append((round(presort, 6), f_bounds, b_bounds, t))
     if not any(candidates):
         raise PartitionError(
             "no partition fits: the tail (final norm, LM head, loss) needs "
@@ -247,56 +268,115 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
         return build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
                           microbatch_size, seq_len, rounds, costing, notes=notes, steps=steps)
 
-    # Per grid: the best ``shortlist`` by the cheap bound, ranked by the dispatch model, the
-    # best ``simulate_top`` of them replayed in the simulator.
     def predicted(plan: Plan) -> float:
         return round(plan.predicted_step_ms, 6)
 
-    plans: list[Plan] = []
+    # Every candidate (per grid: all of them, or the ``shortlist`` first by the pre-order);
+    # the dispatch model seeds the local search.
+    pools: list[list[Plan]] = []
     seeds: list[list[Plan]] = []
     for grid_candidates in candidates:
-        ranked = sorted(
-            (make(f_bounds, b_bounds, t)
-             for _bound, f_bounds, b_bounds, t in sorted(grid_candidates)[:shortlist]),
-            key=predicted,
-        )
-        plans += ranked[: max(1, simulate_top)]
-        seeds.append(ranked[:4])
+        chosen = sorted(grid_candidates)[:shortlist] if shortlist is not None else grid_candidates
+        built = [make(f_bounds, b_bounds, t) for _key, f_bounds, b_bounds, t in chosen]
+        pools.append(built)
+        seeds.append(sorted(built, key=predicted)[:4])
     if search > 0:
         # Min-max cuts balance stage times; round-robin dispatch also cares how consecutive
         # jobs compare. A local search in the dispatch model starts from the best plans: on
         # the finest grid from the best of every grid, on a coarser grid from its own (so
-        # this also finds what a partition of whole layers alone would).
+        # this also finds what a partition of whole layers alone would). It only proposes
+        # candidates: the simulator ranks them with the rest.
         for g, grid in enumerate(grids):
             start = sorted(itertools.chain(*seeds), key=predicted)[:4] if grid is None else seeds[g]
             if start:
-                plans += _search(start, make, limit, search, random.Random(0),
-                                 grid=grid or range(n))
-    ranked_only = simulate_top < 2 or len(plans) < 2
-    if ranked_only:  # the dispatch model's best; simulated only for its memory
-        plans = [min(plans, key=lambda plan: plan.predicted_step_ms)]
-    # The ranking model misses link contention and transfer priorities; the simulator
-    # replays the lowered schedule of the best few and picks the winner among those whose
-    # whole schedule fits.
-    scored = [_simulated_ms(plan, hw, rounds, optimizer, capacity)
-              for plan in _distinct(plans)]
-    def top(peaks) -> int:
-        return max(p.peak_bytes for p in peaks)
-
-    fitting = [pair for pair in scored if top(pair[0][2]) <= capacity]
-    if not fitting:
-        (_ms, _bubble, peaks), _plan = min(scored, key=lambda pair: top(pair[0][2]))
-        worst = max(peaks, key=lambda p: p.peak_bytes)
-        raise _NoPlanFits(worst.peak_bytes - capacity, worst)
-    (ms, bubble, peaks), best = min(fitting, key=lambda pair: round(pair[0][0], 6))
-    peak_bytes = tuple(p.peak_bytes for p in peaks)
-    if ranked_only:
-        return replace(best, worker_peak_bytes=peak_bytes)
-    best = replace(best, predicted_step_ms=ms, worker_peak_bytes=peak_bytes,
-                   notes=(*best.notes, "chosen by simulating the best candidates"))
+                pools[g] += _search(start, make, limit, search, random.Random(0),
+                                    grid=grid or range(n))
+    best, search_note, bubble = _best_simulated(pools, hw, rounds, optimizer, capacity,
+                                                max_simulations)
+    best = replace(best, notes=(*best.notes, search_note))
     if optimizer == "async" and refine > 0:
         best = _refine(best, bubble, make, hw, rounds, limit, capacity, refine, target_bubble)
     return best
+
+
+def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
+                    optimizer: str, capacity: int, max_simulations: int,
+                    ) -> tuple[Plan, str, float]:
+    """(the plan with the shortest simulated figure among the candidates of ``pools`` whose
+    whole schedule fits ``capacity``, a note saying how it was found, its simulated bubble).
+
+    Best-first with a proven bound: each candidate has a lower bound on its simulated figure,
+    :func:`~rpcompile.planner.bound.simulated_lower_bound`. Each pool (a grid's candidates) is
+    walked in increasing order of the larger of that bound and the dispatch model's figure
+    (``Plan.predicted_step_ms``; in sync mode the bound is the larger, in async mode the
+    dispatch model, so likely winners come first); a candidate already simulated, or whose
+    bound is at least the best simulated figure so far (of any pool), is skipped. When every
+    candidate left has such a bound, the plan is the simulator's argmin over all candidates.
+    A pool stops after ``max_simulations`` replays of its own (so a coarser grid's candidates
+    are replayed as far as they would be alone), and the note then gives the proven gap: no
+    candidate left can be faster than the smallest bound among them. ``predicted_step_ms``
+    of the plan returned is its simulated figure. Raises :class:`_NoPlanFits` when no
+    simulated candidate fits.
+    """
+    plans: list[Plan] = []
+    index: dict[tuple, int] = {}
+    members: list[list[int]] = []  # per pool, its candidates' indices into plans
+    for pool in pools:
+        mine: dict[int, None] = {}
+        for plan in pool:
+            i = index.setdefault(_bounds(plan), len(plans))
+            if i == len(plans):
+                plans.append(plan)
+            mine[i] = None
+        members.append(list(mine))
+    bounds = [simulated_lower_bound(p, hw, rounds, optimizer) for p in plans]
+
+    def first(i: int) -> tuple:
+        return round(max(bounds[i], plans[i].predicted_step_ms), 6), round(bounds[i], 6), i
+
+    best: tuple[float, float, tuple, Plan] | None = None  # (ms, bubble, peaks, plan)
+    misfit: tuple[int, object] | None = None  # (overshoot, worst peak) of the closest misfit
+    simulated: set[int] = set()
+    stopped: set[int] = set()  # candidates a pool stopped before (neither simulated nor pruned)
+    for mine in members:
+        order = sorted(mine, key=first)
+        spent = 0
+        for n, i in enumerate(order):
+            if i in simulated or (best is not None and bounds[i] >= best[0]):
+                continue  # replayed already, or proven no faster than the best so far
+            if spent >= max_simulations:
+                stopped.update(order[n:])
+                break
+            (ms, bubble, peaks), ran = _simulated_ms(plans[i], hw, rounds, optimizer, capacity)
+            simulated.add(i)
+            spent += 1
+            top = max(peaks, key=lambda p: p.peak_bytes)
+            if top.peak_bytes > capacity:
+                if misfit is None or top.peak_bytes - capacity < misfit[0]:
+                    misfit = (top.peak_bytes - capacity, top)
+                continue
+            if best is None or round(ms, 6) < round(best[0], 6):
+                best = (ms, bubble, peaks, ran)
+    if best is None:
+        if misfit is None:  # cannot happen: at least one candidate is simulated
+            raise PartitionError("no candidate plan to simulate")
+        raise _NoPlanFits(*misfit)
+    ms, bubble, peaks, plan = best
+    left = [bounds[i] for i in stopped if i not in simulated and bounds[i] < ms]
+    figure = "steady-state step" if optimizer == "async" else "step"
+    if not left:
+        note = (f"search: the simulator's fastest {figure} of all {len(plans)} candidates: "
+                f"{len(simulated)} simulated, the other {len(plans) - len(simulated)} proven no "
+                "faster by their lower bounds")
+    else:
+        floor = min(left)
+        note = (f"search: NOT proven the fastest of {len(plans)} candidates: it stopped at "
+                f"max_simulations={max_simulations} (per grid) after {len(simulated)} "
+                f"simulations, with {len(left)} candidates left whose lower bounds are below "
+                f"this plan's {ms:.1f} ms; none of them can be faster than {floor:.1f} ms (a "
+                f"gap of at most {(ms - floor) / ms:.2%})")
+    plan = replace(plan, predicted_step_ms=ms, worker_peak_bytes=tuple(p.peak_bytes for p in peaks))
+    return plan, note, bubble
 
 
 def _bounds(plan: Plan) -> tuple[tuple[int, ...], tuple[int, ...], int]:
@@ -442,9 +522,11 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
     gives (they cost pipeline time). The peaks bound the simulated run's memory
     (rpcompile.passes.memory)."""
     from rpcompile.sim import simulate, steady_step_ms, steady_utilization
+    from rpcompile.sim.engine import paused_gc
 
-    plan, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity)
-    result = simulate(lowered, plan, hw)
+    with paused_gc():  # the lowering allocates as much as the replay (rpcompile.sim.engine)
+        plan, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity)
+        result = simulate(lowered, plan, hw)
     if optimizer == "sync":  # steps do not overlap: one step's makespan
         return (result.makespan_ms, result.bubble, peaks), plan
     return (steady_step_ms(result), 1.0 - steady_utilization(result), peaks), plan

@@ -25,15 +25,26 @@ Ties are broken by fixed orders (worker, stream, list position), so a replay is 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import gc
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Action, ActionKind, Plan, Schedule, Stage, UnitProfile, check_registry
+from rpcompile.ir import (
+    ACTION_SPECS,
+    Action,
+    ActionKind,
+    Plan,
+    Schedule,
+    Stage,
+    UnitProfile,
+    check_registry,
+)
 from rpcompile.sim.result import SimResult
 
 __all__ = ["GLOO_HOST_BYTES_PER_BYTE", "OPTIMIZER_BYTES_PER_PARAM", "SIM_COSTS",
-           "SimulationError", "compute_times", "simulate"]
+           "SimulationError", "compute_times", "paused_gc", "simulate"]
 
 # Fused AdamW over fp32 tensors reads param, grad, exp_avg, exp_avg_sq and writes three of them:
 # 28 bytes of host memory traffic per parameter.
@@ -150,8 +161,27 @@ def simulate(
     times = compute_times(schedule, plan, base_units if explicit else None, recompute)
     if tokens_per_microbatch is None:
         tokens_per_microbatch = plan.microbatch_size * plan.seq_len if isinstance(plan, Plan) else 0
-    timeline = _Replay(schedule, times, hw).run()
-    return _measure(schedule, stages, base_units, hw, timeline, times, tokens_per_microbatch)
+    with paused_gc():
+        timeline = _Replay(schedule, times, hw).run()
+        return _measure(schedule, stages, base_units, hw, timeline, times, tokens_per_microbatch)
+
+
+@contextmanager
+def paused_gc() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block, as it was before after it.
+
+    A replay (and the lowering before it) allocates hundreds of thousands of small objects
+    while a schedule's actions are alive, and every collection walks them all: a third of an
+    async replay's time. Nothing here makes reference cycles, so nothing waits for a
+    collection; the collector's on/off state is the process's, restored only by the block
+    that turned it off, so nested and concurrent blocks leave it as they found it."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,6 +274,7 @@ class _Replay:
         for tr in transfers.values():
             if preds_left[tr.index] == 0:
                 pools[tr.link].append(tr)
+        compute_q = self.compute_q
         now = 0.0
         done = 0
 
@@ -260,12 +291,13 @@ class _Replay:
 
         while done < total:
             # Start everything that can start now; zero-length work finishes at once, which
-            # may free more, so repeat until nothing moves.
-            moved = True
-            while moved:
-                moved = False
+            # may free more, so repeat until a pass finishes nothing (a start alone changes
+            # only its own stream, lane or link, which is then busy: a pass after it would
+            # start nothing).
+            while True:
+                finished = done
                 for w in range(g):
-                    q = self.compute_q[w]
+                    q = compute_q[w]
                     if running[w] is None and head[w] < len(q) and preds_left[q[head[w]]] == 0:
                         i = q[head[w]]
                         head[w] += 1
@@ -274,7 +306,6 @@ class _Replay:
                             finish(i)
                         else:
                             running[w] = (i, now + duration[i])
-                        moved = True
                 for n, lane in enumerate(self.lanes):
                     if lane_busy[n] is None and lane_head[n] < len(lane) and \
                             preds_left[lane[lane_head[n]]] == 0:
@@ -286,7 +317,6 @@ class _Replay:
                             finish(i)
                         else:
                             lane_busy[n] = _Fluid(i, work, rate, -1 - n)
-                        moved = True
                 for link, pool in enumerate(pools):
                     if link_busy[link] is not None or not pool:
                         continue
@@ -303,7 +333,8 @@ class _Replay:
                         finish(tr.index)
                     else:
                         link_busy[link] = _Fluid(tr.index, work, tr.rate, link)
-                    moved = True
+                if done == finished:
+                    break
 
             fluids = [f for f in (*link_busy, *lane_busy) if f is not None]
             demand = sum(f.max_rate for f in fluids)
@@ -418,6 +449,12 @@ SIM_COSTS: Mapping[ActionKind, Callable[[_Replay, Action], object]] = {
     ActionKind.REDUCE: _reduction_work,
 }
 check_registry(SIM_COSTS, "the simulator")
+# Kinds whose own end an action waiting on them sees in _waits (the rest: transfers and the
+# network lane, counted as instant there), and the kinds on a worker's compute stream.
+_TIMED_KINDS = frozenset(k.value for k, spec in ACTION_SPECS.items()
+                         if spec.stream in ("compute", "host"))
+_COMPUTE_STREAM_KINDS = frozenset(k.value for k, spec in ACTION_SPECS.items()
+                                  if spec.stream == "compute")
 _COST = {k.value: fn for k, fn in SIM_COSTS.items()}  # keyed by Action.kind's string
 
 
@@ -471,11 +508,14 @@ def _waits(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
     kind: each gap before a compute, charged to the kind of the edge that finished last
     (``weights``: the upload; ``arrived``: an input from another worker, be it the transfer or
     the producer's pace; ``data``: a producer on the same worker)."""
-    preds: dict[Action, list[Action]] = {}
-    kinds: dict[Action, list[tuple[Action, str]]] = {}
+    # Each action's waits in edge order: (source, edge kind, whether the source's own end
+    # counts: compute and host actions; transfers and the network lane count as instant).
+    preds: dict[Action, list[tuple[Action, str, bool]]] = {}
     for e in sched.edges:
-        preds.setdefault(e.dst, []).append(e.src)
-        kinds.setdefault(e.dst, []).append((e.src, e.kind))
+        waits = preds.get(e.dst)
+        if waits is None:
+            preds[e.dst] = waits = []
+        waits.append((e.src, e.kind, e.src.kind in _TIMED_KINDS))
     origin: dict[Action, float] = {}
 
     def free_ready(a: Action) -> float:
@@ -486,13 +526,13 @@ def _waits(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
             if x in origin:
                 stack.pop()
                 continue
-            pending = [p for p in preds.get(x, ()) if p.stream not in ("compute", "host")
-                       and p not in origin]
+            waits = preds.get(x, ())
+            pending = [p for p, _kind, timed in waits if not timed and p not in origin]
             if pending:
                 stack.extend(pending)
                 continue
-            origin[x] = max((origin[p] if p.stream not in ("compute", "host") else timeline[p][1]
-                             for p in preds.get(x, ())), default=0.0)
+            origin[x] = max((timeline[p][1] if timed else origin[p] for p, _kind, timed in waits),
+                            default=0.0)
             stack.pop()
         return origin[a]
 
@@ -502,16 +542,17 @@ def _waits(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
         prev_end = 0.0
         lost = 0.0
         for a in lst:
-            if a.stream != "compute":
+            if a.kind not in _COMPUTE_STREAM_KINDS:
                 continue
             start, end = timeline[a]
             could = prev_end
-            for p in preds.get(a, ()):
-                could = max(could, timeline[p][1] if p.stream in ("compute", "host")
-                            else free_ready(p))
+            waits = preds.get(a)
+            if waits is not None:
+                for p, _kind, timed in waits:
+                    could = max(could, timeline[p][1] if timed else free_ready(p))
             lost += max(0.0, start - could)
-            if start > prev_end and a in kinds:
-                binding = max(kinds[a], key=lambda pk: timeline[pk[0]][1])[1]
+            if start > prev_end and waits is not None:
+                binding = max(waits, key=lambda pk: timeline[pk[0]][1])[1]
                 idle[binding] = idle.get(binding, 0.0) + (start - prev_end)
             prev_end = end
         out.append(lost)
