@@ -29,7 +29,14 @@ loading runs no code from the file.
 **Sharded data parallel** (``shard_optimizer``): the ranks' shards are gathered to rank 0,
 which writes this same format, the whole state as one process holds it; a sharded trainer on
 any number of ranks loads it by reading the whole state and keeping its own shard, by
-parameter name (:mod:`rpcompile.runtime.distributed`).
+parameter name (:mod:`rpcompile.runtime.distributed`). Under data parallel (sharded or not)
+a save and a load are collectives that end the same way on every rank: each rank does its
+local part, then every rank enters one agreement (``DataParallel.settle``) whether its part
+raised or not, and a failure anywhere is a :class:`CheckpointFailed` everywhere (a save:
+nothing written; a load: nothing applied, and the ranks must have read the same file).
+
+**Optimizer state is matched by parameter name** (:func:`match_optimizer_state`) wherever
+the state records ``param_names``, not by position; a state without names loads by position.
 
 **Atomicity.** ``save`` writes both files into a hidden temporary folder beside the target,
 fsyncs them and the folder, renames the folder to the target name and fsyncs the parent; the
@@ -38,10 +45,11 @@ either no folder of the target name (only a ``.<name>.tmp-*`` one, which the man
 or a complete checkpoint. Overwriting an existing folder moves it aside first (two renames);
 :class:`CheckpointManager` never overwrites: each step gets its own folder.
 
-**Loading** verifies the manifest, the tensor file's size and checksum, rebuilds the state
-and hands it to ``Trainer.load_state_dict``, which validates everything (names, shapes,
-finiteness, optimizer structure, mode) before it changes anything; only then are the RNG
-states, the loss scale and the dropout seed restored. Every refusal is a
+**Loading** (:func:`prepare`, then :func:`apply`) verifies the manifest, the tensor file's
+size and checksum, rebuilds the state and hands it to ``Trainer.prepare_state``, which
+matches and validates everything (names, shapes, finiteness, optimizer structure, mode)
+before anything changes; only then are the state, the RNG states, the loss scale and the
+dropout seed applied. Every refusal is a
 :class:`CheckpointError` naming the offending key or file.
 """
 
@@ -54,6 +62,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +74,14 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "CheckpointError",
+    "CheckpointFailed",
     "CheckpointManager",
+    "Prepared",
+    "apply",
     "load",
+    "match_optimizer_state",
+    "optimizer_param_names",
+    "prepare",
     "read_manifest",
     "save",
     "validate_state",
@@ -85,6 +100,19 @@ class CheckpointError(RuntimeFault, ValueError):
     def __init__(self, message: str, key: str | None = None) -> None:
         self.key = key
         super().__init__(message)
+
+
+class CheckpointFailed(CheckpointError):
+    """Data parallel: a save or load failed on one or more ranks, so it failed on every rank
+    (nothing was saved, or nothing was loaded, anywhere). ``failures`` maps each rank that
+    failed to what it raised; a rank that failed itself has its own error as the cause."""
+
+    def __init__(self, what: str, failures: Mapping[int, str], world: int) -> None:
+        self.failures = dict(failures)
+        self.world = world
+        listed = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.failures.items()))
+        super().__init__(f"{what} failed on {len(self.failures)} of {world} ranks ({listed}); "
+                         "every rank stopped at the same point, nothing changed", "ranks")
 
 
 # ============================================================================================
@@ -123,10 +151,12 @@ def plan_identity(summary: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _split_state(trainer: Any, extra: Mapping[str, Any] | None
+def _split_state(trainer: Any, extra: Mapping[str, Any] | None,
+                 state: Mapping[str, Any] | None = None
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, manifest) of the trainer's current state."""
-    state = trainer.state_dict()  # copies, once every queued update has run
+    """(tensors, manifest) of ``state`` (default: the trainer's current state)."""
+    if state is None:
+        state = trainer.state_dict()  # copies, once every queued update has run
     tensors: dict[str, torch.Tensor] = {}
     for name, value in state["masters"].items():
         tensors[f"master/{name}"] = value
@@ -190,14 +220,17 @@ def _split_state(trainer: Any, extra: Mapping[str, Any] | None
 # ============================================================================================
 
 
-def save(trainer: Any, path: str | os.PathLike, *, extra: Mapping[str, Any] | None = None) -> Path:
-    """Write ``trainer``'s state to the folder ``path`` atomically (see the module doc)."""
+def save(trainer: Any, path: str | os.PathLike, *, extra: Mapping[str, Any] | None = None,
+         state: Mapping[str, Any] | None = None) -> Path:
+    """Write ``trainer``'s state (or ``state``, a ``Trainer.state_dict()`` already taken) to
+    the folder ``path`` atomically (see the module doc). One process: data parallel goes
+    through ``Trainer.save_checkpoint``, where the ranks agree on the outcome."""
     from safetensors.torch import save_file
 
     final = Path(path)
     parent = final.parent
     parent.mkdir(parents=True, exist_ok=True)
-    tensors, manifest = _split_state(trainer, extra)
+    tensors, manifest = _split_state(trainer, extra, state)
     tmp = parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     tmp.mkdir()
     try:
@@ -344,10 +377,26 @@ def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tens
     return state, rng
 
 
-def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
-         allow_nonfinite: bool = False) -> dict[str, Any]:
-    """Restore a checkpoint written by :func:`save` into ``trainer``; returns its ``extra``
-    dict ({} when none was stored). Nothing changes unless every check passes."""
+@dataclass(frozen=True)
+class Prepared:
+    """A checkpoint read and checked against a trainer (:func:`prepare`), not yet applied:
+    ``state`` as ``Trainer.load_state_dict`` applies it (sharded: cut to this rank's shard),
+    and ``digest`` the tensor file's sha256 (what data-parallel ranks compare)."""
+
+    state: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    scaler_state: Any
+    extra: dict[str, Any]
+    dropout_seed: int | None
+    digest: str
+
+
+def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
+            allow_nonfinite: bool = False) -> Prepared:
+    """Read the checkpoint folder ``path`` and check all of it against ``trainer`` (the files,
+    the optimizer class, the RNG and loss-scale state, then ``Trainer.prepare_state``: names,
+    shapes, finiteness, optimizer structure matched by parameter name, mode), changing
+    nothing; raises :class:`CheckpointError` naming what is wrong."""
     folder = Path(path)
     manifest = read_manifest(folder)
     tensors = _read_tensors(folder, manifest)
@@ -369,20 +418,148 @@ def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     extra = manifest.get("extra")
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError("the checkpoint's extra is not a dict", "extra")
-    # Validates everything (raising CheckpointError-compatible ValueErrors naming the key)
-    # before it changes anything; what follows cannot fail.
-    trainer.load_state_dict(state, strict=strict, allow_nonfinite=allow_nonfinite)
-    torch.set_rng_state(torch_rng)
+    state = trainer.prepare_state(state, strict=strict, allow_nonfinite=allow_nonfinite)
+    seed = manifest.get("dropout_seed")
+    return Prepared(state, rng, scaler_state, dict(extra or {}),
+                    None if seed is None else int(seed), manifest["files"][TENSORS]["sha256"])
+
+
+def apply(trainer: Any, prepared: Prepared) -> dict[str, Any]:
+    """Apply a :func:`prepare`-d checkpoint (it was checked; this cannot be refused); returns
+    its ``extra`` dict."""
+    trainer.apply_state(prepared.state)
+    torch.set_rng_state(prepared.rng["torch"])
+    rng = prepared.rng
     cuda = [rng[k] for k in sorted((k for k in rng if k.startswith("cuda/")),
                                    key=lambda k: int(k.split("/")[1]))]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
-    if scaler_state is not None:
-        trainer.loss_scaler.load_state_dict(_decode(scaler_state))
+    if prepared.scaler_state is not None:
+        trainer.loss_scaler.load_state_dict(_decode(prepared.scaler_state))
     capture = trainer.compiled.capture
-    if hasattr(capture, "dropout_seed"):
-        capture.dropout_seed = int(manifest.get("dropout_seed", capture.dropout_seed))
-    return dict(extra or {})
+    if hasattr(capture, "dropout_seed") and prepared.dropout_seed is not None:
+        capture.dropout_seed = prepared.dropout_seed
+    return dict(prepared.extra)
+
+
+def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
+         allow_nonfinite: bool = False) -> dict[str, Any]:
+    """Restore a checkpoint written by :func:`save` into ``trainer``; returns its ``extra``
+    dict ({} when none was stored). Nothing changes unless every check passes. Data
+    parallel (``trainer.dp``): a collective; every rank prepares, then the ranks agree (on
+    success, and that they read the same file) before any applies, so a refusal on any rank
+    is a :class:`CheckpointFailed` on every rank."""
+    dp = getattr(trainer, "dp", None)
+    prepared, error = None, None
+    try:
+        prepared = prepare(trainer, path, strict=strict, allow_nonfinite=allow_nonfinite)
+    except Exception as exc:  # every failure must reach the agreement
+        if dp is None:
+            raise
+        error = exc
+    if dp is not None:
+        what = f"loading the checkpoint {Path(path)}"
+        notes = dp.settle(error, what, note="" if prepared is None else prepared.digest)
+        if len(set(notes.values())) > 1:
+            raise CheckpointFailed(what, {r: f"read a tensor file of sha256 {d[:12]}..."
+                                          for r, d in notes.items()}, dp.world)
+    return apply(trainer, prepared)
+
+
+def optimizer_param_names(store: Any, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of the parameter behind each of ``optimizer``'s indexes (group by group)."""
+    by_id = {id(p): name for name, p in store.named_masters()}
+    return [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def match_optimizer_state(store: Any, state: Mapping[str, Any],
+                          optimizer: torch.optim.Optimizer, *, strict: bool = True,
+                          require_names: bool = False) -> dict[str, Any]:
+    """``state`` with its optimizer part indexed as ``optimizer`` indexes its parameters,
+    matched by the parameter names the state records (``param_names``), not by position;
+    only the parameters this store owns are kept (sharded: this rank's shard). Refused with
+    a :class:`CheckpointError` naming the parameters: a group holding other parameters than
+    this optimizer's group, a name recorded twice, a trainable parameter without masters,
+    and (``strict``) a name that is not a trainable parameter here. A state without names
+    (written before they were recorded) is returned as it is, matched by position, unless
+    ``require_names``."""
+    names = state.get("param_names")
+    if names is None:
+        if require_names:
+            raise CheckpointError(
+                "this checkpoint does not name its optimizer's parameters (written before "
+                "sharded training existed): load it without shard_optimizer, save it again, "
+                "then resume sharded", "param_names")
+        return dict(state)
+    optim = state.get("optimizer")
+    if (not isinstance(optim, Mapping) or not isinstance(optim.get("param_groups"), (list, tuple))
+            or not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+                       for g in optim["param_groups"])
+            or not isinstance(optim.get("state"), Mapping)):
+        return dict(state)  # validate_state names the malformed part
+    theirs_groups = optim["param_groups"]
+    count = sum(len(g["params"]) for g in theirs_groups)
+    if (not isinstance(names, (list, tuple)) or len(names) != count
+            or not all(isinstance(n, str) for n in names)):
+        raise CheckpointError(f"param_names must name each of the optimizer's {count} "
+                              "parameters once", "param_names")
+    ids = [i for g in theirs_groups for i in g["params"]]
+    if sorted(ids, key=str) != sorted(range(count), key=str):
+        raise CheckpointError("the checkpoint's optimizer groups do not index its parameters "
+                              f"0..{count - 1} once each", "optimizer.param_groups")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CheckpointError(f"param_names names {twice[:3]} more than once", "param_names")
+    trainable = {s.name for s in store.trainable_slots}
+    masters = state.get("masters", {})
+    missing = [n for n in sorted(trainable) if n not in masters]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint lacks the masters of {len(missing)} trainable parameters "
+            f"({missing[:3]}): an incomplete set of shards, or another model", "masters")
+    # Names with masters of their own are refused by validate_state, naming the master.
+    unknown = sorted(set(names) - trainable - set(masters))
+    if unknown and strict:
+        raise CheckpointError(
+            f"the checkpoint's optimizer holds state for {unknown[:3]}, which are not "
+            "trainable parameters of this model (pass strict=False to ignore them)",
+            "optimizer.param_names")
+    owned = {s.name for s in store.owned_slots}
+    ours_names = optimizer_param_names(store, optimizer)
+    index_of = {name: i for i, name in enumerate(ours_names)}
+    if len(theirs_groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(theirs_groups)} parameter groups, this "
+            f"one {len(optimizer.param_groups)}", "optimizer.param_groups")
+    by_id = {id(p): name for name, p in store.named_masters()}
+    groups = []
+    for g, (theirs, ours) in enumerate(zip(theirs_groups, optimizer.param_groups)):
+        wanted = {names[i] for i in theirs["params"]} & owned
+        have = [by_id[id(p)] for p in ours["params"]]
+        if set(have) != wanted:
+            lack = sorted(set(have) - wanted)
+            more = sorted(wanted - set(have))
+            raise CheckpointError(
+                f"optimizer group {g} holds other parameters than the checkpoint's group {g}"
+                + (f": the checkpoint's lacks {lack[:3]}" if lack else "")
+                + (f"{';' if lack else ':'} it has {more[:3]} in addition" if more else "")
+                + " (build the optimizer's groups the same way)",
+                f"optimizer.param_groups.{g}")
+        groups.append({**{k: v for k, v in theirs.items() if k != "params"},
+                       "params": [index_of[n] for n in have]})
+    entries = {}
+    for i, entry in optim["state"].items():
+        if not isinstance(i, int) or not 0 <= i < len(names):
+            raise CheckpointError(f"optimizer state entry {i!r} has no parameter name",
+                                  "optimizer.state")
+        if names[i] in owned:
+            entries[index_of[names[i]]] = entry
+    out = dict(state)
+    # Unknown names stay, for validate_state to refuse (strict) or ignore.
+    out["masters"] = {n: v for n, v in masters.items() if n in owned or n not in trainable}
+    out["optimizer"] = {"state": entries, "param_groups": groups}
+    out["param_names"] = ours_names
+    return out
 
 
 _STATE_KEYS = {"masters", "optimizer", "step", "mode", "plan", "executor_steps", "shadow",

@@ -82,6 +82,9 @@ from rpcompile.runtime.memory import HostStore, _runs, shard_bounds
 
 __all__ = ["DataParallel", "RankFailed", "resolve_group"]
 
+# Bytes of each rank's note in a checkpoint agreement (its error message, or a digest).
+_NOTE_BYTES = 480
+
 
 def resolve_group(process_group: Any = None) -> Any:
     """The group to train over: ``process_group`` when given; else the default group when
@@ -350,76 +353,62 @@ class DataParallel:
         mine = {"rank": self.rank, "world": self.world, "bounds": self.bounds,
                 "state": state, "names": names}
         parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(mine, parts, dst=self._src(0), group=self.group)
+        try:
+            dist.gather_object(mine, parts, dst=self._src(0), group=self.group)
+        except Exception as exc:
+            self.abandon("the gather of the checkpoint's shards")
+            raise RankFailed(self.rank, self.world, "the gather of the checkpoint's shards",
+                             exc) from exc
         if self.rank != 0:
             return None
         return merge_shards(self.store, parts)
 
-    def shard_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer
-                    ) -> dict[str, Any]:
+    def shard_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, *,
+                    strict: bool = True) -> dict[str, Any]:
         """Cut a whole state (a checkpoint written by one process, by replicated data parallel,
         or gathered from any number of shards) down to this rank's shard, indexed as this
-        rank's ``optimizer`` indexes its parameters. Raises ``CheckpointError`` when the state
-        does not cover every trainable parameter or its optimizer groups differ from these."""
-        from rpcompile.runtime.checkpoint import CheckpointError
+        rank's ``optimizer`` indexes its parameters, by parameter name
+        (:func:`~rpcompile.runtime.checkpoint.match_optimizer_state`). Raises
+        ``CheckpointError`` when the state does not name its parameters, does not cover every
+        trainable parameter, or its optimizer groups differ from these."""
+        from rpcompile.runtime.checkpoint import match_optimizer_state
 
-        names = state.get("param_names")
-        if names is None:
-            raise CheckpointError(
-                "this checkpoint does not name its optimizer's parameters (written before "
-                "sharded training existed): load it without shard_optimizer, save it again, "
-                "then resume sharded", "param_names")
-        store = self.store
-        missing = [s.name for s in store.trainable_slots if s.name not in state["masters"]]
-        if missing:
-            raise CheckpointError(
-                f"the checkpoint lacks the masters of {len(missing)} trainable parameters "
-                f"({missing[:3]}): an incomplete set of shards, or another model", "masters")
-        owned = {s.name for s in store.owned_slots}
-        index_of = {name: i for i, name in self._optimizer_names_of(optimizer)}
-        full_groups = state["optimizer"]["param_groups"]
-        if len(full_groups) != len(optimizer.param_groups):
-            raise CheckpointError(
-                f"the checkpoint's optimizer has {len(full_groups)} parameter groups, this "
-                f"one {len(optimizer.param_groups)}", "optimizer.param_groups")
-        groups = []
-        by_id = {id(p): name for name, p in store.named_masters()}
-        for g, (theirs, ours) in enumerate(zip(full_groups, optimizer.param_groups)):
-            wanted = {names[i] for i in theirs["params"]} & owned
-            have = [by_id[id(p)] for p in ours["params"]]
-            if set(have) != wanted:
-                raise CheckpointError(
-                    f"optimizer group {g} holds other parameters than the checkpoint's group "
-                    f"{g} does (build the optimizer's groups the same way)",
-                    f"optimizer.param_groups.{g}")
-            groups.append({**{k: v for k, v in theirs.items() if k != "params"},
-                           "params": [index_of[n] for n in have]})
-        entries = {}
-        for i, entry in state["optimizer"]["state"].items():
-            if names[i] in owned:
-                entries[index_of[names[i]]] = entry
-        local_names = [None] * len(index_of)
-        for name, i in index_of.items():
-            local_names[i] = name
-        out = dict(state)
-        trainable = {s.name for s in store.trainable_slots}
-        # Unknown names stay, for validate_state to refuse (strict) or ignore.
-        out["masters"] = {n: v for n, v in state["masters"].items()
-                          if n in owned or n not in trainable}
-        out["optimizer"] = {"state": entries, "param_groups": groups}
-        out["param_names"] = local_names
-        return out
+        return match_optimizer_state(self.store, state, optimizer, strict=strict,
+                                     require_names=True)
 
     def _optimizer_names_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
-        by_id = {id(p): name for name, p in self.store.named_masters()}
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
-        return [(i, by_id[id(p)]) for i, p in enumerate(flat)]
+        from rpcompile.runtime.checkpoint import optimizer_param_names
 
-    def agree(self, ok: bool, what: str) -> bool:
-        """Whether every rank reports ``ok`` (one small all-reduce; a collective)."""
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        self._wait(what, dist.all_reduce(flag, group=self.group, async_op=True), None)
-        return int(flag.item()) == 0
+        return list(enumerate(optimizer_param_names(self.store, optimizer)))
+
+    # -- agreement (checkpoints) ----------------------------------------------------------
+    def settle(self, error: BaseException | None, what: str, note: str = "") -> dict[int, str]:
+        """End a local phase of a collective operation (a checkpoint's save or load) with the
+        same outcome on every rank: every rank calls this, whether its own phase raised
+        (``error``) or not, so the collectives stay in the same order on every rank. One
+        all-reduce of a fixed-size row per rank carries each rank's outcome and a short
+        ``note`` (a load's file digest). When any rank failed, every rank raises
+        :class:`~rpcompile.runtime.checkpoint.CheckpointFailed` naming the ranks and what
+        they raised (a failed rank's own error is its cause); else it returns every rank's
+        note. Ranks reach this at their own pace (rank 0 may be writing): the wait is the
+        process group's timeout; a rank that died makes it raise :class:`RankFailed` at once."""
+        from rpcompile.runtime.checkpoint import CheckpointFailed
+
+        text = note if error is None else f"{type(error).__name__}: {error}"
+        data = text.encode("utf-8", "replace")[:_NOTE_BYTES]
+        rows = torch.zeros(self.world, 2 + _NOTE_BYTES, dtype=torch.int32)
+        rows[self.rank, 0] = 0 if error is None else 1
+        rows[self.rank, 1] = len(data)
+        if data:
+            rows[self.rank, 2:2 + len(data)] = torch.tensor(list(data), dtype=torch.int32)
+        self._wait(f"the agreement on {what}",
+                   dist.all_reduce(rows, group=self.group, async_op=True), None)
+        texts = {r: bytes(rows[r, 2:2 + int(rows[r, 1])].tolist()).decode("utf-8", "replace")
+                 for r in range(self.world)}
+        failed = {r: texts[r] for r in range(self.world) if int(rows[r, 0])}
+        if failed:
+            raise CheckpointFailed(what, failed, self.world) from error
+        return texts
 
     def _left(self) -> float | None:
         if self._deadline is None:
