@@ -353,3 +353,16 @@ def test_a_sharded_run_is_timed_as_reduces_to_owners_and_shadow_broadcasts():
     exposed_fast = fast.makespan_ms - one.makespan_ms
     assert exposed_fast > replicated.makespan_ms - one.makespan_ms > 1.0
     assert slow.makespan_ms - one.makespan_ms == pytest.approx(2 * exposed_fast, rel=1e-6)
+
+
+def test_a_sharded_schedule_says_so_and_survives_a_round_trip():
+    from rpcompile.ir import Schedule
+
+    _, run = _sim_case(800.0, True)
+    sched = run.schedule
+    assert sched.sharded and "# sharded: true" in sched.to_csv()
+    assert Schedule.from_csv(sched.to_csv()) == sched
+    assert Schedule.from_json(sched.to_json()) == sched
+    assert "# sharded" not in _sim_case(800.0)[1].schedule.to_csv()
+    with pytest.raises(ValueError, match="needs ranks > 1"):
+        sched.replace(ranks=1)
