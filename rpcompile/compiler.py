@@ -111,12 +111,14 @@ class Compiled:
         """Restore :meth:`state_dict` (validated first: a bad state changes nothing)."""
         self.trainer().load_state_dict(state, strict=strict, allow_nonfinite=allow_nonfinite)
 
-    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None,
+                        per_rank: bool = False) -> Any:
         """Write masters, optimizer state, step counter, RNG states, loss-scale state, the
         plan's identity and ``extra`` (a JSON-serializable dict) to the folder ``path``
         atomically, in safetensors + a JSON manifest (:mod:`rpcompile.runtime.checkpoint`).
-        Returns the folder's path."""
-        return self._finished_trainer().save_checkpoint(path, extra=extra)
+        Returns the folder's path. ``per_rank=True`` (sharded data parallel): one file per
+        rank plus a manifest (``Trainer.save_checkpoint``)."""
+        return self._finished_trainer().save_checkpoint(path, extra=extra, per_rank=per_rank)
 
     def load_checkpoint(self, path: Any, *, strict: bool = True,
                         allow_nonfinite: bool = False) -> dict[str, Any]:

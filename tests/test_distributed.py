@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import os
 import socket
 import time
@@ -430,6 +431,21 @@ def _checkpoint_case(name: str, options: dict, rank: int, root, batches) -> dict
     r["write"] = _outcome(trainer.save_checkpoint, root / f"{name}-failed")
     checkpoint._fsync_and_hash = original
     good = trainer.save_checkpoint(root / f"{name}-good")
+    per_rank = root / f"{name}-per-rank"
+    if trainer.sharded:
+        # One file per rank: a failure in rank 1's write fails every rank, leaves nothing.
+        if rank == 1:
+            def full_disk_on_one(path):
+                raise OSError(28, "injected: no space left on rank 1's disk")
+            checkpoint._fsync_and_hash = full_disk_on_one
+        r["per_rank_write"] = _outcome(functools.partial(
+            trainer.save_checkpoint, root / f"{name}-per-rank-failed", per_rank=True))
+        checkpoint._fsync_and_hash = original
+        trainer.save_checkpoint(per_rank, per_rank=True)
+        r["step1_all"] = trainer.gather_masters()
+    else:
+        r["per_rank_write"] = _outcome(functools.partial(
+            trainer.save_checkpoint, per_rank, per_rank=True))
     compiled.step(batches[1])
     later = trainer.save_checkpoint(root / f"{name}-later")
     step2 = owned()
@@ -455,6 +471,10 @@ def _checkpoint_case(name: str, options: dict, rank: int, root, batches) -> dict
     r["unchanged"] = _max_diff(owned(), step2)
     trainer.load_checkpoint(good)  # the same file on every rank: loads
     r["loaded"] = _max_diff(owned(), step1)
+    if trainer.sharded:  # the per-rank checkpoint of step 1 loads on the same ranks
+        compiled.step(batches[1])
+        trainer.load_checkpoint(per_rank)
+        r["per_rank_loaded"] = _max_diff(owned(), step1)
     compiled.close()
     return r
 
@@ -484,6 +504,37 @@ def test_a_checkpoint_save_or_load_ends_the_same_way_on_every_rank(tmp_path):
                 assert says in got["message"], (name, rank, what, got["message"])
                 assert got["elapsed"] < GROUP_TIMEOUT_S / 3, (name, rank, what, got)
             assert case["unchanged"] == 0.0 and case["loaded"] == 0.0, (name, rank)
+            got = case["per_rank_write"]
+            if name == "sharded":
+                assert got["error"] == "CheckpointFailed" and got["failures"] == [1], got
+                assert "rank 1: OSError" in got["message"] and "shared file" in got["message"]
+                assert case["per_rank_loaded"] == 0.0
+            else:
+                assert got["error"] == "ValueError" and "per_rank=True" in got["message"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".sharded-per-rank")]
+    assert not (tmp_path / "sharded-per-rank-failed").exists()
+    # One file per rank and a manifest; it loads in one process as the gathered checkpoint
+    # of the same step does: the same masters and optimizer state, tensor for tensor.
+    from rpcompile.runtime.checkpoint import read_manifest
+
+    per_rank = tmp_path / "sharded-per-rank"
+    assert sorted(p.name for p in per_rank.iterdir()) == [
+        "manifest.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    assert read_manifest(per_rank)["sharded"]
+    states = []
+    for path in (per_rank, tmp_path / "sharded-good"):
+        single = _compile("qwen3", 5, _batches()[0], optimizer=_adamw)
+        try:
+            single.load_checkpoint(path)
+            assert _max_diff(single.trainer().masters(), ranks[0]["sharded"]["step1_all"]) == 0
+            states.append(single.trainer().state_dict())
+        finally:
+            single.close()
+    a, b = (s["optimizer"] for s in states)
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for i, entry in a["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, b["state"][i][key]), (i, key)
 
 
 def test_shard_optimizer_refuses_async_updates():

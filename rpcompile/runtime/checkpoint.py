@@ -29,7 +29,12 @@ loading runs no code from the file.
 **Sharded data parallel** (``shard_optimizer``): the ranks' shards are gathered to rank 0,
 which writes this same format, the whole state as one process holds it; a sharded trainer on
 any number of ranks loads it by reading the whole state and keeping its own shard, by
-parameter name (:mod:`rpcompile.runtime.distributed`). Under data parallel (sharded or not)
+parameter name (:mod:`rpcompile.runtime.distributed`). With ``per_rank=True`` each rank
+writes its own shard instead, ``shard-RRRRR-of-NNNNN.safetensors`` (its masters, optimizer
+state indexed as its own optimizer indexes it, RNG), and rank 0 a manifest that lists every
+file with its size and sha256 and each rank's optimizer JSON part (``shards``, ``bounds``);
+a load reads and checks every file and merges the shards as one process holds the state
+(``merge_shards``), so it resumes on any number of ranks as the one-file format does. Under data parallel (sharded or not)
 a save and a load are collectives that end the same way on every rank: each rank does its
 local part, then every rank enters one agreement (``DataParallel.settle``) whether its part
 raised or not, and a failure anywhere is a :class:`CheckpointFailed` everywhere (a save:
@@ -228,33 +233,82 @@ def save(trainer: Any, path: str | os.PathLike, *, extra: Mapping[str, Any] | No
     from safetensors.torch import save_file
 
     final = Path(path)
-    parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
     tensors, manifest = _split_state(trainer, extra, state)
-    tmp = parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tmp = begin_folder(final)
     try:
         save_file(tensors, str(tmp / TENSORS))
         size, digest = _fsync_and_hash(tmp / TENSORS)
         manifest["files"] = {TENSORS: {"bytes": size, "sha256": digest}}
-        with open(tmp / MANIFEST, "w") as fh:
-            json.dump(manifest, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            old = parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            _fsync_dir(parent)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(parent)
+        _commit(tmp, final, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def begin_folder(final: Path) -> Path:
+    """A new hidden temporary folder beside ``final`` to write the checkpoint into."""
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _commit(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> None:
+    """Write the manifest last, fsync, and rename ``tmp`` into place (see the module doc)."""
+    parent = final.parent
+    with open(tmp / MANIFEST, "w") as fh:
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        old = parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(parent)
+
+
+def shard_file(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def write_shard(trainer: Any, tmp: Path, state: Mapping[str, Any],
+                extra: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A per-rank checkpoint's part written by this rank (sharded data parallel): its own
+    state's tensors in its own file in the folder ``tmp`` (fsynced). Returns (its entry for
+    the manifest: file, size, sha256 and the JSON part of its optimizer state; this rank's
+    manifest, of which rank 0's becomes the checkpoint's)."""
+    from safetensors.torch import save_file
+
+    dp = trainer.dp
+    tensors, manifest = _split_state(trainer, extra, state)
+    name = shard_file(dp.rank, dp.world)
+    save_file(tensors, str(tmp / name))
+    size, digest = _fsync_and_hash(tmp / name)
+    return {"rank": dp.rank, "file": name, "bytes": size, "sha256": digest,
+            "optimizer": manifest["optimizer"]}, manifest
+
+
+def finish_shards(tmp: Path, final: Path, manifest: dict[str, Any],
+                  parts: list[dict[str, Any]], bounds: list[tuple[int, int]]) -> None:
+    """Rank 0 ends a per-rank checkpoint: the manifest lists every rank's file (and its
+    optimizer state's JSON part, indexed by that rank), written last; then the rename."""
+    if sorted(p["rank"] for p in parts) != list(range(len(parts))):
+        raise CheckpointError("the shards written are not one set of ranks", "shards")
+    parts = sorted(parts, key=lambda p: p["rank"])
+    manifest = dict(manifest)
+    manifest["files"] = {p["file"]: {"bytes": p["bytes"], "sha256": p["sha256"]} for p in parts}
+    manifest["shards"] = [{"rank": p["rank"], "file": p["file"], "optimizer": p["optimizer"]}
+                          for p in parts]
+    manifest["bounds"] = [list(b) for b in bounds]
+    manifest["optimizer"] = {"class": manifest["optimizer"]["class"]}
+    _commit(tmp, final, manifest)
 
 
 def _fsync_and_hash(path: Path) -> tuple[int, str]:
@@ -308,29 +362,50 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def _read_tensors(folder: Path, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def _read_tensors(folder: Path, manifest: Mapping[str, Any], name: str = TENSORS
+                  ) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    expected = manifest["files"].get(TENSORS, {})
-    file = folder / TENSORS
+    expected = manifest["files"].get(name, {})
+    file = folder / name
     if not file.is_file():
-        raise CheckpointError(f"{folder}: {TENSORS} is missing", TENSORS)
+        raise CheckpointError(f"{folder}: {name} is missing", name)
     size, digest = file.stat().st_size, None
     if size != expected.get("bytes"):
-        raise CheckpointError(f"{folder}: {TENSORS} has {size} bytes, the manifest says "
-                              f"{expected.get('bytes')} (truncated or replaced)", TENSORS)
+        raise CheckpointError(f"{folder}: {name} has {size} bytes, the manifest says "
+                              f"{expected.get('bytes')} (truncated or replaced)", name)
     digest = hashlib.sha256()
     with open(file, "rb") as fh:
         while chunk := fh.read(1 << 22):
             digest.update(chunk)
     if digest.hexdigest() != expected.get("sha256"):
-        raise CheckpointError(f"{folder}: {TENSORS} does not match the manifest's sha256 "
-                              "(corrupt)", TENSORS)
+        raise CheckpointError(f"{folder}: {name} does not match the manifest's sha256 "
+                              "(corrupt)", name)
     try:
         return load_file(str(file))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: {TENSORS} cannot be read: {exc}", TENSORS) from None
+        raise CheckpointError(f"{folder}: {name} cannot be read: {exc}", name) from None
+
+
+def _rebuild_shards(folder: Path, manifest: Mapping[str, Any], store: Any
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(the whole state, rank 0's RNG tensors) of a per-rank checkpoint: every rank's file
+    read and checked, and the shards merged as one process would hold the state
+    (:func:`rpcompile.runtime.distributed.merge_shards`, which refuses an incomplete set)."""
+    from rpcompile.runtime.distributed import merge_shards
+
+    shards = manifest["shards"]
+    bounds = [tuple(b) for b in manifest.get("bounds", ())]
+    parts, rng = [], {}
+    for shard in shards:
+        tensors = _read_tensors(folder, manifest, shard["file"])
+        state, shard_rng = _rebuild_state({**manifest, "optimizer": shard["optimizer"]}, tensors)
+        if shard["rank"] == 0:
+            rng = shard_rng
+        parts.append({"rank": shard["rank"], "world": len(shards), "bounds": bounds,
+                      "state": state, "names": dict(enumerate(state.get("param_names", ())))})
+    return merge_shards(store, parts), rng
 
 
 def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
@@ -399,8 +474,10 @@ def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     nothing; raises :class:`CheckpointError` naming what is wrong."""
     folder = Path(path)
     manifest = read_manifest(folder)
-    tensors = _read_tensors(folder, manifest)
-    state, rng = _rebuild_state(manifest, tensors)
+    if "shards" in manifest:  # one file per rank (Trainer.save_checkpoint(per_rank=True))
+        state, rng = _rebuild_shards(folder, manifest, trainer.store)
+    else:
+        state, rng = _rebuild_state(manifest, _read_tensors(folder, manifest))
     saved_class = manifest["optimizer"].get("class")
     if saved_class != type(trainer.optimizer).__name__:
         raise CheckpointError(f"the checkpoint's optimizer is {saved_class}, this trainer's "
@@ -420,8 +497,9 @@ def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
         raise CheckpointError("the checkpoint's extra is not a dict", "extra")
     state = trainer.prepare_state(state, strict=strict, allow_nonfinite=allow_nonfinite)
     seed = manifest.get("dropout_seed")
+    files = json.dumps(manifest["files"], sort_keys=True).encode()
     return Prepared(state, rng, scaler_state, dict(extra or {}),
-                    None if seed is None else int(seed), manifest["files"][TENSORS]["sha256"])
+                    None if seed is None else int(seed), hashlib.sha256(files).hexdigest())
 
 
 def apply(trainer: Any, prepared: Prepared) -> dict[str, Any]:
@@ -461,7 +539,7 @@ def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
         what = f"loading the checkpoint {Path(path)}"
         notes = dp.settle(error, what, note="" if prepared is None else prepared.digest)
         if len(set(notes.values())) > 1:
-            raise CheckpointFailed(what, {r: f"read a tensor file of sha256 {d[:12]}..."
+            raise CheckpointFailed(what, {r: f"read checkpoint files of sha256 {d[:12]}..."
                                           for r, d in notes.items()}, dp.world)
     return apply(trainer, prepared)
 
@@ -695,8 +773,10 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{int(step):08d}"
 
-    def save(self, compiled: Any, step: int, extra: Mapping[str, Any] | None = None) -> Path:
-        path = compiled.save_checkpoint(self.path_for(step), extra=extra)
+    def save(self, compiled: Any, step: int, extra: Mapping[str, Any] | None = None, *,
+             per_rank: bool = False) -> Path:
+        path = compiled.save_checkpoint(self.path_for(step), extra=extra,
+                                        **({"per_rank": True} if per_rank else {}))
         dp = getattr(getattr(compiled, "_trainer", compiled), "dp", None)
         if dp is None or dp.rank == 0:  # data parallel: rank 0 alone writes and prunes
             self._prune()

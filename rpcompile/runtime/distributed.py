@@ -352,16 +352,21 @@ class DataParallel:
         names = dict(self._optimizer_names_of(optimizer))
         mine = {"rank": self.rank, "world": self.world, "bounds": self.bounds,
                 "state": state, "names": names}
-        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        try:
-            dist.gather_object(mine, parts, dst=self._src(0), group=self.group)
-        except Exception as exc:
-            self.abandon("the gather of the checkpoint's shards")
-            raise RankFailed(self.rank, self.world, "the gather of the checkpoint's shards",
-                             exc) from exc
+        parts = self.gather_to_first(mine, "the gather of the checkpoint's shards")
         if self.rank != 0:
             return None
         return merge_shards(self.store, parts)
+
+    def gather_to_first(self, obj: Any, what: str) -> list[Any] | None:
+        """Every rank's ``obj`` (picklable) on rank 0, in rank order (the others get None):
+        a collective; its wait is the process group's timeout."""
+        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        try:
+            dist.gather_object(obj, parts, dst=self._src(0), group=self.group)
+        except Exception as exc:
+            self.abandon(what)
+            raise RankFailed(self.rank, self.world, what, exc) from exc
+        return parts
 
     def shard_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, *,
                     strict: bool = True) -> dict[str, Any]:

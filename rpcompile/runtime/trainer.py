@@ -404,7 +404,7 @@ class Trainer:
             return self._local_state()
         return self._state_across_ranks("the state_dict")
 
-    def _state_across_ranks(self, what: str) -> dict[str, Any] | None:
+    def _state_across_ranks(self, what: str, gather: bool = True) -> dict[str, Any] | None:
         """Data parallel: every rank's state taken and agreed (a failure anywhere raises
         ``CheckpointFailed`` everywhere), then, sharded, gathered to rank 0 (the others get
         None) and agreed again (rank 0's merge may refuse the set)."""
@@ -418,7 +418,7 @@ class Trainer:
         except Exception as exc:  # every failure must reach the agreement
             error = exc
         dp.settle(error, what)
-        if not self.sharded:
+        if not self.sharded or not gather:
             return state
         whole, error = None, None
         try:
@@ -492,18 +492,29 @@ class Trainer:
             self.dp.settle(error, "loading a state dict")
         self.apply_state(prepared)
 
-    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None,
+                        per_rank: bool = False) -> Any:
         """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`); returns
         its path. Data parallel: a collective (call it on every rank): every rank takes its
         state (sharded: the shards are gathered to rank 0), rank 0 alone writes one ordinary
         checkpoint (loadable on any number of ranks), and the ranks agree on the outcome at
         each phase, so a failure on any rank (rank 0's write included) raises
         ``CheckpointFailed`` on every rank, naming the rank and its error, and nothing was
-        saved; the path comes back only once the checkpoint is on disk."""
+        saved; the path comes back only once the checkpoint is on disk. ``per_rank=True``
+        (sharded): every rank writes its own shard to its own file in the checkpoint folder,
+        and rank 0 the manifest that lists them, so no rank holds more than its shard; the
+        folder must be one every rank can write (a file system shared by the servers). It
+        loads like any checkpoint, on any number of ranks."""
         from pathlib import Path
 
         from rpcompile.runtime import checkpoint
 
+        if per_rank and not self.sharded:
+            raise ValueError("per_rank=True writes one file per rank of a sharded state "
+                             "(shard_optimizer=True on more than one rank); this state is "
+                             "whole on every rank: save it with per_rank=False")
+        if per_rank:
+            return self._save_per_rank(Path(path), extra)
         if self.dp is None:
             return checkpoint.save(self, path, extra=extra)
         what = f"the checkpoint {Path(path)}"
@@ -516,6 +527,48 @@ class Trainer:
                 error = exc
         self.dp.settle(error, f"writing {what} (rank 0 writes)")
         return Path(path)
+
+    def _save_per_rank(self, final: Any, extra: dict[str, Any] | None) -> Any:
+        """``save_checkpoint(per_rank=True)``: each phase ends in an agreement, so a failure
+        on any rank (a folder another rank cannot see included) fails every rank, and rank
+        0 removes the temporary folder."""
+        import shutil
+
+        from rpcompile.runtime import checkpoint
+
+        dp = self.dp
+        what = f"the checkpoint {final}"
+        state = self._state_across_ranks(what, gather=False)  # this rank's shard only
+        tmp, error = None, None
+        if dp.rank == 0:
+            try:
+                tmp = checkpoint.begin_folder(final)
+            except Exception as exc:  # every failure must reach the agreement
+                error = exc
+        notes = dp.settle(error, f"{what} (rank 0 makes its folder)",
+                          note="" if tmp is None else tmp.name)
+        tmp = final.parent / notes[0]
+        try:
+            part, manifest, error = None, None, None
+            try:
+                part, manifest = checkpoint.write_shard(self, tmp, state, extra)
+            except Exception as exc:
+                error = exc
+            dp.settle(error, f"{what} (every rank writes its file into {tmp}, which needs a "
+                      "folder every rank can write: a shared file system)")
+            parts = dp.gather_to_first(part, f"the gather of {what}'s file list")
+            error = None
+            if dp.rank == 0:
+                try:
+                    checkpoint.finish_shards(tmp, final, manifest, parts, dp.bounds)
+                except Exception as exc:
+                    error = exc
+            dp.settle(error, f"writing {what}'s manifest (rank 0 writes it)")
+        except BaseException:
+            if dp.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
 
     def load_checkpoint(self, path: Any, *, strict: bool = True,
                         allow_nonfinite: bool = False) -> dict[str, Any]:
