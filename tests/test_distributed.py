@@ -110,11 +110,14 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
                     norms.append(trainer.last.grad_norm)
                     if sharded and k == STEPS - 2:  # every rank saves; rank 0 writes
                         saved = trainer.save_checkpoint(os.path.join(out, f"{name}-step2"))
+                        per_rank = trainer.save_checkpoint(  # one file per rank
+                            os.path.join(out, f"{name}-step2-per-rank"), per_rank=True)
                 result[name] = {
                     "losses": losses, "norms": norms, "reductions": trainer.dp.reductions,
                     "masters": trainer.gather_masters(), "shadow": trainer.store.shadow.clone()}
                 if sharded:
                     result[name]["saved"] = str(saved)
+                    result[name]["per_rank"] = str(per_rank)
                     result[name]["memory"] = _held_bytes(trainer)
                     with pytest.raises(RuntimeError, match="owned_masters"):
                         trainer.masters()  # a rank's own masters are not all of them
@@ -124,6 +127,9 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
                         again.load_checkpoint(saved)
                         again.step(batches[-1])
                         result[name]["resumed"] = again.trainer().gather_masters()
+                        again.load_checkpoint(per_rank)  # and from the per-rank files
+                        again.step(batches[-1])
+                        result[name]["resumed_per_rank"] = again.trainer().gather_masters()
                         again.close()
                 if name == "sync":  # every rank saves; rank 0 alone writes
                     from rpcompile.runtime.checkpoint import CheckpointManager
@@ -318,19 +324,22 @@ def _check_sharded(name: str, model_name: str, options: dict, ranks: list, world
     # The sharded checkpoint of step 2, written once (by rank 0) for every rank, resumes in
     # one process (unsharded) and its step 3 equals the uninterrupted run's, optimizer state
     # included (Adam's third update reads both moments and the step count).
-    saved = ranks[0][name]["saved"]
-    assert all(r[name]["saved"] == saved for r in ranks)
-    unsharded = {k: v for k, v in options.items() if k != "shard_optimizer"}
-    single = _compile(model_name, 5, _batches(model_name)[0], **unsharded)
-    try:
-        single.load_checkpoint(saved)
-        single.step(_batches(model_name)[-1])
-        assert _max_diff(single.trainer().masters(), ranks[0][name]["masters"]) < 1e-6
-    finally:
-        single.close()
+    # The same for the checkpoint of one file per rank.
+    for key in ("saved", "per_rank"):
+        saved = ranks[0][name][key]
+        assert all(r[name][key] == saved for r in ranks)
+        unsharded = {k: v for k, v in options.items() if k != "shard_optimizer"}
+        single = _compile(model_name, 5, _batches(model_name)[0], **unsharded)
+        try:
+            single.load_checkpoint(saved)
+            single.step(_batches(model_name)[-1])
+            assert _max_diff(single.trainer().masters(), ranks[0][name]["masters"]) < 1e-6, key
+        finally:
+            single.close()
     if world == 3:  # and on the same 3 ranks, sharded again: exactly the uninterrupted run
         for r in ranks:
             assert _max_diff(r[name]["resumed"], ranks[0][name]["masters"]) == 0.0
+            assert _max_diff(r[name]["resumed_per_rank"], ranks[0][name]["masters"]) == 0.0
 
 
 def test_sharded_checkpoints_refuse_an_incomplete_or_mismatched_set():
