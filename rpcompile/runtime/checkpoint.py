@@ -456,7 +456,8 @@ def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tens
 class Prepared:
     """A checkpoint read and checked against a trainer (:func:`prepare`), not yet applied:
     ``state`` as ``Trainer.load_state_dict`` applies it (sharded: cut to this rank's shard),
-    and ``digest`` the tensor file's sha256 (what data-parallel ranks compare)."""
+    and ``digest`` a sha256 over the manifest's file sizes and sha256s (what data-parallel
+    ranks compare)."""
 
     state: dict[str, Any]
     rng: dict[str, torch.Tensor]
