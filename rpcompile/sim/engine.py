@@ -423,7 +423,9 @@ def _shadow_work(replay: _Replay, a: Action) -> tuple[float, float]:
     from their owners (:mod:`rpcompile.sim.sharding`), :meth:`Link.broadcast_ms` on the link:
     the time alone is the pass's plus the broadcast's, its traffic both."""
     work, rate = _memory_pass_work(replay, a)
-    gathered = getattr(replay, "gathered", {}).get(a, 0) if replay.sched.sharded else 0
+    # ``replay.gathered`` is set by simulate() before the replay runs; no default, so a cost
+    # taken before it exists fails instead of timing a sharded SHADOW without its broadcast.
+    gathered = replay.gathered.get(a, 0) if replay.sched.sharded else 0
     ms = replay.hw.link.broadcast_ms(gathered, replay.sched.ranks) if gathered else 0.0
     if ms <= 0.0:
         return work, rate
