@@ -85,6 +85,7 @@ __all__ = [
     "apply",
     "load",
     "match_optimizer_state",
+    "merge_shards",
     "optimizer_param_names",
     "prepare",
     "read_manifest",
@@ -392,9 +393,7 @@ def _rebuild_shards(folder: Path, manifest: Mapping[str, Any], store: Any
                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """(the whole state, rank 0's RNG tensors) of a per-rank checkpoint: every rank's file
     read and checked, and the shards merged as one process would hold the state
-    (:func:`rpcompile.runtime.distributed.merge_shards`, which refuses an incomplete set)."""
-    from rpcompile.runtime.distributed import merge_shards
-
+    (:func:`merge_shards`, which refuses an incomplete set)."""
     shards = manifest["shards"]
     bounds = [tuple(b) for b in manifest.get("bounds", ())]
     parts, rng = [], {}
@@ -639,6 +638,56 @@ def match_optimizer_state(store: Any, state: Mapping[str, Any],
     out["optimizer"] = {"state": entries, "param_groups": groups}
     out["param_names"] = ours_names
     return out
+
+
+def merge_shards(store: Any, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state, as one process would hold it, from every rank's shard (``gather_state``).
+    Optimizer parameters are indexed group by group, each group's parameters in the store's
+    order (what one process's optimizer over the same factory indexes). Raises
+    ``CheckpointError`` on a set of shards that is incomplete, overlaps, or disagrees."""
+    world = parts[0]["world"]
+    if sorted(p["rank"] for p in parts) != list(range(world)) or any(
+            p["world"] != world or p["bounds"] != parts[0]["bounds"] for p in parts):
+        raise CheckpointError("the shards gathered for the checkpoint are not one set (ranks "
+                              f"{sorted(p['rank'] for p in parts)} of {world}, or their bounds "
+                              "differ)", "shards")
+    masters: dict[str, torch.Tensor] = {}
+    for p in parts:
+        for name, value in p["state"]["masters"].items():
+            if name in masters:
+                raise CheckpointError(f"parameter {name!r} is in two shards", "shards")
+            masters[name] = value
+    order = {s.name: s.master_offset for s in store.trainable_slots}
+    missing = [n for n in order if n not in masters]
+    if missing:
+        raise CheckpointError(f"the shards lack {len(missing)} trainable parameters "
+                              f"({missing[:3]})", "shards")
+    first = parts[0]["state"]
+    ngroups = len(first["optimizer"]["param_groups"])
+    if any(len(p["state"]["optimizer"]["param_groups"]) != ngroups for p in parts):
+        raise CheckpointError("the ranks' optimizers have different numbers of parameter "
+                              "groups", "optimizer.param_groups")
+    members: list[list[str]] = [[] for _ in range(ngroups)]
+    entries: dict[str, Any] = {}
+    for p in parts:
+        optim = p["state"]["optimizer"]
+        for g, group in enumerate(optim["param_groups"]):
+            members[g].extend(p["names"][i] for i in group["params"])
+        for i, entry in optim["state"].items():
+            entries[p["names"][i]] = entry
+    names: list[str] = []
+    groups = []
+    for g, group in enumerate(first["optimizer"]["param_groups"]):
+        ordered = sorted(members[g], key=order.__getitem__)
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(len(names), len(names) + len(ordered)))})
+        names.extend(ordered)
+    state = dict(first)
+    state["masters"] = {n: masters[n] for n in sorted(masters, key=order.__getitem__)}
+    state["optimizer"] = {"state": {i: entries[n] for i, n in enumerate(names) if n in entries},
+                          "param_groups": groups}
+    state["param_names"] = names
+    return state
 
 
 _STATE_KEYS = {"masters", "optimizer", "step", "mode", "plan", "executor_steps", "shadow",

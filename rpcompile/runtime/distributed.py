@@ -77,10 +77,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rpcompile.runtime.checkpoint import merge_shards
 from rpcompile.runtime.executor import StepFailed, clip_grad_norm
 from rpcompile.runtime.memory import HostStore, _runs, shard_bounds
 
-__all__ = ["DataParallel", "RankFailed", "resolve_group"]
+__all__ = ["DataParallel", "RankFailed", "merge_shards", "resolve_group"]
 
 # Bytes of each rank's note in a checkpoint agreement (its error message, or a digest).
 _NOTE_BYTES = 480
@@ -443,55 +444,3 @@ class _Grad:
 
     def __init__(self, grad: torch.Tensor) -> None:
         self.grad = grad
-
-
-def merge_shards(store: HostStore, parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One state, as one process would hold it, from every rank's shard (``gather_state``).
-    Optimizer parameters are indexed group by group, each group's parameters in the store's
-    order (what one process's optimizer over the same factory indexes). Raises
-    ``CheckpointError`` on a set of shards that is incomplete, overlaps, or disagrees."""
-    from rpcompile.runtime.checkpoint import CheckpointError
-
-    world = parts[0]["world"]
-    if sorted(p["rank"] for p in parts) != list(range(world)) or any(
-            p["world"] != world or p["bounds"] != parts[0]["bounds"] for p in parts):
-        raise CheckpointError("the shards gathered for the checkpoint are not one set (ranks "
-                              f"{sorted(p['rank'] for p in parts)} of {world}, or their bounds "
-                              "differ)", "shards")
-    masters: dict[str, torch.Tensor] = {}
-    for p in parts:
-        for name, value in p["state"]["masters"].items():
-            if name in masters:
-                raise CheckpointError(f"parameter {name!r} is in two shards", "shards")
-            masters[name] = value
-    order = {s.name: s.master_offset for s in store.trainable_slots}
-    missing = [n for n in order if n not in masters]
-    if missing:
-        raise CheckpointError(f"the shards lack {len(missing)} trainable parameters "
-                              f"({missing[:3]})", "shards")
-    first = parts[0]["state"]
-    ngroups = len(first["optimizer"]["param_groups"])
-    if any(len(p["state"]["optimizer"]["param_groups"]) != ngroups for p in parts):
-        raise CheckpointError("the ranks' optimizers have different numbers of parameter "
-                              "groups", "optimizer.param_groups")
-    members: list[list[str]] = [[] for _ in range(ngroups)]
-    entries: dict[str, Any] = {}
-    for p in parts:
-        optim = p["state"]["optimizer"]
-        for g, group in enumerate(optim["param_groups"]):
-            members[g].extend(p["names"][i] for i in group["params"])
-        for i, entry in optim["state"].items():
-            entries[p["names"][i]] = entry
-    names: list[str] = []
-    groups = []
-    for g, group in enumerate(first["optimizer"]["param_groups"]):
-        ordered = sorted(members[g], key=order.__getitem__)
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(len(names), len(names) + len(ordered)))})
-        names.extend(ordered)
-    state = dict(first)
-    state["masters"] = {n: masters[n] for n in sorted(masters, key=order.__getitem__)}
-    state["optimizer"] = {"state": {i: entries[n] for i, n in enumerate(names) if n in entries},
-                          "param_groups": groups}
-    state["param_names"] = names
-    return state
