@@ -11,8 +11,16 @@ each REDUCE is a ring all-reduce on the link, 2 (N-1)/N x bytes / bandwidth + 2 
 latency, whose gloo copies also draw on host memory (docs/distributed.md). Efficiency = one
 server's steady step time over the N-server one (1.0: N times the tokens/s).
 
+``--variants`` picks the runs beside each other (one partition per model serves them all):
+``async`` (the default: replicated data parallel, async optimizer), ``sync`` (replicated,
+sync optimizer) and ``sharded`` (``shard_optimizer``, which needs the sync optimizer: each
+REDUCE timed as gloo's reduce to the gradients' owners, each SHADOW also broadcasting the
+updated shadows; compare it with ``sync``).
+
     python benchmarks/scaling.py [--models ...] [--nodes 1 2 4] [--links eth25 eth100]
-                                 [--json PATH]
+                                 [--variants async sync sharded] [--json PATH]
+
+The JSON is {model: {variant: {link: {nodes: figures}}}}.
 """
 
 from __future__ import annotations
@@ -29,6 +37,8 @@ from rpcompile.sim.scaling import simulate_nodes
 from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 
 HARDWARE = "rtx4090x8"
+# variant -> (optimizer, sharded)
+VARIANTS = {"async": ("async", False), "sync": ("sync", False), "sharded": ("sync", True)}
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
@@ -38,8 +48,9 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
     ap.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4])
     ap.add_argument("--links", nargs="+", default=["eth25", "eth100"])
+    ap.add_argument("--variants", nargs="+", default=["async"], choices=list(VARIANTS))
     ap.add_argument("--json", type=Path, default=RESULTS / "scaling.json",
-                    help="where to write {model: {link: {nodes: figures}}}")
+                    help="where to write {model: {variant: {link: {nodes: figures}}}}")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
@@ -52,28 +63,37 @@ def main() -> None:
         plan = partition(units, hw, hw.gpus, w.microbatches, max(1, round(w.microbatch_size)),
                          w.seq_len, w.rounds)
         steps = steady_steps(plan, rounds=w.rounds)
-        run = simulate_roundpipe(plan, hw, steps=steps, optimizer="async", rounds=w.rounds)
-        row: dict[str, dict] = {}
         print(f"{name}: {w.tokens_per_step:,} tokens per server per step", flush=True)
-        for link in args.links:
-            row[link] = {}
-            for n in args.nodes:
-                s = simulate_nodes(plan, hw, n, link, tokens_per_step=w.tokens_per_step,
-                                   optimizer="async", rounds=w.rounds, steps=steps,
-                                   one_server=run)
-                row[link][str(n)] = s.to_dict()
-                print(f"  {link:<7} {n} server{'s' if n > 1 else ' '}: {s.tokens_per_s:>10,.0f} "
-                      f"tokens/s, efficiency {100 * s.efficiency:5.1f}%, step "
-                      f"{s.step_ms / 1e3:6.2f} s ({s.gradient_bytes / 2**30:.1f} GiB reduced "
-                      f"in {s.reductions} REDUCE, link busy {s.link_busy_ms / 1e3:.2f} s, "
-                      f"added {s.added_ms / 1e3:+.2f} s; {time.perf_counter() - t0:.0f} s)",
-                      flush=True)
-                if n > 1:
-                    worst = min(worst, (s.efficiency, f"{name} on {n} x {link}"))
-        result[name] = row
+        result[name] = {}
+        one_server = {}
+        for variant in args.variants:
+            optimizer, sharded = VARIANTS[variant]
+            if optimizer not in one_server:
+                one_server[optimizer] = simulate_roundpipe(plan, hw, steps=steps,
+                                                           optimizer=optimizer, rounds=w.rounds)
+            row: dict[str, dict] = {}
+            for link in args.links:
+                row[link] = {}
+                for n in args.nodes:
+                    s = simulate_nodes(plan, hw, n, link, tokens_per_step=w.tokens_per_step,
+                                       optimizer=optimizer, rounds=w.rounds, steps=steps,
+                                       one_server=one_server[optimizer], sharded=sharded)
+                    row[link][str(n)] = s.to_dict()
+                    print(f"  {variant:<7} {link:<7} {n} server{'s' if n > 1 else ' '}: "
+                          f"{s.tokens_per_s:>10,.0f} tokens/s, efficiency "
+                          f"{100 * s.efficiency:5.1f}%, step {s.step_ms / 1e3:6.2f} s "
+                          f"({s.gradient_bytes / 2**30:.1f} GiB reduced in {s.reductions} "
+                          f"REDUCE, {s.shadow_bytes / 2**30:.1f} GiB of shadows broadcast, "
+                          f"reductions on the link {s.link_busy_ms / 1e3:.2f} s, added "
+                          f"{s.added_ms / 1e3:+.2f} s; {time.perf_counter() - t0:.0f} s)",
+                          flush=True)
+                    if n > 1:
+                        worst = min(worst, (s.efficiency, f"{name} {variant} on {n} x {link}"))
+            result[name][variant] = row
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    best = {link: min(result[m][link][str(max(args.nodes))]["efficiency"] for m in args.models)
+    best = {link: min(result[m][v][link][str(max(args.nodes))]["efficiency"]
+                      for m in args.models for v in args.variants)
             for link in args.links}
     print(f"scaling: {len(args.models)} models on {'/'.join(map(str, args.nodes))} {HARDWARE} "
           f"servers; lowest efficiency at {max(args.nodes)} servers: "

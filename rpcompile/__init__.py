@@ -20,7 +20,7 @@ from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions
 from rpcompile.passes.lower import lower
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.planner.partition import PartitionError
-from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager
+from rpcompile.runtime.checkpoint import CheckpointError, CheckpointFailed, CheckpointManager
 from rpcompile.runtime.distributed import RankFailed
 from rpcompile.runtime.errors import (
     EventTimeout,
@@ -41,6 +41,7 @@ __all__ = [
     "CaptureReport",
     "Captured",
     "CheckpointError",
+    "CheckpointFailed",
     "CheckpointManager",
     "Compiled",
     "EventTimeout",

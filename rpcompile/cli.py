@@ -27,7 +27,9 @@ predicts N such servers training data parallel: the schedule lowered for N ranks
 action per gradient stage on the host's network lane, timed as a ring all-reduce on the link,
 with gloo's host-memory traffic) replayed over the same steps, its steady step time, tokens/s
 of all N and the scaling efficiency against one server (summary.json: nodes;
-docs/distributed.md).
+docs/distributed.md). ``--shard-optimizer`` (``--optimizer sync``) simulates sharded host
+state: each REDUCE gloo's reduce to the gradients' owners, each SHADOW also broadcasting the
+updated shadows.
 """
 
 from __future__ import annotations
@@ -95,6 +97,11 @@ def _parser() -> argparse.ArgumentParser:
                            "the schedule lowered for N ranks (REDUCE actions on the link) "
                            "and prints the tokens/s of N servers and the scaling efficiency "
                            "against one")
+    plan.add_argument("--shard-optimizer", action="store_true",
+                      help="with --nodes N: the servers shard their masters and optimizer "
+                           "state (ZeRO-1 style, --optimizer sync): each REDUCE is timed as "
+                           "gloo's reduce to the gradients' owners and each SHADOW also "
+                           "broadcasts the updated shadows")
     plan.add_argument("--link", default="eth100",
                       help="the network between servers for --nodes: eth25 or eth100 "
                            "(25 / 100 Gbit/s Ethernet; default eth100)")
@@ -187,7 +194,7 @@ def _plan(args: argparse.Namespace) -> int:
         return rpcompile.compile(
             model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids,
             rounds=args.rounds, mode=args.optimizer, device="virtual",
-            recompute=args.recompute)
+            recompute=args.recompute, shard_optimizer=args.shard_optimizer)
 
     compiled = compile_for(batch)
     if args.batch is None and args.schedule == "roundpipe":
@@ -257,7 +264,8 @@ def _plan(args: argparse.Namespace) -> int:
         from rpcompile.sim.scaling import simulate_nodes
 
         scaling = simulate_nodes(plan, hw, args.nodes, args.link, tokens_per_step=tokens,
-                                 optimizer=args.optimizer, rounds=args.rounds, one_server=run)
+                                 optimizer=args.optimizer, rounds=args.rounds, one_server=run,
+                                 sharded=compiled.options.plan.shard_optimizer)
         summary["nodes"] = scaling.to_dict()
         print(f"predicted, {scaling.summary()}")
     jobs = len(plan.stages) * args.rounds

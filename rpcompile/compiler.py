@@ -111,12 +111,14 @@ class Compiled:
         """Restore :meth:`state_dict` (validated first: a bad state changes nothing)."""
         self.trainer().load_state_dict(state, strict=strict, allow_nonfinite=allow_nonfinite)
 
-    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None,
+                        per_rank: bool = False) -> Any:
         """Write masters, optimizer state, step counter, RNG states, loss-scale state, the
         plan's identity and ``extra`` (a JSON-serializable dict) to the folder ``path``
         atomically, in safetensors + a JSON manifest (:mod:`rpcompile.runtime.checkpoint`).
-        Returns the folder's path."""
-        return self._finished_trainer().save_checkpoint(path, extra=extra)
+        Returns the folder's path. ``per_rank=True`` (sharded data parallel): one file per
+        rank plus a manifest (``Trainer.save_checkpoint``)."""
+        return self._finished_trainer().save_checkpoint(path, extra=extra, per_rank=per_rank)
 
     def load_checkpoint(self, path: Any, *, strict: bool = True,
                         allow_nonfinite: bool = False) -> dict[str, Any]:
@@ -138,9 +140,12 @@ class Compiled:
         also in async mode where that update runs during step ``k + 1``."""
         return self.trainer().optimizer
 
-    def evaluate(self, batch: Any) -> torch.Tensor:
+    def evaluate(self, batch: Any, *, masters: dict[str, torch.Tensor] | None = None
+                 ) -> torch.Tensor:
         """The loss of ``batch`` under the current trained weights, forward only: no gradients,
-        dropout off, the optimizer, its state and the masters untouched.
+        dropout off, the optimizer, its state and the masters untouched. ``masters``: the fp32
+        masters to evaluate, by name (``None``: the trainer's); under ``shard_optimizer`` a
+        rank holds only its shard, so pass ``trainer().gather_masters()`` (a collective).
 
         It runs the stage programs on the first worker's device (a GPU for CUDA workers), one
         stage at a time with that stage's weights uploaded for it (the low-precision copy the
@@ -155,7 +160,14 @@ class Compiled:
         trainer = self.trainer()
         bound = bind_batch(self.capture, batch, step=trainer.steps_done)
         check_plan_shape(self, bound)
-        masters = trainer.masters()  # waits for queued updates
+        if masters is None:
+            masters = trainer.masters()  # waits for queued updates
+        else:
+            missing = [s.name for s in trainer.store.trainable_slots if s.name not in masters]
+            if missing:
+                raise ValueError(f"evaluate(masters=...) lacks {len(missing)} trainable "
+                                 f"parameters ({missing[:3]}): pass them all "
+                                 "(trainer().gather_masters())")
         dtype = self.compute_dtype
 
         def stage_params(prog):
@@ -176,10 +188,25 @@ class Compiled:
         """Write the trained weights into ``self.model`` and save it with Hugging Face's
         ``save_pretrained`` (safetensors). A PEFT model saves its adapter folder (loadable with
         ``PeftModel.from_pretrained``); ``merge=True`` saves the base model with the adapters
-        merged in instead, from a copy, so this compiled model keeps training."""
+        merged in instead, from a copy, so this compiled model keeps training. Under
+        ``shard_optimizer`` a collective (call it on every rank): the masters are gathered
+        from every rank, rank 0 alone writes, and every rank raises if its write failed."""
+        self.sync_to_model()
+        trainer = self._finished_trainer()
+        if trainer.sharded:
+            error = None
+            if trainer.dp.rank == 0:
+                try:
+                    self._write_pretrained(directory, merge)
+                except Exception as exc:  # every rank must reach the agreement
+                    error = exc
+            trainer.dp.settle(error, f"writing the model to {directory} (rank 0 writes)")
+            return
+        self._write_pretrained(directory, merge)
+
+    def _write_pretrained(self, directory: Any, merge: bool) -> None:
         import copy
 
-        self.sync_to_model()
         model = self.model
         if merge:
             if not hasattr(model, "merge_and_unload"):
@@ -314,6 +341,7 @@ def compile(
     recompute: str = UNSET,
     ranks: int | None = UNSET,
     link: Any = UNSET,
+    shard_optimizer: bool = UNSET,
     optimizer: Callable | None = UNSET,
     device: str = UNSET,
     chaos: int | None = UNSET,
@@ -324,7 +352,6 @@ def compile(
     max_grad_norm: float | None = UNSET,
     timeout_s: float | None = UNSET,
     process_group: Any = UNSET,
-    shard_optimizer: bool = UNSET,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -332,10 +359,10 @@ def compile(
     checked): ``capture_options=CaptureOptions(...)`` (``loss_fn``, ``units``, ``opaque``,
     ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
     ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
-    ``schedule_steps``, ``updates``, ``recompute``, ``ranks``, ``link``) and
-    ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``schedule_steps``, ``updates``, ``recompute``, ``ranks``, ``link``,
+    ``shard_optimizer``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
-    ``max_grad_norm``, ``timeout_s``, ``process_group``, ``shard_optimizer``). Every option is also a keyword of this function; an
+    ``max_grad_norm``, ``timeout_s``, ``process_group``). Every option is also a keyword of this function; an
     option given both ways is refused. The result keeps them as ``Compiled.options``.
 
     The main ones: ``gpus``: workers to plan for (default 8). ``microbatches``: per round
@@ -547,6 +574,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         # The lowering runs its own passes through a PassManager that validates each one.
         lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes, updates=order,
                                   ranks=ranks)
+        if po.shard_optimizer and ranks > 1:  # what its REDUCE and SHADOW actions move
+            lowered = lowered.replace(sharded=True)
         trail.extend(lowering)
         return lowered, trail, worker_peaks(lowered, plan, overlap_steps=False)
 

@@ -83,6 +83,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_grad_norm", 1.0, "clip gradients to this global norm (0: no clipping)", float),
     Option("mode", "sync", "optimizer: exact (sync) or one step stale, overlapped (async)", str,
            ("sync", "async")),
+    Option("shard_optimizer", False, "under torchrun: each rank keeps the fp32 masters and "
+           "optimizer state of 1/N of the parameters (ZeRO-1 style; --mode sync); evaluation "
+           "and final/ gather the masters from every rank; one process: no change", bool),
     Option("recompute", "auto", "how backward stages recompute their forward: stage (all "
            "layers at once), layer (one layer at a time, one more forward), auto (stage unless "
            "that plan does not fit, then the faster plan that fits, by stage or layer)", str, ("auto", "stage", "layer")),
@@ -311,6 +314,9 @@ def _check(opts: dict[str, Any]) -> None:
         raise ValueError("--merge merges LoRA adapters; it needs --lora R")
     if opts["dtype"] == "fp16" and opts["mode"] != "sync":
         raise ValueError("fp16 trains with dynamic loss scaling, which needs --mode sync")
+    if opts["shard_optimizer"] and opts["mode"] != "sync":
+        raise ValueError("--shard-optimizer needs --mode sync (a sharded update runs in the "
+                         "schedule's host queue, where the ranks' collectives are ordered)")
 
 
 class _Log:
@@ -347,15 +353,17 @@ class _Log:
             self.writer.close()
 
 
-def _evaluate(compiled: Any, batches: list[dict[str, Any]]) -> float | None:
-    """Token-weighted mean loss over the eval batches (each batch's loss is its token mean)."""
+def _evaluate(compiled: Any, batches: list[dict[str, Any]],
+              masters: dict[str, Any] | None = None) -> float | None:
+    """Token-weighted mean loss over the eval batches (each batch's loss is its token mean);
+    ``masters``: the weights to evaluate (sharded: gathered from every rank)."""
     from rpcompile.data import IGNORE_INDEX
 
     total = count = 0.0
     for batch in batches:
         n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
         if n:
-            total += float(compiled.evaluate(batch)) * n
+            total += float(compiled.evaluate(batch, masters=masters)) * n
             count += n
     return total / count if count else None
 
@@ -477,7 +485,8 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
     example = {"input_ids": torch.zeros(share, seq, dtype=torch.long)}
     example["labels"] = example["input_ids"].clone()
     manager = None
-    if opts["save_every"] and lead:
+    # Data parallel: a checkpoint save is a collective (every rank takes part, rank 0 writes).
+    if opts["save_every"]:
         from rpcompile.runtime.checkpoint import CheckpointManager
 
         manager = CheckpointManager(out / "checkpoints", keep_last=opts["keep_last"])
@@ -487,8 +496,9 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
         recompute=opts["recompute"], loss_scale=True if dtype == torch.float16 else None,
         optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=opts["weight_decay"],
                                               fused=True),
-        max_grad_norm=opts["max_grad_norm"] or None,
+        max_grad_norm=opts["max_grad_norm"] or None, shard_optimizer=opts["shard_optimizer"],
     )
+    sharded = compiled.trainer().sharded
     if lead:
         print(compiled.plan, file=sys.stderr)
     log = None
@@ -516,8 +526,12 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
         done_tokens, step_seconds = 0, 0.0
 
         def evaluate(step: int) -> None:
-            if eval_sets and lead:
-                value = _evaluate(compiled, eval_sets)
+            if not eval_sets:
+                return
+            # Sharded: every rank takes part in gathering the masters; rank 0 evaluates.
+            masters = compiled.trainer().gather_masters() if sharded else None
+            if lead:
+                value = _evaluate(compiled, eval_sets, masters)
                 log.write({"step": step, "eval_loss": value})
                 tqdm.write(f"step {step}: eval loss {value:.4f}", file=sys.stderr)
 
@@ -557,8 +571,9 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
                     })
         evaluate(total)
         final = out / "final"
-        if lead:
+        if lead or sharded:  # sharded: a collective (the masters gathered), rank 0 writes
             compiled.save_pretrained(final, merge=opts["merge"])
+        if lead:
             tokenizer.save_pretrained(final)
         trainer = compiled.trainer()
         sched = trainer.schedule

@@ -114,6 +114,25 @@ class Link:
         steps = 2 * (nodes - 1)
         return steps / nodes * nbytes / self.bytes_per_ms + steps * self.latency_us * 1e-3
 
+    def reduce_ms(self, nbytes: float, nodes: int) -> float:
+        """Gloo's reduce of ``nbytes`` to one rank over ``nodes`` servers: a ring
+        reduce-scatter (each rank sends and receives ``(n - 1) / n`` of the bytes, ``n - 1``
+        steps), then the root receives the other ``n - 1`` chunks (``(n - 1) / n`` of the
+        bytes through its one link, one step): ``2 (n - 1) / n`` of the bytes at the root's
+        link, as much as an all-reduce, in ``n`` steps."""
+        if nodes <= 1 or nbytes <= 0:
+            return 0.0
+        return 2 * (nodes - 1) / nodes * nbytes / self.bytes_per_ms + \
+            nodes * self.latency_us * 1e-3
+
+    def broadcast_ms(self, nbytes: float, nodes: int) -> float:
+        """Gloo's broadcast of ``nbytes`` from one rank over ``nodes`` servers: a binomial
+        tree, ``ceil(log2 n)`` rounds, each moving the whole buffer."""
+        if nodes <= 1 or nbytes <= 0:
+            return 0.0
+        rounds = (nodes - 1).bit_length()
+        return rounds * (nbytes / self.bytes_per_ms + self.latency_us * 1e-3)
+
 
 @cache
 def _file() -> dict[str, dict]:

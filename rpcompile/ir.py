@@ -587,7 +587,9 @@ class Schedule:
     ``stage_units`` is (first unit, last unit) per stage; ``stage_workers`` is the worker a stage
     is bound to (baselines) or None (RoundPipe: any worker). ``ranks`` is how many processes
     train data parallel, each running this schedule on its share of the batch; with more than
-    one, ``network`` is the host's network lane (REDUCE actions, in order).
+    one, ``network`` is the host's network lane (REDUCE actions, in order). ``sharded``: the
+    ranks shard the masters and optimizer state (``shard_optimizer``): each REDUCE reduces its
+    gradients to their owners, and each SHADOW also brings the other ranks' updated shadows.
     """
 
     kind: str
@@ -606,8 +608,11 @@ class Schedule:
     passes: tuple[str, ...] = ()
     network: tuple[Action, ...] = ()
     ranks: int = 1
+    sharded: bool = False
 
     def __post_init__(self) -> None:
+        if self.sharded and self.ranks < 2:
+            raise ValueError("a sharded schedule is data parallel: it needs ranks > 1")
         # Edges are kept in one canonical order (by the waiting action's place in the lists,
         # then as given) so that equal schedules compare equal after a CSV or JSON round trip.
         if self.edges:
@@ -872,6 +877,7 @@ class Schedule:
             "flows": [dataclasses.asdict(f) for f in self.flows],
             # Written only for data parallel, so one-process schedules read as before.
             **({"ranks": self.ranks} if self.ranks != 1 else {}),
+            **({"sharded": True} if self.sharded else {}),
         }
 
     @classmethod
@@ -887,7 +893,7 @@ class Schedule:
             actions=tuple(tuple(lst) for lst in per_worker), host=tuple(host),
             edges=tuple(edges), stage_workers=None if sw is None else tuple(sw),
             passes=tuple(meta["passes"]), network=tuple(network),
-            ranks=int(meta.get("ranks", 1)),
+            ranks=int(meta.get("ranks", 1)), sharded=bool(meta.get("sharded", False)),
         )
 
     def __str__(self) -> str:

@@ -151,7 +151,12 @@ class PlanOptions:
     without one); a value that differs from a group's world size is refused. ``link``: the
     network between ranks the simulator times REDUCE on, a preset name (``"eth25"``,
     ``"eth100"``, see ``rpcompile hardware``) or a :class:`~rpcompile.hardware.Link`;
-    ``None``: the hardware profile's own link, if it has one."""
+    ``None``: the hardware profile's own link, if it has one. ``shard_optimizer`` (data
+    parallel, sync mode): each rank keeps the fp32 masters and optimizer state of 1/N of the
+    trainable parameters (ZeRO-1 style: gradients reduced to their owners, updated shadows
+    broadcast back by them); the lowered schedule says so (``Schedule.sharded``), so the
+    simulator times those collectives; on one process it changes nothing (the one shard is
+    everything)."""
 
     gpus: int = 8
     microbatches: int | None = None
@@ -164,6 +169,7 @@ class PlanOptions:
     recompute: str = "auto"
     ranks: int | None = None
     link: Any = None
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)
@@ -178,6 +184,14 @@ class PlanOptions:
             _choice("updates", self.updates, UPDATE_ORDERS)
         _choice("recompute", self.recompute, RECOMPUTE_MODES)
         _positive_int("ranks", self.ranks, optional=True)
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(f"shard_optimizer must be True or False, got "
+                             f"{self.shard_optimizer!r}")
+        if self.shard_optimizer and self.mode != "sync":
+            raise ValueError("shard_optimizer needs mode='sync': an async update runs on the "
+                             "optimizer's thread after its step, outside the schedule's host "
+                             "queue where the ranks' collectives are ordered; use mode='sync', "
+                             "or shard_optimizer=False to keep async updates")
         if self.link is not None:
             from rpcompile.hardware import get_link
 
@@ -208,10 +222,8 @@ class TrainOptions:
     ``timeout_s``: the step watchdog (``None``: ``max(300 s, 20 x the predicted step)``;
     ``math.inf``: off). ``process_group``: a gloo ``torch.distributed`` group to train data
     parallel over (``None``: the default group once ``init_process_group`` ran with more
-    than one rank, else one process; docs/distributed.md). ``shard_optimizer`` (data parallel,
-    sync mode): each rank keeps the fp32 masters and optimizer state of 1/N of the trainable
-    parameters (ZeRO-1 style: gradients reduce-scattered, shadows all-gathered); on one
-    process it changes nothing (the one shard is everything)."""
+    than one rank, else one process; docs/distributed.md; ``shard_optimizer`` is a
+    :class:`PlanOptions` field)."""
 
     optimizer: Callable | None = None
     device: str = "auto"
@@ -223,7 +235,6 @@ class TrainOptions:
     max_grad_norm: float | None = None
     timeout_s: float | None = None
     process_group: Any = None
-    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and not (callable(self.optimizer) or isinstance(
@@ -236,9 +247,6 @@ class TrainOptions:
                                        or not isinstance(self.chaos, int)):
             raise ValueError(f"chaos must be an integer seed (or None), got {self.chaos!r}")
         _positive_int("capacity_bytes", self.capacity_bytes, optional=True)
-        if not isinstance(self.shard_optimizer, bool):
-            raise ValueError(f"shard_optimizer must be True or False, got "
-                             f"{self.shard_optimizer!r}")
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}")
         g = self.max_grad_norm
@@ -270,11 +278,6 @@ class Options:
             raise ValueError("loss_scale needs mode='sync' (async updates would read the "
                              "gradients before they are unscaled)")
         t = self.train
-        if t.shard_optimizer and self.plan.mode != "sync":
-            raise ValueError("shard_optimizer needs mode='sync': an async update runs on the "
-                             "optimizer's thread after its step, outside the schedule's host "
-                             "queue where the ranks' collectives are ordered; use mode='sync', "
-                             "or shard_optimizer=False to keep async updates")
         # The default process group is known only once the Trainer starts; it checks again.
         check_update_order(self.plan.mode, self.plan.updates, deferred_reasons(
             max_grad_norm=t.max_grad_norm, loss_scale=t.loss_scale,

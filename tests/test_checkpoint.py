@@ -179,6 +179,86 @@ def test_corrupt_truncated_or_mismatched_checkpoints_are_refused(tmp_path):
     target.close()
 
 
+def _permuted(state: dict, order: list[int]) -> dict:
+    """``state`` with its optimizer re-indexed: new index ``j`` is old index ``order[j]``
+    (state entries, group members and ``param_names`` permuted together), a checkpoint as a
+    differently ordered optimizer over the same parameters would write it."""
+    new_of = {old: new for new, old in enumerate(order)}
+    optim = state["optimizer"]
+    out = dict(state)
+    out["optimizer"] = {
+        "state": {new_of[i]: entry for i, entry in optim["state"].items()},
+        "param_groups": [{**g, "params": sorted(new_of[i] for i in g["params"])}
+                         for g in optim["param_groups"]]}
+    out["param_names"] = [state["param_names"][old] for old in order]
+    return out
+
+
+def test_optimizer_state_is_matched_by_parameter_name_not_position(tmp_path):
+    """A checkpoint whose optimizer indexes the parameters in another order (here reversed:
+    every layer's same-shape matrices trade places, so position alone would load another
+    parameter's Adam moments without a shape error) resumes exactly as the uninterrupted
+    run, which equals eager training; a state naming a parameter this model lacks, or a
+    group of other parameters, is refused naming them."""
+    from tests.tiny_models import eager_grads
+
+    data = [token_batch(6, seed=k) for k in range(3)]
+    run = make()
+    for b in data[:2]:
+        run.step(b)
+    state = run.trainer().state_dict()
+    run.step(data[2])
+    uninterrupted = masters_of(run)
+    run.close()
+    # Eager: the same AdamW over the same token-mean loss and microbatches.
+    model = hf_model("qwen3", layers=2)
+    opt = torch.optim.AdamW(list(model.parameters()), lr=1e-2)
+    for b in data:
+        _, grads = eager_grads(model, b, 3)
+        for name, p in model.named_parameters():
+            p.grad = grads.get(name)
+        opt.step()
+    for name, value in uninterrupted.items():
+        assert float((value - model.get_parameter(name).detach()).abs().max()) < 1e-5, name
+
+    n = len(state["param_names"])
+    permuted = _permuted(state, list(reversed(range(n))))
+    shapes = {name: tuple(v.shape) for name, v in state["masters"].items()}
+    same_shape_moved = [j for j in range(n) if permuted["param_names"][j] != state[
+        "param_names"][j] and shapes[permuted["param_names"][j]] == shapes[state["param_names"][j]]]
+    assert same_shape_moved, "the permutation moves no same-shape parameter: proves nothing"
+    target = make()
+    target.trainer().load_state_dict(permuted)
+    target.step(data[2])
+    assert_same_masters(uninterrupted, masters_of(target))
+
+    # Through the files as well: a permuted checkpoint written and read back.
+    path = tmp_path / "permuted"
+    fresh = make()
+    fresh.trainer().load_state_dict(permuted)
+    fresh.save_checkpoint(path)
+    fresh.close()
+    again = make()
+    again.load_checkpoint(path)
+    again.step(data[2])
+    assert_same_masters(uninterrupted, masters_of(again))
+    again.close()
+
+    unknown = dict(permuted)
+    unknown["param_names"] = ["model.nope.weight", *permuted["param_names"][1:]]
+    before = masters_of(target)
+    with pytest.raises(CheckpointError, match=r"model\.nope\.weight"):
+        target.trainer().load_state_dict(unknown)
+    moved = _permuted(state, list(range(n)))  # two groups where this optimizer has one
+    groups = moved["optimizer"]["param_groups"]
+    moved["optimizer"]["param_groups"] = [{**groups[0], "params": groups[0]["params"][:1]},
+                                          {**groups[0], "params": groups[0]["params"][1:]}]
+    with pytest.raises(CheckpointError, match="2 parameter groups"):
+        target.trainer().load_state_dict(moved)
+    assert_same_masters(before, masters_of(target))
+    target.close()
+
+
 def test_load_state_dict_validates_everything_first():
     trainer_owner = make()
     trainer_owner.step(token_batch(6))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import os
 import socket
 import time
@@ -109,11 +110,14 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
                     norms.append(trainer.last.grad_norm)
                     if sharded and k == STEPS - 2:  # every rank saves; rank 0 writes
                         saved = trainer.save_checkpoint(os.path.join(out, f"{name}-step2"))
+                        per_rank = trainer.save_checkpoint(  # one file per rank
+                            os.path.join(out, f"{name}-step2-per-rank"), per_rank=True)
                 result[name] = {
                     "losses": losses, "norms": norms, "reductions": trainer.dp.reductions,
                     "masters": trainer.gather_masters(), "shadow": trainer.store.shadow.clone()}
                 if sharded:
                     result[name]["saved"] = str(saved)
+                    result[name]["per_rank"] = str(per_rank)
                     result[name]["memory"] = _held_bytes(trainer)
                     with pytest.raises(RuntimeError, match="owned_masters"):
                         trainer.masters()  # a rank's own masters are not all of them
@@ -123,6 +127,9 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
                         again.load_checkpoint(saved)
                         again.step(batches[-1])
                         result[name]["resumed"] = again.trainer().gather_masters()
+                        again.load_checkpoint(per_rank)  # and from the per-rank files
+                        again.step(batches[-1])
+                        result[name]["resumed_per_rank"] = again.trainer().gather_masters()
                         again.close()
                 if name == "sync":  # every rank saves; rank 0 alone writes
                     from rpcompile.runtime.checkpoint import CheckpointManager
@@ -197,12 +204,14 @@ def _fail_in_backward(trainer, scenario: str) -> None:
     del original
 
 
-def _spawn(world: int, tmp_path, scenario: str = "train", options: dict | None = None,
-           timeout: float = 240.0) -> list[dict]:
+def _spawn(target, world: int, tmp_path, *args, timeout: float = 240.0) -> list[dict | None]:
+    """Run ``target(rank, world, port, out, *args)`` in ``world`` spawned processes (one
+    gloo group on localhost); each writes ``out/rank<r>.pt``. Returns what every rank wrote
+    (None for a rank that wrote nothing); a rank still running after ``timeout`` fails the
+    test as a hang."""
     ctx = mp.get_context("spawn")
     port = _free_port()
-    procs = [ctx.Process(target=_rank_main,
-                         args=(r, world, port, str(tmp_path), scenario, options or {}))
+    procs = [ctx.Process(target=target, args=(r, world, port, str(tmp_path), *args))
              for r in range(world)]
     for p in procs:
         p.start()
@@ -254,7 +263,7 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, world):
-    ranks = _spawn(world, tmp_path)
+    ranks = _spawn(_rank_main, world, tmp_path, "train", {})
     assert all(r is not None for r in ranks), "a rank failed (see its output)"
     for name, model_name, options in CASES[world]:
         first = ranks[0][name]
@@ -315,19 +324,22 @@ def _check_sharded(name: str, model_name: str, options: dict, ranks: list, world
     # The sharded checkpoint of step 2, written once (by rank 0) for every rank, resumes in
     # one process (unsharded) and its step 3 equals the uninterrupted run's, optimizer state
     # included (Adam's third update reads both moments and the step count).
-    saved = ranks[0][name]["saved"]
-    assert all(r[name]["saved"] == saved for r in ranks)
-    unsharded = {k: v for k, v in options.items() if k != "shard_optimizer"}
-    single = _compile(model_name, 5, _batches(model_name)[0], **unsharded)
-    try:
-        single.load_checkpoint(saved)
-        single.step(_batches(model_name)[-1])
-        assert _max_diff(single.trainer().masters(), ranks[0][name]["masters"]) < 1e-6
-    finally:
-        single.close()
+    # The same for the checkpoint of one file per rank.
+    for key in ("saved", "per_rank"):
+        saved = ranks[0][name][key]
+        assert all(r[name][key] == saved for r in ranks)
+        unsharded = {k: v for k, v in options.items() if k != "shard_optimizer"}
+        single = _compile(model_name, 5, _batches(model_name)[0], **unsharded)
+        try:
+            single.load_checkpoint(saved)
+            single.step(_batches(model_name)[-1])
+            assert _max_diff(single.trainer().masters(), ranks[0][name]["masters"]) < 1e-6, key
+        finally:
+            single.close()
     if world == 3:  # and on the same 3 ranks, sharded again: exactly the uninterrupted run
         for r in ranks:
             assert _max_diff(r[name]["resumed"], ranks[0][name]["masters"]) == 0.0
+            assert _max_diff(r[name]["resumed_per_rank"], ranks[0][name]["masters"]) == 0.0
 
 
 def test_sharded_checkpoints_refuse_an_incomplete_or_mismatched_set():
@@ -364,17 +376,189 @@ def test_sharded_checkpoints_refuse_an_incomplete_or_mismatched_set():
         merge_shards(store, [part(0, ["a", "b"]), part(1, ["b", "c"])])
 
 
+# -- checkpoints across ranks: one outcome on every rank --------------------------------------
+
+GROUP_TIMEOUT_S = 60.0  # the process group's timeout in these tests: a wait that long is a hang
+
+
+def _outcome(call, *args) -> dict:
+    """What ``call(*args)`` raised on this rank (None: it returned), its message, the ranks its
+    ``CheckpointFailed`` names, and how long it took."""
+    start = time.monotonic()
+    out = {"error": None, "message": "", "failures": None}
+    try:
+        call(*args)
+    except Exception as exc:
+        out.update(error=type(exc).__name__, message=str(exc),
+                   failures=sorted(getattr(exc, "failures", {}) or {}))
+    out["elapsed"] = time.monotonic() - start
+    return out
+
+
+def _checkpoint_rank(rank: int, world: int, port: int, out: str) -> None:
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world,
+                            timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+    try:
+        batches = [_share(b, rank, world) for b in _batches()]
+        result = {name: _checkpoint_case(name, options, rank, Path(out), batches)
+                  for name, options in (("sharded", {"shard_optimizer": True,
+                                                     "optimizer": _adamw}),
+                                        ("replicated", {}))}
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def _checkpoint_case(name: str, options: dict, rank: int, root, batches) -> dict:
+    import shutil
+
+    import torch.distributed as dist
+
+    from rpcompile.runtime import checkpoint
+
+    compiled = _compile("qwen3", rank, batches[0], **options)
+    trainer = compiled.trainer()
+    compiled.step(batches[0])
+    r: dict = {}
+
+    def owned():
+        return {k: v.clone() for k, v in trainer.owned_masters().items()}
+
+    step1 = owned()
+    # Rank 0's write fails (after every rank's state was taken and, sharded, gathered).
+    original = checkpoint._fsync_and_hash
+    if rank == 0:
+        def full_disk(path):
+            raise OSError(28, "injected: no space left on device")
+        checkpoint._fsync_and_hash = full_disk
+    r["write"] = _outcome(trainer.save_checkpoint, root / f"{name}-failed")
+    checkpoint._fsync_and_hash = original
+    good = trainer.save_checkpoint(root / f"{name}-good")
+    per_rank = root / f"{name}-per-rank"
+    if trainer.sharded:
+        # One file per rank: a failure in rank 1's write fails every rank, leaves nothing.
+        if rank == 1:
+            def full_disk_on_one(path):
+                raise OSError(28, "injected: no space left on rank 1's disk")
+            checkpoint._fsync_and_hash = full_disk_on_one
+        r["per_rank_write"] = _outcome(functools.partial(
+            trainer.save_checkpoint, root / f"{name}-per-rank-failed", per_rank=True))
+        checkpoint._fsync_and_hash = original
+        trainer.save_checkpoint(per_rank, per_rank=True)
+        r["step1_all"] = trainer.gather_masters()
+    else:
+        r["per_rank_write"] = _outcome(functools.partial(
+            trainer.save_checkpoint, per_rank, per_rank=True))
+    compiled.step(batches[1])
+    later = trainer.save_checkpoint(root / f"{name}-later")
+    step2 = owned()
+    corrupt = root / f"{name}-corrupt"
+    if rank == 0:  # a copy of the good checkpoint with one byte flipped
+        shutil.copytree(good, corrupt)
+        data = bytearray((corrupt / "state.safetensors").read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        (corrupt / "state.safetensors").write_bytes(bytes(data))
+    dist.barrier()
+    # Rank 1 reads the corrupt copy (a CheckpointError there), rank 0 the good one.
+    r["corrupt"] = _outcome(trainer.load_checkpoint, good if rank == 0 else corrupt)
+    # Rank 0 fails with an error that is not a ValueError, before any agreement.
+    original_read = checkpoint.read_manifest
+    if rank == 0:
+        def unreadable(path):
+            raise PermissionError(13, "injected: permission denied", str(path))
+        checkpoint.read_manifest = unreadable
+    r["unreadable"] = _outcome(trainer.load_checkpoint, good)
+    checkpoint.read_manifest = original_read
+    # Two valid checkpoints, one on each rank: the digests differ.
+    r["different"] = _outcome(trainer.load_checkpoint, good if rank == 0 else later)
+    r["unchanged"] = _max_diff(owned(), step2)
+    trainer.load_checkpoint(good)  # the same file on every rank: loads
+    r["loaded"] = _max_diff(owned(), step1)
+    if trainer.sharded:  # the per-rank checkpoint of step 1 loads on the same ranks
+        compiled.step(batches[1])
+        trainer.load_checkpoint(per_rank)
+        r["per_rank_loaded"] = _max_diff(owned(), step1)
+    compiled.close()
+    return r
+
+
+def test_a_checkpoint_save_or_load_ends_the_same_way_on_every_rank(tmp_path):
+    """A failure on one rank inside a save or a load (rank 0's write, a corrupt file on rank
+    1, an OSError on rank 0 before any agreement, ranks reading different checkpoints) makes
+    every rank raise ``CheckpointFailed`` naming the failed rank and its error, at once (far
+    inside the process group's timeout); nothing is saved and nothing is loaded anywhere; a
+    good checkpoint then loads on every rank. Sharded and replicated."""
+    ranks = _spawn(_checkpoint_rank, 2, tmp_path, timeout=300.0)
+    assert all(r is not None for r in ranks), "a rank failed (see its output)"
+    for name in ("sharded", "replicated"):
+        assert not (tmp_path / f"{name}-failed").exists(), name  # nothing claims to be saved
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(f".{name}-failed")]
+        for rank, r in enumerate(ranks):
+            case = r[name]
+            for what, failed, says in (("write", 0, "injected: no space left"),
+                                       ("corrupt", 1, "sha256"),
+                                       ("unreadable", 0, "PermissionError"),
+                                       ("different", None, "sha256")):
+                got = case[what]
+                assert got["error"] == "CheckpointFailed", (name, rank, what, got)
+                if failed is not None:
+                    assert got["failures"] == [failed], (name, rank, what, got)
+                    assert f"rank {failed}: " in got["message"]
+                assert says in got["message"], (name, rank, what, got["message"])
+                assert got["elapsed"] < GROUP_TIMEOUT_S / 3, (name, rank, what, got)
+            assert case["unchanged"] == 0.0 and case["loaded"] == 0.0, (name, rank)
+            got = case["per_rank_write"]
+            if name == "sharded":
+                assert got["error"] == "CheckpointFailed" and got["failures"] == [1], got
+                assert "rank 1: OSError" in got["message"] and "shared file" in got["message"]
+                assert case["per_rank_loaded"] == 0.0
+            else:
+                assert got["error"] == "ValueError" and "per_rank=True" in got["message"]
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".sharded-per-rank")]
+    assert not (tmp_path / "sharded-per-rank-failed").exists()
+    # One file per rank and a manifest; it loads in one process as the gathered checkpoint
+    # of the same step does: the same masters and optimizer state, tensor for tensor.
+    from rpcompile.runtime.checkpoint import read_manifest
+
+    per_rank = tmp_path / "sharded-per-rank"
+    assert sorted(p.name for p in per_rank.iterdir()) == [
+        "manifest.json", "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+    assert read_manifest(per_rank)["sharded"]
+    states = []
+    for path in (per_rank, tmp_path / "sharded-good"):
+        single = _compile("qwen3", 5, _batches()[0], optimizer=_adamw)
+        try:
+            single.load_checkpoint(path)
+            assert _max_diff(single.trainer().masters(), ranks[0]["sharded"]["step1_all"]) == 0
+            states.append(single.trainer().state_dict())
+        finally:
+            single.close()
+    a, b = (s["optimizer"] for s in states)
+    assert a["param_groups"] == b["param_groups"] and a["state"].keys() == b["state"].keys()
+    for i, entry in a["state"].items():
+        for key, value in entry.items():
+            assert torch.equal(value, b["state"][i][key]), (i, key)
+
+
 def test_shard_optimizer_refuses_async_updates():
     from rpcompile.options import Options, PlanOptions, TrainOptions
 
     with pytest.raises(ValueError, match="shard_optimizer needs mode='sync'"):
-        Options(plan=PlanOptions(mode="async"), train=TrainOptions(shard_optimizer=True))
+        Options(plan=PlanOptions(mode="async", shard_optimizer=True), train=TrainOptions())
+    with pytest.raises(ValueError, match="shard_optimizer must be True or False"):
+        PlanOptions(shard_optimizer="yes")
 
 
 @pytest.mark.parametrize("scenario", ["kill", "raise"])
 def test_a_failing_rank_makes_the_other_fail_with_a_named_error_in_time(tmp_path, scenario):
     timeout_s = 6.0
-    ranks = _spawn(2, tmp_path, scenario, options={"timeout_s": timeout_s}, timeout=180.0)
+    ranks = _spawn(_rank_main, 2, tmp_path, scenario, {"timeout_s": timeout_s}, timeout=180.0)
     survivor = ranks[0]
     assert survivor is not None
     assert survivor["error"] == "RankFailed", survivor.get("message")
@@ -406,9 +590,10 @@ def _run_cli(cmd: list[str], env: dict, cwd) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
-def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_path):
+def _train_args(tmp_path, lr: str = "3e-3") -> tuple[list[str], dict]:
+    """``rpcompile train`` arguments over a tiny checkpoint and prompt/completion data, and
+    the environment to run them in."""
     import json
-    import sys
     from pathlib import Path
 
     from tests.test_finetune import WORDS, _tiny_checkpoint
@@ -422,18 +607,33 @@ def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_pat
             f.write(json.dumps({"prompt": f"{w} x{k}:", "completion": f" {w}" * k}) + "\n")
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     args = ["train", "--model", str(ckpt), "--data", str(data), "--steps", "4", "--workers",
-            "2", "--microbatches", "2", "--batch", "8", "--lr", "3e-3", "--eval-every", "0",
+            "2", "--microbatches", "2", "--batch", "8", "--lr", lr, "--eval-every", "0",
             "--save-every", "2", "--keep-last", "2", "--no-tensorboard"]
-    two, one, resumed = tmp_path / "two", tmp_path / "one", tmp_path / "resumed"
+    return args, env
+
+
+def _torchrun(args: list[str], out, env: dict, cwd) -> None:
+    import sys
+
     _run_cli([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
               "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "rpcompile",
-              *args, "--out", str(two)], env, tmp_path)
+              *args, "--out", str(out)], env, cwd)
+
+
+def _records(out) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_path):
+    import sys
+
+    args, env = _train_args(tmp_path)
+    two, one, resumed = tmp_path / "two", tmp_path / "one", tmp_path / "resumed"
+    _torchrun(args, two, env, tmp_path)
     _run_cli([sys.executable, "-m", "rpcompile", *args, "--out", str(one)], env, tmp_path)
-
-    def records(out):
-        return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-
-    got, want = records(two), records(one)
+    got, want = _records(two), _records(one)
     # Rank 0 alone wrote: one line per step and eval, one final/, its checkpoints.
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4, 4]
     assert (two / "final" / "config.json").is_file()
@@ -450,11 +650,47 @@ def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_pat
     # The two-rank checkpoint of step 2 resumes on one rank and continues as both runs did.
     _run_cli([sys.executable, "-m", "rpcompile", "train", "--resume",
               str(two / "checkpoints" / "step-00000002"), "--out", str(resumed)], env, tmp_path)
-    after = {r["step"]: r["loss"] for r in records(resumed) if "loss" in r}
+    after = {r["step"]: r["loss"] for r in _records(resumed) if "loss" in r}
     assert sorted(after) == [3, 4]
     for step in (3, 4):
         assert after[step] == pytest.approx(next(r["loss"] for r in want if r["step"] == step
                                                  and "loss" in r), abs=1e-5)
+
+
+def test_train_shard_optimizer_under_torchrun_equals_one_process(tmp_path):
+    """``rpcompile train --shard-optimizer`` on 2 ranks: every rank takes part in the
+    evaluations, the checkpoints and final/ (the masters gathered, rank 0 writes); the eval
+    losses and final/'s weights equal one process training the same global batches."""
+    import sys
+
+    from safetensors.torch import load_file
+
+    # A small lr keeps AdamW's amplification of data parallel's summation order under 1e-6.
+    args, env = _train_args(tmp_path, lr="5e-5")
+    args[args.index("--eval-every") + 1] = "2"
+    two, one = tmp_path / "two", tmp_path / "one"
+    _torchrun([*args, "--shard-optimizer"], two, env, tmp_path)
+    _run_cli([sys.executable, "-m", "rpcompile", *args, "--out", str(one)], env, tmp_path)
+    got, want = _records(two), _records(one)
+    evals = [r["eval_loss"] for r in want if "eval_loss" in r]
+    assert len(evals) == 3 and [r.get("eval_loss") for r in got if "eval_loss" in r] == \
+        pytest.approx(evals, abs=1e-6)
+    for a, b in zip(got, want):
+        if "loss" in b:
+            assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()
+                  if p.name.startswith("step-")) == ["step-00000002", "step-00000004"]
+    from rpcompile.runtime.checkpoint import read_manifest
+
+    manifest = read_manifest(two / "checkpoints" / "step-00000004")
+    assert manifest["sharded"] and manifest["ranks"] == 2
+    sharded = load_file(str(two / "final" / "model.safetensors"))
+    single = load_file(str(one / "final" / "model.safetensors"))
+    assert sharded.keys() == single.keys()
+    moved = max(float((single[k] - load_file(str(tmp_path / "ckpt" / "model.safetensors"))[k])
+                      .abs().max()) for k in single)
+    assert moved > 1e-5  # the weights trained: the comparison below is not of untouched ones
+    assert max(float((sharded[k] - single[k]).abs().max()) for k in single) < 1e-6
 
 
 # -- planning at scale (no processes) -----------------------------------------------------------
@@ -529,6 +765,18 @@ def test_plan_nodes_prints_scaling(capsys, tmp_path):
     nodes = json.loads((out / "summary.json").read_text())["nodes"]
     assert nodes["nodes"] == 2 and 0 < nodes["efficiency"] <= 1.0
     assert nodes["tokens_per_step"] == 2 * 18 * 256
+    # Sharded: the same plan's scaling, its REDUCEs to the owners and the shadows broadcast.
+    sharded = tmp_path / "sharded"
+    assert main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--seq", "256", "--batch",
+                 "18", "--microbatches", "9", "--gpus", "4", "--nodes", "2", "--link", "eth25",
+                 "--optimizer", "sync", "--shard-optimizer", "--no-fit-search",
+                 "--out", str(sharded)]) == 0
+    assert "shadows broadcast (sharded)" in capsys.readouterr().out
+    nodes = json.loads((sharded / "summary.json").read_text())["nodes"]
+    assert nodes["sharded"] and nodes["shadow_bytes"] > 0
+    assert main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--nodes", "2",
+                 "--shard-optimizer", "--no-fit-search"]) == 2  # async: refused
+    assert "shard_optimizer needs mode='sync'" in capsys.readouterr().err
     assert main(["plan", "--model", "qwen3-1.7b", "--nodes", "2", "--link", "ib"]) == 2
     assert "unknown link 'ib'; known: eth100, eth25" in capsys.readouterr().err
     assert main(["hardware"]) == 0

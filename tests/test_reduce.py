@@ -18,12 +18,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import rpcompile
 from rpcompile.ir import ORDERED_STREAMS, ActionKind
 from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES
-from tests.test_distributed import _batches, _free_port, _sgd, _share
+from tests.test_distributed import _batches, _sgd, _share, _spawn
 from tests.tiny_models import hf_model
 
 
@@ -107,130 +106,174 @@ def test_a_plan_for_other_ranks_than_the_run_has_is_refused():
 def _protocol_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from rpcompile.runtime.executor import Executor
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
-    result: dict = {}
     try:
-        batches = [_share(b, rank, world) for b in _batches()]
-        compiled = rpcompile.compile(hf_model("qwen3_tied", seed=rank), gpus=2, microbatches=2,
-                                     example_inputs=batches[0], optimizer=_sgd,
-                                     device="virtual", chaos=rank + 1)
-        trainer = compiled.trainer()
-        sched = trainer.schedule
-        compiled.step(batches[0])  # step 0: its own schedule step, not logged
-        log: list[tuple[object, float, float]] = []
-        lock = threading.Lock()
-        launched: dict[object, int] = {}
-        originals = {k: getattr(Executor, f"_do_{k.value}") for k in ActionKind}
-        for kind, original in originals.items():
-            def wrapped(self, run, a, original=original):
-                begin = time.perf_counter()
-                before = self.reducer.reductions
-                original(self, run, a)
-                end = time.perf_counter()
-                with lock:
-                    log.append((a, begin, end))
-                    if a.kind == "REDUCE":
-                        launched[a] = self.reducer.reductions - before
-            setattr(Executor, f"_do_{kind.value}", wrapped)
-        step = trainer.executor.steps_run % sched.steps
-        compiled.step(batches[1])
-        for kind, original in originals.items():
-            setattr(Executor, f"_do_{kind.value}", original)
-        ran = [a for a, _, _ in log]
-        expected = [a for a in sched.all_actions() if a.step == step]
-        measured = {a: (b, e) for a, b, e in log}
-        # What each REDUCE reduced, from the host store's own record of which gradient
-        # stages every parameter has (not from the plan the lowering read).
-        store = trainer.store
-        done: set[int] = set()
-        pending = list(store.trainable_slots)
-        reduced = {}
-        for a in sched.network:
-            if a.step != step:
-                continue
-            done.add(a.stage)
-            ready = [s for s in pending if set(s.grad_stages) <= done]
-            pending = [s for s in pending if s not in ready]
-            reduced[str(a)] = (a.bytes, 4 * sum(s.numel for s in ready))
-        result = {
-            "twice": len(ran) - len(set(ran)),
-            "missing": [str(a) for a in set(expected) - set(ran)],
-            "extra": [str(a) for a in set(ran) - set(expected)],
-            "reduces": sum(1 for a in ran if a.kind == "REDUCE"),
-            "grad_stages": sum(1 for p in compiled.stages if p.kind != "forward"),
-            "launched": {str(a): n for a, n in launched.items()},
-            "reduced": reduced,
-            "broken": [f"{e.kind}: {e.src} -> {e.dst}" for e in sched.edges
-                       if e.src in measured and e.dst in measured
-                       and measured[e.src][1] > measured[e.dst][0]],
-            "unordered": [stream for (_, stream), queue in sched.queues().items()
-                          if stream in ORDERED_STREAMS and
-                          [measured[a][0] for a in queue if a.step == step] !=
-                          sorted(measured[a][0] for a in queue if a.step == step)],
-            "masters": {k: v.clone() for k, v in trainer.masters().items()},
-        }
-        compiled.close()
+        result = {shard: _protocol_case(rank, world, shard) for shard in (False, True)}
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
 
 
+def _protocol_case(rank: int, world: int, shard: bool) -> dict:
+    """One run's step 1 with every action logged, and the bytes each REDUCE and SHADOW made
+    gloo move (counted at torch.distributed's reduce / all_reduce / broadcast calls)."""
+    import torch.distributed as dist
+
+    from rpcompile.runtime.executor import Executor
+    from rpcompile.sim.sharding import shadow_gather_bytes
+
+    batches = [_share(b, rank, world) for b in _batches()]
+    compiled = rpcompile.compile(hf_model("qwen3_tied", seed=rank), gpus=2, microbatches=2,
+                                 example_inputs=batches[0], optimizer=_sgd,
+                                 device="virtual", chaos=rank + 1, shard_optimizer=shard)
+    trainer = compiled.trainer()
+    sched = trainer.schedule
+    compiled.step(batches[0])  # step 0: its own schedule step, not logged
+    log: list[tuple[object, float, float]] = []
+    lock = threading.Lock()
+    launched: dict[object, int] = {}
+    moved: dict[object, dict[str, int]] = {}
+    sent = {"reduce": 0, "all_reduce": 0, "broadcast": 0}  # bytes, by collective
+    collectives = {name: getattr(dist, name) for name in sent}
+    for name, original in collectives.items():
+        def counting(tensor, *args, name=name, original=original, **kwargs):
+            sent[name] += tensor.numel() * tensor.element_size()
+            return original(tensor, *args, **kwargs)
+        setattr(dist, name, counting)
+    originals = {k: getattr(Executor, f"_do_{k.value}") for k in ActionKind}
+    for kind, original in originals.items():
+        def wrapped(self, run, a, original=original):
+            begin = time.perf_counter()
+            before, counts = self.reducer.reductions, dict(sent)
+            original(self, run, a)
+            end = time.perf_counter()
+            with lock:
+                log.append((a, begin, end))
+                if a.kind in ("REDUCE", "SHADOW"):
+                    # One network thread and one host queue: no other REDUCE or SHADOW ran
+                    # in between, and a REDUCE never broadcasts, a SHADOW never reduces.
+                    moved[a] = {k: sent[k] - counts[k] for k in sent}
+                if a.kind == "REDUCE":
+                    launched[a] = self.reducer.reductions - before
+        setattr(Executor, f"_do_{kind.value}", wrapped)
+    step = trainer.executor.steps_run % sched.steps
+    compiled.step(batches[1])
+    for kind, original in originals.items():
+        setattr(Executor, f"_do_{kind.value}", original)
+    for name, original in collectives.items():
+        setattr(dist, name, original)
+    ran = [a for a, _, _ in log]
+    expected = [a for a in sched.all_actions() if a.step == step]
+    measured = {a: (b, e) for a, b, e in log}
+    # What each REDUCE reduced, from the host store's own record of which gradient stages
+    # every parameter has (not from the plan the lowering read).
+    store = trainer.store
+    done: set[int] = set()
+    pending = list(store.trainable_slots)
+    reduced = {}
+    for a in sched.network:
+        if a.step != step:
+            continue
+        done.add(a.stage)
+        ready = [s for s in pending if set(s.grad_stages) <= done]
+        pending = [s for s in pending if s not in ready]
+        reduced[str(a)] = (a.bytes, 4 * sum(s.numel for s in ready))
+    # What the replay of a sharded schedule times: each REDUCE's bytes reduced to their
+    # owners, and at each SHADOW the shadows it gathers (rpcompile.sim.sharding).
+    gathers = shadow_gather_bytes(sched, compiled.plan) if sched.sharded else {}
+    result = {
+        "sharded": sched.sharded,
+        "twice": len(ran) - len(set(ran)),
+        "missing": [str(a) for a in set(expected) - set(ran)],
+        "extra": [str(a) for a in set(ran) - set(expected)],
+        "reduces": sum(1 for a in ran if a.kind == "REDUCE"),
+        "grad_stages": sum(1 for p in compiled.stages if p.kind != "forward"),
+        "launched": {str(a): n for a, n in launched.items()},
+        "reduced": reduced,
+        "moved": {str(a): (a.kind, a.bytes, gathers.get(a), m) for a, m in moved.items()
+                  if a.step == step},
+        "shadow_bytes": sum(s.numel for s in store.trainable_slots)
+        * store.shadow.element_size(),
+        "broken": [f"{e.kind}: {e.src} -> {e.dst}" for e in sched.edges
+                   if e.src in measured and e.dst in measured
+                   and measured[e.src][1] > measured[e.dst][0]],
+        "unordered": [stream for (_, stream), queue in sched.queues().items()
+                      if stream in ORDERED_STREAMS and
+                      [measured[a][0] for a in queue if a.step == step] !=
+                      sorted(measured[a][0] for a in queue if a.step == step)],
+        "masters": trainer.gather_masters(),
+    }
+    compiled.close()
+    return result
+
+
 def test_at_run_time_every_reduce_runs_once_where_the_schedule_puts_it(tmp_path):
-    ctx = mp.get_context("spawn")
-    port = _free_port()
-    procs = [ctx.Process(target=_protocol_rank, args=(r, 2, port, str(tmp_path)))
-             for r in range(2)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + 240.0
-    for p in procs:
-        p.join(max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-            pytest.fail("a rank did not finish within 240 s (hang)")
-    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
-    for r in ranks:
-        assert r["twice"] == 0 and not r["missing"] and not r["extra"], r
-        assert r["reduces"] == r["grad_stages"] >= 2  # one per gradient stage
-        assert not r["broken"], r["broken"]
-        assert not r["unordered"], r["unordered"]
-        # Each REDUCE's bytes are what it reduced: the lowering (from the plan's units) and
-        # the runtime (from the host store's slots) agree, the tied embedding included.
-        for bytes_, expected in r["reduced"].values():
-            assert bytes_ == expected
-        assert sum(r["launched"].values()) >= 2  # each REDUCE launched its own all-reduces
-        assert all(n >= 1 for n in r["launched"].values())
-    for name, value in ranks[0]["masters"].items():
-        assert torch.equal(value, ranks[1]["masters"][name]), name
+    """Replicated and sharded: every action once, every edge held, and what each REDUCE and
+    SHADOW made gloo move is what the schedule (and, sharded, the replay) says it moves."""
+    ranks = _spawn(_protocol_rank, 2, tmp_path)
+    assert all(r is not None for r in ranks), "a rank failed (see its output)"
+    for shard in (False, True):
+        for r in (rank[shard] for rank in ranks):
+            assert r["sharded"] == shard
+            assert r["twice"] == 0 and not r["missing"] and not r["extra"], r
+            assert r["reduces"] == r["grad_stages"] >= 2  # one per gradient stage
+            assert not r["broken"], r["broken"]
+            assert not r["unordered"], r["unordered"]
+            # Each REDUCE's bytes are what it reduced: the lowering (from the plan's units)
+            # and the runtime (from the host store's slots) agree, the tied embedding included.
+            for bytes_, expected in r["reduced"].values():
+                assert bytes_ == expected
+            assert sum(r["launched"].values()) >= 2  # each REDUCE launched its own collectives
+            assert all(n >= 1 for n in r["launched"].values())
+            collective = "reduce" if shard else "all_reduce"
+            gathered = 0
+            for kind, bytes_, gather, m in r["moved"].values():
+                if kind == "REDUCE":  # its gradients, once, by the collective of its mode
+                    assert m == {"reduce": 0, "all_reduce": 0, "broadcast": 0,
+                                 collective: bytes_}, (kind, bytes_, m)
+                elif shard:  # SHADOW: the replay's gathered bytes are what it broadcast
+                    assert m["broadcast"] == gather and not m["reduce"], (bytes_, gather, m)
+                    gathered += gather
+                else:
+                    assert not any(m.values()), m
+            if shard:  # every trainable parameter's shadow gathered once in the step
+                assert gathered == r["shadow_bytes"] > 0
+        first, second = (rank[shard] for rank in ranks)
+        for name, value in first["masters"].items():
+            assert torch.equal(value, second["masters"][name]), name
 
 
 # -- in the simulator --------------------------------------------------------------------------
 
 
 @functools.cache
-def _sim_case(gbit: float):
-    from rpcompile.hardware import Link, get_hardware
-    from rpcompile.passes.lower import lower
-    from rpcompile.passes.schedule import build_schedule
+def _sim_plan():
+    from rpcompile.hardware import get_hardware
     from rpcompile.planner.partition import partition
-    from rpcompile.sim import simulate, simulate_roundpipe
     from rpcompile.workloads.paper import MODELS
 
-    # Host memory that never limits a reduction, and a link without latency: a REDUCE then
+    # Host memory that never limits a reduction: with a link without latency a REDUCE then
     # takes exactly its ring time, 2 (N-1)/N x bytes / bandwidth. One sync step of 27 layers
     # of Qwen3-1.7B on 4 workers: 8 gradient stages.
     hw = replace(get_hardware("rtx4090x8").with_gpus(4), host_mem_gbps=1e6)
     units = MODELS["qwen3-1.7b"].units(2, 1024)
     units = units[:29] + units[-1:]
-    plan = partition(units, hw, 4, 5, 2, 1024, 1)
+    return partition(units, hw, 4, 5, 2, 1024, 1), hw
+
+
+@functools.cache
+def _sim_case(gbit: float, sharded: bool = False):
+    from rpcompile.hardware import Link
+    from rpcompile.passes.lower import lower
+    from rpcompile.passes.schedule import build_schedule
+    from rpcompile.sim import simulate, simulate_roundpipe
+
+    plan, hw = _sim_plan()
     link = Link("test", "test link", gbit_per_s=gbit, efficiency=1.0, latency_us=0.0)
-    two = simulate_roundpipe(plan, hw.with_link(link), optimizer="sync", ranks=2)
+    two = simulate_roundpipe(plan, hw.with_link(link), optimizer="sync", ranks=2,
+                             sharded=sharded)
     # One server with the same update order (data parallel defers sync updates).
     sched = build_schedule(plan, 4, 5, kind="roundpipe", optimizer="sync")
     one = simulate(lower(sched, plan, updates="deferred")[0], plan, hw)
@@ -273,3 +316,53 @@ def test_a_fast_link_hides_the_reductions_behind_backward_jobs():
         acc = next(x for x in run.schedule.host if x.kind == "ACC" and x.stage == a.stage)
         assert tl[a][0] == pytest.approx(max(tl[acc][1], previous_end))
         previous_end = tl[a][1]
+
+
+def test_a_sharded_run_is_timed_as_reduces_to_owners_and_shadow_broadcasts():
+    """Sharded (``Schedule.sharded``): each REDUCE is gloo's reduce to the owners (on two
+    ranks as long as the ring all-reduce: 2 (N-1)/N x bytes), and each SHADOW adds the
+    broadcast of the shadows it gathers, one binomial-tree round on two ranks; every
+    trainable parameter's shadow is gathered once per step. All of that traffic is exposed
+    after the step's last backward, so halving the bandwidth doubles the exposed time."""
+    from rpcompile.sim.sharding import shadow_gather_bytes
+
+    plan, _ = _sim_plan()
+    one, fast = _sim_case(800.0, True)
+    _, slow = _sim_case(400.0, True)
+    _, replicated = _sim_case(800.0)
+    assert fast.schedule.sharded and not replicated.schedule.sharded
+    for run, gbit in ((fast, 800.0), (slow, 400.0)):
+        gathers = shadow_gather_bytes(run.schedule, plan)
+        # The shadows of every trainable parameter once (the paper units lend the tied
+        # embedding to the tail as a trainable parameter of its own: counted as the plan does).
+        trainable = sum(u.trainable_params for u in plan.units)
+        assert sum(gathers.values()) == 2 * trainable  # bf16 shadows
+        for a in run.schedule.network:
+            start, end = run.timeline[a]
+            assert end - start == pytest.approx(_ring_ms(a, gbit), rel=1e-6)
+        for a in run.schedule.host:
+            if a.kind == "SHADOW":
+                start, end = run.timeline[a]
+                alone = one.timeline[a]  # the same action in one server's schedule
+                assert (end - start) - (alone[1] - alone[0]) == pytest.approx(
+                    gathers[a] * 8 / (gbit * 1e9) * 1e3, rel=1e-6, abs=1e-9)
+        reds = run.schedule.network
+        exposed = run.makespan_ms - one.makespan_ms
+        broadcast_ms = sum(gathers.values()) * 8 / (gbit * 1e9) * 1e3
+        assert exposed == pytest.approx(_ring_ms(reds[-1], gbit) + broadcast_ms, rel=1e-6)
+    exposed_fast = fast.makespan_ms - one.makespan_ms
+    assert exposed_fast > replicated.makespan_ms - one.makespan_ms > 1.0
+    assert slow.makespan_ms - one.makespan_ms == pytest.approx(2 * exposed_fast, rel=1e-6)
+
+
+def test_a_sharded_schedule_says_so_and_survives_a_round_trip():
+    from rpcompile.ir import Schedule
+
+    _, run = _sim_case(800.0, True)
+    sched = run.schedule
+    assert sched.sharded and "# sharded: true" in sched.to_csv()
+    assert Schedule.from_csv(sched.to_csv()) == sched
+    assert Schedule.from_json(sched.to_json()) == sched
+    assert "# sharded" not in _sim_case(800.0)[1].schedule.to_csv()
+    with pytest.raises(ValueError, match="needs ranks > 1"):
+        sched.replace(ranks=1)

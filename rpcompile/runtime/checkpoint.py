@@ -29,7 +29,19 @@ loading runs no code from the file.
 **Sharded data parallel** (``shard_optimizer``): the ranks' shards are gathered to rank 0,
 which writes this same format, the whole state as one process holds it; a sharded trainer on
 any number of ranks loads it by reading the whole state and keeping its own shard, by
-parameter name (:mod:`rpcompile.runtime.distributed`).
+parameter name (:mod:`rpcompile.runtime.distributed`). With ``per_rank=True`` each rank
+writes its own shard instead, ``shard-RRRRR-of-NNNNN.safetensors`` (its masters, optimizer
+state indexed as its own optimizer indexes it, RNG), and rank 0 a manifest that lists every
+file with its size and sha256 and each rank's optimizer JSON part (``shards``, ``bounds``);
+a load reads and checks every file and merges the shards as one process holds the state
+(``merge_shards``), so it resumes on any number of ranks as the one-file format does. Under data parallel (sharded or not)
+a save and a load are collectives that end the same way on every rank: each rank does its
+local part, then every rank enters one agreement (``DataParallel.settle``) whether its part
+raised or not, and a failure anywhere is a :class:`CheckpointFailed` everywhere (a save:
+nothing written; a load: nothing applied, and the ranks must have read the same file).
+
+**Optimizer state is matched by parameter name** (:func:`match_optimizer_state`) wherever
+the state records ``param_names``, not by position; a state without names loads by position.
 
 **Atomicity.** ``save`` writes both files into a hidden temporary folder beside the target,
 fsyncs them and the folder, renames the folder to the target name and fsyncs the parent; the
@@ -38,10 +50,11 @@ either no folder of the target name (only a ``.<name>.tmp-*`` one, which the man
 or a complete checkpoint. Overwriting an existing folder moves it aside first (two renames);
 :class:`CheckpointManager` never overwrites: each step gets its own folder.
 
-**Loading** verifies the manifest, the tensor file's size and checksum, rebuilds the state
-and hands it to ``Trainer.load_state_dict``, which validates everything (names, shapes,
-finiteness, optimizer structure, mode) before it changes anything; only then are the RNG
-states, the loss scale and the dropout seed restored. Every refusal is a
+**Loading** (:func:`prepare`, then :func:`apply`) verifies the manifest, the tensor file's
+size and checksum, rebuilds the state and hands it to ``Trainer.prepare_state``, which
+matches and validates everything (names, shapes, finiteness, optimizer structure, mode)
+before anything changes; only then are the state, the RNG states, the loss scale and the
+dropout seed applied. Every refusal is a
 :class:`CheckpointError` naming the offending key or file.
 """
 
@@ -54,6 +67,7 @@ import re
 import shutil
 import uuid
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +79,15 @@ __all__ = [
     "FORMAT",
     "VERSION",
     "CheckpointError",
+    "CheckpointFailed",
     "CheckpointManager",
+    "Prepared",
+    "apply",
     "load",
+    "match_optimizer_state",
+    "merge_shards",
+    "optimizer_param_names",
+    "prepare",
     "read_manifest",
     "save",
     "validate_state",
@@ -85,6 +106,19 @@ class CheckpointError(RuntimeFault, ValueError):
     def __init__(self, message: str, key: str | None = None) -> None:
         self.key = key
         super().__init__(message)
+
+
+class CheckpointFailed(CheckpointError):
+    """Data parallel: a save or load failed on one or more ranks, so it failed on every rank
+    (nothing was saved, or nothing was loaded, anywhere). ``failures`` maps each rank that
+    failed to what it raised; a rank that failed itself has its own error as the cause."""
+
+    def __init__(self, what: str, failures: Mapping[int, str], world: int) -> None:
+        self.failures = dict(failures)
+        self.world = world
+        listed = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.failures.items()))
+        super().__init__(f"{what} failed on {len(self.failures)} of {world} ranks ({listed}); "
+                         "every rank stopped at the same point, nothing changed", "ranks")
 
 
 # ============================================================================================
@@ -123,10 +157,12 @@ def plan_identity(summary: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _split_state(trainer: Any, extra: Mapping[str, Any] | None
+def _split_state(trainer: Any, extra: Mapping[str, Any] | None,
+                 state: Mapping[str, Any] | None = None
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """(tensors, manifest) of the trainer's current state."""
-    state = trainer.state_dict()  # copies, once every queued update has run
+    """(tensors, manifest) of ``state`` (default: the trainer's current state)."""
+    if state is None:
+        state = trainer.state_dict()  # copies, once every queued update has run
     tensors: dict[str, torch.Tensor] = {}
     for name, value in state["masters"].items():
         tensors[f"master/{name}"] = value
@@ -190,38 +226,90 @@ def _split_state(trainer: Any, extra: Mapping[str, Any] | None
 # ============================================================================================
 
 
-def save(trainer: Any, path: str | os.PathLike, *, extra: Mapping[str, Any] | None = None) -> Path:
-    """Write ``trainer``'s state to the folder ``path`` atomically (see the module doc)."""
+def save(trainer: Any, path: str | os.PathLike, *, extra: Mapping[str, Any] | None = None,
+         state: Mapping[str, Any] | None = None) -> Path:
+    """Write ``trainer``'s state (or ``state``, a ``Trainer.state_dict()`` already taken) to
+    the folder ``path`` atomically (see the module doc). One process: data parallel goes
+    through ``Trainer.save_checkpoint``, where the ranks agree on the outcome."""
     from safetensors.torch import save_file
 
     final = Path(path)
-    parent = final.parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tensors, manifest = _split_state(trainer, extra)
-    tmp = parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    tmp.mkdir()
+    tensors, manifest = _split_state(trainer, extra, state)
+    tmp = begin_folder(final)
     try:
         save_file(tensors, str(tmp / TENSORS))
         size, digest = _fsync_and_hash(tmp / TENSORS)
         manifest["files"] = {TENSORS: {"bytes": size, "sha256": digest}}
-        with open(tmp / MANIFEST, "w") as fh:
-            json.dump(manifest, fh, indent=1, sort_keys=True)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if final.exists():
-            old = parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            _fsync_dir(parent)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(parent)
+        _commit(tmp, final, manifest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def begin_folder(final: Path) -> Path:
+    """A new hidden temporary folder beside ``final`` to write the checkpoint into."""
+    parent = final.parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    return tmp
+
+
+def _commit(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> None:
+    """Write the manifest last, fsync, and rename ``tmp`` into place (see the module doc)."""
+    parent = final.parent
+    with open(tmp / MANIFEST, "w") as fh:
+        json.dump(manifest, fh, indent=1, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():
+        old = parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        _fsync_dir(parent)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(parent)
+
+
+def shard_file(rank: int, world: int) -> str:
+    return f"shard-{rank:05d}-of-{world:05d}.safetensors"
+
+
+def write_shard(trainer: Any, tmp: Path, state: Mapping[str, Any],
+                extra: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A per-rank checkpoint's part written by this rank (sharded data parallel): its own
+    state's tensors in its own file in the folder ``tmp`` (fsynced). Returns (its entry for
+    the manifest: file, size, sha256 and the JSON part of its optimizer state; this rank's
+    manifest, of which rank 0's becomes the checkpoint's)."""
+    from safetensors.torch import save_file
+
+    dp = trainer.dp
+    tensors, manifest = _split_state(trainer, extra, state)
+    name = shard_file(dp.rank, dp.world)
+    save_file(tensors, str(tmp / name))
+    size, digest = _fsync_and_hash(tmp / name)
+    return {"rank": dp.rank, "file": name, "bytes": size, "sha256": digest,
+            "optimizer": manifest["optimizer"]}, manifest
+
+
+def finish_shards(tmp: Path, final: Path, manifest: dict[str, Any],
+                  parts: list[dict[str, Any]], bounds: list[tuple[int, int]]) -> None:
+    """Rank 0 ends a per-rank checkpoint: the manifest lists every rank's file (and its
+    optimizer state's JSON part, indexed by that rank), written last; then the rename."""
+    if sorted(p["rank"] for p in parts) != list(range(len(parts))):
+        raise CheckpointError("the shards written are not one set of ranks", "shards")
+    parts = sorted(parts, key=lambda p: p["rank"])
+    manifest = dict(manifest)
+    manifest["files"] = {p["file"]: {"bytes": p["bytes"], "sha256": p["sha256"]} for p in parts}
+    manifest["shards"] = [{"rank": p["rank"], "file": p["file"], "optimizer": p["optimizer"]}
+                          for p in parts]
+    manifest["bounds"] = [list(b) for b in bounds]
+    manifest["optimizer"] = {"class": manifest["optimizer"]["class"]}
+    _commit(tmp, final, manifest)
 
 
 def _fsync_and_hash(path: Path) -> tuple[int, str]:
@@ -275,29 +363,48 @@ def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
     return manifest
 
 
-def _read_tensors(folder: Path, manifest: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+def _read_tensors(folder: Path, manifest: Mapping[str, Any], name: str = TENSORS
+                  ) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    expected = manifest["files"].get(TENSORS, {})
-    file = folder / TENSORS
+    expected = manifest["files"].get(name, {})
+    file = folder / name
     if not file.is_file():
-        raise CheckpointError(f"{folder}: {TENSORS} is missing", TENSORS)
+        raise CheckpointError(f"{folder}: {name} is missing", name)
     size, digest = file.stat().st_size, None
     if size != expected.get("bytes"):
-        raise CheckpointError(f"{folder}: {TENSORS} has {size} bytes, the manifest says "
-                              f"{expected.get('bytes')} (truncated or replaced)", TENSORS)
+        raise CheckpointError(f"{folder}: {name} has {size} bytes, the manifest says "
+                              f"{expected.get('bytes')} (truncated or replaced)", name)
     digest = hashlib.sha256()
     with open(file, "rb") as fh:
         while chunk := fh.read(1 << 22):
             digest.update(chunk)
     if digest.hexdigest() != expected.get("sha256"):
-        raise CheckpointError(f"{folder}: {TENSORS} does not match the manifest's sha256 "
-                              "(corrupt)", TENSORS)
+        raise CheckpointError(f"{folder}: {name} does not match the manifest's sha256 "
+                              "(corrupt)", name)
     try:
         return load_file(str(file))
     except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"{folder}: {TENSORS} cannot be read: {exc}", TENSORS) from None
+        raise CheckpointError(f"{folder}: {name} cannot be read: {exc}", name) from None
+
+
+def _rebuild_shards(folder: Path, manifest: Mapping[str, Any], store: Any
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """(the whole state, rank 0's RNG tensors) of a per-rank checkpoint: every rank's file
+    read and checked, and the shards merged as one process would hold the state
+    (:func:`merge_shards`, which refuses an incomplete set)."""
+    shards = manifest["shards"]
+    bounds = [tuple(b) for b in manifest.get("bounds", ())]
+    parts, rng = [], {}
+    for shard in shards:
+        tensors = _read_tensors(folder, manifest, shard["file"])
+        state, shard_rng = _rebuild_state({**manifest, "optimizer": shard["optimizer"]}, tensors)
+        if shard["rank"] == 0:
+            rng = shard_rng
+        parts.append({"rank": shard["rank"], "world": len(shards), "bounds": bounds,
+                      "state": state, "names": dict(enumerate(state.get("param_names", ())))})
+    return merge_shards(store, parts), rng
 
 
 def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
@@ -344,14 +451,33 @@ def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tens
     return state, rng
 
 
-def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
-         allow_nonfinite: bool = False) -> dict[str, Any]:
-    """Restore a checkpoint written by :func:`save` into ``trainer``; returns its ``extra``
-    dict ({} when none was stored). Nothing changes unless every check passes."""
+@dataclass(frozen=True)
+class Prepared:
+    """A checkpoint read and checked against a trainer (:func:`prepare`), not yet applied:
+    ``state`` as ``Trainer.load_state_dict`` applies it (sharded: cut to this rank's shard),
+    and ``digest`` a sha256 over the manifest's file sizes and sha256s (what data-parallel
+    ranks compare)."""
+
+    state: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    scaler_state: Any
+    extra: dict[str, Any]
+    dropout_seed: int | None
+    digest: str
+
+
+def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
+            allow_nonfinite: bool = False) -> Prepared:
+    """Read the checkpoint folder ``path`` and check all of it against ``trainer`` (the files,
+    the optimizer class, the RNG and loss-scale state, then ``Trainer.prepare_state``: names,
+    shapes, finiteness, optimizer structure matched by parameter name, mode), changing
+    nothing; raises :class:`CheckpointError` naming what is wrong."""
     folder = Path(path)
     manifest = read_manifest(folder)
-    tensors = _read_tensors(folder, manifest)
-    state, rng = _rebuild_state(manifest, tensors)
+    if "shards" in manifest:  # one file per rank (Trainer.save_checkpoint(per_rank=True))
+        state, rng = _rebuild_shards(folder, manifest, trainer.store)
+    else:
+        state, rng = _rebuild_state(manifest, _read_tensors(folder, manifest))
     saved_class = manifest["optimizer"].get("class")
     if saved_class != type(trainer.optimizer).__name__:
         raise CheckpointError(f"the checkpoint's optimizer is {saved_class}, this trainer's "
@@ -369,20 +495,199 @@ def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     extra = manifest.get("extra")
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError("the checkpoint's extra is not a dict", "extra")
-    # Validates everything (raising CheckpointError-compatible ValueErrors naming the key)
-    # before it changes anything; what follows cannot fail.
-    trainer.load_state_dict(state, strict=strict, allow_nonfinite=allow_nonfinite)
-    torch.set_rng_state(torch_rng)
+    state = trainer.prepare_state(state, strict=strict, allow_nonfinite=allow_nonfinite)
+    seed = manifest.get("dropout_seed")
+    files = json.dumps(manifest["files"], sort_keys=True).encode()
+    return Prepared(state, rng, scaler_state, dict(extra or {}),
+                    None if seed is None else int(seed), hashlib.sha256(files).hexdigest())
+
+
+def apply(trainer: Any, prepared: Prepared) -> dict[str, Any]:
+    """Apply a :func:`prepare`-d checkpoint (it was checked; this cannot be refused); returns
+    its ``extra`` dict."""
+    trainer.apply_state(prepared.state)
+    torch.set_rng_state(prepared.rng["torch"])
+    rng = prepared.rng
     cuda = [rng[k] for k in sorted((k for k in rng if k.startswith("cuda/")),
                                    key=lambda k: int(k.split("/")[1]))]
     if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
         torch.cuda.set_rng_state_all(cuda)
-    if scaler_state is not None:
-        trainer.loss_scaler.load_state_dict(_decode(scaler_state))
+    if prepared.scaler_state is not None:
+        trainer.loss_scaler.load_state_dict(_decode(prepared.scaler_state))
     capture = trainer.compiled.capture
-    if hasattr(capture, "dropout_seed"):
-        capture.dropout_seed = int(manifest.get("dropout_seed", capture.dropout_seed))
-    return dict(extra or {})
+    if hasattr(capture, "dropout_seed") and prepared.dropout_seed is not None:
+        capture.dropout_seed = prepared.dropout_seed
+    return dict(prepared.extra)
+
+
+def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
+         allow_nonfinite: bool = False) -> dict[str, Any]:
+    """Restore a checkpoint written by :func:`save` into ``trainer``; returns its ``extra``
+    dict ({} when none was stored). Nothing changes unless every check passes. Data
+    parallel (``trainer.dp``): a collective; every rank prepares, then the ranks agree (on
+    success, and that they read the same file) before any applies, so a refusal on any rank
+    is a :class:`CheckpointFailed` on every rank."""
+    dp = getattr(trainer, "dp", None)
+    prepared, error = None, None
+    try:
+        prepared = prepare(trainer, path, strict=strict, allow_nonfinite=allow_nonfinite)
+    except Exception as exc:  # every failure must reach the agreement
+        if dp is None:
+            raise
+        error = exc
+    if dp is not None:
+        what = f"loading the checkpoint {Path(path)}"
+        notes = dp.settle(error, what, note="" if prepared is None else prepared.digest)
+        if len(set(notes.values())) > 1:
+            raise CheckpointFailed(what, {r: f"read checkpoint files of sha256 {d[:12]}..."
+                                          for r, d in notes.items()}, dp.world)
+    return apply(trainer, prepared)
+
+
+def optimizer_param_names(store: Any, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The name of the parameter behind each of ``optimizer``'s indexes (group by group)."""
+    by_id = {id(p): name for name, p in store.named_masters()}
+    return [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def match_optimizer_state(store: Any, state: Mapping[str, Any],
+                          optimizer: torch.optim.Optimizer, *, strict: bool = True,
+                          require_names: bool = False) -> dict[str, Any]:
+    """``state`` with its optimizer part indexed as ``optimizer`` indexes its parameters,
+    matched by the parameter names the state records (``param_names``), not by position;
+    only the parameters this store owns are kept (sharded: this rank's shard). Refused with
+    a :class:`CheckpointError` naming the parameters: a group holding other parameters than
+    this optimizer's group, a name recorded twice, a trainable parameter without masters,
+    and (``strict``) a name that is not a trainable parameter here. A state without names
+    (written before they were recorded) is returned as it is, matched by position, unless
+    ``require_names``."""
+    names = state.get("param_names")
+    if names is None:
+        if require_names:
+            raise CheckpointError(
+                "this checkpoint does not name its optimizer's parameters (written before "
+                "sharded training existed): load it without shard_optimizer, save it again, "
+                "then resume sharded", "param_names")
+        return dict(state)
+    optim = state.get("optimizer")
+    if (not isinstance(optim, Mapping) or not isinstance(optim.get("param_groups"), (list, tuple))
+            or not all(isinstance(g, Mapping) and isinstance(g.get("params"), (list, tuple))
+                       for g in optim["param_groups"])
+            or not isinstance(optim.get("state"), Mapping)):
+        return dict(state)  # validate_state names the malformed part
+    theirs_groups = optim["param_groups"]
+    count = sum(len(g["params"]) for g in theirs_groups)
+    if (not isinstance(names, (list, tuple)) or len(names) != count
+            or not all(isinstance(n, str) for n in names)):
+        raise CheckpointError(f"param_names must name each of the optimizer's {count} "
+                              "parameters once", "param_names")
+    ids = [i for g in theirs_groups for i in g["params"]]
+    if sorted(ids, key=str) != sorted(range(count), key=str):
+        raise CheckpointError("the checkpoint's optimizer groups do not index its parameters "
+                              f"0..{count - 1} once each", "optimizer.param_groups")
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise CheckpointError(f"param_names names {twice[:3]} more than once", "param_names")
+    trainable = {s.name for s in store.trainable_slots}
+    masters = state.get("masters", {})
+    missing = [n for n in sorted(trainable) if n not in masters]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint lacks the masters of {len(missing)} trainable parameters "
+            f"({missing[:3]}): an incomplete set of shards, or another model", "masters")
+    # Names with masters of their own are refused by validate_state, naming the master.
+    unknown = sorted(set(names) - trainable - set(masters))
+    if unknown and strict:
+        raise CheckpointError(
+            f"the checkpoint's optimizer holds state for {unknown[:3]}, which are not "
+            "trainable parameters of this model (pass strict=False to ignore them)",
+            "optimizer.param_names")
+    owned = {s.name for s in store.owned_slots}
+    ours_names = optimizer_param_names(store, optimizer)
+    index_of = {name: i for i, name in enumerate(ours_names)}
+    if len(theirs_groups) != len(optimizer.param_groups):
+        raise CheckpointError(
+            f"the checkpoint's optimizer has {len(theirs_groups)} parameter groups, this "
+            f"one {len(optimizer.param_groups)}", "optimizer.param_groups")
+    by_id = {id(p): name for name, p in store.named_masters()}
+    groups = []
+    for g, (theirs, ours) in enumerate(zip(theirs_groups, optimizer.param_groups)):
+        wanted = {names[i] for i in theirs["params"]} & owned
+        have = [by_id[id(p)] for p in ours["params"]]
+        if set(have) != wanted:
+            lack = sorted(set(have) - wanted)
+            more = sorted(wanted - set(have))
+            raise CheckpointError(
+                f"optimizer group {g} holds other parameters than the checkpoint's group {g}"
+                + (f": the checkpoint's lacks {lack[:3]}" if lack else "")
+                + (f"{';' if lack else ':'} it has {more[:3]} in addition" if more else "")
+                + " (build the optimizer's groups the same way)",
+                f"optimizer.param_groups.{g}")
+        groups.append({**{k: v for k, v in theirs.items() if k != "params"},
+                       "params": [index_of[n] for n in have]})
+    entries = {}
+    for i, entry in optim["state"].items():
+        if not isinstance(i, int) or not 0 <= i < len(names):
+            raise CheckpointError(f"optimizer state entry {i!r} has no parameter name",
+                                  "optimizer.state")
+        if names[i] in owned:
+            entries[index_of[names[i]]] = entry
+    out = dict(state)
+    # Unknown names stay, for validate_state to refuse (strict) or ignore.
+    out["masters"] = {n: v for n, v in masters.items() if n in owned or n not in trainable}
+    out["optimizer"] = {"state": entries, "param_groups": groups}
+    out["param_names"] = ours_names
+    return out
+
+
+def merge_shards(store: Any, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state, as one process would hold it, from every rank's shard (``gather_state``).
+    Optimizer parameters are indexed group by group, each group's parameters in the store's
+    order (what one process's optimizer over the same factory indexes). Raises
+    ``CheckpointError`` on a set of shards that is incomplete, overlaps, or disagrees."""
+    world = parts[0]["world"]
+    if sorted(p["rank"] for p in parts) != list(range(world)) or any(
+            p["world"] != world or p["bounds"] != parts[0]["bounds"] for p in parts):
+        raise CheckpointError("the shards gathered for the checkpoint are not one set (ranks "
+                              f"{sorted(p['rank'] for p in parts)} of {world}, or their bounds "
+                              "differ)", "shards")
+    masters: dict[str, torch.Tensor] = {}
+    for p in parts:
+        for name, value in p["state"]["masters"].items():
+            if name in masters:
+                raise CheckpointError(f"parameter {name!r} is in two shards", "shards")
+            masters[name] = value
+    order = {s.name: s.master_offset for s in store.trainable_slots}
+    missing = [n for n in order if n not in masters]
+    if missing:
+        raise CheckpointError(f"the shards lack {len(missing)} trainable parameters "
+                              f"({missing[:3]})", "shards")
+    first = parts[0]["state"]
+    ngroups = len(first["optimizer"]["param_groups"])
+    if any(len(p["state"]["optimizer"]["param_groups"]) != ngroups for p in parts):
+        raise CheckpointError("the ranks' optimizers have different numbers of parameter "
+                              "groups", "optimizer.param_groups")
+    members: list[list[str]] = [[] for _ in range(ngroups)]
+    entries: dict[str, Any] = {}
+    for p in parts:
+        optim = p["state"]["optimizer"]
+        for g, group in enumerate(optim["param_groups"]):
+            members[g].extend(p["names"][i] for i in group["params"])
+        for i, entry in optim["state"].items():
+            entries[p["names"][i]] = entry
+    names: list[str] = []
+    groups = []
+    for g, group in enumerate(first["optimizer"]["param_groups"]):
+        ordered = sorted(members[g], key=order.__getitem__)
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(len(names), len(names) + len(ordered)))})
+        names.extend(ordered)
+    state = dict(first)
+    state["masters"] = {n: masters[n] for n in sorted(masters, key=order.__getitem__)}
+    state["optimizer"] = {"state": {i: entries[n] for i, n in enumerate(names) if n in entries},
+                          "param_groups": groups}
+    state["param_names"] = names
+    return state
 
 
 _STATE_KEYS = {"masters", "optimizer", "step", "mode", "plan", "executor_steps", "shadow",
@@ -518,8 +823,10 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{int(step):08d}"
 
-    def save(self, compiled: Any, step: int, extra: Mapping[str, Any] | None = None) -> Path:
-        path = compiled.save_checkpoint(self.path_for(step), extra=extra)
+    def save(self, compiled: Any, step: int, extra: Mapping[str, Any] | None = None, *,
+             per_rank: bool = False) -> Path:
+        path = compiled.save_checkpoint(self.path_for(step), extra=extra,
+                                        **({"per_rank": True} if per_rank else {}))
         dp = getattr(getattr(compiled, "_trainer", compiled), "dp", None)
         if dp is None or dp.rank == 0:  # data parallel: rank 0 alone writes and prunes
             self._prune()

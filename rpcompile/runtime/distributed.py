@@ -77,10 +77,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rpcompile.runtime.checkpoint import merge_shards
 from rpcompile.runtime.executor import StepFailed, clip_grad_norm
 from rpcompile.runtime.memory import HostStore, _runs, shard_bounds
 
-__all__ = ["DataParallel", "RankFailed", "resolve_group"]
+__all__ = ["DataParallel", "RankFailed", "merge_shards", "resolve_group"]
+
+# Bytes of each rank's note in a checkpoint agreement (its error message, or a digest).
+_NOTE_BYTES = 480
 
 
 def resolve_group(process_group: Any = None) -> Any:
@@ -349,77 +353,68 @@ class DataParallel:
         names = dict(self._optimizer_names_of(optimizer))
         mine = {"rank": self.rank, "world": self.world, "bounds": self.bounds,
                 "state": state, "names": names}
-        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(mine, parts, dst=self._src(0), group=self.group)
+        parts = self.gather_to_first(mine, "the gather of the checkpoint's shards")
         if self.rank != 0:
             return None
         return merge_shards(self.store, parts)
 
-    def shard_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer
-                    ) -> dict[str, Any]:
+    def gather_to_first(self, obj: Any, what: str) -> list[Any] | None:
+        """Every rank's ``obj`` (picklable) on rank 0, in rank order (the others get None):
+        a collective; its wait is the process group's timeout."""
+        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        try:
+            dist.gather_object(obj, parts, dst=self._src(0), group=self.group)
+        except Exception as exc:
+            self.abandon(what)
+            raise RankFailed(self.rank, self.world, what, exc) from exc
+        return parts
+
+    def shard_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, *,
+                    strict: bool = True) -> dict[str, Any]:
         """Cut a whole state (a checkpoint written by one process, by replicated data parallel,
         or gathered from any number of shards) down to this rank's shard, indexed as this
-        rank's ``optimizer`` indexes its parameters. Raises ``CheckpointError`` when the state
-        does not cover every trainable parameter or its optimizer groups differ from these."""
-        from rpcompile.runtime.checkpoint import CheckpointError
+        rank's ``optimizer`` indexes its parameters, by parameter name
+        (:func:`~rpcompile.runtime.checkpoint.match_optimizer_state`). Raises
+        ``CheckpointError`` when the state does not name its parameters, does not cover every
+        trainable parameter, or its optimizer groups differ from these."""
+        from rpcompile.runtime.checkpoint import match_optimizer_state
 
-        names = state.get("param_names")
-        if names is None:
-            raise CheckpointError(
-                "this checkpoint does not name its optimizer's parameters (written before "
-                "sharded training existed): load it without shard_optimizer, save it again, "
-                "then resume sharded", "param_names")
-        store = self.store
-        missing = [s.name for s in store.trainable_slots if s.name not in state["masters"]]
-        if missing:
-            raise CheckpointError(
-                f"the checkpoint lacks the masters of {len(missing)} trainable parameters "
-                f"({missing[:3]}): an incomplete set of shards, or another model", "masters")
-        owned = {s.name for s in store.owned_slots}
-        index_of = {name: i for i, name in self._optimizer_names_of(optimizer)}
-        full_groups = state["optimizer"]["param_groups"]
-        if len(full_groups) != len(optimizer.param_groups):
-            raise CheckpointError(
-                f"the checkpoint's optimizer has {len(full_groups)} parameter groups, this "
-                f"one {len(optimizer.param_groups)}", "optimizer.param_groups")
-        groups = []
-        by_id = {id(p): name for name, p in store.named_masters()}
-        for g, (theirs, ours) in enumerate(zip(full_groups, optimizer.param_groups)):
-            wanted = {names[i] for i in theirs["params"]} & owned
-            have = [by_id[id(p)] for p in ours["params"]]
-            if set(have) != wanted:
-                raise CheckpointError(
-                    f"optimizer group {g} holds other parameters than the checkpoint's group "
-                    f"{g} does (build the optimizer's groups the same way)",
-                    f"optimizer.param_groups.{g}")
-            groups.append({**{k: v for k, v in theirs.items() if k != "params"},
-                           "params": [index_of[n] for n in have]})
-        entries = {}
-        for i, entry in state["optimizer"]["state"].items():
-            if names[i] in owned:
-                entries[index_of[names[i]]] = entry
-        local_names = [None] * len(index_of)
-        for name, i in index_of.items():
-            local_names[i] = name
-        out = dict(state)
-        trainable = {s.name for s in store.trainable_slots}
-        # Unknown names stay, for validate_state to refuse (strict) or ignore.
-        out["masters"] = {n: v for n, v in state["masters"].items()
-                          if n in owned or n not in trainable}
-        out["optimizer"] = {"state": entries, "param_groups": groups}
-        out["param_names"] = local_names
-        return out
+        return match_optimizer_state(self.store, state, optimizer, strict=strict,
+                                     require_names=True)
 
     def _optimizer_names_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
-        by_id = {id(p): name for name, p in self.store.named_masters()}
-        flat = [p for g in optimizer.param_groups for p in g["params"]]
-        return [(i, by_id[id(p)]) for i, p in enumerate(flat)]
+        from rpcompile.runtime.checkpoint import optimizer_param_names
 
-    def agree(self, ok: bool, what: str) -> bool:
-        """Whether every rank reports ``ok`` (one small all-reduce; a collective)."""
-        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
-        self._wait(what, dist.all_reduce(flag, group=self.group, async_op=True), None)
-        return int(flag.item()) == 0
+        return list(enumerate(optimizer_param_names(self.store, optimizer)))
+
+    # -- agreement (checkpoints) ----------------------------------------------------------
+    def settle(self, error: BaseException | None, what: str, note: str = "") -> dict[int, str]:
+        """End a local phase of a collective operation (a checkpoint's save or load) with the
+        same outcome on every rank: every rank calls this, whether its own phase raised
+        (``error``) or not, so the collectives stay in the same order on every rank. One
+        all-reduce of a fixed-size row per rank carries each rank's outcome and a short
+        ``note`` (a load's file digest). When any rank failed, every rank raises
+        :class:`~rpcompile.runtime.checkpoint.CheckpointFailed` naming the ranks and what
+        they raised (a failed rank's own error is its cause); else it returns every rank's
+        note. Ranks reach this at their own pace (rank 0 may be writing): the wait is the
+        process group's timeout; a rank that died makes it raise :class:`RankFailed` at once."""
+        from rpcompile.runtime.checkpoint import CheckpointFailed
+
+        text = note if error is None else f"{type(error).__name__}: {error}"
+        data = text.encode("utf-8", "replace")[:_NOTE_BYTES]
+        rows = torch.zeros(self.world, 2 + _NOTE_BYTES, dtype=torch.int32)
+        rows[self.rank, 0] = 0 if error is None else 1
+        rows[self.rank, 1] = len(data)
+        if data:
+            rows[self.rank, 2:2 + len(data)] = torch.tensor(list(data), dtype=torch.int32)
+        self._wait(f"the agreement on {what}",
+                   dist.all_reduce(rows, group=self.group, async_op=True), None)
+        texts = {r: bytes(rows[r, 2:2 + int(rows[r, 1])].tolist()).decode("utf-8", "replace")
+                 for r in range(self.world)}
+        failed = {r: texts[r] for r in range(self.world) if int(rows[r, 0])}
+        if failed:
+            raise CheckpointFailed(what, failed, self.world) from error
+        return texts
 
     def _left(self) -> float | None:
         if self._deadline is None:
@@ -449,55 +444,3 @@ class _Grad:
 
     def __init__(self, grad: torch.Tensor) -> None:
         self.grad = grad
-
-
-def merge_shards(store: HostStore, parts: list[dict[str, Any]]) -> dict[str, Any]:
-    """One state, as one process would hold it, from every rank's shard (``gather_state``).
-    Optimizer parameters are indexed group by group, each group's parameters in the store's
-    order (what one process's optimizer over the same factory indexes). Raises
-    ``CheckpointError`` on a set of shards that is incomplete, overlaps, or disagrees."""
-    from rpcompile.runtime.checkpoint import CheckpointError
-
-    world = parts[0]["world"]
-    if sorted(p["rank"] for p in parts) != list(range(world)) or any(
-            p["world"] != world or p["bounds"] != parts[0]["bounds"] for p in parts):
-        raise CheckpointError("the shards gathered for the checkpoint are not one set (ranks "
-                              f"{sorted(p['rank'] for p in parts)} of {world}, or their bounds "
-                              "differ)", "shards")
-    masters: dict[str, torch.Tensor] = {}
-    for p in parts:
-        for name, value in p["state"]["masters"].items():
-            if name in masters:
-                raise CheckpointError(f"parameter {name!r} is in two shards", "shards")
-            masters[name] = value
-    order = {s.name: s.master_offset for s in store.trainable_slots}
-    missing = [n for n in order if n not in masters]
-    if missing:
-        raise CheckpointError(f"the shards lack {len(missing)} trainable parameters "
-                              f"({missing[:3]})", "shards")
-    first = parts[0]["state"]
-    ngroups = len(first["optimizer"]["param_groups"])
-    if any(len(p["state"]["optimizer"]["param_groups"]) != ngroups for p in parts):
-        raise CheckpointError("the ranks' optimizers have different numbers of parameter "
-                              "groups", "optimizer.param_groups")
-    members: list[list[str]] = [[] for _ in range(ngroups)]
-    entries: dict[str, Any] = {}
-    for p in parts:
-        optim = p["state"]["optimizer"]
-        for g, group in enumerate(optim["param_groups"]):
-            members[g].extend(p["names"][i] for i in group["params"])
-        for i, entry in optim["state"].items():
-            entries[p["names"][i]] = entry
-    names: list[str] = []
-    groups = []
-    for g, group in enumerate(first["optimizer"]["param_groups"]):
-        ordered = sorted(members[g], key=order.__getitem__)
-        groups.append({**{k: v for k, v in group.items() if k != "params"},
-                       "params": list(range(len(names), len(names) + len(ordered)))})
-        names.extend(ordered)
-    state = dict(first)
-    state["masters"] = {n: masters[n] for n in sorted(masters, key=order.__getitem__)}
-    state["optimizer"] = {"state": {i: entries[n] for i, n in enumerate(names) if n in entries},
-                          "param_groups": groups}
-    state["param_names"] = names
-    return state

@@ -154,7 +154,8 @@ class Trainer:
     stuck in an item are replaced.
     ``process_group``: train data parallel across the ranks of a gloo group: each rank steps
     on its own share of the global batch; losses, clipping and updates are those of the global
-    batch (:mod:`rpcompile.runtime.distributed`). ``shard_optimizer``: each rank keeps the
+    batch (:mod:`rpcompile.runtime.distributed`). ``shard_optimizer`` (a plan option, which
+    this keyword overrides like ``mode``): each rank keeps the
     masters and optimizer state of its 1/N shard only; :meth:`masters` then refuses (use
     :meth:`owned_masters` or the collective :meth:`gather_masters`), and
     :meth:`sync_to_model`, :meth:`state_dict`, :meth:`save_checkpoint` and
@@ -177,6 +178,7 @@ class Trainer:
         schedule_steps: int | None = None,
         chunk_bytes: int | None = None,
         updates: str | None = None,
+        shard_optimizer: bool | None = None,
         **train: Any,
     ) -> None:
         # ``options`` (as compile() passes them) or the same options as keywords; ``mode``,
@@ -187,7 +189,9 @@ class Trainer:
             raise ValueError("pass the training options either as options=TrainOptions(...) "
                              "or as keywords, not both")
         overrides = {k: v for k, v in dict(mode=mode, schedule_steps=schedule_steps, updates=updates,
-                                           chunk_bytes=chunk_bytes).items() if v is not None}
+                                           chunk_bytes=chunk_bytes,
+                                           shard_optimizer=shard_optimizer).items()
+                     if v is not None}
         base = getattr(compiled, "options", None) or Options()
         plan_options = replace(base.plan, **overrides) if overrides else base.plan
         Options(plan=plan_options, train=options)  # the checks across groups
@@ -212,7 +216,8 @@ class Trainer:
         world = group_world(options.process_group)
         check_ranks(plan_options.ranks, world)
         self.schedule = self._lowered_schedule(compiled, mode, plan_options.schedule_steps,
-                                               plan_options.chunk_bytes, updates, world)
+                                               plan_options.chunk_bytes, updates, world,
+                                               plan_options.shard_optimizer)
         self.workers = make_workers(compiled.workers, device, options.capacity_bytes,
                                     options.chaos)
         driver = None
@@ -220,7 +225,7 @@ class Trainer:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
             self.store.kernels = kernels
             self.dp = self._data_parallel(compiled, options.process_group,
-                                          options.shard_optimizer)
+                                          plan_options.shard_optimizer)
             # Sync updates are the schedule's OPT actions (undone if the step fails); async
             # ones run on the driver's thread after the step (eager_updates=False). Sharded,
             # the optimizer is built over this rank's masters only.
@@ -247,19 +252,24 @@ class Trainer:
     # -- construction ------------------------------------------------------------------------
     @staticmethod
     def _lowered_schedule(compiled: Any, mode: str, steps: int | None,
-                          chunk_bytes: int | None, updates: str, ranks: int) -> Schedule:
+                          chunk_bytes: int | None, updates: str, ranks: int,
+                          shard: bool = False) -> Schedule:
         """``compiled.schedule`` when it is the one these options run (one schedule per
-        compile), else one built the same way (:func:`rpcompile.passes.lower.runtime_schedule`)."""
+        compile), else one built the same way (:func:`rpcompile.passes.lower.runtime_schedule`;
+        sharded data parallel marks it ``sharded``)."""
+        sharded = shard and ranks > 1
         kept = getattr(compiled, "schedule", None)
         built = getattr(getattr(compiled, "options", None), "plan", None)
         kept_chunk = built.chunk_bytes if built is not None else DEFAULT_CHUNK_BYTES
         if (kept is not None and kept.optimizer == mode and steps in (None, kept.steps)
                 and chunk_bytes in (None, kept_chunk) and kept.ranks == ranks
+                and kept.sharded == sharded
                 and (mode != "sync" or updates_deferred(kept) == (updates == "deferred"))):
             return kept
-        return runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
-                                compiled.rounds, mode, chunk_bytes, steps=steps,
-                                updates=updates, ranks=ranks)
+        lowered = runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
+                                   compiled.rounds, mode, chunk_bytes, steps=steps,
+                                   updates=updates, ranks=ranks)
+        return lowered.replace(sharded=True) if sharded else lowered
 
     @staticmethod
     def _build_store(compiled: Any, pin: bool) -> HostStore:
@@ -372,51 +382,69 @@ class Trainer:
                     self.compiled.model.get_parameter(alias).copy_(value)
 
     # -- checkpoints -------------------------------------------------------------------------
+    def _local_state(self) -> dict[str, Any]:
+        """This rank's state (sharded: its shard), copies, once every queued update has run."""
+        from rpcompile.runtime.checkpoint import optimizer_param_names
+
+        self._settle()
+        state = copy.deepcopy(self.driver.state_dict())
+        state["param_names"] = optimizer_param_names(self.store, self.optimizer)
+        state["plan"] = plan_summary(self.compiled)
+        state["executor_steps"] = self.executor.steps_run
+        return state
+
     def state_dict(self) -> dict[str, Any]:
         """Masters, optimizer state, step counter, mode and a plan summary: a snapshot
         (copies), unlike ``torch.optim.Optimizer.state_dict`` whose tensors later steps
         would keep changing. ``param_names`` names the optimizer's parameters by index.
         Sharded: a collective (call it on every rank); rank 0 gets the whole state, as one
-        process holds it (so it loads on any number of ranks), the other ranks None."""
+        process holds it (so it loads on any number of ranks), the other ranks None; a rank
+        that fails makes every rank raise ``CheckpointFailed``."""
+        if not self.sharded:
+            return self._local_state()
+        return self._state_across_ranks("the state_dict")
+
+    def _state_across_ranks(self, what: str, gather: bool = True) -> dict[str, Any] | None:
+        """Data parallel: every rank's state taken and agreed (a failure anywhere raises
+        ``CheckpointFailed`` everywhere), then, sharded, gathered to rank 0 (the others get
+        None) and agreed again (rank 0's merge may refuse the set)."""
+        from rpcompile.runtime.distributed import RankFailed
+
+        dp = self.dp
+        dp.check()
+        state, error = None, None
+        try:
+            state = self._local_state()
+        except Exception as exc:  # every failure must reach the agreement
+            error = exc
+        dp.settle(error, what)
+        if not self.sharded or not gather:
+            return state
+        whole, error = None, None
+        try:
+            whole = dp.gather_state(state, self.optimizer)
+        except RankFailed:
+            raise
+        except Exception as exc:
+            error = exc
+        dp.settle(error, f"{what} (the gather of the shards to rank 0)")
+        return whole
+
+    def prepare_state(self, state: dict[str, Any], *, strict: bool = True,
+                      allow_nonfinite: bool = False) -> dict[str, Any]:
+        """``state`` checked against this trainer and made ready for :meth:`apply_state`,
+        changing nothing: the optimizer state matched to this optimizer by the parameter
+        names it records (sharded: cut to this rank's shard), then everything validated
+        (:func:`~rpcompile.runtime.checkpoint.validate_state`). Raises ``CheckpointError``
+        naming the key or the parameters."""
+        from rpcompile.runtime.checkpoint import match_optimizer_state, validate_state
+
         self._settle()
-        state = copy.deepcopy(self.driver.state_dict())
-        by_id = {id(p): name for name, p in self.store.named_masters()}
-        state["param_names"] = [by_id[id(p)] for g in self.optimizer.param_groups
-                                for p in g["params"]]
-        state["plan"] = plan_summary(self.compiled)
-        state["executor_steps"] = self.executor.steps_run
         if self.sharded:
-            return self.dp.gather_state(state, self.optimizer)
-        return state
-
-    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
-                        allow_nonfinite: bool = False) -> None:
-        """Restore :meth:`state_dict` from a trainer over the same model. Everything is
-        validated first (:func:`~rpcompile.runtime.checkpoint.validate_state`: names, shapes,
-        finiteness, optimizer structure, mode); a bad state raises ``CheckpointError`` naming
-        the key and changes nothing. ``strict=False`` ignores unknown keys and parameters;
-        ``allow_nonfinite=True`` accepts inf/NaN masters and optimizer state."""
-        from rpcompile.runtime.checkpoint import validate_state
-
-        self._settle()
-        if self.sharded:
-            # Every rank reads the whole state and keeps its shard; the ranks agree that every
-            # shard validated before any changes anything.
-            error = None
-            try:
-                state = self.dp.shard_state(state, self.optimizer)
-                validate_state(self, state, strict=strict, allow_nonfinite=allow_nonfinite)
-            except ValueError as exc:
-                error = exc
-            if not self.dp.agree(error is None, "the agreement on a loaded checkpoint"):
-                if error is not None:
-                    raise error
-                from rpcompile.runtime.checkpoint import CheckpointError
-
-                raise CheckpointError("another rank refused its shard of this state (see its "
-                                      "error); nothing was loaded", "shards")
-        else:
-            validate_state(self, state, strict=strict, allow_nonfinite=allow_nonfinite)
+            state = self.dp.shard_state(state, self.optimizer, strict=strict)
+        elif isinstance(state, dict):
+            state = match_optimizer_state(self.store, state, self.optimizer, strict=strict)
+        validate_state(self, state, strict=strict, allow_nonfinite=allow_nonfinite)
         mine = plan_summary(self.compiled)
         theirs = state.get("plan")
         if theirs is not None and _comparable(theirs) != _comparable(mine):
@@ -426,37 +454,131 @@ class Trainer:
                 "and optimizer state are per parameter, so they load, but the step will run "
                 "under this trainer's plan",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
+        return state
+
+    def apply_state(self, state: dict[str, Any]) -> None:
+        """Apply a :meth:`prepare_state`-d state. Sharded: a collective (the shadows of every
+        rank's shard are gathered)."""
         self.driver.load_state_dict(state)
         if self.sharded:  # every rank loaded its own shard's shadows: bring the others'
             self.dp.gather_shadows(None, in_step=False)
         self.executor.steps_run = int(state.get("executor_steps", state["step"]))
 
-    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
-        """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`). Data
-        parallel: rank 0 alone writes it (every rank holds the same state); every rank gets
-        the path back. Sharded: a collective (call it on every rank): the shards are gathered
-        to rank 0, which writes one ordinary checkpoint (loadable on any number of ranks)."""
+    def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
+                        allow_nonfinite: bool = False) -> None:
+        """Restore :meth:`state_dict` from a trainer over the same model. Everything is
+        validated first (:meth:`prepare_state`: optimizer state matched by parameter name,
+        names, shapes, finiteness, optimizer structure, mode); a bad state raises
+        ``CheckpointError`` naming the key and changes nothing. ``strict=False`` ignores
+        unknown keys and parameters; ``allow_nonfinite=True`` accepts inf/NaN masters and
+        optimizer state. Data parallel: a collective (call it on every rank): the ranks agree
+        that every rank's state validated before any changes anything, and a refusal on any
+        rank is a ``CheckpointFailed`` on every rank."""
+        if self.dp is not None:
+            self.dp.check()
+        prepared, error = None, None
+        try:
+            prepared = self.prepare_state(state, strict=strict, allow_nonfinite=allow_nonfinite)
+            # torch's Optimizer.load_state_dict keeps the given tensors (same dtype and
+            # device): copy them, or the caller's state dict would change with every update.
+            prepared["optimizer"] = copy.deepcopy(prepared["optimizer"])
+        except Exception as exc:  # every failure must reach the agreement
+            if self.dp is None:
+                raise
+            error = exc
+        if self.dp is not None:
+            self.dp.settle(error, "loading a state dict")
+        self.apply_state(prepared)
+
+    def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None,
+                        per_rank: bool = False) -> Any:
+        """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`); returns
+        its path. Data parallel: a collective (call it on every rank): every rank takes its
+        state (sharded: the shards are gathered to rank 0), rank 0 alone writes one ordinary
+        checkpoint (loadable on any number of ranks), and the ranks agree on the outcome at
+        each phase, so a failure on any rank (rank 0's write included) raises
+        ``CheckpointFailed`` on every rank, naming the rank and its error, and nothing was
+        saved; the path comes back only once the checkpoint is on disk. ``per_rank=True``
+        (sharded): every rank writes its own shard to its own file in the checkpoint folder,
+        and rank 0 the manifest that lists them, so no rank holds more than its shard; the
+        folder must be one every rank can write (a file system shared by the servers). It
+        loads like any checkpoint, on any number of ranks."""
+        from pathlib import Path
+
         from rpcompile.runtime import checkpoint
 
-        if self.sharded and self.dp.rank != 0:
-            self.state_dict()  # this rank's part of the gather; rank 0 writes
-            from pathlib import Path
+        if per_rank and not self.sharded:
+            raise ValueError("per_rank=True writes one file per rank of a sharded state "
+                             "(shard_optimizer=True on more than one rank); this state is "
+                             "whole on every rank: save it with per_rank=False")
+        if per_rank:
+            return self._save_per_rank(Path(path), extra)
+        if self.dp is None:
+            return checkpoint.save(self, path, extra=extra)
+        what = f"the checkpoint {Path(path)}"
+        state = self._state_across_ranks(what)
+        error = None
+        if self.dp.rank == 0:
+            try:
+                checkpoint.save(self, path, extra=extra, state=state)
+            except Exception as exc:  # every failure must reach the agreement
+                error = exc
+        self.dp.settle(error, f"writing {what} (rank 0 writes)")
+        return Path(path)
 
-            return Path(path)
-        if self.dp is not None and self.dp.rank != 0:
-            # Every rank holds the same state: rank 0 alone writes it, to this path.
-            from pathlib import Path
+    def _save_per_rank(self, final: Any, extra: dict[str, Any] | None) -> Any:
+        """``save_checkpoint(per_rank=True)``: each phase ends in an agreement, so a failure
+        on any rank (a folder another rank cannot see included) fails every rank, and rank
+        0 removes the temporary folder."""
+        import shutil
 
-            return Path(path)
-        return checkpoint.save(self, path, extra=extra)
+        from rpcompile.runtime import checkpoint
+
+        dp = self.dp
+        what = f"the checkpoint {final}"
+        state = self._state_across_ranks(what, gather=False)  # this rank's shard only
+        tmp, error = None, None
+        if dp.rank == 0:
+            try:
+                tmp = checkpoint.begin_folder(final)
+            except Exception as exc:  # every failure must reach the agreement
+                error = exc
+        notes = dp.settle(error, f"{what} (rank 0 makes its folder)",
+                          note="" if tmp is None else tmp.name)
+        tmp = final.parent / notes[0]
+        try:
+            part, manifest, error = None, None, None
+            try:
+                part, manifest = checkpoint.write_shard(self, tmp, state, extra)
+            except Exception as exc:
+                error = exc
+            dp.settle(error, f"{what} (every rank writes its file into {tmp}, which needs a "
+                      "folder every rank can write: a shared file system)")
+            parts = dp.gather_to_first(part, f"the gather of {what}'s file list")
+            error = None
+            if dp.rank == 0:
+                try:
+                    checkpoint.finish_shards(tmp, final, manifest, parts, dp.bounds)
+                except Exception as exc:
+                    error = exc
+            dp.settle(error, f"writing {what}'s manifest (rank 0 writes it)")
+        except BaseException:
+            if dp.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return final
 
     def load_checkpoint(self, path: Any, *, strict: bool = True,
                         allow_nonfinite: bool = False) -> dict[str, Any]:
-        """Restore a checkpoint folder; returns the ``extra`` dict it stored."""
+        """Restore a checkpoint folder; returns the ``extra`` dict it stored. Data parallel:
+        a collective (call it on every rank): the ranks agree that every rank read and
+        validated the same file before any changes anything."""
         from rpcompile.runtime import checkpoint
 
+        if self.dp is not None:
+            self.dp.check()
         return checkpoint.load(self, path, strict=strict, allow_nonfinite=allow_nonfinite)
 
     # -- inspection ----------------------------------------------------------------------------

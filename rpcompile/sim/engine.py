@@ -13,7 +13,8 @@ Resource model (docs/simulator.md):
     bulk ones (weights, gradients) chunk by chunk, so a critical transfer waits at most one
     chunk. Transfer lanes are not ordered: any transfer whose waits are done may go;
   * the host queue (ACC, OPT, SHADOW) runs in list order, and so does the host's network lane
-    (REDUCE, data parallel: a ring all-reduce on the profile's inter-server link);
+    (REDUCE, data parallel: a ring all-reduce on the profile's inter-server link; sharded, a
+    reduce to the owners, and each SHADOW then broadcasts the updated shadows);
   * host memory bandwidth is shared: every running transfer and host operation (a reduction's
     gloo copies included) draws from it
     at its own full rate, and when the sum exceeds the host's bandwidth all are slowed in
@@ -42,8 +43,10 @@ from rpcompile.ir import (
     check_registry,
 )
 from rpcompile.sim.result import SimResult
+from rpcompile.sim.sharding import shadow_gather_bytes
 
-__all__ = ["GLOO_HOST_BYTES_PER_BYTE", "OPTIMIZER_BYTES_PER_PARAM", "SIM_COSTS",
+__all__ = ["GLOO_BROADCAST_HOST_BYTES_PER_BYTE", "GLOO_HOST_BYTES_PER_BYTE",
+           "GLOO_REDUCE_HOST_BYTES_PER_BYTE", "OPTIMIZER_BYTES_PER_PARAM", "SIM_COSTS",
            "SimulationError", "compute_times", "paused_gc", "simulate"]
 
 # Fused AdamW over fp32 tensors reads param, grad, exp_avg, exp_avg_sq and writes three of them:
@@ -57,6 +60,12 @@ OPTIMIZER_BYTES_PER_PARAM = 28
 # kernel's socket-buffer copies and the NIC's DMA are not counted (with DDIO they mostly stay
 # in the CPU's cache; counted, the figure would be 15). A model, not a measurement.
 GLOO_HOST_BYTES_PER_BYTE = 7
+# Sharded (``Schedule.sharded``): gloo's reduce to one rank is the same ring reduce-scatter
+# (5 bytes per byte and per (N-1)/N) and then a gather of the other chunks to the root (one
+# write of each received byte, one read of each sent one, counted as 1): 6. Its broadcast
+# (the shadows' all-gather) reads what it sends and writes what it receives: 2 per byte.
+GLOO_REDUCE_HOST_BYTES_PER_BYTE = 6
+GLOO_BROADCAST_HOST_BYTES_PER_BYTE = 2
 _TIME_EPS = 1e-9  # ms; two events closer than this happen together
 
 
@@ -162,7 +171,10 @@ def simulate(
     if tokens_per_microbatch is None:
         tokens_per_microbatch = plan.microbatch_size * plan.seq_len if isinstance(plan, Plan) else 0
     with paused_gc():
-        timeline = _Replay(schedule, times, hw).run()
+        replay = _Replay(schedule, times, hw)
+        if schedule.sharded:  # what each SHADOW's all-gather of updated shadows moves
+            replay.gathered = shadow_gather_bytes(schedule, plan)
+        timeline = replay.run()
         return _measure(schedule, stages, base_units, hw, timeline, times, tokens_per_microbatch)
 
 
@@ -419,8 +431,12 @@ def _reduction_work(replay: _Replay, a: Action) -> tuple[float, float]:
             f"the schedule reduces gradients across {ranks} ranks, but hardware profile "
             f"{replay.hw.name!r} has no inter-server link: simulate on "
             "hardware.with_link('eth25' | 'eth100') (or PlanOptions(link=...))")
-    ms = link.allreduce_ms(a.bytes, ranks)
-    traffic = GLOO_HOST_BYTES_PER_BYTE * (ranks - 1) / ranks * a.bytes
+    if replay.sched.sharded:  # reduced to the gradients' owners: Link.reduce_ms
+        ms = link.reduce_ms(a.bytes, ranks)
+        traffic = GLOO_REDUCE_HOST_BYTES_PER_BYTE * (ranks - 1) / ranks * a.bytes
+    else:
+        ms = link.allreduce_ms(a.bytes, ranks)
+        traffic = GLOO_HOST_BYTES_PER_BYTE * (ranks - 1) / ranks * a.bytes
     if ms <= 0.0 or traffic <= 0.0:
         return 0.0, 1.0
     return traffic, traffic / ms
@@ -430,6 +446,21 @@ def _memory_pass_work(replay: _Replay, a: Action) -> tuple[float, float]:
     """ACC reads the accumulator and the staged gradients and writes the accumulator; SHADOW
     reads the fp32 masters (2x the low-precision bytes) and writes the shadow: 3x bytes."""
     return 3.0 * a.bytes, replay.host_rate
+
+
+def _shadow_work(replay: _Replay, a: Action) -> tuple[float, float]:
+    """SHADOW's memory pass; sharded, then the broadcast of the updated shadows it gathers
+    from their owners (:mod:`rpcompile.sim.sharding`), :meth:`Link.broadcast_ms` on the link:
+    the time alone is the pass's plus the broadcast's, its traffic both."""
+    work, rate = _memory_pass_work(replay, a)
+    # ``replay.gathered`` is set by simulate() before the replay runs; no default, so a cost
+    # taken before it exists fails instead of timing a sharded SHADOW without its broadcast.
+    gathered = replay.gathered.get(a, 0) if replay.sched.sharded else 0
+    ms = replay.hw.link.broadcast_ms(gathered, replay.sched.ranks) if gathered else 0.0
+    if ms <= 0.0:
+        return work, rate
+    traffic = work + GLOO_BROADCAST_HOST_BYTES_PER_BYTE * gathered
+    return traffic, traffic / (work / rate + ms)
 
 
 # The simulator half of each action kind's record (rpcompile.ir.ACTION_SPECS is the other):
@@ -445,7 +476,7 @@ SIM_COSTS: Mapping[ActionKind, Callable[[_Replay, Action], object]] = {
     ActionKind.D2H: lambda replay, a: _Link(d2h=True),
     ActionKind.ACC: _memory_pass_work,
     ActionKind.OPT: _optimizer_work,
-    ActionKind.SHADOW: _memory_pass_work,
+    ActionKind.SHADOW: _shadow_work,
     ActionKind.REDUCE: _reduction_work,
 }
 check_registry(SIM_COSTS, "the simulator")

@@ -23,9 +23,14 @@ from dataclasses import asdict, dataclass
 
 from rpcompile.hardware import Hardware, Link, get_hardware, get_link
 from rpcompile.ir import Plan
-from rpcompile.sim.engine import GLOO_HOST_BYTES_PER_BYTE
+from rpcompile.sim.engine import (
+    GLOO_BROADCAST_HOST_BYTES_PER_BYTE,
+    GLOO_HOST_BYTES_PER_BYTE,
+    GLOO_REDUCE_HOST_BYTES_PER_BYTE,
+)
 from rpcompile.sim.result import SimResult
 from rpcompile.sim.runs import simulate_roundpipe, steady_step_ms, steady_steps
+from rpcompile.sim.sharding import shadow_gather_bytes
 
 __all__ = ["NodeScaling", "simulate_nodes"]
 
@@ -38,9 +43,11 @@ class NodeScaling:
     link: str
     gradient_bytes: int  # fp32 gradients reduced per step (the REDUCE actions' bytes)
     reductions: int  # REDUCE actions per step (one per gradient stage)
+    sharded: bool  # host state sharded: REDUCE to the owners, the shadows broadcast at SHADOW
+    shadow_bytes: int  # sharded: updated shadow bytes broadcast per step (0 otherwise)
     host_traffic_bytes: int  # host-memory traffic of the reductions per step (gloo's copies)
     one_server_step_ms: float
-    link_busy_ms: float  # the REDUCE actions' time per step
+    link_busy_ms: float  # the REDUCE actions' time per step (sharded: not the broadcasts)
     added_ms: float  # step_ms - one_server_step_ms
     step_ms: float
     tokens_per_step: int  # of all servers
@@ -55,18 +62,23 @@ class NodeScaling:
         return (f"{self.nodes} servers over {self.link}: {self.step_ms:.1f} ms per step, "
                 f"{self.tokens_per_s:,.0f} tokens/s ({self.efficiency * 100:.1f}% scaling "
                 f"efficiency; {self.gradient_bytes / 2**30:.1f} GiB of gradients in "
-                f"{self.reductions} reductions, {self.link_busy_ms:.1f} ms on the link, "
+                f"{self.reductions} reductions"
+                + (f" to their owners and {self.shadow_bytes / 2**30:.1f} GiB of shadows "
+                   "broadcast (sharded)" if self.sharded else "")
+                + f", {self.link_busy_ms:.1f} ms of reductions on the link, "
                 f"{self.added_ms:+.1f} ms per step against one server)")
 
 
 def simulate_nodes(plan: Plan, hardware: Hardware | str, nodes: int, link: Link | str, *,
                    tokens_per_step: int, optimizer: str = "async", rounds: int = 1,
                    steps: int | None = None, one_server: SimResult | None = None,
-                   ) -> NodeScaling:
+                   sharded: bool = False) -> NodeScaling:
     """N servers of ``hardware`` joined by ``link``, each running ``plan`` (see the module
     doc). ``steps``: steps to replay (default :func:`steady_steps`, at least 3);
     ``one_server``: the single-server run of the same steps, if already simulated;
-    ``tokens_per_step`` is one server's."""
+    ``tokens_per_step`` is one server's; ``sharded``: the servers shard their host state
+    (``shard_optimizer``, sync mode): the replay times a reduce of each REDUCE's gradients to
+    their owners and the updated shadows' broadcast at each SHADOW."""
     if nodes < 1:
         raise ValueError(f"nodes must be at least 1, got {nodes}")
     link = get_link(link)
@@ -80,15 +92,25 @@ def simulate_nodes(plan: Plan, hardware: Hardware | str, nodes: int, link: Link 
     if one.schedule.steps != steps or one.schedule.ranks != 1:
         raise ValueError(f"one_server must be a one-rank run of {steps} steps")
     run = one if nodes == 1 else simulate_roundpipe(plan, hw, steps=steps, optimizer=optimizer,
-                                                    rounds=rounds, ranks=nodes)
+                                                    rounds=rounds, ranks=nodes,
+                                                    sharded=sharded)
     one_step, step_ms = steady_step_ms(one), steady_step_ms(run)
     k = steps - 2  # a steady step's reductions
     reds = [a for a in run.schedule.network if a.step == k]
     grads = sum(a.bytes for a in reds)
     busy = sum(run.timeline[a][1] - run.timeline[a][0] for a in reds)
+    shadows = 0
+    if run.schedule.sharded:
+        shadows = sum(n for a, n in shadow_gather_bytes(run.schedule, plan).items()
+                      if a.step == k)
+        traffic = (GLOO_REDUCE_HOST_BYTES_PER_BYTE * (nodes - 1) / nodes * grads
+                   + GLOO_BROADCAST_HOST_BYTES_PER_BYTE * shadows)
+    else:
+        traffic = GLOO_HOST_BYTES_PER_BYTE * (nodes - 1) / nodes * grads
     return NodeScaling(
         nodes=nodes, link=link.key, gradient_bytes=grads, reductions=len(reds),
-        host_traffic_bytes=int(GLOO_HOST_BYTES_PER_BYTE * (nodes - 1) / nodes * grads),
+        sharded=run.schedule.sharded, shadow_bytes=shadows,
+        host_traffic_bytes=int(traffic),
         one_server_step_ms=one_step, link_busy_ms=busy, added_ms=step_ms - one_step,
         step_ms=step_ms, tokens_per_step=tokens_per_step * nodes,
         one_server_tokens_per_s=tokens_per_step * 1e3 / one_step,

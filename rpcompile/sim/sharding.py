@@ -1,0 +1,96 @@
+"""What the shadows' all-gather of a sharded schedule moves, per SHADOW action.
+
+With ``shard_optimizer`` (``Schedule.sharded``) each rank updates only the parameters it owns,
+and the runtime brings every rank the others' updated shadows inside the ``SHADOW`` actions
+(``DataParallel.gather_shadows``): at a stage's ``SHADOW``, every trainable parameter the stage
+reads (its units' own, and those it borrows: a tied embedding) whose gradient stages have all
+had their ``OPT`` in this step, and that no earlier ``SHADOW`` of the step gathered, is
+broadcast from its owner. :func:`shadow_gather_bytes` follows the same rule over the plan's
+units and the schedule's host queue, so the simulator times the bytes the runtime moves.
+"""
+
+from __future__ import annotations
+
+from rpcompile.ir import Action, Plan, Schedule
+
+__all__ = ["shadow_gather_bytes"]
+
+# A parameter of the plan: ("own", unit) for a unit's trainable elements that no other unit
+# borrows, ("lent", unit, elements) for the trainable elements other units borrow from it.
+_Key = tuple
+
+
+def _parameters(plan: Plan) -> tuple[dict[_Key, int], dict[_Key, frozenset[int]],
+                                     dict[int, list[_Key]]]:
+    """(elements, gradient stages) of each trainable parameter key, and the keys each stage
+    reads."""
+    owner: dict[int, int] = {}  # unit -> the gradient stage holding it
+    for st in plan.stages:
+        if st.kind != "forward":
+            for u in st.units:
+                owner[u] = st.index
+    lent: dict[_Key, set[int]] = {}
+    shared: dict[int, int] = {}
+    for v, unit in enumerate(plan.units):
+        for o, numel, trainable in unit.borrowed:
+            if trainable:
+                key = ("lent", o, numel)
+                if key not in lent:
+                    shared[o] = shared.get(o, 0) + numel
+                lent.setdefault(key, {owner[o]}).add(owner[v])
+    elements: dict[_Key, int] = {key: key[2] for key in lent}
+    stages_of: dict[_Key, frozenset[int]] = {key: frozenset(s) for key, s in lent.items()}
+    for u, unit in enumerate(plan.units):
+        own = unit.trainable_params - shared.get(u, 0)
+        if own > 0:
+            elements[("own", u)] = own
+            stages_of[("own", u)] = frozenset({owner[u]})
+    reads: dict[int, list[_Key]] = {}
+    for st in plan.stages:
+        keys: list[_Key] = []
+        for u in st.units:
+            if ("own", u) in elements:
+                keys.append(("own", u))
+            keys.extend(k for k in lent if k[1] == u)
+            keys.extend(("lent", o, numel) for o, numel, trainable in plan.units[u].borrowed
+                        if trainable)
+        reads[st.index] = list(dict.fromkeys(keys))
+    return elements, stages_of, reads
+
+
+def _element_bytes(plan: Plan) -> int:
+    """Bytes per shadow element: a stage's uploaded weight bytes over its parameters."""
+    for st in plan.stages:
+        params = sum(plan.units[u].params for u in st.units)
+        seen = set()
+        for u in st.units:
+            for o, numel, _ in plan.units[u].borrowed:
+                if o not in st.units and (o, numel) not in seen:
+                    seen.add((o, numel))
+                    params += numel
+        if params:
+            return max(1, round(st.weight_bytes / params))
+    return 2
+
+
+def shadow_gather_bytes(schedule: Schedule, plan: Plan) -> dict[Action, int]:
+    """Bytes of updated shadows broadcast at each ``SHADOW`` of the sharded ``schedule`` (see
+    the module doc); every trainable parameter is gathered once per step."""
+    if not isinstance(plan, Plan):
+        raise ValueError("a sharded schedule's shadow gather needs the Plan (its units say "
+                         "which parameters each stage reads)")
+    elements, stages_of, reads = _parameters(plan)
+    size = _element_bytes(plan)
+    done: dict[int, set[int]] = {}
+    gathered: dict[int, set[_Key]] = {}
+    out: dict[Action, int] = {}
+    for a in schedule.host:
+        mine = done.setdefault(a.step, set())
+        if a.kind == "OPT":
+            mine.add(a.stage)
+        elif a.kind == "SHADOW":
+            seen = gathered.setdefault(a.step, set())
+            now = [k for k in reads.get(a.stage, ()) if k not in seen and stages_of[k] <= mine]
+            seen.update(now)
+            out[a] = size * sum(elements[k] for k in now)
+    return out
