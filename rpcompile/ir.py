@@ -359,7 +359,8 @@ EDGE_KINDS = (
     "grad_home",  # D2H grad -> host ACC
     "grad_slot",  # D2H grad of a worker's previous gradient job -> its next one's first compute
     "accumulated",  # ACC -> OPT
-    "updated",  # OPT -> SHADOW of every stage sharing its parameters
+    "updated",  # OPT -> SHADOW of every stage sharing its parameters (sync)
+    "stale",  # async SHADOW -> its step's first OPT (the copy keeps the masters before it)
     "shadow",  # SHADOW -> UP that reads that shadow version
     "shadow_read",  # UP -> SHADOW that overwrites the buffer the UP read (write after read)
 )

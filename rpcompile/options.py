@@ -131,7 +131,7 @@ class PlanOptions:
     ``chunk_bytes``: the piece size of bulk transfers in the lowered schedule.
     ``schedule_steps``: steps of the lowered schedule the runtime cycles through (``None``:
     the dealing period, the steps the round-robin job counter takes to come back to worker 0).
-    ``updates``: the sync update order in the schedule, ``"overlap"`` (each stage's update as
+    ``updates``: the update order in the schedule (either mode), ``"overlap"`` (each stage's update as
     soon as its gradients are home, while later backward jobs compute) or ``"deferred"``
     (after the step's last gradient); ``None``: deferred when clipping, loss scaling,
     ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap."""
@@ -237,7 +237,7 @@ class Options:
             raise ValueError("loss_scale needs mode='sync' (async updates would read the "
                              "gradients before they are unscaled)")
         t = self.train
-        if self.plan.updates == "overlap" and self.plan.mode == "sync" and (
+        if self.plan.updates == "overlap" and (
                 t.max_grad_norm is not None or t.loss_scale or t.skip_nonfinite):
             raise ValueError("max_grad_norm, loss_scale and skip_nonfinite look at the whole "
                              "step's gradients before any update: they need "

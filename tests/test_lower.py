@@ -243,17 +243,22 @@ def test_optimizer_async_is_one_step_stale() -> None:
     hb = happens_before(sched)
     shadow = {(a.stage, a.step): a for a in sched.host if a.kind == "SHADOW"}
     opt = {(a.stage, a.step): a for a in sched.host if a.kind == "OPT"}
-    for a in sched.all_actions():
-        if a.kind != "UP":
-            continue
-        if a.step >= 2:
-            assert a in hb[shadow[(a.stage, a.step - 2)]]
-        if a.step >= 1:  # step k never waits for step k-1's update of its stage
-            assert a not in hb[shadow[(a.stage, a.step - 1)]]
+    assert sorted(shadow) == [(s, k) for s in range(6) for k in range(3)]
+    ups = [a for a in sched.all_actions() if a.kind == "UP"]
+    for up in ups:
+        if up.step >= 1:  # one shadow buffer: step k reads what step k-1's SHADOW copied
+            assert up in hb[shadow[(up.stage, up.step - 1)]]
+        for (_, k), sh in shadow.items():  # the shared copy is rewritten after every read
+            if k == up.step:
+                assert sh in hb[up]
+    for (_, k), sh in shadow.items():  # ... and before any update of its step
+        for (_, ko), o in opt.items():
+            if ko == k:
+                assert o in hb[sh]
     # so step 1's first forward may run while step 0's optimizer is still working
     f1 = next(a for a in sched.all_actions() if a.kind == "F" and (a.stage, a.microbatch,
                                                                     a.round, a.step) == (0, 0, 0, 1))
-    assert f1 not in hb[opt[(5, 0)]]
+    assert all(f1 not in hb[o] for (_, k), o in opt.items() if k == 0)
     sync_dry, async_dry = _lowered("sync").dry_run(), sched.dry_run()
     assert max(async_dry.steps.values()) < max(sync_dry.steps.values())
 

@@ -316,31 +316,43 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                   updates: str = "overlap") -> Schedule:
-    """OPT per stage with gradients, SHADOW per stage whose parameters changed, and their edges.
+    """OPT per stage with gradients, SHADOW per stage whose parameters change, and their edges.
 
-    ``updates`` (sync mode) is when a step's updates run, the one decision the runtime and
-    the simulator both read from the host queue's order: ``overlap`` (default) puts OPT(s, k)
-    right after the last round's ACC of s, so it runs while later backward jobs compute (the
-    runtime saves what each update changes and puts it back if the step fails);
-    ``deferred`` puts every OPT and SHADOW of step k after step k's last ACC, so no update
-    reads a gradient before the whole step's gradients are home (needed by clipping, loss
-    scaling and skipping non-finite steps, which look at all of them first).
+    OPT(s, k) follows the last round's ACC of s (``accumulated``) and runs the update of
+    every parameter whose gradient stages are then all done. SHADOW(x, k) rewrites stage x's
+    part of the host's low-precision shadow (what UP reads) from the masters; a forward stage
+    shares parameters with the backward stages overlapping its units. The host keeps ONE
+    shadow, every parameter once (stages sharing a parameter, a tied weight included, read the
+    same copy), in both modes, and UP(x, k) waits (``shadow``) for SHADOW(x, k-1). What the two
+    modes write into it:
 
-    OPT(s, k) follows the last round's ACC of s (``accumulated``). A stage's shadow (the flat
-    low-precision buffer UP reads) is rewritten once every OPT over parameters it holds is done
-    (``updated``): a forward stage shares parameters with the backward stages overlapping its
-    units. UP of stage x in step k waits (``shadow``) for SHADOW(x, k-1) in sync mode, SHADOW(x,
-    k-2) in async mode (step k computes with weights one step stale, so step k-1's update
-    overlaps step k's compute; the host keeps two shadow buffers, alternating by step parity).
-    SHADOW(x, k) overwrites the buffer step k's uploads read, so it waits for them
-    (``shadow_read``).
+    - ``sync``: SHADOW(x, k) once every OPT over parameters x holds is done (``updated``):
+      step k+1 computes with the masters step k's update wrote. SHADOW(x, k) waits for step
+      k's uploads of x (``shadow_read``).
+    - ``async``: every SHADOW of step k runs after every UP of step k (``shadow_read``: a
+      shared copy is read by every stage holding the parameter) and before the step's first
+      OPT (``stale``), so it copies the masters as update k-1 left them: step k+1 computes
+      with weights one step stale, ``w_{k+1} = U(w_k, g_k(w_{k-1}))``, and its uploads need
+      not wait for update k (where steps may overlap, as in the simulator, step k+1 overlaps
+      update k).
+
+    ``updates`` is when a step's updates run, read by the runtime and the simulator from the
+    host queue's order: ``overlap`` (default) puts OPT(s, k) right after the last round's ACC
+    of s, so it runs while later backward jobs compute (the runtime saves what each update
+    changes and puts it back if the step fails); ``deferred`` puts every OPT and SHADOW of
+    step k after step k's last ACC, so no update reads a gradient before the whole step's
+    gradients are home (needed by clipping, loss scaling, skipping non-finite steps and data
+    parallel, which look at all of them first).
     """
     _require_roundpipe(sched, "optimizer")
+    if updates not in UPDATE_ORDERS:
+        raise ValueError(f"updates must be one of {UPDATE_ORDERS}, got {updates!r}")
     stages = _stages(plan)
     grad_stages = sorted({a.stage for a in sched.host if a.kind == "ACC"})
     covering = {x: [y for y in grad_stages if _overlaps(sched.stage_units[x],
                                                         sched.stage_units[y])]
                 for x in range(len(sched.stage_units))}
+    stale = sched.optimizer == "async"
     host: list[Action] = []
     edges = list(sched.edges)
     accs: dict[tuple[int, int], list[Action]] = {}
@@ -355,34 +367,41 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
             continue
         s, k = a.stage, a.step
         opt = Action(None, "OPT", s, None, None, k, bytes=stages[s].grad_bytes)
+        if stale and not any(step == k for _, step in opts):  # the step's first OPT
+            for x, ys in covering.items():
+                if ys:
+                    sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].weight_bytes)
+                    host.append(sh)
+                    shadows[(x, k)] = sh
+                    edges.append(Edge(sh, opt, "stale"))
         host.append(opt)
         opts[(s, k)] = opt
         edges += [Edge(acc, opt, "accumulated") for acc in accs[(s, k)]]
+        if stale:
+            continue
         for x, ys in covering.items():
             if s in ys and all((y, k) in opts for y in ys):
                 sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].weight_bytes)
                 host.append(sh)
                 shadows[(x, k)] = sh
                 edges += [Edge(opts[(y, k)], sh, "updated") for y in ys]
-    if updates not in UPDATE_ORDERS:
-        raise ValueError(f"updates must be one of {UPDATE_ORDERS}, got {updates!r}")
     if updates == "deferred":
-        if sched.optimizer != "sync":
-            raise ValueError("updates='deferred' is a sync-mode order (async updates already "
-                             "read one step's gradients while the next step computes)")
         by_step: dict[int, tuple[list[Action], list[Action]]] = {}
         for a in host:
             by_step.setdefault(a.step, ([], []))[a.kind != "ACC"].append(a)
         host = [a for k in sorted(by_step) for part in by_step[k] for a in part]
-    lag = 1 if sched.optimizer == "sync" else 2
+    first_shadow: dict[int, Action] = {}  # async: the step's first SHADOW in host order
+    for a in host:
+        if a.kind == "SHADOW":
+            first_shadow.setdefault(a.step, a)
     for lst in sched.actions:
         for up in lst:
             if up.kind != "UP":
                 continue
-            src = shadows.get((up.stage, up.step - lag))
+            src = shadows.get((up.stage, up.step - 1))
             if src is not None:
                 edges.append(Edge(src, up, "shadow"))
-            war = shadows.get((up.stage, up.step))
+            war = first_shadow.get(up.step) if stale else shadows.get((up.stage, up.step))
             if war is not None:
                 edges.append(Edge(up, war, "shadow_read"))
     return sched.replace(host=tuple(host), edges=tuple(edges),

@@ -235,7 +235,7 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
                 down = index.get((w, "D2H", "grad", a.stage, None, a.round, a.step, None))
                 need(down, a, f"the gradients of stage {a.stage} round {a.round}")
     if "optimizer" in applied:
-        lag = 1 if sched.optimizer == "sync" else 2
+        lag = 1  # one shadow on the host, in both modes (lower.add_optimizer)
         for a in sched.host:
             if a.kind == "OPT":
                 for r in range(sched.rounds):
@@ -243,9 +243,18 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
                     need(acc, a, f"round {r}'s accumulated gradients")
         opts = {(a.stage, a.step): a for a in sched.host if a.kind == "OPT"}
         shadows = {(a.stage, a.step): a for a in sched.host if a.kind == "SHADOW"}
+        by_step: dict[int, list[Action]] = {}
+        for (_, k), sh in shadows.items():
+            by_step.setdefault(k, []).append(sh)
         for (x, k), sh in shadows.items():
             for (y, ky), opt in opts.items():
-                if ky == k and _overlap(sched.stage_units[x], sched.stage_units[y]):
+                if ky != k:
+                    continue
+                if sched.optimizer == "async":  # the copy keeps the masters before update k
+                    if not order.before(sh, opt):
+                        raise _fail(sched, pass_name, f"{opt} changes masters before {sh} "
+                                    "copied them for the next step", opt)
+                elif _overlap(sched.stage_units[x], sched.stage_units[y]):
                     need(opt, sh, f"the updated masters of stage {y}")
         for a in sched.all_actions():
             if a.kind != "UP":
@@ -253,10 +262,14 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
             src = shadows.get((a.stage, a.step - lag))
             if src is not None:
                 need(src, a, f"the shadow of stage {a.stage} from step {a.step - lag}")
-            nxt = shadows.get((a.stage, a.step))
-            if nxt is not None and not order.before(a, nxt):
-                raise _fail(sched, pass_name, f"{nxt} overwrites the shadow that {a} reads "
-                            "without waiting for it", a)
+            # Async: one shadow, shared by every stage holding a parameter, is rewritten by
+            # each SHADOW of the step; sync: only a stage's own SHADOW rewrites what it reads.
+            later = (by_step.get(a.step, []) if sched.optimizer == "async" else
+                     [sh for sh in (shadows.get((a.stage, a.step)),) if sh is not None])
+            for nxt in later:
+                if not order.before(a, nxt):
+                    raise _fail(sched, pass_name, f"{nxt} overwrites the shadow that {a} "
+                                "reads without waiting for it", a)
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:

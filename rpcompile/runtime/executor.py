@@ -327,10 +327,9 @@ class _Run:
     """Mutable state of one running step, shared by the stream threads and the host."""
 
     def __init__(self, plan: _StepPlan, parts: list[dict[str, torch.Tensor]],
-                 shadow_ready: dict[int, Event], workers: int) -> None:
+                 workers: int) -> None:
         self.plan = plan
         self.parts = parts
-        self.shadow_ready = shadow_ready
         self.events = {a: Event(str(a)) for a in plan.sources}
         self.lock = threading.Lock()
         self.aborted = False
@@ -489,24 +488,21 @@ class Executor:
         if loss_scaler is not None and driver.mode != "sync":
             raise ValueError("loss scaling needs mode='sync' (an update must not read the "
                              "gradients before they are unscaled)")
-        if max_grad_norm is not None and driver.mode == "async" and driver.eager_updates:
-            raise ValueError("max_grad_norm needs a driver built with eager_updates=False (an "
-                             "update must not read the gradients before they are clipped)")
-        # Sync updates are the schedule's OPT actions: where they sit in the host queue is
-        # when they run. Clipping, loss scaling and skipping a non-finite step look at all
-        # of the step's gradients before any update, so they need the deferred order.
-        self.deferred = schedule.optimizer == "sync" and updates_deferred(schedule)
+        # Updates (both modes) are the schedule's OPT actions: where they sit in the host
+        # queue is when they run. Clipping, loss scaling and skipping a non-finite step look
+        # at all of the step's gradients before any update, so they need the deferred order.
+        self.deferred = updates_deferred(schedule)
         needs = [name for name, on in (("max_grad_norm", max_grad_norm is not None),
                                        ("loss_scale", loss_scaler is not None),
                                        ("skip_nonfinite", skip_nonfinite),
                                        ("process_group (data parallel: an update reads the "
                                         "gradients summed over every rank)",
                                         reducer is not None)) if on]
-        if schedule.optimizer == "sync" and needs and not self.deferred:
+        if needs and not self.deferred:
             raise ValueError(
                 f"{', '.join(needs)} must see every gradient of the step before any update, "
-                "but this schedule runs sync updates while later backward jobs compute; lower "
-                "it with updates='deferred' (rpcompile.passes.lower.lower)")
+                "but this schedule runs updates while later backward jobs compute; lower it "
+                "with updates='deferred' (rpcompile.passes.lower.lower)")
         self.kernels = kernels
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
@@ -655,12 +651,9 @@ class Executor:
             self._scaler_before[k] = self.loss_scaler.state_dict()
             for old in [j for j in self._scaler_before if j < k - 1]:
                 del self._scaler_before[old]  # updates before k - 1 are complete
-        # Async updates still run on the driver's thread after the step: an upload waits for
-        # the shadow it reads there. Sync updates and refreshes are the schedule's own OPT and
-        # SHADOW actions, ordered by its edges alone.
-        shadow_ready = ({s: self.driver.shadow_event(s) for s in range(len(self.programs))}
-                        if self.driver.mode == "async" else {})
-        run = _Run(plan, parts, shadow_ready, len(self.workers))
+        # Updates and shadow refreshes are the schedule's own OPT and SHADOW actions, in both
+        # modes, ordered by its edges alone: no upload waits on anything else.
+        run = _Run(plan, parts, len(self.workers))
         run.deadline = deadline
         run.workers = self.workers
         run.loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
@@ -711,10 +704,8 @@ class Executor:
                 self.loss_scaler.update(run.found)
             if run.skipped:
                 self.driver.discard_step()
-            elif self.driver.mode == "sync":
-                self.driver.commit_step()
             else:
-                self.driver.finish_step()
+                self.driver.commit_step()
         except BaseException as exc:
             if self.driver._open is None:  # handed to the driver (or skipped) before it came
                 self.steps_run += 1
@@ -775,8 +766,6 @@ class Executor:
         try:
             for src in run.plan.waits.get(a, ()):
                 run.events[src].wait_recorded(abort=run.abort_requested)
-            if a.kind == "UP" and run.shadow_ready:
-                run.shadow_ready[a.stage].wait_recorded(abort=run.abort_requested)
             if run.aborted:
                 raise WorkerAborted(f"step aborted before '{a}' ran")
             run.timed(self, a)
@@ -1160,18 +1149,13 @@ class Executor:
             self.reducer.stage_done(a.stage)
 
     def _do_OPT(self, run: _Run, a: Action) -> None:
-        if self.driver.mode == "async":
-            # Async: the driver's thread runs update k after step k (module doc).
-            self.driver.stage_done(a.stage)
-            return
         if self.deferred:
             self._check_grads(run)  # every ACC of the step ran before this first OPT
         if not run.skipped:
             self.driver.update(a.stage)  # now, on this thread; undone if the step fails
 
     def _do_SHADOW(self, run: _Run, a: Action) -> None:
-        # Async: the driver rewrites the shadow before its update starts (module doc).
-        if self.driver.mode == "sync" and not run.skipped:
+        if not run.skipped:
             self.driver.refresh(a.stage)
 
 

@@ -325,17 +325,15 @@ class OptimizerDriver:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return Event.all_of(state.group_done, f"update {state.step}")
 
-    # -- the schedule's host actions (sync mode) -------------------------------------------
+    # -- the schedule's host actions (both modes) ------------------------------------------
     def update(self, stage: int) -> None:
         """``OPT``: all of this step's gradients from ``stage`` are home; update, now and on the
-        calling thread, every group whose gradient stages are all done. What the update
+        calling thread, every group whose gradient stages are all done (async mode: the
+        gradients were computed at the shadow's weights, one step stale). What the update
         changes (masters, optimizer state) is saved first and kept until :meth:`commit_step`
         (or put back by :meth:`discard_step`), so an update the schedule runs while later
         backward jobs still compute leaves the masters as they were if the step fails."""
         state = self._require_open()
-        if self.mode != "sync":
-            raise RuntimeError("update() is the sync mode's OPT; async updates run through "
-                               "stage_done()/finish_step()")
         if not self._is_grad_stage(stage):
             return
         with self._lock:
@@ -358,7 +356,8 @@ class OptimizerDriver:
 
     def refresh(self, stage: int) -> None:
         """``SHADOW``: rewrite ``stage``'s shadow (what its UP reads) from the masters, saving
-        the old values first (undone by :meth:`discard_step`, like the updates)."""
+        the old values first (undone by :meth:`discard_step`, like the updates). In async mode
+        the schedule runs it before the step's first update, so it copies ``w_k``."""
         state = self._require_open()
         if self.rollback:
             journal = state.journal = state.journal or _Journal()
@@ -369,7 +368,7 @@ class OptimizerDriver:
         self.store.refresh_shadow(stage)
 
     def commit_step(self) -> Event:
-        """End a sync step whose OPT and SHADOW actions all ran: the saved copies are dropped
+        """End a step whose OPT and SHADOW actions all ran: the saved copies are dropped
         (the update is kept) and the step counter advances. Returns the (set) update event."""
         state = self._require_open()
         missing = self._grad_stages - state.done_stages
@@ -380,7 +379,7 @@ class OptimizerDriver:
             state.journal = None
             self._open = None
             self.step += 1
-            for event in state.group_done:
+            for event in [*state.group_done, state.refreshed]:
                 event.set()
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return Event.all_of(state.group_done, f"update {state.step}")

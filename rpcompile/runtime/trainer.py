@@ -56,13 +56,13 @@ TIMEOUT_PREDICTION_FACTOR = 20.0
 
 
 def update_order(mode: str, train: TrainOptions) -> str:
-    """The sync update order a run needs (rpcompile.passes.lower.add_optimizer):
+    """The update order a run needs (rpcompile.passes.lower.add_optimizer), in either mode:
     ``deferred`` when clipping, loss scaling, skipping non-finite steps or data parallel
     (an update reads the gradients summed over every rank) must see the whole step's
     gradients before any update, else ``overlap`` (updates run while later backward
-    jobs compute, undone if the step fails). Async mode: ``overlap`` (not used)."""
-    if mode == "sync" and (train.max_grad_norm is not None or train.loss_scale
-                           or train.skip_nonfinite or _data_parallel(train)):
+    jobs compute, undone if the step fails)."""
+    if (train.max_grad_norm is not None or train.loss_scale
+            or train.skip_nonfinite or _data_parallel(train)):
         return "deferred"
     return "overlap"
 
@@ -116,7 +116,7 @@ class Trainer:
     on its own share of the global batch; losses, clipping and updates are those of the global
     batch (:mod:`rpcompile.runtime.distributed`).
 
-    ``updates`` (sync mode): ``"overlap"`` runs each stage's update as soon as its gradients
+    ``updates`` (either mode): ``"overlap"`` runs each stage's update as soon as its gradients
     are home, while later backward jobs compute; ``"deferred"`` runs them after the step's
     last gradient (default: ``"deferred"`` when clipping, loss scaling or ``skip_nonfinite``
     need the whole step's gradients first, else ``"overlap"``). Either way a failed step
@@ -177,8 +177,8 @@ class Trainer:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
             self.store.kernels = kernels
             self.dp = self._data_parallel(compiled, options.process_group)
-            # Sync updates are the schedule's OPT actions (undone if the step fails); async
-            # ones run on the driver's thread after the step (eager_updates=False).
+            # Updates are the schedule's OPT actions in both modes, run by the executor and
+            # undone if the step fails (the driver's own thread queues nothing for them).
             driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode,
                                      eager_updates=False)
             self.driver = driver
@@ -208,7 +208,7 @@ class Trainer:
         kept_chunk = built.chunk_bytes if built is not None else DEFAULT_CHUNK_BYTES
         if (kept is not None and kept.optimizer == mode and steps in (None, kept.steps)
                 and chunk_bytes in (None, kept_chunk)
-                and (mode != "sync" or updates_deferred(kept) == (updates == "deferred"))):
+                and updates_deferred(kept) == (updates == "deferred")):
             return kept
         return runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
                                 compiled.rounds, mode, chunk_bytes, steps=steps,
