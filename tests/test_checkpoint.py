@@ -78,9 +78,9 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
     """The round trip above used to fail now and then: torch.export sets process-global flags
     (torch.compiler.is_compiling()) that torch.optim reads (AdamW's bias corrections are then
     fp32 tensor math, not Python floats), and the last update of one trainer ran on its
-    optimizer thread while the next model compiled. Here that overlap is forced. (Sync updates
-    now run inside their step, as the schedule's OPT actions; async updates still run on the
-    optimizer thread after their step, so the overlap is forced in async mode.)"""
+    optimizer thread while the next model compiled. Here that overlap is forced. (Updates now
+    run inside their step, as the schedule's OPT actions on the host queue: the overlap is a
+    step running on one thread while a model compiles on another.)"""
     data = [token_batch(6, seed=k) for k in range(2)]
     quiet = make("async")
     for batch in data:
@@ -108,9 +108,12 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    busy.step(data[1])  # async: its update runs on the optimizer thread after this returns
+    stepping = threading.Thread(target=busy.step, args=(data[1],))
+    stepping.start()  # its update (an OPT of the step) runs on that thread
     assert started.wait(20)
     other = make()  # captures (torch.export) while the update is held
+    stepping.join(60)
+    assert not stepping.is_alive()
     assert met, "the update never overlapped the compile: the test proved nothing"
     assert_same_masters(expected, masters_of(busy))
     assert len(calls) == groups

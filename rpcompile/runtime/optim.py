@@ -172,8 +172,10 @@ class OptimizerDriver:
         # Called with k when update k's failure is taken (take_failure): state kept outside
         # the driver (the loss scaler) goes back to before step k too.
         self.undo_hooks: list[Callable[[int], None]] = []
+        # Started by the first task (the thread protocol); the schedule's OPT and SHADOW
+        # actions run on the executor's host queue and never start it.
         self._thread = threading.Thread(target=self._main, name="rpcompile-optimizer", daemon=True)
-        self._thread.start()
+        self._start_lock = threading.Lock()
 
     # -- construction checks -------------------------------------------------------------
     def _check_params(self, masters: list[torch.nn.Parameter]) -> None:
@@ -314,7 +316,7 @@ class OptimizerDriver:
             if self.mode == "async":
                 # Before update k changes the masters (w_k -> w_{k+1}), write them into the
                 # shadow: step k+1 computes with w_k. Update k-1 is done by then (one thread).
-                self._tasks.put((lambda: self._refresh_before_update(state),
+                self._put((lambda: self._refresh_before_update(state),
                                  f"shadow refresh before update {state.step}",
                                  [state.refreshed], state))
             self._schedule_ready(state)
@@ -430,7 +432,7 @@ class OptimizerDriver:
         for group in self.groups:
             if not state.scheduled[group.index] and group.stages <= state.done_stages:
                 state.scheduled[group.index] = True
-                self._tasks.put((
+                self._put((
                     lambda group=group: self._update(group, state),
                     f"update {state.step}, group {group.label}",
                     [state.group_done[group.index]],
@@ -511,6 +513,13 @@ class OptimizerDriver:
              for k, v in g.items() if k != "params"}
             for g in self.optimizer.param_groups
         ]
+
+    def _put(self, task: Any) -> None:
+        """Queue a task for the optimizer thread, starting the thread with the first one."""
+        self._tasks.put(task)
+        with self._start_lock:  # (callers may hold self._lock)
+            if self._thread.ident is None:
+                self._thread.start()
 
     def _main(self) -> None:
         while True:
@@ -609,7 +618,7 @@ class OptimizerDriver:
         if not self._thread.is_alive():
             return True
         marker = Event("optimizer idle")
-        self._tasks.put((lambda: None, "idle marker", [marker], None))
+        self._put((lambda: None, "idle marker", [marker], None))
         try:
             marker.wait(timeout)
         except EventTimeout:
@@ -630,8 +639,9 @@ class OptimizerDriver:
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued work and stop the optimizer thread; never raises."""
-        self._tasks.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._tasks.put(None)
+            self._thread.join(timeout)
 
     # -- checkpoints and accounting ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
