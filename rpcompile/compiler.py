@@ -135,7 +135,7 @@ class Compiled:
         """The host optimizer over the fp32 masters (``trainer().optimizer``). Attach an LR
         scheduler to it as to any optimizer and call ``scheduler.step()`` after each
         :meth:`step`: step ``k``'s update uses the learning rate set when step ``k`` began,
-        also in async mode where that update runs during step ``k + 1``."""
+        in both modes (the hyperparameters are read when the step begins)."""
         return self.trainer().optimizer
 
     def evaluate(self, batch: Any) -> torch.Tensor:

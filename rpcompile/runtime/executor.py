@@ -32,21 +32,19 @@ reference's order too.
 **Steps and failure.** ``run_step`` runs the actions of one schedule step (``step % steps``;
 the trainer builds a schedule whose step count makes the round-robin counter continue across
 steps) and returns when every stream has drained: steps are separated by a barrier, and edges
-from an earlier step count as satisfied. ``ACC``, ``OPT`` and ``SHADOW`` are the optimizer
-driver's ``accumulate_grad``, ``update`` and ``refresh`` in sync mode, run where the schedule
-puts them (``add_optimizer(updates=)``: overlapping the step's later backward jobs, or after
-its last gradient when clipping, loss scaling or skipping non-finite steps must see them all
-first, done at the first ``OPT``). The driver saves what each update and refresh changes, so
+from an earlier step count as satisfied (the schedule does not show this barrier; the
+simulator lets steps overlap). ``ACC``, ``OPT`` and ``SHADOW`` are the optimizer driver's
+``accumulate_grad``, ``update`` and ``refresh`` in both modes, run where the schedule puts them
+(``add_optimizer(updates=)``: overlapping the step's later backward jobs, or after its last
+gradient when clipping, loss scaling, skipping non-finite steps or data parallel must see them
+all first, done at the first ``OPT``; in async mode a step's SHADOWs copy the masters before
+its first ``OPT``, so the next step computes one step stale). The driver saves what each update and refresh changes, so
 when any item fails, a run-level abort flag makes every other wait give up, every stream
 drains, the workers are recovered and device memory freed, the driver puts the step's updates
 back and discards its gradients, and :class:`StepFailed` is raised naming the worker, stream,
 stage, microbatch, round and action: masters, optimizer state and shadows are as before the
-step. In async mode ``OPT`` reports the stage to the driver's thread, which runs update ``k``
-after the step (an ``UP`` waits for the driver's shadow event of its stage); a failed step's
-gradients are dropped and the previous step's update (already owed) still completes, so the
-masters equal what ``state_dict()`` returned before the failed step.
-A failed async update is undone by the driver and raised once, by the next step, as
-:meth:`StepFailed.from_update`. One deadline (``timeout_s``, the watchdog) covers a step's host
+step, in either mode (an optimizer failure in an ``OPT`` raises as
+:meth:`StepFailed.from_update`). One deadline (``timeout_s``, the watchdog) covers a step's host
 waits and its drain; past it the step raises :class:`StepTimeout` the same way, and a worker
 whose stream is stuck in an item (user code cannot be interrupted) or whose thread died is
 replaced by a fresh one, so the next step runs. ``KeyboardInterrupt``/``SystemExit`` abort the

@@ -1,5 +1,6 @@
-"""The host optimizer driver: any ``torch.optim`` optimizer over the fp32 masters, stepped by
-one background thread, in ``sync`` or ``async`` mode.
+"""The host optimizer driver: any ``torch.optim`` optimizer over the fp32 masters, in ``sync``
+or ``async`` mode, stepped by the schedule's host actions (or, for callers without a schedule,
+by one background thread).
 
 **Groups.** Trainable parameters are grouped by the set of stages that produce their gradients
 (``ParamSlot.grad_stages``; a tied embedding/LM-head weight has two). A group's gradients are
@@ -19,17 +20,19 @@ computed at weights ``w``:
   shadow rewritten) as soon as its gradients are complete, while later backward stages still
   run; step ``k+1`` uses a stage once that stage's groups are updated (:meth:`shadow_event`).
 - ``async``: ``w_{k+1} = U(w_k, g_k(w_{k-1}))`` with ``w_{-1} = w_0``: one step stale, like
-  RoundPipe. Update ``k`` runs in the background during step ``k+1``, which computes with the
-  shadow written just before update ``k`` starts (``w_k``).
+  RoundPipe. Step ``k+1`` computes with the shadow written just before update ``k`` starts
+  (``w_k``); one shadow buffer holds it.
 
-**The schedule's actions (sync mode, what the executor runs).** ``begin_step()``; per job
+**The schedule's actions (both modes, what the executor runs).** ``begin_step()``; per job
 ``accumulate_grad(stage, flat)`` (``ACC``); ``update(stage)`` (``OPT``: every group whose
 gradient stages are all done is stepped now, on the caller's thread); ``refresh(stage)``
-(``SHADOW``); ``commit_step()`` when the step completed, ``discard_step()`` when it failed
-(both put back or drop the journal below). The lowering decides where these run; the driver
-adds no wait and no order of its own.
+(``SHADOW``; in async mode the schedule runs a step's SHADOWs after its last upload and
+before its first OPT, so they copy ``w_k``); ``commit_step()`` when the step completed,
+``discard_step()`` when it failed (both put back or drop the journal below). The lowering
+decides where these run; the driver adds no wait and no order of its own, and its thread is
+never started.
 
-**The thread contract** (async steps, and callers without a schedule):
+**The thread contract** (callers without a schedule; the thread starts with its first task):
 
 1. ``begin_step()``; then for each job, wait ``shadow_event(stage)`` before uploading the
    stage's shadow.
