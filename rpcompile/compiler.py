@@ -23,7 +23,7 @@ from rpcompile.capture.tracing import (
     release_shape_env_caches,
 )
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Plan, UnitProfile
+from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
 from rpcompile.passes.cost import UnitCost, annotate_costs
 from rpcompile.passes.invariants import (
@@ -63,7 +63,7 @@ class Compiled:
     history: list[PassRecord]
     compute_dtype: torch.dtype
     # The lowered Schedule (ir.Schedule) the runtime runs: one dealing period of steps (step k
-    # of a run is schedule step k mod steps), its sync update order set by the training options
+    # of a run is schedule step k mod steps), its update order set by the training options
     # (update_order); the Trainer, the CLI and the benchmarks read this one.
     schedule: Any = None
     # Per worker, the proven device-memory peak of the schedule the runtime runs (every step
@@ -515,9 +515,22 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
                           optimizer=mode),
         lambda p: check_plan(p, len(captured.units)),
     )
-    memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
-                                           chunk_bytes=po.chunk_bytes), plan,
-                          overlap_steps=False)
+    updates = po.updates or update_order(mode, options.train)
+    steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
+
+    def schedule_of(plan: Plan) -> tuple[Schedule, list, tuple]:
+        """The schedule the runtime runs for ``plan`` (the dealing period, the run's update
+        order), its pass records, and its proven peaks."""
+        trail: list = []
+        compute = run_pass(trail, "dispatch", lambda: build_schedule(
+            plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode,
+            steps=steps), check_dispatch)
+        # The lowering runs its own passes through a PassManager that validates each one.
+        lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes, updates=updates)
+        trail.extend(lowering)
+        return lowered, trail, worker_peaks(lowered, plan, overlap_steps=False)
+
+    lowered, trail, memory = schedule_of(plan)
     fit = hw.usable_memory_bytes
     if options.train.capacity_bytes is not None:
         fit = min(fit, int(options.train.capacity_bytes))
@@ -525,21 +538,12 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         # The partitioner's simulated run fits with fewer memory-bounding waits; the
         # runtime's own schedule, or capacity_bytes, needs all of them.
         plan = replace(plan, memory_waits=MEMORY_WAITS)
-        memory = worker_peaks(runtime_schedule(plan, gpus, microbatches, rounds, mode,
-                                               chunk_bytes=po.chunk_bytes), plan,
-                              overlap_steps=False)
+        lowered, trail, memory = schedule_of(plan)
     stages = run_pass(history, "split", lambda: split(captured, plan),
                       lambda progs: check_stages(progs, plan))
-    steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
-    compute = run_pass(history, "dispatch", lambda: build_schedule(
-        plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode, steps=steps),
-        check_dispatch)
-    # The lowering runs its own passes through a PassManager that validates each schedule.
-    lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes,
-                              updates=po.updates or update_order(mode, options.train))
-    history.extend(lowering)
-    # The proof is of the schedule that runs (its update order and waits included).
-    memory = worker_peaks(lowered, plan, overlap_steps=False)
+    # The schedule lowered and proven above is the one kept: compile lowers it once (twice
+    # when the waits must be added), and the proof is of what runs.
+    history.extend(trail)
     return Compiled(
         model=model, capture=captured, unit_costs=unit_costs, profiles=profiles, plan=plan,
         stages=stages, hardware=hw, workers=gpus, microbatches=microbatches, rounds=rounds,

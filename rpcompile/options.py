@@ -39,7 +39,7 @@ __all__ = [
 MODES = ("sync", "async")
 DEVICES = ("auto", "cuda", "virtual")
 KERNELS = ("auto", "torch", "triton")
-UPDATE_ORDERS = ("overlap", "deferred")  # the sync update orders (rpcompile.passes.lower)
+UPDATE_ORDERS = ("overlap", "deferred")  # the update orders, either mode (rpcompile.passes.lower)
 # Bulk transfers (weights, gradients) move in 64 MiB pieces, so a critical transfer queued
 # behind one waits at most one piece: the one place the size is set.
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -237,11 +237,38 @@ class Options:
             raise ValueError("loss_scale needs mode='sync' (async updates would read the "
                              "gradients before they are unscaled)")
         t = self.train
-        if self.plan.updates == "overlap" and (
-                t.max_grad_norm is not None or t.loss_scale or t.skip_nonfinite):
-            raise ValueError("max_grad_norm, loss_scale and skip_nonfinite look at the whole "
-                             "step's gradients before any update: they need "
-                             "updates='deferred' (or None, which picks it)")
+        # The default process group is known only once the Trainer starts; it checks again.
+        check_update_order(self.plan.mode, self.plan.updates, deferred_reasons(
+            max_grad_norm=t.max_grad_norm, loss_scale=t.loss_scale,
+            skip_nonfinite=t.skip_nonfinite, data_parallel=t.process_group is not None))
+
+
+def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = None,
+                     skip_nonfinite: bool = False, data_parallel: bool = False) -> list[str]:
+    """What in a run (either mode) must see every gradient of the step before any update, and so
+    needs the ``deferred`` update order: clipping (the global norm), loss scaling (the
+    unscale and the overflow check), skipping a non-finite step, and data parallel (an update
+    reads the gradients summed over every rank)."""
+    return [name for name, on in (
+        ("max_grad_norm", max_grad_norm is not None),
+        ("loss_scale", bool(loss_scale)),
+        ("skip_nonfinite", bool(skip_nonfinite)),
+        ("process_group (data parallel: an update reads the gradients summed over every rank)",
+         data_parallel)) if on]
+
+
+def check_update_order(mode: str, updates: str | None, reasons: Sequence[str],
+                       fix: str = "updates='deferred' (or None, which picks it)") -> None:
+    """The one rule of the update order (either mode), checked wherever options meet (the
+    options groups, the Trainer, an Executor given a schedule): an ``overlap`` order runs each
+    stage's update while later backward jobs compute, so it is refused when ``reasons``
+    (:func:`deferred_reasons`) need the whole step's gradients first; ``fix`` says what to
+    pass instead."""
+    if updates == "overlap" and reasons:
+        raise ValueError(
+            f"{', '.join(reasons)} must see every gradient of the step before any update, "
+            f"but the 'overlap' update order ({mode} mode) runs each stage's update while later "
+            f"backward jobs compute: use {fix}")
 
 
 _GROUPS: dict[str, type] = {"capture": CaptureOptions, "plan": PlanOptions,

@@ -20,12 +20,14 @@ import time
 import pytest
 import torch
 
+import rpcompile
 from rpcompile.ir import ORDERED_STREAMS, ActionKind
 from rpcompile.passes.lower import updates_deferred
 from rpcompile.runtime.executor import Executor
 from rpcompile.runtime.trainer import Trainer
 from rpcompile.sim import simulate
 from tests.test_executor import ADAMW, batches, qwen3  # noqa: F401  (fixture)
+from tests.tiny_models import hf_model
 
 SLOW_S = 0.05  # added to each compute of the last backward stage: later jobs are long
 
@@ -150,3 +152,26 @@ def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  #
         assert run_order[first], "the first update waited for the whole backward"
     else:
         assert not any(run_order.values()), "an update ran before the step's last gradient"
+
+
+def test_an_overlapping_order_is_refused_by_one_rule_wherever_options_meet(qwen3, monkeypatch):  # noqa: F811
+    # Clipping, loss scaling, skipping a non-finite step and data parallel need the whole
+    # step's gradients before any update. The options groups refuse the overlap order before
+    # any capture, the Trainer refuses overrides, and an Executor refuses a schedule lowered
+    # with it: one rule (rpcompile.options.check_update_order), one message.
+    def no_capture(*a, **k):
+        raise AssertionError("captured before the options were checked")
+
+    with monkeypatch.context() as patch:
+        patch.setattr("rpcompile.compiler.capture", no_capture)
+        with pytest.raises(ValueError, match=r"^max_grad_norm must see every gradient.*"
+                                             r"use updates='deferred'"):
+            rpcompile.compile(hf_model("qwen3", layers=1), updates="overlap", max_grad_norm=1.0)
+    with pytest.raises(ValueError, match=r"^skip_nonfinite must see every gradient"):
+        Trainer(qwen3, ADAMW, device="virtual", updates="overlap", skip_nonfinite=True)
+    with Trainer(qwen3, ADAMW, device="virtual", updates="overlap") as trainer:
+        assert not updates_deferred(trainer.schedule)
+        with pytest.raises(ValueError, match=r"^max_grad_norm, skip_nonfinite must see every "
+                                             r"gradient.*lowered with updates='deferred'"):
+            Executor(qwen3, trainer.workers, trainer.schedule, trainer.store, trainer.driver,
+                     max_grad_norm=1.0, skip_nonfinite=True)

@@ -77,6 +77,7 @@ from torch import fx
 
 from rpcompile.capture.batch import split_batch
 from rpcompile.ir import Action, ActionKind, Schedule, check_registry
+from rpcompile.options import check_update_order, deferred_reasons
 from rpcompile.passes.lower import LOWERING_PASSES, updates_deferred
 from rpcompile.passes.split import StageProgram
 from rpcompile.runtime import kernels as _kernels
@@ -490,17 +491,11 @@ class Executor:
         # queue is when they run. Clipping, loss scaling and skipping a non-finite step look
         # at all of the step's gradients before any update, so they need the deferred order.
         self.deferred = updates_deferred(schedule)
-        needs = [name for name, on in (("max_grad_norm", max_grad_norm is not None),
-                                       ("loss_scale", loss_scaler is not None),
-                                       ("skip_nonfinite", skip_nonfinite),
-                                       ("process_group (data parallel: an update reads the "
-                                        "gradients summed over every rank)",
-                                        reducer is not None)) if on]
-        if needs and not self.deferred:
-            raise ValueError(
-                f"{', '.join(needs)} must see every gradient of the step before any update, "
-                "but this schedule runs updates while later backward jobs compute; lower it "
-                "with updates='deferred' (rpcompile.passes.lower.lower)")
+        check_update_order(
+            schedule.optimizer, "deferred" if self.deferred else "overlap",
+            deferred_reasons(max_grad_norm=max_grad_norm, loss_scale=loss_scaler is not None,
+                             skip_nonfinite=skip_nonfinite, data_parallel=reducer is not None),
+            fix="a schedule lowered with updates='deferred' (rpcompile.passes.lower.lower)")
         self.kernels = kernels
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from rpcompile.ir import Schedule
-from rpcompile.options import Options, TrainOptions
+from rpcompile.options import Options, TrainOptions, check_update_order, deferred_reasons
 from rpcompile.passes.lower import (
     DEFAULT_CHUNK_BYTES,
     runtime_schedule,
@@ -61,10 +61,13 @@ def update_order(mode: str, train: TrainOptions) -> str:
     (an update reads the gradients summed over every rank) must see the whole step's
     gradients before any update, else ``overlap`` (updates run while later backward
     jobs compute, undone if the step fails)."""
-    if (train.max_grad_norm is not None or train.loss_scale
-            or train.skip_nonfinite or _data_parallel(train)):
-        return "deferred"
-    return "overlap"
+    return "deferred" if _deferred_reasons(train) else "overlap"
+
+
+def _deferred_reasons(train: TrainOptions) -> list[str]:
+    return deferred_reasons(max_grad_norm=train.max_grad_norm, loss_scale=train.loss_scale,
+                            skip_nonfinite=train.skip_nonfinite,
+                            data_parallel=_data_parallel(train))
 
 
 def _data_parallel(train: TrainOptions) -> bool:
@@ -161,13 +164,10 @@ class Trainer:
             timeout_s = default_timeout_s(compiled)
         self.timeout_s: float | None = None if math.isinf(timeout_s) else float(timeout_s)
         self._closed = False
-        needed = update_order(mode, options)
         updates = plan_options.updates  # checked by PlanOptions
+        check_update_order(mode, updates, _deferred_reasons(options))
         if updates is None:
-            updates = needed
-        elif updates != needed and needed == "deferred":
-            raise ValueError("max_grad_norm, loss_scale and skip_nonfinite look at the whole "
-                             "step's gradients before any update: they need updates='deferred'")
+            updates = update_order(mode, options)
         self.schedule = self._lowered_schedule(compiled, mode, plan_options.schedule_steps,
                                                plan_options.chunk_bytes, updates)
         self.workers = make_workers(compiled.workers, device, options.capacity_bytes,
