@@ -321,6 +321,7 @@ def compile(
     max_grad_norm: float | None = UNSET,
     timeout_s: float | None = UNSET,
     process_group: Any = UNSET,
+    shard_optimizer: bool = UNSET,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -330,7 +331,7 @@ def compile(
     ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
     ``schedule_steps``, ``updates``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
-    ``max_grad_norm``, ``timeout_s``). Every option is also a keyword of this function; an
+    ``max_grad_norm``, ``timeout_s``, ``process_group``, ``shard_optimizer``). Every option is also a keyword of this function; an
     option given both ways is refused. The result keeps them as ``Compiled.options``.
 
     The main ones: ``gpus``: workers to plan for (default 8). ``microbatches``: per round
@@ -353,6 +354,9 @@ def compile(
     all-reduced on the host (gloo) as each stage's are home, and every rank ends each step
     with identical masters. Default: the default group once
     ``torch.distributed.init_process_group("gloo")`` ran with more than one rank.
+    ``shard_optimizer=True`` (sync mode) shards the host state instead (ZeRO-1 style): each
+    rank keeps the fp32 masters and optimizer state of 1/N of the trainable parameters;
+    gradients are reduced to their owner and the updated shadows broadcast back.
 
     Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
     ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
@@ -368,7 +372,7 @@ def compile(
         schedule_steps=schedule_steps, updates=updates, optimizer=optimizer, device=device, chaos=chaos,
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
-        process_group=process_group,
+        process_group=process_group, shard_optimizer=shard_optimizer,
     ).items() if v is not UNSET}
     options = resolve({"capture": capture_options, "plan": plan_options,
                        "train": train_options}, flat)

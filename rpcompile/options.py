@@ -182,7 +182,10 @@ class TrainOptions:
     ``timeout_s``: the step watchdog (``None``: ``max(300 s, 20 x the predicted step)``;
     ``math.inf``: off). ``process_group``: a gloo ``torch.distributed`` group to train data
     parallel over (``None``: the default group once ``init_process_group`` ran with more
-    than one rank, else one process; docs/distributed.md)."""
+    than one rank, else one process; docs/distributed.md). ``shard_optimizer`` (data parallel,
+    sync mode): each rank keeps the fp32 masters and optimizer state of 1/N of the trainable
+    parameters (ZeRO-1 style: gradients reduce-scattered, shadows all-gathered); on one
+    process it changes nothing (the one shard is everything)."""
 
     optimizer: Callable | None = None
     device: str = "auto"
@@ -194,6 +197,7 @@ class TrainOptions:
     max_grad_norm: float | None = None
     timeout_s: float | None = None
     process_group: Any = None
+    shard_optimizer: bool = False
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and not (callable(self.optimizer) or isinstance(
@@ -206,6 +210,9 @@ class TrainOptions:
                                        or not isinstance(self.chaos, int)):
             raise ValueError(f"chaos must be an integer seed (or None), got {self.chaos!r}")
         _positive_int("capacity_bytes", self.capacity_bytes, optional=True)
+        if not isinstance(self.shard_optimizer, bool):
+            raise ValueError(f"shard_optimizer must be True or False, got "
+                             f"{self.shard_optimizer!r}")
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}")
         g = self.max_grad_norm
@@ -237,6 +244,11 @@ class Options:
             raise ValueError("loss_scale needs mode='sync' (async updates would read the "
                              "gradients before they are unscaled)")
         t = self.train
+        if t.shard_optimizer and self.plan.mode != "sync":
+            raise ValueError("shard_optimizer needs mode='sync': the sharded update and its "
+                             "shadow gathering are built and tested for the sync schedule only "
+                             "(an async step copies the shadows before its updates); use "
+                             "mode='sync', or shard_optimizer=False to keep async updates")
         # The default process group is known only once the Trainer starts; it checks again.
         check_update_order(self.plan.mode, self.plan.updates, deferred_reasons(
             max_grad_norm=t.max_grad_norm, loss_scale=t.loss_scale,

@@ -23,16 +23,32 @@ STEPS = 3
 
 # What each rank trains, in order, in one process group (one spawn: start-up costs once).
 # (name, model, compile options); "skipnet" is a loss_fn model (a mean per microbatch).
-CASES = {
-    2: [("sync", "qwen3", {}), ("async", "qwen3", {"mode": "async"}),
-        ("loss_fn", "skipnet", {})],
-    3: [("clip", "qwen3", {"max_grad_norm": 0.5})],
-}
-
-
 def _sgd(params):
     # No per-element normalisation (unlike Adam): summation-order differences stay ~1e-8.
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _adamw(params):
+    # Per-element state (two moments and a step count): what sharding must keep right. Adam
+    # normalises each element's step to about lr whatever its gradient, so the summation-order
+    # differences of data parallel (not of sharding) move elements by a fraction of lr:
+    # measured at lr 1e-4 on 3 ranks with clipping, replicated data parallel is 1.003e-6 from
+    # one process and the sharded run 7.5e-9 from the replicated one (at lr 1e-3 on 2 ranks:
+    # 2.4e-6, and sharded = replicated bit for bit). lr 5e-5 keeps them under the 1e-6 bound.
+    return torch.optim.AdamW(params, lr=5e-5, weight_decay=0.01)
+
+
+# What each rank trains, in order, in one process group (one spawn: start-up costs once).
+# (name, model, compile options); "skipnet" is a loss_fn model (a mean per microbatch); the
+# "zero1" cases shard the masters and optimizer state (and checkpoint after step 2).
+CASES = {
+    2: [("sync", "qwen3", {}), ("async", "qwen3", {"mode": "async"}),
+        ("loss_fn", "skipnet", {}),
+        ("zero1", "qwen3", {"shard_optimizer": True, "optimizer": _adamw})],
+    3: [("clip", "qwen3", {"max_grad_norm": 0.5}),
+        ("zero1_clip", "qwen3", {"shard_optimizer": True, "optimizer": _adamw,
+                                 "max_grad_norm": 0.5})],
+}
 
 
 def _batches(model: str = "qwen3"):
@@ -50,9 +66,9 @@ def _model(model: str, seed: int):
 
 def _compile(model_name: str, seed: int, example, parts: int = 2, **options):
     extra = {"loss_fn": torch.nn.functional.cross_entropy} if model_name == "skipnet" else {}
+    options.setdefault("optimizer", _sgd)
     return rpcompile.compile(_model(model_name, seed), gpus=2, microbatches=parts,
-                             example_inputs=example, optimizer=_sgd, device="virtual",
-                             **extra, **options)
+                             example_inputs=example, device="virtual", **extra, **options)
 
 
 def _share(batch, rank, world):
@@ -83,13 +99,28 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
                 compiled = _compile(model_name, rank, batches[0], chaos=rank + 1,
                                     **case_options)
                 trainer = compiled.trainer()
+                sharded = case_options.get("shard_optimizer", False)
                 losses, norms = [], []
-                for b in batches:
+                for k, b in enumerate(batches):
                     losses.append(float(compiled.step(b)))
                     norms.append(trainer.last.grad_norm)
+                    if sharded and k == STEPS - 2:  # every rank saves; rank 0 writes
+                        saved = trainer.save_checkpoint(os.path.join(out, f"{name}-step2"))
                 result[name] = {
                     "losses": losses, "norms": norms, "reductions": trainer.dp.reductions,
-                    "masters": {k: v.clone() for k, v in trainer.masters().items()}}
+                    "masters": trainer.gather_masters()}
+                if sharded:
+                    result[name]["saved"] = str(saved)
+                    result[name]["memory"] = _held_bytes(trainer)
+                    with pytest.raises(RuntimeError, match="owned_masters"):
+                        trainer.masters()  # a rank's own masters are not all of them
+                    if world == 3:
+                        # Resume the sharded checkpoint on the same ranks, sharded again.
+                        again = _compile(model_name, rank + 7, batches[0], **case_options)
+                        again.load_checkpoint(saved)
+                        again.step(batches[-1])
+                        result[name]["resumed"] = again.trainer().gather_masters()
+                        again.close()
                 if name == "sync":  # every rank saves; rank 0 alone writes
                     from rpcompile.runtime.checkpoint import CheckpointManager
 
@@ -124,6 +155,28 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
     finally:
         if scenario == "train":
             dist.destroy_process_group()
+
+
+def _held_bytes(trainer) -> dict:
+    """Host bytes per trainable parameter this rank holds, measured from the tensors
+    themselves (the master buffer, every optimizer state tensor, the shadow and gradient
+    buffers), not from the memory report."""
+    store = trainer.store
+    params = sum(s.numel for s in store.trainable_slots)
+    state = {}
+    for entry in trainer.optimizer.state.values():
+        for value in entry.values():
+            if isinstance(value, torch.Tensor):
+                state[value.untyped_storage().data_ptr()] = value.untyped_storage().nbytes()
+    report = trainer.memory_report()
+    return {
+        "sharded": (store.master.untyped_storage().nbytes() + sum(state.values())) / params,
+        "whole": (store.shadow.untyped_storage().nbytes()
+                  + store.grad.untyped_storage().nbytes()) / params,
+        "reported": (report.master_bytes + report.optimizer_state_bytes)
+        / report.trainable_params,
+        "largest": max(s.numel for s in store.trainable_slots) / params,
+    }
 
 
 def _fail_in_backward(trainer, scenario: str) -> None:
@@ -165,19 +218,21 @@ def _spawn(world: int, tmp_path, scenario: str = "train", options: dict | None =
     return out
 
 
-def _single_process(model_name: str, options: dict, parts: int = 2):
+def _single_process(model_name: str, options: dict, parts: int = 2, memory: list | None = None):
     batches = _batches(model_name)
     compiled = _compile(model_name, 0, batches[0], parts=parts, **options)
     try:
         losses = [float(compiled.step(b)) for b in batches]
+        if memory is not None:
+            memory.append(_held_bytes(compiled.trainer()))
         return losses, {k: v.clone() for k, v in compiled.trainer().masters().items()}
     finally:
         compiled.close()
 
 
-def _eager(max_norm: float | None = None):
+def _eager(max_norm: float | None = None, optimizer=_sgd):
     model = hf_model("qwen3", seed=0)
-    opt = _sgd(list(model.parameters()))
+    opt = optimizer(list(model.parameters()))
     losses = []
     for b in _batches():
         opt.zero_grad(set_to_none=True)
@@ -210,11 +265,13 @@ def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, wo
         # One process on the whole global batch: a loss_fn model's loss is the mean over
         # microbatches, so it gets as many microbatches as all ranks together.
         parts = 2 * world if model_name == "skipnet" else 2
-        single_losses, single = _single_process(model_name, options, parts)
+        memory: list = []  # one process with shard_optimizer: one shard, all of it
+        single_losses, single = _single_process(model_name, options, parts, memory)
         assert first["losses"] == pytest.approx(single_losses, abs=1e-6), name
         assert _max_diff(first["masters"], single) < 1e-6, name
-        if name in ("sync", "clip"):  # eager HF on the whole global batch (async is stale)
-            eager_losses, eager = _eager(options.get("max_grad_norm"))
+        if model_name == "qwen3" and name != "async":  # eager HF (async is stale)
+            eager_losses, eager = _eager(options.get("max_grad_norm"),
+                                         options.get("optimizer", _sgd))
             assert first["losses"] == pytest.approx(eager_losses, abs=1e-6), name
             assert _max_diff(first["masters"], {n: eager[n] for n in single}) < 1e-6, name
         if name == "sync":
@@ -231,9 +288,76 @@ def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, wo
                 assert _max_diff(resumed.trainer().masters(), first["masters"]) == 0.0
             finally:
                 resumed.close()
-        if name == "clip":
+        if "clip" in name:
             # The clip fired on the global norm (every rank's norm is the same).
             assert first["norms"][0] > options["max_grad_norm"]
+        if options.get("shard_optimizer"):
+            _check_sharded(name, options, ranks, world, memory[0])
+
+
+def _check_sharded(name: str, options: dict, ranks: list, world: int, one: dict) -> None:
+    # Host bytes per trainable parameter held for masters + optimizer state fall as 1/N:
+    # every parameter's state is on exactly one rank (the ranks' figures add up to one
+    # process's), and each rank holds its 1/N share give or take half the largest parameter
+    # (shards hold whole parameters). Shadows and gradients stay whole on every rank.
+    held = [r[name]["memory"] for r in ranks]
+    assert sum(h["sharded"] for h in held) == pytest.approx(one["sharded"], rel=1e-12)
+    for h in held:
+        assert abs(h["sharded"] / one["sharded"] - 1 / world) <= h["largest"]
+        assert h["whole"] == one["whole"]
+        assert h["reported"] == pytest.approx(h["sharded"], rel=1e-12)
+    # The sharded checkpoint of step 2, written once (by rank 0) for every rank, resumes in
+    # one process (unsharded) and its step 3 equals the uninterrupted run's, optimizer state
+    # included (Adam's third update reads both moments and the step count).
+    saved = ranks[0][name]["saved"]
+    assert all(r[name]["saved"] == saved for r in ranks)
+    unsharded = {k: v for k, v in options.items() if k != "shard_optimizer"}
+    single = _compile("qwen3", 5, _batches()[0], **unsharded)
+    try:
+        single.load_checkpoint(saved)
+        single.step(_batches()[-1])
+        assert _max_diff(single.trainer().masters(), ranks[0][name]["masters"]) < 1e-6
+    finally:
+        single.close()
+    if world == 3:  # and on the same 3 ranks, sharded again: exactly the uninterrupted run
+        for r in ranks:
+            assert _max_diff(r[name]["resumed"], ranks[0][name]["masters"]) == 0.0
+
+
+def test_sharded_checkpoints_refuse_an_incomplete_or_mismatched_set():
+    from rpcompile.runtime.checkpoint import CheckpointError
+    from rpcompile.runtime.distributed import merge_shards
+    from rpcompile.runtime.memory import HostStore, shard_bounds
+
+    a, b, c = (torch.nn.Parameter(torch.randn(n)) for n in (6, 2, 4))
+    store = HostStore.build([[("a", a), ("b", b)], [("c", c)]])
+    bounds = shard_bounds(store.trainable_slots, 2)
+    assert bounds == [(0, 6), (6, 12)]  # whole parameters, the cut nearest half of 12
+
+    def part(rank, names, world=2, cut=bounds):
+        masters = {n: torch.zeros(store.slot(n).shape) for n in names}
+        return {"rank": rank, "world": world, "bounds": cut, "names": dict(enumerate(names)),
+                "state": {"masters": masters, "step": 1, "mode": "sync", "optimizer": {
+                    "state": {}, "param_groups": [{"lr": 0.1, "params": list(range(len(names)))}]}}}
+
+    whole = merge_shards(store, [part(0, ["a"]), part(1, ["b", "c"])])
+    assert whole["param_names"] == ["a", "b", "c"]
+    assert whole["optimizer"]["param_groups"][0]["params"] == [0, 1, 2]
+    with pytest.raises(CheckpointError, match="not one set"):
+        merge_shards(store, [part(0, ["a"]), part(0, ["b", "c"])])
+    with pytest.raises(CheckpointError, match="bounds differ"):
+        merge_shards(store, [part(0, ["a"]), part(1, ["b", "c"], cut=[(0, 8), (8, 12)])])
+    with pytest.raises(CheckpointError, match="lack 1 trainable"):
+        merge_shards(store, [part(0, ["a"]), part(1, ["b"])])
+    with pytest.raises(CheckpointError, match="in two shards"):
+        merge_shards(store, [part(0, ["a", "b"]), part(1, ["b", "c"])])
+
+
+def test_shard_optimizer_refuses_async_updates():
+    from rpcompile.options import Options, PlanOptions, TrainOptions
+
+    with pytest.raises(ValueError, match="shard_optimizer needs mode='sync'"):
+        Options(plan=PlanOptions(mode="async"), train=TrainOptions(shard_optimizer=True))
 
 
 @pytest.mark.parametrize("scenario", ["kill", "raise"])

@@ -21,8 +21,15 @@ step computes with), ``optim/<param index>/<key>`` (optimizer state tensors),
 (generator states). ``manifest.json`` holds the rest: format and version, step counter, mode,
 the executor's schedule-step counter, the plan's summary and its sha256 (the plan identity),
 the dropout base seed, the optimizer's class and its non-tensor state and hyperparameters, the
-loss scaler's state, the caller's ``extra`` dict, and the size and sha256 of the tensor file.
-No pickle anywhere: loading runs no code from the file.
+name of the parameter behind each optimizer index (``optimizer.param_names``), how many ranks
+wrote it and whether they were sharded (``ranks``, ``sharded``), the loss scaler's state, the
+caller's ``extra`` dict, and the size and sha256 of the tensor file. No pickle anywhere:
+loading runs no code from the file.
+
+**Sharded data parallel** (``shard_optimizer``): the ranks' shards are gathered to rank 0,
+which writes this same format, the whole state as one process holds it; a sharded trainer on
+any number of ranks loads it by reading the whole state and keeping its own shard, by
+parameter name (:mod:`rpcompile.runtime.distributed`).
 
 **Atomicity.** ``save`` writes both files into a hidden temporary folder beside the target,
 fsyncs them and the folder, renames the folder to the target name and fsyncs the parent; the
@@ -166,7 +173,9 @@ def _split_state(trainer: Any, extra: Mapping[str, Any] | None
         "plan_id": plan_identity(state["plan"]),
         "dropout_seed": int(getattr(trainer.compiled.capture, "dropout_seed", 0)),
         "optimizer": {"class": type(trainer.optimizer).__name__, "state": optim_state,
-                      "param_groups": groups},
+                      "param_groups": groups, "param_names": list(state["param_names"])},
+        "ranks": 1 if getattr(trainer, "dp", None) is None else int(trainer.dp.world),
+        "sharded": bool(getattr(trainer, "sharded", False)),
         "loss_scale": None if scaler is None else _encode(scaler.state_dict(), "loss_scale"),
         "extra": dict(extra) if extra is not None else None,
         "torch_version": torch.__version__,
@@ -328,6 +337,8 @@ def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tens
         "plan": _decode(manifest["plan"]),
         "executor_steps": manifest["executor_steps"],
     }
+    if "param_names" in optim:
+        state["param_names"] = list(optim["param_names"])
     if manifest["mode"] == "async" or shadow:
         state["shadow"] = shadow
     return state, rng
@@ -374,7 +385,8 @@ def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     return dict(extra or {})
 
 
-_STATE_KEYS = {"masters", "optimizer", "step", "mode", "plan", "executor_steps", "shadow"}
+_STATE_KEYS = {"masters", "optimizer", "step", "mode", "plan", "executor_steps", "shadow",
+               "param_names"}
 # Optimizers whose state tensors (other than 0-d ones such as Adam's step) have the shape of
 # their parameter; others (Adafactor's factored moments) are not shape-checked.
 _SHAPED_STATE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD", "NAdam",
@@ -408,7 +420,7 @@ def validate_state(trainer: Any, state: Any, *, strict: bool = True,
             raise bad(repr(key), f"must be a non-negative integer, got {value!r}")
 
     store = trainer.store
-    slots = {s.name: s for s in store.trainable_slots}
+    slots = {s.name: s for s in store.owned_slots}  # sharded: the state was cut to the shard
 
     def check_tensors(section: str, tensors: Any, required: bool) -> None:
         if not isinstance(tensors, Mapping):

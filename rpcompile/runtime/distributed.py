@@ -18,6 +18,32 @@ batch over its own workers. What makes the ranks one training run is here, and o
                              agree on the loss and the non-finite flag in one small all-reduce
   3. ``RankFailed``        - the named error when another rank died, raised or stalled
 
+**Sharded host state** (``shard_optimizer=True``, ZeRO-1 style). The trainable parameters are
+cut into N contiguous ranges of whole parameters of the master index space
+(:func:`~rpcompile.runtime.memory.shard_bounds`); rank ``r`` keeps the fp32 masters of range
+``r`` only (:meth:`HostStore.shard_masters`), and its optimizer is built over those alone, so
+its state is 1/N too. Shadows (what the workers upload) and the gradient buffer (where every
+job's gradients land) stay whole on every rank. The step changes in three places:
+
+  ``stage_done``   instead of an all-reduce, each ready run is cut at the shard bounds and
+                   every piece is *reduced* (``dist.reduce``, SUM) to the rank that owns it: a
+                   reduce-scatter in semantics and traffic. Gloo's own ``reduce_scatter`` is
+                   an all-reduce followed by keeping a chunk, so it is not used.
+  ``finish``       after the reductions, the gradient elements this rank does not own (its
+                   local, unreduced sums) are zeroed; the loss / non-finite agreement is the same.
+  clipping         the global norm: each rank computes the norms of the parameters it owns,
+                   one all-reduce of that per-parameter vector (each entry non-zero on one rank
+                   only), then torch's norm of the norms, as ``clip_grad_norm_`` computes it.
+  ``gather_shadows`` at a stage's ``SHADOW`` (after this rank updated and refreshed its own
+                   part), each owner broadcasts its part of the stage's trainable shadows, so
+                   every rank's workers upload the same weights: an all-gather (gloo's
+                   ``all_gather`` needs equal pieces, the shards are not). A parameter shared by
+                   several stages is gathered once per step.
+
+Masters are then no longer replicated: :meth:`gather_masters` (a collective) brings them all
+to every rank, :meth:`gather_state` this rank's optimizer state to rank 0 for a checkpoint,
+and :meth:`shard_state` cuts a whole checkpoint's state down to this rank's shard.
+
 **Exactness.** A causal LM's loss is Hugging Face's token mean over the whole *global* batch:
 each microbatch's loss is its token-loss sum divided by the global count, so the per-rank
 gradient sums add up, across ranks, to the gradient of the global loss. A ``loss_fn`` model's
@@ -43,13 +69,14 @@ from __future__ import annotations
 
 import datetime
 import math
+import time
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from rpcompile.runtime.executor import StepFailed
-from rpcompile.runtime.memory import HostStore, _runs
+from rpcompile.runtime.executor import StepFailed, clip_grad_norm
+from rpcompile.runtime.memory import HostStore, _runs, shard_bounds
 
 __all__ = ["DataParallel", "RankFailed", "resolve_group"]
 
@@ -88,7 +115,8 @@ class DataParallel:
     loss is a mean over microbatches (a ``loss_fn`` model), not a token sum over a global
     count, so reduced gradients and losses are divided by the world size."""
 
-    def __init__(self, group: Any, store: HostStore, *, mean_loss: bool) -> None:
+    def __init__(self, group: Any, store: HostStore, *, mean_loss: bool,
+                 shard: bool = False) -> None:
         self.group = group
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
@@ -106,7 +134,12 @@ class DataParallel:
         self._works: list[tuple[str, Any]] = []
         self._done: set[int] = set()
         self._broken = ""
-        self.reductions = 0  # all-reduces launched in the last step (for tests and reports)
+        self.reductions = 0  # reductions launched in the last step (for tests and reports)
+        self.shard = shard
+        # Shard r: the master index range [start, stop) rank r owns (sharded), else None.
+        self.bounds = shard_bounds(store.trainable_slots, self.world) if shard else None
+        self._gathered: set[int] = set()  # slots whose shadows were gathered this step
+        self._deadline: float | None = None
 
     # -- start --------------------------------------------------------------------------------
     def broadcast_store(self) -> None:
@@ -122,6 +155,23 @@ class DataParallel:
                            dist.broadcast(flat, src=dist.get_global_rank(self.group, 0),
                                           group=self.group, async_op=True),
                            None)
+
+    def shard_store(self) -> None:
+        """Keep only this rank's shard of the masters (after :meth:`broadcast_store`)."""
+        start, stop = self.bounds[self.rank]
+        self.store.shard_masters(start, stop, self.rank, self.world)
+
+    def _src(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank)
+
+    def _pieces(self, m0: int, m1: int) -> list[tuple[int, int, int]]:
+        """(owner, start, stop) of the master range [m0, m1) cut at the shard bounds."""
+        out = []
+        for r, (b0, b1) in enumerate(self.bounds):
+            lo, hi = max(m0, b0), min(m1, b1)
+            if lo < hi:
+                out.append((r, lo, hi))
+        return out
 
     # -- one step -----------------------------------------------------------------------------
     def check(self) -> None:
@@ -143,6 +193,8 @@ class DataParallel:
         self._pending = list(self._slots)
         self._works = []
         self._done = set()
+        self._gathered = set()
+        self._deadline = None
         self.reductions = 0
         local = torch.zeros(1, dtype=torch.int64) if count is None else \
             count.detach().to(torch.int64).reshape(1).clone()
@@ -152,16 +204,25 @@ class DataParallel:
 
     def stage_done(self, stage: int) -> None:
         """``stage``'s gradients of this step are all home: launch the all-reduce of every
-        parameter whose gradient stages are now all done (one per contiguous run)."""
+        parameter whose gradient stages are now all done (one per contiguous run); sharded,
+        the reduction of each run's piece to the rank that owns it."""
         self._done.add(stage)
         ready = [s for s in self._pending if set(s.grad_stages) <= self._done]
         if not ready:
             return
         self._pending = [s for s in self._pending if s not in ready]
         for m0, m1, _ in _runs(ready):
-            work = dist.all_reduce(self.store.grad[m0:m1], group=self.group, async_op=True)
-            self._works.append((f"the gradient all-reduce after stage {stage}", work))
-            self.reductions += 1
+            if not self.shard:
+                work = dist.all_reduce(self.store.grad[m0:m1], group=self.group, async_op=True)
+                self._works.append((f"the gradient all-reduce after stage {stage}", work))
+                self.reductions += 1
+                continue
+            for owner, lo, hi in self._pieces(m0, m1):
+                work = dist.reduce(self.store.grad[lo:hi], dst=self._src(owner),
+                                   group=self.group, async_op=True)
+                self._works.append((f"the gradient reduction to rank {owner} after stage "
+                                    f"{stage}", work))
+                self.reductions += 1
 
     def finish(self, loss: torch.Tensor, nonfinite: bool,
                timeout_s: float | None) -> tuple[torch.Tensor, bool]:
@@ -171,9 +232,18 @@ class DataParallel:
             names = [s.name for s in self._pending[:3]]
             raise RuntimeError(f"rank {self.rank}: gradients of {names} were never reduced "
                                "(their stages never reported done)")
+        if timeout_s is not None and not math.isinf(timeout_s):
+            self._deadline = time.monotonic() + timeout_s
         for what, work in self._works:
             self._wait(what, work, timeout_s)
         self._works = []
+        if self.shard:
+            # What this rank holds outside its shard are its own unreduced sums: unused, and
+            # zeroed so that nothing (a scaler, a check) can mistake them for gradients.
+            start, stop = self.bounds[self.rank]
+            with torch.no_grad():
+                self.store.grad[:start].zero_()
+                self.store.grad[stop:].zero_()
         if self.mean_loss:
             self.store.grad.mul_(1.0 / self.world)
         both = torch.stack([loss.detach().double().reshape(()),
@@ -182,6 +252,157 @@ class DataParallel:
             both, group=self.group, async_op=True), timeout_s)
         total = both[0] / self.world if self.mean_loss else both[0]
         return total.to(loss.dtype), bool(both[1] > 0)
+
+    def clip_grad_norm(self, store: HostStore, model: torch.nn.Module, max_norm: float) -> float:
+        """Clip the reduced gradients by their global norm; returns the norm before clipping.
+        Replicated gradients: :func:`rpcompile.runtime.executor.clip_grad_norm` on each rank.
+        Sharded: each rank's owned parameters' norms, summed into one vector over ranks (each
+        entry comes from its owner alone, so the sum is exact), the norm of that vector, and
+        each rank clips the gradients it owns."""
+        if not self.shard:
+            return clip_grad_norm(store, model, max_norm)
+        trainable = {s.name for s in store.trainable_slots}
+        owned = {s.name for s in store.owned_slots}
+        names = [n for n, _ in model.named_parameters() if n in trainable]
+        norms = torch.zeros(len(names), dtype=torch.float32)
+        for i, n in enumerate(names):
+            if n in owned:
+                norms[i] = torch.linalg.vector_norm(store.grad_of(n), 2.0)
+        self._wait("the gradient norms' all-reduce (clipping)",
+                   dist.all_reduce(norms, group=self.group, async_op=True), self._left())
+        total = torch.linalg.vector_norm(norms, 2.0)
+        mine = [_Grad(store.grad_of(n)) for n in names if n in owned]
+        torch.nn.utils.clip_grads_with_norm_(mine, max_norm, total)
+        return float(total)
+
+    def gather_shadows(self, stage: int | None, *, in_step: bool = True) -> None:
+        """Bring every rank the updated shadows of ``stage``'s trainable parameters (all, when
+        None) from their owners, once each per step: the all-gather of the sharded update.
+        Called by the driver's ``SHADOW`` after this rank rewrote its own part (its waits end
+        at the step's deadline), and after a checkpoint is loaded (``in_step=False``: the
+        process group's timeout)."""
+        store = self.store
+        indices = (range(len(store.slots)) if stage is None
+                   else store.stages[stage].layout.slots)
+        slots = [store.slots[i] for i in indices
+                 if store.slots[i].trainable and i not in self._gathered]
+        if not slots:
+            return
+        works = []
+        for m0, m1, s0 in _runs(slots):
+            for owner, lo, hi in self._pieces(m0, m1):
+                piece = store.shadow[s0 + lo - m0 : s0 + hi - m0].view(torch.uint8)
+                works.append(dist.broadcast(piece, src=self._src(owner), group=self.group,
+                                            async_op=True))
+        where = "all" if stage is None else f"stage {stage}'s"
+        for work in works:
+            self._wait(f"the all-gather of {where} updated shadows", work,
+                       self._left() if in_step else None)
+        if in_step:
+            self._gathered.update(s.index for s in slots)
+
+    def gather_masters(self) -> dict[str, torch.Tensor]:
+        """Every rank gets every fp32 master (a collective: call it on every rank), by name:
+        each owner broadcasts its shard. Replicated masters: this rank's, cloned."""
+        store = self.store
+        if not self.shard:
+            return {s.name: store.master_of(s.name).clone() for s in store.trainable_slots}
+        self.check()
+        full = torch.empty(self.bounds[-1][1], dtype=torch.float32)
+        start, stop = self.bounds[self.rank]
+        full[start:stop].copy_(store.master)
+        for r, (b0, b1) in enumerate(self.bounds):
+            if b1 > b0:
+                self._wait(f"the gather of rank {r}'s masters", dist.broadcast(
+                    full[b0:b1], src=self._src(r), group=self.group, async_op=True), None)
+        return {s.name: full[s.master_offset : s.master_offset + s.numel].view(s.shape)
+                for s in store.trainable_slots}
+
+    def gather_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer
+                     ) -> dict[str, Any] | None:
+        """A sharded checkpoint's state, gathered: every rank passes its driver's
+        ``state_dict()``; rank 0 gets the whole state as one process would hold it (optimizer
+        state indexed over all trainable parameters, :func:`merge_shards`), the others None.
+        A collective: call it on every rank."""
+        names = dict(self._optimizer_names_of(optimizer))
+        mine = {"rank": self.rank, "world": self.world, "bounds": self.bounds,
+                "state": state, "names": names}
+        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(mine, parts, dst=self._src(0), group=self.group)
+        if self.rank != 0:
+            return None
+        return merge_shards(self.store, parts)
+
+    def shard_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer
+                    ) -> dict[str, Any]:
+        """Cut a whole state (a checkpoint written by one process, by replicated data parallel,
+        or gathered from any number of shards) down to this rank's shard, indexed as this
+        rank's ``optimizer`` indexes its parameters. Raises ``CheckpointError`` when the state
+        does not cover every trainable parameter or its optimizer groups differ from these."""
+        from rpcompile.runtime.checkpoint import CheckpointError
+
+        names = state.get("param_names")
+        if names is None:
+            raise CheckpointError(
+                "this checkpoint does not name its optimizer's parameters (written before "
+                "sharded training existed): load it without shard_optimizer, save it again, "
+                "then resume sharded", "param_names")
+        store = self.store
+        missing = [s.name for s in store.trainable_slots if s.name not in state["masters"]]
+        if missing:
+            raise CheckpointError(
+                f"the checkpoint lacks the masters of {len(missing)} trainable parameters "
+                f"({missing[:3]}): an incomplete set of shards, or another model", "masters")
+        owned = {s.name for s in store.owned_slots}
+        index_of = {name: i for i, name in self._optimizer_names_of(optimizer)}
+        full_groups = state["optimizer"]["param_groups"]
+        if len(full_groups) != len(optimizer.param_groups):
+            raise CheckpointError(
+                f"the checkpoint's optimizer has {len(full_groups)} parameter groups, this "
+                f"one {len(optimizer.param_groups)}", "optimizer.param_groups")
+        groups = []
+        by_id = {id(p): name for name, p in store.named_masters()}
+        for g, (theirs, ours) in enumerate(zip(full_groups, optimizer.param_groups)):
+            wanted = {names[i] for i in theirs["params"]} & owned
+            have = [by_id[id(p)] for p in ours["params"]]
+            if set(have) != wanted:
+                raise CheckpointError(
+                    f"optimizer group {g} holds other parameters than the checkpoint's group "
+                    f"{g} does (build the optimizer's groups the same way)",
+                    f"optimizer.param_groups.{g}")
+            groups.append({**{k: v for k, v in theirs.items() if k != "params"},
+                           "params": [index_of[n] for n in have]})
+        entries = {}
+        for i, entry in state["optimizer"]["state"].items():
+            if names[i] in owned:
+                entries[index_of[names[i]]] = entry
+        local_names = [None] * len(index_of)
+        for name, i in index_of.items():
+            local_names[i] = name
+        out = dict(state)
+        trainable = {s.name for s in store.trainable_slots}
+        # Unknown names stay, for validate_state to refuse (strict) or ignore.
+        out["masters"] = {n: v for n, v in state["masters"].items()
+                          if n in owned or n not in trainable}
+        out["optimizer"] = {"state": entries, "param_groups": groups}
+        out["param_names"] = local_names
+        return out
+
+    def _optimizer_names_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
+        by_id = {id(p): name for name, p in self.store.named_masters()}
+        flat = [p for g in optimizer.param_groups for p in g["params"]]
+        return [(i, by_id[id(p)]) for i, p in enumerate(flat)]
+
+    def agree(self, ok: bool, what: str) -> bool:
+        """Whether every rank reports ``ok`` (one small all-reduce; a collective)."""
+        flag = torch.tensor([0 if ok else 1], dtype=torch.int64)
+        self._wait(what, dist.all_reduce(flag, group=self.group, async_op=True), None)
+        return int(flag.item()) == 0
+
+    def _left(self) -> float | None:
+        if self._deadline is None:
+            return None
+        return max(self._deadline - time.monotonic(), 0.001)
 
     def abandon(self, reason: str) -> None:
         """A step failed on this rank: its collectives no longer match the other ranks'."""
@@ -199,3 +420,62 @@ class DataParallel:
         except Exception as exc:
             self.abandon(what)
             raise RankFailed(self.rank, self.world, what, exc) from exc
+
+
+class _Grad:
+    """A parameter-like holder of a host gradient view, for torch's clipping helpers."""
+
+    def __init__(self, grad: torch.Tensor) -> None:
+        self.grad = grad
+
+
+def merge_shards(store: HostStore, parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One state, as one process would hold it, from every rank's shard (``gather_state``).
+    Optimizer parameters are indexed group by group, each group's parameters in the store's
+    order (what one process's optimizer over the same factory indexes). Raises
+    ``CheckpointError`` on a set of shards that is incomplete, overlaps, or disagrees."""
+    from rpcompile.runtime.checkpoint import CheckpointError
+
+    world = parts[0]["world"]
+    if sorted(p["rank"] for p in parts) != list(range(world)) or any(
+            p["world"] != world or p["bounds"] != parts[0]["bounds"] for p in parts):
+        raise CheckpointError("the shards gathered for the checkpoint are not one set (ranks "
+                              f"{sorted(p['rank'] for p in parts)} of {world}, or their bounds "
+                              "differ)", "shards")
+    masters: dict[str, torch.Tensor] = {}
+    for p in parts:
+        for name, value in p["state"]["masters"].items():
+            if name in masters:
+                raise CheckpointError(f"parameter {name!r} is in two shards", "shards")
+            masters[name] = value
+    order = {s.name: s.master_offset for s in store.trainable_slots}
+    missing = [n for n in order if n not in masters]
+    if missing:
+        raise CheckpointError(f"the shards lack {len(missing)} trainable parameters "
+                              f"({missing[:3]})", "shards")
+    first = parts[0]["state"]
+    ngroups = len(first["optimizer"]["param_groups"])
+    if any(len(p["state"]["optimizer"]["param_groups"]) != ngroups for p in parts):
+        raise CheckpointError("the ranks' optimizers have different numbers of parameter "
+                              "groups", "optimizer.param_groups")
+    members: list[list[str]] = [[] for _ in range(ngroups)]
+    entries: dict[str, Any] = {}
+    for p in parts:
+        optim = p["state"]["optimizer"]
+        for g, group in enumerate(optim["param_groups"]):
+            members[g].extend(p["names"][i] for i in group["params"])
+        for i, entry in optim["state"].items():
+            entries[p["names"][i]] = entry
+    names: list[str] = []
+    groups = []
+    for g, group in enumerate(first["optimizer"]["param_groups"]):
+        ordered = sorted(members[g], key=order.__getitem__)
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": list(range(len(names), len(names) + len(ordered)))})
+        names.extend(ordered)
+    state = dict(first)
+    state["masters"] = {n: masters[n] for n in sorted(masters, key=order.__getitem__)}
+    state["optimizer"] = {"state": {i: entries[n] for i, n in enumerate(names) if n in entries},
+                          "param_groups": groups}
+    state["param_names"] = names
+    return state

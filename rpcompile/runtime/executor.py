@@ -747,7 +747,10 @@ class Executor:
         if self.loss_scaler is not None:
             self.loss_scaler.unscale_([self.store.grad], scale=run.loss_scale)
         if self.max_grad_norm is not None:
-            run.grad_norm = clip_grad_norm(self.store, self.compiled.model, self.max_grad_norm)
+            # Data parallel clips by the norm over every rank's gradients (sharded: each rank
+            # holds the reduced gradients of its own shard only).
+            clip = clip_grad_norm if self.reducer is None else self.reducer.clip_grad_norm
+            run.grad_norm = clip(self.store, self.compiled.model, self.max_grad_norm)
 
     def _discard_open(self) -> None:
         if self.driver._open is not None:

@@ -20,7 +20,14 @@ of all its uses are summed into its one master gradient.
 Sections, in reading order:
   1. Layout values: ParamSlot, Segment, StageLayout, StageBuffers, MemoryReport
   2. HostStore: build, shadow refresh, gradient accumulation, masters for the optimizer
-  3. Helpers: exact-size (optionally pinned) flat buffers, contiguous runs
+  3. Helpers: exact-size (optionally pinned) flat buffers, contiguous runs, shard bounds
+
+**Sharded masters** (data parallel with ``shard_optimizer``, :meth:`HostStore.shard_masters`):
+the master buffer then holds only the element range ``[master_start, master_stop)`` of the
+master index space (whole parameters, :func:`shard_bounds`); every offset stays the global
+one and is translated here. The shadow and gradient buffers stay whole: every stage uploads
+its whole shadow, and every job's gradients land in the whole gradient buffer before they are
+reduced to their owner.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ __all__ = [
     "Segment",
     "StageBuffers",
     "StageLayout",
+    "shard_bounds",
 ]
 
 
@@ -188,6 +196,11 @@ class MemoryReport:
     grad_bytes: int
     optimizer_state_bytes: int
     upload_bytes: tuple[int, ...]  # per stage: bytes its job uploads
+    # Sharded masters: this rank's share of the trainable parameters (masters and optimizer
+    # state are held for ``owned_params`` of them; shadows and gradients for all).
+    owned_params: int | None = None
+    rank: int = 0
+    ranks: int = 1
 
     @property
     def trainable_bytes(self) -> int:
@@ -229,6 +242,12 @@ class MemoryReport:
             + " + ".join(f"{v:.2f} {k}" for k, v in list(self.breakdown().items())[:4])
             + ")",
         ]
+        if self.ranks > 1:
+            lines.append(
+                f"  sharded    rank {self.rank} of {self.ranks} holds masters and optimizer "
+                f"state for {self.owned_params:,} of the {self.trainable_params:,} trainable "
+                "parameters (per-parameter figures are over all of them); shadow and grad "
+                "are whole on every rank")
         return "\n".join(lines)
 
 
@@ -268,6 +287,11 @@ class HostStore:
         self._lock = threading.Lock()
         self.stages = tuple(self._stage_buffers(layout) for layout in layouts)
         self._masters: list[torch.nn.Parameter] | None = None
+        # The master index range this store holds (all of it unless shard_masters ran).
+        self.master_start = 0
+        self.master_stop = master.numel()
+        self.rank, self.ranks = 0, 1
+        self._owned = tuple(s for s in slots if s.trainable)
         self._stage_runs = [_runs([slots[i] for i in lay.slots]) for lay in layouts]
 
     # -- construction --------------------------------------------------------------------
@@ -375,6 +399,45 @@ class HostStore:
             grad=tuple(self.grad[s.start : s.stop] for s in layout.grad_segments),
         )
 
+    def shard_masters(self, start: int, stop: int, rank: int, ranks: int) -> None:
+        """Keep only the masters of the element range ``[start, stop)`` of the master index
+        space (it must fall on parameter boundaries: :func:`shard_bounds`); the full master
+        buffer is released. Call once, before any optimizer is built over :meth:`masters`."""
+        if self._masters is not None:
+            raise RuntimeError("shard_masters() after masters() was taken: build the optimizer "
+                               "after sharding")
+        if self.master_start != 0 or self.master_stop != self.master.numel():
+            raise RuntimeError("the masters are already sharded")
+        total = self.master.numel()
+        owned = tuple(s for s in self.trainable_slots
+                      if (start <= s.master_offset < stop and s.master_offset + s.numel <= stop)
+                      or (s.master_offset == stop == total and rank == ranks - 1))
+        cut = [s.name for s in self.trainable_slots
+               if s not in owned and s.master_offset < stop
+               and s.master_offset + s.numel > start and s.numel]
+        if cut:
+            raise ValueError(f"shard [{start}, {stop}) cuts parameters {cut[:3]}; shards hold "
+                             "whole parameters (rpcompile.runtime.memory.shard_bounds)")
+        kept, _ = _host_flat(stop - start, torch.float32, self.pin == "registered")
+        kept.copy_(self.master[start:stop])
+        self.master = kept
+        self.master_start, self.master_stop = start, stop
+        self.rank, self.ranks = rank, ranks
+        self._owned = owned
+        self.stages = tuple(StageBuffers(
+            layout=st.layout, shadow=st.shadow, master=(), grad=st.grad) for st in self.stages)
+
+    def _m(self, start: int, stop: int) -> torch.Tensor:
+        """The master elements ``[start, stop)`` (global offsets) this store holds."""
+        if start < self.master_start or stop > self.master_stop:
+            raise KeyError(f"masters [{start}, {stop}) are not held by rank {self.rank} of "
+                           f"{self.ranks} (it holds [{self.master_start}, {self.master_stop}))")
+        return self.master[start - self.master_start : stop - self.master_start]
+
+    @property
+    def sharded(self) -> bool:
+        return self.ranks > 1
+
     # -- lookups -------------------------------------------------------------------------
     def slot(self, name: str) -> ParamSlot:
         try:
@@ -386,7 +449,7 @@ class HostStore:
         s = self.slot(name)
         if not s.trainable:
             raise KeyError(f"{name!r} is frozen: it has no master (see shadow_of)")
-        return self.master[s.master_offset : s.master_offset + s.numel].view(s.shape)
+        return self._m(s.master_offset, s.master_offset + s.numel).view(s.shape)
 
     def grad_of(self, name: str) -> torch.Tensor:
         s = self.slot(name)
@@ -402,15 +465,26 @@ class HostStore:
     def trainable_slots(self) -> tuple[ParamSlot, ...]:
         return tuple(s for s in self.slots if s.trainable)
 
+    @property
+    def owned_slots(self) -> tuple[ParamSlot, ...]:
+        """The trainable slots whose masters this store holds (all unless sharded)."""
+        return self._owned
+
     # -- shadow and gradients ------------------------------------------------------------
     def refresh_shadow(self, stage: int | None = None) -> None:
         """Rewrite the shadow of a stage's trainable parameters (all, when ``stage`` is None)
         from their masters, cast to the compute dtype (round to nearest even)."""
+        if self.sharded:  # only the held masters; the others' shadows come from their owners
+            owned = set(self._owned)
+            slots = self.trainable_slots if stage is None else \
+                [self.slots[i] for i in self.stages[stage].layout.slots]
+            self._copy_runs(_runs([s for s in slots if s in owned]))
+            return
         runs = _runs(self.trainable_slots) if stage is None else self._stage_runs[stage]
         self._copy_runs(runs)
 
     def refresh_slots(self, slot_indices: Iterable[int]) -> None:
-        """Rewrite the shadow of the given (trainable) slots from their masters."""
+        """Rewrite the shadow of the given (trainable, held) slots from their masters."""
         self._copy_runs(_runs([self.slots[i] for i in slot_indices]))
 
     def _copy_runs(self, runs: list[tuple[int, int, int]]) -> None:
@@ -418,7 +492,7 @@ class HostStore:
         # Tensor.to, so the shadow is the same whichever backend ``kernels`` names.
         if not runs:
             return
-        cast_pack([self.master[m0:m1] for m0, m1, _ in runs], self.shadow,
+        cast_pack([self._m(m0, m1) for m0, m1, _ in runs], self.shadow,
                   [s0 for _, _, s0 in runs], backend=self.kernels)
 
     def accumulate_grad(self, stage: int, flat_grad: torch.Tensor) -> None:
@@ -450,28 +524,29 @@ class HostStore:
 
     # -- optimizer view ------------------------------------------------------------------
     def masters(self) -> list[torch.nn.Parameter]:
-        """One fp32 ``nn.Parameter`` per unique trainable parameter, in slot order, sharing
-        memory with the master flat buffer; its ``.grad`` is the view into the flat gradient.
-        Build the optimizer over these. The list is made once and returned again."""
+        """One fp32 ``nn.Parameter`` per unique trainable parameter this store holds (all, unless
+        sharded: :attr:`owned_slots`), in slot order, sharing memory with the master flat
+        buffer; its ``.grad`` is the view into the flat gradient. Build the optimizer over
+        these. The list is made once and returned again."""
         if self._masters is None:
             params = []
-            for slot in self.trainable_slots:
+            for slot in self._owned:
                 a, b = slot.master_offset, slot.master_offset + slot.numel
-                p = torch.nn.Parameter(self.master[a:b].view(slot.shape))
+                p = torch.nn.Parameter(self._m(a, b).view(slot.shape))
                 p.grad = self.grad[a:b].view(slot.shape)
                 params.append(p)
             self._masters = params
         return self._masters
 
     def named_masters(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(s.name, p) for s, p in zip(self.trainable_slots, self.masters())]
+        return [(s.name, p) for s, p in zip(self._owned, self.masters())]
 
     def attach_grads(self, slot_indices: Iterable[int] | None = None) -> None:
         """Point ``.grad`` of the masters at the flat gradient views: of the given slots, with
         every other master's ``.grad`` set to None (how one optimizer steps a subset), or of all
         masters when ``slot_indices`` is None."""
         wanted = None if slot_indices is None else set(slot_indices)
-        for slot, p in zip(self.trainable_slots, self.masters()):
+        for slot, p in zip(self._owned, self.masters()):
             if wanted is None or slot.index in wanted:
                 a = slot.master_offset
                 p.grad = self.grad[a : a + slot.numel].view(slot.shape)
@@ -480,10 +555,10 @@ class HostStore:
 
     def load_into_module(self, module: torch.nn.Module) -> None:
         """Copy the masters into ``module``'s parameters of the same names (frozen ones are
-        left as they are: they never change)."""
+        left as they are: they never change). Sharded: only the masters this store holds."""
         with torch.no_grad():
-            for slot in self.trainable_slots:
-                value = self.master[slot.master_offset : slot.master_offset + slot.numel]
+            for slot in self._owned:
+                value = self._m(slot.master_offset, slot.master_offset + slot.numel)
                 for name in slot.names:
                     try:
                         target = module.get_parameter(name)
@@ -494,16 +569,17 @@ class HostStore:
                     target.copy_(value.view(slot.shape))
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """The fp32 masters by (first) name, cloned."""
-        return {s.name: self.master_of(s.name).clone() for s in self.trainable_slots}
+        """The fp32 masters this store holds, by (first) name, cloned."""
+        return {s.name: self.master_of(s.name).clone() for s in self._owned}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        """Load masters saved by :meth:`state_dict` and refresh every shadow from them."""
-        missing = [s.name for s in self.trainable_slots if s.name not in state]
+        """Load masters saved by :meth:`state_dict` and refresh their shadows from them.
+        Sharded: the masters this store holds (the other ranks' shadows come from theirs)."""
+        missing = [s.name for s in self._owned if s.name not in state]
         if missing:
             raise KeyError(f"state dict lacks masters for {missing[:5]} ({len(missing)} in all)")
         with torch.no_grad():
-            for s in self.trainable_slots:
+            for s in self._owned:
                 self.master_of(s.name).copy_(state[s.name])
         self.refresh_shadow()
 
@@ -524,6 +600,9 @@ class HostStore:
             grad_bytes=self.grad.untyped_storage().nbytes(),
             optimizer_state_bytes=0 if optimizer is None else _state_bytes(optimizer),
             upload_bytes=tuple(st.layout.shadow_numel * itemsize for st in self.stages),
+            owned_params=sum(s.numel for s in self._owned),
+            rank=self.rank,
+            ranks=self.ranks,
         )
 
 
@@ -611,6 +690,27 @@ def _runs(slots: Iterable[ParamSlot]) -> list[tuple[int, int, int]]:
         else:
             runs.append([m0, m0 + slot.numel, s0])
     return [(a, b, c) for a, b, c in runs]
+
+
+def shard_bounds(slots: Sequence[ParamSlot], ranks: int) -> list[tuple[int, int]]:
+    """Cut the master index space of the trainable ``slots`` into ``ranks`` contiguous ranges
+    of whole parameters: rank ``r``'s range ends at the parameter boundary nearest to
+    ``(r + 1) / ranks`` of the total, so no rank holds more than its 1/N share plus half of
+    the largest parameter. A range may be empty (more ranks than parameters)."""
+    trainable = sorted((s for s in slots if s.trainable), key=lambda s: s.master_offset)
+    total = sum(s.numel for s in trainable)
+    edges = [0]
+    at = 0
+    for s in trainable:
+        at += s.numel
+        edges.append(at)
+    cuts = [0]
+    for r in range(1, ranks):
+        target = r * total / ranks
+        best = min(edges, key=lambda e: (abs(e - target), e))
+        cuts.append(max(best, cuts[-1]))
+    cuts.append(total)
+    return [(cuts[r], cuts[r + 1]) for r in range(ranks)]
 
 
 def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, str]:

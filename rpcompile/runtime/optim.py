@@ -165,7 +165,10 @@ class OptimizerDriver:
             self._stage_groups[s] = tuple(
                 g.index for g in self.groups if slots.intersection(g.slots)
             )
-        self._grad_stages = frozenset().union(*(g.stages for g in self.groups))
+        # Every stage that produces gradients, whether or not this driver's groups hold its
+        # parameters (sharded masters: a rank updates only the groups it owns).
+        self._grad_stages = frozenset().union(
+            *(frozenset(s.grad_stages) for s in store.trainable_slots))
         self.step = 0  # the next step to begin, or the open one
         self._open: _StepState | None = None
         self._steps: dict[int, _StepState] = {}
@@ -175,6 +178,9 @@ class OptimizerDriver:
         # Called with k when update k's failure is taken (take_failure): state kept outside
         # the driver (the loss scaler) goes back to before step k too.
         self.undo_hooks: list[Callable[[int], None]] = []
+        # Sharded masters (rpcompile.runtime.distributed): called by refresh(stage) once this
+        # rank's own shadows of the stage are rewritten, to bring the other ranks' shadows of it.
+        self.shadow_gather: Callable[[int], None] | None = None
         # Started by the first task (the thread protocol); the schedule's OPT and SHADOW
         # actions run on the executor's host queue and never start it.
         self._thread = threading.Thread(target=self._main, name="rpcompile-optimizer", daemon=True)
@@ -220,7 +226,7 @@ class OptimizerDriver:
         return False
 
     def _make_groups(self) -> tuple[UpdateGroup, ...]:
-        trainable = self.store.trainable_slots
+        trainable = self.store.owned_slots
         if not self.per_parameter:
             stages = frozenset().union(*(frozenset(s.grad_stages) for s in trainable))
             return (UpdateGroup(0, tuple(s.index for s in trainable), stages, "all parameters"),)
@@ -371,6 +377,8 @@ class OptimizerDriver:
                 if slot.trainable and index not in journal.shadows:
                     journal.shadows[index] = self.store.shadow_of(slot.name).clone()
         self.store.refresh_shadow(stage)
+        if self.shadow_gather is not None:
+            self.shadow_gather(stage)
 
     def commit_step(self) -> Event:
         """End a step whose OPT and SHADOW actions all ran: the saved copies are dropped
@@ -482,7 +490,7 @@ class OptimizerDriver:
         """Save what updating ``slots`` changes, before it changes (the optimizer thread)."""
         journal = state.journal = state.journal or _Journal()
         params = self.store.masters()
-        position = {s.index: i for i, s in enumerate(self.store.trainable_slots)}
+        position = {s.index: i for i, s in enumerate(self.store.owned_slots)}
         for index in slots:
             name = self.store.slots[index].name
             journal.masters[index] = self.store.master_of(name).clone()

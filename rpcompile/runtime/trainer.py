@@ -117,7 +117,11 @@ class Trainer:
     stuck in an item are replaced.
     ``process_group``: train data parallel across the ranks of a gloo group: each rank steps
     on its own share of the global batch; losses, clipping and updates are those of the global
-    batch (:mod:`rpcompile.runtime.distributed`).
+    batch (:mod:`rpcompile.runtime.distributed`). ``shard_optimizer``: each rank keeps the
+    masters and optimizer state of its 1/N shard only; :meth:`masters` then refuses (use
+    :meth:`owned_masters` or the collective :meth:`gather_masters`), and
+    :meth:`sync_to_model`, :meth:`state_dict`, :meth:`save_checkpoint` and
+    :meth:`load_checkpoint` are collectives: call them on every rank.
 
     ``updates`` (either mode): ``"overlap"`` runs each stage's update as soon as its gradients
     are home, while later backward jobs compute; ``"deferred"`` runs them after the step's
@@ -176,12 +180,16 @@ class Trainer:
         try:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
             self.store.kernels = kernels
-            self.dp = self._data_parallel(compiled, options.process_group)
+            self.dp = self._data_parallel(compiled, options.process_group,
+                                          options.shard_optimizer)
             # Updates are the schedule's OPT actions in both modes, run by the executor and
             # undone if the step fails (the driver's own thread queues nothing for them).
+            # Sharded, the optimizer is built over this rank's masters only.
             driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode,
                                      eager_updates=False)
             self.driver = driver
+            if self.sharded:
+                driver.shadow_gather = self.dp.gather_shadows
             self.executor = Executor(compiled, self.workers, self.schedule, self.store,
                                      self.driver, timeout_s=self.timeout_s, kernels=kernels,
                                      skip_nonfinite=options.skip_nonfinite,
@@ -225,15 +233,23 @@ class Trainer:
         return HostStore.build(stage_params, compute_dtype=compiled.compute_dtype, pin=pin,
                                grad_stages=grad_stages)
 
-    def _data_parallel(self, compiled: Any, process_group: Any) -> Any:
+    def _data_parallel(self, compiled: Any, process_group: Any, shard: bool) -> Any:
         from rpcompile.runtime.distributed import DataParallel, resolve_group
 
         group = resolve_group(process_group)
         if group is None:
             return None
-        dp = DataParallel(group, self.store, mean_loss=compiled.capture.loss_reduction != "sum")
+        dp = DataParallel(group, self.store, mean_loss=compiled.capture.loss_reduction != "sum",
+                          shard=shard)
         dp.broadcast_store()
+        if shard:
+            dp.shard_store()
         return dp
+
+    @property
+    def sharded(self) -> bool:
+        """Whether this rank holds only its shard of the masters and optimizer state."""
+        return self.dp is not None and self.dp.shard
 
     # -- training ----------------------------------------------------------------------------
     def step(self, batch: Any) -> torch.Tensor:
@@ -280,25 +296,58 @@ class Trainer:
 
     def masters(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name (live views; see ``state_dict`` for
-        copies), once every queued update has run."""
+        copies), once every queued update has run. Sharded: refused, since this rank holds
+        only its shard (:meth:`owned_masters`, :meth:`gather_masters`)."""
+        if self.sharded:
+            raise RuntimeError(
+                f"shard_optimizer=True: rank {self.dp.rank} of {self.dp.world} holds the "
+                "masters of its shard only; trainer.owned_masters() gives those, "
+                "trainer.gather_masters() all of them (a collective: call it on every rank)")
         self._settle()
         return {s.name: self.store.master_of(s.name) for s in self.store.trainable_slots}
 
+    def owned_masters(self) -> dict[str, torch.Tensor]:
+        """The fp32 masters this rank holds (all of them unless sharded), live views."""
+        self._settle()
+        return {s.name: self.store.master_of(s.name) for s in self.store.owned_slots}
+
+    def gather_masters(self) -> dict[str, torch.Tensor]:
+        """Every fp32 master by name, copies. Sharded: gathered from every rank's shard (a
+        collective: call it on every rank, which then holds a full fp32 copy)."""
+        self._settle()
+        if self.sharded:
+            return self.dp.gather_masters()
+        return {s.name: self.store.master_of(s.name).clone() for s in self.store.trainable_slots}
+
     def sync_to_model(self) -> None:
         """Write the trained masters into the original module's parameters (cast to their
-        dtype), so ``model.save_pretrained`` and plain inference see the trained weights."""
+        dtype), so ``model.save_pretrained`` and plain inference see the trained weights.
+        Sharded: a collective (call it on every rank); every rank's module gets all of them."""
         self._settle()
-        self.store.load_into_module(self.compiled.model)
+        if not self.sharded:
+            self.store.load_into_module(self.compiled.model)
+            return
+        with torch.no_grad():
+            for name, value in self.dp.gather_masters().items():
+                for alias in self.store.slot(name).names:
+                    self.compiled.model.get_parameter(alias).copy_(value)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Masters, optimizer state, step counter, mode and a plan summary: a snapshot
         (copies), unlike ``torch.optim.Optimizer.state_dict`` whose tensors later steps
-        would keep changing."""
+        would keep changing. ``param_names`` names the optimizer's parameters by index.
+        Sharded: a collective (call it on every rank); rank 0 gets the whole state, as one
+        process holds it (so it loads on any number of ranks), the other ranks None."""
         self._settle()
         state = copy.deepcopy(self.driver.state_dict())
+        by_id = {id(p): name for name, p in self.store.named_masters()}
+        state["param_names"] = [by_id[id(p)] for g in self.optimizer.param_groups
+                                for p in g["params"]]
         state["plan"] = plan_summary(self.compiled)
         state["executor_steps"] = self.executor.steps_run
+        if self.sharded:
+            return self.dp.gather_state(state, self.optimizer)
         return state
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
@@ -311,7 +360,24 @@ class Trainer:
         from rpcompile.runtime.checkpoint import validate_state
 
         self._settle()
-        validate_state(self, state, strict=strict, allow_nonfinite=allow_nonfinite)
+        if self.sharded:
+            # Every rank reads the whole state and keeps its shard; the ranks agree that every
+            # shard validated before any changes anything.
+            error = None
+            try:
+                state = self.dp.shard_state(state, self.optimizer)
+                validate_state(self, state, strict=strict, allow_nonfinite=allow_nonfinite)
+            except ValueError as exc:
+                error = exc
+            if not self.dp.agree(error is None, "the agreement on a loaded checkpoint"):
+                if error is not None:
+                    raise error
+                from rpcompile.runtime.checkpoint import CheckpointError
+
+                raise CheckpointError("another rank refused its shard of this state (see its "
+                                      "error); nothing was loaded", "shards")
+        else:
+            validate_state(self, state, strict=strict, allow_nonfinite=allow_nonfinite)
         mine = plan_summary(self.compiled)
         theirs = state.get("plan")
         if theirs is not None and _comparable(theirs) != _comparable(mine):
@@ -324,14 +390,22 @@ class Trainer:
                 stacklevel=2,
             )
         self.driver.load_state_dict(state)
+        if self.sharded:  # every rank loaded its own shard's shadows: bring the others'
+            self.dp.gather_shadows(None, in_step=False)
         self.executor.steps_run = int(state.get("executor_steps", state["step"]))
 
     def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None) -> Any:
         """Write a checkpoint folder atomically (:mod:`rpcompile.runtime.checkpoint`). Data
         parallel: rank 0 alone writes it (every rank holds the same state); every rank gets
-        the path back."""
+        the path back. Sharded: a collective (call it on every rank): the shards are gathered
+        to rank 0, which writes one ordinary checkpoint (loadable on any number of ranks)."""
         from rpcompile.runtime import checkpoint
 
+        if self.sharded and self.dp.rank != 0:
+            self.state_dict()  # this rank's part of the gather; rank 0 writes
+            from pathlib import Path
+
+            return Path(path)
         if self.dp is not None and self.dp.rank != 0:
             # Every rank holds the same state: rank 0 alone writes it, to this path.
             from pathlib import Path
@@ -365,7 +439,10 @@ class Trainer:
 
     def memory_report(self) -> MemoryReport:
         """Host bytes kept per trainable parameter, once every queued update has run (the
-        optimizer's state exists only after its first update)."""
+        optimizer's state exists only after its first update), measured from the buffers and
+        optimizer state this rank holds. Sharded: masters and optimizer state are this rank's
+        1/N shard (the per-parameter figures are over all trainable parameters, so they fall
+        as 1/N); the shadow and the gradient buffer stay whole."""
         self._settle()
         return self.driver.memory_report()
 
