@@ -28,19 +28,9 @@ import time
 from pathlib import Path
 
 import torch
+from _setup import small_qwen3
 
-
-def _model(hidden: int, layers: int):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.Qwen3Config(
-        vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden,
-        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128), head_dim=64, use_cache=False,
-        attn_implementation="sdpa",
-    )
-    return tf.Qwen3ForCausalLM(cfg)
+_model = small_qwen3  # the shared setup (benchmarks/_setup.py)
 
 
 def main() -> None:
