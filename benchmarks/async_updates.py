@@ -21,7 +21,8 @@ import statistics
 import time
 from pathlib import Path
 
-from _setup import adamw, small_qwen3, token_batches
+from _models import qwen3  # benchmarks/_models.py, beside this script
+from _setup import adamw, token_batches
 
 
 def main() -> None:
@@ -43,7 +44,7 @@ def main() -> None:
     from rpcompile.sim import simulate, steady_step_ms, steady_steps
 
     batches = token_batches(args.steps + 2, args.batch, args.seq)
-    compiled = rpcompile.compile(small_qwen3(args.hidden, args.layers), gpus=args.gpus,
+    compiled = rpcompile.compile(qwen3(args.hidden, args.layers), gpus=args.gpus,
                                  microbatches=args.microbatches, example_inputs=batches[0])
     modes = ("sync", "async")
     trainers = {m: Trainer(compiled, adamw, device="virtual", mode=m, timeout_s=600)

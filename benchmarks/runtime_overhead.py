@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 
 import torch
-from _setup import small_qwen3
-
-_model = small_qwen3  # the shared setup (benchmarks/_setup.py)
+from _models import qwen3  # benchmarks/_models.py, beside this script
 
 
 def main() -> None:
@@ -54,7 +52,7 @@ def main() -> None:
         return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
     # eager with gradient checkpointing
-    eager = _model(args.hidden, args.layers)
+    eager = qwen3(args.hidden, args.layers)
     eager.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     eager.train()
     eager_opt = adamw(eager.parameters())
@@ -67,7 +65,7 @@ def main() -> None:
         eager_opt.zero_grad(set_to_none=True)
 
     # reference executor + optimizer over the model's own parameters
-    ref_model = _model(args.hidden, args.layers)
+    ref_model = qwen3(args.hidden, args.layers)
     compiled_ref = rpcompile.compile(ref_model, gpus=1, microbatches=args.microbatches,
                                      example_inputs=batches[0])
     ref_params = dict(ref_model.named_parameters())
@@ -80,7 +78,7 @@ def main() -> None:
         ref_opt.step()
 
     # the runtime on one virtual worker
-    run_model = _model(args.hidden, args.layers)
+    run_model = qwen3(args.hidden, args.layers)
     compiled = rpcompile.compile(run_model, gpus=1, microbatches=args.microbatches,
                                  example_inputs=batches[0], device="virtual", optimizer=adamw)
 

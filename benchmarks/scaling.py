@@ -4,10 +4,12 @@ servers joined by 25 or 100 Gbit/s Ethernet.
 Each server keeps the paper's workload (rpcompile.paper.WORKLOADS: its batch, microbatches and
 rounds), so N servers train an N times larger global batch. One server's RoundPipe plan is
 lowered and replayed for a steady state (11 steps, async optimizer, as paper_throughput.py);
-rpcompile.sim.scaling.simulate_nodes then queues each gradient stage's fp32 all-reduce on the
-link from the moment its gradients are home (ring all-reduce, docs/distributed.md) and adds
-the part the remaining backward jobs do not hide to the step. Efficiency = one server's step
-time over the N-server step time (1.0: N times the tokens/s).
+rpcompile.sim.scaling.simulate_nodes then lowers the same plan for N ranks (a REDUCE action
+per gradient stage and step on the host's network lane, after the stage's last ACC; the
+step's updates wait for them) and replays that schedule on the profile joined by the link:
+each REDUCE is a ring all-reduce on the link, 2 (N-1)/N x bytes / bandwidth + 2 (N-1) x
+latency, whose gloo copies also draw on host memory (docs/distributed.md). Efficiency = one
+server's steady step time over the N-server one (1.0: N times the tokens/s).
 
     python benchmarks/scaling.py [--models ...] [--nodes 1 2 4] [--links eth25 eth100]
                                  [--json PATH]
@@ -49,23 +51,23 @@ def main() -> None:
         units = MODELS[name].units(w.microbatch_size, w.seq_len)
         plan = partition(units, hw, hw.gpus, w.microbatches, max(1, round(w.microbatch_size)),
                          w.seq_len, w.rounds)
-        run = simulate_roundpipe(plan, hw, steps=steady_steps(plan, rounds=w.rounds),
-                                 optimizer="async", rounds=w.rounds)
-        # Each parameter's gradient is reduced once (a tied embedding too, as the runtime does).
-        grads = 4 * MODELS[name].trainable_params()
+        steps = steady_steps(plan, rounds=w.rounds)
+        run = simulate_roundpipe(plan, hw, steps=steps, optimizer="async", rounds=w.rounds)
         row: dict[str, dict] = {}
-        print(f"{name}: {grads / 2**30:.1f} GiB of fp32 gradients per step, "
-              f"{w.tokens_per_step:,} tokens per server per step")
+        print(f"{name}: {w.tokens_per_step:,} tokens per server per step", flush=True)
         for link in args.links:
             row[link] = {}
             for n in args.nodes:
-                s = simulate_nodes(run, n, link, tokens_per_step=w.tokens_per_step,
-                                   gradient_bytes=grads)
+                s = simulate_nodes(plan, hw, n, link, tokens_per_step=w.tokens_per_step,
+                                   optimizer="async", rounds=w.rounds, steps=steps,
+                                   one_server=run)
                 row[link][str(n)] = s.to_dict()
                 print(f"  {link:<7} {n} server{'s' if n > 1 else ' '}: {s.tokens_per_s:>10,.0f} "
                       f"tokens/s, efficiency {100 * s.efficiency:5.1f}%, step "
-                      f"{s.step_ms / 1e3:6.2f} s (link busy {s.link_busy_ms / 1e3:.2f} s, "
-                      f"exposed {s.exposed_ms / 1e3:.2f} s)")
+                      f"{s.step_ms / 1e3:6.2f} s ({s.gradient_bytes / 2**30:.1f} GiB reduced "
+                      f"in {s.reductions} REDUCE, link busy {s.link_busy_ms / 1e3:.2f} s, "
+                      f"added {s.added_ms / 1e3:+.2f} s; {time.perf_counter() - t0:.0f} s)",
+                      flush=True)
                 if n > 1:
                     worst = min(worst, (s.efficiency, f"{name} on {n} x {link}"))
         result[name] = row

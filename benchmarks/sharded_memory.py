@@ -22,19 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.multiprocessing as mp
-
-
-def _model(hidden: int, layers: int):
-    import transformers as tf
-
-    torch.manual_seed(0)
-    cfg = tf.Qwen3Config(
-        vocab_size=512, hidden_size=hidden, intermediate_size=3 * hidden,
-        num_hidden_layers=layers, num_attention_heads=max(1, hidden // 64),
-        num_key_value_heads=max(1, hidden // 128), head_dim=64, use_cache=False,
-        tie_word_embeddings=True, attn_implementation="sdpa",
-    )
-    return tf.Qwen3ForCausalLM(cfg)
+from _models import qwen3  # benchmarks/_models.py, beside this script
 
 
 def _measure(trainer) -> dict:
@@ -73,7 +61,7 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str,
     share = {"input_ids": batch.tensor_split(world)[rank],
              "labels": batch.tensor_split(world)[rank]}
     compiled = rpcompile.compile(
-        _model(args.hidden, args.layers), gpus=2, microbatches=2, example_inputs=share,
+        qwen3(args.hidden, args.layers, tied=True), gpus=2, microbatches=2, example_inputs=share,
         device="virtual", shard_optimizer=shard,
         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
     try:

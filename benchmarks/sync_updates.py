@@ -23,9 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from _setup import small_qwen3
-
-_model = small_qwen3  # the shared setup (benchmarks/_setup.py)
+from _models import qwen3  # benchmarks/_models.py, beside this script
 
 
 def _journal_bytes(journal) -> int:
@@ -59,7 +57,7 @@ def main() -> None:
     gen = torch.Generator().manual_seed(1)
     batches = [torch.randint(0, 512, (args.batch, args.seq), generator=gen)
                for _ in range(args.steps + 2)]
-    compiled = rpcompile.compile(_model(args.hidden, args.layers), gpus=args.gpus,
+    compiled = rpcompile.compile(qwen3(args.hidden, args.layers), gpus=args.gpus,
                                  microbatches=args.microbatches, example_inputs=batches[0])
 
     def adamw(params):

@@ -7,7 +7,10 @@ allocated), compiles it for a hardware profile, schedules and lowers one optimiz
 simulates it, prints the stage table, predicted tokens/s, the bubble split, peak device memory
 (simulated and proven over the schedule, and whether the schedule needs the memory-bounding
 waits), the LM head's loss chunk, host memory by part against the server's RAM
-(``--host-ram``) and the longest sequence that fits, and writes the schedule as CSV,
+(``--host-ram``), how backward stages recompute (``--recompute``: ``auto``, the default,
+recomputes whole stages unless that plan does not fit, then takes the faster plan that fits,
+cut again by stage or layer by layer) and the longest sequence that fits, and writes the
+schedule as CSV,
 Chrome-trace JSON and PNG. ``--longest`` searches the longest sequence that fits with one
 sequence per microbatch (or the microbatch ``--batch`` gives), prints it with what limits the
 next length (the unit or the worker, action and memory parts at the peak) and the plan at
@@ -18,9 +21,11 @@ RoundPipe with the async optimizer it also simulates overlapping steps (two warm
 and a steady-state window of at least 8 steps, rpcompile.sim.steady_steps) and prints the
 steady-state time per step, tokens/s and bubble (summary.json: steady_step_ms,
 steady_tokens_per_s, steady_bubble_pct). ``--nodes N`` (with ``--link eth25|eth100``) also
-predicts N such servers training data parallel: each gradient stage's all-reduce queued on the
-link from when its gradients are home, the step time, tokens/s of all N and the scaling
-efficiency against one server (summary.json: nodes; docs/distributed.md).
+predicts N such servers training data parallel: the schedule lowered for N ranks (a REDUCE
+action per gradient stage on the host's network lane, timed as a ring all-reduce on the link,
+with gloo's host-memory traffic) replayed over the same steps, its steady step time, tokens/s
+of all N and the scaling efficiency against one server (summary.json: nodes;
+docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -67,6 +72,12 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", type=Path, default=None,
                       help="folder for schedule.csv, schedule.json (Perfetto), schedule.png, "
                            "plan.txt and summary.json")
+    plan.add_argument("--recompute", default="auto", choices=["auto", "stage", "layer"],
+                      help="how backward stages recompute their forward: stage (all layers' "
+                           "activations for one backward), layer (one layer at a time, one "
+                           "more forward) or auto (stage unless that plan does not fit, "
+                           "then the faster plan that fits, cut again by stage or by "
+                           "layer; default)")
     plan.add_argument("--no-fit-search", action="store_true",
                       help="skip the search for the longest sequence that fits")
     plan.add_argument("--longest", action="store_true",
@@ -78,11 +89,13 @@ def _parser() -> argparse.ArgumentParser:
                            "else this machine's); the plan's host memory is checked against it")
     plan.add_argument("--nodes", type=int, default=1,
                       help="servers training data parallel (one pipeline each, on its share "
-                           "of a --nodes times larger global batch); N > 1 also prints the "
-                           "tokens/s of N servers and the scaling efficiency against one")
+                           "of a --nodes times larger global batch); N > 1 also simulates "
+                           "the schedule lowered for N ranks (REDUCE actions on the link) "
+                           "and prints the tokens/s of N servers and the scaling efficiency "
+                           "against one")
     plan.add_argument("--link", default="eth100",
                       help="the network between servers for --nodes: eth25 or eth100 "
-                           "(25 / 100 Gbit/s Ethernet)")
+                           "(25 / 100 Gbit/s Ethernet; default eth100)")
 
     train = sub.add_parser(
         "train",
@@ -171,11 +184,13 @@ def _plan(args: argparse.Namespace) -> int:
         # device="virtual": the plan is for the profile's machine, not for a GPU here.
         return rpcompile.compile(
             model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids,
-            rounds=args.rounds, mode=args.optimizer, device="virtual")
+            rounds=args.rounds, mode=args.optimizer, device="virtual",
+            recompute=args.recompute)
 
     compiled = compile_for(batch)
     if args.batch is None and args.schedule == "roundpipe":
-        filling = filling_microbatch(compiled, hw, gpus, micro, args.rounds, args.optimizer)
+        filling = filling_microbatch(compiled, hw, gpus, micro, args.rounds, args.optimizer,
+                                     recompute=args.recompute)
         if filling is not None and filling > 1:
             batch = filling * micro * args.rounds
             print(f"--batch not given: {batch} sequences ({filling} per microbatch) give every "
@@ -237,18 +252,16 @@ def _plan(args: argparse.Namespace) -> int:
               f"ms per step, {summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
               f"{summary['steady_bubble_pct']:.2f}%")
     if run is not None and args.nodes > 1:
-        from rpcompile.passes.memory import host_memory
         from rpcompile.sim.scaling import simulate_nodes
 
-        masters = host_memory(plan, args.optimizer, 0).masters
-        scaling = simulate_nodes(run, args.nodes, args.link, tokens_per_step=tokens,
-                                 gradient_bytes=masters)
+        scaling = simulate_nodes(plan, hw, args.nodes, args.link, tokens_per_step=tokens,
+                                 optimizer=args.optimizer, rounds=args.rounds, one_server=run)
         summary["nodes"] = scaling.to_dict()
         print(f"predicted, {scaling.summary()}")
     jobs = len(plan.stages) * args.rounds
     if args.schedule == "roundpipe" and jobs < gpus:
         filling = None if args.batch is None else filling_microbatch(  # None: searched above
-            compiled, hw, gpus, micro, args.rounds, args.optimizer)
+            compiled, hw, gpus, micro, args.rounds, args.optimizer, recompute=args.recompute)
         fill = ("no microbatch up to 64 sequences fills them" if filling is None else
                 f"--batch {filling * micro * args.rounds} would fill them")
         summary["idle_workers"] = gpus - jobs
@@ -272,6 +285,12 @@ def _plan(args: argparse.Namespace) -> int:
         choice = next((n for n in plan.notes if n.startswith("LM head + loss:")), None)
         print(choice or ("LM head + loss: whole logits" if chunk is None else
                          f"LM head + loss: {chunk:,}-token chunks"))
+        layered = [plan.stage_name(s.index) for s in plan.stages if s.recompute == "layer"]
+        summary["recompute"] = {"option": args.recompute, "layer_stages": layered}
+        choice = next((n for n in plan.notes if n.startswith("recompute:")), None)
+        print(choice or ("recompute: layer by layer in " + ", ".join(layered) if layered else
+                         "recompute: by stage (every backward stage recomputes its forward "
+                         "with autograd at once)"))
         host = host_memory(plan, args.optimizer, round(summary["host_gib"] * 2**30))
         summary["host"] = {k: getattr(host, k) for k in
                            ("masters", "optimizer", "gradients", "shadows", "transfers")}
@@ -291,7 +310,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.longest and args.schedule == "roundpipe":
         b = 1 if args.batch is None else plan.microbatch_size
         found = longest_sequence(compiled, hw, gpus, micro, args.rounds, microbatch_size=b,
-                                 optimizer=args.optimizer)
+                                 optimizer=args.optimizer, recompute=args.recompute)
         summary["longest"] = {"microbatch_size": b, "seq_len": found.seq_len,
                               "next_len": found.next_len, "limit": found.why}
         print(f"\nlongest sequence that fits ({micro} microbatches of {b} sequence"
@@ -303,7 +322,7 @@ def _plan(args: argparse.Namespace) -> int:
                   f"{hw.usable_memory_bytes / 2**30:.2f} GiB usable")
     elif not args.no_fit_search and args.schedule == "roundpipe":
         found = longest_sequence(compiled, hw, gpus, micro, args.rounds,
-                                 optimizer=args.optimizer)
+                                 optimizer=args.optimizer, recompute=args.recompute)
         summary["longest_seq"] = found.seq_len
         print(f"longest sequence that fits (microbatch of {plan.microbatch_size}): "
               f"{found.describe()}")
@@ -353,7 +372,7 @@ def host_ram(gib: float | None, hw) -> tuple[int, str]:
 
 
 def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimizer: str,
-                       largest: int = 64) -> int | None:
+                       largest: int = 64, recompute: str = "auto") -> int | None:
     """The smallest microbatch size (sequences, doubling from the plan's) whose plan gives
     each of ``gpus`` workers a job every step (jobs per step >= workers), or None."""
     from rpcompile.compiler import unit_profiles
@@ -370,7 +389,7 @@ def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimiz
         profiles = unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes)
         try:
             plan = partition(profiles, hw, gpus, micro, b, s, rounds, costing,
-                             optimizer=optimizer)  # as compile() plans it
+                             optimizer=optimizer, recompute=recompute)  # as compile() plans it
         except PartitionError:
             return None
         if len(plan.stages) * rounds >= gpus:
@@ -380,7 +399,8 @@ def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimiz
 
 
 def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
-                     microbatch_size: int | None = None, optimizer: str = "async"):
+                     microbatch_size: int | None = None, optimizer: str = "async",
+                     recompute: str = "auto"):
     """The longest sequence for which some plan fits (rpcompile.planner.longest), at
     ``microbatch_size`` sequences per microbatch (default: the plan's), searched from the
     plan's length up to the model's ``max_position_embeddings`` to a multiple of 64 tokens."""
@@ -397,7 +417,7 @@ def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
     return longest.longest_sequence(
         lambda s: unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes),
         hw, gpus, micro, b, rounds, costing=costing, optimizer=optimizer, start=start,
-        step=min(64, start), limit=limit)
+        step=min(64, start), limit=limit, recompute=recompute)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import PartitionError, StageCosting, partition
 from rpcompile.runtime.reference import reference_step
-from rpcompile.runtime.trainer import update_order
+from rpcompile.runtime.trainer import planned_ranks, update_order
 
 __all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule",
            "update_order"]
@@ -311,6 +311,9 @@ def compile(
     chunk_bytes: int = UNSET,
     schedule_steps: int | None = UNSET,
     updates: str | None = UNSET,
+    recompute: str = UNSET,
+    ranks: int | None = UNSET,
+    link: Any = UNSET,
     optimizer: Callable | None = UNSET,
     device: str = UNSET,
     chaos: int | None = UNSET,
@@ -329,7 +332,8 @@ def compile(
     checked): ``capture_options=CaptureOptions(...)`` (``loss_fn``, ``units``, ``opaque``,
     ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
     ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
-    ``schedule_steps``, ``updates``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``schedule_steps``, ``updates``, ``recompute``, ``ranks``, ``link``) and
+    ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
     ``max_grad_norm``, ``timeout_s``, ``process_group``, ``shard_optimizer``). Every option is also a keyword of this function; an
     option given both ways is refused. The result keeps them as ``Compiled.options``.
@@ -353,7 +357,9 @@ def compile(
     on its share; the loss is the token mean over the whole global batch, gradients are
     all-reduced on the host (gloo) as each stage's are home, and every rank ends each step
     with identical masters. Default: the default group once
-    ``torch.distributed.init_process_group("gloo")`` ran with more than one rank.
+    ``torch.distributed.init_process_group("gloo")`` ran with more than one rank. The
+    schedule is lowered for the group's world size (``ranks``, which must match it when
+    given): its REDUCE actions are the reductions.
     ``shard_optimizer=True`` (sync mode) shards the host state instead (ZeRO-1 style): each
     rank keeps the fp32 masters and optimizer state of 1/N of the trainable parameters;
     gradients are reduced to their owner and the updated shadows broadcast back.
@@ -369,13 +375,17 @@ def compile(
         gpus=gpus, microbatches=microbatches, hardware=hardware, rounds=rounds, loss_fn=loss_fn,
         units=units, opaque=opaque, compute_dtype=compute_dtype,
         loss_chunk_tokens=loss_chunk_tokens, mode=mode, chunk_bytes=chunk_bytes,
-        schedule_steps=schedule_steps, updates=updates, optimizer=optimizer, device=device, chaos=chaos,
+        schedule_steps=schedule_steps, updates=updates, recompute=recompute, ranks=ranks,
+        link=link, optimizer=optimizer, device=device, chaos=chaos,
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
         process_group=process_group, shard_optimizer=shard_optimizer,
     ).items() if v is not UNSET}
     options = resolve({"capture": capture_options, "plan": plan_options,
                        "train": train_options}, flat)
+    # The schedule is lowered for the ranks that will run it: a process group's world size.
+    options = replace(options, plan=replace(options.plan, ranks=planned_ranks(
+        options.plan.ranks, options.train.process_group)))
     co, po = options.capture, options.plan
     history: list[PassRecord] = []
     fx_start = fx_source_mark()  # the generated fx sources from here on are this compile's
@@ -499,6 +509,11 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     po = options.plan
     gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
     hw = get_hardware(po.hardware or _default_hardware()).with_gpus(gpus)
+    if po.link is not None:
+        hw = hw.with_link(po.link)
+    ranks = po.ranks or 1
+    order = po.updates or ("deferred" if mode == "sync" and ranks > 1 else
+                           update_order(mode, options.train))
     example = next(iter(captured.example_batch.values()))
     if example.shape[0] < microbatches * rounds:
         raise ValueError(
@@ -516,10 +531,10 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     plan = run_pass(
         history, "partition",
         lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
-                          optimizer=mode),
+                          optimizer=mode, recompute=po.recompute,
+                          capacity_bytes=options.train.capacity_bytes),
         lambda p: check_plan(p, len(captured.units)),
     )
-    updates = po.updates or update_order(mode, options.train)
     steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
 
     def schedule_of(plan: Plan) -> tuple[Schedule, list, tuple]:
@@ -530,7 +545,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
             plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode,
             steps=steps), check_dispatch)
         # The lowering runs its own passes through a PassManager that validates each one.
-        lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes, updates=updates)
+        lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes, updates=order,
+                                  ranks=ranks)
         trail.extend(lowering)
         return lowered, trail, worker_peaks(lowered, plan, overlap_steps=False)
 

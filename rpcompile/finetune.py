@@ -83,6 +83,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_grad_norm", 1.0, "clip gradients to this global norm (0: no clipping)", float),
     Option("mode", "sync", "optimizer: exact (sync) or one step stale, overlapped (async)", str,
            ("sync", "async")),
+    Option("recompute", "auto", "how backward stages recompute their forward: stage (all "
+           "layers at once), layer (one layer at a time, one more forward), auto (stage unless "
+           "that plan does not fit, then the faster plan that fits, by stage or layer)", str, ("auto", "stage", "layer")),
     Option("dtype", "auto", "compute dtype (auto: bf16 on CUDA, fp32 on virtual workers)", str,
            ("auto", "fp32", "bf16", "fp16")),
     Option("workers", None, "workers (none: the CUDA GPUs, or 4 virtual)", int),
@@ -481,7 +484,7 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
     compiled = rpcompile.compile(
         model, gpus=workers, microbatches=micro, rounds=opts["rounds"], example_inputs=example,
         device=device, mode=opts["mode"], chaos=opts["chaos"], kernels=opts["kernels"],
-        loss_scale=True if dtype == torch.float16 else None,
+        recompute=opts["recompute"], loss_scale=True if dtype == torch.float16 else None,
         optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=opts["weight_decay"],
                                               fused=True),
         max_grad_norm=opts["max_grad_norm"] or None,
@@ -593,15 +596,25 @@ def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any]
                "eval_loss_last": evals[-1][1] if evals else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_loss(losses, evals, out / "loss.png")
-    sim = simulate(sched, compiled.plan, compiled.hardware)
     sched.dump(out / "schedule.csv")
-    for ext in ("json", "png"):
-        sim.dump(out / f"schedule.{ext}")
+    wrote = "schedule.csv/.json/.png"
+    if sched.ranks > 1 and compiled.hardware.link is None:
+        # Its REDUCE actions have no link to be timed on: the timeline is left out, not
+        # simulated on a made-up network.
+        wrote = "schedule.csv"
+        print(f"train: schedule.json/.png not written: the schedule reduces across "
+              f"{sched.ranks} ranks and the hardware profile {compiled.hardware.name!r} has no "
+              "inter-server link to time them on (give the profile a link, e.g. "
+              "Hardware.with_link('eth100'), to simulate it)")
+    else:
+        sim = simulate(sched, compiled.plan, compiled.hardware)
+        for ext in ("json", "png"):
+            sim.dump(out / f"schedule.{ext}")
     eval_text = (f", eval loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f}" if evals else "")
     print(f"train: {len(values)} steps in {elapsed:.1f}s with eval and saving "
           f"({tokens_per_s:,.0f} tokens/s in the steps), loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps)"
           f"{eval_text}; wrote {out}/final/ (from_pretrained), metrics.jsonl, loss.png, "
-          "summary.json, config.yaml, schedule.csv/.json/.png"
+          f"summary.json, config.yaml, {wrote}"
           + (", tensorboard/" if opts["tensorboard"] else ""))
 
 

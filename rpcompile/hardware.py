@@ -47,6 +47,9 @@ class Hardware:
     pageable_h2d_gbps: float = 0.0
     pageable_d2h_gbps: float = 0.0
     host_ram_gib: float = 0.0  # host RAM of the server (0: not known; plan --host-ram)
+    # The network to the other servers of a data-parallel run (what REDUCE actions use);
+    # None: the profile is of one server alone (with_link() adds one).
+    link: Link | None = None
 
     @property
     def memory_bytes(self) -> int:
@@ -68,6 +71,11 @@ class Hardware:
 
     def with_gpus(self, gpus: int) -> Hardware:
         return replace(self, gpus=gpus)
+
+    def with_link(self, link: Link | str | None) -> Hardware:
+        """The profile joined to other servers by ``link`` (a preset name or a
+        :class:`Link`; None: no link)."""
+        return replace(self, link=None if link is None else get_link(link))
 
     def pageable(self) -> Hardware:
         """The profile with its links at pageable-memory bandwidth (host memory that is not
@@ -127,7 +135,7 @@ def get_link(name: str | Link) -> Link:
     if isinstance(name, Link):
         return name
     links = _file()["links"]
-    if name not in links:
+    if not isinstance(name, str) or name not in links:
         raise ValueError(f"unknown link {name!r}; known: {', '.join(sorted(links))}")
     return Link(key=name, **links[name])
 
@@ -143,7 +151,10 @@ def get_hardware(name: str | Hardware) -> Hardware:
     table = _table()
     if name not in table:
         raise ValueError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(table))}")
-    return Hardware(name=name, **table[name])
+    row = dict(table[name])
+    if "link" in row:
+        row["link"] = get_link(row["link"])
+    return Hardware(name=name, **row)
 
 
 def probe(device: str = "auto", size: int = 2048, repeats: int = 3) -> Hardware:

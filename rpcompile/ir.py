@@ -29,6 +29,7 @@ __all__ = [
     "COMPUTE_KINDS",
     "EDGE_KINDS",
     "HOST_KINDS",
+    "HOST_STREAMS",
     "ORDERED_STREAMS",
     "PAYLOADS",
     "STREAMS",
@@ -119,6 +120,10 @@ class Stage:
     input_bytes: int  # per microbatch, arriving (activation or output gradient, + shared values)
     output_bytes: int  # per microbatch, leaving (activation + saved recompute inputs, or input grad)
     peak_bytes: int  # predicted device memory peak of one job of this stage
+    # How a backward stage recomputes its forward (rpcompile.passes.cost.RECOMPUTE): "stage"
+    # keeps every unit's activations for one backward; "layer" keeps only the unit
+    # boundaries, then recomputes and backpropagates one unit at a time (one more forward).
+    recompute: str = "stage"
 
     def label(self, num_forward: int | None = None) -> str:
         """``F1``..``Fp`` for forward stages, ``B1`` for the tail, ``B2``.. for the backward
@@ -196,6 +201,11 @@ class Plan:
                 raise ValueError(f"stage {s.label(self.num_forward)} has no units")
             if list(s.units) != list(range(s.units[0], s.units[-1] + 1)):
                 raise ValueError(f"stage {s.label(self.num_forward)} units are not contiguous")
+            if s.recompute not in ("stage", "layer") or (
+                    s.recompute == "layer" and s.kind != "backward"):
+                raise ValueError(f"stage {s.label(self.num_forward)} ({s.kind}) cannot "
+                                 f"recompute by {s.recompute!r}: only a backward stage "
+                                 "recomputes, by 'stage' or 'layer'")
         order = [s.kind for s in self.stages]
         p = len(fwd)
         if order[:p] != ["forward"] * p or order[p] != "tail":
@@ -221,8 +231,9 @@ class Plan:
             first, last = self.units[s.units[0]].name, self.units[s.units[-1]].name
             span = first if first == last else f"{first}..{last}"
             params = sum(self.units[u].params for u in s.units)
+            kind = s.kind if s.recompute == "stage" else f"{s.kind} ({s.recompute})"
             rows.append((
-                s.label(self.num_forward), s.kind, span, _si(params), f"{s.compute_ms:.2f}",
+                s.label(self.num_forward), kind, span, _si(params), f"{s.compute_ms:.2f}",
                 _bytes(s.weight_bytes), _bytes(s.grad_bytes), _bytes(s.input_bytes),
                 _bytes(s.output_bytes), _bytes(s.peak_bytes),
             ))
@@ -283,6 +294,7 @@ class ActionKind(str, enum.Enum):
     ACC = "ACC"  # add a job's downloaded gradients into the host's fp32 accumulator
     OPT = "OPT"  # run the optimizer over a stage's masters
     SHADOW = "SHADOW"  # rewrite a stage's low-precision flat buffer (what UP reads)
+    REDUCE = "REDUCE"  # sum a stage's host gradients across data-parallel ranks (network)
 
     def __str__(self) -> str:
         return self.value
@@ -321,6 +333,9 @@ ACTION_SPECS: Mapping[ActionKind, KindSpec] = {
         KindSpec(ActionKind.ACC, "host", bytes="the job's fp32 gradients"),
         KindSpec(ActionKind.OPT, "host", bytes="the stage's fp32 gradients"),
         KindSpec(ActionKind.SHADOW, "host", bytes="the stage's low-precision weights"),
+        KindSpec(ActionKind.REDUCE, "network",
+                 bytes="the fp32 gradients it reduces (each parameter once, at its last "
+                       "gradient stage)"),
     )
 }
 
@@ -337,14 +352,17 @@ def check_registry(table: Mapping[Any, Any], interpreter: str) -> None:
 
 COMPUTE_KINDS = tuple(k.value for k, s in ACTION_SPECS.items() if s.stream == "compute")
 TRANSFER_KINDS = tuple(k.value for k, s in ACTION_SPECS.items() if s.payloads)
-HOST_KINDS = tuple(k.value for k, s in ACTION_SPECS.items() if s.stream == "host")
+# The host's two ordered lanes: the host queue (gradients, optimizer, shadows) and the network
+# lane (cross-rank reductions, data parallel only), each one list of the schedule.
+HOST_STREAMS = ("host", "network")
+HOST_KINDS = tuple(k.value for k, s in ACTION_SPECS.items() if s.stream in HOST_STREAMS)
 ACTION_KINDS = tuple(k.value for k in ActionKind)
 _STREAM_OF = {k.value: s.stream for k, s in ACTION_SPECS.items()}
 _COMPUTES = frozenset(k.value for k, s in ACTION_SPECS.items() if s.computes)
 
-# Stream names match rpcompile.runtime.workers.STREAMS (plus the host queue).
-STREAMS = ("compute", "weight_upload", "activation_upload", "download", "host")
-ORDERED_STREAMS = ("compute", "host")  # list order is execution order only on these
+# Stream names match rpcompile.runtime.workers.STREAMS (plus the host's two lanes).
+STREAMS = ("compute", "weight_upload", "activation_upload", "download", "host", "network")
+ORDERED_STREAMS = ("compute", "host", "network")  # list order is execution order only on these
 
 EDGE_KINDS = (
     "data",  # compute -> compute, same microbatch (the value stays on the device if same worker)
@@ -359,6 +377,8 @@ EDGE_KINDS = (
     "grad_home",  # D2H grad -> host ACC
     "grad_slot",  # D2H grad of a worker's previous gradient job -> its next one's first compute
     "accumulated",  # ACC -> OPT
+    "reduce_ready",  # ACC of a stage's last round -> its REDUCE (data parallel)
+    "reduced",  # REDUCE -> the step's first OPT (the gradient check reads every gradient)
     "updated",  # OPT -> SHADOW of every stage sharing its parameters (sync)
     "stale",  # async SHADOW -> its step's first OPT (the copy keeps the masters before it)
     "shadow",  # SHADOW -> UP that reads that shadow version
@@ -542,7 +562,9 @@ class Schedule:
     ``actions[w]`` is worker ``w``'s list; the actions of one stream run in this order. ``host``
     is the host queue. ``passes`` names the lowering passes applied so far (empty: compute only).
     ``stage_units`` is (first unit, last unit) per stage; ``stage_workers`` is the worker a stage
-    is bound to (baselines) or None (RoundPipe: any worker).
+    is bound to (baselines) or None (RoundPipe: any worker). ``ranks`` is how many processes
+    train data parallel, each running this schedule on its share of the batch; with more than
+    one, ``network`` is the host's network lane (REDUCE actions, in order).
     """
 
     kind: str
@@ -559,6 +581,8 @@ class Schedule:
     edges: tuple[Edge, ...] = ()
     stage_workers: tuple[int, ...] | None = None
     passes: tuple[str, ...] = ()
+    network: tuple[Action, ...] = ()
+    ranks: int = 1
 
     def __post_init__(self) -> None:
         # Edges are kept in one canonical order (by the waiting action's place in the lists,
@@ -574,15 +598,19 @@ class Schedule:
         for lst in self.actions:
             yield from lst
         yield from self.host
+        yield from self.network
 
     def queues(self) -> dict[tuple[int | None, str], tuple[Action, ...]]:
-        """(worker, stream) -> that stream's actions in order; the host queue is (None, 'host')."""
+        """(worker, stream) -> that stream's actions in order; the host queue is (None, 'host'),
+        the network lane (None, 'network')."""
         out: dict[tuple[int | None, str], list[Action]] = {}
         for w, lst in enumerate(self.actions):
             for a in lst:
                 out.setdefault((w, a.stream), []).append(a)
         if self.host:
             out[(None, "host")] = list(self.host)
+        if self.network:
+            out[(None, "network")] = list(self.network)
         return {k: tuple(v) for k, v in out.items()}
 
     def waits(self) -> dict[Action, list[Edge]]:
@@ -634,7 +662,8 @@ class Schedule:
         t. ``mark`` is shown as ``!!<action>!!`` with ``<-- here`` after its row; ``window``
         keeps that many rows either side of the mark; ``streams`` filters what is shown."""
         dry = dry or self.dry_run()
-        cols = [f"w{w}" for w in range(self.workers)] + (["host"] if self.host else [])
+        cols = [f"w{w}" for w in range(self.workers)] + (["host"] if self.host else []) + (
+            ["network"] if self.network else [])
         rows: dict[int, dict[str, list[str]]] = {}
         blocked_row = max(dry.steps.values(), default=-1) + 1
         for a in self.all_actions():
@@ -646,7 +675,7 @@ class Schedule:
                     continue
                 t = blocked_row
             text = f"!!{a.short()}!!" if a == mark else a.short()
-            col = "host" if a.worker is None else f"w{a.worker}"
+            col = (a.stream if a.worker is None else f"w{a.worker}")
             rows.setdefault(t, {}).setdefault(col, []).append(text)
         steps = sorted(rows)
         mark_step = next((t for t in steps if any("!!" in c for v in rows[t].values() for c in v)), None)
@@ -673,7 +702,9 @@ class Schedule:
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerow(["worker", "index", "stream", "action", "waits"])
         waits = self.waits()
-        for lst, who in [*((lst, str(w)) for w, lst in enumerate(self.actions)), (self.host, "host")]:
+        lists = [*((lst, str(w)) for w, lst in enumerate(self.actions)), (self.host, "host"),
+                 (self.network, "host")]
+        for lst, who in lists:
             for i, a in enumerate(lst):
                 w = ";".join(f"{e.kind}={e.src}" for e in waits.get(a, ()))
                 writer.writerow([who, i, a.stream, str(a), w])
@@ -692,14 +723,18 @@ class Schedule:
         rows = list(csv.DictReader(body))
         per_worker: list[list[Action]] = [[] for _ in range(meta["workers"])]
         host: list[Action] = []
+        network: list[Action] = []
         edges: list[Edge] = []
         for row in rows:
             a = Action.parse(row["action"])
-            (host if row["worker"] == "host" else per_worker[int(row["worker"])]).append(a)
+            if row["worker"] != "host":
+                per_worker[int(row["worker"])].append(a)
+            else:
+                (network if a.stream == "network" else host).append(a)
             for item in filter(None, row["waits"].split(";")):
                 kind, _, src = item.partition("=")
                 edges.append(Edge(Action.parse(src), a, kind))
-        return cls._from_meta(meta, per_worker, host, edges)
+        return cls._from_meta(meta, per_worker, host, edges, network)
 
     # -- JSON (Chrome trace) -------------------------------------------------------------
     def to_json(self, timeline: Mapping[Action, tuple[float, float]] | None = None) -> dict:
@@ -749,6 +784,7 @@ class Schedule:
                 **self._meta(),
                 "actions": [[str(a) for a in lst] for lst in self.actions],
                 "host": [str(a) for a in self.host],
+                **({"network": [str(a) for a in self.network]} if self.network else {}),
                 "edges": [[str(e.src), str(e.dst), e.kind] for e in self.edges],
             },
         }
@@ -765,7 +801,8 @@ class Schedule:
         per_worker = [[Action.parse(s) for s in lst] for lst in body["actions"]]
         host = [Action.parse(s) for s in body["host"]]
         edges = [Edge(Action.parse(s), Action.parse(d), k) for s, d, k in body["edges"]]
-        return cls._from_meta(body, per_worker, host, edges)
+        network = [Action.parse(s) for s in body.get("network", ())]
+        return cls._from_meta(body, per_worker, host, edges, network)
 
     # -- files ---------------------------------------------------------------------------
     def dump(self, path: str | os.PathLike,
@@ -810,11 +847,13 @@ class Schedule:
             "stage_workers": None if self.stage_workers is None else list(self.stage_workers),
             "passes": list(self.passes),
             "flows": [dataclasses.asdict(f) for f in self.flows],
+            # Written only for data parallel, so one-process schedules read as before.
+            **({"ranks": self.ranks} if self.ranks != 1 else {}),
         }
 
     @classmethod
     def _from_meta(cls, meta: dict, per_worker: list[list[Action]], host: list[Action],
-                   edges: list[Edge]) -> Schedule:
+                   edges: list[Edge], network: list[Action] = ()) -> Schedule:
         sw = meta.get("stage_workers")
         return cls(
             kind=meta["kind"], workers=meta["workers"], microbatches=meta["microbatches"],
@@ -824,11 +863,12 @@ class Schedule:
             flows=tuple(Flow(**f) for f in meta["flows"]),
             actions=tuple(tuple(lst) for lst in per_worker), host=tuple(host),
             edges=tuple(edges), stage_workers=None if sw is None else tuple(sw),
-            passes=tuple(meta["passes"]),
+            passes=tuple(meta["passes"]), network=tuple(network),
+            ranks=int(meta.get("ranks", 1)),
         )
 
     def __str__(self) -> str:
-        n = sum(len(lst) for lst in self.actions) + len(self.host)
+        n = sum(len(lst) for lst in self.actions) + len(self.host) + len(self.network)
         lowered = ", ".join(self.passes) or "compute only"
         return (f"Schedule({self.kind}, {self.workers} workers, {self.microbatches} microbatches"
                 f" x {self.rounds} rounds x {self.steps} steps, {n} actions, {len(self.edges)}"

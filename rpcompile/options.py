@@ -28,6 +28,7 @@ __all__ = [
     "DEVICES",
     "KERNELS",
     "MODES",
+    "RECOMPUTE_MODES",
     "CaptureOptions",
     "LossScaleConfig",
     "Options",
@@ -40,6 +41,9 @@ MODES = ("sync", "async")
 DEVICES = ("auto", "cuda", "virtual")
 KERNELS = ("auto", "torch", "triton")
 UPDATE_ORDERS = ("overlap", "deferred")  # the update orders, either mode (rpcompile.passes.lower)
+# How backward stages recompute their forward (rpcompile.passes.cost): the planner's choice,
+# whole stages, or layer by layer.
+RECOMPUTE_MODES = ("auto", "stage", "layer")
 # Bulk transfers (weights, gradients) move in 64 MiB pieces, so a critical transfer queued
 # behind one waits at most one piece: the one place the size is set.
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -134,7 +138,20 @@ class PlanOptions:
     ``updates``: the update order in the schedule (either mode), ``"overlap"`` (each stage's update as
     soon as its gradients are home, while later backward jobs compute) or ``"deferred"``
     (after the step's last gradient); ``None``: deferred when clipping, loss scaling,
-    ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap."""
+    ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap.
+    ``recompute``: how a backward stage recomputes its forward: ``"stage"`` (one forward with
+    autograd, keeping every layer's activations for one backward), ``"layer"`` (a forward
+    keeping only the layer boundaries, then each layer recomputed and backpropagated alone:
+    one more forward, one layer's activations at a time) or ``"auto"``: stage recompute
+    unless its plan does not fit the GPUs' usable memory (and ``capacity_bytes``), then the
+    faster plan that fits, cut again by stage or layer by layer (the plan's notes say
+    which). ``ranks``: processes training data parallel, one pipeline each (docs/distributed.md):
+    above 1 the lowered schedule reduces each stage's gradients across ranks (REDUCE
+    actions on the host's network lane); ``None``: the process group's world size (1
+    without one); a value that differs from a group's world size is refused. ``link``: the
+    network between ranks the simulator times REDUCE on, a preset name (``"eth25"``,
+    ``"eth100"``, see ``rpcompile hardware``) or a :class:`~rpcompile.hardware.Link`;
+    ``None``: the hardware profile's own link, if it has one."""
 
     gpus: int = 8
     microbatches: int | None = None
@@ -144,6 +161,9 @@ class PlanOptions:
     chunk_bytes: int = DEFAULT_CHUNK_BYTES
     schedule_steps: int | None = None
     updates: str | None = None
+    recompute: str = "auto"
+    ranks: int | None = None
+    link: Any = None
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)
@@ -156,6 +176,12 @@ class PlanOptions:
         _positive_int("schedule_steps", self.schedule_steps, optional=True)
         if self.updates is not None:
             _choice("updates", self.updates, UPDATE_ORDERS)
+        _choice("recompute", self.recompute, RECOMPUTE_MODES)
+        _positive_int("ranks", self.ranks, optional=True)
+        if self.link is not None:
+            from rpcompile.hardware import get_link
+
+            get_link(self.link)  # an unknown name fails here, with the known ones
         if self.hardware is not None and not isinstance(self.hardware, str):
             from rpcompile.hardware import Hardware
 
@@ -252,7 +278,8 @@ class Options:
         # The default process group is known only once the Trainer starts; it checks again.
         check_update_order(self.plan.mode, self.plan.updates, deferred_reasons(
             max_grad_norm=t.max_grad_norm, loss_scale=t.loss_scale,
-            skip_nonfinite=t.skip_nonfinite, data_parallel=t.process_group is not None))
+            skip_nonfinite=t.skip_nonfinite,
+            data_parallel=t.process_group is not None or (self.plan.ranks or 1) > 1))
 
 
 def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = None,
@@ -265,8 +292,8 @@ def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = No
         ("max_grad_norm", max_grad_norm is not None),
         ("loss_scale", bool(loss_scale)),
         ("skip_nonfinite", bool(skip_nonfinite)),
-        ("process_group (data parallel: an update reads the gradients summed over every rank)",
-         data_parallel)) if on]
+        ("data parallel (a process group or ranks > 1: an update reads the gradients summed "
+         "over every rank)", data_parallel)) if on]
 
 
 def check_update_order(mode: str, updates: str | None, reasons: Sequence[str],

@@ -25,6 +25,19 @@ def test_plan_writes_schedule_and_summary(tmp_path, capsys):
     assert 0 <= summary["bubble_pct"] <= 100
     trace = json.loads((out / "schedule.json").read_text())
     assert trace["traceEvents"]
+    assert "recompute: by stage" in text  # it fits: auto keeps stage recompute
+    assert summary["recompute"] == {"option": "auto", "layer_stages": []}
+
+
+def test_plan_recompute_flag_forces_layer_recompute(capsys):
+    rc = main(["plan", "--model", "qwen3-1.7b", "--layers", "8", "--seq", "4096",
+               "--batch", "9", "--microbatches", "9", "--gpus", "2", "--recompute", "layer",
+               "--no-fit-search"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    line = next(t for t in text.splitlines() if t.startswith("recompute:"))
+    assert line.startswith("recompute: layer by layer in B")
+    assert "backward (layer)" in text  # the stage table marks those stages
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])

@@ -117,8 +117,11 @@ def test_capacity_just_above_the_peak_runs_and_just_below_is_refused(arch, gpus,
     for k in range(2):
         compiled.step(token_batch(2 * microbatches, seed=k))
     compiled.close()
+    # recompute="stage": this plan is refused; "auto" (the default) would cut another plan
+    # under capacity_bytes, by stage or layer by layer (tests/test_recompute.py).
     with pytest.raises(MemoryPlanError) as info:
-        compiled_for(arch, gpus, microbatches, capacity_bytes=int(0.95 * peak))
+        compiled_for(arch, gpus, microbatches, capacity_bytes=int(0.95 * peak),
+                     recompute="stage")
     text = str(info.value)
     assert format_bytes(peak) in text and "capacity_bytes" in text
     assert "KiB" in text and "0.00" not in text

@@ -6,6 +6,7 @@ Sections, in reading order:
   3. FLOP formulas of the matmul-class ops (what FlopCounterMode counts)
   4. What autograd saves for backward, per op
   5. Helpers: sympy shapes and byte counts, pruning of Max terms
+  6. Recompute granularity: a backward stage's working set and time, by stage or by layer
 
 Conventions (docs/cost.md explains them with examples):
   * FLOPs follow ``torch.utils.flop_counter.FlopCounterMode``: 2 per multiply-add, counted only
@@ -34,7 +35,16 @@ from rpcompile.capture.types import B, S
 from rpcompile.hardware import Hardware
 from rpcompile.ir import UnitProfile
 
-__all__ = ["B", "NodeCost", "S", "UnitCost", "annotate_costs"]
+__all__ = [
+    "RECOMPUTE",
+    "B",
+    "NodeCost",
+    "S",
+    "UnitCost",
+    "annotate_costs",
+    "recompute_ms",
+    "recompute_working_bytes",
+]
 
 # Bytes of one element of the graph's floating dtype. Byte expressions are built with it and
 # it is substituted at the end, so that evaluate() can rescale fp32 activations to bf16 while
@@ -980,3 +990,40 @@ def _to_int(value: sympy.Expr, what: str, unit: str) -> int:
             "after substituting b and s; capture's subs must map every shape symbol to B or S"
         )
     return int(sympy.ceiling(value))
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. Recompute granularity
+# ---------------------------------------------------------------------------------------------
+# A backward stage (not the fused tail) recomputes its forward from its saved input, then runs
+# backward. By "stage", one forward with autograd keeps every unit's saved activations until
+# the one backward: the working set is the sum of the units'. By "layer", a forward without
+# autograd keeps only the values that cross from one unit to a later one (the boundaries);
+# then, last unit first, each unit's forward is recomputed with autograd and its backward run:
+# the working set is the boundaries, one boundary gradient and the largest unit's own working
+# set, at the cost of one more forward of every unit but the last. A one-unit stage gains
+# nothing by "layer" and keeps "stage".
+
+RECOMPUTE = ("stage", "layer")
+
+
+def recompute_working_bytes(units: Sequence[Any], r: Sequence[int], recompute: str) -> int:
+    """One microbatch's working set of a backward stage over units ``r`` (``UnitProfile``s),
+    weights, gradient buffer and the stage's own inputs excluded."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    if recompute == "stage" or len(r) < 2:
+        return sum(units[u].working_bytes for u in r)
+    inner = r[:-1]  # units whose outputs are boundaries kept for a later unit of the stage
+    boundaries = sum(units[u].output_bytes + units[u].shared_bytes for u in inner)
+    gradient = max(units[u].output_bytes for u in inner)
+    return boundaries + gradient + max(units[u].working_bytes for u in r)
+
+
+def recompute_ms(units: Sequence[Any], r: Sequence[int], recompute: str) -> float:
+    """One microbatch's compute time of a backward stage over units ``r``: recompute plus
+    backward, and by "layer" the boundary forward of every unit but the last before it."""
+    ms = sum(units[u].forward_ms + units[u].backward_ms for u in r)
+    if recompute == "layer" and len(r) > 1:
+        ms += sum(units[u].forward_ms for u in r[:-1])
+    return ms

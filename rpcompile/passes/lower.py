@@ -12,6 +12,9 @@ Each pass takes a Schedule and returns a new one, adds one concern, stamps its n
   4. optimizer  - host OPT per backward stage once its last round is accumulated, SHADOW
                   rewrites of every stage sharing those parameters, and the waits that make
                   uploads read the right weights (sync: this step's; async: one step stale)
+  4b. reduce    - data parallel over more than one rank only: a REDUCE on the host's network
+                  lane after each stage's last ACC of the step, and the step's updates after
+                  all of them
   5. events     - drop edges already implied by stream order or by another edge, so that what
                   remains is the set of events a runtime records and waits on
 
@@ -34,6 +37,7 @@ from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.validate import validate as check
 
 __all__ = [
+    "DATA_PARALLEL_PASSES",
     "DEFAULT_CHUNK_BYTES",
     "LOWERING_PASSES",
     "MEMORY_WAITS",
@@ -42,13 +46,18 @@ __all__ = [
     "add_events",
     "add_gradient_downloads",
     "add_optimizer",
+    "add_reductions",
     "add_weight_uploads",
+    "gradient_groups",
     "lower",
     "runtime_schedule",
     "updates_deferred",
 ]
 
 LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "events")
+# Data parallel over more than one rank adds the cross-rank reduction (pass 4b).
+DATA_PARALLEL_PASSES = ("upload", "transfers", "grads", "optimizer", "reduce", "events")
+GRAD_BYTES = 4  # the host's gradients are fp32 (what ACC sums and REDUCE moves)
 # The waits that bound what a worker holds in flight (rpcompile.passes.memory): "window" and
 # "sent" (pass 2), "grad_slot" (pass 3). A plan lists the ones its lowering adds
 # (Plan.memory_waits); a bare stage list gets all of them.
@@ -386,10 +395,7 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                 shadows[(x, k)] = sh
                 edges += [Edge(opts[(y, k)], sh, "updated") for y in ys]
     if updates == "deferred":
-        by_step: dict[int, tuple[list[Action], list[Action]]] = {}
-        for a in host:
-            by_step.setdefault(a.step, ([], []))[a.kind != "ACC"].append(a)
-        host = [a for k in sorted(by_step) for part in by_step[k] for a in part]
+        host = _deferred(host)
     first_shadow: dict[int, Action] = {}  # async: the step's first SHADOW in host order
     for a in host:
         if a.kind == "SHADOW":
@@ -408,6 +414,14 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                          passes=(*sched.passes, "optimizer"))
 
 
+def _deferred(host: Sequence[Action]) -> list[Action]:
+    """The host queue with each step's OPT and SHADOW after that step's last ACC."""
+    by_step: dict[int, tuple[list[Action], list[Action]]] = {}
+    for a in host:
+        by_step.setdefault(a.step, ([], []))[a.kind != "ACC"].append(a)
+    return [a for k in sorted(by_step) for part in by_step[k] for a in part]
+
+
 def updates_deferred(sched: Schedule) -> bool:
     """Whether every OPT of each step comes after that step's last ACC in the host queue
     (``add_optimizer(updates="deferred")``): then no update reads a gradient before all of
@@ -420,6 +434,102 @@ def updates_deferred(sched: Schedule) -> bool:
         elif a.kind == "OPT":
             first_opt.setdefault(a.step, i)
     return all(first_opt[k] > last_acc.get(k, -1) for k in first_opt)
+
+
+# --------------------------------------------------------------------------------------------
+# 4b. reduce
+# --------------------------------------------------------------------------------------------
+
+
+def gradient_groups(plan: Plan) -> dict[frozenset[int], int]:
+    """The plan's fp32 gradient bytes by the set of backward stages whose gradients they sum:
+    each parameter once, in the group of every gradient stage that holds it (a tied embedding
+    and LM head: the tail and the first backward stage). A parameter is reduced across ranks
+    once all of its group's stages are home, as the runtime's ``DataParallel.stage_done``
+    does."""
+    owner: dict[int, int] = {}  # unit -> the gradient stage holding it
+    for st in plan.stages:
+        if st.kind != "forward":
+            for u in st.units:
+                owner[u] = st.index
+    holders: dict[tuple[int, int], set[int]] = {}  # (owner unit, elements) -> stages
+    for v, unit in enumerate(plan.units):
+        for o, numel, trainable in unit.borrowed:
+            if trainable:
+                holders.setdefault((o, numel), {owner[o]}).add(owner[v])
+    groups: dict[frozenset[int], int] = {}
+    shared: dict[int, int] = {}
+    for (o, numel), stages in holders.items():
+        key = frozenset(stages)
+        groups[key] = groups.get(key, 0) + GRAD_BYTES * numel
+        shared[o] = shared.get(o, 0) + numel
+    for u, unit in enumerate(plan.units):
+        own = unit.trainable_params - shared.get(u, 0)
+        if own < 0:
+            raise ValueError(f"unit {unit.name} lends more trainable elements than it has")
+        if own:
+            key = frozenset({owner[u]})
+            groups[key] = groups.get(key, 0) + GRAD_BYTES * own
+    return groups
+
+
+def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
+    """Data parallel over ``ranks`` processes: each rank runs this schedule on its share of
+    the batch, and the ranks' host gradients are summed before any update reads them.
+
+    One REDUCE per gradient stage and step on the host's network lane, right after (edge
+    ``reduce_ready``) the ACC that brings the stage's gradients of the step home for the last
+    time (its last round), in that ACC's order, so every rank issues the same collectives in
+    the same order. Its bytes are the fp32 gradients it reduces: those of every parameter
+    whose gradient stages (:func:`gradient_groups`) are now all home. The step's updates
+    then follow every REDUCE: the step's first OPT (where the gradient check reads every
+    gradient) waits for each (edge ``reduced``), and in async mode the step's OPT and SHADOW
+    move after its last ACC as the sync ``deferred`` order has them (an update reads the
+    gradients summed over every rank; a tied parameter's are complete only after its last
+    stage). A sync schedule must already be deferred."""
+    _require_roundpipe(sched, "reduce")
+    if "optimizer" not in sched.passes:
+        raise ValueError("pass 'reduce' needs the optimizer pass first (its OPT actions read "
+                         "the reduced gradients)")
+    if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
+        raise ValueError(f"pass 'reduce' is for data parallel over 2 or more ranks, got "
+                         f"ranks={ranks!r}")
+    if not isinstance(plan, Plan):
+        raise ValueError("pass 'reduce' needs the Plan (its units say which parameters "
+                         "stages share), not a bare stage list")
+    if sched.optimizer == "sync" and not updates_deferred(sched):
+        raise ValueError("data parallel needs the sync updates deferred (an update reads the "
+                         "gradients summed over every rank): lower with updates='deferred'")
+    groups = gradient_groups(plan)
+    host = list(sched.host) if sched.optimizer == "sync" else _deferred(sched.host)
+    first_opt: dict[int, Action] = {}
+    for a in host:
+        if a.kind == "OPT":
+            first_opt.setdefault(a.step, a)
+    edges = list(sched.edges)
+    network: list[Action] = []
+    done: dict[int, set[int]] = {}
+    pending: dict[int, dict[frozenset[int], int]] = {}
+    for a in host:
+        if a.kind != "ACC" or a.round != sched.rounds - 1:
+            continue
+        k = a.step
+        mine = done.setdefault(k, set())
+        left = pending.setdefault(k, dict(groups))
+        mine.add(a.stage)
+        ready = [g for g in left if g <= mine]
+        red = Action(None, "REDUCE", a.stage, None, None, k,
+                     bytes=sum(left.pop(g) for g in ready))
+        network.append(red)
+        edges.append(Edge(a, red, "reduce_ready"))
+        if k in first_opt:
+            edges.append(Edge(red, first_opt[k], "reduced"))
+    for k, left in pending.items():
+        if left:
+            raise ValueError(f"step {k}: the gradients of stages {sorted(map(sorted, left))} "
+                             "are never all home, so they would never be reduced")
+    return sched.replace(host=tuple(host), network=tuple(network), edges=tuple(edges),
+                         ranks=ranks, passes=(*sched.passes, "reduce"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -471,16 +581,24 @@ def add_events(sched: Schedule) -> Schedule:
 
 def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
           chunk_bytes: int = DEFAULT_CHUNK_BYTES, passes: Sequence[str] | None = None,
-          validate: bool = True, updates: str = "overlap",
+          validate: bool = True, updates: str | None = None, ranks: int = 1,
           ) -> tuple[Schedule, tuple[PassRecord[Schedule], ...]]:
-    """Run the lowering passes (default: all of :data:`LOWERING_PASSES` for RoundPipe, only
-    ``transfers`` and ``events`` for the weight-bound baselines) through a :class:`PassManager`
-    that validates the input (as pass ``dispatch``) and the output of each pass. ``updates``
-    is the sync update order (:func:`add_optimizer`). The memory-bounding waits added are
-    ``plan.memory_waits`` (all of :data:`MEMORY_WAITS` for a bare stage list). Returns the
-    lowered schedule and one record per pass."""
+    """Run the lowering passes (default: all of :data:`LOWERING_PASSES` for RoundPipe, or of
+    :data:`DATA_PARALLEL_PASSES` when ``ranks`` > 1; only ``transfers`` and ``events`` for the
+    weight-bound baselines) through a :class:`PassManager` that validates the input (as pass
+    ``dispatch``) and the output of each pass. ``updates`` is the sync update order
+    (:func:`add_optimizer`; ``None``: ``deferred`` for data parallel, else ``overlap``).
+    ``ranks``: processes training data parallel (:func:`add_reductions`). The memory-bounding
+    waits added are ``plan.memory_waits`` (all of :data:`MEMORY_WAITS` for a bare stage
+    list). Returns the lowered schedule and one record per pass."""
+    if ranks > 1 and schedule.stage_workers is not None:
+        raise ValueError(f"data parallel (ranks={ranks}) lowers RoundPipe schedules; the "
+                         f"{schedule.kind} baseline keeps its gradients on the bound workers")
+    if updates is None:
+        updates = "deferred" if ranks > 1 and schedule.optimizer == "sync" else "overlap"
     if passes is None:
-        passes = LOWERING_PASSES if schedule.stage_workers is None else _BASELINE_PASSES
+        passes = (LOWERING_PASSES if ranks == 1 else DATA_PARALLEL_PASSES) \
+            if schedule.stage_workers is None else _BASELINE_PASSES
     waits = plan.memory_waits if isinstance(plan, Plan) else MEMORY_WAITS
     unknown = [w for w in waits if w not in MEMORY_WAITS]
     if unknown:
@@ -490,6 +608,7 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
         "transfers": lambda s: add_activation_transfers(s, waits),
         "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes, "grad_slot" in waits),
         "optimizer": lambda s: add_optimizer(s, plan, updates),
+        "reduce": lambda s: add_reductions(s, plan, ranks),
         "events": add_events,
     }
     unknown = [p for p in passes if p not in table]
@@ -504,17 +623,17 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
 
 def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, mode: str,
                      chunk_bytes: int | None = None, *, steps: int | None = None,
-                     updates: str = "overlap") -> Schedule:
+                     updates: str | None = None, ranks: int = 1) -> Schedule:
     """The lowered schedule the runtime runs: as many steps as the round-robin job counter
     takes to come back to worker 0 (:func:`~rpcompile.passes.schedule.dispatch_period`; step
     ``k`` of a run runs schedule step ``k mod steps``). What :func:`compile` keeps as
     ``Compiled.schedule``; a Trainer given other options (mode, ``schedule_steps``,
-    ``chunk_bytes``) builds its own with this."""
+    ``chunk_bytes``) builds its own with this. ``ranks`` > 1: data parallel (:func:`lower`)."""
     period = dispatch_period(len(plan.stages) * rounds, workers)
     compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
                              steps=steps or period, kind="roundpipe", optimizer=mode)
     # Validated like the compiled schedule under RPCOMPILE_DEBUG=1 (it is the same passes
     # over other options; the check costs seconds on a large model).
     lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-                       validate=debug_checks(), updates=updates)
+                       validate=debug_checks(), updates=updates, ranks=ranks)
     return lowered

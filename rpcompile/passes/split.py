@@ -4,6 +4,7 @@ Sections, in reading order:
   1. Boundary marker ops (`rpcompile::prefetch`, `offload`, `record`, `wait`)
   2. StageProgram: a stage's graph plus the names of what flows in and out
   3. split(): decide which values cross which boundary, then build each stage's graph
+  4. unit_segments(): a backward stage's graph cut per unit, for layer-by-layer recompute
 
 Every value that crosses a stage boundary is named by the captured graph's node name. A
 forward stage outputs each value that a later forward stage or the tail reads, and each value
@@ -15,6 +16,8 @@ the sum of both stages' contributions.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -25,7 +28,8 @@ from rpcompile.capture.types import Captured
 from rpcompile.capture.units import loss_node
 from rpcompile.ir import Plan
 
-__all__ = ["StageInput", "StageProgram", "retarget", "split"]
+__all__ = ["LayerRecompute", "StageInput", "StageProgram", "UnitSegment", "retarget", "split",
+           "unit_segments"]
 
 # ---------------------------------------------------------------------------------------------
 # 1. Boundary marker ops
@@ -84,7 +88,9 @@ class StageProgram:
 
     Forward stages run without autograd. The tail runs its forward with autograd, then
     backward from the loss. A backward stage recomputes its forward from saved inputs, then
-    runs backward from the gradients of its outputs (``grad_outputs``).
+    runs backward from the gradients of its outputs (``grad_outputs``). ``recompute`` (the
+    plan's ``Stage.recompute``): a backward stage recomputes its whole forward with autograd
+    (``"stage"``) or unit by unit (``"layer"``; :func:`unit_segments`).
     """
 
     index: int
@@ -97,6 +103,7 @@ class StageProgram:
     outputs: tuple[str, ...]  # value names; the tail's single output is "loss"
     grad_outputs: tuple[str, ...] = ()  # outputs whose gradients this stage receives
     grad_inputs: tuple[str, ...] = ()  # value inputs whose gradients this stage sends on
+    recompute: str = "stage"
 
     @property
     def code(self) -> str:
@@ -198,9 +205,10 @@ def split(captured: Captured, plan: Plan) -> list[StageProgram]:
                 if n in crossing and requires_grad.get(n, False)
                 and any(c > max(units) for c in consumers.get(n, ()))
             ]
-        programs.append(
-            _build(captured, plan, st, members, outs, placeholders, requires_grad)
-        )
+        program = _build(captured, plan, st, members, outs, placeholders, requires_grad)
+        if program.recompute == "layer":
+            unit_segments(program)  # checked (and cached) now: a bad cut fails at compile time
+        programs.append(program)
     return programs
 
 
@@ -297,4 +305,125 @@ def _build(captured, plan, st, members, outs, placeholders, requires_grad) -> St
         outputs=out_names,
         grad_outputs=grad_outputs,
         grad_inputs=grad_inputs,
+        recompute=st.recompute,
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. unit_segments()
+# ---------------------------------------------------------------------------------------------
+# Layer-by-layer recompute runs a backward stage's graph one unit at a time: a forward without
+# autograd through every unit but the last keeps only what crosses from a unit to a later one
+# (the boundaries); then, last unit first, each unit's forward is recomputed with autograd from
+# its boundaries and its backward run (rpcompile.runtime.reference.run_backward_microbatch).
+# The cut is of the graph that runs (a worker's retargeted copy included), so it is made from
+# that graph and cached with it.
+
+
+@dataclass(frozen=True)
+class UnitSegment:
+    """One unit of a stage's graph: ``graph_module(*inputs) -> outputs``. Names are node
+    names of the stage's graph: its placeholders or nodes of earlier segments (``inputs``);
+    this segment's nodes read by a later segment or by the stage's output (``outputs``).
+    ``grad_inputs``: the inputs produced by earlier segments that a gradient flows back to."""
+
+    unit: int
+    graph_module: fx.GraphModule = field(repr=False, compare=False)
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    grad_inputs: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class LayerRecompute:
+    """A stage's graph as unit segments in model order. ``placeholders``: the stage graph's
+    placeholder names, in the order of its arguments; ``stage_outputs``: the node name of each
+    of the stage's outputs, in order; ``last_use``: per boundary value, the index of the
+    earliest segment that reads it (after that segment's backward it is no longer needed)."""
+
+    placeholders: tuple[str, ...]
+    segments: tuple[UnitSegment, ...]
+    stage_outputs: tuple[str, ...]
+    last_use: dict[str, int] = field(compare=False)
+
+
+_SEGMENTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SEGMENTS_LOCK = threading.Lock()
+
+
+def unit_segments(program: StageProgram, graph_module: fx.GraphModule | None = None,
+                  ) -> LayerRecompute:
+    """``graph_module`` (default: the program's own graph; or its copy for another device)
+    cut into one segment per unit. Raises ``ValueError`` when a node reads a later unit's
+    value (the units are not in model order there, so no unit-by-unit order exists)."""
+    gm = program.graph_module if graph_module is None else graph_module
+    with _SEGMENTS_LOCK:
+        cached = _SEGMENTS.get(gm)
+    if cached is not None:
+        return cached
+    nodes = list(gm.graph.nodes)
+    placeholders = [n for n in nodes if n.op == "placeholder"]
+    if len(placeholders) != len(program.inputs):
+        raise ValueError(f"stage {program.name}: its graph has {len(placeholders)} placeholders "
+                         f"for {len(program.inputs)} inputs")
+    rg: dict[fx.Node, bool] = {
+        ph: inp.requires_grad and inp.kind in ("param", "value")
+        for ph, inp in zip(placeholders, program.inputs)}
+    unit_of: dict[fx.Node, int] = {}
+    for n in nodes:
+        if n.op != "call_function" or n.target in MARKERS:
+            continue
+        if "rp_unit" not in n.meta:
+            raise ValueError(f"stage {program.name}: node {n.name} has no unit")
+        unit_of[n] = n.meta["rp_unit"]
+        rg[n] = _is_float(n.meta.get("val")) and any(rg.get(a, False) for a in n.all_input_nodes)
+    units = sorted(set(unit_of.values()))
+    output = next(n for n in nodes if n.op == "output")
+    outs = output.args[0] if isinstance(output.args[0], (tuple, list)) else (output.args[0],)
+    stage_outputs = tuple(o.name for o in outs)
+    segments, last_use = [], {}
+    for k, u in enumerate(units):
+        members = [n for n in nodes if unit_of.get(n) == u]
+        member_set = set(members)
+        inputs: list[fx.Node] = []
+        for n in members:
+            for a in n.all_input_nodes:
+                if a in member_set or a in inputs:
+                    continue
+                if unit_of.get(a, -1) > u:
+                    raise ValueError(
+                        f"stage {program.name}: node {n.name} of unit {u} reads {a.name} of "
+                        f"the later unit {unit_of[a]}; recompute this stage by stage")
+                inputs.append(a)
+                if a in unit_of:
+                    last_use.setdefault(a.name, k)
+                    last_use[a.name] = min(last_use[a.name], k)
+        exported = [n for n in members
+                    if any(user not in member_set and (user is output or user in unit_of)
+                           for user in n.users)]
+        graph = fx.Graph()
+        env: dict[fx.Node, fx.Node] = {}
+        for a in inputs:
+            ph = graph.placeholder(a.name)
+            ph.meta = dict(a.meta)
+            env[a] = ph
+        for n in members:
+            env[n] = graph.node_copy(n, lambda a, env=env: env[a])
+        graph.output(tuple(env[n] for n in exported))
+        for n in exported:
+            if rg[n] and not isinstance(n.meta.get("val"), torch.Tensor):
+                raise ValueError(
+                    f"stage {program.name}: unit {u} passes {n.name}, which carries a gradient "
+                    "but is not one tensor, to a later unit; recompute this stage by stage")
+        segments.append(UnitSegment(
+            unit=u,
+            graph_module=fx.GraphModule(gm, graph, class_name=f"Segment_{program.name}_u{u}"),
+            inputs=tuple(a.name for a in inputs),
+            outputs=tuple(n.name for n in exported),
+            grad_inputs=tuple(a.name for a in inputs if a in unit_of and rg[a]),
+        ))
+    result = LayerRecompute(tuple(p.name for p in placeholders), tuple(segments),
+                            stage_outputs, last_use)
+    with _SEGMENTS_LOCK:
+        _SEGMENTS[gm] = result
+    return result

@@ -113,11 +113,13 @@ def _check_structure(sched: Schedule, pass_name: str) -> None:
         raise ScheduleError(f"after pass {pass_name!r}: {len(sched.actions)} worker lists for "
                             f"{sched.workers} workers")
     seen: set[Action] = set()
-    for w, lst in [*enumerate(sched.actions), (None, sched.host)]:
+    lists = [*((w, lst, None) for w, lst in enumerate(sched.actions)),
+             (None, sched.host, "host"), (None, sched.network, "network")]
+    for w, lst, lane in lists:
         for a in lst:
-            if a.worker != w:
-                raise _fail(sched, pass_name, f"{a} is on the list of "
-                            f"{'the host' if w is None else f'worker {w}'}", a)
+            if a.worker != w or (lane is not None and a.stream != lane):
+                where = f"worker {w}" if w is not None else f"the host's {lane} lane"
+                raise _fail(sched, pass_name, f"{a} is on the list of {where}", a)
             if a in seen:
                 raise _fail(sched, pass_name, f"{a} appears twice", a)
             if not 0 <= a.stage < len(sched.stage_names):
@@ -234,6 +236,20 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
                 w = job_worker.get((a.stage, a.round, a.step))
                 down = index.get((w, "D2H", "grad", a.stage, None, a.round, a.step, None))
                 need(down, a, f"the gradients of stage {a.stage} round {a.round}")
+    if "reduce" in applied:
+        # Every REDUCE of a step follows its stage's last ACC, and the step's first OPT (the
+        # gradient check, which reads every gradient) waits for all of them.
+        last = sched.rounds - 1
+        first_opt: dict[int, Action] = {}
+        for a in sched.host:
+            if a.kind == "OPT":
+                first_opt.setdefault(a.step, a)
+        for red in sched.network:
+            acc = index.get((None, "ACC", None, red.stage, None, last, red.step, None))
+            need(acc, red, f"the last round's gradients of stage {red.stage}")
+            opt = first_opt.get(red.step)
+            if opt is not None:
+                need(red, opt, f"the reduced gradients of stage {red.stage}")
     if "optimizer" in applied:
         lag = 1  # one shadow on the host, in both modes (lower.add_optimizer)
         for a in sched.host:

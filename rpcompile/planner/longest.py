@@ -60,11 +60,14 @@ def longest_sequence(
     step: int = 1024,
     limit: int = 1 << 20,
     partition_options: dict | None = None,
+    recompute: str = "auto",
 ) -> LongestSequence:
     """The longest sequence (a multiple of ``step``, between ``start`` and ``limit``) at which
     :func:`~rpcompile.planner.partition.partition` finds a plan for ``workers`` GPUs,
     ``microbatches`` microbatches of ``microbatch_size`` sequences and ``rounds`` rounds whose
-    whole schedule fits. ``partition_options`` default to :data:`QUICK_PARTITION`."""
+    whole schedule fits. ``partition_options`` default to :data:`QUICK_PARTITION`.
+    ``recompute``: the partitioner's recompute granularity (``"auto"``: by stage where that
+    fits, else layer by layer; ``"stage"`` or ``"layer"``: only that)."""
     hw = get_hardware(hardware)
     options = dict(QUICK_PARTITION if partition_options is None else partition_options)
     if not 1 <= step <= start <= limit:
@@ -73,7 +76,8 @@ def longest_sequence(
     def attempt(seq: int) -> tuple[Plan | None, str]:
         try:
             return partition(units_at(seq), hw, workers, microbatches, microbatch_size, seq,
-                             rounds, costing, optimizer=optimizer, **options), ""
+                             rounds, costing, optimizer=optimizer, recompute=recompute,
+                             **options), ""
         except PartitionError as exc:
             return None, str(exc)
 

@@ -24,6 +24,7 @@ from functools import cache
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
+from rpcompile.passes.cost import RECOMPUTE, recompute_ms, recompute_working_bytes
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import deal, steady_window
 
@@ -43,6 +44,8 @@ class StageCosting:
     grad_dtype_bytes: int = 4  # fp32 gradient accumulator and download
     act_dtype_bytes: int = 2  # activations cross boundaries in the compute dtype
     activation_scale: float = 1.0  # rescales UnitProfile byte figures (already in act dtype)
+    # How backward stages of more than one unit recompute (rpcompile.passes.cost.RECOMPUTE).
+    recompute: str = "stage"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,6 +69,8 @@ def partition(
     refine: int = 16,
     target_bubble: float = 0.01,
     search: int = 2000,
+    recompute: str = "auto",
+    capacity_bytes: int | None = None,
 ) -> Plan:
     """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
 
@@ -79,9 +84,18 @@ def partition(
     the winner's boundaries are then refined in the simulator (at most ``refine`` runs, until
     the steady-state bubble is below ``target_bubble``; ``refine=0`` turns it off). Raises
     :class:`PartitionError` when some unit cannot fit the GPU even alone.
+
+    ``recompute``: how backward stages recompute their forward (rpcompile.passes.cost):
+    ``"stage"`` or ``"layer"`` for every backward stage of more than one unit, or ``"auto"``:
+    the stage-recompute plan when its schedule fits ``capacity_bytes`` (default, and at most:
+    the hardware's usable memory), else the plan cut for layer-by-layer recompute under that
+    capacity (the plan's notes say which, and why). ``capacity_bytes`` is only the target of
+    that choice; a forced granularity, and the stage-recompute plan, are cut for the hardware.
     """
     if optimizer not in ("async", "sync"):
         raise ValueError(f"optimizer must be 'async' or 'sync', got {optimizer!r}")
+    if recompute not in ("auto", *RECOMPUTE):
+        raise ValueError(f"recompute must be 'auto', 'stage' or 'layer', got {recompute!r}")
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
     units = tuple(units)
@@ -91,6 +105,54 @@ def partition(
     if workers < 1 or microbatches < 1 or rounds < 1:
         raise ValueError("workers, microbatches and rounds must each be at least 1")
     capacity = hw.usable_memory_bytes
+    fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
+    args = (units, hw, workers, microbatches, microbatch_size, seq_len, rounds, max_tail_layers,
+            shortlist, simulate_top, optimizer, refine, target_bubble, search)
+    if recompute != "auto":
+        return _fitting_plan(*args, replace(costing, recompute=recompute), capacity)
+    try:
+        plan, refused = _fitting_plan(*args, replace(costing, recompute="stage"), capacity), None
+    except PartitionError as exc:
+        plan, refused = None, exc
+    if plan is not None and (fit >= capacity or _fits(plan, hw, rounds, optimizer, fit)):
+        return plan
+    # The stage-recompute plan does not fit: each granularity is cut again under ``fit`` (by
+    # stage only when a plan was cut for the larger hardware figure; none fits less) and the
+    # faster that fits wins.
+    tried: dict[str, Plan | PartitionError] = {"stage": refused}
+    for mode in ("stage", "layer") if plan is not None else ("layer",):
+        try:  # a plan the partitioner returns fits ``fit`` over its whole schedule
+            tried[mode] = _fitting_plan(*args, replace(costing, recompute=mode), fit)
+        except PartitionError as exc:
+            tried[mode] = exc
+    fitting = {m: p for m, p in tried.items() if isinstance(p, Plan)}
+    if not fitting:
+        if plan is not None:
+            return plan  # the compiler refuses it against capacity_bytes, naming the worker
+        raise PartitionError(f"{refused} (layer-by-layer recompute: {tried['layer']})")
+    mode = min(fitting, key=lambda m: (round(fitting[m].predicted_step_ms, 6), m != "stage"))
+    best = fitting[mode]
+
+    def said(m: str) -> str:
+        p = tried[m]
+        return f"{m} {p.predicted_step_ms:.1f} ms" if isinstance(p, Plan) else f"{m}: no plan fits"
+    layered = ", ".join(best.stage_name(s.index) for s in best.stages if s.recompute == "layer")
+    how = f"layer by layer in {layered}" if layered else "by stage"
+    return replace(best, notes=(*best.notes, (
+        f"recompute: {how}, the fastest plan that fits {format_bytes(fit)} "
+        f"({', '.join(said(m) for m in ('stage', 'layer'))})")))
+
+
+def _fits(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int) -> bool:
+    """Whether ``plan``'s schedule fits ``capacity`` with some set of memory waits."""
+    _plan, _lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity)
+    return max(p.peak_bytes for p in peaks) <= capacity
+
+
+def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
+                  max_tail_layers, shortlist, simulate_top, optimizer, refine, target_bubble,
+                  search, costing, capacity) -> Plan:
+    """The fastest plan under ``costing`` whose whole schedule fits ``capacity``."""
     _check_units_fit(units, costing, capacity)
     # The stage check below is necessary, not sufficient: a worker also holds the next job's
     # weights while they upload, inputs uploaded ahead, values kept for a later stage. The
@@ -148,7 +210,10 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
         if tail_mem > limit:
             continue
         fwd_cost = [u.forward_ms for u in units[:t]]
-        bwd_cost = [u.forward_ms + u.backward_ms for u in units[:t]]
+        # By layer, every unit but a stage's last runs forward once more (the cut's cost here
+        # charges all of them; Stage.compute_ms is exact).
+        again = 2 if costing.recompute == "layer" else 1
+        bwd_cost = [again * u.forward_ms + u.backward_ms for u in units[:t]]
         tail_ms = sum(u.forward_ms + u.backward_ms for u in units[t:])
         fwd_cuts = _all_cuts(units, fwd_cost, "forward", costing, limit, 4 * workers, starts)
         bwd_cuts = _all_cuts(units, bwd_cost, "backward", costing, limit, 4 * workers, starts)
@@ -612,15 +677,25 @@ def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -
         working = max((units[u].output_bytes + units[u].shared_bytes for u in r), default=0)
         working += max((units[u].working_bytes for u in r), default=0) // 4
     else:
-        working = sum(units[u].working_bytes for u in r)
+        working = recompute_working_bytes(units, r, _recompute(kind, r, units, costing))
     return int(weights + grads + working * costing.activation_scale)
+
+
+def _recompute(kind: str, r: tuple[int, ...], units, costing: StageCosting) -> str:
+    """A stage's recompute granularity: the costing's for a backward stage of several units
+    where layer recompute holds less (a stage of one large layer and a small prefix holds
+    more by layer: the boundaries and a gradient for next to nothing saved)."""
+    if kind != "backward" or costing.recompute == "stage" or len(r) < 2:
+        return "stage"
+    return ("layer" if recompute_working_bytes(units, r, "layer")
+            < recompute_working_bytes(units, r, "stage") else "stage")
 
 
 def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges) -> Stage:
     if kind == "forward":
         ms = sum(units[u].forward_ms for u in r)
     else:
-        ms = sum(units[u].forward_ms + units[u].backward_ms for u in r)
+        ms = recompute_ms(units, r, _recompute(kind, r, units, costing))
     params, trainable = _stage_params(units, r)
     first = r[0]
     incoming = units[first - 1].output_bytes if first > 0 else 0
@@ -650,6 +725,7 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         input_bytes=int(in_bytes * costing.activation_scale),
         output_bytes=int(out_bytes * costing.activation_scale),
         peak_bytes=_stage_memory(units, tuple(r), kind, costing),
+        recompute=_recompute(kind, tuple(r), units, costing),
     )
 
 

@@ -13,7 +13,8 @@ batch over its own workers. What makes the ranks one training run is here, and o
        ``stage_done``        a gradient stage's last job is home: every parameter whose
                              gradient stages are now all done is all-reduced (SUM) at once,
                              asynchronously, on the host fp32 gradient buffer, while the
-                             remaining backward jobs still run
+                             remaining backward jobs still run (called by the schedule's
+                             REDUCE action, which then ``wait_reductions``)
        ``finish``            wait for those reductions (bounded by the step's deadline), then
                              agree on the loss and the non-finite flag in one small all-reduce
   3. ``RankFailed``        - the named error when another rank died, raised or stalled
@@ -38,7 +39,8 @@ job's gradients land) stay whole on every rank. The step changes in three places
                    part), each owner broadcasts its part of the stage's trainable shadows, so
                    every rank's workers upload the same weights: an all-gather (gloo's
                    ``all_gather`` needs equal pieces, the shards are not). A parameter shared by
-                   several stages is gathered once per step.
+                   several stages is gathered once per step, at the first ``SHADOW`` after
+                   its update (all its gradient stages done).
 
 Masters are then no longer replicated: :meth:`gather_masters` (a collective) brings them all
 to every rank, :meth:`gather_state` this rank's optimizer state to rank 0 for a checkpoint,
@@ -53,7 +55,7 @@ from identical gradients and masters and ends each step with identical masters. 
 after ``finish`` on the reduced gradients: its norm is the global norm.
 
 **Order.** Collectives match across ranks by their order. Every rank runs the same lowered
-schedule, whose host queue (where ``OPT`` calls ``stage_done``) runs in list order on one
+schedule, whose network lane (where ``REDUCE`` calls ``stage_done``) runs in list order on one
 thread, so every rank launches the same reductions in the same order.
 
 **Failure.** A rank that dies closes its connections: the others' next wait raises at once. A
@@ -138,6 +140,11 @@ class DataParallel:
         self.shard = shard
         # Shard r: the master index range [start, stop) rank r owns (sharded), else None.
         self.bounds = shard_bounds(store.trainable_slots, self.world) if shard else None
+        if self.bounds is not None and any(b0 == b1 for b0, b1 in self.bounds):
+            raise ValueError(
+                f"shard_optimizer=True on {self.world} ranks leaves a rank no parameter to "
+                f"own: the model has {len(store.trainable_slots)} trainable parameters (shards "
+                "hold whole parameters); use fewer ranks or shard_optimizer=False")
         self._gathered: set[int] = set()  # slots whose shadows were gathered this step
         self._deadline: float | None = None
 
@@ -224,6 +231,14 @@ class DataParallel:
                                     f"{stage}", work))
                 self.reductions += 1
 
+    def wait_reductions(self, timeout_s: float | None) -> None:
+        """Wait for the reductions launched so far (the schedule's REDUCE action waits here,
+        on the host's network lane, so what reads the reduced gradients waits for that
+        action's edge); :meth:`finish` then finds them done."""
+        works, self._works = self._works, []
+        for what, work in works:
+            self._wait(what, work, timeout_s)
+
     def finish(self, loss: torch.Tensor, nonfinite: bool,
                timeout_s: float | None) -> tuple[torch.Tensor, bool]:
         """Wait for the step's gradient reductions, then agree on the step's loss (summed, or
@@ -275,17 +290,24 @@ class DataParallel:
         torch.nn.utils.clip_grads_with_norm_(mine, max_norm, total)
         return float(total)
 
-    def gather_shadows(self, stage: int | None, *, in_step: bool = True) -> None:
+    def gather_shadows(self, stage: int | None, done: set[int] | None = None, *,
+                       in_step: bool = True) -> None:
         """Bring every rank the updated shadows of ``stage``'s trainable parameters (all, when
-        None) from their owners, once each per step: the all-gather of the sharded update.
-        Called by the driver's ``SHADOW`` after this rank rewrote its own part (its waits end
-        at the step's deadline), and after a checkpoint is loaded (``in_step=False``: the
-        process group's timeout)."""
+        None) from their owners: the all-gather of the sharded update. Called by the driver's
+        ``SHADOW`` after this rank rewrote its own part, with ``done`` the stages whose
+        ``OPT`` ran this step (its waits end at the step's deadline): a parameter is gathered
+        once per step, at the first ``SHADOW`` after its update, that is once all its
+        gradient stages are in ``done`` (a tied parameter read by an earlier stage's
+        ``SHADOW`` is not updated yet then; every rank runs the same host queue, so all agree).
+        After a checkpoint is loaded (``in_step=False``: the process group's timeout) every
+        parameter is gathered, whatever an earlier step gathered."""
         store = self.store
         indices = (range(len(store.slots)) if stage is None
                    else store.stages[stage].layout.slots)
+        skip = self._gathered if in_step else set()
         slots = [store.slots[i] for i in indices
-                 if store.slots[i].trainable and i not in self._gathered]
+                 if store.slots[i].trainable and i not in skip
+                 and (done is None or set(store.slots[i].grad_stages) <= done)]
         if not slots:
             return
         works = []

@@ -1,7 +1,8 @@
 """The executor: runs one step of a lowered RoundPipe :class:`~rpcompile.ir.Schedule` on workers.
 
 Every action of the schedule becomes one item on its worker's stream (compute, weight_upload,
-activation_upload, download) or on the host queue, which the calling thread runs itself. An
+activation_upload, download), on the host queue, which the calling thread runs itself, or on
+the host's network lane (data parallel's REDUCE actions), which one thread of its own runs. An
 item first waits for the actions its edges name (one event per action that is an edge's
 source), then does its work, then sets its own event. Nothing else orders work: that is the
 schedule's protocol, and chaos mode on the workers shakes out any wait it lacks.
@@ -11,7 +12,7 @@ Sections, in reading order:
   2. value bundles                   - which tensors a schedule value (``x8``, ``g8``) carries
   3. _StepPlan                       - per schedule step: queues, waits, readers (built once)
   4. Executor                        - run_step(): submit, run the host queue, drain, clean up
-  5. actions                         - UP, EVICT, H2D, D2H, F, T, B, ACC, OPT, SHADOW
+  5. actions                         - UP, EVICT, H2D, D2H, F, T, B, ACC, OPT, SHADOW, REDUCE
   6. device memory holds             - activations accounted against the worker's capacity
 
 **Values.** A schedule value names the boundary after a unit, but the stage programs exchange
@@ -78,7 +79,7 @@ from torch import fx
 from rpcompile.capture.batch import split_batch
 from rpcompile.ir import Action, ActionKind, Schedule, check_registry
 from rpcompile.options import check_update_order, deferred_reasons
-from rpcompile.passes.lower import LOWERING_PASSES, updates_deferred
+from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES, updates_deferred
 from rpcompile.passes.split import StageProgram
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.errors import (
@@ -362,6 +363,7 @@ class _Run:
         self.found = False  # a non-finite gradient on this rank (data parallel: on any rank)
         self.deadline: float | None = None  # time.monotonic() the watchdog fires at
         self.workers: Sequence[Worker] = ()
+        self.network: threading.Thread | None = None  # the host's network lane, if any
         self.root: tuple[str, BaseException] | None = None  # a failure outside any action
         self.stuck: dict[int, dict[str, str]] = {}
         self.stuck_checked: set[int] = set()
@@ -500,8 +502,8 @@ class Executor:
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
         self.max_grad_norm = max_grad_norm
-        # Data parallel across ranks (rpcompile.runtime.distributed.DataParallel): told when a
-        # stage's gradients are home (its last ACC), waited before any update reads them.
+        # Data parallel across ranks (rpcompile.runtime.distributed.DataParallel): the
+        # schedule's REDUCE actions launch and wait for its reductions.
         self.reducer = reducer
         self.compiled = compiled
         self.workers = list(workers)
@@ -552,9 +554,16 @@ class Executor:
         problems = []
         if sched.kind != "roundpipe":
             problems.append(f"schedule kind is {sched.kind!r}, the executor runs 'roundpipe'")
-        if tuple(sched.passes) != LOWERING_PASSES:
-            problems.append(f"schedule passes are {sched.passes}, expected {LOWERING_PASSES} "
+        expected = LOWERING_PASSES if sched.ranks == 1 else DATA_PARALLEL_PASSES
+        if tuple(sched.passes) != expected:
+            problems.append(f"schedule passes are {sched.passes}, expected {expected} "
                             "(lower it with rpcompile.passes.lower.lower)")
+        world = 1 if self.reducer is None else self.reducer.world
+        if sched.ranks != world:
+            problems.append(
+                f"schedule was lowered for {sched.ranks} data-parallel rank(s), the run has "
+                f"{world} ({'a process group of ' + str(world) if world > 1 else 'no process group'}"
+                "): lower it with ranks equal to the process group's world size")
         if sched.workers != len(self.workers):
             problems.append(f"schedule is for {sched.workers} workers, {len(self.workers)} given")
         if len(sched.stage_names) != len(self.programs):
@@ -657,6 +666,10 @@ class Executor:
                 if w is not None:
                     for a in actions:
                         self.workers[w].submit(stream, lambda a=a: self._item(run, a), str(a))
+            if (None, "network") in plan.queues:
+                run.network = threading.Thread(target=self._run_network, args=(run,),
+                                               name="rpcompile-network", daemon=True)
+                run.network.start()
             self._run_host(run)
         except BaseException as exc:  # every failure ends the step alike
             host_error = exc
@@ -792,9 +805,40 @@ class Executor:
             if event is not None:
                 event.set()
 
+    def _run_network(self, run: _Run) -> None:
+        """The host's network lane (REDUCE actions), in order, on its own thread; like the
+        host queue, its waits end at the step's deadline. A failure is recorded for the step
+        (and fails the action's event, so what waits on it gives up) instead of raised."""
+        for a in run.plan.queues.get((None, "network"), ()):
+            event = run.events.get(a)
+            try:
+                for src in run.plan.waits.get(a, ()):
+                    run.events[src].wait(run.left(), abort=run.abort_requested)
+                if run.aborted:
+                    raise WorkerAborted(f"step aborted before '{a}' ran")
+                run.timed(self, a)
+            except BaseException as exc:
+                if not isinstance(exc, _SECONDARY):
+                    run.fail(a, exc)
+                else:
+                    run.aborted = True
+                if event is not None:
+                    event.fail(exc)
+                return
+            if event is not None:
+                event.set()
+
     def _drain(self, run: _Run) -> dict[int, dict[str, str]]:
         """Return once every stream has run or dropped everything submitted this step, or has
         outlived the step's deadline: then the worker index -> its stuck streams and items."""
+        lane = run.network
+        if lane is not None:
+            left = run.left()
+            lane.join(None if left is None else max(left, 0.0) + _grace(self.timeout_s))
+            if lane.is_alive():  # a wait past the deadline: abandoned (a daemon thread)
+                run.abort_with("the host's network lane did not finish its reductions by the "
+                               "step's deadline", where="the network lane")
+            run.network = None
         stuck: dict[int, dict[str, str]] = {}
         for i, worker in enumerate(self.workers):
             if i in run.stuck_checked:
@@ -1139,10 +1183,14 @@ class Executor:
     # -- host --------------------------------------------------------------------------------
     def _do_ACC(self, run: _Run, a: Action) -> None:
         self.driver.accumulate_grad(a.stage, run.host_grads.pop((a.stage, a.round)))
-        if self.reducer is not None and a.round == self.compiled.rounds - 1:
-            # The stage's last job of the step is home: its gradients' all-reduce starts now,
-            # overlapping the backward jobs still running.
-            self.reducer.stage_done(a.stage)
+
+    def _do_REDUCE(self, run: _Run, a: Action) -> None:
+        # Data parallel: the stage's gradients of the step are home (the edge from its last
+        # ACC). Launch the cross-rank reduction of every parameter whose gradient stages are
+        # now all home, and wait for it here, on the network lane: what reads the reduced
+        # gradients waits for this action (its edge), while the backward jobs go on.
+        self.reducer.stage_done(a.stage)
+        self.reducer.wait_reductions(run.left())
 
     def _do_OPT(self, run: _Run, a: Action) -> None:
         if self.deferred:
@@ -1169,6 +1217,7 @@ RUNTIME_ACTIONS: Mapping[ActionKind, Callable[[Executor, _Run, Action], None]] =
     ActionKind.ACC: lambda ex, run, a: ex._do_ACC(run, a),
     ActionKind.OPT: lambda ex, run, a: ex._do_OPT(run, a),
     ActionKind.SHADOW: lambda ex, run, a: ex._do_SHADOW(run, a),
+    ActionKind.REDUCE: lambda ex, run, a: ex._do_REDUCE(run, a),
 }
 check_registry(RUNTIME_ACTIONS, "the runtime executor")
 _RUNTIME = {k.value: fn for k, fn in RUNTIME_ACTIONS.items()}  # keyed by Action.kind's string

@@ -695,8 +695,9 @@ def _runs(slots: Iterable[ParamSlot]) -> list[tuple[int, int, int]]:
 def shard_bounds(slots: Sequence[ParamSlot], ranks: int) -> list[tuple[int, int]]:
     """Cut the master index space of the trainable ``slots`` into ``ranks`` contiguous ranges
     of whole parameters: rank ``r``'s range ends at the parameter boundary nearest to
-    ``(r + 1) / ranks`` of the total, so no rank holds more than its 1/N share plus half of
-    the largest parameter. A range may be empty (more ranks than parameters)."""
+    ``(r + 1) / ranks`` of the total, each range keeping at least one parameter while there
+    are enough of them, so a rank holds its 1/N share give or take the largest parameter. A
+    range is empty only when there are fewer trainable parameters than ranks."""
     trainable = sorted((s for s in slots if s.trainable), key=lambda s: s.master_offset)
     total = sum(s.numel for s in trainable)
     edges = [0]
@@ -707,7 +708,11 @@ def shard_bounds(slots: Sequence[ParamSlot], ranks: int) -> list[tuple[int, int]
     cuts = [0]
     for r in range(1, ranks):
         target = r * total / ranks
-        best = min(edges, key=lambda e: (abs(e - target), e))
+        # Past the previous cut, and leaving one parameter for each rank after this one.
+        lo = edges.index(cuts[-1]) + 1
+        hi = len(edges) - (ranks - r)
+        allowed = edges[lo:hi + 1] if lo <= hi else [cuts[-1]]
+        best = min(allowed, key=lambda e: (abs(e - target), e))
         cuts.append(max(best, cuts[-1]))
     cuts.append(total)
     return [(cuts[r], cuts[r + 1]) for r in range(ranks)]

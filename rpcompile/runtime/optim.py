@@ -180,7 +180,7 @@ class OptimizerDriver:
         self.undo_hooks: list[Callable[[int], None]] = []
         # Sharded masters (rpcompile.runtime.distributed): called by refresh(stage) once this
         # rank's own shadows of the stage are rewritten, to bring the other ranks' shadows of it.
-        self.shadow_gather: Callable[[int], None] | None = None
+        self.shadow_gather: Callable[[int, set[int]], None] | None = None
         # Started by the first task (the thread protocol); the schedule's OPT and SHADOW
         # actions run on the executor's host queue and never start it.
         self._thread = threading.Thread(target=self._main, name="rpcompile-optimizer", daemon=True)
@@ -378,7 +378,7 @@ class OptimizerDriver:
                     journal.shadows[index] = self.store.shadow_of(slot.name).clone()
         self.store.refresh_shadow(stage)
         if self.shadow_gather is not None:
-            self.shadow_gather(stage)
+            self.shadow_gather(stage, set(state.done_stages))
 
     def commit_step(self) -> Event:
         """End a step whose OPT and SHADOW actions all ran: the saved copies are dropped

@@ -15,7 +15,7 @@ import torch
 
 from rpcompile.capture.batch import split_batch
 from rpcompile.capture.types import Captured
-from rpcompile.passes.split import StageProgram
+from rpcompile.passes.split import StageProgram, unit_segments
 
 __all__ = ["forward_loss", "loss_divisor", "reference_step", "split_batch", "stage_arguments"]
 
@@ -187,6 +187,9 @@ def run_backward_microbatch(
     copy for another device, :meth:`StageProgram.on_device`). ``loss_scale``: the tail's
     backward starts from ``loss / scale * loss_scale`` (fp16 loss scaling; the gradients are
     then scaled by it and the caller divides it out).
+
+    A backward stage with ``recompute="layer"`` runs unit by unit (:func:`_layer_by_layer`):
+    the same gradients, summed in another order, with one unit's activations held at a time.
     """
     gm = prog.graph_module if graph_module is None else graph_module
     leaves: dict[str, torch.Tensor] = {}
@@ -203,21 +206,25 @@ def run_backward_microbatch(
         leaf = values[name].detach().requires_grad_(True)
         local_values[name] = leaf
         leaves["value:" + name] = leaf
-    with torch.enable_grad():
-        outs = gm(*stage_arguments(prog, captured, local_params, microbatch, local_values))
+    args = stage_arguments(prog, captured, local_params, microbatch, local_values)
     loss = None
-    if prog.kind == "tail":
-        loss = outs[0]
-        root = loss / scale
-        roots, seeds = [root if loss_scale == 1.0 else root * loss_scale], [None]
+    if prog.kind == "backward" and prog.recompute == "layer":
+        _layer_by_layer(prog, gm, args, value_grads, list(leaves.values()))
     else:
-        pairs = [
-            (o, value_grads[n]) for n, o in zip(prog.outputs, outs)
-            if n in value_grads and isinstance(o, torch.Tensor) and o.requires_grad
-        ]
-        roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
-    if roots and leaves:
-        torch.autograd.backward(roots, seeds, inputs=list(leaves.values()))
+        with torch.enable_grad():
+            outs = gm(*args)
+        if prog.kind == "tail":
+            loss = outs[0]
+            root = loss / scale
+            roots, seeds = [root if loss_scale == 1.0 else root * loss_scale], [None]
+        else:
+            pairs = [
+                (o, value_grads[n]) for n, o in zip(prog.outputs, outs)
+                if n in value_grads and isinstance(o, torch.Tensor) and o.requires_grad
+            ]
+            roots, seeds = [o for o, _ in pairs], [g for _, g in pairs]
+        if roots and leaves:
+            torch.autograd.backward(roots, seeds, inputs=list(leaves.values()))
     handed: list[tuple[str, torch.Tensor]] = []
     for key, leaf in leaves.items():
         kind, name = key.split(":", 1)
@@ -237,3 +244,58 @@ def run_backward_microbatch(
     if handed:
         accumulate(handed)
     return None if loss is None else loss.detach()
+
+
+def _layer_by_layer(prog: StageProgram, gm: torch.fx.GraphModule, args: Sequence,
+                    value_grads: Mapping[str, torch.Tensor], leaves: list[torch.Tensor]) -> None:
+    """Layer-by-layer recompute and backward of one microbatch of backward stage ``prog``
+    (``gm``: its graph as it runs, ``args``: its arguments, the parameter and value-input
+    leaves among them). First a forward without autograd through every unit but the last keeps
+    the boundary values; then, last unit first, each unit's forward runs again with autograd
+    from its boundaries (fresh leaves), and its backward from the gradients of its outputs: the
+    stage's ``value_grads`` for the stage's outputs, what later units sent back for the others.
+    The gradients of the leaves accumulate in their ``.grad`` across units. Dropout draws the
+    same masks in both forwards (rpcompile.capture.dropout: seeded by microbatch and node)."""
+    cut = unit_segments(prog, gm)
+    env: dict[str, object] = dict(zip(cut.placeholders, args))
+    segments = cut.segments
+    with torch.no_grad():
+        for seg in segments[:-1]:
+            outs = seg.graph_module(*(env[n] for n in seg.inputs))
+            env.update(zip(seg.outputs, outs))
+            for n in seg.outputs:  # only what a later unit reads is kept
+                if n not in cut.last_use:
+                    del env[n]
+    seeds: dict[str, torch.Tensor] = {}
+    for name, node in zip(prog.outputs, cut.stage_outputs):
+        if name in value_grads:
+            seeds[node] = value_grads[name]
+    wanted = {id(t) for t in leaves}
+    for k in range(len(segments) - 1, -1, -1):
+        seg = segments[k]
+        fresh: dict[str, torch.Tensor] = {}
+        inputs = []
+        for n in seg.inputs:
+            value = env[n]
+            if n in seg.grad_inputs:
+                value = fresh[n] = value.detach().requires_grad_(True)
+            inputs.append(value)
+        with torch.enable_grad():
+            outs = seg.graph_module(*inputs)
+        roots, grads = [], []
+        for n, o in zip(seg.outputs, outs):
+            g = seeds.pop(n, None)
+            if g is not None and isinstance(o, torch.Tensor) and o.requires_grad:
+                roots.append(o)
+                grads.append(g)
+        targets = [*fresh.values(), *(v for v in inputs
+                                      if isinstance(v, torch.Tensor) and id(v) in wanted)]
+        if roots and targets:
+            torch.autograd.backward(roots, grads, inputs=targets)
+        del outs, roots, grads
+        for n, leaf in fresh.items():
+            if leaf.grad is not None:
+                seeds[n] = seeds[n] + leaf.grad if n in seeds else leaf.grad
+        for n in seg.inputs:  # a boundary's earliest reader is done: it is not needed again
+            if cut.last_use.get(n) == k:
+                del env[n]

@@ -40,7 +40,8 @@ from rpcompile.runtime.memory import HostStore, MemoryReport
 from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import make_workers
 
-__all__ = ["StepFailed", "Trainer", "default_timeout_s", "plan_summary"]
+__all__ = ["StepFailed", "Trainer", "check_ranks", "default_timeout_s", "group_world", "plan_summary",
+           "planned_ranks"]
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 
@@ -75,6 +76,42 @@ def _data_parallel(train: TrainOptions) -> bool:
     from rpcompile.runtime.distributed import resolve_group
 
     return resolve_group(train.process_group) is not None
+
+
+def group_world(process_group: Any) -> int:
+    """The ranks training together: the world size of the group the run uses
+    (:func:`~rpcompile.runtime.distributed.resolve_group`), 1 without one."""
+    from rpcompile.runtime.distributed import resolve_group
+
+    group = resolve_group(process_group)
+    if group is None:
+        return 1
+    import torch.distributed as dist
+
+    return dist.get_world_size(group)
+
+
+def check_ranks(planned: int | None, world: int) -> None:
+    """Refuse a schedule lowered for another number of data-parallel ranks than the run has:
+    its REDUCE actions would not match the ranks' collectives."""
+    if planned is not None and planned != world:
+        have = (f"the process group has {world} ranks" if world > 1 else
+                "this process trains alone (no torch.distributed process group)")
+        raise ValueError(
+            f"the plan was lowered for {planned} data-parallel ranks (PlanOptions.ranks) but "
+            f"{have}: compile with ranks={world} or leave ranks unset (it follows the "
+            "process group); for a plan of more ranks than run here, use the plan only to "
+            "simulate (rpcompile plan --nodes)")
+
+
+def planned_ranks(ranks: int | None, process_group: Any) -> int | None:
+    """The ranks a compile lowers its schedule for: the process group's world size (a
+    ``ranks`` that differs from it is refused), else ``ranks`` as given (planning only)."""
+    world = group_world(process_group)
+    if world == 1:
+        return ranks
+    check_ranks(ranks, world)
+    return world
 
 
 def default_timeout_s(compiled: Any) -> float:
@@ -172,8 +209,10 @@ class Trainer:
         check_update_order(mode, updates, _deferred_reasons(options))
         if updates is None:
             updates = update_order(mode, options)
+        world = group_world(options.process_group)
+        check_ranks(plan_options.ranks, world)
         self.schedule = self._lowered_schedule(compiled, mode, plan_options.schedule_steps,
-                                               plan_options.chunk_bytes, updates)
+                                               plan_options.chunk_bytes, updates, world)
         self.workers = make_workers(compiled.workers, device, options.capacity_bytes,
                                     options.chaos)
         driver = None
@@ -208,19 +247,19 @@ class Trainer:
     # -- construction ------------------------------------------------------------------------
     @staticmethod
     def _lowered_schedule(compiled: Any, mode: str, steps: int | None,
-                          chunk_bytes: int | None, updates: str) -> Schedule:
+                          chunk_bytes: int | None, updates: str, ranks: int) -> Schedule:
         """``compiled.schedule`` when it is the one these options run (one schedule per
         compile), else one built the same way (:func:`rpcompile.passes.lower.runtime_schedule`)."""
         kept = getattr(compiled, "schedule", None)
         built = getattr(getattr(compiled, "options", None), "plan", None)
         kept_chunk = built.chunk_bytes if built is not None else DEFAULT_CHUNK_BYTES
         if (kept is not None and kept.optimizer == mode and steps in (None, kept.steps)
-                and chunk_bytes in (None, kept_chunk)
+                and chunk_bytes in (None, kept_chunk) and kept.ranks == ranks
                 and updates_deferred(kept) == (updates == "deferred")):
             return kept
         return runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
                                 compiled.rounds, mode, chunk_bytes, steps=steps,
-                                updates=updates)
+                                updates=updates, ranks=ranks)
 
     @staticmethod
     def _build_store(compiled: Any, pin: bool) -> HostStore:
@@ -237,8 +276,8 @@ class Trainer:
         from rpcompile.runtime.distributed import DataParallel, resolve_group
 
         group = resolve_group(process_group)
-        if group is None:
-            return None
+        if group is None or group_world(group) == 1:
+            return None  # one rank alone has nothing to reduce
         dp = DataParallel(group, self.store, mean_loss=compiled.capture.loss_reduction != "sum",
                           shard=shard)
         dp.broadcast_store()

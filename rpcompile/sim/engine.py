@@ -12,8 +12,10 @@ Resource model (docs/simulator.md):
     serves one transfer at a time: ready critical transfers (one microbatch's tensor) first,
     bulk ones (weights, gradients) chunk by chunk, so a critical transfer waits at most one
     chunk. Transfer lanes are not ordered: any transfer whose waits are done may go;
-  * the host queue (ACC, OPT, SHADOW) runs in list order;
-  * host memory bandwidth is shared: every running transfer and host operation draws from it
+  * the host queue (ACC, OPT, SHADOW) runs in list order, and so does the host's network lane
+    (REDUCE, data parallel: a ring all-reduce on the profile's inter-server link);
+  * host memory bandwidth is shared: every running transfer and host operation (a reduction's
+    gloo copies included) draws from it
     at its own full rate, and when the sum exceeds the host's bandwidth all are slowed in
     proportion (a fluid model, re-solved at every start and finish);
   * an action starts once every edge it waits on is done (and, on an ordered stream, the
@@ -30,12 +32,20 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Action, ActionKind, Plan, Schedule, Stage, UnitProfile, check_registry
 from rpcompile.sim.result import SimResult
 
-__all__ = ["OPTIMIZER_BYTES_PER_PARAM", "SIM_COSTS", "SimulationError", "compute_times",
-           "simulate"]
+__all__ = ["GLOO_HOST_BYTES_PER_BYTE", "OPTIMIZER_BYTES_PER_PARAM", "SIM_COSTS",
+           "SimulationError", "compute_times", "simulate"]
 
 # Fused AdamW over fp32 tensors reads param, grad, exp_avg, exp_avg_sq and writes three of them:
 # 28 bytes of host memory traffic per parameter.
 OPTIMIZER_BYTES_PER_PARAM = 28
+# Host memory traffic of gloo's ring all-reduce, per byte of the reduced fp32 buffer and per
+# (N-1)/N (in each of its two phases a rank sends and receives (N-1)/N of the buffer, chunk
+# by chunk): a chunk sent is read from the buffer, a chunk received is written into it (or
+# into gloo's scratch), and in the reduce-scatter phase the received chunk is added into the
+# gradients (read 2, write 1): 5 bytes per byte there, 2 in the all-gather, 7 in all. The
+# kernel's socket-buffer copies and the NIC's DMA are not counted (with DDIO they mostly stay
+# in the CPU's cache; counted, the figure would be 15). A model, not a measurement.
+GLOO_HOST_BYTES_PER_BYTE = 7
 _TIME_EPS = 1e-9  # ms; two events closer than this happen together
 
 
@@ -170,7 +180,7 @@ class _Fluid:
     index: int  # the action's id in the replay
     remaining: float  # bytes of host memory traffic (or link bytes) left
     max_rate: float  # bytes per ms when nothing else competes
-    link: int  # the transfer's link, or -1 for host work
+    link: int  # the transfer's link, or -1 - n for work on the host's lane n
     rate: float = 0.0
 
 
@@ -205,7 +215,9 @@ class _Replay:
                     q.append(i)
                     self.duration[i] = float(cost)
             self.compute_q.append(q)
-        self.host_q = [ids[a] for a in sched.host]
+        # The host's ordered lanes: the host queue, and the network lane (REDUCE, data
+        # parallel); each runs one action at a time, in list order.
+        self.lanes = [[ids[a] for a in sched.host], [ids[a] for a in sched.network]]
         self.pools: list[list[_Transfer]] = [[] for _ in range(2 * sched.workers)]
         self.start = [0.0] * n
         self.end = [-1.0] * n
@@ -225,10 +237,10 @@ class _Replay:
         preds_left, succs, duration = self.preds_left, self.succs, self.duration
         start, end, pools, transfers = self.start, self.end, self.pools, self.transfers
         head = [0] * g
-        host_head = 0
+        lane_head = [0] * len(self.lanes)
         running: list[tuple[int, float] | None] = [None] * g
         link_busy: list[_Fluid | None] = [None] * (2 * g)
-        host_busy: _Fluid | None = None
+        lane_busy: list[_Fluid | None] = [None] * len(self.lanes)
         for tr in transfers.values():
             if preds_left[tr.index] == 0:
                 pools[tr.link].append(tr)
@@ -263,17 +275,18 @@ class _Replay:
                         else:
                             running[w] = (i, now + duration[i])
                         moved = True
-                if host_busy is None and host_head < len(self.host_q) and \
-                        preds_left[self.host_q[host_head]] == 0:
-                    i = self.host_q[host_head]
-                    host_head += 1
-                    start[i] = now
-                    work, rate = _COST[self.acts[i].kind](self, self.acts[i])
-                    if work <= 0.0:
-                        finish(i)
-                    else:
-                        host_busy = _Fluid(i, work, rate, -1)
-                    moved = True
+                for n, lane in enumerate(self.lanes):
+                    if lane_busy[n] is None and lane_head[n] < len(lane) and \
+                            preds_left[lane[lane_head[n]]] == 0:
+                        i = lane[lane_head[n]]
+                        lane_head[n] += 1
+                        start[i] = now
+                        work, rate = _COST[self.acts[i].kind](self, self.acts[i])
+                        if work <= 0.0:
+                            finish(i)
+                        else:
+                            lane_busy[n] = _Fluid(i, work, rate, -1 - n)
+                        moved = True
                 for link, pool in enumerate(pools):
                     if link_busy[link] is not None or not pool:
                         continue
@@ -292,9 +305,7 @@ class _Replay:
                         link_busy[link] = _Fluid(tr.index, work, tr.rate, link)
                     moved = True
 
-            fluids = [f for f in link_busy if f is not None]
-            if host_busy is not None:
-                fluids.append(host_busy)
+            fluids = [f for f in (*link_busy, *lane_busy) if f is not None]
             demand = sum(f.max_rate for f in fluids)
             scale = min(1.0, self.host_rate / demand) if demand > 0 else 1.0
             nxt = float("inf")
@@ -306,7 +317,7 @@ class _Replay:
                     nxt = r[1]
             if nxt == float("inf"):
                 if done < total:
-                    raise SimulationError(self._deadlock(head, host_head))
+                    raise SimulationError(self._deadlock(head, lane_head))
                 break
             dt = nxt - now
             now = nxt
@@ -318,7 +329,7 @@ class _Replay:
             for f in fluids:
                 if f.remaining <= f.rate * (dt + _TIME_EPS):
                     if f.link < 0:
-                        host_busy = None
+                        lane_busy[-1 - f.link] = None
                         finish(f.index)
                     else:
                         link_busy[f.link] = None
@@ -331,10 +342,9 @@ class _Replay:
                     f.remaining -= f.rate * dt
         return {a: (start[i], end[i]) for i, a in enumerate(self.acts)}
 
-    def _deadlock(self, head: list[int], host_head: int) -> str:
+    def _deadlock(self, head: list[int], lane_head: list[int]) -> str:
         blocked = [str(self.acts[q[h]]) for q, h in zip(self.compute_q, head) if h < len(q)]
-        if host_head < len(self.host_q):
-            blocked.append(str(self.acts[self.host_q[host_head]]))
+        blocked += [str(self.acts[q[h]]) for q, h in zip(self.lanes, lane_head) if h < len(q)]
         waiting = [str(self.acts[t.index]) for t in self.transfers.values() if self.end[t.index] < 0
                    and not t.started]
         return ("the replay cannot progress (deadlock): blocked stream heads "
@@ -364,6 +374,27 @@ def _optimizer_work(replay: _Replay, a: Action) -> tuple[float, float]:
     return params * OPTIMIZER_BYTES_PER_PARAM, rate
 
 
+def _reduction_work(replay: _Replay, a: Action) -> tuple[float, float]:
+    """(bytes of host memory traffic, full-speed rate in bytes per ms) of a cross-rank ring
+    all-reduce of ``a.bytes`` over ``schedule.ranks`` servers on the profile's inter-server
+    link (docs/distributed.md). Alone it takes the ring time :meth:`Link.allreduce_ms`,
+    ``2 (N-1)/N x bytes / bandwidth + 2 (N-1) x latency``; it moves
+    :data:`GLOO_HOST_BYTES_PER_BYTE` x (N-1)/N x bytes through host memory, at the rate that
+    takes the ring time, so a host memory bus busy with transfers, ACC and the optimizer
+    slows it down, and it slows them."""
+    link, ranks = replay.hw.link, replay.sched.ranks
+    if link is None:
+        raise ValueError(
+            f"the schedule reduces gradients across {ranks} ranks, but hardware profile "
+            f"{replay.hw.name!r} has no inter-server link: simulate on "
+            "hardware.with_link('eth25' | 'eth100') (or PlanOptions(link=...))")
+    ms = link.allreduce_ms(a.bytes, ranks)
+    traffic = GLOO_HOST_BYTES_PER_BYTE * (ranks - 1) / ranks * a.bytes
+    if ms <= 0.0 or traffic <= 0.0:
+        return 0.0, 1.0
+    return traffic, traffic / ms
+
+
 def _memory_pass_work(replay: _Replay, a: Action) -> tuple[float, float]:
     """ACC reads the accumulator and the staged gradients and writes the accumulator; SHADOW
     reads the fp32 masters (2x the low-precision bytes) and writes the shadow: 3x bytes."""
@@ -384,6 +415,7 @@ SIM_COSTS: Mapping[ActionKind, Callable[[_Replay, Action], object]] = {
     ActionKind.ACC: _memory_pass_work,
     ActionKind.OPT: _optimizer_work,
     ActionKind.SHADOW: _memory_pass_work,
+    ActionKind.REDUCE: _reduction_work,
 }
 check_registry(SIM_COSTS, "the simulator")
 _COST = {k.value: fn for k, fn in SIM_COSTS.items()}  # keyed by Action.kind's string

@@ -30,14 +30,16 @@ __all__ = [
 def simulate_roundpipe(plan: Plan, hardware: Hardware | str, *, steps: int = 1,
                        optimizer: str = "async", rounds: int = 1,
                        workers: int | None = None, microbatches: int | None = None,
-                       validate: bool = False) -> SimResult:
+                       validate: bool = False, ranks: int = 1) -> SimResult:
     """Dispatch ``plan`` round-robin (``workers`` and ``microbatches`` default to the plan's),
     lower it with every pass and replay it. ``validate`` runs the validator after each pass
-    (slower; the lowering is tested elsewhere)."""
+    (slower; the lowering is tested elsewhere). ``ranks`` > 1: one of that many servers
+    training data parallel, its gradients reduced by REDUCE actions on ``hardware.link``
+    (:func:`~rpcompile.passes.lower.add_reductions`; sync updates deferred)."""
     hw = get_hardware(hardware)
     sched = build_schedule(plan, workers or plan.workers, microbatches or plan.microbatches,
                            rounds=rounds, steps=steps, kind="roundpipe", optimizer=optimizer)
-    lowered, _ = lower(sched, plan, validate=validate)
+    lowered, _ = lower(sched, plan, validate=validate, ranks=ranks)
     return simulate(lowered, plan, hw)
 
 

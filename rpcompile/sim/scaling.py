@@ -1,48 +1,47 @@
 """Planning at scale: N servers training data parallel, one RoundPipe pipeline each.
 
 Each server runs the same pipeline on its share of the global batch (``N x`` one server's
-batch), and the fp32 gradients are all-reduced across servers over the inter-server
-:class:`~rpcompile.hardware.Link`, as the runtime does (:mod:`rpcompile.runtime.distributed`):
-a stage's reduction starts when its gradients are home (its ``OPT`` action's start in the
-single-server timeline), the reductions queue on the one link in that order (ring all-reduce,
-:meth:`Link.allreduce_ms`), and the step's updates wait for them.
+batch). :func:`simulate_nodes` lowers the plan for ``N`` ranks, as the runtime runs it
+(:func:`~rpcompile.passes.lower.add_reductions`: a REDUCE action per gradient stage and step
+on the host's network lane, after the stage's last ACC; the step's updates wait for them),
+replays that schedule on the hardware profile joined to the other servers by the link (the
+simulator times each REDUCE as a ring all-reduce on the link and charges gloo's host-memory
+traffic, :func:`rpcompile.sim.engine.simulate`), and sets its steady state beside one
+server's:
 
-:func:`simulate_nodes` takes a single-server simulation of several steps and one of its steady
-steps, replays the reductions of that step on the link, and reports:
-
-- ``exposed_ms``: how long the last reduction ends after the last gradients are home (the
-  part of the communication the remaining backward jobs did not hide);
-- ``step_ms``: one server's steady step plus ``exposed_ms`` (an upper bound: the exposed time
-  is assumed to delay the next step by its whole length), and never less than the time the
-  link is busy per step (beyond it the reductions queue up from step to step);
+- ``step_ms``: the N-server steady step (:func:`~rpcompile.sim.runs.steady_step_ms`);
+- ``added_ms``: what data parallel adds to one server's steady step (the reductions the
+  backward jobs and the next steps do not hide, and their host-memory traffic);
+- ``link_busy_ms``: the REDUCE actions' time per step (longer than the ring time alone when
+  host memory is contended);
 - tokens/s of all N servers and the scaling efficiency, one server's step time over this one.
-
-This is a post-pass over the simulated timeline, not yet actions of the lowered schedule:
-the schedule has no network stream to put them on (docs/distributed.md says what is missing).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from rpcompile.hardware import Link, get_link
+from rpcompile.hardware import Hardware, Link, get_hardware, get_link
+from rpcompile.ir import Plan
+from rpcompile.sim.engine import GLOO_HOST_BYTES_PER_BYTE
 from rpcompile.sim.result import SimResult
-from rpcompile.sim.runs import steady_step_ms
+from rpcompile.sim.runs import simulate_roundpipe, steady_step_ms, steady_steps
 
 __all__ = ["NodeScaling", "simulate_nodes"]
 
 
 @dataclass(frozen=True)
 class NodeScaling:
-    """What :func:`simulate_nodes` predicts (times in ms)."""
+    """What :func:`simulate_nodes` predicts (times in ms, per steady step)."""
 
     nodes: int
     link: str
-    gradient_bytes: int  # fp32 gradients all-reduced per step
-    reductions: int  # all-reduces per step (one per gradient stage)
+    gradient_bytes: int  # fp32 gradients reduced per step (the REDUCE actions' bytes)
+    reductions: int  # REDUCE actions per step (one per gradient stage)
+    host_traffic_bytes: int  # host-memory traffic of the reductions per step (gloo's copies)
     one_server_step_ms: float
-    link_busy_ms: float  # the reductions' time on the link, per step
-    exposed_ms: float
+    link_busy_ms: float  # the REDUCE actions' time per step
+    added_ms: float  # step_ms - one_server_step_ms
     step_ms: float
     tokens_per_step: int  # of all servers
     one_server_tokens_per_s: float
@@ -56,53 +55,42 @@ class NodeScaling:
         return (f"{self.nodes} servers over {self.link}: {self.step_ms:.1f} ms per step, "
                 f"{self.tokens_per_s:,.0f} tokens/s ({self.efficiency * 100:.1f}% scaling "
                 f"efficiency; {self.gradient_bytes / 2**30:.1f} GiB of gradients in "
-                f"{self.reductions} all-reduces, {self.link_busy_ms:.1f} ms on the link, "
-                f"{self.exposed_ms:.1f} ms exposed)")
+                f"{self.reductions} reductions, {self.link_busy_ms:.1f} ms on the link, "
+                f"{self.added_ms:+.1f} ms per step against one server)")
 
 
-def simulate_nodes(run: SimResult, nodes: int, link: Link | str, *, tokens_per_step: int,
-                   gradient_bytes: int | None = None, step: int | None = None) -> NodeScaling:
-    """N servers like the one ``run`` simulated (see the module doc). ``run`` must have at
-    least 3 steps (a steady state); ``step`` is the steady step whose reductions are replayed
-    (default: the one before the last); ``tokens_per_step`` is one server's.
-
-    ``gradient_bytes``: the model's fp32 gradient bytes with each parameter once (its
-    masters' bytes). A parameter several stages use (a tied embedding and LM head) is in each
-    of their ``OPT`` actions' bytes but reduced once, after the last of them, as the runtime
-    does; the excess over ``gradient_bytes`` is taken off the earliest reductions."""
+def simulate_nodes(plan: Plan, hardware: Hardware | str, nodes: int, link: Link | str, *,
+                   tokens_per_step: int, optimizer: str = "async", rounds: int = 1,
+                   steps: int | None = None, one_server: SimResult | None = None,
+                   ) -> NodeScaling:
+    """N servers of ``hardware`` joined by ``link``, each running ``plan`` (see the module
+    doc). ``steps``: steps to replay (default :func:`steady_steps`, at least 3);
+    ``one_server``: the single-server run of the same steps, if already simulated;
+    ``tokens_per_step`` is one server's."""
     if nodes < 1:
         raise ValueError(f"nodes must be at least 1, got {nodes}")
     link = get_link(link)
-    sched = run.schedule
-    if sched.steps < 3:
+    hw = get_hardware(hardware).with_link(link)
+    steps = steps or steady_steps(plan, rounds=rounds)
+    if steps < 3:
         raise ValueError("simulate_nodes needs a run of 3 steps or more (a steady state); "
                          "see rpcompile.sim.steady_steps")
-    k = sched.steps - 2 if step is None else step
-    home = sorted((run.timeline[a][0], a.bytes) for a in sched.host
-                  if a.kind == "OPT" and a.step == k and a.bytes > 0)
-    if not home:
-        raise ValueError(f"step {k} of the run has no optimizer actions with gradients")
-    excess = 0 if gradient_bytes is None else sum(b for _, b in home) - gradient_bytes
-    if excess < 0:
-        raise ValueError(f"gradient_bytes {gradient_bytes} exceeds the step's optimizer "
-                         f"actions' {sum(b for _, b in home)} bytes")
-    for i, (ready, nbytes) in enumerate(home):
-        cut = min(excess, nbytes)
-        home[i] = (ready, nbytes - cut)
-        excess -= cut
-    one_step = steady_step_ms(run)
-    free = busy = 0.0
-    for ready, nbytes in home:
-        took = link.allreduce_ms(nbytes, nodes)
-        free = max(free, ready) + took
-        busy += took
-    exposed = max(0.0, free - home[-1][0]) if nodes > 1 else 0.0
-    step_ms = max(one_step + exposed, busy)
-    one_rate = tokens_per_step * 1e3 / one_step
+    one = one_server or simulate_roundpipe(plan, hw, steps=steps, optimizer=optimizer,
+                                           rounds=rounds)
+    if one.schedule.steps != steps or one.schedule.ranks != 1:
+        raise ValueError(f"one_server must be a one-rank run of {steps} steps")
+    run = one if nodes == 1 else simulate_roundpipe(plan, hw, steps=steps, optimizer=optimizer,
+                                                    rounds=rounds, ranks=nodes)
+    one_step, step_ms = steady_step_ms(one), steady_step_ms(run)
+    k = steps - 2  # a steady step's reductions
+    reds = [a for a in run.schedule.network if a.step == k]
+    grads = sum(a.bytes for a in reds)
+    busy = sum(run.timeline[a][1] - run.timeline[a][0] for a in reds)
     return NodeScaling(
-        nodes=nodes, link=link.key, gradient_bytes=int(sum(b for _, b in home)),
-        reductions=len(home), one_server_step_ms=one_step, link_busy_ms=busy,
-        exposed_ms=exposed, step_ms=step_ms, tokens_per_step=tokens_per_step * nodes,
-        one_server_tokens_per_s=one_rate, tokens_per_s=tokens_per_step * nodes * 1e3 / step_ms,
-        efficiency=one_step / step_ms,
+        nodes=nodes, link=link.key, gradient_bytes=grads, reductions=len(reds),
+        host_traffic_bytes=int(GLOO_HOST_BYTES_PER_BYTE * (nodes - 1) / nodes * grads),
+        one_server_step_ms=one_step, link_busy_ms=busy, added_ms=step_ms - one_step,
+        step_ms=step_ms, tokens_per_step=tokens_per_step * nodes,
+        one_server_tokens_per_s=tokens_per_step * 1e3 / one_step,
+        tokens_per_s=tokens_per_step * nodes * 1e3 / step_ms, efficiency=one_step / step_ms,
     )

@@ -1,0 +1,275 @@
+"""The cross-rank gradient reduction is part of the schedule: REDUCE actions on the host's
+network lane, lowered only for data parallel over more than one rank, run by the executor
+exactly where the schedule puts them, and timed by the simulator on the inter-server link.
+
+The lowering is checked against the model's own parameters (each reduced once, a tied one
+after its last gradient stage); the run against a log of every action taken with this test's
+own clock (two processes, gloo, virtual workers); the simulator against the ring all-reduce
+formula, on a profile whose host memory never limits it."""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import os
+import threading
+import time
+from dataclasses import replace
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+import rpcompile
+from rpcompile.ir import ORDERED_STREAMS, ActionKind
+from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES
+from tests.test_distributed import _batches, _free_port, _sgd, _share
+from tests.tiny_models import hf_model
+
+
+def _tied(ranks=None, **options):
+    batch = _share(_batches()[0], 0, ranks or 1)
+    return rpcompile.compile(hf_model("qwen3_tied"), gpus=2, microbatches=2,
+                             example_inputs=batch, optimizer=_sgd, device="virtual",
+                             ranks=ranks, **options)
+
+
+def _first_opts(sched):
+    first = {}
+    for a in sched.host:
+        if a.kind == "OPT":
+            first.setdefault(a.step, a)
+    return first
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_two_ranks_lower_one_reduce_per_gradient_stage_and_the_check_waits(mode):
+    two, one = _tied(2, mode=mode), _tied(1, mode=mode)
+    try:
+        sched, single = two.schedule, one.schedule
+        assert single.ranks == 1 and not single.network and single.passes == LOWERING_PASSES
+        assert not any(a.kind == "REDUCE" for a in single.all_actions())
+        assert sched.ranks == 2 and sched.passes == DATA_PARALLEL_PASSES
+        last = sched.rounds - 1
+        model = two.model
+        trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+        for k in range(sched.steps):
+            accs = [a for a in sched.host if a.kind == "ACC" and a.step == k and a.round == last]
+            reds = [a for a in sched.network if a.step == k]
+            # One REDUCE per gradient stage, in the order their gradients come home.
+            assert [r.stage for r in reds] == [a.stage for a in accs]
+            assert all(r.stream == "network" and r.worker is None for r in reds)
+            for acc, red in zip(accs, reds):
+                assert any(e.src == acc and e.dst == red and e.kind == "reduce_ready"
+                           for e in sched.edges)
+            # The step's gradient check (its first OPT) waits for the last REDUCE, and the
+            # network lane is ordered, so for every one of them; every OPT is after it.
+            first = _first_opts(sched)[k]
+            assert any(e.src == reds[-1] and e.dst == first and e.kind == "reduced"
+                       for e in sched.edges)
+            host = list(sched.host)
+            assert all(host.index(o) >= host.index(first) for o in host
+                       if o.kind == "OPT" and o.step == k)
+            assert host.index(first) > max(host.index(a) for a in accs)
+            # Every parameter reduced once: the bytes add up to the model's fp32 gradients,
+            # and the tied embedding waits for the last of its two stages.
+            assert sum(r.bytes for r in reds) == 4 * sum(p.numel() for p in trainable.values())
+            tail = next(r for r in reds if two.stages[r.stage].kind == "tail")
+            tail_acc = next(a for a in accs if a.stage == tail.stage)
+            assert tail.bytes < tail_acc.bytes  # the borrowed embedding is reduced later
+            assert tail_acc.bytes - tail.bytes == 4 * model.get_input_embeddings().weight.numel()
+        assert sched.dry_run().ok
+        # The network lane and the ranks survive a CSV and a JSON round trip.
+        from rpcompile.ir import Schedule
+
+        assert Schedule.from_csv(sched.to_csv()) == sched
+        assert Schedule.from_json(sched.to_json()) == sched
+        assert "# ranks" not in single.to_csv()  # one-process schedules read as before
+    finally:
+        two.close()
+        one.close()
+
+
+def test_a_plan_for_other_ranks_than_the_run_has_is_refused():
+    compiled = _tied(2)
+    try:
+        with pytest.raises(ValueError, match=r"lowered for 2 data-parallel ranks.*ranks=1"):
+            compiled.trainer()
+    finally:
+        compiled.close()
+    with pytest.raises(ValueError, match=r"data parallel .*updates='deferred'"):
+        _tied(2, updates="overlap")
+
+
+# -- at run time: two processes --------------------------------------------------------------
+
+
+def _protocol_rank(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from rpcompile.runtime.executor import Executor
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+    result: dict = {}
+    try:
+        batches = [_share(b, rank, world) for b in _batches()]
+        compiled = rpcompile.compile(hf_model("qwen3_tied", seed=rank), gpus=2, microbatches=2,
+                                     example_inputs=batches[0], optimizer=_sgd,
+                                     device="virtual", chaos=rank + 1)
+        trainer = compiled.trainer()
+        sched = trainer.schedule
+        compiled.step(batches[0])  # step 0: its own schedule step, not logged
+        log: list[tuple[object, float, float]] = []
+        lock = threading.Lock()
+        launched: dict[object, int] = {}
+        originals = {k: getattr(Executor, f"_do_{k.value}") for k in ActionKind}
+        for kind, original in originals.items():
+            def wrapped(self, run, a, original=original):
+                begin = time.perf_counter()
+                before = self.reducer.reductions
+                original(self, run, a)
+                end = time.perf_counter()
+                with lock:
+                    log.append((a, begin, end))
+                    if a.kind == "REDUCE":
+                        launched[a] = self.reducer.reductions - before
+            setattr(Executor, f"_do_{kind.value}", wrapped)
+        step = trainer.executor.steps_run % sched.steps
+        compiled.step(batches[1])
+        for kind, original in originals.items():
+            setattr(Executor, f"_do_{kind.value}", original)
+        ran = [a for a, _, _ in log]
+        expected = [a for a in sched.all_actions() if a.step == step]
+        measured = {a: (b, e) for a, b, e in log}
+        # What each REDUCE reduced, from the host store's own record of which gradient
+        # stages every parameter has (not from the plan the lowering read).
+        store = trainer.store
+        done: set[int] = set()
+        pending = list(store.trainable_slots)
+        reduced = {}
+        for a in sched.network:
+            if a.step != step:
+                continue
+            done.add(a.stage)
+            ready = [s for s in pending if set(s.grad_stages) <= done]
+            pending = [s for s in pending if s not in ready]
+            reduced[str(a)] = (a.bytes, 4 * sum(s.numel for s in ready))
+        result = {
+            "twice": len(ran) - len(set(ran)),
+            "missing": [str(a) for a in set(expected) - set(ran)],
+            "extra": [str(a) for a in set(ran) - set(expected)],
+            "reduces": sum(1 for a in ran if a.kind == "REDUCE"),
+            "grad_stages": sum(1 for p in compiled.stages if p.kind != "forward"),
+            "launched": {str(a): n for a, n in launched.items()},
+            "reduced": reduced,
+            "broken": [f"{e.kind}: {e.src} -> {e.dst}" for e in sched.edges
+                       if e.src in measured and e.dst in measured
+                       and measured[e.src][1] > measured[e.dst][0]],
+            "unordered": [stream for (_, stream), queue in sched.queues().items()
+                          if stream in ORDERED_STREAMS and
+                          [measured[a][0] for a in queue if a.step == step] !=
+                          sorted(measured[a][0] for a in queue if a.step == step)],
+            "masters": {k: v.clone() for k, v in trainer.masters().items()},
+        }
+        compiled.close()
+        torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_at_run_time_every_reduce_runs_once_where_the_schedule_puts_it(tmp_path):
+    ctx = mp.get_context("spawn")
+    port = _free_port()
+    procs = [ctx.Process(target=_protocol_rank, args=(r, 2, port, str(tmp_path)))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + 240.0
+    for p in procs:
+        p.join(max(1.0, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+            pytest.fail("a rank did not finish within 240 s (hang)")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt") for r in range(2)]
+    for r in ranks:
+        assert r["twice"] == 0 and not r["missing"] and not r["extra"], r
+        assert r["reduces"] == r["grad_stages"] >= 2  # one per gradient stage
+        assert not r["broken"], r["broken"]
+        assert not r["unordered"], r["unordered"]
+        # Each REDUCE's bytes are what it reduced: the lowering (from the plan's units) and
+        # the runtime (from the host store's slots) agree, the tied embedding included.
+        for bytes_, expected in r["reduced"].values():
+            assert bytes_ == expected
+        assert sum(r["launched"].values()) >= 2  # each REDUCE launched its own all-reduces
+        assert all(n >= 1 for n in r["launched"].values())
+    for name, value in ranks[0]["masters"].items():
+        assert torch.equal(value, ranks[1]["masters"][name]), name
+
+
+# -- in the simulator --------------------------------------------------------------------------
+
+
+@functools.cache
+def _sim_case(gbit: float):
+    from rpcompile.hardware import Link, get_hardware
+    from rpcompile.passes.lower import lower
+    from rpcompile.passes.schedule import build_schedule
+    from rpcompile.planner.partition import partition
+    from rpcompile.sim import simulate, simulate_roundpipe
+    from rpcompile.workloads.paper import MODELS
+
+    # Host memory that never limits a reduction, and a link without latency: a REDUCE then
+    # takes exactly its ring time, 2 (N-1)/N x bytes / bandwidth. One sync step of 27 layers
+    # of Qwen3-1.7B on 4 workers: 8 gradient stages.
+    hw = replace(get_hardware("rtx4090x8").with_gpus(4), host_mem_gbps=1e6)
+    units = MODELS["qwen3-1.7b"].units(2, 1024)
+    units = units[:29] + units[-1:]
+    plan = partition(units, hw, 4, 5, 2, 1024, 1)
+    link = Link("test", "test link", gbit_per_s=gbit, efficiency=1.0, latency_us=0.0)
+    two = simulate_roundpipe(plan, hw.with_link(link), optimizer="sync", ranks=2)
+    # One server with the same update order (data parallel defers sync updates).
+    sched = build_schedule(plan, 4, 5, kind="roundpipe", optimizer="sync")
+    one = simulate(lower(sched, plan, updates="deferred")[0], plan, hw)
+    return one, two
+
+
+def _ring_ms(a, gbit: float) -> float:
+    return a.bytes * 8 / (gbit * 1e9) * 1e3  # 2 (N-1)/N = 1 for two ranks
+
+
+def test_the_reduction_time_follows_the_link_bandwidth():
+    one, fast = _sim_case(800.0)
+    _, slow = _sim_case(400.0)
+    for run, gbit in ((fast, 800.0), (slow, 400.0)):
+        reds = run.schedule.network
+        assert len(reds) == 8
+        for a in reds:
+            start, end = run.timeline[a]
+            assert end - start == pytest.approx(_ring_ms(a, gbit), rel=1e-6)
+        # The last reduction has nothing left to hide behind: the time data parallel adds
+        # to the step is its ring time, exposed.
+        assert run.makespan_ms - one.makespan_ms == pytest.approx(_ring_ms(reds[-1], gbit),
+                                                                  rel=1e-6)
+    exposed, exposed_slow = fast.makespan_ms - one.makespan_ms, slow.makespan_ms - one.makespan_ms
+    assert exposed > 1.0
+    assert exposed_slow == pytest.approx(2 * exposed, rel=1e-6)
+
+
+def test_a_fast_link_hides_the_reductions_behind_backward_jobs():
+    _, run = _sim_case(400.0)
+    tl = run.timeline
+    last_backward = max(tl[a][1] for lst in run.schedule.actions for a in lst if a.is_compute)
+    reds = run.schedule.network
+    hidden = [a for a in reds if tl[a][1] <= last_backward]
+    # Most stages' reductions end while later backward jobs still compute, each starting as
+    # soon as its stage's gradients are home and the reduction before it is done.
+    assert len(hidden) >= len(reds) // 2
+    previous_end = 0.0
+    for a in reds:
+        acc = next(x for x in run.schedule.host if x.kind == "ACC" and x.stage == a.stage)
+        assert tl[a][0] == pytest.approx(max(tl[acc][1], previous_end))
+        previous_end = tl[a][1]
