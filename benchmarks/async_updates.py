@@ -7,7 +7,9 @@ A step is timed from ``trainer.step`` called to ``trainer.step`` returned, media
 needs after the last step (``trainer.masters()``: every queued update done), spread over the
 timed steps, so that work left running after ``step`` returned is not missed. The simulated
 figure is :func:`rpcompile.sim.steady_step_ms` of a multi-step run on the compile's hardware
-profile; its ratio, not its milliseconds, compares with this CPU.
+profile; its ratio, not its milliseconds, compares with this CPU. Also prints each mode's
+host bytes per trainable parameter (``Trainer.memory_report``, measured from the buffers and
+optimizer state held), where async mode's second gradient buffer shows.
 
     python benchmarks/async_updates.py [--hidden 256] [--layers 4] [--seq 128] [--batch 12]
                                        [--gpus 3] [--microbatches 3] [--steps 8] [--json PATH]
@@ -57,10 +59,14 @@ def main() -> None:
             if i >= 2:  # warm-up
                 times[mode].append(time.perf_counter() - t0)
     settle: dict[str, float] = {}
+    host: dict[str, dict[str, float]] = {}  # host bytes per trainable parameter, by kind
     for mode, trainer in trainers.items():
         t0 = time.perf_counter()
         trainer.masters()
         settle[mode] = time.perf_counter() - t0
+        report = trainer.memory_report()
+        host[mode] = {"total": report.bytes_per_trainable_param,
+                      **{k: v for k, v in report.breakdown().items() if "frozen" not in k}}
         trainer.close()
 
     sim = {}
@@ -80,10 +86,14 @@ def main() -> None:
         "ratio_async_over_sync": step_ms["async"] / step_ms["sync"],
         "simulated_steady_step_ms": sim, "simulated_hardware": compiled.hardware.name,
         "simulated_ratio": sim["async"] / sim["sync"],
+        "host_bytes_per_trainable_param": host,
     }
     for m in modes:
         print(f"{m:6s} step {step_ms[m]:8.1f} ms (median)   {with_settle[m]:8.1f} ms (mean, "
               f"settled)   simulated steady {sim[m]:8.2f} ms ({compiled.hardware.name})")
+    for m in modes:
+        print(f"{m:6s} host bytes per trainable parameter: {host[m]['total']:.2f} ("
+              + ", ".join(f"{k} {v:.2f}" for k, v in host[m].items() if k != "total") + ")")
     print(f"async / sync: measured {result['ratio_async_over_sync']:.3f}, "
           f"simulated {result['simulated_ratio']:.3f}")
     args.json.parent.mkdir(parents=True, exist_ok=True)

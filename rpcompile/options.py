@@ -298,11 +298,19 @@ def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = No
 
 def check_update_order(mode: str, updates: str | None, reasons: Sequence[str],
                        fix: str = "updates='deferred' (or None, which picks it)") -> None:
-    """The one rule of the update order (either mode), checked wherever options meet (the
-    options groups, the Trainer, an Executor given a schedule): an ``overlap`` order runs each
-    stage's update while later backward jobs compute, so it is refused when ``reasons``
+    """The one rule of the update order, checked wherever options meet (the options groups,
+    the Trainer, an Executor given a schedule): a sync ``overlap`` order runs each stage's
+    update while later backward jobs compute, so it is refused when ``reasons``
     (:func:`deferred_reasons`) need the whole step's gradients first; ``fix`` says what to
-    pass instead."""
+    pass instead. Async mode has one order and needs none of this: step k's updates apply
+    step k-1's gradients, checked, unscaled, clipped and reduced at step k-1's end (the
+    lowering refuses ``deferred`` there)."""
+    if mode == "async":
+        if updates == "deferred":
+            raise ValueError(
+                "updates='deferred' is a sync-mode order: async updates apply the previous "
+                "step's gradients, complete before the step starts; leave updates=None")
+        return
     if updates == "overlap" and reasons:
         raise ValueError(
             f"{', '.join(reasons)} must see every gradient of the step before any update, "

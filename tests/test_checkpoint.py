@@ -89,16 +89,15 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
     quiet.close()
 
     busy = make("async")
-    busy.step(data[0])
-    masters_of(busy)  # the first update is done
+    busy.step(data[0])  # its gradients stay pending: step 1's OPTs apply them (no flush here)
     groups = len(busy.trainer().driver.groups)
     original = torch.optim.AdamW.step
     calls, started, met = [], threading.Event(), []
 
     def step(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 1:  # the first group of the second update: hold it until the
-            started.set()    # compile below traces, or waits to trace
+        if len(calls) == 1:  # the first group of step 0's update, in step 1: hold it until
+            started.set()    # the compile below traces, or waits to trace
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
                 if torch.compiler.is_compiling() or tracer_waiting():
@@ -115,8 +114,8 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
     stepping.join(60)
     assert not stepping.is_alive()
     assert met, "the update never overlapped the compile: the test proved nothing"
+    assert len(calls) == groups  # update 0, in step 1 (update 1 is the flush below)
     assert_same_masters(expected, masters_of(busy))
-    assert len(calls) == groups
     busy.close()
     other.close()
 

@@ -32,17 +32,21 @@ reference's order too.
 
 **Steps and failure.** ``run_step`` runs the actions of one schedule step (``step % steps``;
 the trainer builds a schedule whose step count makes the round-robin counter continue across
-steps) and returns when every stream has drained: steps are separated by a barrier, and edges
-from an earlier step count as satisfied (the schedule does not show this barrier; the
-simulator lets steps overlap). ``ACC``, ``OPT`` and ``SHADOW`` are the optimizer driver's
+steps) and returns when every stream has drained: steps run one at a time, which is what the
+schedule's ``barrier`` edges say (``rpcompile.passes.lower.add_step_barrier``: step k+1's
+first actions wait for step k's last host action, which waits for every other stream's last
+action of step k), so the simulator times the same wait, and edges from an earlier step are
+satisfied when a step starts. ``ACC``, ``OPT`` and ``SHADOW`` are the optimizer driver's
 ``accumulate_grad``, ``update`` and ``refresh`` in both modes, run where the schedule puts them
 (``add_optimizer(updates=)``: overlapping the step's later backward jobs, or after its last
 gradient when clipping, loss scaling, skipping non-finite steps or data parallel must see them
-all first, done at the first ``OPT``; in async mode a step's SHADOWs copy the masters before
-its first ``OPT``, so the next step computes one step stale). The driver saves what each update and refresh changes, so
+all first, done at the first ``OPT``; in async mode the step's ``OPT``s come first and apply
+the previous step's gradients, pending since its end, whose check ran there). The driver
+saves what each update and refresh changes, so
 when any item fails, a run-level abort flag makes every other wait give up, every stream
 drains, the workers are recovered and device memory freed, the driver puts the step's updates
-back and discards its gradients, and :class:`StepFailed` is raised naming the worker, stream,
+back and discards its gradients (async: the pending ones stay, for the retry), and
+:class:`StepFailed` is raised naming the worker, stream,
 stage, microbatch, round and action: masters, optimizer state and shadows are as before the
 step, in either mode (an optimizer failure in an ``OPT`` raises as
 :meth:`StepFailed.from_update`). One deadline (``timeout_s``, the watchdog) covers a step's host
@@ -193,6 +197,9 @@ class StepResult:
     # The global L2 norm of the step's gradients over every trainable parameter, before
     # clipping (computed when the executor clips, ``max_grad_norm``; else None).
     grad_norm: float | None = None
+    # Async: this step's OPTs that had no pending gradients to apply (the run's first step,
+    # or the first after a flush) and so changed nothing.
+    idle_updates: tuple[Action, ...] = ()
 
 
 # ============================================================================================
@@ -273,7 +280,10 @@ class _StepPlan:
             if mine:
                 self.queues[q] = mine
         here = {a for lst in self.queues.values() for a in lst}
-        # Edges whose source ran in an earlier step are satisfied by the barrier between steps.
+        # Edges whose source ran in an earlier step are satisfied when this step starts: the
+        # schedule's barrier edges put every action of step k+1 after every action of step k,
+        # and running one step at a time is how the runtime carries them out (a step's last
+        # host action, their hub, waits on its in-step barrier edges like any other).
         self.waits: dict[Action, list[Action]] = {}
         for e in schedule.edges:
             if e.dst in here and e.src in here:
@@ -359,6 +369,7 @@ class _Run:
         self.bad: tuple[tuple[str, int], ...] = ()
         self.skipped = False
         self.grad_norm: float | None = None
+        self.idle_updates: list[Action] = []  # async OPTs with nothing pending (see StepResult)
         self.loss: torch.Tensor | None = None  # the step's loss (data parallel: every rank's)
         self.found = False  # a non-finite gradient on this rank (data parallel: on any rank)
         self.deadline: float | None = None  # time.monotonic() the watchdog fires at
@@ -493,6 +504,10 @@ class Executor:
         # queue is when they run. Clipping, loss scaling and skipping a non-finite step look
         # at all of the step's gradients before any update, so they need the deferred order.
         self.deferred = updates_deferred(schedule)
+        if schedule.optimizer == "async":
+            # Step k's OPTs apply step k-1's gradients, which the commit of step k-1 made
+            # pending (rpcompile.passes.lower._add_async_optimizer).
+            driver.use_pending()
         check_update_order(
             schedule.optimizer, "deferred" if self.deferred else "overlap",
             deferred_reasons(max_grad_norm=max_grad_norm, loss_scale=loss_scaler is not None,
@@ -735,7 +750,8 @@ class Executor:
         self.steps_run += 1
         return StepResult(run.loss, plan.step, time.perf_counter() - start, peaks, left_over,
                           run.timeline, found_nonfinite=run.found, nonfinite_jobs=run.bad,
-                          skipped=run.skipped, grad_norm=run.grad_norm)
+                          skipped=run.skipped, grad_norm=run.grad_norm,
+                          idle_updates=tuple(run.idle_updates))
 
     def _check_grads(self, run: _Run) -> None:
         """Once per step, when every gradient is home and before any update reads one: find
@@ -1195,8 +1211,10 @@ class Executor:
     def _do_OPT(self, run: _Run, a: Action) -> None:
         if self.deferred:
             self._check_grads(run)  # every ACC of the step ran before this first OPT
-        if not run.skipped:
-            self.driver.update(a.stage)  # now, on this thread; undone if the step fails
+        # Now, on this thread; undone if the step fails. (Async: the pending gradients of
+        # the step before, checked at its end; none in a run's first step.)
+        if not run.skipped and not self.driver.update(a.stage):
+            run.idle_updates.append(a)
 
     def _do_SHADOW(self, run: _Run, a: Action) -> None:
         if not run.skipped:

@@ -20,17 +20,18 @@ computed at weights ``w``:
   shadow rewritten) as soon as its gradients are complete, while later backward stages still
   run; step ``k+1`` uses a stage once that stage's groups are updated (:meth:`shadow_event`).
 - ``async``: ``w_{k+1} = U(w_k, g_k(w_{k-1}))`` with ``w_{-1} = w_0``: one step stale, like
-  RoundPipe. Step ``k+1`` computes with the shadow written just before update ``k`` starts
-  (``w_k``); one shadow buffer holds it.
+  RoundPipe. Step ``k+1`` computes with ``w_k``; one shadow buffer holds it.
 
 **The schedule's actions (both modes, what the executor runs).** ``begin_step()``; per job
 ``accumulate_grad(stage, flat)`` (``ACC``); ``update(stage)`` (``OPT``: every group whose
-gradient stages are all done is stepped now, on the caller's thread); ``refresh(stage)``
-(``SHADOW``; in async mode the schedule runs a step's SHADOWs after its last upload and
-before its first OPT, so they copy ``w_k``); ``commit_step()`` when the step completed,
-``discard_step()`` when it failed (both put back or drop the journal below). The lowering
-decides where these run; the driver adds no wait and no order of its own, and its thread is
-never started.
+gradient stages' OPTs of the step have all run is stepped now, on the caller's thread);
+``refresh(stage)`` (``SHADOW``); ``commit_step()`` when the step completed, ``discard_step()``
+when it failed (both put back or drop the journal below). In async mode (``use_pending()``)
+step k's OPTs apply step k-1's gradients, which ``commit_step`` of step k-1 left in the
+store's pending buffer (the two gradient buffers trade places), with step k-1's
+hyperparameters; ``discard_step`` leaves them pending; ``flush()`` applies them between steps
+(the Trainer's, before the masters are read). The lowering decides where these run; the
+driver adds no wait and no order of its own, and its thread is never started.
 
 **The thread contract** (callers without a schedule; the thread starts with its first task):
 
@@ -117,6 +118,7 @@ class _StepState:
     def __init__(self, step: int, groups: int, hyperparams: list[dict[str, Any]]) -> None:
         self.step = step
         self.done_stages: set[int] = set()
+        self.opt_stages: set[int] = set()  # stages whose OPT ran in this step
         self.scheduled = [False] * groups
         self.group_done = [Event(f"update {step} group {g}") for g in range(groups)]
         self.refreshed = Event(f"shadow after update {step - 1}")  # async only
@@ -124,6 +126,15 @@ class _StepState:
         self.journal: _Journal | None = None
         self.applied = 0  # groups whose update completed
         self.failed = False  # the update failed: its queued tasks are dropped
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """Gradients of a completed async step not applied yet (the store's pending buffer), and
+    the hyperparameters of that step, which their update uses."""
+
+    step: int
+    hyperparams: list[dict[str, Any]]
 
 
 class OptimizerDriver:
@@ -170,6 +181,10 @@ class OptimizerDriver:
         self._grad_stages = frozenset().union(
             *(frozenset(s.grad_stages) for s in store.trainable_slots))
         self.step = 0  # the next step to begin, or the open one
+        # Async updates shifted into the next step (use_pending): step k's OPTs apply the
+        # gradients of step k-1, kept in the store's pending buffer until then.
+        self.shifted = False
+        self._pending: _Pending | None = None
         self._open: _StepState | None = None
         self._steps: dict[int, _StepState] = {}
         self._lock = threading.Lock()
@@ -337,25 +352,81 @@ class OptimizerDriver:
         return Event.all_of(state.group_done, f"update {state.step}")
 
     # -- the schedule's host actions (both modes) ------------------------------------------
-    def update(self, stage: int) -> None:
+    def use_pending(self) -> None:
+        """Async mode, as the lowered schedule runs it: step k's OPTs apply step k-1's
+        gradients, held in a second gradient buffer (``HostStore.add_pending``, 4 bytes per
+        trainable parameter) from step k-1's commit until they are applied (a later step's
+        OPTs, or :meth:`flush`). A failed or skipped step leaves them pending."""
+        if self.mode != "async":
+            raise ValueError("pending gradients are async mode's (sync updates apply the "
+                             "step's own gradients)")
+        self.store.add_pending()
+        self.shifted = True
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose gradients are pending (applied by the next step's OPTs), if any."""
+        return None if self._pending is None else self._pending.step
+
+    def flush(self) -> bool:
+        """Apply the pending gradients now (async), with the hyperparameters of the step
+        that computed them, as the next step's OPTs would; the shadow is left as it is (the
+        next step computes with the shadow its predecessor wrote, so the trajectory is the
+        same whether or not a flush came between: the next step's OPTs then find nothing
+        pending). Returns whether there was anything to apply. A failure is undone (the
+        gradients stay pending) and raised as :class:`OptimizerError`."""
+        pending = self._pending
+        if pending is None:
+            return False
+        if self._open is not None:
+            raise RuntimeError(f"flush() inside the open step {self._open.step}")
+        state = _StepState(pending.step, len(self.groups), pending.hyperparams)
+        try:
+            for group in self.groups:
+                self._apply(group, state, refresh=False, hyperparams=pending.hyperparams,
+                            pending=True)
+        except BaseException as exc:
+            if self.rollback:
+                self._undo(state)
+            raise OptimizerError(
+                f"applying the pending gradients of step {pending.step} failed: "
+                f"{type(exc).__name__}: {exc}; " + (
+                    "undone, they stay pending" if self.rollback else
+                    "rollback=False: the masters are half-updated")) from exc
+        self._pending = None
+        return True
+
+    def update(self, stage: int) -> bool:
         """``OPT``: all of this step's gradients from ``stage`` are home; update, now and on the
         calling thread, every group whose gradient stages are all done (async mode: the
         gradients were computed at the shadow's weights, one step stale). What the update
         changes (masters, optimizer state) is saved first and kept until :meth:`commit_step`
         (or put back by :meth:`discard_step`), so an update the schedule runs while later
-        backward jobs still compute leaves the masters as they were if the step fails."""
+        backward jobs still compute leaves the masters as they were if the step fails.
+
+        Async (:meth:`use_pending`): the gradients applied are step k-1's, pending, with
+        that step's hyperparameters; a group is applied at the OPT of its last gradient
+        stage in this step's OPT order. Returns False when nothing was pending (the run's
+        first step, or after a :meth:`flush`): the OPT then changes nothing."""
         state = self._require_open()
         if not self._is_grad_stage(stage):
-            return
+            return False
         with self._lock:
-            state.done_stages.add(stage)
+            state.opt_stages.add(stage)
+            if not self.shifted:
+                state.done_stages.add(stage)
             ready = [g for g in self.groups
-                     if not state.scheduled[g.index] and g.stages <= state.done_stages]
+                     if not state.scheduled[g.index] and g.stages <= state.opt_stages]
             for g in ready:
                 state.scheduled[g.index] = True
+        pending = self._pending
+        if self.shifted and pending is None:
+            return False
+        hyperparams = pending.hyperparams if self.shifted else state.hyperparams
         for group in ready:
             try:
-                self._apply(group, state, refresh=False)
+                self._apply(group, state, refresh=False, hyperparams=hyperparams,
+                            pending=self.shifted)
             except BaseException as exc:
                 state.failed = True
                 error = OptimizerError(f"update {state.step}, group {group.label} failed: "
@@ -364,6 +435,7 @@ class OptimizerDriver:
                 error.label = group.label  # type: ignore[attr-defined]
                 error.rolled_back = self.rollback  # type: ignore[attr-defined]
                 raise error from exc
+        return True
 
     def refresh(self, stage: int) -> None:
         """``SHADOW``: rewrite ``stage``'s shadow (what its UP reads) from the masters, saving
@@ -378,17 +450,22 @@ class OptimizerDriver:
                     journal.shadows[index] = self.store.shadow_of(slot.name).clone()
         self.store.refresh_shadow(stage)
         if self.shadow_gather is not None:
-            self.shadow_gather(stage, set(state.done_stages))
+            self.shadow_gather(stage, set(state.opt_stages))
 
     def commit_step(self) -> Event:
         """End a step whose OPT and SHADOW actions all ran: the saved copies are dropped
-        (the update is kept) and the step counter advances. Returns the (set) update event."""
+        (the update is kept) and the step counter advances; async (:meth:`use_pending`): the
+        step's gradients become the pending ones (the store's two gradient buffers trade
+        places). Returns the (set) update event."""
         state = self._require_open()
-        missing = self._grad_stages - state.done_stages
+        missing = self._grad_stages - state.opt_stages
         if missing:
             raise RuntimeError(f"step {state.step}: the schedule ran no OPT of gradient stages "
                                f"{sorted(missing)}")
         with self._lock:
+            if self.shifted:
+                self.store.swap_pending()
+                self._pending = _Pending(state.step, state.hyperparams)
             state.journal = None
             self._open = None
             self.step += 1
@@ -412,7 +489,7 @@ class OptimizerDriver:
         with self._lock:
             self._open = None
             del self._steps[state.step]
-        if updated and not undone:
+        if updated and state.applied and not undone:
             raise RuntimeError(
                 f"step {state.step} was discarded, but groups {updated} had already been "
                 "updated (eager updates); the masters are not at their pre-step values"
@@ -454,25 +531,31 @@ class OptimizerDriver:
     def _update(self, group: UpdateGroup, state: _StepState) -> None:
         self._apply(group, state, refresh=self.mode == "sync")
 
-    def _apply(self, group: UpdateGroup, state: _StepState, refresh: bool) -> None:
+    def _apply(self, group: UpdateGroup, state: _StepState, refresh: bool,
+               hyperparams: list[dict[str, Any]] | None = None, pending: bool = False) -> None:
+        """Step ``group`` with ``hyperparams`` (default: the state's) from the gradient
+        buffer, or the pending one (which stays as it is until the step commits: a failed
+        step leaves it for the retry)."""
         if self.rollback:
             self._save(state, group.slots, shadows=refresh)
-        self.store.attach_grads(group.slots)
+        self.store.attach_grads(group.slots, pending=pending)
         optimizer = self.optimizer
-        if state.hyperparams:
+        hyperparams = state.hyperparams if hyperparams is None else hyperparams
+        if hyperparams:
             # A shallow twin whose groups carry the step's hyperparameters, sharing params and
             # state: the user's param_groups may be changing under an LR scheduler meanwhile.
             optimizer = object.__new__(type(self.optimizer))
             optimizer.__dict__.update(self.optimizer.__dict__)
             optimizer.param_groups = [
-                {**g, **hp} for g, hp in zip(self.optimizer.param_groups, state.hyperparams)
+                {**g, **hp} for g, hp in zip(self.optimizer.param_groups, hyperparams)
             ]
         # Call the class's step on the twin: an LR scheduler replaces the *instance's* step
         # with a wrapper bound to the original optimizer, which would bypass the twin. Never
         # while a capture traces: torch.optim reads torch's process-global tracing flags.
         with outside_tracing():
             type(self.optimizer).step(optimizer)
-        self.store.zero_grads(group.slots)
+        if not pending:
+            self.store.zero_grads(group.slots)
         state.applied += 1
         if not refresh:
             return  # the schedule's SHADOW actions refresh; commit_step drops the journal
@@ -661,6 +744,9 @@ class OptimizerDriver:
         computes with them (``w_k``), not with the masters (``w_{k+1}``)."""
         if self._open is not None:
             raise RuntimeError("state_dict() inside an open step; call it between steps")
+        if self._pending is not None:
+            raise RuntimeError(f"the gradients of step {self._pending.step} are pending; "
+                               "flush() them first (Trainer.state_dict does)")
         self.wait()
         state: dict[str, Any] = {
             "masters": self.store.state_dict(),
@@ -686,6 +772,7 @@ class OptimizerDriver:
         self.optimizer.load_state_dict(state["optimizer"])
         self.store.load_state_dict(state["masters"])
         self.store.zero_grads()
+        self._pending = None  # a state is saved flushed (state_dict)
         self.step = int(state["step"])
         self._steps.clear()
         if self.step > 0:
