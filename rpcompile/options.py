@@ -40,7 +40,7 @@ __all__ = [
 MODES = ("sync", "async")
 DEVICES = ("auto", "cuda", "virtual")
 KERNELS = ("auto", "torch", "triton")
-UPDATE_ORDERS = ("overlap", "deferred")  # the update orders, either mode (rpcompile.passes.lower)
+UPDATE_ORDERS = ("overlap", "deferred")  # the sync update orders (rpcompile.passes.lower)
 # How backward stages recompute their forward (rpcompile.passes.cost): the planner's choice,
 # whole stages, or layer by layer.
 RECOMPUTE_MODES = ("auto", "stage", "layer")
@@ -135,7 +135,8 @@ class PlanOptions:
     ``chunk_bytes``: the piece size of bulk transfers in the lowered schedule.
     ``schedule_steps``: steps of the lowered schedule the runtime cycles through (``None``:
     the dealing period, the steps the round-robin job counter takes to come back to worker 0).
-    ``updates``: the update order in the schedule (either mode), ``"overlap"`` (each stage's update as
+    ``updates``: the sync update order in the schedule (async has one: ``"deferred"`` is
+    refused there), ``"overlap"`` (each stage's update as
     soon as its gradients are home, while later backward jobs compute) or ``"deferred"``
     (after the step's last gradient); ``None``: deferred when clipping, loss scaling,
     ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap.

@@ -161,11 +161,13 @@ class Trainer:
     :meth:`sync_to_model`, :meth:`state_dict`, :meth:`save_checkpoint` and
     :meth:`load_checkpoint` are collectives: call them on every rank.
 
-    ``updates`` (either mode): ``"overlap"`` runs each stage's update as soon as its gradients
+    ``updates`` (sync mode): ``"overlap"`` runs each stage's update as soon as its gradients
     are home, while later backward jobs compute; ``"deferred"`` runs them after the step's
     last gradient (default: ``"deferred"`` when clipping, loss scaling or ``skip_nonfinite``
-    need the whole step's gradients first, else ``"overlap"``). Either way a failed step
-    changes nothing (docs/runtime.md, "the protocol").
+    need the whole step's gradients first, else ``"overlap"``). Async mode has one order:
+    step k's updates apply step k-1's gradients at its start (``"deferred"`` is refused),
+    and :meth:`flush` applies the last step's. Either way a failed step changes nothing
+    (docs/runtime.md, "the protocol").
     """
 
     def __init__(
