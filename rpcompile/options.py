@@ -267,9 +267,6 @@ class Options:
     train: TrainOptions = TrainOptions()
 
     def __post_init__(self) -> None:
-        if self.train.loss_scale and self.plan.mode != "sync":
-            raise ValueError("loss_scale needs mode='sync' (async updates would read the "
-                             "gradients before they are unscaled)")
         t = self.train
         if t.shard_optimizer and self.plan.mode != "sync":
             raise ValueError("shard_optimizer needs mode='sync': the sharded update and its "

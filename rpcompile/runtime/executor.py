@@ -497,9 +497,8 @@ class Executor:
                  skip_nonfinite: bool = False,
                  loss_scaler: DynamicLossScaler | None = None,
                  max_grad_norm: float | None = None, reducer: Any = None) -> None:
-        if loss_scaler is not None and driver.mode != "sync":
-            raise ValueError("loss scaling needs mode='sync' (an update must not read the "
-                             "gradients before they are unscaled)")
+        # (Loss scaling works in both modes: async updates apply gradients unscaled at the
+        # end of the step that computed them.)
         # Updates (both modes) are the schedule's OPT actions: where they sit in the host
         # queue is when they run. Clipping, loss scaling and skipping a non-finite step look
         # at all of the step's gradients before any update, so they need the deferred order.
