@@ -633,8 +633,8 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
     """Peak host bytes. Static: fp32 masters and Adam moments of the trainable parameters
     (12 bytes each, when unit profiles are known); RoundPipe adds one low-precision shadow
     and one fp32 gradient accumulator per parameter, shared by the stages that read it, in
-    both modes (rpcompile.passes.memory.HostMemory; without unit profiles: each stage's shadow
-    and accumulator); a baseline adds the bf16
+    async mode a second one, the pending gradients (rpcompile.passes.memory.HostMemory; without
+    unit profiles: each stage's shadow and accumulator); a baseline adds the bf16
     weights of frozen parameters. Dynamic: activations between
     their D2H start and the end of the last H2D reading them, and a job's gradients between
     their D2H start and the end of their ACC."""
@@ -646,6 +646,8 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
         static = host_static_bytes(stages, units, sched.optimizer)
     elif sched.stage_workers is None:
         static = sum(s.weight_bytes + s.grad_bytes for s in stages)
+        if sched.optimizer == "async":
+            static += sum(s.grad_bytes for s in stages)
     else:
         static = 0 if units is None else sum(12 * u.trainable_params + 2 * u.frozen_params
                                              for u in units)
