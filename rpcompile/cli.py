@@ -19,8 +19,9 @@ next length (the unit or the worker, action and memory parts at the peak) and th
 that length. Without ``--batch`` it picks the smallest batch (doubling the
 microbatch up to 64 sequences) whose plan gives every worker a job each step; a plan that
 leaves workers idle says so. For
-RoundPipe with the async optimizer it also simulates overlapping steps (two warm-up steps
-and a steady-state window of at least 8 steps, rpcompile.sim.steady_steps) and prints the
+RoundPipe with the async optimizer it also simulates a run of steps (two warm-up steps
+and a steady-state window of at least 8 steps, rpcompile.sim.steady_steps; the steps meet at
+the schedule's barrier, as at run time) and prints the
 steady-state time per step, tokens/s and bubble (summary.json: steady_step_ms,
 steady_tokens_per_s, steady_bubble_pct). ``--nodes N`` (with ``--link eth25|eth100``) also
 predicts N such servers training data parallel: the schedule lowered for N ranks (a REDUCE
@@ -243,7 +244,8 @@ def _plan(args: argparse.Namespace) -> int:
           f"drain {summary['bubble_drain_pct']:.2f}%)")
     run = None
     if args.schedule == "roundpipe" and (args.optimizer == "async" or args.nodes > 1):
-        # A training run overlaps steps: report the steady state too.
+        # A training run of many steps (one at a time, at the schedule's barrier): report
+        # its steady state too.
         from rpcompile.sim import (
             simulate_roundpipe,
             steady_step_ms,

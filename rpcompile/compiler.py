@@ -63,7 +63,7 @@ class Compiled:
     history: list[PassRecord]
     compute_dtype: torch.dtype
     # The lowered Schedule (ir.Schedule) the runtime runs: one dealing period of steps (step k
-    # of a run is schedule step k mod steps), its sync update order set by the training options
+    # of a run is schedule step k mod steps), its update order set by the training options
     # (update_order); the Trainer, the CLI and the benchmarks read this one.
     schedule: Any = None
     # Per worker, the proven device-memory peak of the schedule the runtime runs (every step
@@ -137,7 +137,7 @@ class Compiled:
         """The host optimizer over the fp32 masters (``trainer().optimizer``). Attach an LR
         scheduler to it as to any optimizer and call ``scheduler.step()`` after each
         :meth:`step`: step ``k``'s update uses the learning rate set when step ``k`` began,
-        also in async mode where that update runs during step ``k + 1``."""
+        in both modes (the hyperparameters are read when the step begins)."""
         return self.trainer().optimizer
 
     def evaluate(self, batch: Any, *, masters: dict[str, torch.Tensor] | None = None

@@ -378,10 +378,12 @@ EDGE_KINDS = (
     "grad_slot",  # D2H grad of a worker's previous gradient job -> its next one's first compute
     "accumulated",  # ACC -> OPT
     "reduce_ready",  # ACC of a stage's last round -> its REDUCE (data parallel)
-    "reduced",  # REDUCE -> the step's first OPT (the gradient check reads every gradient)
-    "updated",  # OPT -> SHADOW of every stage sharing its parameters
+    "reduced",  # REDUCE -> the step's first OPT (sync; the gradient check reads every gradient)
+    "updated",  # OPT -> SHADOW of every stage sharing its parameters (sync)
+    "pending",  # async OPT(s, k) -> the first ACC of s in step k (update k-1 reads first)
     "shadow",  # SHADOW -> UP that reads that shadow version
     "shadow_read",  # UP -> SHADOW that overwrites the buffer the UP read (write after read)
+    "barrier",  # step k's ends -> its last host action -> step k+1's starts (one step at a time)
 )
 
 

@@ -135,7 +135,8 @@ class PlanOptions:
     ``chunk_bytes``: the piece size of bulk transfers in the lowered schedule.
     ``schedule_steps``: steps of the lowered schedule the runtime cycles through (``None``:
     the dealing period, the steps the round-robin job counter takes to come back to worker 0).
-    ``updates``: the sync update order in the schedule, ``"overlap"`` (each stage's update as
+    ``updates``: the sync update order in the schedule (async has one: ``"deferred"`` is
+    refused there), ``"overlap"`` (each stage's update as
     soon as its gradients are home, while later backward jobs compute) or ``"deferred"``
     (after the step's last gradient); ``None``: deferred when clipping, loss scaling,
     ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap.
@@ -188,10 +189,11 @@ class PlanOptions:
             raise ValueError(f"shard_optimizer must be True or False, got "
                              f"{self.shard_optimizer!r}")
         if self.shard_optimizer and self.mode != "sync":
-            raise ValueError("shard_optimizer needs mode='sync': an async update runs on the "
-                             "optimizer's thread after its step, outside the schedule's host "
-                             "queue where the ranks' collectives are ordered; use mode='sync', "
-                             "or shard_optimizer=False to keep async updates")
+            raise ValueError("shard_optimizer needs mode='sync': the sharded update and its "
+                             "shadow gathering are built and tested for the sync schedule only "
+                             "(an async step applies the previous step's gradients, which the "
+                             "owner-reduce does not follow); use mode='sync', or "
+                             "shard_optimizer=False to keep async updates")
         if self.link is not None:
             from rpcompile.hardware import get_link
 
@@ -274,9 +276,6 @@ class Options:
     train: TrainOptions = TrainOptions()
 
     def __post_init__(self) -> None:
-        if self.train.loss_scale and self.plan.mode != "sync":
-            raise ValueError("loss_scale needs mode='sync' (async updates would read the "
-                             "gradients before they are unscaled)")
         t = self.train
         # The default process group is known only once the Trainer starts; it checks again.
         check_update_order(self.plan.mode, self.plan.updates, deferred_reasons(
@@ -287,7 +286,7 @@ class Options:
 
 def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = None,
                      skip_nonfinite: bool = False, data_parallel: bool = False) -> list[str]:
-    """What in a sync run must see every gradient of the step before any update, and so
+    """What in a run (either mode) must see every gradient of the step before any update, and so
     needs the ``deferred`` update order: clipping (the global norm), loss scaling (the
     unscale and the overflow check), skipping a non-finite step, and data parallel (an update
     reads the gradients summed over every rank)."""
@@ -301,15 +300,23 @@ def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = No
 
 def check_update_order(mode: str, updates: str | None, reasons: Sequence[str],
                        fix: str = "updates='deferred' (or None, which picks it)") -> None:
-    """The one rule of the sync update order, checked wherever options meet (the options
-    groups, the Trainer, an Executor given a schedule): an ``overlap`` order runs each
-    stage's update while later backward jobs compute, so it is refused when ``reasons``
+    """The one rule of the update order, checked wherever options meet (the options groups,
+    the Trainer, an Executor given a schedule): a sync ``overlap`` order runs each stage's
+    update while later backward jobs compute, so it is refused when ``reasons``
     (:func:`deferred_reasons`) need the whole step's gradients first; ``fix`` says what to
-    pass instead."""
-    if mode == "sync" and updates == "overlap" and reasons:
+    pass instead. Async mode has one order and needs none of this: step k's updates apply
+    step k-1's gradients, checked, unscaled, clipped and reduced at step k-1's end (the
+    lowering refuses ``deferred`` there)."""
+    if mode == "async":
+        if updates == "deferred":
+            raise ValueError(
+                "updates='deferred' is a sync-mode order: async updates apply the previous "
+                "step's gradients, complete before the step starts; leave updates=None")
+        return
+    if updates == "overlap" and reasons:
         raise ValueError(
             f"{', '.join(reasons)} must see every gradient of the step before any update, "
-            "but the 'overlap' sync update order runs each stage's update while later "
+            f"but the 'overlap' update order ({mode} mode) runs each stage's update while later "
             f"backward jobs compute: use {fix}")
 
 

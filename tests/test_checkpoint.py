@@ -78,9 +78,9 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
     """The round trip above used to fail now and then: torch.export sets process-global flags
     (torch.compiler.is_compiling()) that torch.optim reads (AdamW's bias corrections are then
     fp32 tensor math, not Python floats), and the last update of one trainer ran on its
-    optimizer thread while the next model compiled. Here that overlap is forced. (Sync updates
-    now run inside their step, as the schedule's OPT actions; async updates still run on the
-    optimizer thread after their step, so the overlap is forced in async mode.)"""
+    optimizer thread while the next model compiled. Here that overlap is forced. (Updates now
+    run inside their step, as the schedule's OPT actions on the host queue: the overlap is a
+    step running on one thread while a model compiles on another.)"""
     data = [token_batch(6, seed=k) for k in range(2)]
     quiet = make("async")
     for batch in data:
@@ -89,16 +89,15 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
     quiet.close()
 
     busy = make("async")
-    busy.step(data[0])
-    masters_of(busy)  # the first update is done
+    busy.step(data[0])  # its gradients stay pending: step 1's OPTs apply them (no flush here)
     groups = len(busy.trainer().driver.groups)
     original = torch.optim.AdamW.step
     calls, started, met = [], threading.Event(), []
 
     def step(self, *args, **kwargs):
         calls.append(1)
-        if len(calls) == 1:  # the first group of the second update: hold it until the
-            started.set()    # compile below traces, or waits to trace
+        if len(calls) == 1:  # the first group of step 0's update, in step 1: hold it until
+            started.set()    # the compile below traces, or waits to trace
             deadline = time.monotonic() + 20
             while time.monotonic() < deadline:
                 if torch.compiler.is_compiling() or tracer_waiting():
@@ -108,12 +107,15 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
-    busy.step(data[1])  # async: its update runs on the optimizer thread after this returns
+    stepping = threading.Thread(target=busy.step, args=(data[1],))
+    stepping.start()  # its update (an OPT of the step) runs on that thread
     assert started.wait(20)
     other = make()  # captures (torch.export) while the update is held
+    stepping.join(60)
+    assert not stepping.is_alive()
     assert met, "the update never overlapped the compile: the test proved nothing"
+    assert len(calls) == groups  # update 0, in step 1 (update 1 is the flush below)
     assert_same_masters(expected, masters_of(busy))
-    assert len(calls) == groups
     busy.close()
     other.close()
 

@@ -5,6 +5,7 @@ quickly, and leaves the masters at their pre-step values."""
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 
@@ -257,8 +258,16 @@ def _raise_on_call(monkeypatch, program, call: int, error: Exception) -> None:
 
 
 def _snapshot(trainer):
-    state = trainer.state_dict()
-    return {k: v.clone() for k, v in state["masters"].items()}, state["optimizer"]
+    """Copies of the masters and optimizer state as they are, without a flush (async: the
+    pending gradients, and the step they are of, go in as two more entries), so a failed
+    step is held to changing nothing at all, its predecessor's pending gradients included."""
+    store = trainer.store
+    masters = {s.name: store.master_of(s.name).clone() for s in store.trainable_slots}
+    if store.pending is not None:
+        masters["<pending gradients>"] = store.pending.clone()
+        masters["<pending step>"] = torch.tensor(-1 if trainer.driver.pending_step is None
+                                                 else trainer.driver.pending_step)
+    return masters, copy.deepcopy(trainer.optimizer.state_dict())
 
 
 def _assert_same_optimizer_state(a, b):

@@ -75,13 +75,10 @@ def test_optimizer_step_failing_at_each_group_is_undone(qwen3, monkeypatch, mode
 
             with monkeypatch.context() as patch:
                 patch.setattr(torch.optim.AdamW, "step", broken)
-                # Sync: the update is the step's own OPT actions, so the step fails. Async:
-                # it runs after the step returns and fails the next one.
-                if mode == "async":
-                    trainer.step(data[1])
+                # The update is the step's own OPT actions (both modes), so the step fails.
                 start = time.monotonic()
                 with pytest.raises(StepFailed) as info:
-                    trainer.step(data[1] if mode == "sync" else data[2])
+                    trainer.step(data[1])
                 assert time.monotonic() - start < 10
             err = info.value
             assert err.step == 1 and err.stream == "the optimizer update"
@@ -93,25 +90,39 @@ def test_optimizer_step_failing_at_each_group_is_undone(qwen3, monkeypatch, mode
     trainer.close()
 
 
-def test_optimizer_failure_met_by_state_dict_then_close(qwen3, monkeypatch):  # noqa: F811
+def test_async_optimizer_failure_fails_its_own_step_then_close(qwen3, monkeypatch):  # noqa: F811
     data = batches(2, 6)
-    # Async: the failing update runs after step() returned, so state_dict() meets it (a sync
-    # update is the step's own action: the step itself fails, tested above).
+    # Async updates are their step's OPT actions too: the failing update fails the step that
+    # owes it, with the shadow the next step computes with put back (one step stale).
     trainer = Trainer(qwen3, SGD, device="virtual", timeout_s=60, mode="async")
     trainer.step(data[0])
     masters, opt_state = _snapshot(trainer)
+    shadow = trainer.store.shadow.clone()
 
     def broken(self, *args, **kwargs):
         raise RuntimeError("optimizer exploded")
 
     with monkeypatch.context() as patch:
         patch.setattr(torch.optim.SGD, "step", broken)
-        trainer.step(data[1])
-        with pytest.raises(StepFailed, match="optimizer exploded"):
-            trainer.state_dict()
-    _assert_state_is(trainer, masters, opt_state, steps=1)  # state_dict works again
+        with pytest.raises(StepFailed, match="optimizer exploded") as info:
+            trainer.step(data[1])
+    assert info.value.step == 1 and "undone" in str(info.value)
+    assert torch.equal(trainer.store.shadow, shadow)
+    _assert_state_is(trainer, masters, opt_state, steps=1)  # state_dict works too
     trainer.close()
     trainer.close()
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_trainer_starts_no_optimizer_thread(qwen3, mode):  # noqa: F811
+    """Every update is a schedule action on the host queue: the driver's own thread (for
+    callers without a schedule) is never started, so no thread runs work the schedule does
+    not show."""
+    with Trainer(qwen3, SGD, device="virtual", timeout_s=60, mode=mode) as trainer:
+        for batch in batches(2, 6):
+            trainer.step(batch)
+        trainer.state_dict()
+        assert trainer.driver._thread.ident is None
 
 
 def test_raising_error_listener_does_not_kill_the_streams(qwen3, monkeypatch):  # noqa: F811
@@ -364,38 +375,3 @@ def test_a_failed_step_leaves_the_loss_scaler_as_before(qwen3, monkeypatch, wher
         assert all(torch.equal(a, b) for a, b in zip(losses, want_losses))
         assert trainer.loss_scaler.state_dict() == want_scaler
         _assert_state_is(trainer, want_masters, want_opt, steps=3)
-
-
-def test_an_exception_escaping_the_optimizer_threads_loop_fails_only_that_update(qwen3, monkeypatch):  # noqa: F811
-    """The optimizer thread, like the stream threads, survives an exception raised outside
-    the update itself (here: in announcing the finished update, after the masters changed):
-    the update is undone and raised once by the next step; the thread serves on. Async mode:
-    its updates run on the optimizer thread after their step (sync updates are the schedule's
-    OPT actions, run on the host queue)."""
-    from rpcompile.runtime.workers import Event
-
-    data = batches(3, 6)
-    with Trainer(qwen3, ADAMW, device="virtual", mode="async", timeout_s=60) as trainer:
-        trainer.step(data[0])
-        masters, opt_state = _snapshot(trainer)
-        thread = trainer.driver._thread
-        original = Event.set
-        fired = []
-
-        def set_(self):
-            if threading.current_thread() is thread and not fired:
-                fired.append(1)
-                raise ThreadKilled  # a BaseException, in the thread's loop (not in the update)
-            return original(self)
-
-        with monkeypatch.context() as patch:
-            patch.setattr(Event, "set", set_)
-            trainer.step(data[1])  # its update runs after it returns, then fails to announce
-            start = time.monotonic()
-            with pytest.raises(StepFailed, match="ThreadKilled") as info:
-                trainer.step(data[2])
-            assert time.monotonic() - start < 10
-        assert fired and thread.is_alive()
-        assert info.value.step == 1 and "undone" in str(info.value)
-        _assert_state_is(trainer, masters, opt_state, steps=1)
-        _assert_continues_like(trainer, qwen3, data, ADAMW, "async", upto=1)

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 
 from rpcompile.ir import Action, Edge, Plan, Schedule, ScheduleError, Stage, UnitProfile
 from rpcompile.passes.lower import (
+    LOWERING_PASSES,
     add_activation_transfers,
     add_events,
     add_gradient_downloads,
@@ -28,6 +29,7 @@ from rpcompile.passes.lower import (
 from rpcompile.passes.manager import PassManager
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.passes.validate import validate
+from rpcompile.sim import simulate
 from tests.test_ir_schedule import make_plan, pipeline_stages
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -118,14 +120,18 @@ def test_golden_roundpipe_lowered_sync() -> None:
       -> SHADOW s1 (3..4), s2 (5..6), s4; after OPT s5 (0..2) -> SHADOW s0, s5. Each step-1 UP
       waits ``shadow`` on its stage's step-0 SHADOW; each SHADOW waits ``shadow_read`` on the
       UP of the same step that read the buffer it overwrites.
+    * barrier: step 0's last host action (SHADOW s5) waits for the last compute-stream action
+      of each worker (its EVICT) and for each transfer without a successor in step 0; every
+      worker's first step-1 action and every step-1 transfer without a predecessor in step 1
+      wait for it.
     * events: edges within the compute or host queue are gone (OPT follows ACC by queue
       order), as are edges implied by another edge from the same transfer, or into the same
       transfer from later on an ordered stream.
     """
     plan = make_plan()
     sched, history = lower(build_schedule(plan, 4, 2, steps=2, optimizer="sync"), plan)
-    assert [h.name for h in history] == ["upload", "transfers", "grads", "optimizer", "events"]
-    assert sched.passes == ("upload", "transfers", "grads", "optimizer", "events")
+    passes = ("upload", "transfers", "grads", "optimizer", "barrier", "events")
+    assert tuple(h.name for h in history) == sched.passes == passes
     check_golden(sched, "roundpipe_w4_s6_m2_k2_sync_lowered.csv")
 
 
@@ -239,23 +245,38 @@ def test_optimizer_sync_waits_only_for_own_stage() -> None:
 
 
 def test_optimizer_async_is_one_step_stale() -> None:
+    """Async: step k's OPTs apply step k-1's gradients at the start of step k's host queue,
+    and step k+1 reads the shadow step k's SHADOWs wrote from those masters."""
     sched = _lowered("async")
     hb = happens_before(sched)
     shadow = {(a.stage, a.step): a for a in sched.host if a.kind == "SHADOW"}
     opt = {(a.stage, a.step): a for a in sched.host if a.kind == "OPT"}
-    for a in sched.all_actions():
-        if a.kind != "UP":
-            continue
-        if a.step >= 2:
-            assert a in hb[shadow[(a.stage, a.step - 2)]]
-        if a.step >= 1:  # step k never waits for step k-1's update of its stage
-            assert a not in hb[shadow[(a.stage, a.step - 1)]]
-    # so step 1's first forward may run while step 0's optimizer is still working
+    accs = [a for a in sched.host if a.kind == "ACC"]
+    assert sorted(shadow) == [(s, k) for s in range(6) for k in range(3)]
+    ups = [a for a in sched.all_actions() if a.kind == "UP"]
+    for up in ups:
+        if up.step >= 1:  # one shadow buffer: step k reads what step k-1's SHADOW copied
+            assert up in hb[shadow[(up.stage, up.step - 1)]]
+        for (x, k), sh in shadow.items():  # a shared copy is rewritten after every read
+            if k == up.step and x in _overlapping(sched, up.stage):
+                assert sh in hb[up]
+    for (_, k), sh in shadow.items():  # ... from the masters after the step's updates
+        assert all(sh in hb[o] for (_, ko), o in opt.items() if ko == k)
+    for (s, k), o in opt.items():
+        # update k-1: after every gradient of step k-1, before any of step k arrives
+        assert all(o in hb[a] for a in accs if (a.stage, a.step) == (s, k - 1))
+        assert all(a in hb[o] for a in accs if (a.stage, a.step) == (s, k))
+    # so step 1's update runs while step 1's first forward computes
     f1 = next(a for a in sched.all_actions() if a.kind == "F" and (a.stage, a.microbatch,
                                                                     a.round, a.step) == (0, 0, 0, 1))
-    assert f1 not in hb[opt[(5, 0)]]
+    assert all(f1 not in hb[o] and o not in hb[f1] for (_, k), o in opt.items() if k == 1)
     sync_dry, async_dry = _lowered("sync").dry_run(), sched.dry_run()
     assert max(async_dry.steps.values()) < max(sync_dry.steps.values())
+
+
+def _overlapping(sched: Schedule, stage: int) -> set[int]:
+    u0, u1 = sched.stage_units[stage]
+    return {x for x, (a, b) in enumerate(sched.stage_units) if a <= u1 and u0 <= b}
 
 
 def test_events_pass_keeps_the_order_and_drops_redundant_edges() -> None:
@@ -421,7 +442,12 @@ def test_any_plan_lowers_to_a_valid_schedule(plan, workers, microbatches, rounds
                                              optimizer) -> None:
     sched = build_schedule(plan, workers, microbatches, rounds, steps, optimizer=optimizer)
     low, history = lower(sched, plan)  # validates the input and after every pass
-    assert len(history) == 5
+    assert tuple(h.name for h in history) == LOWERING_PASSES
+    # the barrier: the simulator starts no action of a step before the last one ended
+    timeline = simulate(low, plan, "rtx4090x8").timeline
+    for k in range(1, steps):
+        assert min(b for a, (b, _) in timeline.items() if a.step == k) >= max(
+            e for a, (_, e) in timeline.items() if a.step == k - 1)
     computes = [a for a in low.all_actions() if a.is_compute]
     assert len(computes) == len(plan.stages) * microbatches * rounds * steps
     # a flow's value is brought in (H2D) exactly when it comes from the host or from another

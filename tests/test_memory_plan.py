@@ -149,9 +149,10 @@ def test_format_bytes():
 
 def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
     # Qwen3-1.7B on 4 GPUs: with plenty of memory the fastest plan's schedule peaks above
-    # 8.9 GiB on every worker although each of its stages alone is below 8.8 GiB. With 8.86 GiB
+    # 7.2 GiB on a worker although each of its stages alone is below 6.9 GiB. With 7.2 GiB
     # usable the planner picks a plan whose whole schedule fits, as its recorded peaks say,
-    # and the simulated async run stays under them.
+    # and the simulated async run stays under them. (The limit was 8.86 GiB, every worker
+    # above it, until the simulator timed the step barrier and the fastest plan changed.)
     from rpcompile.planner.partition import partition
     from rpcompile.sim import steady_steps
     from rpcompile.workloads.paper import MODELS
@@ -160,9 +161,9 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
     options = dict(shortlist=50, search=50, refine=2)
     roomy = replace(get_hardware("rtx4090x8"), memory_gib=24.0).with_gpus(4)
     free = partition(units, roomy, 4, 8, 4, 2048, **options)
-    hw = replace(roomy, memory_gib=10.36)  # 8.86 GiB usable
+    hw = replace(roomy, memory_gib=8.7)  # 7.2 GiB usable
     assert max(st.peak_bytes for st in free.stages) <= hw.usable_memory_bytes
-    assert min(free.worker_peak_bytes) > hw.usable_memory_bytes
+    assert max(free.worker_peak_bytes) > hw.usable_memory_bytes
     plan = partition(units, hw, 4, 8, 4, 2048, **options)
     assert len(plan.worker_peak_bytes) == 4
     assert max(plan.worker_peak_bytes) <= hw.usable_memory_bytes

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -284,6 +285,52 @@ def test_optimizer_thread_error_surfaces_with_context():
     assert isinstance(info.value.__cause__, FloatingPointError)
     with pytest.raises(OptimizerError):
         driver.begin_step()
+    driver.close()
+
+
+class _ThreadKilled(BaseException):
+    pass
+
+
+def test_an_exception_escaping_the_optimizer_threads_loop_fails_only_that_update(monkeypatch):
+    """The thread protocol's optimizer thread survives an exception raised outside the
+    update itself (here: in announcing the finished update, after the masters changed): the
+    update is undone and raised once; the thread serves on. (A Trainer never starts this
+    thread: its updates are the schedule's OPT actions, tests/test_faults.py.)"""
+    from rpcompile.runtime.workers import Event
+
+    model = _model()
+    store = _roundpipe_store(model)
+    driver = OptimizerDriver(store, lambda p: torch.optim.AdamW(p, lr=1e-2), mode="async")
+    batches = _batches(3)
+    _driver_step(driver, model, [batches[0]])
+    driver.wait(timeout=10)
+    masters, shadow = store.master.clone(), store.shadow.clone()
+    state = copy.deepcopy(driver.optimizer.state_dict())
+    thread = driver._thread
+    original = Event.set
+    fired = []
+
+    def set_(self):
+        if threading.current_thread() is thread and self.name.startswith("update") \
+                and not fired:
+            fired.append(1)
+            raise _ThreadKilled  # a BaseException, in the thread's loop (not in the update)
+        return original(self)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Event, "set", set_)
+        _driver_step(driver, model, [batches[1]])
+        with pytest.raises(OptimizerError, match="_ThreadKilled") as info:
+            driver.wait(timeout=10)
+    assert fired and thread.is_alive()
+    assert info.value.step == 1 and info.value.rolled_back
+    assert driver.step == 1
+    assert torch.equal(store.master, masters) and torch.equal(store.shadow, shadow)
+    assert str(driver.optimizer.state_dict()) == str(state)
+    _driver_step(driver, model, [batches[1]])  # the thread serves on
+    driver.wait(timeout=10)
+    assert driver.step == 2 and not torch.equal(store.master, masters)
     driver.close()
 
 

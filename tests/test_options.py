@@ -101,7 +101,8 @@ def test_an_option_given_twice_is_refused():
         (dict(units="model.layers"), "units must be a list of module names"),
         (dict(chunk_bytes=0), "chunk_bytes must be a positive integer"),
         (dict(hardware=3), "hardware must be a profile name"),
-        (dict(loss_scale=True, mode="async"), "loss_scale needs mode='sync'"),
+        (dict(loss_scale=True, mode="async", updates="deferred"),
+         "'deferred' is a sync-mode order"),
         (dict(compute_dtype="bf16"), "compute_dtype must be a torch.dtype"),
     ],
 )

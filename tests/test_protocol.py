@@ -4,9 +4,13 @@ A step on virtual workers is logged action by action by wrapping every kind's ru
 implementation (with the test's own clock, not the executor's timeline), and the log is held
 against the schedule: every action of the step ran exactly once, none that the schedule lacks,
 each started after every action its edges name had finished, ordered streams in list order;
-and in sync mode the order of OPT against the step's later backward jobs is the one the
+in sync mode the order of OPT against the step's later backward jobs is the one the
 simulator's replay of the same schedule has (overlapping them by default, after the step's
-last gradient when the schedule defers updates).
+last gradient when the schedule defers updates). Masters change only inside OPT, shadows only
+inside SHADOW, which leaves them equal to the masters cast; in async mode the step's OPTs
+(the previous step's gradients) run first, before their stages' ACCs, and the SHADOWs after
+them. Two consecutive steps meet at the schedule's barrier edges in the simulator and at run
+time.
 """
 
 from __future__ import annotations
@@ -71,7 +75,11 @@ def _logged_step(trainer, batch, monkeypatch, slow_stage):
     trainer.step(batch)
     monkeypatch.undo()
     moved = {n for n in names if not torch.equal(masters[n], store.master_of(n))}
-    return step, log, changed, stale, moved
+    # What the next step computes with: sync, this step's update; async, the masters as they
+    # were before it (one step stale).
+    stale_by_one = {n for n in names if not torch.equal(
+        store.shadow_of(n), masters[n].to(store.compute_dtype))}
+    return step, log, changed, stale, moved, stale_by_one
 
 
 def _order_of_opts(timeline, opts, backward):
@@ -81,16 +89,21 @@ def _order_of_opts(timeline, opts, backward):
     return {o: timeline[o][0] < last for o in opts}
 
 
-@pytest.mark.parametrize("updates", ["overlap", "deferred"])
-def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, updates):  # noqa: F811
-    options = {} if updates == "overlap" else {"max_grad_norm": 1e9}  # clipping defers
-    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, **options) as trainer:
+@pytest.mark.parametrize("mode,updates", [("sync", "overlap"), ("sync", "deferred"),
+                                          ("async", "overlap"), ("async", "clip")])
+def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  # noqa: F811
+    # Clipping defers sync updates; async has one order (the previous step's gradients,
+    # clipped at that step's end, applied at the start of this one).
+    options = {} if updates == "overlap" else {"max_grad_norm": 1e9}
+    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, mode=mode,
+                 **options) as trainer:
         sched = trainer.schedule
+        assert sched.optimizer == mode
         assert updates_deferred(sched) == (updates == "deferred")
         slow_stage = len(sched.stage_names) - 1
         trainer.step(batches(1, 6)[0])  # step 0: warm-up (its own schedule step)
-        step, log, changed, stale, moved = _logged_step(trainer, batches(2, 6)[1],
-                                                        monkeypatch, slow_stage)
+        step, log, changed, stale, moved, behind = _logged_step(trainer, batches(2, 6)[1],
+                                                                monkeypatch, slow_stage)
 
     ran = [a for a, _, _ in log]
     expected = [a for a in sched.all_actions() if a.step == step]
@@ -116,17 +129,30 @@ def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, updates):  # noqa:
     by_shadow = set().union(*(changed[a] for a in ran if a.kind == "SHADOW"))
     assert moved and by_opt == moved and by_shadow == moved
     assert not any(stale.values()), f"a SHADOW left stale shadows: {stale}"
+    # The next step computes with this step's OPTs' masters (sync: this step's gradients;
+    # async: the previous step's, one step stale).
+    assert behind == moved, "the next step does not compute with this step's update"
+    if mode == "async":
+        # The host queue (ordered) starts with the OPTs: each applied the pending gradients
+        # of its stage before the stage's first ACC of this step arrived, and every SHADOW
+        # came after every OPT.
+        for o in (a for a in ran if a.kind == "OPT"):
+            first_acc = min(measured[a][0] for a in ran if a.kind == "ACC" and
+                            a.stage == o.stage)
+            assert measured[o][1] <= first_acc
+        assert max(measured[a][1] for a in ran if a.kind == "OPT") <= min(
+            measured[a][0] for a in ran if a.kind == "SHADOW")
+        return
 
-    # The OPT order against later backward jobs: measured == simulated.
-    simulated = simulate(sched, qwen3.plan, qwen3.hardware).timeline
     opts = [a for a in expected if a.kind == "OPT"]
     backward = [a for a in expected if a.kind in ("T", "B")]
     # Make the simulated later backward jobs long too, as the test made them at run time,
     # by comparing against the slow stage's computes only.
     late = [c for c in backward if c.stage == slow_stage]
-    sim_order = _order_of_opts(simulated, opts, late)
     run_order = _order_of_opts(measured, opts, late)
-    assert run_order == sim_order
+    # The OPT order against later backward jobs: measured == simulated.
+    simulated = simulate(sched, qwen3.plan, qwen3.hardware).timeline
+    assert run_order == _order_of_opts(simulated, opts, late)
     first = min(opts, key=lambda o: measured[o][0])
     if updates == "overlap":
         assert run_order[first], "the first update waited for the whole backward"
@@ -155,3 +181,88 @@ def test_an_overlapping_order_is_refused_by_one_rule_wherever_options_meet(qwen3
                                              r"gradient.*lowered with updates='deferred'"):
             Executor(qwen3, trainer.workers, trainer.schedule, trainer.store, trainer.driver,
                      max_grad_norm=1.0, skip_nonfinite=True)
+
+
+def _steps_overlap(timeline) -> list[int]:
+    """Steps k >= 1 that start an action before every action of step k-1 has ended."""
+    ends: dict[int, float] = {}
+    starts: dict[int, float] = {}
+    for a, (begin, end) in timeline.items():
+        ends[a.step] = max(ends.get(a.step, begin), end)
+        starts[a.step] = min(starts.get(a.step, begin), begin)
+    return [k for k in sorted(starts) if k - 1 in ends and starts[k] < ends[k - 1]]
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_steps_meet_at_the_schedules_barrier_in_both_interpreters(qwen3, monkeypatch,  # noqa: F811
+                                                                 mode):
+    """The runtime runs one step at a time; the lowering's ``barrier`` edges say so, so the
+    simulator (which times edges and stream order only) starts no action of step k+1 before
+    every action of step k ended, and the runtime's measured timeline of two consecutive steps
+    holds every barrier edge. Without the pass, the simulator overlaps the steps (the wait it
+    did not see)."""
+    from rpcompile.passes.lower import lower
+    from rpcompile.passes.schedule import build_schedule
+
+    plan = qwen3.plan
+    compute = build_schedule(plan, workers=qwen3.workers, microbatches=qwen3.microbatches,
+                             steps=4, kind="roundpipe", optimizer=mode)
+    barrier, _ = lower(compute, plan)
+    assert any(e.kind == "barrier" for e in barrier.edges)
+    assert _steps_overlap(simulate(barrier, plan, qwen3.hardware).timeline) == []
+    unbarred, _ = lower(compute, plan, passes=("upload", "transfers", "grads", "optimizer",
+                                                 "events"))
+    assert _steps_overlap(simulate(unbarred, plan, qwen3.hardware).timeline), (
+        "without the barrier edges the simulated steps never overlap: this test shows nothing")
+
+    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, mode=mode,
+                 schedule_steps=2) as trainer:
+        sched = trainer.schedule
+        assert sched.steps == 2 and "barrier" in sched.passes
+        data = batches(2, 6)
+        _, first, *_ = _logged_step(trainer, data[0], monkeypatch, None)
+        _, second, *_ = _logged_step(trainer, data[1], monkeypatch, None)
+    measured = {a: (b, e) for a, b, e in first + second}
+    assert len(measured) == len(first) + len(second) == len(list(sched.all_actions()))
+    crossing = [e for e in sched.edges if e.kind == "barrier" and e.src.step != e.dst.step]
+    assert crossing
+    for e in crossing:
+        assert measured[e.src][1] <= measured[e.dst][0], f"barrier edge broken: {e}"
+    assert _steps_overlap(measured) == []
+
+
+def test_async_updates_run_in_the_next_step_and_a_flush_changes_nothing(qwen3):  # noqa: F811
+    """Async: a run's first step has nothing pending (its OPTs do nothing, and say so), each
+    later step's OPTs apply the step before's gradients, and the last step's wait for a
+    flush. Flushing after every step (reading the masters, with the learning rate already
+    changed for the next step) gives the same losses and masters, bit for bit, as flushing
+    only at the end: a flush writes masters and optimizer state with the pending step's
+    hyperparameters, and the next step computes with the shadow written before it."""
+    data = batches(4, 6)
+
+    def run(flush_each_step):
+        with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, mode="async") as trainer:
+            losses, idle = [], []
+            for k, batch in enumerate(data):
+                trainer.optimizer.param_groups[0]["lr"] = 1e-2 / (k + 1)
+                losses.append(trainer.step(batch))
+                idle.append(trainer.last.idle_updates)
+                assert trainer.driver.pending_step == k
+                if flush_each_step:
+                    trainer.optimizer.param_groups[0]["lr"] = 123.0  # the next step's, not k's
+                    assert trainer.flush() and trainer.driver.pending_step is None
+                    assert not trainer.flush()
+            masters = {n: v.clone() for n, v in trainer.masters().items()}
+            assert trainer.driver.pending_step is None
+            opts = [a for a in trainer.schedule.host if a.kind == "OPT" and a.step == 0]
+        return losses, idle, masters, opts
+
+    losses, idle, masters, opts = run(flush_each_step=False)
+    assert set(idle[0]) == set(opts) and opts  # nothing pending in the first step
+    assert all(not i for i in idle[1:])
+    flushed_losses, flushed_idle, flushed, _ = run(flush_each_step=True)
+    # After a flush each step's OPTs find nothing pending (schedule step k mod steps).
+    assert all(len(i) == len(opts) for i in flushed_idle)
+    assert [float(x) for x in flushed_losses] == [float(x) for x in losses]
+    for name, value in masters.items():
+        assert torch.equal(flushed[name], value), name

@@ -61,15 +61,24 @@ def test_two_ranks_lower_one_reduce_per_gradient_stage_and_the_check_waits(mode)
             for acc, red in zip(accs, reds):
                 assert any(e.src == acc and e.dst == red and e.kind == "reduce_ready"
                            for e in sched.edges)
-            # The step's gradient check (its first OPT) waits for the last REDUCE, and the
-            # network lane is ordered, so for every one of them; every OPT is after it.
             first = _first_opts(sched)[k]
-            assert any(e.src == reds[-1] and e.dst == first and e.kind == "reduced"
-                       for e in sched.edges)
             host = list(sched.host)
-            assert all(host.index(o) >= host.index(first) for o in host
-                       if o.kind == "OPT" and o.step == k)
-            assert host.index(first) > max(host.index(a) for a in accs)
+            if mode == "sync":
+                # The step's gradient check (its first OPT) waits for the last REDUCE, and
+                # the network lane is ordered, so for every one of them; every OPT is after.
+                assert any(e.src == reds[-1] and e.dst == first and e.kind == "reduced"
+                           for e in sched.edges)
+                assert all(host.index(o) >= host.index(first) for o in host
+                           if o.kind == "OPT" and o.step == k)
+                assert host.index(first) > max(host.index(a) for a in accs)
+            else:
+                # Step k's OPTs apply step k-1's reduced gradients (checked at its end): they
+                # lead the step's host queue, and step k+1 starts after the step's last
+                # REDUCE (a barrier edge from it: to the step's last host action, the hub,
+                # or, when that ACC is the REDUCE's own source, to step k+1's starts).
+                assert host.index(first) < min(host.index(a) for a in accs)
+                assert k == sched.steps - 1 or any(
+                    e.src == reds[-1] and e.kind == "barrier" for e in sched.edges)
             # Every parameter reduced once: the bytes add up to the model's fp32 gradients,
             # and the tied embedding waits for the last of its two stages.
             assert sum(r.bytes for r in reds) == 4 * sum(p.numel() for p in trainable.values())

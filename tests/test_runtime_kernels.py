@@ -151,5 +151,34 @@ def test_loss_scaling_trains_like_reference_and_backs_off(tiny):
         assert trainer.last.skipped and trainer.loss_scaler.scale == 2.0**10
         assert all(torch.equal(trainer.masters()[n], masters[n]) for n in masters)
         assert trainer.steps_done == 2
-    with pytest.raises(ValueError, match="needs mode='sync'"):
-        Trainer(tiny, ADAMW, device="virtual", mode="async", loss_scale=True)
+
+
+def test_async_loss_scaling_trains_like_the_stale_reference_and_skips(tiny):
+    """Async: step k's gradients are unscaled (and checked) at step k's end and applied in
+    step k+1; an overflowing step is discarded, its predecessor's gradients stay pending."""
+    from rpcompile.runtime.loss_scale import LossScaleConfig
+
+    data = batches(4)
+    ref_losses, ref_params = reference_training(tiny, data[:2], ADAMW, mode="async")
+    config = LossScaleConfig(init_scale=2.0**10, growth_interval=2)
+    with Trainer(tiny, ADAMW, device="virtual", mode="async", loss_scale=config,
+                 chaos=5) as trainer:
+        losses = [trainer.step(b) for b in data[:2]]
+        assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
+        assert trainer.loss_scaler.scale == 2.0**11  # two clean steps: grown once
+        pending = trainer.store.pending.clone()
+        unflushed = {s.name: trainer.store.master_of(s.name).clone()
+                     for s in trainer.store.trainable_slots}
+        name = next(n for n in unflushed if n.endswith("model.norm.weight"))
+        shadow = trainer.store.shadow_of(name).clone()
+        trainer.store.shadow_of(name).fill_(math.inf)
+        trainer.step(data[2])
+        assert trainer.last.skipped and trainer.loss_scaler.scale == 2.0**10
+        assert trainer.steps_done == 2 and trainer.driver.pending_step == 1
+        assert torch.equal(trainer.store.pending, pending)  # step 1's gradients kept
+        assert all(torch.equal(trainer.store.master_of(n), v) for n, v in unflushed.items())
+        masters = trainer.masters()  # the flush applies step 1's gradients
+        assert all(torch.equal(masters[n], p) for n, p in ref_params.items())
+        trainer.store.shadow_of(name).copy_(shadow)
+        trainer.step(data[3])
+        assert not trainer.last.skipped

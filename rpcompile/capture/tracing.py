@@ -5,8 +5,9 @@
 per-thread, and ``torch.optim`` reads them: under them AdamW's ``_get_value`` keeps the step
 count a tensor, so its bias corrections are computed in fp32 tensor math instead of Python
 floats, and the update differs from an eager one in the last bits. A trainer's updates run on
-its own optimizer thread, so without a guard a ``compile()`` in the main thread (of another
-model, while the last update of this one is still running) silently changed the masters.
+the thread that runs its step (the schedule's OPT actions; or the driver's own thread, for
+callers without a schedule), so without a guard a ``compile()`` in another thread (of another
+model, while an update of this one is running) silently changed the masters.
 
 The guard is a readers-writer lock: rpcompile's capture traces inside :func:`tracing`
 (exclusive: it waits until no update is inside the user's ``optimizer.step()``, and updates

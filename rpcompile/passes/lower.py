@@ -15,6 +15,8 @@ Each pass takes a Schedule and returns a new one, adds one concern, stamps its n
   4b. reduce    - data parallel over more than one rank only: a REDUCE on the host's network
                   lane after each stage's last ACC of the step, and the step's updates after
                   all of them
+  4c. barrier   - edges that end each step before the next one starts: the runtime runs one
+                  step at a time, and the simulator times the same wait from these edges
   5. events     - drop edges already implied by stream order or by another edge, so that what
                   remains is the set of events a runtime records and waits on
 
@@ -23,6 +25,7 @@ docs/schedule.md describes the action kinds and edges each pass adds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -47,6 +50,7 @@ __all__ = [
     "add_gradient_downloads",
     "add_optimizer",
     "add_reductions",
+    "add_step_barrier",
     "add_weight_uploads",
     "gradient_groups",
     "lower",
@@ -54,9 +58,10 @@ __all__ = [
     "updates_deferred",
 ]
 
-LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "events")
+LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "barrier", "events")
 # Data parallel over more than one rank adds the cross-rank reduction (pass 4b).
-DATA_PARALLEL_PASSES = ("upload", "transfers", "grads", "optimizer", "reduce", "events")
+DATA_PARALLEL_PASSES = ("upload", "transfers", "grads", "optimizer", "reduce", "barrier",
+                        "events")
 GRAD_BYTES = 4  # the host's gradients are fp32 (what ACC sums and REDUCE moves)
 # The waits that bound what a worker holds in flight (rpcompile.passes.memory): "window" and
 # "sent" (pass 2), "grad_slot" (pass 3). A plan lists the ones its lowering adds
@@ -325,31 +330,44 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
 
 def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                   updates: str = "overlap") -> Schedule:
-    """OPT per stage with gradients, SHADOW per stage whose parameters changed, and their edges.
+    """OPT per stage with gradients, SHADOW per stage whose parameters change, and their edges.
 
-    ``updates`` (sync mode) is when a step's updates run, the one decision the runtime and
-    the simulator both read from the host queue's order: ``overlap`` (default) puts OPT(s, k)
-    right after the last round's ACC of s, so it runs while later backward jobs compute (the
-    runtime saves what each update changes and puts it back if the step fails);
-    ``deferred`` puts every OPT and SHADOW of step k after step k's last ACC, so no update
-    reads a gradient before the whole step's gradients are home (needed by clipping, loss
-    scaling and skipping non-finite steps, which look at all of them first).
+    SHADOW(x, k) rewrites stage x's part of the host's low-precision shadow (what UP reads)
+    from the masters; a forward stage shares parameters with the backward stages overlapping
+    its units. The host keeps ONE shadow, every parameter once (stages sharing a parameter, a
+    tied weight included, read the same copy), in both modes, and UP(x, k) waits (``shadow``)
+    for SHADOW(x, k-1). OPT(s, k) runs the update of every parameter whose gradient stages'
+    OPTs of step k have then all run. The two modes:
 
-    OPT(s, k) follows the last round's ACC of s (``accumulated``). A stage's shadow (the flat
-    low-precision buffer UP reads) is rewritten once every OPT over parameters it holds is done
-    (``updated``): a forward stage shares parameters with the backward stages overlapping its
-    units. UP of stage x in step k waits (``shadow``) for SHADOW(x, k-1) in sync mode, SHADOW(x,
-    k-2) in async mode (step k computes with weights one step stale, so step k-1's update
-    overlaps step k's compute; the host keeps two shadow buffers, alternating by step parity).
-    SHADOW(x, k) overwrites the buffer step k's uploads read, so it waits for them
-    (``shadow_read``).
+    - ``sync``: OPT(s, k) applies step k's gradients and follows the last round's ACC of s
+      (``accumulated``); SHADOW(x, k) once every OPT over parameters x holds is done
+      (``updated``): step k+1 computes with the masters step k's update wrote. SHADOW(x, k)
+      waits for step k's uploads of x (``shadow_read``). ``updates`` is when a step's updates
+      run: ``overlap`` (default) puts OPT(s, k) right after the last round's ACC of s, so it
+      runs while later backward jobs compute (the runtime saves what each update changes and
+      puts it back if the step fails); ``deferred`` puts every OPT and SHADOW of step k after
+      step k's last ACC, so no update reads a gradient before the whole step's gradients are
+      home (needed by clipping, loss scaling, skipping non-finite steps and data parallel).
+    - ``async`` (:func:`_add_async_optimizer`): OPT(s, k) applies step k-1's gradients,
+      which the host holds pending since step k-1 ended, at the start of step k's host queue;
+      step k's gradients are applied in step k+1. ``updates`` must be ``overlap`` (the
+      default): the pending gradients are complete before the step starts, so there is no
+      order to choose.
     """
     _require_roundpipe(sched, "optimizer")
+    if updates not in UPDATE_ORDERS:
+        raise ValueError(f"updates must be one of {UPDATE_ORDERS}, got {updates!r}")
     stages = _stages(plan)
     grad_stages = sorted({a.stage for a in sched.host if a.kind == "ACC"})
     covering = {x: [y for y in grad_stages if _overlaps(sched.stage_units[x],
                                                         sched.stage_units[y])]
                 for x in range(len(sched.stage_units))}
+    if sched.optimizer == "async":
+        if updates != "overlap":
+            raise ValueError(
+                "updates='deferred' is a sync-mode order: async updates apply the previous "
+                "step's gradients, complete before the step starts, at the start of the step")
+        return _add_async_optimizer(sched, plan, stages, covering)
     host: list[Action] = []
     edges = list(sched.edges)
     accs: dict[tuple[int, int], list[Action]] = {}
@@ -373,24 +391,100 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                 host.append(sh)
                 shadows[(x, k)] = sh
                 edges += [Edge(opts[(y, k)], sh, "updated") for y in ys]
-    if updates not in UPDATE_ORDERS:
-        raise ValueError(f"updates must be one of {UPDATE_ORDERS}, got {updates!r}")
     if updates == "deferred":
-        if sched.optimizer != "sync":
-            raise ValueError("updates='deferred' is a sync-mode order (async updates already "
-                             "read one step's gradients while the next step computes)")
         host = _deferred(host)
-    lag = 1 if sched.optimizer == "sync" else 2
     for lst in sched.actions:
         for up in lst:
             if up.kind != "UP":
                 continue
-            src = shadows.get((up.stage, up.step - lag))
+            src = shadows.get((up.stage, up.step - 1))
             if src is not None:
                 edges.append(Edge(src, up, "shadow"))
             war = shadows.get((up.stage, up.step))
             if war is not None:
                 edges.append(Edge(up, war, "shadow_read"))
+    return sched.replace(host=tuple(host), edges=tuple(edges),
+                         passes=(*sched.passes, "optimizer"))
+
+
+def _sharing(sched: Schedule, plan: Plan | Sequence[Stage]) -> dict[int, set[int]]:
+    """Stage -> the stages whose uploads read some of its parameters' shadow (itself
+    included): overlapping units, and with a Plan also a unit that borrows another's
+    parameter (a tied embedding and LM head)."""
+    units = [set(range(u0, u1 + 1)) for u0, u1 in sched.stage_units]
+    if isinstance(plan, Plan):
+        for held in units:
+            held |= {o for v in list(held) for o, _, _ in plan.units[v].borrowed}
+    return {x: {z for z, other in enumerate(units) if held & other}
+            for x, held in enumerate(units)}
+
+
+def _add_async_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
+                         stages: tuple[Stage, ...],
+                         covering: dict[int, list[int]]) -> Schedule:
+    """Async updates, shifted into the next step: ``w_{k+1} = U(w_k, g_k(w_{k-1}))``.
+
+    Step k's host queue starts with OPT(s, k) of every gradient stage s, in the order in
+    which step k's backward brings the stages' gradients home (the order of their last-round
+    ACCs): each applies step k-1's gradients of s, pending on the host since step k-1 ended
+    (complete, checked, clipped, unscaled and reduced by then; nothing in step 0). Each
+    stage's first ACC of step k waits for its OPT (``pending``: the update reads step k-1's
+    gradients before step k's arrive). SHADOW(x, k) waits for the OPTs over x's parameters
+    (``updated``) and for every UP of step k that reads a shadow it rewrites (``shadow_read``),
+    and sits in the host queue right before the first ACC known to follow all those uploads
+    (the last-round ACC of the first gradient stage, at or after the uploading stage, in the
+    forward-then-backward order every round follows), else at the step's end: it then holds
+    the host queue no longer than those ACCs would have waited anyway. So step k+1's
+    uploads (``shadow``) read the masters after update k-1: one step stale, as before, and
+    the update runs while step k's workers compute."""
+    sharing = _sharing(sched, plan)
+    grad_stages = sorted({a.stage for a in sched.host if a.kind == "ACC"})
+    last = sched.rounds - 1
+    edges = list(sched.edges)
+    by_step: dict[int, list[Action]] = {}
+    for a in sched.host:
+        by_step.setdefault(a.step, []).append(a)
+    ups: dict[tuple[int, int], list[Action]] = {}
+    for lst in sched.actions:
+        for up in lst:
+            if up.kind == "UP":
+                ups.setdefault((up.stage, up.step), []).append(up)
+    host: list[Action] = []
+    shadows: dict[tuple[int, int], Action] = {}
+    for k in sorted(by_step):
+        accs = by_step[k]
+        order = [a.stage for a in accs if a.round == last]  # gradients home, first to last
+        opts = {s: Action(None, "OPT", s, None, None, k, bytes=stages[s].grad_bytes)
+                for s in order}
+        host += opts.values()
+        first_acc: dict[int, Action] = {}
+        for a in accs:
+            first_acc.setdefault(a.stage, a)
+        edges += [Edge(opts[s], first_acc[s], "pending") for s in order]
+        position = {a.stage: i for i, a in enumerate(accs) if a.round == last}
+        before: dict[int, list[Action]] = {}  # ACC index -> SHADOWs right before it
+        for x, ys in covering.items():
+            if not ys:
+                continue
+            sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].weight_bytes)
+            shadows[(x, k)] = sh
+            rewriters = {y for z in sharing[x] for y in covering[z]} | set(ys)
+            edges += [Edge(opts[y], sh, "updated") for y in sorted(rewriters) if y in opts]
+            readers = [up for z in sorted(sharing[x]) for up in ups.get((z, k), ())]
+            edges += [Edge(up, sh, "shadow_read") for up in readers]
+            home = [min((position[y] for y in grad_stages if y >= z and y in position),
+                        default=len(accs)) for z in sharing[x] if (z, k) in ups]
+            before.setdefault(max(home, default=0), []).append(sh)
+        for i, a in enumerate(accs):
+            host += before.get(i, [])
+            host.append(a)
+        host += before.get(len(accs), [])
+    for lst in sched.actions:
+        for up in lst:
+            if up.kind == "UP":
+                src = shadows.get((up.stage, up.step - 1))
+                if src is not None:
+                    edges.append(Edge(src, up, "shadow"))
     return sched.replace(host=tuple(host), edges=tuple(edges),
                          passes=(*sched.passes, "optimizer"))
 
@@ -463,11 +557,11 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
     time (its last round), in that ACC's order, so every rank issues the same collectives in
     the same order. Its bytes are the fp32 gradients it reduces: those of every parameter
     whose gradient stages (:func:`gradient_groups`) are now all home. The step's updates
-    then follow every REDUCE: the step's first OPT (where the gradient check reads every
-    gradient) waits for each (edge ``reduced``), and in async mode the step's OPT and SHADOW
-    move after its last ACC as the sync ``deferred`` order has them (an update reads the
-    gradients summed over every rank; a tied parameter's are complete only after its last
-    stage). A sync schedule must already be deferred."""
+    then follow every REDUCE: in sync mode the step's first OPT (where the gradient check
+    reads every gradient) waits for each (edge ``reduced``), and the schedule must already be
+    deferred; in async mode step k's OPTs apply step k-1's gradients, reduced before step k
+    starts (the ``barrier`` edges, pass 4c, put step k-1's network lane before step k), and
+    the gradient check runs at step k-1's end."""
     _require_roundpipe(sched, "reduce")
     if "optimizer" not in sched.passes:
         raise ValueError("pass 'reduce' needs the optimizer pass first (its OPT actions read "
@@ -482,11 +576,12 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
         raise ValueError("data parallel needs the sync updates deferred (an update reads the "
                          "gradients summed over every rank): lower with updates='deferred'")
     groups = gradient_groups(plan)
-    host = list(sched.host) if sched.optimizer == "sync" else _deferred(sched.host)
+    host = list(sched.host)
     first_opt: dict[int, Action] = {}
-    for a in host:
-        if a.kind == "OPT":
-            first_opt.setdefault(a.step, a)
+    if sched.optimizer == "sync":  # async: step k's OPTs read step k-1's reduced gradients
+        for a in host:
+            if a.kind == "OPT":
+                first_opt.setdefault(a.step, a)
     edges = list(sched.edges)
     network: list[Action] = []
     done: dict[int, set[int]] = {}
@@ -511,6 +606,63 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
                              "are never all home, so they would never be reduced")
     return sched.replace(host=tuple(host), network=tuple(network), edges=tuple(edges),
                          ranks=ranks, passes=(*sched.passes, "reduce"))
+
+
+# --------------------------------------------------------------------------------------------
+# 4c. barrier
+# --------------------------------------------------------------------------------------------
+
+
+def add_step_barrier(sched: Schedule) -> Schedule:
+    """Edges (kind ``barrier``) that make every action of step k+1 start after every action
+    of step k ended: the runtime runs one step at a time (a step's journal is committed or
+    discarded as a whole), and with these edges the simulator, which times only edges and
+    stream order, waits where the runtime waits.
+
+    Step k's *ends* are the last action of each ordered queue (compute, host, network) and
+    every transfer-lane action with no successor edge inside step k; every action of step k
+    precedes one of them. Step k+1's *starts* are the first action of each ordered queue and
+    every transfer-lane action with no predecessor edge inside step k+1; every action of
+    step k+1 follows one of them. Through a hub, the last host action of step k: every end
+    -> hub, hub -> every start (ends + starts edges instead of ends x starts). A step with
+    no host action, or whose last host action has a successor inside its step (the hub would
+    wait for itself), gets the edges end x start directly."""
+    _require_roundpipe(sched, "barrier")
+    in_step: dict[int, list[tuple[tuple[int | None, str], list[Action]]]] = {}
+    for q, lst in sched.queues().items():
+        by: dict[int, list[Action]] = {}
+        for a in lst:
+            by.setdefault(a.step, []).append(a)
+        for k, mine in by.items():
+            in_step.setdefault(k, []).append((q, mine))
+    has_succ = {e.src for e in sched.edges if e.src.step == e.dst.step}
+    has_pred = {e.dst for e in sched.edges if e.src.step == e.dst.step}
+
+    def ends(k: int) -> list[Action]:
+        out = []
+        for (_, stream), mine in in_step[k]:
+            out += [mine[-1]] if stream in ORDERED_STREAMS else \
+                [a for a in mine if a not in has_succ]
+        return out
+
+    def starts(k: int) -> list[Action]:
+        out = []
+        for (_, stream), mine in in_step[k]:
+            out += [mine[0]] if stream in ORDERED_STREAMS else \
+                [a for a in mine if a not in has_pred]
+        return out
+
+    edges = list(sched.edges)
+    steps = sorted(in_step)
+    for k, nxt in itertools.pairwise(steps):
+        host = dict(in_step[k]).get((None, "host"))
+        hub = host[-1] if host else None
+        if hub is not None and hub not in has_succ:
+            edges += [Edge(a, hub, "barrier") for a in ends(k) if a.stream != "host"]
+            edges += [Edge(hub, b, "barrier") for b in starts(nxt) if b.stream != "host"]
+        else:
+            edges += [Edge(a, b, "barrier") for a in ends(k) for b in starts(nxt)]
+    return sched.replace(edges=tuple(edges), passes=(*sched.passes, "barrier"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -590,6 +742,7 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
         "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes, "grad_slot" in waits),
         "optimizer": lambda s: add_optimizer(s, plan, updates),
         "reduce": lambda s: add_reductions(s, plan, ranks),
+        "barrier": add_step_barrier,
         "events": add_events,
     }
     unknown = [p for p in passes if p not in table]

@@ -328,9 +328,10 @@ class HostMemory:
     laid out as the runtime's host store lays them (rpcompile.runtime.memory.HostStore: every
     parameter once, however many stages read it): fp32 ``masters`` of trainable parameters,
     ``optimizer`` state (AdamW: two fp32 moments), one fp32 ``gradients`` accumulator per
-    trainable parameter, the low-precision ``shadows`` the uploads read (one copy of every
-    parameter, frozen or trainable, that the forward and the backward stage holding it share;
-    async keeps a second copy of the trainable part), and ``transfers``: the peak of
+    trainable parameter (async: two, the accumulator and the previous step's pending
+    gradients, ``HostStore.add_pending``), the low-precision ``shadows`` the uploads read (one
+    copy of every parameter, frozen or trainable, that the forward and the backward stage
+    holding it share, in both modes), and ``transfers``: the peak of
     activations, recompute inputs and downloaded gradients staged on the host during a step
     (0 when no run was simulated). Shadows and transfer staging are pinned; masters,
     optimizer state and gradients need not be."""
@@ -358,8 +359,8 @@ class HostMemory:
 
 def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | None = None,
                 optimizer_bytes_per_param: int = 8) -> HostMemory:
-    """The host memory of ``plan`` (``optimizer``: ``"async"`` keeps two shadow versions of
-    the trainable part). ``peak_host_bytes``: a simulated run's ``SimResult.peak_host_bytes``,
+    """The host memory of ``plan`` (``optimizer``: ``"sync"``, or ``"async"``, which keeps a
+    second fp32 gradient buffer). ``peak_host_bytes``: a simulated run's ``SimResult.peak_host_bytes``,
     whose part above the static buffers is the transfer staging."""
     out = _static_host(plan.stages, plan.units, optimizer, optimizer_bytes_per_param)
     if peak_host_bytes is not None:
@@ -383,12 +384,10 @@ def _static_host(stages, units, optimizer, optimizer_bytes_per_param) -> HostMem
         if s.kind == "backward":
             continue
         own = sum(units[u].params for u in s.units)
-        own_trainable = sum(units[u].trainable_params for u in s.units)
         outside = {(o, n) for u in s.units for o, n, _t in units[u].borrowed if o not in s.units}
         held = own + sum(n for _o, n in outside)
         if held:
             shadows += s.weight_bytes * own // held
-            if optimizer == "async":
-                shadows += s.weight_bytes * own_trainable // held
+    buffers = 2 if optimizer == "async" else 1  # async: the pending gradients too
     return HostMemory(masters=4 * trainable, optimizer=optimizer_bytes_per_param * trainable,
-                      gradients=4 * trainable, shadows=shadows)
+                      gradients=4 * buffers * trainable, shadows=shadows)

@@ -247,21 +247,31 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
         for red in sched.network:
             acc = index.get((None, "ACC", None, red.stage, None, last, red.step, None))
             need(acc, red, f"the last round's gradients of stage {red.stage}")
-            opt = first_opt.get(red.step)
+            # (Async: step k's OPTs apply step k-1's gradients, reduced before the barrier.)
+            opt = first_opt.get(red.step) if sched.optimizer == "sync" else None
             if opt is not None:
                 need(red, opt, f"the reduced gradients of stage {red.stage}")
     if "optimizer" in applied:
-        lag = 1 if sched.optimizer == "sync" else 2
+        lag = 1  # one shadow on the host, in both modes (lower.add_optimizer)
+        # Sync: OPT(s, k) applies step k's gradients of s; async: step k-1's, pending on the
+        # host (nothing in a schedule's first step).
+        behind = 0 if sched.optimizer == "sync" else 1
         for a in sched.host:
-            if a.kind == "OPT":
+            if a.kind == "OPT" and a.step - behind >= 0:
                 for r in range(sched.rounds):
-                    acc = index.get((None, "ACC", None, a.stage, None, r, a.step, None))
+                    acc = index.get((None, "ACC", None, a.stage, None, r, a.step - behind,
+                                     None))
                     need(acc, a, f"round {r}'s accumulated gradients")
         opts = {(a.stage, a.step): a for a in sched.host if a.kind == "OPT"}
         shadows = {(a.stage, a.step): a for a in sched.host if a.kind == "SHADOW"}
+        by_step: dict[int, list[Action]] = {}
+        for (_, k), sh in shadows.items():
+            by_step.setdefault(k, []).append(sh)
         for (x, k), sh in shadows.items():
             for (y, ky), opt in opts.items():
-                if ky == k and _overlap(sched.stage_units[x], sched.stage_units[y]):
+                if ky != k:
+                    continue
+                if _overlap(sched.stage_units[x], sched.stage_units[y]):
                     need(opt, sh, f"the updated masters of stage {y}")
         for a in sched.all_actions():
             if a.kind != "UP":
@@ -269,10 +279,17 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
             src = shadows.get((a.stage, a.step - lag))
             if src is not None:
                 need(src, a, f"the shadow of stage {a.stage} from step {a.step - lag}")
-            nxt = shadows.get((a.stage, a.step))
-            if nxt is not None and not order.before(a, nxt):
-                raise _fail(sched, pass_name, f"{nxt} overwrites the shadow that {a} reads "
-                            "without waiting for it", a)
+            # Async: a stage's SHADOW of step k rewrites the shadow every stage overlapping its
+            # units reads in step k (the schedule does not know ties; the lowering does);
+            # sync: only a stage's own SHADOW rewrites what it reads before the next step.
+            later = ([sh for sh in by_step.get(a.step, [])
+                      if _overlap(sched.stage_units[sh.stage], sched.stage_units[a.stage])]
+                     if sched.optimizer == "async" else
+                     [sh for sh in (shadows.get((a.stage, a.step)),) if sh is not None])
+            for nxt in later:
+                if not order.before(a, nxt):
+                    raise _fail(sched, pass_name, f"{nxt} overwrites the shadow that {a} "
+                                "reads without waiting for it", a)
 
 
 def _overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:

@@ -32,22 +32,24 @@ reference's order too.
 
 **Steps and failure.** ``run_step`` runs the actions of one schedule step (``step % steps``;
 the trainer builds a schedule whose step count makes the round-robin counter continue across
-steps) and returns when every stream has drained: steps are separated by a barrier, and edges
-from an earlier step count as satisfied. ``ACC``, ``OPT`` and ``SHADOW`` are the optimizer
-driver's ``accumulate_grad``, ``update`` and ``refresh`` in sync mode, run where the schedule
-puts them (``add_optimizer(updates=)``: overlapping the step's later backward jobs, or after
-its last gradient when clipping, loss scaling or skipping non-finite steps must see them all
-first, done at the first ``OPT``). The driver saves what each update and refresh changes, so
+steps) and returns when every stream has drained: steps run one at a time, which is what the
+schedule's ``barrier`` edges say (``rpcompile.passes.lower.add_step_barrier``: step k+1's
+first actions wait for step k's last host action, which waits for every other stream's last
+action of step k), so the simulator times the same wait, and edges from an earlier step are
+satisfied when a step starts. ``ACC``, ``OPT`` and ``SHADOW`` are the optimizer driver's
+``accumulate_grad``, ``update`` and ``refresh`` in both modes, run where the schedule puts them
+(``add_optimizer(updates=)``: overlapping the step's later backward jobs, or after its last
+gradient when clipping, loss scaling, skipping non-finite steps or data parallel must see them
+all first, done at the first ``OPT``; in async mode the step's ``OPT``s come first and apply
+the previous step's gradients, pending since its end, whose check ran there). The driver
+saves what each update and refresh changes, so
 when any item fails, a run-level abort flag makes every other wait give up, every stream
 drains, the workers are recovered and device memory freed, the driver puts the step's updates
-back and discards its gradients, and :class:`StepFailed` is raised naming the worker, stream,
+back and discards its gradients (async: the pending ones stay, for the retry), and
+:class:`StepFailed` is raised naming the worker, stream,
 stage, microbatch, round and action: masters, optimizer state and shadows are as before the
-step. In async mode ``OPT`` reports the stage to the driver's thread, which runs update ``k``
-after the step (an ``UP`` waits for the driver's shadow event of its stage); a failed step's
-gradients are dropped and the previous step's update (already owed) still completes, so the
-masters equal what ``state_dict()`` returned before the failed step.
-A failed async update is undone by the driver and raised once, by the next step, as
-:meth:`StepFailed.from_update`. One deadline (``timeout_s``, the watchdog) covers a step's host
+step, in either mode (an optimizer failure in an ``OPT`` raises as
+:meth:`StepFailed.from_update`). One deadline (``timeout_s``, the watchdog) covers a step's host
 waits and its drain; past it the step raises :class:`StepTimeout` the same way, and a worker
 whose stream is stuck in an item (user code cannot be interrupted) or whose thread died is
 replaced by a fresh one, so the next step runs. ``KeyboardInterrupt``/``SystemExit`` abort the
@@ -195,6 +197,9 @@ class StepResult:
     # The global L2 norm of the step's gradients over every trainable parameter, before
     # clipping (computed when the executor clips, ``max_grad_norm``; else None).
     grad_norm: float | None = None
+    # Async: this step's OPTs that had no pending gradients to apply (the run's first step,
+    # or the first after a flush) and so changed nothing.
+    idle_updates: tuple[Action, ...] = ()
 
 
 # ============================================================================================
@@ -275,7 +280,10 @@ class _StepPlan:
             if mine:
                 self.queues[q] = mine
         here = {a for lst in self.queues.values() for a in lst}
-        # Edges whose source ran in an earlier step are satisfied by the barrier between steps.
+        # Edges whose source ran in an earlier step are satisfied when this step starts: the
+        # schedule's barrier edges put every action of step k+1 after every action of step k,
+        # and running one step at a time is how the runtime carries them out (a step's last
+        # host action, their hub, waits on its in-step barrier edges like any other).
         self.waits: dict[Action, list[Action]] = {}
         for e in schedule.edges:
             if e.dst in here and e.src in here:
@@ -329,10 +337,9 @@ class _Run:
     """Mutable state of one running step, shared by the stream threads and the host."""
 
     def __init__(self, plan: _StepPlan, parts: list[dict[str, torch.Tensor]],
-                 shadow_ready: dict[int, Event], workers: int) -> None:
+                 workers: int) -> None:
         self.plan = plan
         self.parts = parts
-        self.shadow_ready = shadow_ready
         self.events = {a: Event(str(a)) for a in plan.sources}
         self.lock = threading.Lock()
         self.aborted = False
@@ -362,6 +369,7 @@ class _Run:
         self.bad: tuple[tuple[str, int], ...] = ()
         self.skipped = False
         self.grad_norm: float | None = None
+        self.idle_updates: list[Action] = []  # async OPTs with nothing pending (see StepResult)
         self.loss: torch.Tensor | None = None  # the step's loss (data parallel: every rank's)
         self.found = False  # a non-finite gradient on this rank (data parallel: on any rank)
         self.deadline: float | None = None  # time.monotonic() the watchdog fires at
@@ -489,16 +497,16 @@ class Executor:
                  skip_nonfinite: bool = False,
                  loss_scaler: DynamicLossScaler | None = None,
                  max_grad_norm: float | None = None, reducer: Any = None) -> None:
-        if loss_scaler is not None and driver.mode != "sync":
-            raise ValueError("loss scaling needs mode='sync' (an update must not read the "
-                             "gradients before they are unscaled)")
-        if max_grad_norm is not None and driver.mode == "async" and driver.eager_updates:
-            raise ValueError("max_grad_norm needs a driver built with eager_updates=False (an "
-                             "update must not read the gradients before they are clipped)")
-        # Sync updates are the schedule's OPT actions: where they sit in the host queue is
-        # when they run. Clipping, loss scaling and skipping a non-finite step look at all
-        # of the step's gradients before any update, so they need the deferred order.
-        self.deferred = schedule.optimizer == "sync" and updates_deferred(schedule)
+        # (Loss scaling works in both modes: async updates apply gradients unscaled at the
+        # end of the step that computed them.)
+        # Updates (both modes) are the schedule's OPT actions: where they sit in the host
+        # queue is when they run. Clipping, loss scaling and skipping a non-finite step look
+        # at all of the step's gradients before any update, so they need the deferred order.
+        self.deferred = updates_deferred(schedule)
+        if schedule.optimizer == "async":
+            # Step k's OPTs apply step k-1's gradients, which the commit of step k-1 made
+            # pending (rpcompile.passes.lower._add_async_optimizer).
+            driver.use_pending()
         check_update_order(
             schedule.optimizer, "deferred" if self.deferred else "overlap",
             deferred_reasons(max_grad_norm=max_grad_norm, loss_scale=loss_scaler is not None,
@@ -659,12 +667,9 @@ class Executor:
             self._scaler_before[k] = self.loss_scaler.state_dict()
             for old in [j for j in self._scaler_before if j < k - 1]:
                 del self._scaler_before[old]  # updates before k - 1 are complete
-        # Async updates still run on the driver's thread after the step: an upload waits for
-        # the shadow it reads there. Sync updates and refreshes are the schedule's own OPT and
-        # SHADOW actions, ordered by its edges alone.
-        shadow_ready = ({s: self.driver.shadow_event(s) for s in range(len(self.programs))}
-                        if self.driver.mode == "async" else {})
-        run = _Run(plan, parts, shadow_ready, len(self.workers))
+        # Updates and shadow refreshes are the schedule's own OPT and SHADOW actions, in both
+        # modes, ordered by its edges alone: no upload waits on anything else.
+        run = _Run(plan, parts, len(self.workers))
         run.deadline = deadline
         run.workers = self.workers
         run.loss_scale = 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
@@ -719,10 +724,8 @@ class Executor:
                 self.loss_scaler.update(run.found)
             if run.skipped:
                 self.driver.discard_step()
-            elif self.driver.mode == "sync":
-                self.driver.commit_step()
             else:
-                self.driver.finish_step()
+                self.driver.commit_step()
         except BaseException as exc:
             if self.driver._open is None:  # handed to the driver (or skipped) before it came
                 self.steps_run += 1
@@ -746,7 +749,8 @@ class Executor:
         self.steps_run += 1
         return StepResult(run.loss, plan.step, time.perf_counter() - start, peaks, left_over,
                           run.timeline, found_nonfinite=run.found, nonfinite_jobs=run.bad,
-                          skipped=run.skipped, grad_norm=run.grad_norm)
+                          skipped=run.skipped, grad_norm=run.grad_norm,
+                          idle_updates=tuple(run.idle_updates))
 
     def _check_grads(self, run: _Run) -> None:
         """Once per step, when every gradient is home and before any update reads one: find
@@ -786,8 +790,6 @@ class Executor:
         try:
             for src in run.plan.waits.get(a, ()):
                 run.events[src].wait_recorded(abort=run.abort_requested)
-            if a.kind == "UP" and run.shadow_ready:
-                run.shadow_ready[a.stage].wait_recorded(abort=run.abort_requested)
             if run.aborted:
                 raise WorkerAborted(f"step aborted before '{a}' ran")
             run.timed(self, a)
@@ -1206,18 +1208,15 @@ class Executor:
         self.reducer.wait_reductions(run.left())
 
     def _do_OPT(self, run: _Run, a: Action) -> None:
-        if self.driver.mode == "async":
-            # Async: the driver's thread runs update k after step k (module doc).
-            self.driver.stage_done(a.stage)
-            return
         if self.deferred:
             self._check_grads(run)  # every ACC of the step ran before this first OPT
-        if not run.skipped:
-            self.driver.update(a.stage)  # now, on this thread; undone if the step fails
+        # Now, on this thread; undone if the step fails. (Async: the pending gradients of
+        # the step before, checked at its end; none in a run's first step.)
+        if not run.skipped and not self.driver.update(a.stage):
+            run.idle_updates.append(a)
 
     def _do_SHADOW(self, run: _Run, a: Action) -> None:
-        # Async: the driver rewrites the shadow before its update starts (module doc).
-        if self.driver.mode == "sync" and not run.skipped:
+        if not run.skipped:
             self.driver.refresh(a.stage)
 
 

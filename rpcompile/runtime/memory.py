@@ -5,7 +5,9 @@ The host keeps, for every parameter, exactly one of each of:
 - **master** (fp32, trainable parameters only): what the optimizer updates;
 - **shadow** (compute dtype: bf16/fp16, or fp32 when training in fp32; every parameter the
   stages use, trainable or frozen): the copy that gets uploaded;
-- **grad** (fp32, trainable only): where gradients from every round and every use sum up.
+- **grad** (fp32, trainable only): where gradients from every round and every use sum up;
+  with async updates shifted into the next step a second one, **pending**, holds the last
+  completed step's gradients until the next step applies them (:meth:`HostStore.add_pending`).
 
 Each kind is ONE flat buffer, allocated at its exact size (no rounding), pinned on CUDA by
 registering the allocation with the driver (the caching pinned allocator would round each
@@ -36,7 +38,7 @@ import threading
 import warnings
 import weakref
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -293,6 +295,10 @@ class HostStore:
         self.rank, self.ranks = 0, 1
         self._owned = tuple(s for s in slots if s.trainable)
         self._stage_runs = [_runs([slots[i] for i in lay.slots]) for lay in layouts]
+        # Async updates shifted into the next step (:meth:`add_pending`): a second fp32
+        # gradient buffer holding the last completed step's gradients until the next step's
+        # OPTs (or a flush) apply them, while ``grad`` accumulates the running step's.
+        self.pending: torch.Tensor | None = None
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -513,6 +519,27 @@ class HostStore:
                     flat_grad[seg.device_offset : seg.device_offset + seg.numel]
                 )
 
+    def add_pending(self) -> None:
+        """Allocate the pending gradient buffer (zeroed; idempotent): 4 more bytes of host
+        memory per trainable parameter, pinned like the others."""
+        if self.pending is None:
+            self.pending, _ = _host_flat(self.grad.numel(), torch.float32,
+                                         self.pin == "registered")
+            self.pending.zero_()
+
+    def swap_pending(self) -> None:
+        """A step completed: its gradients become the pending ones (no copy: the two buffers
+        trade places) and the buffer they leave, whose gradients were applied, is zeroed for
+        the next step to accumulate into."""
+        if self.pending is None:
+            raise RuntimeError("swap_pending() without a pending buffer (add_pending first)")
+        with self._lock, torch.no_grad():
+            self.grad, self.pending = self.pending, self.grad
+            self.grad.zero_()
+            self.stages = tuple(replace(st, grad=tuple(
+                self.grad[g.start : g.stop] for g in st.layout.grad_segments))
+                for st in self.stages)
+
     def zero_grads(self, slot_indices: Iterable[int] | None = None) -> None:
         """Zero every gradient, or those of the given slots."""
         with self._lock, torch.no_grad():
@@ -541,15 +568,19 @@ class HostStore:
     def named_masters(self) -> list[tuple[str, torch.nn.Parameter]]:
         return [(s.name, p) for s, p in zip(self._owned, self.masters())]
 
-    def attach_grads(self, slot_indices: Iterable[int] | None = None) -> None:
-        """Point ``.grad`` of the masters at the flat gradient views: of the given slots, with
-        every other master's ``.grad`` set to None (how one optimizer steps a subset), or of all
-        masters when ``slot_indices`` is None."""
+    def attach_grads(self, slot_indices: Iterable[int] | None = None, *,
+                     pending: bool = False) -> None:
+        """Point ``.grad`` of the masters at the flat gradient views (``pending``: of the
+        pending buffer): of the given slots, with every other master's ``.grad`` set to None
+        (how one optimizer steps a subset), or of all masters when ``slot_indices`` is None."""
         wanted = None if slot_indices is None else set(slot_indices)
+        source = self.grad if not pending else self.pending
+        if source is None:
+            raise RuntimeError("attach_grads(pending=True) without a pending buffer")
         for slot, p in zip(self._owned, self.masters()):
             if wanted is None or slot.index in wanted:
                 a = slot.master_offset
-                p.grad = self.grad[a : a + slot.numel].view(slot.shape)
+                p.grad = source[a : a + slot.numel].view(slot.shape)
             else:
                 p.grad = None
 
@@ -597,7 +628,8 @@ class HostStore:
             master_bytes=self.master.untyped_storage().nbytes(),
             shadow_trainable_bytes=trainable * itemsize,
             shadow_frozen_bytes=shadow_bytes - trainable * itemsize,
-            grad_bytes=self.grad.untyped_storage().nbytes(),
+            grad_bytes=self.grad.untyped_storage().nbytes() + (
+                0 if self.pending is None else self.pending.untyped_storage().nbytes()),
             optimizer_state_bytes=0 if optimizer is None else _state_bytes(optimizer),
             upload_bytes=tuple(st.layout.shadow_numel * itemsize for st in self.stages),
             owned_params=sum(s.numel for s in self._owned),

@@ -1,5 +1,6 @@
-"""The host optimizer driver: any ``torch.optim`` optimizer over the fp32 masters, stepped by
-one background thread, in ``sync`` or ``async`` mode.
+"""The host optimizer driver: any ``torch.optim`` optimizer over the fp32 masters, in ``sync``
+or ``async`` mode, stepped by the schedule's host actions (or, for callers without a schedule,
+by one background thread).
 
 **Groups.** Trainable parameters are grouped by the set of stages that produce their gradients
 (``ParamSlot.grad_stages``; a tied embedding/LM-head weight has two). A group's gradients are
@@ -19,17 +20,20 @@ computed at weights ``w``:
   shadow rewritten) as soon as its gradients are complete, while later backward stages still
   run; step ``k+1`` uses a stage once that stage's groups are updated (:meth:`shadow_event`).
 - ``async``: ``w_{k+1} = U(w_k, g_k(w_{k-1}))`` with ``w_{-1} = w_0``: one step stale, like
-  RoundPipe. Update ``k`` runs in the background during step ``k+1``, which computes with the
-  shadow written just before update ``k`` starts (``w_k``).
+  RoundPipe. Step ``k+1`` computes with ``w_k``; one shadow buffer holds it.
 
-**The schedule's actions (sync mode, what the executor runs).** ``begin_step()``; per job
+**The schedule's actions (both modes, what the executor runs).** ``begin_step()``; per job
 ``accumulate_grad(stage, flat)`` (``ACC``); ``update(stage)`` (``OPT``: every group whose
-gradient stages are all done is stepped now, on the caller's thread); ``refresh(stage)``
-(``SHADOW``); ``commit_step()`` when the step completed, ``discard_step()`` when it failed
-(both put back or drop the journal below). The lowering decides where these run; the driver
-adds no wait and no order of its own.
+gradient stages' OPTs of the step have all run is stepped now, on the caller's thread);
+``refresh(stage)`` (``SHADOW``); ``commit_step()`` when the step completed, ``discard_step()``
+when it failed (both put back or drop the journal below). In async mode (``use_pending()``)
+step k's OPTs apply step k-1's gradients, which ``commit_step`` of step k-1 left in the
+store's pending buffer (the two gradient buffers trade places), with step k-1's
+hyperparameters; ``discard_step`` leaves them pending; ``flush()`` applies them between steps
+(the Trainer's, before the masters are read). The lowering decides where these run; the
+driver adds no wait and no order of its own, and its thread is never started.
 
-**The thread contract** (async steps, and callers without a schedule):
+**The thread contract** (callers without a schedule; the thread starts with its first task):
 
 1. ``begin_step()``; then for each job, wait ``shadow_event(stage)`` before uploading the
    stage's shadow.
@@ -114,6 +118,7 @@ class _StepState:
     def __init__(self, step: int, groups: int, hyperparams: list[dict[str, Any]]) -> None:
         self.step = step
         self.done_stages: set[int] = set()
+        self.opt_stages: set[int] = set()  # stages whose OPT ran in this step
         self.scheduled = [False] * groups
         self.group_done = [Event(f"update {step} group {g}") for g in range(groups)]
         self.refreshed = Event(f"shadow after update {step - 1}")  # async only
@@ -121,6 +126,15 @@ class _StepState:
         self.journal: _Journal | None = None
         self.applied = 0  # groups whose update completed
         self.failed = False  # the update failed: its queued tasks are dropped
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """Gradients of a completed async step not applied yet (the store's pending buffer), and
+    the hyperparameters of that step, which their update uses."""
+
+    step: int
+    hyperparams: list[dict[str, Any]]
 
 
 class OptimizerDriver:
@@ -167,6 +181,10 @@ class OptimizerDriver:
         self._grad_stages = frozenset().union(
             *(frozenset(s.grad_stages) for s in store.trainable_slots))
         self.step = 0  # the next step to begin, or the open one
+        # Async updates shifted into the next step (use_pending): step k's OPTs apply the
+        # gradients of step k-1, kept in the store's pending buffer until then.
+        self.shifted = False
+        self._pending: _Pending | None = None
         self._open: _StepState | None = None
         self._steps: dict[int, _StepState] = {}
         self._lock = threading.Lock()
@@ -178,8 +196,10 @@ class OptimizerDriver:
         # Sharded masters (rpcompile.runtime.distributed): called by refresh(stage) once this
         # rank's own shadows of the stage are rewritten, to bring the other ranks' shadows of it.
         self.shadow_gather: Callable[[int, set[int]], None] | None = None
+        # Started by the first task (the thread protocol); the schedule's OPT and SHADOW
+        # actions run on the executor's host queue and never start it.
         self._thread = threading.Thread(target=self._main, name="rpcompile-optimizer", daemon=True)
-        self._thread.start()
+        self._start_lock = threading.Lock()
 
     # -- construction checks -------------------------------------------------------------
     def _check_params(self, masters: list[torch.nn.Parameter]) -> None:
@@ -320,7 +340,7 @@ class OptimizerDriver:
             if self.mode == "async":
                 # Before update k changes the masters (w_k -> w_{k+1}), write them into the
                 # shadow: step k+1 computes with w_k. Update k-1 is done by then (one thread).
-                self._tasks.put((lambda: self._refresh_before_update(state),
+                self._put((lambda: self._refresh_before_update(state),
                                  f"shadow refresh before update {state.step}",
                                  [state.refreshed], state))
             self._schedule_ready(state)
@@ -331,28 +351,82 @@ class OptimizerDriver:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return Event.all_of(state.group_done, f"update {state.step}")
 
-    # -- the schedule's host actions (sync mode) -------------------------------------------
-    def update(self, stage: int) -> None:
+    # -- the schedule's host actions (both modes) ------------------------------------------
+    def use_pending(self) -> None:
+        """Async mode, as the lowered schedule runs it: step k's OPTs apply step k-1's
+        gradients, held in a second gradient buffer (``HostStore.add_pending``, 4 bytes per
+        trainable parameter) from step k-1's commit until they are applied (a later step's
+        OPTs, or :meth:`flush`). A failed or skipped step leaves them pending."""
+        if self.mode != "async":
+            raise ValueError("pending gradients are async mode's (sync updates apply the "
+                             "step's own gradients)")
+        self.store.add_pending()
+        self.shifted = True
+
+    @property
+    def pending_step(self) -> int | None:
+        """The step whose gradients are pending (applied by the next step's OPTs), if any."""
+        return None if self._pending is None else self._pending.step
+
+    def flush(self) -> bool:
+        """Apply the pending gradients now (async), with the hyperparameters of the step
+        that computed them, as the next step's OPTs would; the shadow is left as it is (the
+        next step computes with the shadow its predecessor wrote, so the trajectory is the
+        same whether or not a flush came between: the next step's OPTs then find nothing
+        pending). Returns whether there was anything to apply. A failure is undone (the
+        gradients stay pending) and raised as :class:`OptimizerError`."""
+        pending = self._pending
+        if pending is None:
+            return False
+        if self._open is not None:
+            raise RuntimeError(f"flush() inside the open step {self._open.step}")
+        state = _StepState(pending.step, len(self.groups), pending.hyperparams)
+        try:
+            for group in self.groups:
+                self._apply(group, state, refresh=False, hyperparams=pending.hyperparams,
+                            pending=True)
+        except BaseException as exc:
+            if self.rollback:
+                self._undo(state)
+            raise OptimizerError(
+                f"applying the pending gradients of step {pending.step} failed: "
+                f"{type(exc).__name__}: {exc}; " + (
+                    "undone, they stay pending" if self.rollback else
+                    "rollback=False: the masters are half-updated")) from exc
+        self._pending = None
+        return True
+
+    def update(self, stage: int) -> bool:
         """``OPT``: all of this step's gradients from ``stage`` are home; update, now and on the
-        calling thread, every group whose gradient stages are all done. What the update
+        calling thread, every group whose gradient stages are all done (async mode: the
+        gradients were computed at the shadow's weights, one step stale). What the update
         changes (masters, optimizer state) is saved first and kept until :meth:`commit_step`
         (or put back by :meth:`discard_step`), so an update the schedule runs while later
-        backward jobs still compute leaves the masters as they were if the step fails."""
+        backward jobs still compute leaves the masters as they were if the step fails.
+
+        Async (:meth:`use_pending`): the gradients applied are step k-1's, pending, with
+        that step's hyperparameters; a group is applied at the OPT of its last gradient
+        stage in this step's OPT order. Returns False when nothing was pending (the run's
+        first step, or after a :meth:`flush`): the OPT then changes nothing."""
         state = self._require_open()
-        if self.mode != "sync":
-            raise RuntimeError("update() is the sync mode's OPT; async updates run through "
-                               "stage_done()/finish_step()")
         if not self._is_grad_stage(stage):
-            return
+            return False
         with self._lock:
-            state.done_stages.add(stage)
+            state.opt_stages.add(stage)
+            if not self.shifted:
+                state.done_stages.add(stage)
             ready = [g for g in self.groups
-                     if not state.scheduled[g.index] and g.stages <= state.done_stages]
+                     if not state.scheduled[g.index] and g.stages <= state.opt_stages]
             for g in ready:
                 state.scheduled[g.index] = True
+        pending = self._pending
+        if self.shifted and pending is None:
+            return False
+        hyperparams = pending.hyperparams if self.shifted else state.hyperparams
         for group in ready:
             try:
-                self._apply(group, state, refresh=False)
+                self._apply(group, state, refresh=False, hyperparams=hyperparams,
+                            pending=self.shifted)
             except BaseException as exc:
                 state.failed = True
                 error = OptimizerError(f"update {state.step}, group {group.label} failed: "
@@ -361,10 +435,12 @@ class OptimizerDriver:
                 error.label = group.label  # type: ignore[attr-defined]
                 error.rolled_back = self.rollback  # type: ignore[attr-defined]
                 raise error from exc
+        return True
 
     def refresh(self, stage: int) -> None:
         """``SHADOW``: rewrite ``stage``'s shadow (what its UP reads) from the masters, saving
-        the old values first (undone by :meth:`discard_step`, like the updates)."""
+        the old values first (undone by :meth:`discard_step`, like the updates). In async mode
+        the schedule runs it before the step's first update, so it copies ``w_k``."""
         state = self._require_open()
         if self.rollback:
             journal = state.journal = state.journal or _Journal()
@@ -374,21 +450,26 @@ class OptimizerDriver:
                     journal.shadows[index] = self.store.shadow_of(slot.name).clone()
         self.store.refresh_shadow(stage)
         if self.shadow_gather is not None:
-            self.shadow_gather(stage, set(state.done_stages))
+            self.shadow_gather(stage, set(state.opt_stages))
 
     def commit_step(self) -> Event:
-        """End a sync step whose OPT and SHADOW actions all ran: the saved copies are dropped
-        (the update is kept) and the step counter advances. Returns the (set) update event."""
+        """End a step whose OPT and SHADOW actions all ran: the saved copies are dropped
+        (the update is kept) and the step counter advances; async (:meth:`use_pending`): the
+        step's gradients become the pending ones (the store's two gradient buffers trade
+        places). Returns the (set) update event."""
         state = self._require_open()
-        missing = self._grad_stages - state.done_stages
+        missing = self._grad_stages - state.opt_stages
         if missing:
             raise RuntimeError(f"step {state.step}: the schedule ran no OPT of gradient stages "
                                f"{sorted(missing)}")
         with self._lock:
+            if self.shifted:
+                self.store.swap_pending()
+                self._pending = _Pending(state.step, state.hyperparams)
             state.journal = None
             self._open = None
             self.step += 1
-            for event in state.group_done:
+            for event in [*state.group_done, state.refreshed]:
                 event.set()
         self.optimizer._opt_called = True  # type: ignore[attr-defined]
         return Event.all_of(state.group_done, f"update {state.step}")
@@ -408,7 +489,7 @@ class OptimizerDriver:
         with self._lock:
             self._open = None
             del self._steps[state.step]
-        if updated and not undone:
+        if updated and state.applied and not undone:
             raise RuntimeError(
                 f"step {state.step} was discarded, but groups {updated} had already been "
                 "updated (eager updates); the masters are not at their pre-step values"
@@ -439,7 +520,7 @@ class OptimizerDriver:
         for group in self.groups:
             if not state.scheduled[group.index] and group.stages <= state.done_stages:
                 state.scheduled[group.index] = True
-                self._tasks.put((
+                self._put((
                     lambda group=group: self._update(group, state),
                     f"update {state.step}, group {group.label}",
                     [state.group_done[group.index]],
@@ -450,25 +531,31 @@ class OptimizerDriver:
     def _update(self, group: UpdateGroup, state: _StepState) -> None:
         self._apply(group, state, refresh=self.mode == "sync")
 
-    def _apply(self, group: UpdateGroup, state: _StepState, refresh: bool) -> None:
+    def _apply(self, group: UpdateGroup, state: _StepState, refresh: bool,
+               hyperparams: list[dict[str, Any]] | None = None, pending: bool = False) -> None:
+        """Step ``group`` with ``hyperparams`` (default: the state's) from the gradient
+        buffer, or the pending one (which stays as it is until the step commits: a failed
+        step leaves it for the retry)."""
         if self.rollback:
             self._save(state, group.slots, shadows=refresh)
-        self.store.attach_grads(group.slots)
+        self.store.attach_grads(group.slots, pending=pending)
         optimizer = self.optimizer
-        if state.hyperparams:
+        hyperparams = state.hyperparams if hyperparams is None else hyperparams
+        if hyperparams:
             # A shallow twin whose groups carry the step's hyperparameters, sharing params and
             # state: the user's param_groups may be changing under an LR scheduler meanwhile.
             optimizer = object.__new__(type(self.optimizer))
             optimizer.__dict__.update(self.optimizer.__dict__)
             optimizer.param_groups = [
-                {**g, **hp} for g, hp in zip(self.optimizer.param_groups, state.hyperparams)
+                {**g, **hp} for g, hp in zip(self.optimizer.param_groups, hyperparams)
             ]
         # Call the class's step on the twin: an LR scheduler replaces the *instance's* step
         # with a wrapper bound to the original optimizer, which would bypass the twin. Never
         # while a capture traces: torch.optim reads torch's process-global tracing flags.
         with outside_tracing():
             type(self.optimizer).step(optimizer)
-        self.store.zero_grads(group.slots)
+        if not pending:
+            self.store.zero_grads(group.slots)
         state.applied += 1
         if not refresh:
             return  # the schedule's SHADOW actions refresh; commit_step drops the journal
@@ -520,6 +607,13 @@ class OptimizerDriver:
              for k, v in g.items() if k != "params"}
             for g in self.optimizer.param_groups
         ]
+
+    def _put(self, task: Any) -> None:
+        """Queue a task for the optimizer thread, starting the thread with the first one."""
+        self._tasks.put(task)
+        with self._start_lock:  # (callers may hold self._lock)
+            if self._thread.ident is None:
+                self._thread.start()
 
     def _main(self) -> None:
         while True:
@@ -618,7 +712,7 @@ class OptimizerDriver:
         if not self._thread.is_alive():
             return True
         marker = Event("optimizer idle")
-        self._tasks.put((lambda: None, "idle marker", [marker], None))
+        self._put((lambda: None, "idle marker", [marker], None))
         try:
             marker.wait(timeout)
         except EventTimeout:
@@ -639,8 +733,9 @@ class OptimizerDriver:
 
     def close(self, timeout: float = 10.0) -> None:
         """Finish queued work and stop the optimizer thread; never raises."""
-        self._tasks.put(None)
-        self._thread.join(timeout)
+        if self._thread.is_alive():
+            self._tasks.put(None)
+            self._thread.join(timeout)
 
     # -- checkpoints and accounting ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -649,6 +744,9 @@ class OptimizerDriver:
         computes with them (``w_k``), not with the masters (``w_{k+1}``)."""
         if self._open is not None:
             raise RuntimeError("state_dict() inside an open step; call it between steps")
+        if self._pending is not None:
+            raise RuntimeError(f"the gradients of step {self._pending.step} are pending; "
+                               "flush() them first (Trainer.state_dict does)")
         self.wait()
         state: dict[str, Any] = {
             "masters": self.store.state_dict(),
@@ -674,6 +772,7 @@ class OptimizerDriver:
         self.optimizer.load_state_dict(state["optimizer"])
         self.store.load_state_dict(state["masters"])
         self.store.zero_grads()
+        self._pending = None  # a state is saved flushed (state_dict)
         self.step = int(state["step"])
         self._steps.clear()
         if self.step > 0:

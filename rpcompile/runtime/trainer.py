@@ -57,11 +57,12 @@ TIMEOUT_PREDICTION_FACTOR = 20.0
 
 
 def update_order(mode: str, train: TrainOptions) -> str:
-    """The sync update order a run needs (rpcompile.passes.lower.add_optimizer):
+    """The update order a run needs (rpcompile.passes.lower.add_optimizer): in sync mode
     ``deferred`` when clipping, loss scaling, skipping non-finite steps or data parallel
     (an update reads the gradients summed over every rank) must see the whole step's
     gradients before any update, else ``overlap`` (updates run while later backward
-    jobs compute, undone if the step fails). Async mode: ``overlap`` (not used)."""
+    jobs compute, undone if the step fails); async mode's one order is ``overlap`` (the
+    previous step's gradients, complete, applied at the start of the step)."""
     return "deferred" if mode == "sync" and _deferred_reasons(train) else "overlap"
 
 
@@ -164,8 +165,10 @@ class Trainer:
     ``updates`` (sync mode): ``"overlap"`` runs each stage's update as soon as its gradients
     are home, while later backward jobs compute; ``"deferred"`` runs them after the step's
     last gradient (default: ``"deferred"`` when clipping, loss scaling or ``skip_nonfinite``
-    need the whole step's gradients first, else ``"overlap"``). Either way a failed step
-    changes nothing (docs/runtime.md, "the protocol").
+    need the whole step's gradients first, else ``"overlap"``). Async mode has one order:
+    step k's updates apply step k-1's gradients at its start (``"deferred"`` is refused),
+    and :meth:`flush` applies the last step's. Either way a failed step changes nothing
+    (docs/runtime.md, "the protocol").
     """
 
     def __init__(
@@ -226,9 +229,9 @@ class Trainer:
             self.store.kernels = kernels
             self.dp = self._data_parallel(compiled, options.process_group,
                                           plan_options.shard_optimizer)
-            # Sync updates are the schedule's OPT actions (undone if the step fails); async
-            # ones run on the driver's thread after the step (eager_updates=False). Sharded,
-            # the optimizer is built over this rank's masters only.
+            # Updates are the schedule's OPT actions in both modes, run by the executor and
+            # undone if the step fails (the driver's own thread queues nothing for them).
+            # Sharded, the optimizer is built over this rank's masters only.
             driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode,
                                      eager_updates=False)
             self.driver = driver
@@ -264,7 +267,7 @@ class Trainer:
         if (kept is not None and kept.optimizer == mode and steps in (None, kept.steps)
                 and chunk_bytes in (None, kept_chunk) and kept.ranks == ranks
                 and kept.sharded == sharded
-                and (mode != "sync" or updates_deferred(kept) == (updates == "deferred"))):
+                and updates_deferred(kept) == (updates == "deferred")):
             return kept
         lowered = runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
                                    compiled.rounds, mode, chunk_bytes, steps=steps,
@@ -337,11 +340,30 @@ class Trainer:
         return self.driver.optimizer
 
     def _settle(self) -> None:
-        """Wait for the queued updates; a failed one raises (once) as :class:`StepFailed`."""
+        """Wait for the queued updates and, in async mode, apply the last step's pending
+        gradients (:meth:`flush`); a failed update raises (once) as :class:`StepFailed`."""
         try:
             self.driver.wait(self.timeout_s)
         except OptimizerError as exc:
             raise StepFailed.from_update(exc) from exc
+        self.flush()
+
+    def flush(self) -> bool:
+        """Async mode: apply the last step's gradients now (the next step's first actions
+        would), so the masters are those of every step so far. Called before anything reads
+        the masters or the optimizer state (``masters``, ``evaluate``, ``state_dict`` and
+        checkpoints, ``sync_to_model``, ``memory_report``) and by ``close``. It cannot change
+        the trajectory: the next step computes with the shadow written at the end of the step
+        before (not from the masters now), and its own updates then find nothing pending
+        (docs/runtime.md section 5). Returns whether anything was pending; a failed update
+        is undone, leaves the gradients pending and raises :class:`StepFailed`."""
+        try:
+            return self.driver.flush()
+        except OptimizerError as exc:
+            raise StepFailed(None, None, None, exc, where="the optimizer update (a flush of "
+                             "the pending gradients)", step=self.driver.pending_step,
+                             message="Undone: the gradients stay pending for the next step "
+                             "or flush.") from exc
 
     def masters(self) -> dict[str, torch.Tensor]:
         """The fp32 master weights by parameter name (live views; see ``state_dict`` for
@@ -621,6 +643,8 @@ class Trainer:
                 warnings.warn("close(): the running step did not stop in time; shutting down "
                               "anyway", RuntimeWarning, stacklevel=2)
             self.driver.wait(self.timeout_s)
+            if finished:
+                self.driver.flush()  # async: the last step's gradients into the masters
         except BaseException as exc:  # close() must not raise for an earlier failure
             warnings.warn(f"close(): {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
         finally:

@@ -705,8 +705,8 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
     """Peak host bytes. Static: fp32 masters and Adam moments of the trainable parameters
     (12 bytes each, when unit profiles are known); RoundPipe adds one low-precision shadow
     and one fp32 gradient accumulator per parameter, shared by the stages that read it, in
-    async mode a second shadow of the trainable part (rpcompile.passes.memory.HostMemory;
-    without unit profiles: each stage's shadow and accumulator); a baseline adds the bf16
+    async mode a second one, the pending gradients (rpcompile.passes.memory.HostMemory; without
+    unit profiles: each stage's shadow and accumulator); a baseline adds the bf16
     weights of frozen parameters. Dynamic: activations between
     their D2H start and the end of the last H2D reading them, and a job's gradients between
     their D2H start and the end of their ACC."""
@@ -719,7 +719,7 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
     elif sched.stage_workers is None:
         static = sum(s.weight_bytes + s.grad_bytes for s in stages)
         if sched.optimizer == "async":
-            static += sum(s.grad_bytes // 2 for s in stages)
+            static += sum(s.grad_bytes for s in stages)
     else:
         static = 0 if units is None else sum(12 * u.trainable_params + 2 * u.frozen_params
                                              for u in units)

@@ -1,0 +1,79 @@
+"""Simulated async steady state of two paper models on 8x RTX 4090, for a before/after
+comparison of a lowering change (the step barrier in the schedule, async updates in the next
+step): a small subset of ``paper_bubbles.py`` that runs in minutes instead of an hour.
+
+For Qwen3-1.7B and Llama-3.1-8B (the RoundPipe paper's layer times, microbatches of 4 x 2048
+tokens, 16 per round, links set to the paper's activation hop: ``paper_bubbles.py``), each on
+one fixed plan, RoundPipe's own greedy partition (``partition_roundpipe``, with the memory
+waits only where its schedule needs them), so that the plan does not move between the trees
+compared; ``--ours`` adds our partitioner's async plan (slow: minutes per model). Prints and
+writes to JSON, per plan:
+
+  async step ms        steady-state time per step (``steady_step_ms`` over ``steady_steps``)
+  async bubble %       steady-state idle share (1 - ``steady_utilization``)
+  sync step ms         one isolated sync step's makespan, and its bubble %
+
+Run it from the tree to measure (``PYTHONPATH=<tree> python3 benchmarks/async_barrier.py``;
+the script reads only APIs both trees have).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from paper_bubbles import MICROBATCH_SIZE, MICROBATCHES, SEQ, WORKERS, paper_hardware
+
+from rpcompile.planner.partition import fit_memory_waits, partition
+from rpcompile.planner.partition_baseline import partition_roundpipe
+from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
+from rpcompile.workloads.paper import MODELS
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def figures(plan, hw) -> dict[str, float]:
+    steady = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
+    one = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")
+    return {"async_step_ms": steady_step_ms(steady),
+            "async_bubble_pct": 100 * (1 - steady_utilization(steady)),
+            "sync_step_ms": one.makespan_ms, "sync_bubble_pct": 100 * one.bubble}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["qwen3-1.7b", "llama3.1-8b"],
+                    choices=list(MODELS))
+    ap.add_argument("--ours", action="store_true",
+                    help="also our partitioner's async plan (minutes per model)")
+    ap.add_argument("--json", type=Path, default=RESULTS / "async_barrier.json")
+    args = ap.parse_args()
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name in args.models:
+        model = MODELS[name]
+        hw = paper_hardware(model)
+        units = model.units(MICROBATCH_SIZE, SEQ)
+        plans = {"roundpipe-greedy": fit_memory_waits(partition_roundpipe(
+            units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ), hw)[0]}
+        if args.ours:
+            blocks = model.units(MICROBATCH_SIZE, SEQ, split_layers=True)
+            plans["ours-async"] = partition(blocks, hw, WORKERS, MICROBATCHES,
+                                            MICROBATCH_SIZE, SEQ, optimizer="async")
+        for label, plan in plans.items():
+            t0 = time.perf_counter()
+            row = figures(plan, hw)
+            out.setdefault(name, {})[label] = row
+            print(f"{name:14s} {label:18s} async step {row['async_step_ms']:9.1f} ms  "
+                  f"async bubble {row['async_bubble_pct']:6.2f} %  sync step "
+                  f"{row['sync_step_ms']:9.1f} ms  sync bubble {row['sync_bubble_pct']:6.2f} %"
+                  f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
