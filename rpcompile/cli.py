@@ -167,6 +167,10 @@ def _plan(args: argparse.Namespace) -> int:
     hw = get_hardware(args.hardware)
     if args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
+    if args.shard_optimizer and args.nodes == 1:
+        raise ValueError("--shard-optimizer shards the host state across servers, so it "
+                         "changes nothing on one: add --nodes N (N > 1) to simulate N "
+                         "servers, or leave --shard-optimizer out")
     if args.nodes > 1 and args.schedule != "roundpipe":
         raise ValueError("--nodes simulates RoundPipe pipelines; drop --schedule")
     from rpcompile.hardware import get_link

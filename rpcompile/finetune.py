@@ -312,8 +312,6 @@ def _check(opts: dict[str, Any]) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {opts[name]}")
     if opts["merge"] and not opts["lora"]:
         raise ValueError("--merge merges LoRA adapters; it needs --lora R")
-    if opts["dtype"] == "fp16" and opts["mode"] != "sync":
-        raise ValueError("fp16 trains with dynamic loss scaling, which needs --mode sync")
     if opts["shard_optimizer"] and opts["mode"] != "sync":
         raise ValueError("--shard-optimizer needs --mode sync (a sharded update runs in the "
                          "schedule's host queue, where the ranks' collectives are ordered)")

@@ -379,7 +379,7 @@ EDGE_KINDS = (
     "accumulated",  # ACC -> OPT
     "reduce_ready",  # ACC of a stage's last round -> its REDUCE (data parallel)
     "reduced",  # REDUCE -> the step's first OPT (sync; the gradient check reads every gradient)
-    "updated",  # OPT -> SHADOW of every stage sharing its parameters (sync)
+    "updated",  # OPT -> SHADOW of every stage sharing its parameters
     "pending",  # async OPT(s, k) -> the first ACC of s in step k (update k-1 reads first)
     "shadow",  # SHADOW -> UP that reads that shadow version
     "shadow_read",  # UP -> SHADOW that overwrites the buffer the UP read (write after read)

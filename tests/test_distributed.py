@@ -779,6 +779,9 @@ def test_plan_nodes_prints_scaling(capsys, tmp_path):
     assert main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--nodes", "2",
                  "--shard-optimizer", "--no-fit-search"]) == 2  # async: refused
     assert "shard_optimizer needs mode='sync'" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--optimizer", "sync",
+                 "--shard-optimizer", "--no-fit-search"]) == 2  # one server: nothing to shard
+    assert "changes nothing on one: add --nodes N" in capsys.readouterr().err
     assert main(["plan", "--model", "qwen3-1.7b", "--nodes", "2", "--link", "ib"]) == 2
     assert "unknown link 'ib'; known: eth100, eth25" in capsys.readouterr().err
     assert main(["hardware"]) == 0

@@ -148,11 +148,13 @@ def test_format_bytes():
 
 
 def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
-    # Qwen3-1.7B on 4 GPUs: with plenty of memory the fastest plan's schedule peaks above
-    # 7.2 GiB on a worker although each of its stages alone is below 6.9 GiB. With 7.2 GiB
-    # usable the planner picks a plan whose whole schedule fits, as its recorded peaks say,
-    # and the simulated async run stays under them. (The limit was 8.86 GiB, every worker
-    # above it, until the simulator timed the step barrier and the fastest plan changed.)
+    # Qwen3-1.7B on 4 GPUs: with plenty of memory the fastest plan's schedule peaks on some
+    # worker above what each of its stages alone needs (the next job's weights upload while a
+    # job runs, gradients download after it). With the usable memory set between the two,
+    # every stage fits, the fastest plan does not, and the planner picks a plan whose whole
+    # schedule fits, as its recorded peaks say; the simulated async run stays under them.
+    # (The limit is derived from the fastest plan, which changes with the simulator and the
+    # search: it was a fixed 8.86, then 7.2 GiB, until the fastest plan peaked at 6.6 GiB.)
     from rpcompile.planner.partition import partition
     from rpcompile.sim import steady_steps
     from rpcompile.workloads.paper import MODELS
@@ -161,9 +163,12 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
     options = dict(shortlist=50, search=50, refine=2)
     roomy = replace(get_hardware("rtx4090x8"), memory_gib=24.0).with_gpus(4)
     free = partition(units, roomy, 4, 8, 4, 2048, **options)
-    hw = replace(roomy, memory_gib=8.7)  # 7.2 GiB usable
-    assert max(st.peak_bytes for st in free.stages) <= hw.usable_memory_bytes
-    assert max(free.worker_peak_bytes) > hw.usable_memory_bytes
+    stage_peak = max(st.peak_bytes for st in free.stages)
+    schedule_peak = max(free.worker_peak_bytes)
+    assert schedule_peak > 1.05 * stage_peak  # the overlaps the per-stage check misses
+    usable = (stage_peak + schedule_peak) / 2
+    hw = replace(roomy, memory_gib=roomy.memory_reserve_gib + usable / 2**30)
+    assert stage_peak <= hw.usable_memory_bytes < schedule_peak
     plan = partition(units, hw, 4, 8, 4, 2048, **options)
     assert len(plan.worker_peak_bytes) == 4
     assert max(plan.worker_peak_bytes) <= hw.usable_memory_bytes

@@ -266,3 +266,50 @@ def test_async_updates_run_in_the_next_step_and_a_flush_changes_nothing(qwen3): 
     assert [float(x) for x in flushed_losses] == [float(x) for x in losses]
     for name, value in masters.items():
         assert torch.equal(flushed[name], value), name
+
+
+def test_a_flush_and_a_step_from_two_threads_never_apply_the_gradients_twice(qwen3):  # noqa: F811
+    """Async: a flush (reading the masters) and another thread's step both apply the pending
+    gradients; whichever comes second while the first runs is refused at once, and the run
+    ends with the masters of a run without the attempt (found by review: a step opened while
+    a flush was applying the groups applied them a second time)."""
+    import threading
+
+    data = batches(3, 6)
+
+    def run(order):
+        with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, mode="async") as trainer:
+            trainer.step(data[0])  # leaves step 0's gradients pending
+            refused, calls = [], []
+
+            def attempt(fn, *args):
+                try:
+                    fn(*args)
+                except RuntimeError as exc:
+                    refused.append(str(exc))
+
+            def hold(optimizer, args, kwargs):  # the first update applying step 0's gradients
+                calls.append(1)
+                if len(calls) > 1 or order is None:
+                    return
+                other = (threading.Thread(target=attempt, args=(trainer.masters,))
+                         if order == "step first" else
+                         threading.Thread(target=attempt, args=(trainer.step, data[1])))
+                other.start()
+                other.join(60)
+                assert not other.is_alive()
+
+            handle = trainer.optimizer.register_step_pre_hook(hold)
+            if order == "flush first":
+                trainer.masters()
+            trainer.step(data[1])
+            handle.remove()
+            trainer.step(data[2])
+            return refused, {n: v.clone() for n, v in trainer.masters().items()}
+
+    _, expected = run(None)
+    for order in ("step first", "flush first"):
+        refused, masters = run(order)
+        assert len(refused) == 1, (order, refused)
+        for name, value in expected.items():
+            assert torch.equal(masters[name], value), (order, name)

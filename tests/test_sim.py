@@ -381,3 +381,40 @@ def test_roundpipe_own_plan_against_the_artifact():
     barrier = simulate_roundpipe(plan, hw, steps=steps, optimizer="async")
     one = simulate_roundpipe(plan, hw, steps=1, optimizer="async")
     assert 100 * (1 - steady_utilization(barrier)) == pytest.approx(100 * one.bubble, abs=0.2)
+
+
+def test_paused_gc_from_many_threads_leaves_the_collector_as_it_found_it():
+    """The simulator pauses Python's cyclic GC during a replay; blocks entered and left from
+    several threads at once must not leave it off for the process (found by review: each
+    block restored what it alone had seen, so one that saw another's pause never turned the
+    collector back on)."""
+    import gc
+    import sys
+    import threading
+
+    from rpcompile.sim.engine import paused_gc
+
+    def loop():
+        for _ in range(5000):
+            with paused_gc():
+                pass
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(3):
+            threads = [threading.Thread(target=loop) for _ in range(4)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert gc.isenabled()
+    finally:
+        sys.setswitchinterval(interval)
+    gc.disable()
+    try:
+        with paused_gc():
+            pass
+        assert not gc.isenabled()  # off before, off after
+    finally:
+        gc.enable()

@@ -73,7 +73,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -485,7 +486,7 @@ class Executor:
     CUDA, the torch reference elsewhere; ``"torch"``; ``"triton"``, run by Triton's
     interpreter on CPU workers), see :mod:`rpcompile.runtime.kernels`. ``skip_nonfinite``:
     a step whose gradients hold an inf or NaN is not applied (the driver discards it).
-    ``loss_scaler`` (sync mode): each step's backward starts from the loss times
+    ``loss_scaler`` (either mode): each step's backward starts from the loss times
     ``loss_scaler.scale``; after the step the scaler sees the non-finite flags: a clean step's
     gradients are divided by that scale and applied, a non-finite one is skipped (and the
     scale backs off), as with torch.amp.GradScaler.
@@ -630,6 +631,22 @@ class Executor:
             return True
         return False
 
+    @contextmanager
+    def between_steps(self, what: str) -> Iterator[None]:
+        """Hold off steps while ``what`` runs (a flush of the pending gradients, which a step
+        starting meanwhile would apply a second time); refused at once while a step runs in
+        another thread, as a second ``step()`` is."""
+        if not self._step_lock.acquire(blocking=False):
+            raise RuntimeError(
+                f"{what} was called while a step() is running in another thread: it reads or "
+                "applies the updates the step is changing. Call it between steps, from the "
+                "thread that runs them, or serialize the calls with a lock."
+            )
+        try:
+            yield
+        finally:
+            self._step_lock.release()
+
     # -- one step --------------------------------------------------------------------------
     def run_step(self, batch: Mapping[str, torch.Tensor]) -> StepResult:
         """Run one optimizer step over ``batch`` (a normalized batch dict, dim 0 = sequences)
@@ -639,9 +656,10 @@ class Executor:
         raises at once."""
         if not self._step_lock.acquire(blocking=False):
             raise RuntimeError(
-                "step() was called while another step() is still running (from another "
-                "thread): a trainer runs one step at a time, in order. Call step() from one "
-                "thread, or serialize the calls with a lock."
+                "step() was called while another step() (or a flush of the pending "
+                "gradients) is still running from another thread: a trainer runs one step at "
+                "a time, in order. Call step() from one thread, or serialize the calls with a "
+                "lock."
             )
         try:
             if self._closed:

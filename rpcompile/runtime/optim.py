@@ -67,10 +67,12 @@ from __future__ import annotations
 
 import copy
 import queue
+import signal
 import threading
 import traceback
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -462,7 +464,7 @@ class OptimizerDriver:
         if missing:
             raise RuntimeError(f"step {state.step}: the schedule ran no OPT of gradient stages "
                                f"{sorted(missing)}")
-        with self._lock:
+        with _interrupts_held(), self._lock:  # no Ctrl-C between the swap and its record
             if self.shifted:
                 self.store.swap_pending()
                 self._pending = _Pending(state.step, state.hyperparams)
@@ -793,3 +795,22 @@ def _completed_state(step: int, groups: int) -> _StepState:
     for event in [*done.group_done, done.refreshed]:
         event.set()
     return done
+
+
+@contextmanager
+def _interrupts_held() -> Iterator[None]:
+    """SIGINT and SIGTERM held back while the block runs (the main thread, POSIX), delivered
+    as soon as it ends: a ``KeyboardInterrupt`` between the gradient buffers' swap and the
+    record of which step they hold would leave the pending gradients named for the wrong
+    step. Elsewhere (another thread, Windows) signals never interrupt the block's thread
+    anyway, or cannot be held, and the block runs as it is."""
+    if (threading.current_thread() is not threading.main_thread()
+            or not hasattr(signal, "pthread_sigmask")):
+        yield
+        return
+    held = {signal.SIGINT, signal.SIGTERM}
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, held)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)

@@ -358,7 +358,9 @@ class Trainer:
         (docs/runtime.md section 5). Returns whether anything was pending; a failed update
         is undone, leaves the gradients pending and raises :class:`StepFailed`."""
         try:
-            return self.driver.flush()
+            with self.executor.between_steps("a flush of the pending gradients (masters(), "
+                                             "evaluate, state_dict, checkpoints)"):
+                return self.driver.flush()
         except OptimizerError as exc:
             raise StepFailed(None, None, None, exc, where="the optimizer update (a flush of "
                              "the pending gradients)", step=self.driver.pending_step,

@@ -27,6 +27,7 @@ Ties are broken by fixed orders (worker, stream, list position), so a replay is 
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -185,15 +186,27 @@ def paused_gc() -> Iterator[None]:
     A replay (and the lowering before it) allocates hundreds of thousands of small objects
     while a schedule's actions are alive, and every collection walks them all: a third of an
     async replay's time. Nothing here makes reference cycles, so nothing waits for a
-    collection; the collector's on/off state is the process's, restored only by the block
-    that turned it off, so nested and concurrent blocks leave it as they found it."""
-    was_enabled = gc.isenabled()
-    gc.disable()
+    collection. The collector's on/off state is the process's: blocks in any number of
+    threads count themselves under one lock, the first turns the collector off and the last
+    one out restores what the first found."""
+    global _gc_depth, _gc_was_enabled
+    with _gc_lock:
+        if _gc_depth == 0:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+        _gc_depth += 1
     try:
         yield
     finally:
-        if was_enabled:
-            gc.enable()
+        with _gc_lock:
+            _gc_depth -= 1
+            if _gc_depth == 0 and _gc_was_enabled:
+                gc.enable()
+
+
+_gc_lock = threading.Lock()
+_gc_depth = 0  # paused_gc blocks running now, in every thread
+_gc_was_enabled = True  # what the first of them found
 
 
 # --------------------------------------------------------------------------------------------
