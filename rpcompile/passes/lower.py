@@ -55,6 +55,7 @@ __all__ = [
     "gradient_groups",
     "lower",
     "runtime_schedule",
+    "trainable_parameters",
     "updates_deferred",
 ]
 
@@ -516,35 +517,46 @@ def updates_deferred(sched: Schedule) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def gradient_groups(plan: Plan) -> dict[frozenset[int], int]:
-    """The plan's fp32 gradient bytes by the set of backward stages whose gradients they sum:
-    each parameter once, in the group of every gradient stage that holds it (a tied embedding
-    and LM head: the tail and the first backward stage). A parameter is reduced across ranks
-    once all of its group's stages are home, as the runtime's ``DataParallel.stage_done``
-    does."""
+def trainable_parameters(plan: Plan) -> dict[tuple, tuple[int, frozenset[int]]]:
+    """Each trainable parameter of the plan once, by key: ``("lent", unit, elements)`` for
+    trainable elements other units borrow from ``unit`` (a tied embedding), ``("own", unit)``
+    for the rest of a unit's trainable elements; each with its element count and the set of
+    backward stages whose gradients sum into it (the stage holding the unit, plus every
+    stage of a borrowing unit). Lent keys first, in the order they are borrowed, then own
+    keys in unit order."""
     owner: dict[int, int] = {}  # unit -> the gradient stage holding it
     for st in plan.stages:
         if st.kind != "forward":
             for u in st.units:
                 owner[u] = st.index
-    holders: dict[tuple[int, int], set[int]] = {}  # (owner unit, elements) -> stages
+    lent: dict[tuple, set[int]] = {}
+    shared: dict[int, int] = {}  # unit -> its trainable elements lent to other units
     for v, unit in enumerate(plan.units):
         for o, numel, trainable in unit.borrowed:
             if trainable:
-                holders.setdefault((o, numel), {owner[o]}).add(owner[v])
-    groups: dict[frozenset[int], int] = {}
-    shared: dict[int, int] = {}
-    for (o, numel), stages in holders.items():
-        key = frozenset(stages)
-        groups[key] = groups.get(key, 0) + GRAD_BYTES * numel
-        shared[o] = shared.get(o, 0) + numel
+                key = ("lent", o, numel)
+                if key not in lent:
+                    shared[o] = shared.get(o, 0) + numel
+                lent.setdefault(key, {owner[o]}).add(owner[v])
+    params = {key: (key[2], frozenset(stages)) for key, stages in lent.items()}
     for u, unit in enumerate(plan.units):
         own = unit.trainable_params - shared.get(u, 0)
         if own < 0:
             raise ValueError(f"unit {unit.name} lends more trainable elements than it has")
         if own:
-            key = frozenset({owner[u]})
-            groups[key] = groups.get(key, 0) + GRAD_BYTES * own
+            params[("own", u)] = (own, frozenset({owner[u]}))
+    return params
+
+
+def gradient_groups(plan: Plan) -> dict[frozenset[int], int]:
+    """The plan's fp32 gradient bytes by the set of backward stages whose gradients they sum:
+    each parameter once (:func:`trainable_parameters`), in the group of every gradient stage
+    that holds it (a tied embedding and LM head: the tail and the first backward stage). A
+    parameter is reduced across ranks once all of its group's stages are home, as the
+    runtime's ``DataParallel.stage_done`` does."""
+    groups: dict[frozenset[int], int] = {}
+    for numel, stages in trainable_parameters(plan).values():
+        groups[stages] = groups.get(stages, 0) + GRAD_BYTES * numel
     return groups
 
 

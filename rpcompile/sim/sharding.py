@@ -12,6 +12,7 @@ units and the schedule's host queue, so the simulator times the bytes the runtim
 from __future__ import annotations
 
 from rpcompile.ir import Action, Plan, Schedule
+from rpcompile.passes.lower import trainable_parameters
 
 __all__ = ["shadow_gather_bytes"]
 
@@ -24,27 +25,10 @@ def _parameters(plan: Plan) -> tuple[dict[_Key, int], dict[_Key, frozenset[int]]
                                      dict[int, list[_Key]]]:
     """(elements, gradient stages) of each trainable parameter key, and the keys each stage
     reads."""
-    owner: dict[int, int] = {}  # unit -> the gradient stage holding it
-    for st in plan.stages:
-        if st.kind != "forward":
-            for u in st.units:
-                owner[u] = st.index
-    lent: dict[_Key, set[int]] = {}
-    shared: dict[int, int] = {}
-    for v, unit in enumerate(plan.units):
-        for o, numel, trainable in unit.borrowed:
-            if trainable:
-                key = ("lent", o, numel)
-                if key not in lent:
-                    shared[o] = shared.get(o, 0) + numel
-                lent.setdefault(key, {owner[o]}).add(owner[v])
-    elements: dict[_Key, int] = {key: key[2] for key in lent}
-    stages_of: dict[_Key, frozenset[int]] = {key: frozenset(s) for key, s in lent.items()}
-    for u, unit in enumerate(plan.units):
-        own = unit.trainable_params - shared.get(u, 0)
-        if own > 0:
-            elements[("own", u)] = own
-            stages_of[("own", u)] = frozenset({owner[u]})
+    params = trainable_parameters(plan)
+    elements: dict[_Key, int] = {key: numel for key, (numel, _) in params.items()}
+    stages_of: dict[_Key, frozenset[int]] = {key: stages for key, (_, stages) in params.items()}
+    lent = [key for key in params if key[0] == "lent"]
     reads: dict[int, list[_Key]] = {}
     for st in plan.stages:
         keys: list[_Key] = []
