@@ -176,7 +176,12 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
             result["elapsed"] = time.monotonic() - start
             result["after"] = {k: v.clone() for k, v in trainer.masters().items()}
             if rank == 1 and scenario == "raise":
-                time.sleep(15)  # alive, so the other rank can only learn of it by its deadline
+                # Alive until rank 0 is done, so that it learns of the failure from the
+                # announcement, not from closed connections.
+                limit = time.monotonic() + 30.0
+                while not os.path.exists(os.path.join(out, "rank0.pt")) and \
+                        time.monotonic() < limit:
+                    time.sleep(0.1)
             compiled.close()
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
