@@ -296,3 +296,43 @@ def test_every_set_of_waits_is_proven_and_the_first_that_fits_is_kept():
     chosen, _lowered, peaks = fit_memory_waits(plan, hw, capacity=capacity, steps=4)
     assert chosen.memory_waits == next(w for w in WAIT_SETS if proven[w] <= capacity)
     assert max(p.peak_bytes for p in peaks) <= capacity
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_host_memory_model_equals_what_the_host_store_of_a_lora_model_holds(mode):
+    # A frozen-base LoRA Qwen3 trained two steps with AdamW: the plan's host figure, part by
+    # part, equals the bytes of the buffers the runtime allocated (measured on the tensors):
+    # one low-precision copy of every parameter (the frozen base has nothing else), fp32
+    # masters, Adam moments and the gradient buffers (two in async mode) of the adapters only.
+    peft = pytest.importorskip("peft")
+    from rpcompile.passes.memory import host_memory
+
+    base = hf_model("qwen3", layers=2)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
+                                                      target_modules="all-linear"))
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                                 device="virtual")
+    with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-3), device="virtual",
+                 mode=mode) as trainer:
+        for seed in range(2):
+            trainer.step(token_batch(4, seed=seed))
+        store = trainer.store
+        moments = steps = 0
+        for state in trainer.optimizer.state.values():
+            for key, value in state.items():
+                if key == "step":
+                    steps += value.nbytes
+                else:
+                    moments += value.nbytes
+        pending = 0 if store.pending is None else store.pending.nbytes
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert 0 < adapters < frozen / 10
+        predicted = host_memory(compiled.plan, mode)
+        assert predicted.shadows == store.shadow.nbytes
+        assert store.shadow.numel() == frozen + adapters  # every parameter once
+        assert predicted.masters == store.master.nbytes == 4 * adapters
+        assert predicted.gradients == store.grad.nbytes + pending
+        assert (pending > 0) == (mode == "async")
+        assert predicted.optimizer == moments
+        assert steps <= 8 * len(trainer.optimizer.state)  # one scalar per parameter tensor
