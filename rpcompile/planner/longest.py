@@ -3,11 +3,13 @@
 Whether a length fits is a memory question, so the search asks only that, with one proof per
 trial length and no timing replay. At each length it builds the plan that holds least device
 memory, :func:`memory_first_plan`: every unit its own forward stage and its own backward stage,
-the fused tail the last unit alone, every memory-bounding wait of the lowering in place. Each
-term of a worker's memory (a job's weights twice for the prefetch, its fp32 gradients, one
-microbatch's working set, the values and inputs it holds) is then the smallest any cut gives:
-a backward stage of one unit recomputes no more than layer-by-layer recompute would, and more
-waits only shorten what the schedule holds (rpcompile.passes.memory). The proof
+the fused tail the last unit alone, every memory-bounding wait of the lowering in place. A
+job's weights (twice, for the prefetch), its fp32 gradients and one microbatch's working set
+are then the smallest any cut gives: a backward stage of one unit recomputes no more than
+layer-by-layer recompute would, and more waits only shorten what the schedule holds
+(rpcompile.passes.memory). Only the values a worker holds (boundary activations and their
+gradients) grow with the number of cuts, so a coarser plan may fit a little longer where
+values make up the peak. The proof
 (:func:`rpcompile.passes.memory.worker_peaks`) runs over the schedule's lowered steps; with the
 step barrier in place (a step's actions all end before the next step's start), the proof of
 one dispatch period of steps and one more step (every pair of consecutive step alignments)
@@ -18,8 +20,8 @@ lowered schedule fits the GPUs. Searching: doubling from ``start`` while the len
 bisecting between the last length that fits and the first that does not, to a multiple of
 ``step`` tokens. The limit named at the first length that does not fit is a unit whose stage
 alone is too large (no schedule can help), or the worker, action and memory parts at the peak
-of the memory-first plan's proof. The search is not exhaustive over plans: a plan it does not
-build cannot be longer by memory in any term above, but the proof is of that one plan.
+of the memory-first plan's proof. The search is not exhaustive over plans: the length it
+reports is proven for the plan it returns, and the limit named is that plan's.
 
 The memory-first plan is slow (many short jobs, one activation hop per layer); run the
 partitioner at the length found for the fastest plan that fits (``rpcompile plan --seq``).
