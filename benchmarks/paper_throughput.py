@@ -24,10 +24,11 @@ Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B
 ``--max-simulations N`` caps the partitioner's replays per search (default: its own cap,
 rpcompile.planner.partition.SIMULATION_CAPS): a capped search that stops before its proof
 says so in the plan's notes, printed with the line, with the most a candidate it did not
-replay could be faster.
+replay could be faster. ``--refine N`` caps the async boundary refinement's replays (default
+16; 0 turns it off).
 
-    python benchmarks/paper_throughput.py [--models ...] [--max-simulations N] [--json PATH]
-                                          [--png PATH]
+    python benchmarks/paper_throughput.py [--models ...] [--max-simulations N] [--refine N]
+                                          [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -95,6 +96,9 @@ def main() -> None:
     ap.add_argument("--max-simulations", type=int, default=None, metavar="N",
                     help="cap the partitioner's simulator replays per search (default: its "
                          "own cap; a search stopped before its proof says so)")
+    ap.add_argument("--refine", type=int, default=None, metavar="N",
+                    help="cap the async boundary refinement's simulator replays (default: "
+                         "the partitioner's 16; 0 turns it off)")
     ap.add_argument("--json", type=Path, default=RESULTS / "paper_throughput.json",
                     help="where to write {model: {config: tokens_per_s or null}}")
     ap.add_argument("--png", type=str, default=RESULTS / "paper_throughput.png",
@@ -106,8 +110,9 @@ def main() -> None:
     for name in args.models:
         row: dict[str, float | None] = {}
         notes = {}
-        ours = (partition if args.max_simulations is None else
-                partial(partition, max_simulations=args.max_simulations))
+        caps = {k: v for k, v in (("max_simulations", args.max_simulations),
+                                  ("refine", args.refine)) if v is not None}
+        ours = partial(partition, **caps)
         row["rpcompile"], notes["rpcompile"] = roundpipe_tokens_per_s(name, ours)
         row["roundpipe-partition"], notes["roundpipe-partition"] = roundpipe_tokens_per_s(
             name, partition_roundpipe)
