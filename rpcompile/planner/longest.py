@@ -44,6 +44,7 @@ from rpcompile.passes.lower import MEMORY_WAITS, lower
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
 from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.planner.partition import StageCosting, build_plan
+from rpcompile.sim.engine import paused_gc
 
 __all__ = ["LongestSequence", "longest_sequence", "memory_first_plan", "proof_steps",
            "proven_peaks"]
@@ -99,8 +100,6 @@ def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
                  steps: int | None = None) -> tuple[WorkerPeak, ...]:
     """The proven peak of every worker over ``plan``'s lowered schedule of ``steps`` steps
     (default :func:`proof_steps`), dispatched and lowered as the simulator runs it."""
-    from rpcompile.sim.engine import paused_gc
-
     steps = proof_steps(plan, rounds, optimizer) if steps is None else steps
     with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
         compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
