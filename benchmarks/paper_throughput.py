@@ -21,7 +21,14 @@ for the CUDA context and the allocator); a plan over it is marked "over the GPU!
 Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B (paper: about
 8,900 tokens/s).
 
-    python benchmarks/paper_throughput.py [--models ...] [--json PATH] [--png PATH]
+``--max-simulations N`` caps the partitioner's replays per search (default: its own cap,
+rpcompile.planner.partition.SIMULATION_CAPS): a capped search that stops before its proof
+says so in the plan's notes, printed with the line, with the most a candidate it did not
+replay could be faster. ``--refine N`` caps the async boundary refinement's replays (default
+16; 0 turns it off).
+
+    python benchmarks/paper_throughput.py [--models ...] [--max-simulations N] [--refine N]
+                                          [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -30,10 +37,11 @@ import argparse
 import json
 import math
 import time
+from functools import partial
 from pathlib import Path
 
 from rpcompile.hardware import get_hardware
-from rpcompile.passes.memory import worker_peaks
+from rpcompile.passes.memory import host_memory, worker_peaks
 from rpcompile.planner.partition import partition
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms, steady_steps
@@ -56,10 +64,13 @@ def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8) -> tuple[float
                            optimizer="async", rounds=w.rounds)
     peak = max(r.peak_device_bytes) / 2**30
     proven = max(p.peak_bytes for p in worker_peaks(r.schedule, plan))
+    host = host_memory(plan, "async", r.peak_host_bytes)
+    search = next((n for n in plan.notes if n.startswith("search: NOT proven")), "")
     note = (f"{plan.num_forward}F+{len(plan.stages) - plan.num_forward}B stages, bubble "
             f"{100 * r.bubble:.1f}%, peak {peak:.1f} GiB simulated, {proven / 2**30:.1f} GiB "
             f"proven (usable {hw.usable_memory_bytes / 2**30:.1f})"
-            + (" (over the GPU!)" if proven > hw.usable_memory_bytes else ""))
+            + (" (over the GPU!)" if proven > hw.usable_memory_bytes else "")
+            + f", host {host.total / 2**30:.1f} GiB" + (f"; {search}" if search else ""))
     return w.tokens_per_step / (steady_step_ms(r) / 1e3), note
 
 
@@ -82,6 +93,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
+    ap.add_argument("--max-simulations", type=int, default=None, metavar="N",
+                    help="cap the partitioner's simulator replays per search (default: its "
+                         "own cap; a search stopped before its proof says so)")
+    ap.add_argument("--refine", type=int, default=None, metavar="N",
+                    help="cap the async boundary refinement's simulator replays (default: "
+                         "the partitioner's 16; 0 turns it off)")
     ap.add_argument("--json", type=Path, default=RESULTS / "paper_throughput.json",
                     help="where to write {model: {config: tokens_per_s or null}}")
     ap.add_argument("--png", type=str, default=RESULTS / "paper_throughput.png",
@@ -93,7 +110,10 @@ def main() -> None:
     for name in args.models:
         row: dict[str, float | None] = {}
         notes = {}
-        row["rpcompile"], notes["rpcompile"] = roundpipe_tokens_per_s(name, partition)
+        caps = {k: v for k, v in (("max_simulations", args.max_simulations),
+                                  ("refine", args.refine)) if v is not None}
+        ours = partial(partition, **caps)
+        row["rpcompile"], notes["rpcompile"] = roundpipe_tokens_per_s(name, ours)
         row["roundpipe-partition"], notes["roundpipe-partition"] = roundpipe_tokens_per_s(
             name, partition_roundpipe)
         for kind in ("1f1b", "gpipe"):

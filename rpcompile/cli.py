@@ -14,9 +14,10 @@ recomputes whole stages unless that plan does not fit, then takes the faster pla
 cut again by stage or layer by layer) and the longest sequence that fits, and writes the
 schedule as CSV,
 Chrome-trace JSON and PNG. ``--longest`` searches the longest sequence that fits with one
-sequence per microbatch (or the microbatch ``--batch`` gives), prints it with what limits the
-next length (the unit or the worker, action and memory parts at the peak) and the plan at
-that length. Without ``--batch`` it picks the smallest batch (doubling the
+sequence per microbatch (or the microbatch ``--batch`` gives), one memory proof per trial
+length of the memory-first plan (every unit its own stage; rpcompile.planner.longest), prints
+it with what limits the next length (the unit or the worker, action and memory parts at the
+peak) and that plan with its proven peak. Without ``--batch`` it picks the smallest batch (doubling the
 microbatch up to 64 sequences) whose plan gives every worker a job each step; a plan that
 leaves workers idle says so. For
 RoundPipe with the async optimizer it also simulates a run of steps (two warm-up steps
@@ -88,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--longest", action="store_true",
                       help="search the longest sequence that fits (one sequence per "
                            "microbatch unless --batch is given) and print it, what limits "
-                           "the next length, and the plan at that length")
+                           "the next length, and the memory-first plan (every unit its own "
+                           "stage) proven to fit at that length")
     plan.add_argument("--host-ram", type=float, default=None, metavar="GIB",
                       help="host RAM of the target server in GiB (default: the profile's, "
                            "else this machine's); the plan's host memory is checked against it")
@@ -329,7 +331,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.longest and args.schedule == "roundpipe":
         b = 1 if args.batch is None else plan.microbatch_size
         found = longest_sequence(compiled, hw, gpus, micro, args.rounds, microbatch_size=b,
-                                 optimizer=args.optimizer, recompute=args.recompute)
+                                 optimizer=args.optimizer)
         summary["longest"] = {"microbatch_size": b, "seq_len": found.seq_len,
                               "next_len": found.next_len, "limit": found.why}
         print(f"\nlongest sequence that fits ({micro} microbatches of {b} sequence"
@@ -341,7 +343,7 @@ def _plan(args: argparse.Namespace) -> int:
                   f"{hw.usable_memory_bytes / 2**30:.2f} GiB usable")
     elif not args.no_fit_search and args.schedule == "roundpipe":
         found = longest_sequence(compiled, hw, gpus, micro, args.rounds,
-                                 optimizer=args.optimizer, recompute=args.recompute)
+                                 optimizer=args.optimizer)
         summary["longest_seq"] = found.seq_len
         print(f"longest sequence that fits (microbatch of {plan.microbatch_size}): "
               f"{found.describe()}")
@@ -418,8 +420,7 @@ def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimiz
 
 
 def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
-                     microbatch_size: int | None = None, optimizer: str = "async",
-                     recompute: str = "auto"):
+                     microbatch_size: int | None = None, optimizer: str = "async"):
     """The longest sequence for which some plan fits (rpcompile.planner.longest), at
     ``microbatch_size`` sequences per microbatch (default: the plan's), searched from the
     plan's length up to the model's ``max_position_embeddings`` to a multiple of 64 tokens."""
@@ -436,7 +437,7 @@ def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
     return longest.longest_sequence(
         lambda s: unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes),
         hw, gpus, micro, b, rounds, costing=costing, optimizer=optimizer, start=start,
-        step=min(64, start), limit=limit, recompute=recompute)
+        step=min(64, start), limit=limit)
 
 
 if __name__ == "__main__":

@@ -200,6 +200,9 @@ class Compiled:
                     self._write_pretrained(directory, merge)
                 except Exception as exc:  # every rank must reach the agreement
                     error = exc
+                except BaseException as exc:  # announced: the others stop at once
+                    trainer.dp.interrupted(exc, f"writing the model to {directory}")
+                    raise
             trainer.dp.settle(error, f"writing the model to {directory} (rank 0 writes)")
             return
         self._write_pretrained(directory, merge)

@@ -86,6 +86,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("shard_optimizer", False, "under torchrun: each rank keeps the fp32 masters and "
            "optimizer state of 1/N of the parameters (ZeRO-1 style; --mode sync); evaluation "
            "and final/ gather the masters from every rank; one process: no change", bool),
+    Option("checkpoint_per_rank", False, "with --shard-optimizer under torchrun: each rank "
+           "writes its own shard's file into each checkpoint and rank 0 a manifest listing "
+           "them (no rank gathers the whole state; OUT must be on a file system every server "
+           "can write); a resume on any number of ranks reads only the files holding its "
+           "shard; one process: one file as usual", bool),
     Option("recompute", "auto", "how backward stages recompute their forward: stage (all "
            "layers at once), layer (one layer at a time, one more forward), auto (stage unless "
            "that plan does not fit, then the faster plan that fits, by stage or layer)", str, ("auto", "stage", "layer")),
@@ -312,6 +317,10 @@ def _check(opts: dict[str, Any]) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {opts[name]}")
     if opts["merge"] and not opts["lora"]:
         raise ValueError("--merge merges LoRA adapters; it needs --lora R")
+    if opts["checkpoint_per_rank"] and not opts["shard_optimizer"]:
+        raise ValueError("--checkpoint-per-rank writes each rank's shard of a sharded state: "
+                         "it needs --shard-optimizer (without it every rank holds the whole "
+                         "state and rank 0 writes it)")
     if opts["shard_optimizer"] and opts["mode"] != "sync":
         raise ValueError("--shard-optimizer needs --mode sync (a sharded update runs in the "
                          "schedule's host queue, where the ranks' collectives are ordered)")
@@ -566,7 +575,7 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
                     manager.save(compiled, step, extra={
                         "step": step, "data": iterator.state(),
                         "scheduler": scheduler.state_dict(), "epoch": iterator.epoch,
-                    })
+                    }, per_rank=sharded and opts["checkpoint_per_rank"])
         evaluate(total)
         final = out / "final"
         if lead or sharded:  # sharded: a collective (the masters gathered), rank 0 writes

@@ -179,10 +179,13 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
 
 
 def test_longest_sequence_is_the_last_length_that_fits():
-    # Qwen3-1.7B with a whole-microbatch tail on 4 GPUs of 8 GiB: the search stops where the
-    # partitioner's answer changes, one step apart, and names what does not fit there.
-    from rpcompile.planner.longest import QUICK_PARTITION, longest_sequence
+    # Qwen3-1.7B with a whole-microbatch tail on 4 GPUs of 8 GiB: the search stops one step
+    # before the first length that does not fit, names what does not fit there (the tail
+    # alone), and the plan it returns runs in the simulator under its proof, which equals the
+    # proof over the simulator's whole steady-state run (the partitioner's check).
+    from rpcompile.planner.longest import longest_sequence
     from rpcompile.planner.partition import partition
+    from rpcompile.sim import steady_steps
     from rpcompile.workloads.paper import MODELS
 
     model = MODELS["qwen3-1.7b"]
@@ -194,13 +197,58 @@ def test_longest_sequence_is_the_last_length_that_fits():
     found = longest_sequence(units, hw, 4, 5, 1, start=1024, step=512)
     assert found.seq_len >= 1024 and found.seq_len % 512 == 0
     assert found.next_len == found.seq_len + 512
-    plan = partition(units(found.seq_len), hw, 4, 5, 1, found.seq_len, **QUICK_PARTITION)
+    plan = found.plan
+    assert plan is not None and plan.seq_len == found.seq_len
     assert max(plan.worker_peak_bytes) <= hw.usable_memory_bytes
-    assert found.plan is not None and found.plan.seq_len == found.seq_len
-    with pytest.raises(PartitionError) as info:
-        partition(units(found.next_len), hw, 4, 5, 1, found.next_len, **QUICK_PARTITION)
-    assert str(info.value) == found.why and "'tail'" in found.why
+    r = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
+    assert tuple(p.peak_bytes for p in worker_peaks(r.schedule, plan)) == plan.worker_peak_bytes
+    assert max(r.peak_device_bytes) <= max(plan.worker_peak_bytes)
+    assert "'tail'" in found.why and "alone" in found.why
     assert f"at {found.next_len:,} tokens" in found.describe()
+    with pytest.raises(PartitionError, match="'tail'"):  # nor does the partitioner fit it
+        partition(units(found.next_len), hw, 4, 5, 1, found.next_len, max_simulations=1,
+                  search=0, refine=0, shortlist=4)
+
+
+def test_longest_sequence_names_the_peak_of_the_schedule_that_does_not_fit():
+    # With 4,096-token loss chunks no stage alone is the limit: the first length that does not
+    # fit is over by the proof of its whole schedule, the last one that fits is under it.
+    from rpcompile.planner.longest import longest_sequence, memory_first_plan, proven_peaks
+    from rpcompile.workloads.paper import MODELS
+
+    model = MODELS["qwen3-1.7b"]
+    hw = replace(get_hardware("rtx4090x8"), memory_gib=8.0).with_gpus(4)
+
+    def units(s):
+        return model.units(1, s, loss_chunk_tokens=4096)
+
+    found = longest_sequence(units, hw, 4, 5, 1, start=4096, step=4096)
+    assert found.seq_len >= 8192 and found.next_len == found.seq_len + 4096
+    assert "whole schedule peaks at worker" in found.why
+    over = memory_first_plan(units(found.next_len), hw, 4, 5, 1, found.next_len)
+    assert all(s.peak_bytes <= hw.usable_memory_bytes for s in over.stages)
+    assert max(p.peak_bytes for p in proven_peaks(over)) > hw.usable_memory_bytes
+    assert max(found.plan.worker_peak_bytes) <= hw.usable_memory_bytes
+
+
+@pytest.mark.parametrize("waits", [(), MEMORY_WAITS])
+def test_the_proof_of_one_dispatch_period_equals_the_steady_state_runs(waits):
+    # The longest-sequence search proves one dispatch period of steps and one more step; with
+    # the step barrier that is the proof of the simulator's longer run, for a memory-first
+    # plan and for RoundPipe's own plan (rounds 1 and 2).
+    from rpcompile.planner.longest import memory_first_plan, proof_steps, proven_peaks
+    from rpcompile.sim import steady_steps
+    from rpcompile.workloads.paper import MODELS, hop_hardware, roundpipe_qwen3_1_7b_plan
+
+    hw = get_hardware("rtx4090x8")
+    first = memory_first_plan(MODELS["llama3.1-8b"].units(1, 8192), hw, 8, 10, 1, 8192)
+    rp = roundpipe_qwen3_1_7b_plan(hop_hardware(MODELS["qwen3-1.7b"]))
+    for plan, rounds in ((first, 1), (rp, 1), (rp, 2)):
+        plan = replace(plan, memory_waits=waits)
+        assert proof_steps(plan, rounds) < steady_steps(plan, rounds=rounds)
+        short = proven_peaks(plan, rounds)
+        long = proven_peaks(plan, rounds, steps=steady_steps(plan, rounds=rounds))
+        assert [p.peak_bytes for p in short] == [p.peak_bytes for p in long]
 
 
 @pytest.mark.parametrize("gib,chunk", [(0.6, 1024), (3.0, None)])
@@ -248,3 +296,43 @@ def test_every_set_of_waits_is_proven_and_the_first_that_fits_is_kept():
     chosen, _lowered, peaks = fit_memory_waits(plan, hw, capacity=capacity, steps=4)
     assert chosen.memory_waits == next(w for w in WAIT_SETS if proven[w] <= capacity)
     assert max(p.peak_bytes for p in peaks) <= capacity
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_host_memory_model_equals_what_the_host_store_of_a_lora_model_holds(mode):
+    # A frozen-base LoRA Qwen3 trained two steps with AdamW: the plan's host figure, part by
+    # part, equals the bytes of the buffers the runtime allocated (measured on the tensors):
+    # one low-precision copy of every parameter (the frozen base has nothing else), fp32
+    # masters, Adam moments and the gradient buffers (two in async mode) of the adapters only.
+    peft = pytest.importorskip("peft")
+    from rpcompile.passes.memory import host_memory
+
+    base = hf_model("qwen3", layers=2)
+    model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
+                                                      target_modules="all-linear"))
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                                 device="virtual")
+    with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-3), device="virtual",
+                 mode=mode) as trainer:
+        for seed in range(2):
+            trainer.step(token_batch(4, seed=seed))
+        store = trainer.store
+        moments = steps = 0
+        for state in trainer.optimizer.state.values():
+            for key, value in state.items():
+                if key == "step":
+                    steps += value.nbytes
+                else:
+                    moments += value.nbytes
+        pending = 0 if store.pending is None else store.pending.nbytes
+        frozen = sum(p.numel() for p in model.parameters() if not p.requires_grad)
+        adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        assert 0 < adapters < frozen / 10
+        predicted = host_memory(compiled.plan, mode)
+        assert predicted.shadows == store.shadow.nbytes
+        assert store.shadow.numel() == frozen + adapters  # every parameter once
+        assert predicted.masters == store.master.nbytes == 4 * adapters
+        assert predicted.gradients == store.grad.nbytes + pending
+        assert (pending > 0) == (mode == "async")
+        assert predicted.optimizer == moments
+        assert steps <= 8 * len(trainer.optimizer.state)  # one scalar per parameter tensor

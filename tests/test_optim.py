@@ -418,3 +418,24 @@ def test_frozen_stages_are_no_ops_and_only_adapters_change():
     assert torch.equal(store.shadow[:36], frozen_before[:36])  # base0 then base1: untouched
     assert torch.equal(store.shadow_of("base1.weight"), base1.weight.bfloat16())
     driver.close()
+
+
+def test_an_async_update_without_pending_gradients_is_refused_not_run_as_sync():
+    """``update()`` of an async driver applies the previous step's gradients, kept pending by
+    ``use_pending()``; without it the update would silently apply the step's own gradients
+    (sync semantics), so it is refused, naming the fix. The schedule's path (use_pending,
+    as the executor calls it) still updates."""
+    model = _model()
+    store = _roundpipe_store(model)
+    driver = OptimizerDriver(store, OPTIMIZERS["sgd_nesterov"], mode="async")
+    driver.begin_step()
+    masters = store.master.clone()
+    with pytest.raises(RuntimeError, match=r"needs driver.use_pending\(\)"):
+        driver.update(1)
+    assert torch.equal(store.master, masters)
+    driver.discard_step()
+    driver.use_pending()
+    driver.begin_step()
+    assert driver.update(1) is False  # nothing pending yet: the first step's OPT is idle
+    driver.discard_step()
+    driver.close()

@@ -1,49 +1,123 @@
-"""The longest sequence that fits: search the sequence length at which a plan still fits.
+"""The longest sequence that fits: the longest length at which some plan's whole schedule fits.
 
-:func:`longest_sequence` doubles the sequence length from ``start`` while the partitioner finds
-a plan whose whole lowered schedule fits the GPUs (rpcompile.passes.memory), then bisects
-between the last length that fits and the first that does not, to a multiple of ``step``
-tokens. The first length that does not fit gives the limiting resource: the partitioner's
-error names the unit whose working set alone is too large, or the worker, action and memory
-parts at the peak of the best plan. ``rpcompile plan --longest`` and
-``benchmarks/longest_sequence.py`` print it.
+Whether a length fits is a memory question, so the search asks only that, with one proof per
+trial length and no timing replay. At each length it builds the plan that holds least device
+memory, :func:`memory_first_plan`: every unit its own forward stage and its own backward stage,
+the fused tail the last unit alone, every memory-bounding wait of the lowering in place. A
+job's weights (twice, for the prefetch), its fp32 gradients and one microbatch's working set
+are then the smallest any cut gives: a backward stage of one unit recomputes no more than
+layer-by-layer recompute would, and more waits only shorten what the schedule holds
+(rpcompile.passes.memory). Only the values a worker holds (boundary activations and their
+gradients) grow with the number of cuts, so a coarser plan may fit a little longer where
+values make up the peak. The proof
+(:func:`rpcompile.passes.memory.worker_peaks`) runs over the schedule's lowered steps; with the
+step barrier in place (a step's actions all end before the next step's start), the proof of
+one dispatch period of steps and one more step (every pair of consecutive step alignments)
+equals the proof over the simulator's longer steady-state run, which the partitioner checks.
+
+So a length reported as fitting has a plan, returned with its proven peaks, whose whole
+lowered schedule fits the GPUs. Searching: doubling from ``start`` while the length fits, then
+bisecting between the last length that fits and the first that does not, to a multiple of
+``step`` tokens. The limit named at the first length that does not fit is a unit whose stage
+alone is too large (no schedule can help), or the worker, action and memory parts at the peak
+of the memory-first plan's proof. The search is not exhaustive over plans: the length it
+reports is proven for the plan it returns, and the limit named is that plan's.
+
+The memory-first plan is slow (many short jobs, one activation hop per layer); run the
+partitioner at the length found for the fastest plan that fits (``rpcompile plan --seq``).
+``rpcompile plan --longest`` and ``benchmarks/longest_sequence.py`` print the search.
 
 The caller gives the unit profiles at a sequence length (``units_at``): a compiled model's
 cost model (rpcompile.compiler.unit_profiles), or the paper models' shapes
-(rpcompile.workloads.paper.PaperModel.units). Memory grows with the sequence length, so the lengths that
-fit form a prefix and the search finds its end.
+(rpcompile.workloads.paper.PaperModel.units). Memory grows with the sequence length, so the
+lengths that fit form a prefix and the search finds its end.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
-from rpcompile.planner.partition import PartitionError, StageCosting, partition
+from rpcompile.passes.lower import MEMORY_WAITS, lower
+from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
+from rpcompile.passes.schedule import build_schedule, dispatch_period
+from rpcompile.planner.partition import StageCosting, build_plan
 
-__all__ = ["QUICK_PARTITION", "LongestSequence", "longest_sequence"]
-
-# A quick partition: at each trial length a plan only has to exist; its speed is not searched.
-QUICK_PARTITION = dict(shortlist=20, max_simulations=1, search=0, refine=0)
+__all__ = ["LongestSequence", "longest_sequence", "memory_first_plan", "proof_steps",
+           "proven_peaks"]
 
 
 @dataclass(frozen=True)
 class LongestSequence:
-    """``seq_len``: the longest length found to fit (0: not even ``start``), ``plan`` the plan
-    at that length (None when nothing fits), ``next_len`` the shortest length found not to
-    fit (None: everything up to ``limit`` fits) and ``why``: the partitioner's reason there."""
+    """``seq_len``: the longest length found to fit (0: not even ``start``), ``plan`` the
+    memory-first plan at that length with its proven ``worker_peak_bytes`` (None when nothing
+    fits), ``next_len`` the shortest length found not to fit (None: everything up to
+    ``limit`` fits), ``why``: what does not fit there, and ``proofs``: how many schedules
+    were lowered and proven."""
 
     seq_len: int
     plan: Plan | None
     next_len: int | None
     why: str
+    proofs: int = 0
 
     def describe(self) -> str:
         if self.next_len is None:
             return f"{self.seq_len:,} tokens (the search limit; {self.why})"
         return f"{self.seq_len:,} tokens; at {self.next_len:,} tokens: {self.why}"
+
+
+def memory_first_plan(units: Sequence[UnitProfile], hardware: Hardware | str, workers: int,
+                      microbatches: int, microbatch_size: int = 1, seq_len: int = 1,
+                      rounds: int = 1, costing: StageCosting | None = None) -> Plan:
+    """The plan that holds least device memory per worker: every unit before the tail its
+    own forward stage and its own backward stage, the tail (the last unit) alone, all of the
+    lowering's memory-bounding waits (:data:`~rpcompile.passes.lower.MEMORY_WAITS`)."""
+    n = len(units)
+    if n < 2:
+        raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
+    cuts = list(range(n - 1))
+    plan = build_plan(units, cuts, cuts, n - 1, hardware, workers, microbatches, microbatch_size,
+                      seq_len, rounds, costing,
+                      notes=("memory first: every unit its own stage on both sides "
+                             "(rpcompile.planner.longest)",), steps=1)
+    return replace(plan, memory_waits=tuple(MEMORY_WAITS))
+
+
+def proof_steps(plan: Plan, rounds: int = 1, optimizer: str = "async") -> int:
+    """Steps whose lowered schedule the proof reads: one sync step, or, async, one dispatch
+    period (every alignment of jobs to workers) and one more step, so that every pair of
+    consecutive steps of a longer run appears once."""
+    if optimizer == "sync":
+        return 1
+    return dispatch_period(len(plan.stages) * rounds, plan.workers) + 1
+
+
+def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
+                 steps: int | None = None) -> tuple[WorkerPeak, ...]:
+    """The proven peak of every worker over ``plan``'s lowered schedule of ``steps`` steps
+    (default :func:`proof_steps`), dispatched and lowered as the simulator runs it."""
+    from rpcompile.sim.engine import paused_gc
+
+    steps = proof_steps(plan, rounds, optimizer) if steps is None else steps
+    with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
+        compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
+                                 steps=steps, kind="roundpipe", optimizer=optimizer)
+        lowered, _ = lower(compute, plan, validate=False)
+        return worker_peaks(lowered, plan)
+
+
+def _alone(plan: Plan, capacity: int) -> str:
+    """Why a stage of the memory-first plan cannot fit even alone ('' when each does)."""
+    worst = max(plan.stages, key=lambda s: s.peak_bytes)
+    if worst.peak_bytes <= capacity:
+        return ""
+    names = ", ".join(repr(plan.units[u].name) for u in worst.units)
+    return (f"unit {names} alone needs {format_bytes(worst.peak_bytes)} of device memory as "
+            f"a {worst.kind} stage (weights twice for prefetch, its fp32 gradients and one "
+            f"microbatch's working set) but the GPU has {format_bytes(capacity)} usable")
 
 
 def longest_sequence(
@@ -59,31 +133,39 @@ def longest_sequence(
     start: int = 2048,
     step: int = 1024,
     limit: int = 1 << 20,
-    partition_options: dict | None = None,
-    recompute: str = "auto",
+    capacity_bytes: int | None = None,
 ) -> LongestSequence:
     """The longest sequence (a multiple of ``step``, between ``start`` and ``limit``) at which
-    :func:`~rpcompile.planner.partition.partition` finds a plan for ``workers`` GPUs,
-    ``microbatches`` microbatches of ``microbatch_size`` sequences and ``rounds`` rounds whose
-    whole schedule fits. ``partition_options`` default to :data:`QUICK_PARTITION`.
-    ``recompute``: the partitioner's recompute granularity (``"auto"``: by stage where that
-    fits, else layer by layer; ``"stage"`` or ``"layer"``: only that)."""
+    the memory-first plan (:func:`memory_first_plan`) for ``workers`` GPUs, ``microbatches``
+    microbatches of ``microbatch_size`` sequences and ``rounds`` rounds has a whole lowered
+    schedule whose proven peak fits ``capacity_bytes`` (default: the hardware's usable
+    memory). ``optimizer``: the update mode the schedule is lowered for."""
     hw = get_hardware(hardware)
-    options = dict(QUICK_PARTITION if partition_options is None else partition_options)
+    if optimizer not in ("async", "sync"):
+        raise ValueError(f"optimizer must be 'async' or 'sync', got {optimizer!r}")
     if not 1 <= step <= start <= limit:
         raise ValueError(f"need 1 <= step ({step}) <= start ({start}) <= limit ({limit})")
+    capacity = hw.usable_memory_bytes if capacity_bytes is None else int(capacity_bytes)
+    proofs = 0
 
     def attempt(seq: int) -> tuple[Plan | None, str]:
-        try:
-            return partition(units_at(seq), hw, workers, microbatches, microbatch_size, seq,
-                             rounds, costing, optimizer=optimizer, recompute=recompute,
-                             **options), ""
-        except PartitionError as exc:
-            return None, str(exc)
+        nonlocal proofs
+        plan = memory_first_plan(units_at(seq), hw, workers, microbatches, microbatch_size,
+                                 seq, rounds, costing)
+        if why := _alone(plan, capacity):
+            return None, why
+        peaks = proven_peaks(plan, rounds, optimizer)
+        proofs += 1
+        top = max(peaks, key=lambda p: p.peak_bytes)
+        if top.peak_bytes > capacity:
+            return None, (f"the memory-first plan's whole schedule peaks at "
+                          f"{top.describe(plan.stage_name)}, over the {format_bytes(capacity)} "
+                          "usable")
+        return replace(plan, worker_peak_bytes=tuple(p.peak_bytes for p in peaks)), ""
 
     plan, why = attempt(start)
     if plan is None:
-        return LongestSequence(0, None, start, why)
+        return LongestSequence(0, None, start, why, proofs)
     lo, best, hi, why_hi = start, plan, None, ""
     while hi is None and lo < limit:
         trial = min(2 * lo, limit)
@@ -93,7 +175,7 @@ def longest_sequence(
         else:
             lo, best = trial, plan
     if hi is None:
-        return LongestSequence(lo, best, None, f"fits up to {limit:,} tokens")
+        return LongestSequence(lo, best, None, f"fits up to {limit:,} tokens", proofs)
     while hi - lo > step:
         mid = max(lo + step, (lo + hi) // 2 // step * step)
         if mid >= hi:
@@ -103,4 +185,4 @@ def longest_sequence(
             hi, why_hi = mid, why
         else:
             lo, best = mid, plan
-    return LongestSequence(lo, best, hi, why_hi)
+    return LongestSequence(lo, best, hi, why_hi, proofs)

@@ -111,14 +111,22 @@ class CheckpointError(RuntimeFault, ValueError):
 class CheckpointFailed(CheckpointError):
     """Data parallel: a save or load failed on one or more ranks, so it failed on every rank
     (nothing was saved, or nothing was loaded, anywhere). ``failures`` maps each rank that
-    failed to what it raised; a rank that failed itself has its own error as the cause."""
+    failed to what it raised; a rank that failed itself has its own error as the cause.
+    ``restart``: a rank could not take part in the agreement (its data-parallel state was
+    already broken by a failed step, or it was interrupted) and announced it instead, so
+    the ranks' collectives are out of step and every rank must be restarted."""
 
-    def __init__(self, what: str, failures: Mapping[int, str], world: int) -> None:
+    def __init__(self, what: str, failures: Mapping[int, str], world: int, *,
+                 restart: bool = False) -> None:
         self.failures = dict(failures)
         self.world = world
+        self.restart = restart
         listed = "; ".join(f"rank {r}: {why}" for r, why in sorted(self.failures.items()))
+        end = ("the ranks' collectives are now out of step: restart every rank (torchrun "
+               "restarts them) and resume from the last checkpoint" if restart else
+               "every rank stopped at the same point, nothing changed")
         super().__init__(f"{what} failed on {len(self.failures)} of {world} ranks ({listed}); "
-                         "every rank stopped at the same point, nothing changed", "ranks")
+                         + end, "ranks")
 
 
 # ============================================================================================
@@ -292,8 +300,12 @@ def write_shard(trainer: Any, tmp: Path, state: Mapping[str, Any],
     name = shard_file(dp.rank, dp.world)
     save_file(tensors, str(tmp / name))
     size, digest = _fsync_and_hash(tmp / name)
+    # This rank's RNG in its manifest (rank 0's becomes the checkpoint's), so that a rank
+    # that loads reads the RNG without reading rank 0's file.
+    manifest["rng"] = {key[len("rng/"):]: value.numpy().tobytes().hex()
+                       for key, value in tensors.items() if key.startswith("rng/")}
     return {"rank": dp.rank, "file": name, "bytes": size, "sha256": digest,
-            "optimizer": manifest["optimizer"]}, manifest
+            "masters": sorted(state["masters"]), "optimizer": manifest["optimizer"]}, manifest
 
 
 def finish_shards(tmp: Path, final: Path, manifest: dict[str, Any],
@@ -305,8 +317,8 @@ def finish_shards(tmp: Path, final: Path, manifest: dict[str, Any],
     parts = sorted(parts, key=lambda p: p["rank"])
     manifest = dict(manifest)
     manifest["files"] = {p["file"]: {"bytes": p["bytes"], "sha256": p["sha256"]} for p in parts}
-    manifest["shards"] = [{"rank": p["rank"], "file": p["file"], "optimizer": p["optimizer"]}
-                          for p in parts]
+    manifest["shards"] = [{"rank": p["rank"], "file": p["file"], "masters": p["masters"],
+                           "optimizer": p["optimizer"]} for p in parts]
     manifest["bounds"] = [list(b) for b in bounds]
     manifest["optimizer"] = {"class": manifest["optimizer"]["class"]}
     _commit(tmp, final, manifest)
@@ -389,22 +401,46 @@ def _read_tensors(folder: Path, manifest: Mapping[str, Any], name: str = TENSORS
         raise CheckpointError(f"{folder}: {name} cannot be read: {exc}", name) from None
 
 
-def _rebuild_shards(folder: Path, manifest: Mapping[str, Any], store: Any
-                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """(the whole state, rank 0's RNG tensors) of a per-rank checkpoint: every rank's file
-    read and checked, and the shards merged as one process would hold the state
-    (:func:`merge_shards`, which refuses an incomplete set)."""
+def shards_to_read(manifest: Mapping[str, Any], owned: set[str] | None) -> list[int]:
+    """The ranks whose files a load of the per-rank checkpoint ``manifest`` reads: all of
+    them (``owned`` None: a trainer that holds every parameter), else those whose masters
+    include one of ``owned`` (a sharded trainer's own parameters). A manifest written before
+    it listed each file's masters and rank 0's RNG: all of them."""
+    shards = manifest["shards"]
+    if owned is None or "rng" not in manifest or any("masters" not in s for s in shards):
+        return [s["rank"] for s in shards]
+    return [s["rank"] for s in shards if owned.intersection(s["masters"])]
+
+
+def _rebuild_shards(folder: Path, manifest: Mapping[str, Any], store: Any,
+                    owned: set[str] | None = None
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor], bool]:
+    """(the state, rank 0's RNG tensors, whether the state is partial) of a per-rank
+    checkpoint: the files :func:`shards_to_read` names read and checked, and their shards
+    merged as one process would hold the state (:func:`merge_shards`, which refuses an
+    incomplete set unless only the files holding ``owned`` were read)."""
     shards = manifest["shards"]
     bounds = [tuple(b) for b in manifest.get("bounds", ())]
+    wanted = set(shards_to_read(manifest, owned))
+    partial = len(wanted) < len(shards)
     parts, rng = [], {}
     for shard in shards:
+        if shard["rank"] not in wanted:
+            continue
         tensors = _read_tensors(folder, manifest, shard["file"])
         state, shard_rng = _rebuild_state({**manifest, "optimizer": shard["optimizer"]}, tensors)
         if shard["rank"] == 0:
             rng = shard_rng
         parts.append({"rank": shard["rank"], "world": len(shards), "bounds": bounds,
                       "state": state, "names": dict(enumerate(state.get("param_names", ())))})
-    return merge_shards(store, parts), rng
+    if "rng" in manifest:  # rank 0's, written into the manifest
+        try:
+            rng = {key: torch.frombuffer(bytearray(bytes.fromhex(value)), dtype=torch.uint8)
+                   for key, value in manifest["rng"].items()}
+        except (TypeError, ValueError, AttributeError):
+            raise CheckpointError(f"{folder}: the manifest's RNG state is malformed",
+                                  "rng") from None
+    return merge_shards(store, parts, complete=not partial), rng, partial
 
 
 def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
@@ -474,8 +510,12 @@ def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     nothing; raises :class:`CheckpointError` naming what is wrong."""
     folder = Path(path)
     manifest = read_manifest(folder)
+    partial = False
     if "shards" in manifest:  # one file per rank (Trainer.save_checkpoint(per_rank=True))
-        state, rng = _rebuild_shards(folder, manifest, trainer.store)
+        # A sharded trainer reads only the files that hold its own parameters.
+        owned = ({s.name for s in trainer.store.owned_slots}
+                 if getattr(trainer, "sharded", False) else None)
+        state, rng, partial = _rebuild_shards(folder, manifest, trainer.store, owned)
     else:
         state, rng = _rebuild_state(manifest, _read_tensors(folder, manifest))
     saved_class = manifest["optimizer"].get("class")
@@ -495,7 +535,8 @@ def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     extra = manifest.get("extra")
     if extra is not None and not isinstance(extra, dict):
         raise CheckpointError("the checkpoint's extra is not a dict", "extra")
-    state = trainer.prepare_state(state, strict=strict, allow_nonfinite=allow_nonfinite)
+    state = trainer.prepare_state(state, strict=strict, allow_nonfinite=allow_nonfinite,
+                                  **({"partial": True} if partial else {}))
     seed = manifest.get("dropout_seed")
     files = json.dumps(manifest["files"], sort_keys=True).encode()
     return Prepared(state, rng, scaler_state, dict(extra or {}),
@@ -535,6 +576,10 @@ def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
         if dp is None:
             raise
         error = exc
+    except BaseException as exc:  # an interrupt: announced, so the others stop at once
+        if dp is not None:
+            dp.interrupted(exc, f"loading the checkpoint {Path(path)}")
+        raise
     if dp is not None:
         what = f"loading the checkpoint {Path(path)}"
         notes = dp.settle(error, what, note="" if prepared is None else prepared.digest)
@@ -552,7 +597,7 @@ def optimizer_param_names(store: Any, optimizer: torch.optim.Optimizer) -> list[
 
 def match_optimizer_state(store: Any, state: Mapping[str, Any],
                           optimizer: torch.optim.Optimizer, *, strict: bool = True,
-                          require_names: bool = False) -> dict[str, Any]:
+                          require_names: bool = False, partial: bool = False) -> dict[str, Any]:
     """``state`` with its optimizer part indexed as ``optimizer`` indexes its parameters,
     matched by the parameter names the state records (``param_names``), not by position;
     only the parameters this store owns are kept (sharded: this rank's shard). Refused with
@@ -560,7 +605,9 @@ def match_optimizer_state(store: Any, state: Mapping[str, Any],
     this optimizer's group, a name recorded twice, a trainable parameter without masters,
     and (``strict``) a name that is not a trainable parameter here. A state without names
     (written before they were recorded) is returned as it is, matched by position, unless
-    ``require_names``."""
+    ``require_names``. ``partial``: the state holds only some ranks' shards (the files of a
+    per-rank checkpoint that hold this store's parameters): only the parameters this store
+    owns must have masters."""
     names = state.get("param_names")
     if names is None:
         if require_names:
@@ -590,7 +637,8 @@ def match_optimizer_state(store: Any, state: Mapping[str, Any],
         raise CheckpointError(f"param_names names {twice[:3]} more than once", "param_names")
     trainable = {s.name for s in store.trainable_slots}
     masters = state.get("masters", {})
-    missing = [n for n in sorted(trainable) if n not in masters]
+    required = {s.name for s in store.owned_slots} if partial else trainable
+    missing = [n for n in sorted(required) if n not in masters]
     if missing:
         raise CheckpointError(
             f"the checkpoint lacks the masters of {len(missing)} trainable parameters "
@@ -640,13 +688,17 @@ def match_optimizer_state(store: Any, state: Mapping[str, Any],
     return out
 
 
-def merge_shards(store: Any, parts: list[dict[str, Any]]) -> dict[str, Any]:
+def merge_shards(store: Any, parts: list[dict[str, Any]], *,
+                 complete: bool = True) -> dict[str, Any]:
     """One state, as one process would hold it, from every rank's shard (``gather_state``).
     Optimizer parameters are indexed group by group, each group's parameters in the store's
     order (what one process's optimizer over the same factory indexes). Raises
-    ``CheckpointError`` on a set of shards that is incomplete, overlaps, or disagrees."""
+    ``CheckpointError`` on a set of shards that is incomplete, overlaps, or disagrees.
+    ``complete=False``: some ranks' shards only (a per-rank checkpoint's files that a rank
+    needs); the state then holds their parameters alone."""
     world = parts[0]["world"]
-    if sorted(p["rank"] for p in parts) != list(range(world)) or any(
+    ranks = sorted(p["rank"] for p in parts)
+    if (ranks != list(range(world)) if complete else len(set(ranks)) != len(ranks)) or any(
             p["world"] != world or p["bounds"] != parts[0]["bounds"] for p in parts):
         raise CheckpointError("the shards gathered for the checkpoint are not one set (ranks "
                               f"{sorted(p['rank'] for p in parts)} of {world}, or their bounds "
@@ -659,7 +711,7 @@ def merge_shards(store: Any, parts: list[dict[str, Any]]) -> dict[str, Any]:
             masters[name] = value
     order = {s.name: s.master_offset for s in store.trainable_slots}
     missing = [n for n in order if n not in masters]
-    if missing:
+    if missing and complete:
         raise CheckpointError(f"the shards lack {len(missing)} trainable parameters "
                               f"({missing[:3]})", "shards")
     first = parts[0]["state"]

@@ -59,17 +59,26 @@ schedule, whose network lane (where ``REDUCE`` calls ``stage_done``) runs in lis
 thread, so every rank launches the same reductions in the same order.
 
 **Failure.** A rank that dies closes its connections: the others' next wait raises at once. A
-rank that raises (or stalls) and stays alive leaves the others waiting until the step's
-deadline (``compile(timeout_s=)``). Either way the waiting rank discards its step (masters and
-optimizer state untouched) and raises :class:`RankFailed`. After any failed step the ranks'
+rank whose step (or any collective operation) fails while it stays alive, or is interrupted
+(``KeyboardInterrupt``, any ``BaseException``), *announces* it on the process group's store
+(the key-value store ``init_process_group`` rendezvoused on, outside the collectives' order):
+every wait here polls that store every ``POLL_S`` (0.25 s) while its collective is not done,
+so the other ranks stop at their next poll, not at the step's deadline or the group's timeout.
+In a step they raise :class:`RankFailed` naming the rank and what it announced; in a
+checkpoint's agreement (:meth:`DataParallel.settle`) :class:`CheckpointFailed`. A rank that
+only stalls (alive, silent) is still found by the step's deadline (``compile(timeout_s=)``),
+or, between steps and in checkpoints, the process group's timeout. The waiting rank discards
+its step (masters and optimizer state untouched). After any failed step the ranks'
 collectives are out of step (one rank launched reductions another never will), so this
-object refuses further steps: restart every rank (``torchrun`` does) and resume from the last
-checkpoint.
+object refuses further collectives (and announces that it does): restart every rank
+(``torchrun`` does) and resume from the last checkpoint.
 """
 
 from __future__ import annotations
 
 import datetime
+import io
+import itertools
 import math
 import time
 from typing import Any
@@ -81,10 +90,35 @@ from rpcompile.runtime.checkpoint import merge_shards
 from rpcompile.runtime.executor import StepFailed, clip_grad_norm
 from rpcompile.runtime.memory import HostStore, _runs, shard_bounds
 
-__all__ = ["DataParallel", "RankFailed", "merge_shards", "resolve_group"]
+__all__ = ["POLL_S", "DataParallel", "RankFailed", "merge_shards", "resolve_group"]
 
 # Bytes of each rank's note in a checkpoint agreement (its error message, or a digest).
 _NOTE_BYTES = 480
+# How often a wait whose collective is not done looks for another rank's announced failure.
+POLL_S = 0.25
+# Each DataParallel's keys on the store: every rank builds its trainers in the same order
+# (their construction is a collective), so the n-th one has the same number on every rank.
+_INSTANCES = itertools.count()
+
+
+class _PeerFailed(RuntimeError):
+    """Another rank announced that it failed or was interrupted (``failures``: rank -> why)."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        super().__init__("; ".join(f"rank {r} announced: {why}"
+                                   for r, why in sorted(failures.items())))
+
+
+def _group_store(group: Any) -> Any:
+    """The key-value store ``group`` rendezvoused on (None if torch does not expose it: then
+    a failed rank is found by the deadlines alone)."""
+    from torch.distributed import distributed_c10d
+
+    try:
+        return distributed_c10d._get_process_group_store(group)
+    except Exception:
+        return None
 
 
 def resolve_group(process_group: Any = None) -> Any:
@@ -151,6 +185,8 @@ class DataParallel:
                 "hold whole parameters); use fewer ranks or shard_optimizer=False")
         self._gathered: set[int] = set()  # slots whose shadows were gathered this step
         self._deadline: float | None = None
+        self._store = _group_store(group)
+        self._key = f"rpcompile/dp/{next(_INSTANCES)}"
 
     # -- start --------------------------------------------------------------------------------
     def broadcast_store(self) -> None:
@@ -186,12 +222,14 @@ class DataParallel:
 
     # -- one step -----------------------------------------------------------------------------
     def check(self) -> None:
-        """Refuse a step once an earlier one failed (the collectives are out of step)."""
+        """Refuse a collective (a step, a checkpoint) once an earlier one failed here (the
+        collectives are out of step). The failure was announced when it happened, so the
+        other ranks, waiting for this one, stop at their next poll."""
         if self._broken:
             raise RuntimeError(
-                f"rank {self.rank}: no more data-parallel steps after a failed one "
-                f"({self._broken}): the ranks' collectives are out of step. Restart every "
-                "rank and resume from the last checkpoint."
+                f"rank {self.rank}: no more data-parallel steps or checkpoints after a failed "
+                f"collective ({self._broken}): the ranks' collectives are out of step. Restart "
+                "every rank and resume from the last checkpoint."
             )
 
     def begin_step(self, count: torch.Tensor | None = None) -> torch.Tensor | None:
@@ -360,27 +398,43 @@ class DataParallel:
 
     def gather_to_first(self, obj: Any, what: str) -> list[Any] | None:
         """Every rank's ``obj`` (picklable) on rank 0, in rank order (the others get None):
-        a collective; its wait is the process group's timeout."""
-        parts: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        try:
-            dist.gather_object(obj, parts, dst=self._src(0), group=self.group)
-        except Exception as exc:
-            self.abandon(what)
-            raise RankFailed(self.rank, self.world, what, exc) from exc
-        return parts
+        a collective; its wait is the process group's timeout (polled, like every wait here,
+        for another rank's announced failure). Serialized with ``torch.save`` and sent as
+        bytes padded to the largest rank's, as ``gather_object`` does, but with async
+        collectives (``gather_object`` blocks, so its wait could not be polled)."""
+        buffer = io.BytesIO()
+        torch.save(obj, buffer)
+        data = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=torch.uint8)
+        sizes = torch.zeros(self.world, dtype=torch.int64)
+        sizes[self.rank] = data.numel()
+        self._wait(f"{what} (the sizes)",
+                   dist.all_reduce(sizes, group=self.group, async_op=True), None)
+        padded = torch.zeros(int(sizes.max()), dtype=torch.uint8)
+        padded[:data.numel()] = data
+        del data, buffer
+        slots = ([torch.empty_like(padded) for _ in range(self.world)] if self.rank == 0
+                 else None)
+        self._wait(what, dist.gather(padded, slots, dst=self._src(0), group=self.group,
+                                     async_op=True), None)
+        if self.rank != 0:
+            return None
+        # Written by this run's own ranks a moment ago (not a file): trusted as gather_object's.
+        return [torch.load(io.BytesIO(slot[:int(n)].numpy().tobytes()), weights_only=False)
+                for slot, n in zip(slots, sizes.tolist())]
 
     def shard_state(self, state: dict[str, Any], optimizer: torch.optim.Optimizer, *,
-                    strict: bool = True) -> dict[str, Any]:
+                    strict: bool = True, partial: bool = False) -> dict[str, Any]:
         """Cut a whole state (a checkpoint written by one process, by replicated data parallel,
         or gathered from any number of shards) down to this rank's shard, indexed as this
         rank's ``optimizer`` indexes its parameters, by parameter name
         (:func:`~rpcompile.runtime.checkpoint.match_optimizer_state`). Raises
         ``CheckpointError`` when the state does not name its parameters, does not cover every
-        trainable parameter, or its optimizer groups differ from these."""
+        trainable parameter (``partial``: every parameter this rank owns), or its optimizer
+        groups differ from these."""
         from rpcompile.runtime.checkpoint import match_optimizer_state
 
         return match_optimizer_state(self.store, state, optimizer, strict=strict,
-                                     require_names=True)
+                                     require_names=True, partial=partial)
 
     def _optimizer_names_of(self, optimizer: torch.optim.Optimizer) -> list[tuple[int, str]]:
         from rpcompile.runtime.checkpoint import optimizer_param_names
@@ -408,7 +462,8 @@ class DataParallel:
         if data:
             rows[self.rank, 2:2 + len(data)] = torch.tensor(list(data), dtype=torch.int32)
         self._wait(f"the agreement on {what}",
-                   dist.all_reduce(rows, group=self.group, async_op=True), None)
+                   dist.all_reduce(rows, group=self.group, async_op=True), None,
+                   agreement=what)
         texts = {r: bytes(rows[r, 2:2 + int(rows[r, 1])].tolist()).decode("utf-8", "replace")
                  for r in range(self.world)}
         failed = {r: texts[r] for r in range(self.world) if int(rows[r, 0])}
@@ -416,27 +471,97 @@ class DataParallel:
             raise CheckpointFailed(what, failed, self.world) from error
         return texts
 
+    def interrupted(self, exc: BaseException, what: str) -> None:
+        """A checkpoint's local phase on this rank was interrupted (``KeyboardInterrupt``,
+        ``SystemExit``: not an error to agree on, the caller wants to stop now): announce it
+        (the others, in the agreement, raise :class:`CheckpointFailed` at their next poll)
+        and mark this rank's collectives out of step; the caller re-raises ``exc``."""
+        self.abandon(f"{type(exc).__name__} on rank {self.rank} in {what}")
+
     def _left(self) -> float | None:
         if self._deadline is None:
             return None
         return max(self._deadline - time.monotonic(), 0.001)
 
     def abandon(self, reason: str) -> None:
-        """A step failed on this rank: its collectives no longer match the other ranks'."""
+        """A step (or another collective) failed on this rank: its collectives no longer match
+        the other ranks'. The first reason is announced on the store, so that ranks waiting
+        for this one stop at their next poll (:meth:`_wait`)."""
+        first = not self._broken
         self._broken = self._broken or reason
         self._works = []
         self._pending = []
+        if first:
+            self._announce(reason)
+
+    # -- the store: announced failures --------------------------------------------------------
+    def _announce(self, reason: str) -> None:
+        if self._store is None:
+            return
+        try:
+            self._store.set(f"{self._key}/failed/{self.rank}",
+                            reason.encode("utf-8", "replace")[:_NOTE_BYTES])
+            self._store.add(f"{self._key}/failed", 1)
+        except Exception:  # the store went with its rank: the others' waits fail on their own
+            pass
+
+    def failed_peers(self) -> dict[int, str]:
+        """The other ranks that announced a failure, and what they announced (one store
+        round trip while none has)."""
+        if self._store is None:
+            return {}
+        try:
+            if self._store.add(f"{self._key}/failed", 0) == 0:
+                return {}
+            out = {}
+            for r in range(self.world):
+                key = f"{self._key}/failed/{r}"
+                if r != self.rank and self._store.check([key]):
+                    out[r] = self._store.get(key).decode("utf-8", "replace")
+            return out
+        except Exception:
+            return {}
 
     # -- waits --------------------------------------------------------------------------------
-    def _wait(self, what: str, work: Any, timeout_s: float | None) -> None:
+    def _wait(self, what: str, work: Any, timeout_s: float | None, *,
+              agreement: str | None = None) -> None:
+        """Wait for ``work`` until ``timeout_s`` (None: the process group's own timeout ends
+        it), polling the store every ``POLL_S`` for another rank's announced failure. Any
+        failure here leaves this rank's collectives out of step (:meth:`abandon`): a failed
+        collective or a passed deadline raises :class:`RankFailed`; an announced failure
+        :class:`RankFailed` too, or, in a checkpoint's agreement (``agreement`` names it),
+        :class:`~rpcompile.runtime.checkpoint.CheckpointFailed`; an interrupt is re-raised."""
+        from rpcompile.runtime.checkpoint import CheckpointFailed
+
+        end = None if timeout_s is None or math.isinf(timeout_s) else \
+            time.monotonic() + max(timeout_s, 0.001)
         try:
-            if timeout_s is None or math.isinf(timeout_s):
-                work.wait()
-            else:
-                work.wait(timeout=datetime.timedelta(seconds=max(timeout_s, 0.001)))
+            while True:
+                left = POLL_S if end is None else min(POLL_S, end - time.monotonic())
+                if left <= 0:
+                    raise TimeoutError(f"not done within the step's deadline ({timeout_s:.1f} "
+                                       "s from this wait)")
+                try:
+                    work.wait(timeout=datetime.timedelta(seconds=max(left, 0.001)))
+                    return
+                except RuntimeError:
+                    if work.is_completed():  # it failed (a rank died, the group timed out)
+                        raise
+                peers = self.failed_peers()
+                if peers:
+                    raise _PeerFailed(peers)
+        except _PeerFailed as exc:
+            self.abandon(f"{what}: {exc}")
+            if agreement is not None:
+                raise CheckpointFailed(agreement, exc.failures, self.world,
+                                       restart=True) from exc
+            raise RankFailed(self.rank, self.world, what, exc) from exc
         except Exception as exc:
             self.abandon(what)
             raise RankFailed(self.rank, self.world, what, exc) from exc
+        except BaseException as exc:  # an interrupt: the others must not wait for this rank
+            self.abandon(f"{type(exc).__name__} on rank {self.rank} in {what}")
+            raise
 
 
 class _Grad:

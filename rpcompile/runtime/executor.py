@@ -802,16 +802,27 @@ class Executor:
         if self.driver._open is not None:
             self.driver.discard_step()
 
-    def _item(self, run: _Run, a: Action) -> None:
-        """One action on a stream thread: wait for its edges, act, set its event."""
+    def _act(self, run: _Run, a: Action, *, timed: bool, raise_timeouts: bool = False) -> None:
+        """One action of any lane: wait for its edges, act, set its event. ``timed``: the
+        waits end at the step's deadline (the host's lanes, on the host's threads); otherwise
+        they end when the event is recorded or the step aborts (the stream threads, whose
+        items the watchdog finds stuck in _drain). A failure is recorded for the step (not a
+        secondary one, which another failure caused), fails the action's event so that what
+        waits on it gives up, and is re-raised; with ``raise_timeouts`` a wait past the
+        deadline is re-raised alone, for the watchdog to report with the stuck streams."""
         event = run.events.get(a)
         try:
             for src in run.plan.waits.get(a, ()):
-                run.events[src].wait_recorded(abort=run.abort_requested)
+                if timed:
+                    run.events[src].wait(run.left(), abort=run.abort_requested)
+                else:
+                    run.events[src].wait_recorded(abort=run.abort_requested)
             if run.aborted:
                 raise WorkerAborted(f"step aborted before '{a}' ran")
             run.timed(self, a)
         except BaseException as exc:
+            if raise_timeouts and isinstance(exc, EventTimeout):
+                raise
             if not isinstance(exc, _SECONDARY):
                 run.fail(a, exc)
             if event is not None:
@@ -820,46 +831,27 @@ class Executor:
         if event is not None:
             event.set()
 
+    def _item(self, run: _Run, a: Action) -> None:
+        """One action on a stream thread."""
+        self._act(run, a, timed=False)
+
     def _run_host(self, run: _Run) -> None:
-        """The host queue, in order, on the calling thread; its waits end at the step's
-        deadline (the watchdog)."""
+        """The host queue, in order, on the calling thread; a failure is raised to
+        _run_step, which ends the step."""
         for a in run.plan.queues.get((None, "host"), ()):
-            try:
-                for src in run.plan.waits.get(a, ()):
-                    run.events[src].wait(run.left(), abort=run.abort_requested)
-                run.timed(self, a)
-            except EventTimeout:
-                raise  # the watchdog: reported with the streams that are stuck
-            except BaseException as exc:
-                if not isinstance(exc, _SECONDARY):
-                    run.fail(a, exc)
-                raise
-            event = run.events.get(a)
-            if event is not None:
-                event.set()
+            self._act(run, a, timed=True, raise_timeouts=True)
 
     def _run_network(self, run: _Run) -> None:
-        """The host's network lane (REDUCE actions), in order, on its own thread; like the
-        host queue, its waits end at the step's deadline. A failure is recorded for the step
-        (and fails the action's event, so what waits on it gives up) instead of raised."""
+        """The host's network lane (REDUCE actions), in order, on its own thread. Its failure
+        is recorded for the step (by _act; a secondary one aborts it) instead of raised, and
+        the lane stops."""
         for a in run.plan.queues.get((None, "network"), ()):
-            event = run.events.get(a)
             try:
-                for src in run.plan.waits.get(a, ()):
-                    run.events[src].wait(run.left(), abort=run.abort_requested)
-                if run.aborted:
-                    raise WorkerAborted(f"step aborted before '{a}' ran")
-                run.timed(self, a)
+                self._act(run, a, timed=True)
             except BaseException as exc:
-                if not isinstance(exc, _SECONDARY):
-                    run.fail(a, exc)
-                else:
+                if isinstance(exc, _SECONDARY):
                     run.aborted = True
-                if event is not None:
-                    event.fail(exc)
                 return
-            if event is not None:
-                event.set()
 
     def _drain(self, run: _Run) -> dict[int, dict[str, str]]:
         """Return once every stream has run or dropped everything submitted this step, or has

@@ -409,7 +409,16 @@ class OptimizerDriver:
         Async (:meth:`use_pending`): the gradients applied are step k-1's, pending, with
         that step's hyperparameters; a group is applied at the OPT of its last gradient
         stage in this step's OPT order. Returns False when nothing was pending (the run's
-        first step, or after a :meth:`flush`): the OPT then changes nothing."""
+        first step, or after a :meth:`flush`): the OPT then changes nothing. An async driver
+        must have called :meth:`use_pending` first: without it this would apply the step's
+        own gradients (sync semantics), so it is refused."""
+        if self.mode == "async" and not self.shifted:
+            raise RuntimeError(
+                "OptimizerDriver.update() in async mode applies the previous step's gradients, "
+                "which needs driver.use_pending() once before the first step (the executor "
+                "calls it for an async schedule); without it the update would apply this "
+                "step's own gradients, which is sync mode: call use_pending(), or build the "
+                "driver with mode='sync'")
         state = self._require_open()
         if not self._is_grad_stage(stage):
             return False

@@ -311,11 +311,21 @@ class Trainer:
         forward, backward, update. Returns the loss (a causal LM's token mean over the whole
         batch; else the mean over microbatches). Raises :class:`StepFailed` if any action
         fails, ``ValueError`` before anything runs if the batch is malformed or larger than
-        the plan's shape."""
+        the plan's shape. Data parallel: the other ranks are (or will be) waiting for this
+        rank at the step's start, so a refused batch (or an interrupt before the step) is
+        announced to them (they raise ``RankFailed`` at once instead of waiting for the
+        process group's timeout) and this trainer refuses further steps, as after any failed
+        step: restart every rank."""
         from rpcompile.capture.batch import NUM_ITEMS, bind_batch
 
-        batch = bind_batch(self.compiled.capture, batch, step=self.executor.steps_run)
-        check_plan_shape(self.compiled, batch)
+        try:
+            batch = bind_batch(self.compiled.capture, batch, step=self.executor.steps_run)
+            check_plan_shape(self.compiled, batch)
+        except BaseException as exc:
+            if self.dp is not None:
+                self.dp.abandon(f"step {self.executor.steps_run} refused its batch on rank "
+                                f"{self.dp.rank}: {type(exc).__name__}: {exc}")
+            raise
         if self.dp is not None:
             # The loss is the token mean over the global batch of every rank.
             if NUM_ITEMS in batch:
@@ -428,19 +438,30 @@ class Trainer:
             return self._local_state()
         return self._state_across_ranks("the state_dict")
 
-    def _state_across_ranks(self, what: str, gather: bool = True) -> dict[str, Any] | None:
+    def _state_across_ranks(self, what: str, gather: bool = True,
+                            keep: bool = True) -> dict[str, Any] | None:
         """Data parallel: every rank's state taken and agreed (a failure anywhere raises
         ``CheckpointFailed`` everywhere), then, sharded, gathered to rank 0 (the others get
-        None) and agreed again (rank 0's merge may refuse the set)."""
+        None) and agreed again (rank 0's merge may refuse the set). ``keep=False``
+        (replicated, a rank other than 0, whose state rank 0 writes): no copy is taken, only
+        the queued updates are finished (what could fail), and None comes back. An
+        interrupt in this rank's part is announced to the others (``DataParallel.
+        interrupted``: they raise ``CheckpointFailed`` at once) and re-raised here."""
         from rpcompile.runtime.distributed import RankFailed
 
         dp = self.dp
         dp.check()
         state, error = None, None
         try:
-            state = self._local_state()
+            if keep:
+                state = self._local_state()
+            else:
+                self._settle()
         except Exception as exc:  # every failure must reach the agreement
             error = exc
+        except BaseException as exc:
+            dp.interrupted(exc, what)
+            raise
         dp.settle(error, what)
         if not self.sharded or not gather:
             return state
@@ -451,21 +472,28 @@ class Trainer:
             raise
         except Exception as exc:
             error = exc
+        except BaseException as exc:
+            dp.interrupted(exc, what)
+            raise
         dp.settle(error, f"{what} (the gather of the shards to rank 0)")
         return whole
 
     def prepare_state(self, state: dict[str, Any], *, strict: bool = True,
-                      allow_nonfinite: bool = False) -> dict[str, Any]:
+                      allow_nonfinite: bool = False, partial: bool = False) -> dict[str, Any]:
         """``state`` checked against this trainer and made ready for :meth:`apply_state`,
         changing nothing: the optimizer state matched to this optimizer by the parameter
         names it records (sharded: cut to this rank's shard), then everything validated
         (:func:`~rpcompile.runtime.checkpoint.validate_state`). Raises ``CheckpointError``
-        naming the key or the parameters."""
+        naming the key or the parameters. ``partial`` (sharded): ``state`` holds only some
+        ranks' shards, those with this rank's parameters (a per-rank checkpoint's files)."""
         from rpcompile.runtime.checkpoint import match_optimizer_state, validate_state
 
         self._settle()
+        if partial and not self.sharded:
+            raise ValueError("a partial state (some ranks' shards) loads only into a sharded "
+                             "trainer, which needs no more than its own shard")
         if self.sharded:
-            state = self.dp.shard_state(state, self.optimizer, strict=strict)
+            state = self.dp.shard_state(state, self.optimizer, strict=strict, partial=partial)
         elif isinstance(state, dict):
             state = match_optimizer_state(self.store, state, self.optimizer, strict=strict)
         validate_state(self, state, strict=strict, allow_nonfinite=allow_nonfinite)
@@ -512,6 +540,10 @@ class Trainer:
             if self.dp is None:
                 raise
             error = exc
+        except BaseException as exc:
+            if self.dp is not None:  # the others must not wait for this rank's agreement
+                self.dp.interrupted(exc, "loading a state dict")
+            raise
         if self.dp is not None:
             self.dp.settle(error, "loading a state dict")
         self.apply_state(prepared)
@@ -542,13 +574,17 @@ class Trainer:
         if self.dp is None:
             return checkpoint.save(self, path, extra=extra)
         what = f"the checkpoint {Path(path)}"
-        state = self._state_across_ranks(what)
+        # Replicated, rank 0's state is every rank's: the others take no copy of theirs.
+        state = self._state_across_ranks(what, keep=self.sharded or self.dp.rank == 0)
         error = None
         if self.dp.rank == 0:
             try:
                 checkpoint.save(self, path, extra=extra, state=state)
             except Exception as exc:  # every failure must reach the agreement
                 error = exc
+            except BaseException as exc:
+                self.dp.interrupted(exc, f"writing {what}")
+                raise
         self.dp.settle(error, f"writing {what} (rank 0 writes)")
         return Path(path)
 
@@ -569,6 +605,9 @@ class Trainer:
                 tmp = checkpoint.begin_folder(final)
             except Exception as exc:  # every failure must reach the agreement
                 error = exc
+            except BaseException as exc:
+                dp.interrupted(exc, what)
+                raise
         notes = dp.settle(error, f"{what} (rank 0 makes its folder)",
                           note="" if tmp is None else tmp.name)
         tmp = final.parent / notes[0]
@@ -578,6 +617,9 @@ class Trainer:
                 part, manifest = checkpoint.write_shard(self, tmp, state, extra)
             except Exception as exc:
                 error = exc
+            except BaseException as exc:
+                dp.interrupted(exc, f"writing {what}'s file on rank {dp.rank}")
+                raise
             dp.settle(error, f"{what} (every rank writes its file into {tmp}, which needs a "
                       "folder every rank can write: a shared file system)")
             parts = dp.gather_to_first(part, f"the gather of {what}'s file list")
@@ -587,6 +629,9 @@ class Trainer:
                     checkpoint.finish_shards(tmp, final, manifest, parts, dp.bounds)
                 except Exception as exc:
                     error = exc
+                except BaseException as exc:
+                    dp.interrupted(exc, f"writing {what}'s manifest")
+                    raise
             dp.settle(error, f"writing {what}'s manifest (rank 0 writes it)")
         except BaseException:
             if dp.rank == 0:
