@@ -101,8 +101,9 @@ def test_bound_never_exceeds_the_simulated_figure_tiny(mode: str, rounds: int) -
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_bound_never_exceeds_the_simulated_figure_paper(mode: str, rounds: int) -> None:
-    """Random cuts of two paper models at the planner's sizes (and a tighter bound in sync:
-    within 10 % of the figure, or the search could not stop early)."""
+    """Random cuts of two paper models at the planner's sizes, and a tight bound: within 5 %
+    of the figure in both modes, or the search could not stop early (async, before the
+    per-step bound: up to 36 % below)."""
     rng = random.Random(3 * rounds + (mode == "async"))
     hw = get_hardware("rtx4090x8")
     for name in ("qwen3-1.7b", "llama3.1-8b"):
@@ -112,14 +113,13 @@ def test_bound_never_exceeds_the_simulated_figure_paper(mode: str, rounds: int) 
             bound = simulated_lower_bound(plan, hw, rounds, mode)
             figure = _figure(plan, hw, rounds, mode)
             assert bound <= figure, (name, fwd, bwd, tail, bound, figure)
-            if mode == "sync":
-                assert figure <= 1.1 * bound, (name, fwd, bwd, tail, bound, figure)
+            assert figure <= 1.05 * bound, (name, fwd, bwd, tail, bound, figure)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_best_first_returns_the_exhaustive_argmin(mode: str) -> None:
     """Over every plan of a 5-unit model (all cuts, not only the planner's), the best-first
-    search returns the plan the simulator puts first, having simulated fewer in sync."""
+    search returns the plan the simulator puts first, having simulated fewer than half."""
     hw = get_hardware("rtx4090x8")
     units = _tiny_units(random.Random(5), 3, tied=True)
     plans = [build_plan(units, f, b, t, hw, 3, 4, steps=1 if mode == "sync" else None)
@@ -141,8 +141,7 @@ def test_best_first_returns_the_exhaustive_argmin(mode: str) -> None:
     assert chosen.memory_waits == ()  # so its figure is the one computed above
     assert chosen.predicted_step_ms == pytest.approx(min(figures), rel=0, abs=1e-6)
     assert note.startswith("search: the simulator's fastest") and "proven no faster" in note
-    if mode == "sync":
-        assert len(sims) < len(plans) / 2, (len(sims), len(plans))
+    assert len(sims) < len(plans) / 2, (len(sims), len(plans))
 
 
 def test_capped_search_states_its_gap() -> None:
@@ -180,3 +179,32 @@ def test_partition_picks_the_simulators_argmin_of_its_candidates(mode: str) -> N
     best = min(_figure(replace(p, memory_waits=()), hw, 1, mode) for p in seen)
     assert plan.predicted_step_ms == pytest.approx(best, rel=0, abs=1e-6)
     assert len(seen) > 10
+
+
+def test_a_replay_is_kept_by_what_it_depends_on(monkeypatch) -> None:
+    """The planner replays a plan met again (other notes, other memory waits asked for) once,
+    and again for another capacity, rounds or mode; the figures are those of a fresh replay."""
+    hw = get_hardware("rtx4090x8")
+    units = _tiny_units(random.Random(23), 4)
+    plan = build_plan(units, (0, 2), (0, 3), 4, hw, 3, 4)
+    monkeypatch.setattr(partition_module, "_REPLAYS", partition_module.OrderedDict())
+    lowerings = []
+    real = partition_module.fit_memory_waits
+
+    def counting(*args, **kwargs):
+        lowerings.append(args[0])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(partition_module, "fit_memory_waits", counting)
+    capacity = hw.usable_memory_bytes
+    first, ran = partition_module._simulated_ms(plan, hw, 1, "sync", capacity)
+    again, ran_again = partition_module._simulated_ms(
+        replace(plan, notes=("found by the dispatch-model search",), memory_waits=("sent",)),
+        hw, 1, "sync", capacity)
+    assert len(lowerings) == 1 and again == first
+    assert ran_again.memory_waits == ran.memory_waits
+    assert ran_again.notes == ("found by the dispatch-model search",)
+    assert first[0] == _figure(replace(plan, memory_waits=ran.memory_waits), hw, 1, "sync")
+    for args in ((1, "sync", capacity - 1), (2, "sync", capacity), (1, "async", capacity)):
+        partition_module._simulated_ms(plan, hw, *args)
+    assert len(lowerings) == 4

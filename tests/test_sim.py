@@ -418,3 +418,24 @@ def test_paused_gc_from_many_threads_leaves_the_collector_as_it_found_it():
         assert not gc.isenabled()  # off before, off after
     finally:
         gc.enable()
+
+
+@pytest.mark.parametrize("mode,rounds", [("sync", 1), ("sync", 2), ("async", 1)])
+def test_search_figures_equal_the_full_replays_figures(mode, rounds):
+    """The partitioner's replay without measures reports the figures simulate() reports for
+    the same lowered schedule, bit for bit, and its timeline is simulate()'s."""
+    from rpcompile.sim.engine import replay_timeline
+    from rpcompile.sim.runs import search_figures, steady_steps
+
+    units = MODELS["qwen3-1.7b"].units(4, 2048)
+    plan = build_plan(units, [0, 10, 20], [0, 6, 12, 18, 24], len(units) - 1, "rtx4090x8", 8, 9,
+                      4, 2048, rounds=rounds)
+    steps = 1 if mode == "sync" else steady_steps(plan, rounds=rounds)
+    sched = build_schedule(plan, 8, 9, rounds=rounds, steps=steps, kind="roundpipe",
+                           optimizer=mode)
+    lowered, _ = lower(sched, plan, validate=False)
+    full = simulate(lowered, plan, "rtx4090x8")
+    assert replay_timeline(lowered, plan, "rtx4090x8") == full.timeline
+    want = (full.makespan_ms, full.bubble) if mode == "sync" else (
+        steady_step_ms(full), 1.0 - steady_utilization(full))
+    assert search_figures(lowered, plan, "rtx4090x8") == want

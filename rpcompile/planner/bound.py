@@ -12,21 +12,23 @@ must serialize or wait for:
   * a compute waits for the values it reads (``roundpipe_flows``): from another worker, a D2H
     and then an H2D of at least the flow's bytes, each taking at least latency + bytes / rate;
   * a job's first compute waits for its weights' upload (from time 0);
-  * the host queue runs one action at a time, none faster than alone at full rate: ACC of a
-    job's gradients after their download, OPT of a stage after its ACCs, SHADOW after OPT.
+  * the host queue runs one action at a time in its list order, none faster than alone at
+    full rate: in the lowering's order (:func:`_host_queue`), each action after the one
+    before it and after its release (an ACC after its gradients' download);
+  * every action of step k+1 starts after every action of step k ended (the step barrier,
+    rpcompile.passes.lower.add_step_barrier).
 
 Which figure is bounded:
 
   * ``optimizer="sync"``: the makespan of one step. The compute streams and edges above form a
-    DAG whose longest path (durations at their minimum) no replay can beat; the host queue adds
-    a one-machine bound with release times (the preemptive relaxation: for every release time
-    t, t plus the work released at or after t).
-  * ``optimizer="async"``: the steady-state time per step, ``work / (workers x utilization)``
-    (rpcompile.sim.steady_step_ms). Utilization is at most 1 on every worker in any window,
-    so the figure is at least one step's compute spread over the workers. No critical path is
-    valid there: overlapping steps hide it, and a finite window may be busier than the steady
-    state. This holds for any execution that serializes each compute stream, steps
-    overlapped or separated by a barrier.
+    DAG whose longest path (durations at their minimum) no replay can beat, and the host
+    queue's chain (ACCs, OPTs and SHADOWs, forward stages' included) ends no earlier than
+    :func:`_host_queue` says.
+  * ``optimizer="async"``: the steady-state time per step (rpcompile.sim.steady_step_ms),
+    which with the barrier is the mean spacing of the window's step starts; each spacing is
+    at least one step's paths as in sync, counted from the barrier (uploads, host inputs and
+    the step's updates after it) or, for the window's first step, from its first compute
+    (:func:`_async_steady_bound`). Also at least one step's compute spread over the workers.
 
 Both are scaled by ``1 - 1e-9`` against rounding in the two summation orders.
 """
@@ -53,7 +55,7 @@ def simulated_lower_bound(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     hw = get_hardware(hardware)
     if optimizer == "async":
         work = plan.microbatches * rounds * sum(s.compute_ms for s in plan.stages)
-        return work / plan.workers * (1.0 - _MARGIN)
+        return max(work / plan.workers, _async_steady_bound(plan, hw, rounds)) * (1.0 - _MARGIN)
     return _sync_makespan_bound(plan, hw, rounds) * (1.0 - _MARGIN)
 
 
@@ -63,15 +65,62 @@ def _transfer_ms(nbytes: int, gbps: float, latency_ms: float) -> float:
 
 
 def _sync_makespan_bound(plan: Plan, hw: Hardware, rounds: int) -> float:
+    compute_end, home = _step_paths(plan, hw, rounds, 0, released=True)
+    host = _host_queue(plan, hw, rounds, home, "sync")
+    return max(compute_end, host)
+
+
+def _async_steady_bound(plan: Plan, hw: Hardware, rounds: int) -> float:
+    """The async steady-state step (:func:`~rpcompile.sim.steady_step_ms` over
+    :func:`~rpcompile.sim.steady_steps` steps, the window from step ``w`` to the last step S-1)
+    is the mean spacing of the window's step starts, ``(start[S-1] - start[w]) / (S-1-w)``:
+    with the step barrier every compute of steps w..S-2 lies inside the window, so the
+    clipped busy time is exactly those steps' compute. Step k+1's actions all start after
+    step k's all ended (time ``T[k+1]``, rpcompile.passes.lower.add_step_barrier), so
+
+      start[S-1] - start[w] >= (T[w+1] - start[w]) + sum over k in w+1..S-2 of (T[k+1] - T[k])
+                               + (start[S-1] - T[S-1]),
+
+    with each term bounded by one step's paths: from ``start[w]`` (no upload or update of step w
+    counted: they may have run before its first compute), from ``T[k]`` (uploads, host inputs
+    and the step's updates all after it), and the least weight upload before any compute."""
+    from rpcompile.sim.runs import steady_steps
+
+    steps = steady_steps(plan, rounds=rounds)
+    warm = 1 if steps <= 4 else 2  # steady_utilization's default window
+    jobs = len(plan.stages) * rounds
+    paths: dict[tuple[int, bool], float] = {}  # a step's figure depends on its first worker
+    total = 0.0
+    for k in range(warm, steps - 1):
+        released = k > warm
+        key = (k * jobs % plan.workers, released)
+        if key not in paths:
+            compute_end, home = _step_paths(plan, hw, rounds, k, released=released)
+            host = _host_queue(plan, hw, rounds, home, "async" if released else "accs")
+            paths[key] = max(compute_end, host)
+        total += paths[key]
+    latency = hw.transfer_latency_us * 1e-3
+    total += min(_transfer_ms(s.weight_bytes, hw.h2d_gbps, latency) for s in plan.stages)
+    return total / (steps - 1 - warm)
+
+
+def _step_paths(plan: Plan, hw: Hardware, rounds: int, step: int, released: bool,
+                ) -> tuple[float, dict[tuple[int, int], float]]:
+    """(when step ``step``'s computes end at the earliest, (stage, round) -> when its
+    gradients are home at the earliest), measured from a time at or before every action of
+    the step (``released``: uploads and host inputs then count from it) or from the step's
+    first compute (not ``released``: each compute counts only from there)."""
     stages, workers, micro = plan.stages, plan.workers, plan.microbatches
     latency = hw.transfer_latency_us * 1e-3
-    host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
 
     def h2d(nbytes: int) -> float:
-        return _transfer_ms(nbytes, hw.h2d_gbps, latency)
+        return _transfer_ms(nbytes, hw.h2d_gbps, latency) if released else 0.0
 
     def d2h(nbytes: int) -> float:
         return _transfer_ms(nbytes, hw.d2h_gbps, latency)
+
+    def hop(nbytes: int) -> float:
+        return d2h(nbytes) + _transfer_ms(nbytes, hw.h2d_gbps, latency)
 
     # What each stage's computes read: (source stage or None for the host, bytes).
     reads: dict[int, list[tuple[int | None, int]]] = {s.index: [] for s in stages}
@@ -80,41 +129,111 @@ def _sync_makespan_bound(plan: Plan, hw: Hardware, rounds: int) -> float:
     free = [0.0] * workers  # when each compute stream is free
     ends: dict[tuple[int, int], list[float]] = {}  # (stage, round) -> each microbatch's end
     where: dict[tuple[int, int], int] = {}
-    host: list[tuple[float, float]] = []  # (release, least duration) of each host action
-    acc_done: dict[int, float] = {}  # stage -> when its last ACC could end at the earliest
-    for w, s, r, _step in itertools.islice(deal(len(stages), workers, rounds),
-                                           len(stages) * rounds):
+    home: dict[tuple[int, int], float] = {}
+    jobs = len(stages) * rounds
+    dealt = list(itertools.islice(deal(len(stages), workers, rounds),
+                                  step * jobs, (step + 1) * jobs))
+    uploaded = _first_uploads(plan, hw, dealt) if released else {}
+    for n, (w, s, r, _step) in enumerate(dealt):
         st = stages[s]
         where[(s, r)] = w
-        t = max(free[w], h2d(st.weight_bytes))
+        t = max(free[w], h2d(st.weight_bytes), uploaded.get(n, 0.0))
         remote = []
         for src, nbytes in reads[s]:
             if src is None:
                 t = max(t, h2d(nbytes))
             else:
-                hop = 0.0 if where[(src, r)] == w else d2h(nbytes) + h2d(nbytes)
-                remote.append((ends[(src, r)], hop))
+                remote.append((ends[(src, r)], 0.0 if where[(src, r)] == w else hop(nbytes)))
         done = []
         for m in range(micro):
-            for src_ends, hop in remote:
-                t = max(t, src_ends[m] + hop)
+            for src_ends, extra in remote:
+                t = max(t, src_ends[m] + extra)
             t += st.compute_ms
             done.append(t)
         ends[(s, r)] = done
         free[w] = t
         if st.kind != "forward" and st.grad_bytes:
-            release = t + d2h(st.grad_bytes)
-            acc = 3.0 * st.grad_bytes / host_rate
-            host.append((release, acc))
-            acc_done[s] = max(acc_done.get(s, 0.0), release + acc)
+            home[(s, r)] = t + d2h(st.grad_bytes)
+    return max(free), home
+
+
+def _first_uploads(plan: Plan, hw: Hardware, dealt: list[tuple[int, int, int, int]],
+                   ) -> dict[int, float]:
+    """Job (its place in ``dealt``, one step's jobs) -> the earliest its weights are in, for
+    the first two jobs of each worker in the step, counted from the step's release.
+
+    Those two uploads wait for nothing of the step (the ``buffer`` wait of a worker's n-th
+    upload is on job n-2's EVICT, before the step; the ``shadow`` wait on a SHADOW of the
+    step before), so at the release every worker's H2D link has them ready, and it serves
+    them back to back, the first first (list order breaks the tie). The links have one
+    rate, and the simulator slows every transfer in proportion when host memory is
+    oversubscribed, so while two links are busy they move the same work at every instant.
+    When worker w's upload completes, its link has moved ``own`` bytes (that job's weights,
+    plus the first job's for the second), every other link at least ``min(own, its two
+    uploads)``, and all that went through host memory: at least the sum over links
+    over ``host_mem_gbps``; and at least ``own`` over the link's rate."""
+    host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
+    link_rate = hw.h2d_gbps * 1e6
+    firsts: dict[int, list[int]] = {}  # worker -> its first two jobs (places in dealt)
+    for n, (w, _s, _r, _k) in enumerate(dealt):
+        if len(firsts.setdefault(w, [])) < 2:
+            firsts[w].append(n)
+    weights = [plan.stages[s].weight_bytes for _w, s, _r, _k in dealt]
+    ready = [sum(weights[n] for n in mine) for mine in firsts.values()]
+    out: dict[int, float] = {}
+    for mine in firsts.values():
+        own = 0
+        for n in mine:
+            own += weights[n]
+            out[n] = max(own / link_rate, sum(min(own, q) for q in ready) / host_rate)
+    return out
+
+
+def _host_queue(plan: Plan, hw: Hardware, rounds: int, home: dict[tuple[int, int], float],
+                order: str) -> float:
+    """The earliest end of one step's host queue (ACC, OPT, SHADOW), from the time ``home``
+    counts from. The queue is ordered: each action starts after the one before it and after
+    its release (an ACC: its gradients home), and takes at least its time alone at full rate
+    (rpcompile.sim.engine). The order is the lowering's (rpcompile.passes.lower.add_optimizer,
+    ``updates="overlap"``), ACCs in dispatch order (round, then stage):
+
+      * ``"sync"``: after the last round's ACC of stage s, OPT(s), then SHADOW(x) of every
+        stage x (forward stages included) whose parameters' gradient stages (those whose
+        units overlap x's) have all had their OPT;
+      * ``"async"``: every OPT first, then the ACCs with SHADOWs between them; the SHADOWs'
+        places are not followed here, so they count only in the queue's total work (every
+        action of the step runs after the time ``home`` counts from);
+      * ``"accs"``: the ACCs alone (async, counted from the step's first compute: its OPTs
+        and SHADOWs may have run before it).
+
+    Leaving actions out of an ordered queue keeps the rest in order: still a lower bound."""
+    stages = plan.stages
+    host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
     opt_rate = hw.optimizer_params_per_s * 1e-3  # parameters per ms
-    for s, ready in acc_done.items():
-        opt = stages[s].grad_bytes / 4 / opt_rate
-        host.append((ready, opt))
-        host.append((ready + opt, 3.0 * stages[s].weight_bytes / host_rate))
-    bound = max(free)
-    later = 0.0
-    for release, work in sorted(host, reverse=True):
-        later += work
-        bound = max(bound, release + later)
-    return bound
+    span = [(s.units[0], s.units[-1]) for s in stages]
+    grad_stages = sorted({s for s, _r in home})
+    covering = [[y for y in grad_stages if span[x][0] <= span[y][1] and span[y][0] <= span[x][1]]
+                for x in range(len(stages))]
+
+    def opt_ms(s: int) -> float:
+        return stages[s].grad_bytes / 4 / opt_rate
+
+    def shadow_ms(x: int) -> float:
+        return 3.0 * stages[x].weight_bytes / host_rate
+
+    t = sum(opt_ms(s) for s in grad_stages) if order == "async" else 0.0
+    total = t + sum(shadow_ms(x) for x, ys in enumerate(covering) if ys) \
+        if order == "async" else 0.0
+    opted: set[int] = set()
+    for (s, r) in sorted(home, key=lambda sr: (sr[1], sr[0])):
+        acc = 3.0 * stages[s].grad_bytes / host_rate
+        total += acc
+        t = max(t, home[(s, r)]) + acc  # ACC
+        if order != "sync" or r != rounds - 1:
+            continue
+        t += opt_ms(s)  # OPT
+        opted.add(s)
+        for x, ys in enumerate(covering):
+            if s in ys and all(y in opted for y in ys):
+                t += shadow_ms(x)  # SHADOW
+    return max(t, total)

@@ -48,7 +48,8 @@ from rpcompile.sim.sharding import shadow_gather_bytes
 
 __all__ = ["GLOO_BROADCAST_HOST_BYTES_PER_BYTE", "GLOO_HOST_BYTES_PER_BYTE",
            "GLOO_REDUCE_HOST_BYTES_PER_BYTE", "OPTIMIZER_BYTES_PER_PARAM", "SIM_COSTS",
-           "SimulationError", "compute_times", "paused_gc", "simulate"]
+           "SimulationError", "busy_split", "compute_times", "makespan_of", "paused_gc",
+           "replay_timeline", "simulate"]
 
 # Fused AdamW over fp32 tensors reads param, grad, exp_avg, exp_avg_sq and writes three of them:
 # 28 bytes of host memory traffic per parameter.
@@ -172,11 +173,30 @@ def simulate(
     if tokens_per_microbatch is None:
         tokens_per_microbatch = plan.microbatch_size * plan.seq_len if isinstance(plan, Plan) else 0
     with paused_gc():
-        replay = _Replay(schedule, times, hw)
-        if schedule.sharded:  # what each SHADOW's all-gather of updated shadows moves
-            replay.gathered = shadow_gather_bytes(schedule, plan)
-        timeline = replay.run()
+        timeline = _run(schedule, plan, hw, times)
         return _measure(schedule, stages, base_units, hw, timeline, times, tokens_per_microbatch)
+
+
+def replay_timeline(schedule: Schedule, plan: Plan | Sequence[Stage],
+                    hardware: Hardware | str) -> dict[Action, tuple[float, float]]:
+    """The (start, end) of every action of ``schedule`` replayed as :func:`simulate` replays
+    it with the plan's own stage times, without the measures (bubble split, exposed time,
+    memory): for callers that read only the timeline, such as the partitioner's search."""
+    hw = get_hardware(hardware)
+    if len(_stage_tuple(plan)) != len(schedule.stage_names):
+        raise ValueError(f"the schedule has {len(schedule.stage_names)} stages, the plan "
+                         f"{len(_stage_tuple(plan))}: simulate a schedule with the plan it "
+                         "was built from")
+    with paused_gc():
+        return _run(schedule, plan, hw, compute_times(schedule, plan))
+
+
+def _run(schedule: Schedule, plan: Plan | Sequence[Stage], hw: Hardware,
+         times: Mapping[tuple[str, int], float]) -> dict[Action, tuple[float, float]]:
+    replay = _Replay(schedule, times, hw)
+    if schedule.sharded:  # what each SHADOW's all-gather of updated shadows moves
+        replay.gathered = shadow_gather_bytes(schedule, plan)
+    return replay.run()
 
 
 @contextmanager
@@ -510,20 +530,9 @@ _COST = {k.value: fn for k, fn in SIM_COSTS.items()}  # keyed by Action.kind's s
 def _measure(sched: Schedule, stages: tuple[Stage, ...], units: tuple[UnitProfile, ...] | None,
              hw: Hardware, timeline: dict[Action, tuple[float, float]],
              times: Mapping[tuple[str, int], float], tokens_per_microbatch: int) -> SimResult:
-    makespan = max((e for _, e in timeline.values()), default=0.0)
+    makespan = makespan_of(timeline)
     g = sched.workers
-    busy, fill, drain, steady = [], 0.0, 0.0, 0.0
-    for w in range(g):
-        spans = [timeline[a] for a in sched.actions[w] if a.is_compute]
-        b = sum(e - s for s, e in spans)
-        busy.append(b)
-        if not spans:
-            fill += makespan
-            continue
-        first, last = min(s for s, _ in spans), max(e for _, e in spans)
-        fill += first
-        drain += makespan - last
-        steady += (last - first) - b
+    busy, fill, drain, steady = busy_split(sched, timeline, makespan)
     denom = makespan * g if makespan > 0 else 1.0
     step_end = [0.0] * sched.steps
     for lst in sched.actions:
@@ -541,6 +550,30 @@ def _measure(sched: Schedule, stages: tuple[Stage, ...], units: tuple[UnitProfil
         peak_host_bytes=_host_memory(sched, stages, units, timeline),
         step_end_ms=tuple(step_end), timeline=timeline,
     )
+
+
+def makespan_of(timeline: Mapping[Action, tuple[float, float]]) -> float:
+    """The end of a replay's last action (0 for an empty one)."""
+    return max((e for _, e in timeline.values()), default=0.0)
+
+
+def busy_split(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
+               makespan: float) -> tuple[list[float], float, float, float]:
+    """(compute time per worker, and the idle time of all workers before their first compute,
+    after their last, and between): the bubble's parts before dividing by makespan x workers."""
+    busy, fill, drain, steady = [], 0.0, 0.0, 0.0
+    for w in range(sched.workers):
+        spans = [timeline[a] for a in sched.actions[w] if a.is_compute]
+        b = sum(e - s for s, e in spans)
+        busy.append(b)
+        if not spans:
+            fill += makespan
+            continue
+        first, last = min(s for s, _ in spans), max(e for _, e in spans)
+        fill += first
+        drain += makespan - last
+        steady += (last - first) - b
+    return busy, fill, drain, steady
 
 
 def _waits(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],

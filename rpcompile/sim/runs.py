@@ -14,16 +14,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Plan, UnitProfile
+from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.passes.lower import lower
 from rpcompile.passes.schedule import build_schedule, steady_window
 from rpcompile.sim.baselines import pipeline_stages
-from rpcompile.sim.engine import simulate
+from rpcompile.sim.engine import busy_split, makespan_of, replay_timeline, simulate
 from rpcompile.sim.result import SimResult
 
 __all__ = [
-    "simulate_pipeline", "simulate_roundpipe", "steady_step_ms", "steady_steps",
-    "steady_utilization",
+    "search_figures", "simulate_pipeline", "simulate_roundpipe", "steady_step_ms",
+    "steady_steps", "steady_utilization",
 ]
 
 
@@ -86,11 +86,14 @@ def steady_utilization(result: SimResult, warmup_steps: int | None = None) -> fl
     workers; a step starts with its first compute, so both ends sit at the same point of
     the dispatch cycle. ``warmup_steps`` defaults to 2, or 1 for runs of 3 or 4 steps. Runs
     of fewer than 3 steps give the whole run's utilization (and take no ``warmup_steps``)."""
-    sched, tl = result.schedule, result.timeline
+    return _utilization(result.schedule, result.timeline, result.makespan_ms, warmup_steps)
+
+
+def _utilization(sched, tl, makespan: float, warmup_steps: int | None) -> float:
     computes = [a for lst in sched.actions for a in lst if a.is_compute]
     if sched.steps < 3:
         _no_window(sched.steps, warmup_steps)
-        lo, hi = 0.0, result.makespan_ms
+        lo, hi = 0.0, makespan
     else:
         if warmup_steps is None:
             warmup_steps = 1 if sched.steps <= 4 else 2
@@ -112,8 +115,31 @@ def steady_step_ms(result: SimResult, warmup_steps: int | None = None) -> float:
     """Time per optimizer step in steady state: one step's compute spread over the workers at
     the :func:`steady_utilization` rate. (Spacings of step ends are noisy when a step's jobs do
     not divide evenly among the workers.) With fewer than 3 steps, the makespan per step."""
-    if result.schedule.steps < 3:
-        _no_window(result.schedule.steps, warmup_steps)
-        return result.makespan_ms / result.schedule.steps
-    work = sum(result.busy_ms) / result.schedule.steps
-    return work / (result.workers * steady_utilization(result, warmup_steps))
+    return _step_ms(result.schedule, result.timeline, result.busy_ms, result.makespan_ms,
+                    warmup_steps)
+
+
+def _step_ms(sched, tl, busy: Sequence[float], makespan: float,
+             warmup_steps: int | None) -> float:
+    if sched.steps < 3:
+        _no_window(sched.steps, warmup_steps)
+        return makespan / sched.steps
+    work = sum(busy) / sched.steps
+    return work / (sched.workers * _utilization(sched, tl, makespan, warmup_steps))
+
+
+def search_figures(schedule: Schedule, plan: Plan, hardware: Hardware | str,
+                   ) -> tuple[float, float]:
+    """(the figure the partitioner minimises, its bubble) for a lowered RoundPipe schedule,
+    from a replay without the measures it does not read (rpcompile.sim.engine
+    .replay_timeline): a sync schedule's makespan and :attr:`SimResult.bubble`; an async
+    run's :func:`steady_step_ms` and ``1 -`` :func:`steady_utilization`. Equal to those of
+    :func:`~rpcompile.sim.simulate`'s result bit for bit (the same sums, in the same order)."""
+    tl = replay_timeline(schedule, plan, hardware)
+    makespan = makespan_of(tl)
+    busy, fill, drain, steady = busy_split(schedule, tl, makespan)
+    if schedule.optimizer == "sync":
+        denom = makespan * schedule.workers if makespan > 0 else 1.0
+        return makespan, (fill + drain + steady) / denom
+    return (_step_ms(schedule, tl, busy, makespan, None),
+            1.0 - _utilization(schedule, tl, makespan, None))
