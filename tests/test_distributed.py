@@ -748,6 +748,110 @@ def test_a_rank_that_cannot_take_part_makes_the_others_fail_at_once(tmp_path):
     assert second["refused_batch"]["error"] == "ValueError"
 
 
+class _Work:
+    """A collective's handle whose first, timed wait gives up (``Operation timed out!``) as
+    it completes, then ends with ``error`` (None: a success) when waited for again."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.done = False
+
+    def wait(self, timeout=None):
+        if not self.done:
+            self.done = True
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _bare_dp(rank: int = 0, world: int = 2):
+    """A DataParallel with no group or store, for its waits alone."""
+    import types
+
+    from rpcompile.runtime.distributed import DataParallel
+
+    dp = DataParallel.__new__(DataParallel)
+    dp.rank, dp.world, dp._store, dp._key = rank, world, None, ""
+    dp._broken, dp._works, dp._pending = "", [], []
+    dp.store = types.SimpleNamespace(trainable_slots=[])
+    return dp
+
+
+def test_a_collective_done_between_the_polls_timed_wait_and_its_check_is_a_success():
+    from rpcompile.runtime.distributed import RankFailed
+
+    dp = _bare_dp()
+    dp._wait("the test's all-reduce", _Work(), None)  # no RankFailed: it completed
+    assert dp._broken == ""
+    dp.check()  # and the next step may run
+    # One that failed as it completed raises its own error, not the poll's timeout.
+    with pytest.raises(RankFailed, match="the test's all-reduce") as info:
+        dp._wait("the test's all-reduce", _Work(RuntimeError("Connection closed by peer")),
+                 None)
+    assert "Connection closed by peer" in str(info.value.__cause__)
+    assert dp._broken == "the test's all-reduce"
+
+
+class _Group:
+    """One rank's handle on a process group of ``size`` ranks simulated in this process:
+    ranks build their trainers one after another, sharing the group's store (a real
+    in-memory ``HashStore``) and its broadcasts (rank 0's n-th reaches every rank's n-th)."""
+
+    def __init__(self, hub: dict, name: str, rank: int, size: int) -> None:
+        import torch.distributed as dist
+
+        self.name, self.rank, self.size = name, rank, size
+        self.shared = hub.setdefault(name, {"store": dist.HashStore(), "sent": []})
+        self.received = 0
+
+
+def _fake_dist():
+    import types
+
+    def broadcast(tensor, src, group, async_op):
+        assert src == 0 and async_op
+        if group.rank == 0:
+            group.shared["sent"].append(tensor.clone())
+        else:
+            tensor.copy_(group.shared["sent"][group.received])
+            group.received += 1
+        return types.SimpleNamespace(wait=lambda timeout=None: True, is_completed=lambda: True)
+
+    return types.SimpleNamespace(
+        get_rank=lambda g: g.rank, get_world_size=lambda g: g.size,
+        get_backend=lambda g: "gloo", get_global_rank=lambda g, r: r, broadcast=broadcast)
+
+
+def test_every_trainer_of_a_group_has_the_same_store_keys_on_every_rank(monkeypatch):
+    """A trainer's store keys are agreed by its group: after a trainer on a subgroup (ranks
+    0 and 1 of 3), all 3 ranks of the next trainer read the same keys (rank 1's announced
+    failure reaches ranks 0 and 2), and a fresh trainer reads no failure announced to an
+    earlier one."""
+    import types
+
+    from rpcompile.runtime import distributed
+
+    monkeypatch.setattr(distributed, "dist", _fake_dist())
+    monkeypatch.setattr(distributed, "_group_store", lambda g: g.shared["store"])
+    hub: dict = {}
+    store = types.SimpleNamespace(trainable_slots=[])
+    world = [_Group(hub, "world", r, 3) for r in range(3)]
+    pair = [_Group(hub, "pair", r, 2) for r in range(2)]
+    for g in pair:
+        distributed.DataParallel(g, store, mean_loss=False)
+    first = [distributed.DataParallel(g, store, mean_loss=False) for g in world]
+    first[1].abandon("step 4 failed")
+    assert [first[r].failed_peers() for r in range(3)] == \
+        [{1: "step 4 failed"}, {}, {1: "step 4 failed"}]
+    second = [distributed.DataParallel(g, store, mean_loss=False) for g in world]
+    assert len({dp._key for dp in second}) == 1 and second[0]._key != first[0]._key
+    assert [dp.failed_peers() for dp in second] == [{}, {}, {}]
+
+
 def test_shard_optimizer_refuses_async_updates():
     from rpcompile.options import Options, PlanOptions, TrainOptions
 
