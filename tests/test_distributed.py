@@ -431,6 +431,21 @@ def test_sharded_checkpoints_refuse_an_incomplete_or_mismatched_set():
         merge_shards(store, [part(0, ["a"]), part(1, ["b"])])
     with pytest.raises(CheckpointError, match="in two shards"):
         merge_shards(store, [part(0, ["a", "b"]), part(1, ["b", "c"])])
+    with pytest.raises(CheckpointError, match="no shards to merge"):
+        merge_shards(store, [])
+    # A parameter this model lacks ("z", with optimizer state): named, or left out (strict=False).
+    other = part(1, ["b", "c"])
+    other["names"][2] = "z"
+    other["state"]["masters"]["z"] = torch.zeros(3)
+    other["state"]["optimizer"]["param_groups"][0]["params"].append(2)
+    other["state"]["optimizer"]["state"] = {0: {"m": torch.ones(2)}, 2: {"m": torch.ones(3)}}
+    with pytest.raises(CheckpointError, match=r"\(\['z'\]\): pass strict=False"):
+        merge_shards(store, [part(0, ["a"]), other])
+    lenient = merge_shards(store, [part(0, ["a"]), other], strict=False)
+    assert lenient["param_names"] == ["a", "b", "c"] and list(lenient["masters"]) == ["a", "b", "c"]
+    assert lenient["optimizer"]["param_groups"][0]["params"] == [0, 1, 2]
+    assert list(lenient["optimizer"]["state"]) == [1]  # b's entry; z's is gone
+    assert torch.equal(lenient["optimizer"]["state"][1]["m"], torch.ones(2))
 
 
 # -- checkpoints across ranks: one outcome on every rank --------------------------------------
