@@ -331,6 +331,32 @@ def test_a_partial_per_rank_load_checks_the_masters_of_the_files_it_skips(monkey
         assert read == []
 
 
+def test_the_load_digest_the_ranks_agree_on_covers_the_whole_manifest(tmp_path):
+    """Data-parallel ranks compare the digest of what they prepared before any applies: two
+    checkpoints with the same files but another manifest (its extra: the data position,
+    or its step) have different digests; a byte-for-byte copy has the same."""
+    import shutil
+
+    from rpcompile.runtime import checkpoint
+
+    compiled = make()
+    try:
+        compiled.step(token_batch(6))
+        good = compiled.save_checkpoint(tmp_path / "good", extra={"data": 3})
+        trainer = compiled.trainer()
+        digest = checkpoint.prepare(trainer, good).digest
+        same = shutil.copytree(good, tmp_path / "same")
+        assert checkpoint.prepare(trainer, same).digest == digest
+        for key, value in (("extra", {"data": 4}), ("step", 2)):
+            other = shutil.copytree(good, tmp_path / key)
+            manifest = json.loads((other / "manifest.json").read_text())
+            manifest[key] = value
+            (other / "manifest.json").write_text(json.dumps(manifest))
+            assert checkpoint.prepare(trainer, other).digest != digest, key
+    finally:
+        compiled.close()
+
+
 def test_manager_keeps_the_last_k_and_finds_the_latest(tmp_path):
     compiled = make()
     manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)

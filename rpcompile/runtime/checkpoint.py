@@ -521,8 +521,9 @@ def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tens
 class Prepared:
     """A checkpoint read and checked against a trainer (:func:`prepare`), not yet applied:
     ``state`` as ``Trainer.load_state_dict`` applies it (sharded: cut to this rank's shard),
-    and ``digest`` a sha256 over the manifest's file sizes and sha256s (what data-parallel
-    ranks compare)."""
+    and ``digest`` a sha256 over the whole manifest as read (its files' sizes and sha256s,
+    and the step, extra, RNG, executor steps and loss scale it holds itself: what
+    data-parallel ranks compare before any applies)."""
 
     state: dict[str, Any]
     rng: dict[str, torch.Tensor]
@@ -569,9 +570,10 @@ def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     state = trainer.prepare_state(state, strict=strict, allow_nonfinite=allow_nonfinite,
                                   **({"partial": True} if partial else {}))
     seed = manifest.get("dropout_seed")
-    files = json.dumps(manifest["files"], sort_keys=True).encode()
+    # The manifest as parsed, in one canonical form: what this load applies from it.
+    read = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
     return Prepared(state, rng, scaler_state, dict(extra or {}),
-                    None if seed is None else int(seed), hashlib.sha256(files).hexdigest())
+                    None if seed is None else int(seed), hashlib.sha256(read).hexdigest())
 
 
 def apply(trainer: Any, prepared: Prepared) -> dict[str, Any]:
@@ -597,8 +599,8 @@ def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     """Restore a checkpoint written by :func:`save` into ``trainer``; returns its ``extra``
     dict ({} when none was stored). Nothing changes unless every check passes. Data
     parallel (``trainer.dp``): a collective; every rank prepares, then the ranks agree (on
-    success, and that they read the same file) before any applies, so a refusal on any rank
-    is a :class:`CheckpointFailed` on every rank."""
+    success, and that they read the same checkpoint: the sha256 of its manifest) before any
+    applies, so a refusal on any rank is a :class:`CheckpointFailed` on every rank."""
     dp = getattr(trainer, "dp", None)
     prepared, error = None, None
     try:
@@ -615,7 +617,7 @@ def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
         what = f"loading the checkpoint {Path(path)}"
         notes = dp.settle(error, what, note="" if prepared is None else prepared.digest)
         if len(set(notes.values())) > 1:
-            raise CheckpointFailed(what, {r: f"read checkpoint files of sha256 {d[:12]}..."
+            raise CheckpointFailed(what, {r: f"read a checkpoint of manifest sha256 {d[:12]}..."
                                           for r, d in notes.items()}, dp.world)
     return apply(trainer, prepared)
 
