@@ -867,6 +867,47 @@ def test_every_trainer_of_a_group_has_the_same_store_keys_on_every_rank(monkeypa
     assert [dp.failed_peers() for dp in second] == [{}, {}, {}]
 
 
+def test_a_sharded_save_pretrained_agrees_on_a_failed_copy_of_the_gathered_masters(tmp_path):
+    """Sharded save_pretrained: a rank whose copy of the gathered masters into its module
+    fails reaches the agreement (the others raise CheckpointFailed at once instead of
+    waiting there for the group's timeout), after an agreement on the queued updates."""
+    from rpcompile.compiler import Compiled
+    from rpcompile.runtime.checkpoint import CheckpointFailed
+
+    calls: list = []
+
+    class Ranks:
+        rank = 1
+
+        def settle(self, error, what):
+            calls.append(("settle", what, None if error is None else str(error)))
+            if error is not None:
+                raise CheckpointFailed(what, {1: str(error)}, 2) from error
+
+        def interrupted(self, exc, what):
+            calls.append(("interrupted", what))
+
+    class Trainer:
+        sharded = True
+        dp = Ranks()
+
+        def settle_across_ranks(self, what):
+            calls.append(("updates", what))
+
+        def sync_to_model(self):
+            raise RuntimeError("injected: the copy into the module failed")
+
+    compiled = Compiled.__new__(Compiled)
+    compiled._finished_trainer = Trainer
+    compiled._write_pretrained = lambda directory, merge: calls.append(("write",))
+    with pytest.raises(CheckpointFailed, match="injected: the copy"):
+        compiled.save_pretrained(tmp_path / "final")
+    where = f"writing the model to {tmp_path / 'final'}"
+    assert calls == [("updates", f"{where} (the queued updates)"),
+                     ("settle", f"{where} (rank 0 writes)",
+                      "injected: the copy into the module failed")]
+
+
 def test_shard_optimizer_refuses_async_updates():
     from rpcompile.options import Options, PlanOptions, TrainOptions
 
