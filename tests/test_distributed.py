@@ -811,6 +811,50 @@ def test_a_collective_done_between_the_polls_timed_wait_and_its_check_is_a_succe
     assert dp._broken == "the test's all-reduce"
 
 
+def test_the_end_of_a_step_waits_for_its_reductions_within_one_deadline(monkeypatch):
+    """finish() gives its reductions the time left of the step's deadline together, not the
+    whole deadline each: two reductions done 0.5 s and 1.0 s after it begins miss a 0.6 s
+    deadline (on a simulated clock that the waits advance)."""
+    import types
+
+    from rpcompile.runtime import distributed
+    from rpcompile.runtime.distributed import RankFailed
+
+    clock = [0.0]
+
+    class Late:
+        def __init__(self, done_at: float) -> None:
+            self.done_at = done_at
+
+        def wait(self, timeout=None):
+            step = float("inf") if timeout is None else timeout.total_seconds()
+            if clock[0] + step >= self.done_at:
+                clock[0] = max(clock[0], self.done_at)
+                return True
+            clock[0] += step
+            raise RuntimeError("Operation timed out!")
+
+        def is_completed(self) -> bool:
+            return clock[0] >= self.done_at
+
+    monkeypatch.setattr(distributed, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(distributed, "dist", types.SimpleNamespace(
+        all_reduce=lambda tensor, group, async_op: Late(0.0)))
+    dp = _bare_dp()
+    dp.shard, dp.mean_loss, dp.group = False, False, None
+    dp._works = [("the first reduction", Late(0.5)), ("the second reduction", Late(1.0))]
+    with pytest.raises(RankFailed, match="the second reduction") as info:
+        dp.finish(torch.tensor(1.0), False, 0.6)
+    assert "deadline" in str(info.value.__cause__)
+    assert clock[0] == pytest.approx(0.6)
+    # Within the deadline: the step's loss comes back.
+    clock[0] = 0.0
+    dp._broken = ""
+    dp._works = [("the first reduction", Late(0.5)), ("the second reduction", Late(1.0))]
+    loss, nonfinite = dp.finish(torch.tensor(1.0), False, 1.5)
+    assert float(loss) == 1.0 and not nonfinite
+
+
 class _Group:
     """One rank's handle on a process group of ``size`` ranks simulated in this process:
     ranks build their trainers one after another, sharing the group's store (a real

@@ -302,8 +302,8 @@ class DataParallel:
                                "(their stages never reported done)")
         if timeout_s is not None and not math.isinf(timeout_s):
             self._deadline = time.monotonic() + timeout_s
-        for what, work in self._works:
-            self._wait(what, work, timeout_s)
+        for what, work in self._works:  # together within the step's deadline
+            self._wait(what, work, self._left())
         self._works = []
         if self.shard:
             # What this rank holds outside its shard are its own unreduced sums: unused, and
@@ -317,7 +317,7 @@ class DataParallel:
         both = torch.stack([loss.detach().double().reshape(()),
                             torch.tensor(float(nonfinite), dtype=torch.float64)])
         self._wait("the step's loss and non-finite flag", dist.all_reduce(
-            both, group=self.group, async_op=True), timeout_s)
+            both, group=self.group, async_op=True), self._left())
         total = both[0] / self.world if self.mean_loss else both[0]
         return total.to(loss.dtype), bool(both[1] > 0)
 
