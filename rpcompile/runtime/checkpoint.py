@@ -110,11 +110,14 @@ class CheckpointError(RuntimeFault, ValueError):
 
 class CheckpointFailed(CheckpointError):
     """Data parallel: a save or load failed on one or more ranks, so it failed on every rank
-    (nothing was saved, or nothing was loaded, anywhere). ``failures`` maps each rank that
+    (nothing was saved, or nothing was loaded, anywhere, unless ``restart``: below). ``failures`` maps each rank that
     failed to what it raised; a rank that failed itself has its own error as the cause.
     ``restart``: a rank could not take part in the agreement (its data-parallel state was
     already broken by a failed step, or it was interrupted) and announced it instead, so
-    the ranks' collectives are out of step and every rank must be restarted."""
+    the ranks' collectives are out of step and every rank must be restarted; then the
+    outcome is not the same everywhere: rank 0's write of a save may have been committed
+    (a complete checkpoint of the target name may exist), and a load may have been applied
+    on some ranks and not others. Resume from the latest checkpoint on disk."""
 
     def __init__(self, what: str, failures: Mapping[int, str], world: int, *,
                  restart: bool = False) -> None:
