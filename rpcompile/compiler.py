@@ -190,21 +190,32 @@ class Compiled:
         ``PeftModel.from_pretrained``); ``merge=True`` saves the base model with the adapters
         merged in instead, from a copy, so this compiled model keeps training. Under
         ``shard_optimizer`` a collective (call it on every rank): the masters are gathered
-        from every rank, rank 0 alone writes, and every rank raises if its write failed."""
-        self.sync_to_model()
+        from every rank, rank 0 alone writes, and a failure on any rank (its queued updates,
+        its copy of the gathered masters into the module, rank 0's write) raises
+        ``CheckpointFailed`` on every rank."""
         trainer = self._finished_trainer()
         if trainer.sharded:
+            from rpcompile.runtime.distributed import RankFailed
+
+            what = f"writing the model to {directory}"
+            # The queued updates first, agreed: a rank whose update fails must not skip the
+            # gather the others are in.
+            trainer.settle_across_ranks(f"{what} (the queued updates)")
             error = None
-            if trainer.dp.rank == 0:
-                try:
+            try:
+                trainer.sync_to_model()  # the gather (a collective), then this rank's copy
+                if trainer.dp.rank == 0:
                     self._write_pretrained(directory, merge)
-                except Exception as exc:  # every rank must reach the agreement
-                    error = exc
-                except BaseException as exc:  # announced: the others stop at once
-                    trainer.dp.interrupted(exc, f"writing the model to {directory}")
-                    raise
-            trainer.dp.settle(error, f"writing the model to {directory} (rank 0 writes)")
+            except RankFailed:  # the gather failed: announced, out of step
+                raise
+            except Exception as exc:  # every rank must reach the agreement
+                error = exc
+            except BaseException as exc:  # announced: the others stop at once
+                trainer.dp.interrupted(exc, what)
+                raise
+            trainer.dp.settle(error, f"{what} (rank 0 writes)")
             return
+        self.sync_to_model()
         self._write_pretrained(directory, merge)
 
     def _write_pretrained(self, directory: Any, merge: bool) -> None:

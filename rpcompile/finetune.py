@@ -16,6 +16,7 @@ Sections, in reading order:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -305,7 +306,25 @@ def lr_lambda(kind: str, warmup: int, total: int):
     return factor
 
 
-def _check(opts: dict[str, Any]) -> None:
+def option_origin(args: argparse.Namespace, name: str) -> str:
+    """Where option ``name``'s value came from (see :func:`resolve_options`'s precedence),
+    for error messages: its flag, the ``--config`` file, the resumed run's ``config.yaml``,
+    or the default."""
+    flag = "--" + name.replace("_", "-")
+    if getattr(args, name, None) is not None:
+        return flag
+    if args.config is not None and name in _load_yaml(args.config):
+        return f"{args.config} (--config)"
+    if args.resume is not None:
+        saved = _find_checkpoint(args.resume)[1] / "config.yaml"
+        if saved.is_file() and name in _load_yaml(saved):
+            return f"the resumed run's {saved}"
+    return "the default"
+
+
+def _check(opts: dict[str, Any], origin: Any = None) -> None:
+    """Refuse options that cannot run together; ``origin(name)`` says where an option's
+    value came from (:func:`option_origin`) when the message should say it."""
     for name in ("rounds", "buckets", "keep_last"):
         if opts[name] < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {opts[name]}")
@@ -318,9 +337,16 @@ def _check(opts: dict[str, Any]) -> None:
     if opts["merge"] and not opts["lora"]:
         raise ValueError("--merge merges LoRA adapters; it needs --lora R")
     if opts["checkpoint_per_rank"] and not opts["shard_optimizer"]:
-        raise ValueError("--checkpoint-per-rank writes each rank's shard of a sharded state: "
-                         "it needs --shard-optimizer (without it every rank holds the whole "
-                         "state and rank 0 writes it)")
+        # Writing needs sharding; reading does not (a resume reads a per-rank checkpoint on
+        # any ranks, sharded or not), so a resumed run may leave it out: refused, not dropped
+        # quietly, because the checkpoints it writes would then be of another kind.
+        source = "--checkpoint-per-rank" if origin is None else origin("checkpoint_per_rank")
+        where = source if source == "--checkpoint-per-rank" else \
+            f"checkpoint_per_rank: true (from {source})"
+        raise ValueError(f"{where} writes each rank's shard of a sharded state: it needs "
+                         "--shard-optimizer (without it every rank holds the whole state and "
+                         "rank 0 writes it); or pass --no-checkpoint-per-rank to write whole "
+                         "checkpoints (resuming from per-rank files needs no sharding)")
     if opts["shard_optimizer"] and opts["mode"] != "sync":
         raise ValueError("--shard-optimizer needs --mode sync (a sharded update runs in the "
                          "schedule's host queue, where the ranks' collectives are ordered)")
@@ -380,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging as hf_logging
 
     opts, checkpoint = resolve_options(args)
-    _check(opts)
+    _check(opts, functools.partial(option_origin, args))
     hf_logging.disable_progress_bar()  # one bar: ours
     rank, world, started = _join_ranks()
     try:

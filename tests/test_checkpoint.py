@@ -303,6 +303,60 @@ def test_load_state_dict_validates_everything_first():
     trainer_owner.close()
 
 
+def test_a_partial_per_rank_load_checks_the_masters_of_the_files_it_skips(monkeypatch, tmp_path):
+    """A sharded rank reads only the files holding its own parameters, but the masters every
+    file lists are checked against the model first: a parameter this model lacks is refused
+    (strict) and a trainable parameter no file holds always is, before any file is read."""
+    from rpcompile.runtime import checkpoint
+    from rpcompile.runtime.memory import HostStore
+
+    a, b, c = (torch.nn.Parameter(torch.randn(n)) for n in (6, 2, 4))
+    store = HostStore.build([[("a", a), ("b", b)], [("c", c)]])
+    read: list = []
+    monkeypatch.setattr(checkpoint, "_read_tensors",
+                        lambda folder, manifest, name: read.append(name) or {})
+
+    def manifest(*lists):
+        return {"rng": {}, "bounds": [[0, 6], [6, 12]],
+                "shards": [{"rank": r, "file": f"shard-{r}", "masters": m, "optimizer": {}}
+                           for r, m in enumerate(lists)]}
+
+    with pytest.raises(CheckpointError, match=r"\(\['z'\]\): pass strict=False") as info:
+        checkpoint._rebuild_shards(tmp_path, manifest(["a"], ["b", "c", "z"]), store, {"a"})
+    assert info.value.key == "masters" and read == []
+    for strict in (True, False):
+        with pytest.raises(CheckpointError, match=r"lacks the masters of 1 .*\['c'\]"):
+            checkpoint._rebuild_shards(tmp_path, manifest(["a"], ["b"]), store, {"a"},
+                                       strict=strict)
+        assert read == []
+
+
+def test_the_load_digest_the_ranks_agree_on_covers_the_whole_manifest(tmp_path):
+    """Data-parallel ranks compare the digest of what they prepared before any applies: two
+    checkpoints with the same files but another manifest (its extra: the data position,
+    or its step) have different digests; a byte-for-byte copy has the same."""
+    import shutil
+
+    from rpcompile.runtime import checkpoint
+
+    compiled = make()
+    try:
+        compiled.step(token_batch(6))
+        good = compiled.save_checkpoint(tmp_path / "good", extra={"data": 3})
+        trainer = compiled.trainer()
+        digest = checkpoint.prepare(trainer, good).digest
+        same = shutil.copytree(good, tmp_path / "same")
+        assert checkpoint.prepare(trainer, same).digest == digest
+        for key, value in (("extra", {"data": 4}), ("step", 2)):
+            other = shutil.copytree(good, tmp_path / key)
+            manifest = json.loads((other / "manifest.json").read_text())
+            manifest[key] = value
+            (other / "manifest.json").write_text(json.dumps(manifest))
+            assert checkpoint.prepare(trainer, other).digest != digest, key
+    finally:
+        compiled.close()
+
+
 def test_manager_keeps_the_last_k_and_finds_the_latest(tmp_path):
     compiled = make()
     manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)

@@ -431,6 +431,21 @@ def test_sharded_checkpoints_refuse_an_incomplete_or_mismatched_set():
         merge_shards(store, [part(0, ["a"]), part(1, ["b"])])
     with pytest.raises(CheckpointError, match="in two shards"):
         merge_shards(store, [part(0, ["a", "b"]), part(1, ["b", "c"])])
+    with pytest.raises(CheckpointError, match="no shards to merge"):
+        merge_shards(store, [])
+    # A parameter this model lacks ("z", with optimizer state): named, or left out (strict=False).
+    other = part(1, ["b", "c"])
+    other["names"][2] = "z"
+    other["state"]["masters"]["z"] = torch.zeros(3)
+    other["state"]["optimizer"]["param_groups"][0]["params"].append(2)
+    other["state"]["optimizer"]["state"] = {0: {"m": torch.ones(2)}, 2: {"m": torch.ones(3)}}
+    with pytest.raises(CheckpointError, match=r"\(\['z'\]\): pass strict=False"):
+        merge_shards(store, [part(0, ["a"]), other])
+    lenient = merge_shards(store, [part(0, ["a"]), other], strict=False)
+    assert lenient["param_names"] == ["a", "b", "c"] and list(lenient["masters"]) == ["a", "b", "c"]
+    assert lenient["optimizer"]["param_groups"][0]["params"] == [0, 1, 2]
+    assert list(lenient["optimizer"]["state"]) == [1]  # b's entry; z's is gone
+    assert torch.equal(lenient["optimizer"]["state"][1]["m"], torch.ones(2))
 
 
 # -- checkpoints across ranks: one outcome on every rank --------------------------------------
@@ -746,6 +761,195 @@ def test_a_rank_that_cannot_take_part_makes_the_others_fail_at_once(tmp_path):
     assert got["error"] == "RankFailed" and "refused its batch on rank 1" in got["message"], got
     assert got["elapsed"] < ANNOUNCED_S, got  # it waited for the 60 s group timeout before
     assert second["refused_batch"]["error"] == "ValueError"
+
+
+class _Work:
+    """A collective's handle whose first, timed wait gives up (``Operation timed out!``) as
+    it completes, then ends with ``error`` (None: a success) when waited for again."""
+
+    def __init__(self, error: Exception | None = None) -> None:
+        self.error = error
+        self.done = False
+
+    def wait(self, timeout=None):
+        if not self.done:
+            self.done = True
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise self.error
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _bare_dp(rank: int = 0, world: int = 2):
+    """A DataParallel with no group or store, for its waits alone."""
+    import types
+
+    from rpcompile.runtime.distributed import DataParallel
+
+    dp = DataParallel.__new__(DataParallel)
+    dp.rank, dp.world, dp._store, dp._key = rank, world, None, ""
+    dp._broken, dp._works, dp._pending = "", [], []
+    dp.store = types.SimpleNamespace(trainable_slots=[])
+    return dp
+
+
+def test_a_collective_done_between_the_polls_timed_wait_and_its_check_is_a_success():
+    from rpcompile.runtime.distributed import RankFailed
+
+    dp = _bare_dp()
+    dp._wait("the test's all-reduce", _Work(), None)  # no RankFailed: it completed
+    assert dp._broken == ""
+    dp.check()  # and the next step may run
+    # One that failed as it completed raises its own error, not the poll's timeout.
+    with pytest.raises(RankFailed, match="the test's all-reduce") as info:
+        dp._wait("the test's all-reduce", _Work(RuntimeError("Connection closed by peer")),
+                 None)
+    assert "Connection closed by peer" in str(info.value.__cause__)
+    assert dp._broken == "the test's all-reduce"
+
+
+def test_the_end_of_a_step_waits_for_its_reductions_within_one_deadline(monkeypatch):
+    """finish() gives its reductions the time left of the step's deadline together, not the
+    whole deadline each: two reductions done 0.5 s and 1.0 s after it begins miss a 0.6 s
+    deadline (on a simulated clock that the waits advance)."""
+    import types
+
+    from rpcompile.runtime import distributed
+    from rpcompile.runtime.distributed import RankFailed
+
+    clock = [0.0]
+
+    class Late:
+        def __init__(self, done_at: float) -> None:
+            self.done_at = done_at
+
+        def wait(self, timeout=None):
+            step = float("inf") if timeout is None else timeout.total_seconds()
+            if clock[0] + step >= self.done_at:
+                clock[0] = max(clock[0], self.done_at)
+                return True
+            clock[0] += step
+            raise RuntimeError("Operation timed out!")
+
+        def is_completed(self) -> bool:
+            return clock[0] >= self.done_at
+
+    monkeypatch.setattr(distributed, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
+    monkeypatch.setattr(distributed, "dist", types.SimpleNamespace(
+        all_reduce=lambda tensor, group, async_op: Late(0.0)))
+    dp = _bare_dp()
+    dp.shard, dp.mean_loss, dp.group = False, False, None
+    dp._works = [("the first reduction", Late(0.5)), ("the second reduction", Late(1.0))]
+    with pytest.raises(RankFailed, match="the second reduction") as info:
+        dp.finish(torch.tensor(1.0), False, 0.6)
+    assert "deadline" in str(info.value.__cause__)
+    assert clock[0] == pytest.approx(0.6)
+    # Within the deadline: the step's loss comes back.
+    clock[0] = 0.0
+    dp._broken = ""
+    dp._works = [("the first reduction", Late(0.5)), ("the second reduction", Late(1.0))]
+    loss, nonfinite = dp.finish(torch.tensor(1.0), False, 1.5)
+    assert float(loss) == 1.0 and not nonfinite
+
+
+class _Group:
+    """One rank's handle on a process group of ``size`` ranks simulated in this process:
+    ranks build their trainers one after another, sharing the group's store (a real
+    in-memory ``HashStore``) and its broadcasts (rank 0's n-th reaches every rank's n-th)."""
+
+    def __init__(self, hub: dict, name: str, rank: int, size: int) -> None:
+        import torch.distributed as dist
+
+        self.name, self.rank, self.size = name, rank, size
+        self.shared = hub.setdefault(name, {"store": dist.HashStore(), "sent": []})
+        self.received = 0
+
+
+def _fake_dist():
+    import types
+
+    def broadcast(tensor, src, group, async_op):
+        assert src == 0 and async_op
+        if group.rank == 0:
+            group.shared["sent"].append(tensor.clone())
+        else:
+            tensor.copy_(group.shared["sent"][group.received])
+            group.received += 1
+        return types.SimpleNamespace(wait=lambda timeout=None: True, is_completed=lambda: True)
+
+    return types.SimpleNamespace(
+        get_rank=lambda g: g.rank, get_world_size=lambda g: g.size,
+        get_backend=lambda g: "gloo", get_global_rank=lambda g, r: r, broadcast=broadcast)
+
+
+def test_every_trainer_of_a_group_has_the_same_store_keys_on_every_rank(monkeypatch):
+    """A trainer's store keys are agreed by its group: after a trainer on a subgroup (ranks
+    0 and 1 of 3), all 3 ranks of the next trainer read the same keys (rank 1's announced
+    failure reaches ranks 0 and 2), and a fresh trainer reads no failure announced to an
+    earlier one."""
+    import types
+
+    from rpcompile.runtime import distributed
+
+    monkeypatch.setattr(distributed, "dist", _fake_dist())
+    monkeypatch.setattr(distributed, "_group_store", lambda g: g.shared["store"])
+    hub: dict = {}
+    store = types.SimpleNamespace(trainable_slots=[])
+    world = [_Group(hub, "world", r, 3) for r in range(3)]
+    pair = [_Group(hub, "pair", r, 2) for r in range(2)]
+    for g in pair:
+        distributed.DataParallel(g, store, mean_loss=False)
+    first = [distributed.DataParallel(g, store, mean_loss=False) for g in world]
+    first[1].abandon("step 4 failed")
+    assert [first[r].failed_peers() for r in range(3)] == \
+        [{1: "step 4 failed"}, {}, {1: "step 4 failed"}]
+    second = [distributed.DataParallel(g, store, mean_loss=False) for g in world]
+    assert len({dp._key for dp in second}) == 1 and second[0]._key != first[0]._key
+    assert [dp.failed_peers() for dp in second] == [{}, {}, {}]
+
+
+def test_a_sharded_save_pretrained_agrees_on_a_failed_copy_of_the_gathered_masters(tmp_path):
+    """Sharded save_pretrained: a rank whose copy of the gathered masters into its module
+    fails reaches the agreement (the others raise CheckpointFailed at once instead of
+    waiting there for the group's timeout), after an agreement on the queued updates."""
+    from rpcompile.compiler import Compiled
+    from rpcompile.runtime.checkpoint import CheckpointFailed
+
+    calls: list = []
+
+    class Ranks:
+        rank = 1
+
+        def settle(self, error, what):
+            calls.append(("settle", what, None if error is None else str(error)))
+            if error is not None:
+                raise CheckpointFailed(what, {1: str(error)}, 2) from error
+
+        def interrupted(self, exc, what):
+            calls.append(("interrupted", what))
+
+    class Trainer:
+        sharded = True
+        dp = Ranks()
+
+        def settle_across_ranks(self, what):
+            calls.append(("updates", what))
+
+        def sync_to_model(self):
+            raise RuntimeError("injected: the copy into the module failed")
+
+    compiled = Compiled.__new__(Compiled)
+    compiled._finished_trainer = Trainer
+    compiled._write_pretrained = lambda directory, merge: calls.append(("write",))
+    with pytest.raises(CheckpointFailed, match="injected: the copy"):
+        compiled.save_pretrained(tmp_path / "final")
+    where = f"writing the model to {tmp_path / 'final'}"
+    assert calls == [("updates", f"{where} (the queued updates)"),
+                     ("settle", f"{where} (rank 0 writes)",
+                      "injected: the copy into the module failed")]
 
 
 def test_shard_optimizer_refuses_async_updates():

@@ -145,6 +145,39 @@ def test_yaml_config_and_flags_override_it(tmp_path, files):
     assert main(["train", "--config", str(bad)]) == 2
 
 
+def test_a_resumed_per_rank_run_without_sharding_names_where_per_rank_came_from(tmp_path):
+    """Resuming a --checkpoint-per-rank run with --no-shard-optimizer: the refusal says the
+    option came from the resumed run's config.yaml (not a flag the user gave) and how to
+    leave it out; with --no-checkpoint-per-rank the options are accepted."""
+    import argparse
+    import functools
+
+    from rpcompile.finetune import _check, add_train_arguments, option_origin, resolve_options
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    (run / "config.yaml").write_text("model: m\nshard_optimizer: true\n"
+                                     "checkpoint_per_rank: true\n")
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+
+    def check(*flags):
+        args = parser.parse_args(["--resume", str(step), *flags])
+        opts, checkpoint = resolve_options(args)
+        assert checkpoint == step
+        _check(opts, functools.partial(option_origin, args))
+
+    with pytest.raises(ValueError) as info:
+        check("--no-shard-optimizer")
+    text = str(info.value)
+    assert f"from the resumed run's {run / 'config.yaml'}" in text
+    assert "needs --shard-optimizer" in text and "--no-checkpoint-per-rank" in text
+    check("--no-shard-optimizer", "--no-checkpoint-per-rank")
+    with pytest.raises(ValueError, match=r"^--checkpoint-per-rank writes"):
+        check("--no-shard-optimizer", "--checkpoint-per-rank")
+
+
 def test_help_lists_every_option_with_its_default(capsys):
     from rpcompile.finetune import OPTIONS
 

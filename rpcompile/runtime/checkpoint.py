@@ -110,11 +110,14 @@ class CheckpointError(RuntimeFault, ValueError):
 
 class CheckpointFailed(CheckpointError):
     """Data parallel: a save or load failed on one or more ranks, so it failed on every rank
-    (nothing was saved, or nothing was loaded, anywhere). ``failures`` maps each rank that
+    (nothing was saved, or nothing was loaded, anywhere, unless ``restart``: below). ``failures`` maps each rank that
     failed to what it raised; a rank that failed itself has its own error as the cause.
     ``restart``: a rank could not take part in the agreement (its data-parallel state was
     already broken by a failed step, or it was interrupted) and announced it instead, so
-    the ranks' collectives are out of step and every rank must be restarted."""
+    the ranks' collectives are out of step and every rank must be restarted; then the
+    outcome is not the same everywhere: rank 0's write of a save may have been committed
+    (a complete checkpoint of the target name may exist), and a load may have been applied
+    on some ranks and not others. Resume from the latest checkpoint on disk."""
 
     def __init__(self, what: str, failures: Mapping[int, str], world: int, *,
                  restart: bool = False) -> None:
@@ -412,16 +415,46 @@ def shards_to_read(manifest: Mapping[str, Any], owned: set[str] | None) -> list[
     return [s["rank"] for s in shards if owned.intersection(s["masters"])]
 
 
+def _check_listed_masters(manifest: Mapping[str, Any], store: Any, *, strict: bool) -> None:
+    """Refuse a per-rank checkpoint whose files' listed masters (all of them, read or not)
+    lack a trainable parameter of ``store``'s model, or (``strict``) name a parameter it
+    does not have: a partial load never sees the files it skips, so it checks here."""
+    shards = manifest["shards"]
+    if any("masters" not in s for s in shards):
+        return  # an older manifest: every file is read and merge_shards checks the set
+    listed = {n for s in shards for n in s["masters"]}
+    trainable = {s.name for s in store.trainable_slots}
+    missing = sorted(trainable - listed)
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint lacks the masters of {len(missing)} trainable parameters of this "
+            f"model ({missing[:3]}): it was saved from another model, or with other "
+            "parameters trainable (load it into the model it was saved from)", "masters")
+    unknown = sorted(listed - trainable)
+    if unknown and strict:
+        raise CheckpointError(
+            f"the checkpoint holds masters of {len(unknown)} parameters that are not trainable "
+            f"parameters of this model ({unknown[:3]}): pass strict=False to ignore them",
+            "masters")
+
+
 def _rebuild_shards(folder: Path, manifest: Mapping[str, Any], store: Any,
-                    owned: set[str] | None = None
+                    owned: set[str] | None = None, *, strict: bool = True
                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], bool]:
     """(the state, rank 0's RNG tensors, whether the state is partial) of a per-rank
     checkpoint: the files :func:`shards_to_read` names read and checked, and their shards
     merged as one process would hold the state (:func:`merge_shards`, which refuses an
-    incomplete set unless only the files holding ``owned`` were read)."""
+    incomplete set unless only the files holding ``owned`` were read). The masters every
+    file lists are checked against the model first (:func:`_check_listed_masters`), read
+    or not; ``strict=False`` ignores parameters this model does not have."""
     shards = manifest["shards"]
     bounds = [tuple(b) for b in manifest.get("bounds", ())]
+    _check_listed_masters(manifest, store, strict=strict)
     wanted = set(shards_to_read(manifest, owned))
+    if not wanted:
+        raise CheckpointError(
+            f"{folder}: no file of this per-rank checkpoint holds this rank's parameters "
+            f"({sorted(owned)[:3]}): it was saved from another model", "shards")
     partial = len(wanted) < len(shards)
     parts, rng = [], {}
     for shard in shards:
@@ -440,7 +473,7 @@ def _rebuild_shards(folder: Path, manifest: Mapping[str, Any], store: Any,
         except (TypeError, ValueError, AttributeError):
             raise CheckpointError(f"{folder}: the manifest's RNG state is malformed",
                                   "rng") from None
-    return merge_shards(store, parts, complete=not partial), rng, partial
+    return merge_shards(store, parts, complete=not partial, strict=strict), rng, partial
 
 
 def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tensor]
@@ -491,8 +524,9 @@ def _rebuild_state(manifest: Mapping[str, Any], tensors: Mapping[str, torch.Tens
 class Prepared:
     """A checkpoint read and checked against a trainer (:func:`prepare`), not yet applied:
     ``state`` as ``Trainer.load_state_dict`` applies it (sharded: cut to this rank's shard),
-    and ``digest`` a sha256 over the manifest's file sizes and sha256s (what data-parallel
-    ranks compare)."""
+    and ``digest`` a sha256 over the whole manifest as read (its files' sizes and sha256s,
+    and the step, extra, RNG, executor steps and loss scale it holds itself: what
+    data-parallel ranks compare before any applies)."""
 
     state: dict[str, Any]
     rng: dict[str, torch.Tensor]
@@ -515,7 +549,8 @@ def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
         # A sharded trainer reads only the files that hold its own parameters.
         owned = ({s.name for s in trainer.store.owned_slots}
                  if getattr(trainer, "sharded", False) else None)
-        state, rng, partial = _rebuild_shards(folder, manifest, trainer.store, owned)
+        state, rng, partial = _rebuild_shards(folder, manifest, trainer.store, owned,
+                                              strict=strict)
     else:
         state, rng = _rebuild_state(manifest, _read_tensors(folder, manifest))
     saved_class = manifest["optimizer"].get("class")
@@ -538,9 +573,10 @@ def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     state = trainer.prepare_state(state, strict=strict, allow_nonfinite=allow_nonfinite,
                                   **({"partial": True} if partial else {}))
     seed = manifest.get("dropout_seed")
-    files = json.dumps(manifest["files"], sort_keys=True).encode()
+    # The manifest as parsed, in one canonical form: what this load applies from it.
+    read = json.dumps(manifest, sort_keys=True, separators=(",", ":")).encode()
     return Prepared(state, rng, scaler_state, dict(extra or {}),
-                    None if seed is None else int(seed), hashlib.sha256(files).hexdigest())
+                    None if seed is None else int(seed), hashlib.sha256(read).hexdigest())
 
 
 def apply(trainer: Any, prepared: Prepared) -> dict[str, Any]:
@@ -566,8 +602,8 @@ def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
     """Restore a checkpoint written by :func:`save` into ``trainer``; returns its ``extra``
     dict ({} when none was stored). Nothing changes unless every check passes. Data
     parallel (``trainer.dp``): a collective; every rank prepares, then the ranks agree (on
-    success, and that they read the same file) before any applies, so a refusal on any rank
-    is a :class:`CheckpointFailed` on every rank."""
+    success, and that they read the same checkpoint: the sha256 of its manifest) before any
+    applies, so a refusal on any rank is a :class:`CheckpointFailed` on every rank."""
     dp = getattr(trainer, "dp", None)
     prepared, error = None, None
     try:
@@ -584,7 +620,7 @@ def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
         what = f"loading the checkpoint {Path(path)}"
         notes = dp.settle(error, what, note="" if prepared is None else prepared.digest)
         if len(set(notes.values())) > 1:
-            raise CheckpointFailed(what, {r: f"read checkpoint files of sha256 {d[:12]}..."
+            raise CheckpointFailed(what, {r: f"read a checkpoint of manifest sha256 {d[:12]}..."
                                           for r, d in notes.items()}, dp.world)
     return apply(trainer, prepared)
 
@@ -689,13 +725,25 @@ def match_optimizer_state(store: Any, state: Mapping[str, Any],
 
 
 def merge_shards(store: Any, parts: list[dict[str, Any]], *,
-                 complete: bool = True) -> dict[str, Any]:
+                 complete: bool = True, strict: bool = True) -> dict[str, Any]:
     """One state, as one process would hold it, from every rank's shard (``gather_state``).
     Optimizer parameters are indexed group by group, each group's parameters in the store's
     order (what one process's optimizer over the same factory indexes). Raises
-    ``CheckpointError`` on a set of shards that is incomplete, overlaps, or disagrees.
+    ``CheckpointError`` on a set of shards that is empty, incomplete, overlaps, or
+    disagrees, and (``strict``) on a parameter that is not trainable in ``store``'s model;
+    ``strict=False`` leaves such parameters out (masters and optimizer state).
     ``complete=False``: some ranks' shards only (a per-rank checkpoint's files that a rank
     needs); the state then holds their parameters alone."""
+    if not parts:
+        raise CheckpointError("no shards to merge (no file of the checkpoint was read)",
+                              "shards")
+    order = {s.name: s.master_offset for s in store.trainable_slots}
+    named = {n for p in parts for n in [*p["state"]["masters"], *p["names"].values()]}
+    unknown = sorted(named - set(order))
+    if unknown and strict:
+        raise CheckpointError(
+            f"the shards hold {len(unknown)} parameters that are not trainable parameters of "
+            f"this model ({unknown[:3]}): pass strict=False to ignore them", "shards")
     world = parts[0]["world"]
     ranks = sorted(p["rank"] for p in parts)
     if (ranks != list(range(world)) if complete else len(set(ranks)) != len(ranks)) or any(
@@ -708,8 +756,8 @@ def merge_shards(store: Any, parts: list[dict[str, Any]], *,
         for name, value in p["state"]["masters"].items():
             if name in masters:
                 raise CheckpointError(f"parameter {name!r} is in two shards", "shards")
-            masters[name] = value
-    order = {s.name: s.master_offset for s in store.trainable_slots}
+            if name in order:
+                masters[name] = value
     missing = [n for n in order if n not in masters]
     if missing and complete:
         raise CheckpointError(f"the shards lack {len(missing)} trainable parameters "
@@ -724,9 +772,11 @@ def merge_shards(store: Any, parts: list[dict[str, Any]], *,
     for p in parts:
         optim = p["state"]["optimizer"]
         for g, group in enumerate(optim["param_groups"]):
-            members[g].extend(p["names"][i] for i in group["params"])
+            members[g].extend(p["names"][i] for i in group["params"]
+                              if p["names"][i] in order)
         for i, entry in optim["state"].items():
-            entries[p["names"][i]] = entry
+            if p["names"][i] in order:
+                entries[p["names"][i]] = entry
     names: list[str] = []
     groups = []
     for g, group in enumerate(first["optimizer"]["param_groups"]):

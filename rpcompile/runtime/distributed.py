@@ -78,9 +78,9 @@ from __future__ import annotations
 
 import datetime
 import io
-import itertools
 import math
 import time
+import uuid
 from typing import Any
 
 import torch
@@ -96,9 +96,8 @@ __all__ = ["POLL_S", "DataParallel", "RankFailed", "merge_shards", "resolve_grou
 _NOTE_BYTES = 480
 # How often a wait whose collective is not done looks for another rank's announced failure.
 POLL_S = 0.25
-# Each DataParallel's keys on the store: every rank builds its trainers in the same order
-# (their construction is a collective), so the n-th one has the same number on every rank.
-_INSTANCES = itertools.count()
+# Bytes of the random id that names one trainer's keys on the store (drawn by rank 0).
+_KEY_BYTES = 16
 
 
 class _PeerFailed(RuntimeError):
@@ -185,8 +184,20 @@ class DataParallel:
                 "hold whole parameters); use fewer ranks or shard_optimizer=False")
         self._gathered: set[int] = set()  # slots whose shadows were gathered this step
         self._deadline: float | None = None
+        # The trainer's keys on the store: a random id drawn by rank 0 and broadcast (the
+        # construction is a collective), so that every rank of this group uses the same keys
+        # whatever trainers it built before on other groups, and no trainer reads a failure
+        # announced by an earlier one. The broadcast is not polled (no keys yet): its wait
+        # is the process group's timeout.
+        self._store = None
+        self._key = ""
+        ident = torch.zeros(_KEY_BYTES, dtype=torch.uint8)
+        if self.rank == 0:
+            ident.copy_(torch.frombuffer(bytearray(uuid.uuid4().bytes), dtype=torch.uint8))
+        self._wait("the broadcast of the trainer's store key", dist.broadcast(
+            ident, src=dist.get_global_rank(group, 0), group=group, async_op=True), None)
+        self._key = f"rpcompile/dp/{bytes(ident.tolist()).hex()}"
         self._store = _group_store(group)
-        self._key = f"rpcompile/dp/{next(_INSTANCES)}"
 
     # -- start --------------------------------------------------------------------------------
     def broadcast_store(self) -> None:
@@ -291,8 +302,8 @@ class DataParallel:
                                "(their stages never reported done)")
         if timeout_s is not None and not math.isinf(timeout_s):
             self._deadline = time.monotonic() + timeout_s
-        for what, work in self._works:
-            self._wait(what, work, timeout_s)
+        for what, work in self._works:  # together within the step's deadline
+            self._wait(what, work, self._left())
         self._works = []
         if self.shard:
             # What this rank holds outside its shard are its own unreduced sums: unused, and
@@ -306,7 +317,7 @@ class DataParallel:
         both = torch.stack([loss.detach().double().reshape(()),
                             torch.tensor(float(nonfinite), dtype=torch.float64)])
         self._wait("the step's loss and non-finite flag", dist.all_reduce(
-            both, group=self.group, async_op=True), timeout_s)
+            both, group=self.group, async_op=True), self._left())
         total = both[0] / self.world if self.mean_loss else both[0]
         return total.to(loss.dtype), bool(both[1] > 0)
 
@@ -545,8 +556,12 @@ class DataParallel:
                     work.wait(timeout=datetime.timedelta(seconds=max(left, 0.001)))
                     return
                 except RuntimeError:
-                    if work.is_completed():  # it failed (a rank died, the group timed out)
-                        raise
+                    if work.is_completed():
+                        # Done between the timed wait and this check (a success, then the
+                        # untimed wait returns) or failed (a rank died, the group timed out:
+                        # it raises the collective's own error, not the poll's timeout).
+                        work.wait()
+                        return
                 peers = self.failed_peers()
                 if peers:
                     raise _PeerFailed(peers)

@@ -438,6 +438,12 @@ class Trainer:
             return self._local_state()
         return self._state_across_ranks("the state_dict")
 
+    def settle_across_ranks(self, what: str) -> None:
+        """Data parallel: finish this rank's queued updates and agree that every rank did (a
+        failure anywhere raises ``CheckpointFailed`` everywhere), before a collective that
+        a rank with a failed update would skip (``save_pretrained``'s gather)."""
+        self._state_across_ranks(what, gather=False, keep=False)
+
     def _state_across_ranks(self, what: str, gather: bool = True,
                             keep: bool = True) -> dict[str, Any] | None:
         """Data parallel: every rank's state taken and agreed (a failure anywhere raises
