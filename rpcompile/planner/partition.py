@@ -889,33 +889,48 @@ def _dispatch_ends(stages: Sequence[Stage], hardware: Hardware, workers: int,
     last_start = [0.0] * workers  # start of the worker's previous job (prefetch may begin)
     link_free = [0.0] * workers
     dealt = deal(len(stages), workers, rounds)  # the dispatch pass's own counter
+    # Per stage, computed once (the same floats the loop would compute at every job): its
+    # weights' upload, its compute, the hop of its output when the next stage runs elsewhere,
+    # and its gradients' download.
+    upload = [hardware.h2d_ms(st.weight_bytes) for st in stages]
+    compute = [st.compute_ms for st in stages]
+    hop_out = [hardware.d2h_ms(st.output_bytes) + hardware.h2d_ms(st.output_bytes)
+               for st in stages]
+    download = [hardware.d2h_ms(st.grad_bytes) for st in stages]
     while True:
         end_time = 0.0
         for _r in range(rounds):
             prev_done: list[float] | None = None
             prev_worker = -1
-            prev_out = 0
-            for position, st in enumerate(stages):
+            for position in range(len(stages)):
                 w, dealt_stage, _, _ = next(dealt)
                 assert dealt_stage == position  # the model walks the jobs in dealing order
                 up_start = max(link_free[w], last_start[w])
-                up_done = up_start + hardware.h2d_ms(st.weight_bytes)
+                up_done = up_start + upload[position]
                 link_free[w] = up_done
                 t = max(free[w], up_done)
-                hop = 0.0
-                if prev_worker != w and prev_done is not None:
-                    hop = hardware.d2h_ms(prev_out) + hardware.h2d_ms(prev_out)
+                c = compute[position]
                 done = []
-                start = None
-                for m in range(microbatches):
-                    ready = prev_done[m] + hop if prev_done is not None else 0.0
-                    t = max(t, ready)
-                    if start is None:
-                        start = t
-                    t += st.compute_ms
-                    done.append(t)
+                if prev_done is None:
+                    start = t
+                    for _m in range(microbatches):
+                        t += c
+                        done.append(t)
+                else:
+                    hop = hop_out[position - 1] if prev_worker != w else 0.0
+                    start = None
+                    for ready in prev_done:
+                        ready += hop
+                        if ready > t:
+                            t = ready
+                        if start is None:
+                            start = t
+                        t += c
+                        done.append(t)
                 last_start[w] = start or 0.0
                 free[w] = t
-                end_time = max(end_time, t + hardware.d2h_ms(st.grad_bytes))
-                prev_done, prev_worker, prev_out = done, w, st.output_bytes
+                end = t + download[position]
+                if end > end_time:
+                    end_time = end
+                prev_done, prev_worker = done, w
         yield end_time
