@@ -21,11 +21,8 @@ for the CUDA context and the allocator); a plan over it is marked "over the GPU!
 Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B (paper: about
 8,900 tokens/s).
 
-``--max-simulations N`` caps the partitioner's replays per search (default: its own cap,
-rpcompile.planner.partition.SIMULATION_CAPS): a capped search that stops before its proof
-says so in the plan's notes, printed with the line, with the most a candidate it did not
-replay could be faster. ``--refine N`` caps the async boundary refinement's replays (default
-16; 0 turns it off).
+``--max-simulations N`` and ``--refine N`` cap the partitioner's search (benchmarks/_search.py);
+a capped search that stops before its proof says so, printed with the line.
 
     python benchmarks/paper_throughput.py [--models ...] [--max-simulations N] [--refine N]
                                           [--json PATH] [--png PATH]
@@ -37,12 +34,12 @@ import argparse
 import json
 import math
 import time
-from functools import partial
 from pathlib import Path
+
+from _search import add_search_caps, capped_partition  # benchmarks/_search.py, beside this
 
 from rpcompile.hardware import get_hardware
 from rpcompile.passes.memory import host_memory, worker_peaks
-from rpcompile.planner.partition import partition
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms, steady_steps
 from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
@@ -93,12 +90,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
-    ap.add_argument("--max-simulations", type=int, default=None, metavar="N",
-                    help="cap the partitioner's simulator replays per search (default: its "
-                         "own cap; a search stopped before its proof says so)")
-    ap.add_argument("--refine", type=int, default=None, metavar="N",
-                    help="cap the async boundary refinement's simulator replays (default: "
-                         "the partitioner's 16; 0 turns it off)")
+    add_search_caps(ap)
     ap.add_argument("--json", type=Path, default=RESULTS / "paper_throughput.json",
                     help="where to write {model: {config: tokens_per_s or null}}")
     ap.add_argument("--png", type=str, default=RESULTS / "paper_throughput.png",
@@ -110,9 +102,7 @@ def main() -> None:
     for name in args.models:
         row: dict[str, float | None] = {}
         notes = {}
-        caps = {k: v for k, v in (("max_simulations", args.max_simulations),
-                                  ("refine", args.refine)) if v is not None}
-        ours = partial(partition, **caps)
+        ours = capped_partition(args)
         row["rpcompile"], notes["rpcompile"] = roundpipe_tokens_per_s(name, ours)
         row["roundpipe-partition"], notes["roundpipe-partition"] = roundpipe_tokens_per_s(
             name, partition_roundpipe)

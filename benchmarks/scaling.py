@@ -18,7 +18,11 @@ REDUCE timed as gloo's reduce to the gradients' owners, each SHADOW also broadca
 updated shadows; compare it with ``sync``).
 
     python benchmarks/scaling.py [--models ...] [--nodes 1 2 4] [--links eth25 eth100]
-                                 [--variants async sync sharded] [--json PATH]
+                                 [--variants async sync sharded] [--max-simulations N]
+                                 [--refine N] [--json PATH]
+
+``--max-simulations N`` and ``--refine N`` cap the partitioner's search (benchmarks/_search.py);
+each model's line prints its plan's ``search:`` note (proven, or the gap of a capped search).
 
 The JSON is {model: {variant: {link: {nodes: figures}}}}.
 """
@@ -30,8 +34,9 @@ import json
 import time
 from pathlib import Path
 
+from _search import add_search_caps, capped_partition, search_note  # beside this script
+
 from rpcompile.hardware import get_hardware
-from rpcompile.planner.partition import partition
 from rpcompile.sim import simulate_roundpipe, steady_steps
 from rpcompile.sim.scaling import simulate_nodes
 from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
@@ -49,6 +54,7 @@ def main() -> None:
     ap.add_argument("--nodes", nargs="+", type=int, default=[1, 2, 4])
     ap.add_argument("--links", nargs="+", default=["eth25", "eth100"])
     ap.add_argument("--variants", nargs="+", default=["async"], choices=list(VARIANTS))
+    add_search_caps(ap)
     ap.add_argument("--json", type=Path, default=RESULTS / "scaling.json",
                     help="where to write {model: {variant: {link: {nodes: figures}}}}")
     args = ap.parse_args()
@@ -60,10 +66,11 @@ def main() -> None:
     for name in args.models:
         w = WORKLOADS[name]
         units = MODELS[name].units(w.microbatch_size, w.seq_len)
-        plan = partition(units, hw, hw.gpus, w.microbatches, max(1, round(w.microbatch_size)),
-                         w.seq_len, w.rounds)
+        plan = capped_partition(args)(units, hw, hw.gpus, w.microbatches,
+                                      max(1, round(w.microbatch_size)), w.seq_len, w.rounds)
         steps = steady_steps(plan, rounds=w.rounds)
-        print(f"{name}: {w.tokens_per_step:,} tokens per server per step", flush=True)
+        print(f"{name}: {w.tokens_per_step:,} tokens per server per step; "
+              f"{search_note(plan) or 'search: no note'}", flush=True)
         result[name] = {}
         one_server = {}
         for variant in args.variants:
