@@ -124,6 +124,16 @@ class Stage:
     # keeps every unit's activations for one backward; "layer" keeps only the unit
     # boundaries, then recomputes and backpropagates one unit at a time (one more forward).
     recompute: str = "stage"
+    # Low-precision bytes of the stage's trainable parameters (borrowed ones included): what
+    # its SHADOW rewrites from the masters, since frozen parameters have no masters (a LoRA
+    # base). The partitioner always sets it; None, for a stage built by hand without its
+    # units' counts, stands for every weight (weight_bytes).
+    shadow_bytes: int | None = None
+
+    @property
+    def trainable_weight_bytes(self) -> int:
+        """What the stage's SHADOW rewrites: ``shadow_bytes``, or every weight when unset."""
+        return self.weight_bytes if self.shadow_bytes is None else self.shadow_bytes
 
     def label(self, num_forward: int | None = None) -> str:
         """``F1``..``Fp`` for forward stages, ``B1`` for the tail, ``B2``.. for the backward

@@ -336,3 +336,31 @@ def test_host_memory_model_equals_what_the_host_store_of_a_lora_model_holds(mode
         assert (pending > 0) == (mode == "async")
         assert predicted.optimizer == moments
         assert steps <= 8 * len(trainer.optimizer.state)  # one scalar per parameter tensor
+
+
+@pytest.mark.parametrize("arch,lora", [("qwen3", True), ("qwen3_tied", False)])
+def test_each_shadow_action_moves_the_bytes_the_runtime_rewrites(arch, lora):
+    # A SHADOW rewrites, from the masters, the shadow of its stage's trainable parameters
+    # only (a LoRA base has no masters; a tied embedding once per stage that holds it). The
+    # lowered schedule's SHADOW bytes, from the planner's unit counts, must equal the
+    # elements the runtime's refresh of that stage copies (the host store's runs, laid out
+    # from the real parameters) times the shadow's element size; the simulator times SHADOW
+    # by those bytes.
+    model = hf_model(arch, layers=2)
+    if lora:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8,
+                                                           target_modules="all-linear"))
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                                 device="virtual")
+    with Trainer(compiled, torch.optim.SGD, device="virtual") as trainer:
+        store = trainer.store
+        size = store.shadow.element_size()
+        shadows = [a for a in trainer.schedule.host if a.kind == "SHADOW"]
+        assert shadows
+        for a in shadows:
+            rewritten = sum(m1 - m0 for m0, m1, _ in store._stage_runs[a.stage])
+            assert a.bytes == rewritten * size, a
+        if lora:  # the frozen base is most of every stage's weights, and none of its SHADOW
+            assert all(a.bytes < compiled.plan.stages[a.stage].weight_bytes / 4
+                       for a in shadows)

@@ -388,7 +388,7 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
         edges += [Edge(acc, opt, "accumulated") for acc in accs[(s, k)]]
         for x, ys in covering.items():
             if s in ys and all((y, k) in opts for y in ys):
-                sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].weight_bytes)
+                sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].trainable_weight_bytes)
                 host.append(sh)
                 shadows[(x, k)] = sh
                 edges += [Edge(opts[(y, k)], sh, "updated") for y in ys]
@@ -467,7 +467,7 @@ def _add_async_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
         for x, ys in covering.items():
             if not ys:
                 continue
-            sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].weight_bytes)
+            sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].trainable_weight_bytes)
             shadows[(x, k)] = sh
             rewriters = {y for z in sharing[x] for y in covering[z]} | set(ys)
             edges += [Edge(opts[y], sh, "updated") for y in sorted(rewriters) if y in opts]

@@ -219,7 +219,7 @@ def _host_queue(plan: Plan, hw: Hardware, rounds: int, home: dict[tuple[int, int
         return stages[s].grad_bytes / 4 / opt_rate
 
     def shadow_ms(x: int) -> float:
-        return 3.0 * stages[x].weight_bytes / host_rate
+        return 3.0 * stages[x].trainable_weight_bytes / host_rate
 
     t = sum(opt_ms(s) for s in grad_stages) if order == "async" else 0.0
     total = t + sum(shadow_ms(x) for x, ys in enumerate(covering) if ys) \

@@ -17,8 +17,9 @@ equals the proof over the simulator's longer steady-state run, which the partiti
 
 So a length reported as fitting has a plan, returned with its proven peaks, whose whole
 lowered schedule fits the GPUs. Searching: doubling from ``start`` while the length fits, then
-bisecting between the last length that fits and the first that does not, to a multiple of
-``step`` tokens. The limit named at the first length that does not fit is a unit whose stage
+bisecting between the last length that fits and the first that does not until they are
+``step`` tokens apart (the lengths tried are ``start`` doubled and midpoints, so a multiple of
+``step`` only when ``start`` is). The limit named at the first length that does not fit is a unit whose stage
 alone is too large (no schedule can help), or the worker, action and memory parts at the peak
 of the memory-first plan's proof. The search is not exhaustive over plans: the length it
 reports is proven for the plan it returns, and the limit named is that plan's.
@@ -134,7 +135,7 @@ def longest_sequence(
     limit: int = 1 << 20,
     capacity_bytes: int | None = None,
 ) -> LongestSequence:
-    """The longest sequence (a multiple of ``step``, between ``start`` and ``limit``) at which
+    """The longest sequence (between ``start`` and ``limit``, found to within ``step`` tokens) at which
     the memory-first plan (:func:`memory_first_plan`) for ``workers`` GPUs, ``microbatches``
     microbatches of ``microbatch_size`` sequences and ``rounds`` rounds has a whole lowered
     schedule whose proven peak fits ``capacity_bytes`` (default: the hardware's usable

@@ -833,6 +833,7 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         output_bytes=int(out_bytes * costing.activation_scale),
         peak_bytes=_stage_memory(units, tuple(r), kind, costing),
         recompute=_recompute(kind, tuple(r), units, costing),
+        shadow_bytes=trainable * costing.weight_dtype_bytes,
     )
 
 
