@@ -265,7 +265,8 @@ def _sim_plan():
 
     # Host memory that never limits a reduction: with a link without latency a REDUCE then
     # takes exactly its ring time, 2 (N-1)/N x bytes / bandwidth. One sync step of 27 layers
-    # of Qwen3-1.7B on 4 workers: 8 gradient stages.
+    # of Qwen3-1.7B on 4 workers (the search's plan: 8 gradient stages before this session's
+    # tighter bound, 14 after; the test reads the count from the plan).
     hw = replace(get_hardware("rtx4090x8").with_gpus(4), host_mem_gbps=1e6)
     units = MODELS["qwen3-1.7b"].units(2, 1024)
     units = units[:29] + units[-1:]
@@ -296,9 +297,12 @@ def _ring_ms(a, gbit: float) -> float:
 def test_the_reduction_time_follows_the_link_bandwidth():
     one, fast = _sim_case(800.0)
     _, slow = _sim_case(400.0)
+    plan, _hw = _sim_plan()
+    gradient_stages = sum(1 for st in plan.stages if st.kind != "forward")
+    assert gradient_stages >= 4
     for run, gbit in ((fast, 800.0), (slow, 400.0)):
         reds = run.schedule.network
-        assert len(reds) == 8
+        assert len(reds) == gradient_stages  # one REDUCE per gradient stage and step
         for a in reds:
             start, end = run.timeline[a]
             assert end - start == pytest.approx(_ring_ms(a, gbit), rel=1e-6)
