@@ -35,6 +35,8 @@ figures model none). Bubble = idle / (makespan x GPUs).
 
 The whole table takes about an hour on one core (the partitioner's async search over 188
 blocks for Qwen3-235B-A22B is most of it); ``--schedules roundpipe-async`` runs one row.
+``--max-simulations N`` and ``--refine N`` cap the partitioner's searches (benchmarks/_search.py);
+each of our plans prints its search note (proven, or the gap a capped search left).
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ import json
 import math
 import time
 from pathlib import Path
+
+from _search import add_search_caps, capped_partition, search_note  # beside this script
 
 from rpcompile.hardware import Hardware
 from rpcompile.planner.partition import fit_memory_waits, partition
@@ -111,9 +115,10 @@ def _roundpipe(plan, hw) -> tuple[float, float]:
     return sync, 100 * (1 - steady_utilization(r))
 
 
-def bubbles(name: str, schedules=(*SCHEDULES, *EXTRA)) -> dict[str, float]:
+def bubbles(name: str, schedules=(*SCHEDULES, *EXTRA), search=partition) -> dict[str, float]:
     """Bubble percent of each of ``schedules`` for one model (``rp-partition-*``: RoundPipe
-    dispatch of RoundPipe's own greedy plan, printed for comparison but not in the JSON)."""
+    dispatch of RoundPipe's own greedy plan, printed for comparison but not in the JSON).
+    ``search`` is the partitioner, with any search caps bound."""
     model = MODELS[name]
     units = model.units(MICROBATCH_SIZE, SEQ)
     hw = paper_hardware(model)
@@ -129,12 +134,16 @@ def bubbles(name: str, schedules=(*SCHEDULES, *EXTRA)) -> dict[str, float]:
     blocks = model.units(MICROBATCH_SIZE, SEQ, split_layers=True)
     for mode in ("sync", "async"):
         if f"roundpipe-{mode}" in schedules:
-            plan = partition(blocks, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ,
-                             optimizer=mode)
+            plan = search(blocks, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ,
+                          optimizer=mode)
+            print(f"{name} roundpipe-{mode}: {search_note(plan) or 'search: no note'}",
+                  flush=True)
             out[f"roundpipe-{mode}"] = _roundpipe(plan, hw)[0 if mode == "sync" else 1]
             out[f"roundpipe-{mode}-waits"] = plan.memory_waits
     if "rp-async-layers" in schedules:
-        layers_only = partition(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
+        layers_only = search(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
+        print(f"{name} rp-async-layers: {search_note(layers_only) or 'search: no note'}",
+              flush=True)
         out["rp-async-layers"] = _roundpipe(layers_only, hw)[1]
     if "rp-partition-sync" in schedules or "rp-partition-async" in schedules:
         greedy = partition_roundpipe(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
@@ -154,10 +163,12 @@ def main() -> None:
                          "roundpipe-own-plan-qwen3-1.7b: {quantity: percent}")
     ap.add_argument("--png", type=str, default=RESULTS / "paper_bubbles.png",
                     help="grouped bar chart ('' to skip)")
+    add_search_caps(ap)
     args = ap.parse_args()
 
     t0 = time.perf_counter()
-    table = {name: bubbles(name, args.schedules) for name in args.models}
+    search = capped_partition(args)
+    table = {name: bubbles(name, args.schedules, search) for name in args.models}
     rows = [s for s in (*SCHEDULES, *EXTRA) if s in args.schedules]
     result = {s: {m: round(table[m][s], 2) for m in args.models} for s in SCHEDULES
               if s in args.schedules}
