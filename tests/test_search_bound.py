@@ -98,6 +98,45 @@ def test_bound_never_exceeds_the_simulated_figure_tiny(mode: str, rounds: int) -
     assert checked == 6 * 6 * 2
 
 
+def _upload_bound_units(rng: random.Random, layers: int) -> list[UnitProfile]:
+    """A prefix, ``layers`` layers of large frozen weights and almost no compute, and a tail:
+    plans whose time is their weight uploads, where the bound's release and first-upload
+    arguments decide whether it stays below the figure."""
+    units = [UnitProfile("prefix", 0.0, 0.0, trainable_params=rng.randrange(1, 8) * MIB,
+                         output_bytes=MIB)]
+    for i in range(layers):
+        fwd = rng.uniform(0.01, 0.5)
+        units.append(UnitProfile(
+            f"layers.{i}", fwd, 2 * fwd, trainable_params=rng.randrange(0, 4) * MIB,
+            frozen_params=rng.randrange(100, 600) * MIB, output_bytes=MIB,
+            working_bytes=2 * MIB))
+    units.append(UnitProfile("tail", 0.2, 0.4, trainable_params=rng.randrange(1, 8) * MIB,
+                             output_bytes=MIB, working_bytes=2 * MIB))
+    return units
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_bound_never_exceeds_the_simulated_figure_upload_bound(mode: str, rounds: int) -> None:
+    """Upload-dominated tiny plans on 1-3 workers: every figure is mostly weight uploads, so
+    a bound that counted an upload the replay can start early would exceed it."""
+    rng = random.Random(41 + rounds + (mode == "async"))
+    checked = 0
+    for hw_name, workers, micro, layers in (("rtx4090x8", 1, 2, 3), ("rtx4090x8", 2, 3, 4),
+                                            ("cpu", 3, 2, 5), ("rtx4090x8", 3, 4, 6)):
+        hw = get_hardware(hw_name)
+        units = _upload_bound_units(rng, layers)
+        for fwd, bwd, tail in _random_cuts(len(units), rng, 5):
+            plan = build_plan(units, fwd, bwd, tail, hw, workers, micro, rounds=rounds)
+            for waits in ((), ("window", "sent", "grad_slot")):
+                plan = replace(plan, memory_waits=waits)
+                bound = simulated_lower_bound(plan, hw, rounds, mode)
+                figure = _figure(plan, hw, rounds, mode)
+                assert 0.0 < bound <= figure, (hw_name, fwd, bwd, tail, waits, bound, figure)
+                checked += 1
+    assert checked == 4 * 5 * 2
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("rounds", [1, 2])
 def test_bound_never_exceeds_the_simulated_figure_paper(mode: str, rounds: int) -> None:
