@@ -33,9 +33,9 @@ REGEN = bool(os.environ.get("RPCOMPILE_REGEN_GOLDEN"))
 
 # name: (model, layers, hardware, gpus, microbatches, rounds, batch, seq, optimizer mode)
 CASES = {
-    "qwen3-1.7b_sync": ("qwen3-1.7b", None, "rtx4090x8", 8, 9, 1, 36, 2048, "sync"),
+    "qwen3-1.7b_sync": ("qwen3-1.7b", 12, "rtx4090x8", 8, 9, 1, 36, 2048, "sync"),
     "qwen3-1.7b_async_r2": ("qwen3-1.7b", 12, "rtx4090x8", 8, 9, 2, 36, 2048, "async"),
-    "llama3.1-8b_async": ("llama3.1-8b", 12, "rtx4090x8", 8, 9, 1, 18, 4096, "async"),
+    "llama3.1-8b_async": ("llama3.1-8b", 6, "rtx4090x8", 8, 9, 1, 18, 4096, "async"),
     "qwen3-tiny_sync_4gpu": ("qwen3-tiny", None, "rtx4090x8", 4, 5, 1, 20, 512, "sync"),
 }
 
