@@ -364,3 +364,68 @@ def test_each_shadow_action_moves_the_bytes_the_runtime_rewrites(arch, lora):
         if lora:  # the frozen base is most of every stage's weights, and none of its SHADOW
             assert all(a.bytes < compiled.plan.stages[a.stage].weight_bytes / 4
                        for a in shadows)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_undo_journal_is_what_the_host_figure_and_the_simulator_charge(mode):
+    # The optimizer driver's undo journal (rollback, the Trainer's setting) holds, until the
+    # step commits, a copy of the masters and optimizer state each OPT changes and of the
+    # shadows each SHADOW overwrites (each parameter once a step). Measured on the journal's
+    # tensors in a full fine-tune: the plan's host figure is its peak, the lowered OPTs'
+    # journal traffic (the simulator's per-parameter charge) is twice the masters and state
+    # copied (each copy read and written), and each SHADOW's journal bytes in the simulator
+    # are what that SHADOW's refresh added to the journal.
+    from rpcompile.passes.memory import host_memory
+    from rpcompile.runtime import optim
+    from rpcompile.sim.engine import JOURNAL_BYTES_PER_PARAM
+    from rpcompile.sim.sharding import shadow_journal_bytes
+
+    model = hf_model("qwen3", layers=2)
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                                 device="virtual", mode=mode)
+    held: list[tuple[int, int, int]] = []  # per commit: masters, optimizer state, shadows
+    refreshed: dict[int, list[int]] = {}  # step -> the shadow bytes each refresh saved
+    commit, refresh = optim.OptimizerDriver.commit_step, optim.OptimizerDriver.refresh
+
+    def shadow_bytes(driver):
+        journal = driver._open.journal
+        return 0 if journal is None else sum(t.nbytes for t in journal.shadows.values())
+
+    def measuring_refresh(driver, stage):
+        before = shadow_bytes(driver)
+        refresh(driver, stage)
+        refreshed.setdefault(driver.step, []).append(shadow_bytes(driver) - before)
+
+    def measuring_commit(driver):
+        journal = driver._open.journal
+        if journal is not None:
+            state = sum(v.nbytes for _p, saved in journal.state if saved is not None
+                        for k, v in saved.items() if k != "step")
+            held.append((sum(t.nbytes for t in journal.masters.values()), state,
+                         shadow_bytes(driver)))
+        return commit(driver)
+
+    with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-3), device="virtual",
+                 mode=mode) as trainer:
+        trainer.driver.commit_step = measuring_commit.__get__(trainer.driver)
+        trainer.driver.refresh = measuring_refresh.__get__(trainer.driver)
+        for seed in range(3):
+            trainer.step(token_batch(4, seed=seed))
+        schedule = trainer.schedule
+    masters, state, shadows = max(held, key=sum)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert masters == 4 * trainable and state == 8 * trainable  # every trainable parameter
+    assert host_memory(compiled.plan, mode).journal == masters + state + shadows
+    steps = sorted({a.step for a in schedule.host if a.kind == "OPT"})
+    opt_traffic = sum(a.bytes / 4 * JOURNAL_BYTES_PER_PARAM for a in schedule.host
+                      if a.kind == "OPT") / len(steps)
+    assert opt_traffic == 2 * (masters + state)
+    charged = shadow_journal_bytes(schedule, compiled.plan)
+    shadows_of = [[charged[a] for a in schedule.host if a.kind == "SHADOW" and a.step == k]
+                  for k in steps]
+    # The runtime's steps run the schedule's period over and over: step k is its step
+    # k mod len(steps).
+    for k, saved in refreshed.items():
+        assert saved == shadows_of[k % len(steps)], k
+    assert sum(shadows_of[0]) == shadows
+    assert any(a.bytes > charged[a] for a in charged)  # some shadows are read by two stages

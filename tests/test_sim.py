@@ -125,17 +125,20 @@ def test_links_are_full_duplex_and_host_bandwidth_is_shared():
 
 
 def test_optimizer_contends_with_links_for_host_memory():
-    # OPT over 1M parameters (4 MB of fp32 grads) at 1e9 params/s: 1 ms and 28 MB of host
-    # traffic alone. An H2D of 25 MB: 1 ms alone. Together they want 53 MB/ms from a host that
-    # gives 50 MB/ms: both slow by 53/50 and end at 1.06 ms.
+    # OPT over 1M parameters (4 MB of fp32 grads) at 1e9 params/s: the undo journal's copy of
+    # the masters and AdamW state (24 MB of traffic at the host's 50 MB/ms: 0.48 ms), then the
+    # update (28 MB, 1 ms): 52 MB in 1.48 ms alone. An H2D of 25 MB: 1 ms alone. Together they
+    # want 25 + 52/1.48 MB/ms from a host that gives 50: both run at s = 50 / (25 + 52/1.48);
+    # the H2D ends at 1/s, and the OPT, which had 1.48 - 1 ms of work left then, 0.48 ms later.
     opt = Action(None, "OPT", 0, None, None, bytes=4_000_000)
     h2d = Action(0, "H2D", 0, 0, 0, what="act", value="ids", bytes=MB25)
     stages = [_stage(0, "forward", 1.0), _stage(1, "tail", 1.0)]
     alone = simulate(_sched([[], []], host=[opt]), stages, _hw(host_gbps=50.0))
-    assert alone.timeline[opt] == pytest.approx((0.0, 1.0))
+    assert alone.timeline[opt] == pytest.approx((0.0, 1.48))
     both = simulate(_sched([[h2d], []], host=[opt]), stages, _hw(host_gbps=50.0))
-    assert both.timeline[opt] == pytest.approx((0.0, 1.06))
-    assert both.timeline[h2d] == pytest.approx((0.0, 1.06))
+    s = 50.0 / (25.0 + 52.0 / 1.48)
+    assert both.timeline[h2d] == pytest.approx((0.0, 1.0 / s))
+    assert both.timeline[opt] == pytest.approx((0.0, 1.0 / s + 0.48))
     # ACC: read accumulator + staged grads, write accumulator = 3 x bytes at host speed.
     acc = Action(None, "ACC", 0, None, 0, bytes=10_000_000)
     r = simulate(_sched([[], []], host=[acc]), stages, _hw(host_gbps=30.0))

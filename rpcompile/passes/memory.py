@@ -333,18 +333,25 @@ class HostMemory:
     copy of every parameter, frozen or trainable, that the forward and the backward stage
     holding it share, in both modes), and ``transfers``: the peak of
     activations, recompute inputs and downloaded gradients staged on the host during a step
-    (0 when no run was simulated). Shadows and transfer staging are pinned; masters,
-    optimizer state and gradients need not be."""
+    (0 when no run was simulated), and the step's undo ``journal``
+    (rpcompile.runtime.optim, ``rollback=True``, the Trainer's only setting): before an
+    ``OPT`` the driver copies the masters and optimizer state it changes, before a
+    ``SHADOW`` the trainable shadows it overwrites, and keeps every copy until the step
+    commits, so at a step's end it holds one more copy of all three for every trainable
+    parameter. Shadows and transfer staging are pinned; masters, optimizer state,
+    gradients and the journal need not be."""
 
     masters: int
     optimizer: int
     gradients: int
     shadows: int
     transfers: int = 0
+    journal: int = 0
 
     @property
     def total(self) -> int:
-        return self.masters + self.optimizer + self.gradients + self.shadows + self.transfers
+        return (self.masters + self.optimizer + self.gradients + self.shadows + self.transfers
+                + self.journal)
 
     @property
     def pinned(self) -> int:
@@ -353,7 +360,8 @@ class HostMemory:
     def describe(self) -> str:
         return (f"{format_bytes(self.total)} (masters {format_bytes(self.masters)}, optimizer "
                 f"{format_bytes(self.optimizer)}, gradients {format_bytes(self.gradients)}, "
-                f"shadows {format_bytes(self.shadows)}, transfer staging "
+                f"shadows {format_bytes(self.shadows)}, undo journal "
+                f"{format_bytes(self.journal)}, transfer staging "
                 f"{format_bytes(self.transfers)}; pinned {format_bytes(self.pinned)})")
 
 
@@ -377,7 +385,7 @@ def host_static_bytes(stages: Sequence[Stage], units: Sequence, optimizer: str,
 
 def _static_host(stages, units, optimizer, optimizer_bytes_per_param) -> HostMemory:
     trainable = sum(u.trainable_params for u in units)
-    shadows = 0
+    shadows = trainable_shadows = 0
     # The forward stages and the tail hold every unit once; a parameter a stage borrows
     # (tied weights) lives in its owner's stage.
     for s in stages:
@@ -388,6 +396,9 @@ def _static_host(stages, units, optimizer, optimizer_bytes_per_param) -> HostMem
         held = own + sum(n for _o, n in outside)
         if held:
             shadows += s.weight_bytes * own // held
+            trainable_shadows += s.weight_bytes * sum(
+                units[u].trainable_params for u in s.units) // held
     buffers = 2 if optimizer == "async" else 1  # async: the pending gradients too
-    return HostMemory(masters=4 * trainable, optimizer=optimizer_bytes_per_param * trainable,
-                      gradients=4 * buffers * trainable, shadows=shadows)
+    masters, state = 4 * trainable, optimizer_bytes_per_param * trainable
+    return HostMemory(masters=masters, optimizer=state, gradients=4 * buffers * trainable,
+                      shadows=shadows, journal=masters + state + trainable_shadows)

@@ -40,6 +40,7 @@ import itertools
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan
 from rpcompile.passes.schedule import deal, roundpipe_flows
+from rpcompile.sim.engine import JOURNAL_BYTES_PER_PARAM
 
 __all__ = ["simulated_lower_bound"]
 
@@ -215,11 +216,12 @@ def _host_queue(plan: Plan, hw: Hardware, rounds: int, home: dict[tuple[int, int
     covering = [[y for y in grad_stages if span[x][0] <= span[y][1] and span[y][0] <= span[x][1]]
                 for x in range(len(stages))]
 
-    def opt_ms(s: int) -> float:
-        return stages[s].grad_bytes / 4 / opt_rate
+    def opt_ms(s: int) -> float:  # the undo journal's copy, then the update
+        params = stages[s].grad_bytes / 4
+        return params / opt_rate + JOURNAL_BYTES_PER_PARAM * params / host_rate
 
-    def shadow_ms(x: int) -> float:
-        return 3.0 * stages[x].trainable_weight_bytes / host_rate
+    def shadow_ms(x: int) -> float:  # the pass (the journal's copy, once a step per
+        return 3.0 * stages[x].trainable_weight_bytes / host_rate  # parameter, not counted)
 
     t = sum(opt_ms(s) for s in grad_stages) if order == "async" else 0.0
     total = t + sum(shadow_ms(x) for x, ys in enumerate(covering) if ys) \

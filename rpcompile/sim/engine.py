@@ -44,16 +44,24 @@ from rpcompile.ir import (
     check_registry,
 )
 from rpcompile.sim.result import SimResult
-from rpcompile.sim.sharding import shadow_gather_bytes
+from rpcompile.sim.sharding import shadow_gather_bytes, shadow_journal_bytes
 
 __all__ = ["GLOO_BROADCAST_HOST_BYTES_PER_BYTE", "GLOO_HOST_BYTES_PER_BYTE",
-           "GLOO_REDUCE_HOST_BYTES_PER_BYTE", "OPTIMIZER_BYTES_PER_PARAM", "SIM_COSTS",
+           "GLOO_REDUCE_HOST_BYTES_PER_BYTE", "JOURNAL_BYTES_PER_PARAM", "OPTIMIZER_BYTES_PER_PARAM",
+           "SHADOW_JOURNAL_BYTES_PER_BYTE", "SIM_COSTS",
            "SimulationError", "busy_split", "compute_times", "makespan_of", "paused_gc",
            "replay_timeline", "simulate"]
 
 # Fused AdamW over fp32 tensors reads param, grad, exp_avg, exp_avg_sq and writes three of them:
 # 28 bytes of host memory traffic per parameter.
 OPTIMIZER_BYTES_PER_PARAM = 28
+# The undo journal (rpcompile.runtime.optim, ``rollback=True``): before an OPT changes a group,
+# the driver copies its fp32 masters (4 bytes) and AdamW's two fp32 moments (8), each read
+# and written: 24 bytes of host traffic per parameter, a plain copy at the host's memory
+# bandwidth; before a SHADOW, it copies the shadows it overwrites that no SHADOW of the step
+# saved yet (read and written: 2 bytes per such byte, on top of the pass's 3).
+JOURNAL_BYTES_PER_PARAM = 24
+SHADOW_JOURNAL_BYTES_PER_BYTE = 2
 # Host memory traffic of gloo's ring all-reduce, per byte of the reduced fp32 buffer and per
 # (N-1)/N (in each of its two phases a rank sends and receives (N-1)/N of the buffer, chunk
 # by chunk): a chunk sent is read from the buffer, a chunk received is written into it (or
@@ -196,6 +204,10 @@ def _run(schedule: Schedule, plan: Plan | Sequence[Stage], hw: Hardware,
     replay = _Replay(schedule, times, hw)
     if schedule.sharded:  # what each SHADOW's all-gather of updated shadows moves
         replay.gathered = shadow_gather_bytes(schedule, plan)
+    # What each SHADOW's undo journal saves (a parameter two stages read, once a step); bare
+    # stages say nothing of which parameters they share, so each saves its own bytes.
+    replay.journaled = (shadow_journal_bytes(schedule, plan) if isinstance(plan, Plan)
+                        else {a: a.bytes for a in schedule.host if a.kind == "SHADOW"})
     return replay.run()
 
 
@@ -443,11 +455,17 @@ def _compute_ms(replay: _Replay, a: Action) -> float:
 
 
 def _optimizer_work(replay: _Replay, a: Action) -> tuple[float, float]:
-    """(bytes of host memory traffic, full-speed rate in bytes per ms) of an update: fused
-    AdamW's traffic per parameter, at the profile's optimizer throughput."""
+    """(bytes of host memory traffic, full-speed rate in bytes per ms) of an update: the undo
+    journal's copy of the masters and optimizer state it changes, at the host's memory
+    bandwidth, then fused AdamW's traffic per parameter at the profile's optimizer
+    throughput. Alone it takes the sum of the two times."""
     params = a.bytes / 4  # fp32 gradients of the stage
-    rate = replay.hw.optimizer_params_per_s * OPTIMIZER_BYTES_PER_PARAM / 1e3
-    return params * OPTIMIZER_BYTES_PER_PARAM, rate
+    update = params * OPTIMIZER_BYTES_PER_PARAM
+    journal = params * JOURNAL_BYTES_PER_PARAM
+    ms = params / (replay.hw.optimizer_params_per_s * 1e-3) + journal / replay.host_rate
+    if ms <= 0.0:
+        return 0.0, 1.0
+    return update + journal, (update + journal) / ms
 
 
 def _reduction_work(replay: _Replay, a: Action) -> tuple[float, float]:
@@ -484,8 +502,10 @@ def _memory_pass_work(replay: _Replay, a: Action) -> tuple[float, float]:
 def _shadow_work(replay: _Replay, a: Action) -> tuple[float, float]:
     """SHADOW's memory pass; sharded, then the broadcast of the updated shadows it gathers
     from their owners (:mod:`rpcompile.sim.sharding`), :meth:`Link.broadcast_ms` on the link:
-    the time alone is the pass's plus the broadcast's, its traffic both."""
+    the time alone is the pass's plus the broadcast's, its traffic both. The pass includes
+    the undo journal's copy of the shadow it overwrites (:data:`SHADOW_JOURNAL_BYTES_PER_BYTE`)."""
     work, rate = _memory_pass_work(replay, a)
+    work += SHADOW_JOURNAL_BYTES_PER_BYTE * replay.journaled[a]
     # ``replay.gathered`` is set by simulate() before the replay runs; no default, so a cost
     # taken before it exists fails instead of timing a sharded SHADOW without its broadcast.
     gathered = replay.gathered.get(a, 0) if replay.sched.sharded else 0

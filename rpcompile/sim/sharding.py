@@ -7,6 +7,11 @@ reads (its units' own, and those it borrows: a tied embedding) whose gradient st
 had their ``OPT`` in this step, and that no earlier ``SHADOW`` of the step gathered, is
 broadcast from its owner. :func:`shadow_gather_bytes` follows the same rule over the plan's
 units and the schedule's host queue, so the simulator times the bytes the runtime moves.
+
+:func:`shadow_journal_bytes` follows the undo journal's rule the same way (any schedule,
+sharded or not): a ``SHADOW`` first saves the old shadow of every trainable parameter its stage
+reads that no earlier ``SHADOW`` of the step saved (rpcompile.runtime.optim
+``OptimizerDriver.refresh``); a parameter that two stages read is rewritten by both, saved once.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 from rpcompile.ir import Action, Plan, Schedule
 from rpcompile.passes.lower import trainable_parameters
 
-__all__ = ["shadow_gather_bytes"]
+__all__ = ["shadow_gather_bytes", "shadow_journal_bytes"]
 
 # A parameter of the plan: ("own", unit) for a unit's trainable elements that no other unit
 # borrows, ("lent", unit, elements) for the trainable elements other units borrow from it.
@@ -75,6 +80,23 @@ def shadow_gather_bytes(schedule: Schedule, plan: Plan) -> dict[Action, int]:
         elif a.kind == "SHADOW":
             seen = gathered.setdefault(a.step, set())
             now = [k for k in reads.get(a.stage, ()) if k not in seen and stages_of[k] <= mine]
+            seen.update(now)
+            out[a] = size * sum(elements[k] for k in now)
+    return out
+
+
+def shadow_journal_bytes(schedule: Schedule, plan: Plan) -> dict[Action, int]:
+    """Bytes of old shadows the undo journal saves at each ``SHADOW`` of ``schedule`` (see the
+    module doc): every trainable parameter's shadow once per step, at the first ``SHADOW`` of
+    the step whose stage reads it."""
+    elements, _stages_of, reads = _parameters(plan)
+    size = _element_bytes(plan)
+    saved: dict[int, set[_Key]] = {}
+    out: dict[Action, int] = {}
+    for a in schedule.host:
+        if a.kind == "SHADOW":
+            seen = saved.setdefault(a.step, set())
+            now = [k for k in reads.get(a.stage, ()) if k not in seen]
             seen.update(now)
             out[a] = size * sum(elements[k] for k in now)
     return out
