@@ -18,6 +18,7 @@ from rpcompile.hardware import Hardware, get_hardware, list_hardware
 from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage, UnitProfile
 from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions
 from rpcompile.passes.lower import lower
+from rpcompile.passes.manager import PassInvariantError
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.planner.partition import PartitionError
 from rpcompile.runtime.checkpoint import CheckpointError, CheckpointFailed, CheckpointManager
@@ -31,7 +32,7 @@ from rpcompile.runtime.errors import (
     WorkerError,
     WorkerOutOfMemory,
 )
-from rpcompile.runtime.executor import StepFailed, StepTimeout
+from rpcompile.runtime.executor import StepAborted, StepFailed, StepTimeout
 from rpcompile.sim.engine import SimulationError
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "OptimizerError",
     "Options",
     "PartitionError",
+    "PassInvariantError",
     "Plan",
     "PlanOptions",
     "RankFailed",
@@ -60,6 +62,7 @@ __all__ = [
     "ScheduleError",
     "SimulationError",
     "Stage",
+    "StepAborted",
     "StepFailed",
     "StepTimeout",
     "TrainOptions",
