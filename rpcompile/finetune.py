@@ -25,6 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rpcompile.options import DEVICES, KERNELS
+
 __all__ = ["DEMO", "OPTIONS", "add_train_arguments", "resolve_options", "run"]
 
 
@@ -99,9 +101,9 @@ OPTIONS: tuple[Option, ...] = (
            ("auto", "fp32", "bf16", "fp16")),
     Option("workers", None, "workers (none: the CUDA GPUs, or 4 virtual)", int),
     Option("device", "auto", "auto (CUDA when present, else virtual CPU workers), cuda, virtual",
-           str, ("auto", "virtual", "cuda")),
+           str, DEVICES),
     Option("kernels", "auto", "transfer-path kernels: auto (Triton on CUDA only), torch, triton",
-           str, ("auto", "torch", "triton")),
+           str, KERNELS),
     Option("chaos", None, "seed for random delays on virtual workers (tests the protocol)", int),
     Option("seed", 0, "seed of the weights built, LoRA init, eval split and data order", int),
     Option("tensorboard", True, "write TensorBoard event files into OUT/tensorboard", bool),

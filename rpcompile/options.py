@@ -56,7 +56,10 @@ def _positive_int(name: str, value: Any, *, optional: bool = False) -> None:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    """Refuse ``value`` unless it is one of ``choices``, naming the option and every choice:
+    the one check of each option's choices (the groups below, and the lower layers' own
+    arguments that take the same values: ``optimizer`` is a ``mode``)."""
     if value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
@@ -182,8 +185,8 @@ class PlanOptions:
         _positive_int("chunk_bytes", self.chunk_bytes)
         _positive_int("schedule_steps", self.schedule_steps, optional=True)
         if self.updates is not None:
-            _choice("updates", self.updates, UPDATE_ORDERS)
-        _choice("recompute", self.recompute, RECOMPUTE_MODES)
+            check_choice("updates", self.updates, UPDATE_ORDERS)
+        check_choice("recompute", self.recompute, RECOMPUTE_MODES)
         _positive_int("ranks", self.ranks, optional=True)
         if not isinstance(self.shard_optimizer, bool):
             raise ValueError(f"shard_optimizer must be True or False, got "
@@ -243,8 +246,8 @@ class TrainOptions:
                 self.optimizer, torch.optim.Optimizer)):
             raise ValueError(f"optimizer must be a factory params -> torch.optim.Optimizer, "
                              f"got {self.optimizer!r}")
-        _choice("device", self.device, DEVICES)
-        _choice("kernels", self.kernels, KERNELS)
+        check_choice("device", self.device, DEVICES)
+        check_choice("kernels", self.kernels, KERNELS)
         if self.chaos is not None and (isinstance(self.chaos, bool)
                                        or not isinstance(self.chaos, int)):
             raise ValueError(f"chaos must be an integer seed (or None), got {self.chaos!r}")

@@ -17,6 +17,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 from rpcompile.ir import Action, Edge, Flow, Plan, Schedule, Stage
+from rpcompile.options import MODES, check_choice
 
 __all__ = [
     "SCHEDULE_KINDS", "build_schedule", "deal", "dispatch_period", "roundpipe_jobs",
@@ -24,7 +25,6 @@ __all__ = [
 ]
 
 SCHEDULE_KINDS = ("roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs")
-OPTIMIZER_MODES = ("async", "sync")
 
 
 # --------------------------------------------------------------------------------------------
@@ -53,8 +53,7 @@ def build_schedule(
     """
     if kind not in SCHEDULE_KINDS:
         raise ValueError(f"unknown schedule kind {kind!r}; expected one of {SCHEDULE_KINDS}")
-    if optimizer not in OPTIMIZER_MODES:
-        raise ValueError(f"optimizer must be one of {OPTIMIZER_MODES}, not {optimizer!r}")
+    check_choice("optimizer", optimizer, MODES)
     for name, v in (("workers", workers), ("microbatches", microbatches), ("rounds", rounds),
                     ("steps", steps)):
         if v < 1:

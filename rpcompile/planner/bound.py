@@ -39,6 +39,7 @@ import itertools
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan
+from rpcompile.options import MODES, check_choice
 from rpcompile.passes.schedule import deal, roundpipe_flows
 from rpcompile.sim.engine import JOURNAL_BYTES_PER_PARAM
 
@@ -51,8 +52,7 @@ def simulated_lower_bound(plan: Plan, hardware: Hardware | str, rounds: int = 1,
                           optimizer: str = "sync") -> float:
     """A figure no replay of ``plan`` can beat: one sync step's makespan, or the async
     steady-state time per step (milliseconds; see the module docstring for the argument)."""
-    if optimizer not in ("sync", "async"):
-        raise ValueError(f"optimizer must be 'async' or 'sync', got {optimizer!r}")
+    check_choice("optimizer", optimizer, MODES)
     hw = get_hardware(hardware)
     if optimizer == "async":
         work = plan.microbatches * rounds * sum(s.compute_ms for s in plan.stages)

@@ -38,6 +38,8 @@ from typing import Any
 import numpy
 import torch
 
+from rpcompile.options import KERNELS
+
 __all__ = [
     "BACKENDS",
     "accumulate_grads",
@@ -48,7 +50,7 @@ __all__ = [
     "resolve_backend",
 ]
 
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = KERNELS  # the kernels option's choices (rpcompile.options)
 
 # Dtype codes shared by the host-side tables and the kernels.
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
