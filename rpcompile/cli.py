@@ -244,6 +244,10 @@ def _plan(args: argparse.Namespace) -> int:
                "microbatches": micro, "rounds": args.rounds, "tokens_per_step": tokens,
                "stages": len(plan.stages), "actions": sum(1 for _ in lowered.all_actions())}
     summary.update(result)
+    fallback = next((n for n in plan.notes if n.startswith("memory-first fallback")), None)
+    summary["memory_first_fallback"] = fallback is not None
+    if fallback is not None:
+        print(f"plan: the memory-first fallback (one unit per stage): {fallback}")
     print(f"predicted, one isolated step: {summary['makespan_ms']:.1f} ms, "
           f"{summary['tokens_per_s']:,.0f} tokens/s; bubble {summary['bubble_pct']:.2f}% "
           f"(fill {summary['bubble_fill_pct']:.2f}%, steady {summary['bubble_steady_pct']:.2f}%, "

@@ -415,3 +415,47 @@ def test_each_shadow_action_moves_the_bytes_the_runtime_rewrites(arch, lora):
         if lora:  # the frozen base is most of every stage's weights, and none of its SHADOW
             assert all(a.bytes < compiled.plan.stages[a.stage].weight_bytes / 4
                        for a in shadows)
+
+
+def test_plan_at_the_longest_length_falls_back_to_the_memory_first_plan():
+    # `plan --longest` proves lengths with the memory-first plan (every unit its own stage).
+    # A 12-layer tiny Qwen3 on 2 workers of 4,000 KiB: at the longest length it reports, none
+    # of the partitioner's searched candidates fits (their stage counts stop short of one unit
+    # per stage), so the partitioner must plan the memory-first plan, say so, and that plan
+    # must fit: proven under the capacity, and run on virtual workers with its predicted
+    # peak + 5 %.
+    from rpcompile.compiler import unit_profiles
+    from rpcompile.planner.longest import longest_sequence
+    from rpcompile.planner.partition import StageCosting, partition
+
+    gpus, micro = 2, 3
+    hw = replace(get_hardware("cpu"), memory_gib=4000 / 2**20, memory_reserve_gib=0.0)
+    probe = rpcompile.compile(hf_model("qwen3", layers=12), gpus=gpus, microbatches=micro,
+                              device="virtual", example_inputs=token_batch(micro, 64),
+                              mode="sync")
+    found = longest_sequence(
+        lambda s: unit_profiles(probe.capture, probe.unit_costs, 1, s, hw, 4), hw, gpus, micro,
+        costing=StageCosting(4, 4, 4), optimizer="sync", start=64, step=16, limit=1 << 14)
+    length = found.seq_len
+    assert length >= 64 and found.next_len is not None
+    compiled = rpcompile.compile(hf_model("qwen3", layers=12), gpus=gpus, microbatches=micro,
+                                 device="virtual", hardware=hw, mode="sync",
+                                 example_inputs=token_batch(micro, length))
+    plan = compiled.plan
+    note = next(n for n in plan.notes if n.startswith("memory-first fallback"))
+    assert f"none of the searched candidates fits {format_bytes(hw.usable_memory_bytes)}" in note
+    n = len(plan.units)
+    assert len(plan.stages) == 2 * (n - 1) + 1  # every unit its own stage, the tail alone
+    peak = max(plan.worker_peak_bytes)
+    assert list(plan.worker_peak_bytes) == [p.peak_bytes for p in compiled.memory]
+    assert peak <= hw.usable_memory_bytes
+    with Trainer(compiled, SGD, device="virtual", capacity_bytes=int(1.05 * peak)) as trainer:
+        for k in range(2):
+            trainer.step(token_batch(micro, length, seed=k))
+        assert max(trainer.peak_bytes()) <= peak
+    # One length further the memory-first plan does not fit either: refused, naming both.
+    longer = found.next_len
+    with pytest.raises(PartitionError, match=r"the memory-first plan .* does not fit either"):
+        partition(unit_profiles(probe.capture, probe.unit_costs, 1, longer, hw, 4), hw,
+                  gpus, micro, 1, longer, costing=StageCosting(4, 4, 4), optimizer="sync",
+                  recompute="stage", shortlist=8, search=0)

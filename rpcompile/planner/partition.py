@@ -211,10 +211,42 @@ def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, ro
             if loose - tight < capacity // 100:  # bisected to within 1% of the capacity
                 break
             limit = (loose + tight) // 2
+    # None of the searched candidates fits. The memory-first plan (every unit its own stage
+    # on both sides, every memory wait: rpcompile.planner.longest, what `plan --longest`
+    # proves lengths with) holds least, and may fit where no searched cut does.
+    from rpcompile.planner.longest import memory_first_plan
+
+    first = memory_first_plan(units, hw, workers, microbatches, microbatch_size, seq_len,
+                              rounds, costing)
+    fallback = None
+    if all(st.peak_bytes <= capacity for st in first.stages):
+        fallback = _proven_at(first, hw, rounds, optimizer, capacity)
+    if fallback is not None:
+        return replace(fallback, notes=(
+            *first.notes,
+            f"memory-first fallback: none of the searched candidates fits "
+            f"{format_bytes(capacity)} per GPU over its whole schedule (the closest peaks at "
+            f"{best.peak.describe()}); this plan, one unit per stage, fits "
+            f"(peak {format_bytes(max(fallback.worker_peak_bytes))}) but is slow: a shorter "
+            "sequence or a smaller microbatch gives the search room"))
     raise PartitionError(
         f"no plan fits {format_bytes(capacity)} per GPU over its whole schedule: the best "
-        f"candidate peaks at {best.peak.describe()}; use a smaller microbatch (more microbatches for the same "
+        f"candidate peaks at {best.peak.describe()}, and the memory-first plan (every unit its "
+        f"own stage) does not fit either ({_first_misfit(first, hw, rounds, optimizer, capacity)}); "
+        "use a smaller microbatch (more microbatches for the same "
         "batch), a shorter sequence, finer units, LoRA, or a GPU with more memory")
+
+
+def _first_misfit(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int) -> str:
+    """What of the memory-first ``plan`` does not fit ``capacity``: a stage alone, or its
+    schedule's peak."""
+    worst = max(plan.stages, key=lambda st: st.peak_bytes)
+    if worst.peak_bytes > capacity:
+        return (f"its stage {plan.stage_name(worst.index)} alone needs "
+                f"{format_bytes(worst.peak_bytes)}")
+    peaks = _runtime_peaks(plan, hw, rounds, optimizer, capacity)
+    top = max(peaks, key=lambda p: p.peak_bytes)
+    return f"its schedule peaks at {top.describe(plan.stage_name)}"
 
 
 class _NoPlanFits(Exception):
