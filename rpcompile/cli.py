@@ -318,7 +318,7 @@ def _plan(args: argparse.Namespace) -> int:
                          "with autograd at once)"))
         host = host_memory(plan, args.optimizer, round(summary["host_gib"] * 2**30))
         summary["host"] = {k: getattr(host, k) for k in
-                           ("masters", "optimizer", "gradients", "shadows", "transfers")}
+                           ("masters", "optimizer", "gradients", "shadows", "model", "transfers")}
         ram, source = host_ram(args.host_ram, hw)
         summary["host_ram_gib"] = ram / 2**30
         print(f"host memory: {host.describe()}; {format_bytes(ram)} RAM ({source})")

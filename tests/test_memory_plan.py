@@ -361,6 +361,7 @@ def test_host_memory_model_equals_what_the_host_store_of_a_lora_model_holds(mode
     base = hf_model("qwen3", layers=2)
     model = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8,
                                                       target_modules="all-linear"))
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
                                  device="virtual")
     with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-3), device="virtual",
@@ -387,6 +388,28 @@ def test_host_memory_model_equals_what_the_host_store_of_a_lora_model_holds(mode
         assert (pending > 0) == (mode == "async")
         assert predicted.optimizer == moments
         assert steps <= 8 * len(trainer.optimizer.state)  # one scalar per parameter tensor
+        # The module's own bytes: storages of its tensors outside the store's buffers,
+        # each once. Its frozen base is a view of the shadows (no second copy), unchanged;
+        # what it still holds (the adapters, in the compute dtype) is the plan's ``model``.
+        buffers = [(b.untyped_storage().data_ptr(), b.untyped_storage().nbytes())
+                   for b in (store.shadow, store.master, store.grad)]
+
+        def own(tensors) -> int:
+            held = {}
+            for t in tensors:
+                ptr = t.untyped_storage().data_ptr()
+                if not any(lo <= ptr < lo + n for lo, n in buffers):
+                    held[ptr] = t.untyped_storage().nbytes()
+            return sum(held.values())
+
+        frozen_params = [p for p in model.parameters() if not p.requires_grad]
+        assert own(frozen_params) == 0
+        for name, p in model.named_parameters():
+            if not p.requires_grad:
+                assert torch.equal(p, before[name]), name
+        assert predicted.model == own(model.parameters()) == 4 * adapters
+        # Buffers (rotary frequencies) are not in the plan's figure: a few bytes.
+        assert own(model.buffers()) < 1e-3 * predicted.total
 
 
 @pytest.mark.parametrize("arch,lora", [("qwen3", True), ("qwen3_tied", False)])

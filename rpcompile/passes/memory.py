@@ -331,20 +331,25 @@ class HostMemory:
     trainable parameter (async: two, the accumulator and the previous step's pending
     gradients, ``HostStore.add_pending``), the low-precision ``shadows`` the uploads read (one
     copy of every parameter, frozen or trainable, that the forward and the backward stage
-    holding it share, in both modes), and ``transfers``: the peak of
+    holding it share, in both modes), ``transfers``: the peak of
     activations, recompute inputs and downloaded gradients staged on the host during a step
-    (0 when no run was simulated). Shadows and transfer staging are pinned; masters,
-    optimizer state and gradients need not be."""
+    (0 when no run was simulated), and ``model``: what the user's module still holds of its
+    own, its trainable parameters in the compute dtype (its frozen ones are views of their
+    shadows, ``HostStore.build(share_frozen=True)``; ``sync_to_model`` writes the trained
+    masters into the trainable ones). Shadows and transfer staging are pinned; masters,
+    optimizer state, gradients and the module need not be."""
 
     masters: int
     optimizer: int
     gradients: int
     shadows: int
     transfers: int = 0
+    model: int = 0
 
     @property
     def total(self) -> int:
-        return self.masters + self.optimizer + self.gradients + self.shadows + self.transfers
+        return (self.masters + self.optimizer + self.gradients + self.shadows + self.transfers
+                + self.model)
 
     @property
     def pinned(self) -> int:
@@ -353,8 +358,9 @@ class HostMemory:
     def describe(self) -> str:
         return (f"{format_bytes(self.total)} (masters {format_bytes(self.masters)}, optimizer "
                 f"{format_bytes(self.optimizer)}, gradients {format_bytes(self.gradients)}, "
-                f"shadows {format_bytes(self.shadows)}, transfer staging "
-                f"{format_bytes(self.transfers)}; pinned {format_bytes(self.pinned)})")
+                f"shadows {format_bytes(self.shadows)}, model {format_bytes(self.model)}, "
+                f"transfer staging {format_bytes(self.transfers)}; pinned "
+                f"{format_bytes(self.pinned)})")
 
 
 def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | None = None,
@@ -371,7 +377,8 @@ def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | Non
 def host_static_bytes(stages: Sequence[Stage], units: Sequence, optimizer: str,
                       optimizer_bytes_per_param: int = 8) -> int:
     """The host bytes of a RoundPipe run that do not change during a step (the simulator's
-    base for its host peak): :class:`HostMemory` without ``transfers``."""
+    base for its host peak): :class:`HostMemory` without ``transfers`` (the user's module's
+    own ``model`` part included)."""
     return _static_host(stages, units, optimizer, optimizer_bytes_per_param).total
 
 
@@ -389,5 +396,9 @@ def _static_host(stages, units, optimizer, optimizer_bytes_per_param) -> HostMem
         if held:
             shadows += s.weight_bytes * own // held
     buffers = 2 if optimizer == "async" else 1  # async: the pending gradients too
+    # The module keeps its trainable parameters in the compute dtype, the shadows' (every
+    # parameter once).
+    params = sum(u.params for u in units)
+    model = trainable * shadows // params if params else 0
     return HostMemory(masters=4 * trainable, optimizer=optimizer_bytes_per_param * trainable,
-                      gradients=4 * buffers * trainable, shadows=shadows)
+                      gradients=4 * buffers * trainable, shadows=shadows, model=model)
