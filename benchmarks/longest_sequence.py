@@ -21,8 +21,8 @@ Two tails are searched (the paper models' memory model, rpcompile.workloads.pape
               chunk-loss rewrite does for a plain LM head (docs/compiler.md); the cost of the
               rewrite's captured tail is not re-measured here, the paper models' figure is used
 
-Host memory (masters, optimizer state, gradients, shadows, transfer staging:
-rpcompile.passes.memory.host_memory) is printed for the workload's own setup (its
+Host memory (masters, optimizer state, gradients, shadows, the user's module's own copy of
+its trainable parameters, transfer staging: rpcompile.passes.memory.host_memory) is printed for the workload's own setup (its
 microbatches of 2,048-token sequences, its rounds), where the host RAM a server needs is
 decided: the static part is the same for every plan; the transfer staging is the peak of a
 2-step async replay of RoundPipe's greedy partition (rpcompile.planner.partition_baseline),

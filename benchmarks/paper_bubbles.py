@@ -101,7 +101,7 @@ def roundpipe_own_plan() -> dict[str, float]:
     hw = paper_hardware(MODELS["qwen3-1.7b"])
     # Like our plans: the memory-bounding waits only if the schedule does not fit without.
     plan = roundpipe_qwen3_1_7b_plan(hw, WORKERS, MICROBATCHES)
-    plan = fit_memory_waits(plan, hw)[0]  # proven over the overlapping async steady state
+    plan = fit_memory_waits(plan, hw)[0]  # proven over the async steady state, step by step
     r = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")
     a = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
     return {"sync": 100 * r.bubble, "fill": 100 * r.bubble_fill, "drain": 100 * r.bubble_drain,

@@ -244,6 +244,10 @@ def _plan(args: argparse.Namespace) -> int:
                "microbatches": micro, "rounds": args.rounds, "tokens_per_step": tokens,
                "stages": len(plan.stages), "actions": sum(1 for _ in lowered.all_actions())}
     summary.update(result)
+    fallback = next((n for n in plan.notes if n.startswith("memory-first fallback")), None)
+    summary["memory_first_fallback"] = fallback is not None
+    if fallback is not None:
+        print(f"plan: the memory-first fallback (one unit per stage): {fallback}")
     print(f"predicted, one isolated step: {summary['makespan_ms']:.1f} ms, "
           f"{summary['tokens_per_s']:,.0f} tokens/s; bubble {summary['bubble_pct']:.2f}% "
           f"(fill {summary['bubble_fill_pct']:.2f}%, steady {summary['bubble_steady_pct']:.2f}%, "
@@ -314,7 +318,7 @@ def _plan(args: argparse.Namespace) -> int:
                          "with autograd at once)"))
         host = host_memory(plan, args.optimizer, round(summary["host_gib"] * 2**30))
         summary["host"] = {k: getattr(host, k) for k in
-                           ("masters", "optimizer", "gradients", "shadows", "transfers")}
+                           ("masters", "optimizer", "gradients", "shadows", "model", "transfers")}
         ram, source = host_ram(args.host_ram, hw)
         summary["host_ram_gib"] = ram / 2**30
         print(f"host memory: {host.describe()}; {format_bytes(ram)} RAM ({source})")

@@ -602,6 +602,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         # runtime's own schedule, or capacity_bytes, needs all of them.
         plan = replace(plan, memory_waits=MEMORY_WAITS)
         lowered, trail, memory = schedule_of(plan)
+        # The plan's peaks are those of the schedule that runs.
+        plan = replace(plan, worker_peak_bytes=tuple(p.peak_bytes for p in memory))
     stages = run_pass(history, "split", lambda: split(captured, plan),
                       lambda progs: check_stages(progs, plan))
     # The schedule lowered and proven above is the one kept: compile lowers it once (twice

@@ -91,6 +91,9 @@ def test_plan_reports_idle_workers_and_host_memory(tmp_path, capsys):
     assert f"{8 - jobs} workers get no job" in text and "too small" in text
     host = summary["host"]
     assert host["masters"] > 0 and host["optimizer"] == 2 * host["masters"]
+    # The module's own copy of its trainable parameters (a full fine-tune: all of them, in
+    # the shadows' dtype) is a part of the figure.
+    assert host["model"] == host["shadows"] > 0
     assert summary["host_ram_gib"] == 1.0
     assert "more than the 1.00 GiB of RAM" in text and "pinned host memory" in text
     assert "proven peak over the schedule" in text

@@ -331,27 +331,31 @@ class HostMemory:
     trainable parameter (async: two, the accumulator and the previous step's pending
     gradients, ``HostStore.add_pending``), the low-precision ``shadows`` the uploads read (one
     copy of every parameter, frozen or trainable, that the forward and the backward stage
-    holding it share, in both modes), and ``transfers``: the peak of
+    holding it share, in both modes), ``transfers``: the peak of
     activations, recompute inputs and downloaded gradients staged on the host during a step
-    (0 when no run was simulated), and the step's undo ``journal``
+    (0 when no run was simulated), ``model``: what the user's module still holds of its
+    own, its trainable parameters in the compute dtype (its frozen ones are views of their
+    shadows, ``HostStore.build(share_frozen=True)``; ``sync_to_model`` writes the trained
+    masters into the trainable ones), and the step's undo ``journal``
     (rpcompile.runtime.optim, ``rollback=True``, the Trainer's only setting): before an
     ``OPT`` the driver copies the masters and optimizer state it changes, before a
     ``SHADOW`` the trainable shadows it overwrites, and keeps every copy until the step
     commits, so at a step's end it holds one more copy of all three for every trainable
     parameter. Shadows and transfer staging are pinned; masters, optimizer state,
-    gradients and the journal need not be."""
+    gradients, the module and the journal need not be."""
 
     masters: int
     optimizer: int
     gradients: int
     shadows: int
     transfers: int = 0
+    model: int = 0
     journal: int = 0
 
     @property
     def total(self) -> int:
         return (self.masters + self.optimizer + self.gradients + self.shadows + self.transfers
-                + self.journal)
+                + self.model + self.journal)
 
     @property
     def pinned(self) -> int:
@@ -360,8 +364,8 @@ class HostMemory:
     def describe(self) -> str:
         return (f"{format_bytes(self.total)} (masters {format_bytes(self.masters)}, optimizer "
                 f"{format_bytes(self.optimizer)}, gradients {format_bytes(self.gradients)}, "
-                f"shadows {format_bytes(self.shadows)}, undo journal "
-                f"{format_bytes(self.journal)}, transfer staging "
+                f"shadows {format_bytes(self.shadows)}, model {format_bytes(self.model)}, "
+                f"undo journal {format_bytes(self.journal)}, transfer staging "
                 f"{format_bytes(self.transfers)}; pinned {format_bytes(self.pinned)})")
 
 
@@ -379,7 +383,8 @@ def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | Non
 def host_static_bytes(stages: Sequence[Stage], units: Sequence, optimizer: str,
                       optimizer_bytes_per_param: int = 8) -> int:
     """The host bytes of a RoundPipe run that do not change during a step (the simulator's
-    base for its host peak): :class:`HostMemory` without ``transfers``."""
+    base for its host peak): :class:`HostMemory` without ``transfers`` (the user's module's
+    own ``model`` part included)."""
     return _static_host(stages, units, optimizer, optimizer_bytes_per_param).total
 
 
@@ -399,6 +404,11 @@ def _static_host(stages, units, optimizer, optimizer_bytes_per_param) -> HostMem
             trainable_shadows += s.weight_bytes * sum(
                 units[u].trainable_params for u in s.units) // held
     buffers = 2 if optimizer == "async" else 1  # async: the pending gradients too
+    # The module keeps its trainable parameters in the compute dtype, the shadows' (every
+    # parameter once).
+    params = sum(u.params for u in units)
+    model = trainable * shadows // params if params else 0
     masters, state = 4 * trainable, optimizer_bytes_per_param * trainable
     return HostMemory(masters=masters, optimizer=state, gradients=4 * buffers * trainable,
-                      shadows=shadows, journal=masters + state + trainable_shadows)
+                      shadows=shadows, model=model,
+                      journal=masters + state + trainable_shadows)

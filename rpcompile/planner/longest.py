@@ -11,9 +11,10 @@ layer-by-layer recompute would, and more waits only shorten what the schedule ho
 gradients) grow with the number of cuts, so a coarser plan may fit a little longer where
 values make up the peak. The proof
 (:func:`rpcompile.passes.memory.worker_peaks`) runs over the schedule's lowered steps; with the
-step barrier in place (a step's actions all end before the next step's start), the proof of
-one dispatch period of steps and one more step (every pair of consecutive step alignments)
-equals the proof over the simulator's longer steady-state run, which the partitioner checks.
+step barrier in place (a step's actions all end before the next step's start) each step is
+proven from empty workers, and the proof of one dispatch period of steps (every alignment of
+jobs to workers) equals the proof over the simulator's longer steady-state run, which the
+partitioner checks, and the proof of the runtime's schedule (``Compiled.memory``).
 
 So a length reported as fitting has a plan, returned with its proven peaks, whose whole
 lowered schedule fits the GPUs. Searching: doubling from ``start`` while the length fits, then
@@ -89,24 +90,26 @@ def memory_first_plan(units: Sequence[UnitProfile], hardware: Hardware | str, wo
 
 
 def proof_steps(plan: Plan, rounds: int = 1, optimizer: str = "async") -> int:
-    """Steps whose lowered schedule the proof reads: one sync step, or, async, one dispatch
-    period (every alignment of jobs to workers) and one more step, so that every pair of
-    consecutive steps of a longer run appears once."""
-    if optimizer == "sync":
-        return 1
-    return dispatch_period(len(plan.stages) * rounds, plan.workers) + 1
+    """Steps whose lowered schedule the proof reads, in either mode: one dispatch period
+    (every alignment of jobs to workers; the steps the runtime runs, ``Compiled.schedule``).
+    The step barrier ends each step before the next starts, so each is proven from empty
+    workers and a longer run repeats them."""
+    del optimizer  # both modes: the same dealing, the same barrier
+    return dispatch_period(len(plan.stages) * rounds, plan.workers)
 
 
 def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
                  steps: int | None = None) -> tuple[WorkerPeak, ...]:
     """The proven peak of every worker over ``plan``'s lowered schedule of ``steps`` steps
-    (default :func:`proof_steps`), dispatched and lowered as the simulator runs it."""
+    (default :func:`proof_steps`), dispatched and lowered as the simulator runs it, each step
+    from empty workers (``worker_peaks(overlap_steps=False)``, as the partitioner and
+    ``compile()`` prove them)."""
     steps = proof_steps(plan, rounds, optimizer) if steps is None else steps
     with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
         compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
                                  steps=steps, kind="roundpipe", optimizer=optimizer)
         lowered, _ = lower(compute, plan, validate=False)
-        return worker_peaks(lowered, plan)
+        return worker_peaks(lowered, plan, overlap_steps=False)
 
 
 def _alone(plan: Plan, capacity: int) -> str:

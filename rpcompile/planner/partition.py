@@ -30,7 +30,7 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
 from rpcompile.passes.cost import RECOMPUTE, recompute_ms, recompute_working_bytes
 from rpcompile.passes.memory import format_bytes, worker_peaks
-from rpcompile.passes.schedule import deal, steady_window
+from rpcompile.passes.schedule import deal, dispatch_period, steady_window
 from rpcompile.planner.bound import simulated_lower_bound
 
 __all__ = ["SIMULATION_CAPS", "PartitionError", "StageCosting", "build_plan", "fit_memory_waits",
@@ -138,8 +138,10 @@ def partition(
         plan, refused = _fitting_plan(*args, replace(costing, recompute="stage"), capacity), None
     except PartitionError as exc:
         plan, refused = None, exc
-    if plan is not None and (fit >= capacity or _fits(plan, hw, rounds, optimizer, fit)):
+    if plan is not None and fit >= capacity:
         return plan
+    if plan is not None and (at_fit := _proven_at(plan, hw, rounds, optimizer, fit)):
+        return at_fit
     # The stage-recompute plan does not fit: each granularity is cut again under ``fit`` (by
     # stage only when a plan was cut for the larger hardware figure; none fits less) and the
     # faster that fits wins.
@@ -167,10 +169,18 @@ def partition(
         f"({', '.join(said(m) for m in ('stage', 'layer'))})")))
 
 
-def _fits(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int) -> bool:
-    """Whether ``plan``'s schedule fits ``capacity`` with some set of memory waits."""
-    _plan, _lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity)
-    return max(p.peak_bytes for p in peaks) <= capacity
+def _proven_at(plan: Plan, hw: Hardware, rounds: int, optimizer: str,
+               capacity: int) -> Plan | None:
+    """``plan`` with the memory waits that fit ``capacity`` (the first of
+    :data:`WAIT_SETS`), timed and proven with them over the runtime's steps; None when no set
+    of waits fits."""
+    (ms, _bubble, peaks), ran = _simulated_ms(plan, hw, rounds, optimizer, capacity)
+    if optimizer == "sync":
+        peaks = _runtime_peaks(ran, hw, rounds, optimizer, capacity)
+    if max(p.peak_bytes for p in peaks) > capacity:
+        return None
+    return replace(ran, predicted_step_ms=ms,
+                   worker_peak_bytes=tuple(p.peak_bytes for p in peaks))
 
 
 def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
@@ -201,10 +211,42 @@ def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, ro
             if loose - tight < capacity // 100:  # bisected to within 1% of the capacity
                 break
             limit = (loose + tight) // 2
+    # None of the searched candidates fits. The memory-first plan (every unit its own stage
+    # on both sides, every memory wait: rpcompile.planner.longest, what `plan --longest`
+    # proves lengths with) holds least, and may fit where no searched cut does.
+    from rpcompile.planner.longest import memory_first_plan
+
+    first = memory_first_plan(units, hw, workers, microbatches, microbatch_size, seq_len,
+                              rounds, costing)
+    fallback = None
+    if all(st.peak_bytes <= capacity for st in first.stages):
+        fallback = _proven_at(first, hw, rounds, optimizer, capacity)
+    if fallback is not None:
+        return replace(fallback, notes=(
+            *first.notes,
+            f"memory-first fallback: none of the searched candidates fits "
+            f"{format_bytes(capacity)} per GPU over its whole schedule (the closest peaks at "
+            f"{best.peak.describe()}); this plan, one unit per stage, fits "
+            f"(peak {format_bytes(max(fallback.worker_peak_bytes))}) but is slow: a shorter "
+            "sequence or a smaller microbatch gives the search room"))
     raise PartitionError(
         f"no plan fits {format_bytes(capacity)} per GPU over its whole schedule: the best "
-        f"candidate peaks at {best.peak.describe()}; use a smaller microbatch (more microbatches for the same "
+        f"candidate peaks at {best.peak.describe()}, and the memory-first plan (every unit its "
+        f"own stage) does not fit either ({_first_misfit(first, hw, rounds, optimizer, capacity)}); "
+        "use a smaller microbatch (more microbatches for the same "
         "batch), a shorter sequence, finer units, LoRA, or a GPU with more memory")
+
+
+def _first_misfit(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int) -> str:
+    """What of the memory-first ``plan`` does not fit ``capacity``: a stage alone, or its
+    schedule's peak."""
+    worst = max(plan.stages, key=lambda st: st.peak_bytes)
+    if worst.peak_bytes > capacity:
+        return (f"its stage {plan.stage_name(worst.index)} alone needs "
+                f"{format_bytes(worst.peak_bytes)}")
+    peaks = _runtime_peaks(plan, hw, rounds, optimizer, capacity)
+    top = max(peaks, key=lambda p: p.peak_bytes)
+    return f"its schedule peaks at {top.describe(plan.stage_name)}"
 
 
 class _NoPlanFits(Exception):
@@ -354,6 +396,11 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
             simulated.add(i)
             spent += 1
             top = max(peaks, key=lambda p: p.peak_bytes)
+            if top.peak_bytes <= capacity and optimizer == "sync" and (
+                    best is None or round(ms, 6) < round(best[0], 6)):
+                # It would be kept: prove it over the runtime's steps (one was screened).
+                peaks = _runtime_peaks(ran, hw, rounds, optimizer, capacity)
+                top = max(peaks, key=lambda p: p.peak_bytes)
             if top.peak_bytes > capacity:
                 if misfit is None or top.peak_bytes - capacity < misfit[0]:
                     misfit = (top.peak_bytes - capacity, top)
@@ -497,8 +544,12 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     lowering's memory-bounding waits (``Plan.memory_waits``) in :data:`WAIT_SETS` (none, then
     one, two, all three) whose schedule's proven peak fits ``capacity`` (default: the
     hardware's usable memory); all three when none fits. The schedule is ``steps`` steps
-    (default: one sync step, or the async steady-state run of
-    :func:`~rpcompile.sim.steady_steps`), dispatched and lowered as the simulator runs it."""
+    (default: sync, one dispatch period, the steps the runtime runs, every alignment of jobs
+    to workers; async, the steady-state run of :func:`~rpcompile.sim.steady_steps`, which
+    holds whole dispatch periods), dispatched and lowered as the simulator runs it. The peaks
+    are of each step from empty workers (``worker_peaks(overlap_steps=False)``): the step
+    barrier ends every action of a step before the next step's first starts, so nothing a
+    step holds outlives it, as the runtime runs them (``Compiled.memory``)."""
     from rpcompile.passes.lower import lower
     from rpcompile.passes.schedule import build_schedule
     from rpcompile.sim import steady_steps
@@ -506,13 +557,14 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     hw = get_hardware(hardware)
     capacity = hw.usable_memory_bytes if capacity is None else capacity
     if steps is None:
-        steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
+        steps = (dispatch_period(len(plan.stages) * rounds, plan.workers) if optimizer == "sync"
+                 else steady_steps(plan, rounds=rounds))
     for waits in WAIT_SETS:
         plan = replace(plan, memory_waits=waits)
         compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
                                  steps=steps, kind="roundpipe", optimizer=optimizer)
         lowered, _ = lower(compute, plan, validate=False)
-        peaks = worker_peaks(lowered, plan)
+        peaks = worker_peaks(lowered, plan, overlap_steps=False)
         if max(p.peak_bytes for p in peaks) <= capacity:
             break
     return plan, lowered, peaks
@@ -523,8 +575,10 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
     simulator: the steady state of an async run (:func:`~rpcompile.sim.steady_steps` steps,
     separated by the step barrier), or one isolated sync step, with the memory waits :func:`fit_memory_waits`
     gives (they cost pipeline time). The peaks bound the simulated run's memory
-    (rpcompile.passes.memory). A plan replayed before (:data:`_REPLAYS`) is not replayed
-    again."""
+    (rpcompile.passes.memory): async, of every step of the run (every alignment of jobs to
+    workers); sync, of the one step replayed, which only screens candidates:
+    :func:`_runtime_peaks` proves a plan over the runtime's steps before it is kept. A plan
+    replayed before (:data:`_REPLAYS`) is not replayed again."""
     from rpcompile.sim.engine import paused_gc
     from rpcompile.sim.runs import search_figures
 
@@ -535,7 +589,9 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
             _REPLAYS.move_to_end(key)
     if hit is None:
         with paused_gc():  # the lowering allocates as much as the replay (rpcompile.sim.engine)
-            ran, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity)
+            # sync: one step, timed, and its proof (the search's check; see _runtime_peaks)
+            ran, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity,
+                                                   steps=1 if optimizer == "sync" else None)
             # sync: one step's makespan; async: the steady-state step (and their bubbles)
             ms, bubble = search_figures(lowered, ran, hw)
         hit = ((ms, bubble, peaks), ran.memory_waits)
@@ -545,6 +601,35 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
                 _REPLAYS.popitem(last=False)
     figures, waits = hit
     return figures, replace(plan, memory_waits=waits)
+
+
+def _runtime_peaks(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):
+    """The proven peak of each worker of ``plan`` (with the memory waits it was timed with)
+    over the steps the runtime runs: one dispatch period (every alignment of jobs to
+    workers), each step from empty workers. A sync candidate is timed and screened on one
+    step, whose jobs sit on other workers than in later steps when the job count is not a
+    multiple of the workers; the search keeps a sync plan only once this proof fits (and
+    ``Plan.worker_peak_bytes`` is this proof, per worker). Kept in :data:`_REPLAYS`."""
+    from rpcompile.sim.engine import paused_gc
+
+    steps = dispatch_period(len(plan.stages) * rounds, plan.workers)
+    key = ("runtime", replace(plan, notes=()), hw, rounds, optimizer, steps)
+    with _REPLAYS_LOCK:
+        hit = _REPLAYS.get(key)
+    if hit is None:
+        from rpcompile.passes.lower import lower
+        from rpcompile.passes.schedule import build_schedule
+
+        with paused_gc():
+            compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
+                                     steps=steps, kind="roundpipe", optimizer=optimizer)
+            lowered, _ = lower(compute, plan, validate=False)
+            hit = worker_peaks(lowered, plan, overlap_steps=False)
+        with _REPLAYS_LOCK:
+            _REPLAYS[key] = hit
+            while len(_REPLAYS) > _REPLAYS_KEPT:
+                _REPLAYS.popitem(last=False)
+    return hit
 
 
 # Replays already run, by everything a replay depends on (the plan but its notes and memory

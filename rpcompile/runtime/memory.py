@@ -308,8 +308,15 @@ class HostStore:
         compute_dtype: torch.dtype = torch.float32,
         pin: bool = False,
         grad_stages: Iterable[int] | None = None,
+        share_frozen: bool = True,
     ) -> HostStore:
         """Lay out and fill the host buffers from each stage's ``(fqn, tensor)`` list.
+
+        ``share_frozen``: a frozen tensor (``requires_grad=False``) on the CPU, already in the
+        compute dtype, is then made a view of its shadow (``tensor.data`` rebound), so the module
+        and the store hold one copy of it, not two (a frozen LoRA base: its whole size).
+        Trainable tensors keep their own storage; :meth:`load_into_module` (the trainer's
+        ``sync_to_model``) writes the trained masters into them.
 
         A tensor appearing under several names or in several stages (tied or shared) is
         stored once: identity is the tensor object, or the same storage, offset, shape and
@@ -322,6 +329,7 @@ class HostStore:
         grad_set = set(range(len(stage_params)) if grad_stages is None else grad_stages)
         keys: dict[object, int] = {}
         tensors: list[torch.Tensor] = []
+        objects: list[list[torch.Tensor]] = []  # every tensor object of each slot
         names: list[list[str]] = []
         uses: list[list[int]] = []
         seen_names: dict[str, int] = {}
@@ -334,8 +342,11 @@ class HostStore:
                 if index is None:
                     index = keys[key] = len(tensors)
                     tensors.append(tensor)
+                    objects.append([])
                     names.append([])
                     uses.append([])
+                if not any(t is tensor for t in objects[index]):
+                    objects[index].append(tensor)
                 if name in seen_names and seen_names[name] != index:
                     raise ValueError(f"name {name!r} is given for two different tensors")
                 seen_names[name] = index
@@ -380,6 +391,14 @@ class HostStore:
                 shadow_view = shadow[slot.shadow_offset : slot.shadow_offset + slot.numel]
                 if not slot.trainable:
                     shadow_view.copy_(source)
+                    if (share_frozen and tensor.dtype == compute_dtype
+                            and tensor.device.type == "cpu"):
+                        # The module's frozen parameter becomes a view of its shadow: one
+                        # copy on the host, not two. A frozen shadow is never rewritten
+                        # (SHADOW refreshes trainable parameters only), so the module reads
+                        # what the workers upload.
+                        for obj in objects[slot.index]:
+                            obj.data = shadow_view.view(slot.shape)
                 else:
                     # The master is the parameter's own value in fp32; the shadow of a trainable
                     # parameter is then the master cast down, as after every update.
