@@ -42,6 +42,7 @@ from dataclasses import dataclass, replace
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
+from rpcompile.options import MODES, check_choice
 from rpcompile.passes.lower import MEMORY_WAITS, lower
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
 from rpcompile.passes.schedule import build_schedule, dispatch_period
@@ -144,8 +145,7 @@ def longest_sequence(
     schedule whose proven peak fits ``capacity_bytes`` (default: the hardware's usable
     memory). ``optimizer``: the update mode the schedule is lowered for."""
     hw = get_hardware(hardware)
-    if optimizer not in ("async", "sync"):
-        raise ValueError(f"optimizer must be 'async' or 'sync', got {optimizer!r}")
+    check_choice("optimizer", optimizer, MODES)
     if not 1 <= step <= start <= limit:
         raise ValueError(f"need 1 <= step ({step}) <= start ({start}) <= limit ({limit})")
     capacity = hw.usable_memory_bytes if capacity_bytes is None else int(capacity_bytes)

@@ -28,7 +28,8 @@ from functools import cache
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
-from rpcompile.passes.cost import RECOMPUTE, recompute_ms, recompute_working_bytes
+from rpcompile.options import MODES, RECOMPUTE_MODES, check_choice
+from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import deal, dispatch_period, steady_window
 from rpcompile.planner.bound import simulated_lower_bound
@@ -112,10 +113,8 @@ def partition(
     capacity (the plan's notes say which, and why). ``capacity_bytes`` is only the target of
     that choice; a forced granularity, and the stage-recompute plan, are cut for the hardware.
     """
-    if optimizer not in ("async", "sync"):
-        raise ValueError(f"optimizer must be 'async' or 'sync', got {optimizer!r}")
-    if recompute not in ("auto", *RECOMPUTE):
-        raise ValueError(f"recompute must be 'auto', 'stage' or 'layer', got {recompute!r}")
+    check_choice("optimizer", optimizer, MODES)
+    check_choice("recompute", recompute, RECOMPUTE_MODES)
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
     units = tuple(units)
