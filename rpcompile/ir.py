@@ -283,9 +283,11 @@ def _bytes(n: float) -> str:
 # A Schedule is a list of Actions per worker (plus one host list), the dataflow between stages
 # (Flows) and the dependency edges (events) between actions. Each action runs on one *stream* of
 # its worker. The compute stream and the host queue run their actions in list order, one at a
-# time; the three transfer streams are lanes whose list order is only the issue order (a
-# runtime may copy any ready transfer first, critical before bulk), so every dependency of a
-# transfer is an edge. docs/schedule.md describes every action kind and edge kind.
+# time; the three transfer streams are lanes: no pass relies on their list order, so every
+# dependency of a transfer is an edge. The runtime's stream threads and the simulator run
+# each lane in list order, one transfer at a time (the strictest reading, which the dry run
+# proves free of deadlock); an interpreter free to start any ready transfer could only be
+# faster. docs/schedule.md describes every action kind and edge kind.
 
 class ActionKind(str, enum.Enum):
     """Every kind of action a schedule may hold. Each has one :class:`KindSpec` in
@@ -372,7 +374,9 @@ _COMPUTES = frozenset(k.value for k, s in ACTION_SPECS.items() if s.computes)
 
 # Stream names match rpcompile.runtime.workers.STREAMS (plus the host's two lanes).
 STREAMS = ("compute", "weight_upload", "activation_upload", "download", "host", "network")
-ORDERED_STREAMS = ("compute", "host", "network")  # list order is execution order only on these
+# The streams whose list order the passes rely on (the transfer lanes also run in list order
+# at run time and in the simulator, but every dependency there is an explicit edge).
+ORDERED_STREAMS = ("compute", "host", "network")
 
 EDGE_KINDS = (
     "data",  # compute -> compute, same microbatch (the value stays on the device if same worker)

@@ -104,6 +104,55 @@ def test_critical_transfer_goes_between_chunks_of_a_bulk_upload():
     assert r1.timeline[act] == pytest.approx((4.0, 5.0))
 
 
+def test_a_transfer_stream_runs_its_transfers_in_list_order():
+    # The runtime's stream threads run each stream's items in submission order (list order):
+    # worker 1's activation_upload lists a (waits for w0's 10 ms F and its 1 ms D2H) before b
+    # (waits for nothing). b may not start before a ends: a 11-12, b 12-13 (b's reader, a
+    # 1 ms compute, 13-14). A weight upload (another stream on the same link) is not held.
+    f = Action(0, "F", 0, 0, 0)
+    down = Action(0, "D2H", 0, 0, 0, what="act", value="x0", bytes=MB25)
+    a = Action(1, "H2D", 1, 0, 0, what="act", value="x0", bytes=MB25)
+    b = Action(1, "H2D", 1, 1, 0, what="act", value="ids", bytes=MB25)
+    up = Action(1, "UP", 1, None, 0, what="weights", bytes=MB25)
+    t0, t1 = Action(1, "T", 1, 0, 0), Action(1, "T", 1, 1, 0)
+    sched = _sched([[f, down], [a, b, up, t1, t0]], [
+        Edge(f, down, "produced"), Edge(down, a, "on_host"), Edge(a, t0, "arrived"),
+        Edge(b, t1, "arrived")])
+    r = simulate(sched, [_stage(0, "forward", 10.0), _stage(1, "tail", 1.0)], _hw())
+    assert r.timeline[a] == pytest.approx((11.0, 12.0))
+    assert r.timeline[b] == pytest.approx((12.0, 13.0))
+    assert r.timeline[up] == pytest.approx((0.0, 1.0))
+    assert r.timeline[t1] == pytest.approx((13.0, 14.0))
+
+
+def test_the_lowered_transfer_streams_run_in_list_order():
+    # Every worker's transfer stream of a compiled plan, in the simulator: each transfer
+    # starts after the one before it on its stream ended, as on the runtime's streams.
+    from rpcompile.hardware import get_hardware
+    from rpcompile.ir import ACTION_SPECS, ActionKind
+    from rpcompile.sim import simulate_roundpipe
+    from rpcompile.workloads.paper import get_model
+
+    hw = get_hardware("rtx4090x8")
+    units = get_model("qwen3-1.7b").units(4, 2048)[:10]
+    plan = build_plan(units, (0, 3, 6), (0, 2, 4, 6, 8), 9, hw, 4, 6, 4, 2048)
+    for mode in ("sync", "async"):
+        run = simulate_roundpipe(plan, hw, steps=2, optimizer=mode)
+        checked = 0
+        for lst in run.schedule.actions:
+            streams: dict[str, list] = {}
+            for x in lst:
+                stream = ACTION_SPECS[ActionKind(x.kind)].stream
+                if stream != "compute":
+                    streams.setdefault(stream, []).append(x)
+            for mine in streams.values():
+                for before, after in itertools.pairwise(mine):
+                    assert run.timeline[after][0] >= run.timeline[before][1] - 1e-9, (
+                        mode, before, after)
+                    checked += 1
+        assert checked > 100
+
+
 def test_links_are_full_duplex_and_host_bandwidth_is_shared():
     # One worker's H2D and D2H at once: separate links, both 0-1 ms.
     a = Action(0, "H2D", 0, 0, 0, what="act", value="ids", bytes=MB25)

@@ -8,10 +8,14 @@ Sections, in reading order:
 
 Resource model (docs/simulator.md):
   * each worker's compute stream runs its actions in list order, one at a time;
-  * each worker has an H2D link (UP and H2D share it) and a D2H link, full duplex. A link
-    serves one transfer at a time: ready critical transfers (one microbatch's tensor) first,
-    bulk ones (weights, gradients) chunk by chunk, so a critical transfer waits at most one
-    chunk. Transfer lanes are not ordered: any transfer whose waits are done may go;
+  * each worker's three transfer streams (weight_upload: UP; activation_upload: H2D;
+    download: D2H) run their transfers in list order, one at a time, as the runtime's stream
+    threads do (``Worker.submit``: an item runs after everything submitted before it): a
+    transfer starts once its waits are done and the one before it on its stream has ended;
+  * each worker has an H2D link (its UP and H2D streams share it) and a D2H link, full
+    duplex. A link serves one transfer at a time among its streams' current ones: critical
+    transfers (one microbatch's tensor) first, bulk ones (weights, gradients) chunk by chunk,
+    so a critical transfer on another stream waits at most one chunk;
   * the host queue (ACC, OPT, SHADOW) runs in list order, and so does the host's network lane
     (REDUCE, data parallel: a ring all-reduce on the profile's inter-server link; sharded, a
     reduce to the owners, and each SHADOW then broadcasts the updated shadows);
@@ -306,6 +310,21 @@ class _Replay:
         # parallel); each runs one action at a time, in list order.
         self.lanes = [[ids[a] for a in sched.host], [ids[a] for a in sched.network]]
         self.pools: list[list[_Transfer]] = [[] for _ in range(2 * sched.workers)]
+        # Each worker's transfer streams, in list order (the runtime's FIFO stream threads):
+        # a transfer enters its link's pool once its waits are done and it heads its stream.
+        self.next_on_stream: dict[int, int] = {}  # transfer -> the one after it, if any
+        self.heads: set[int] = set()  # the transfer each stream runs next
+        for lst in sched.actions:
+            last: dict[str, int] = {}
+            for a in lst:
+                i = ids[a]
+                if i in self.transfers:
+                    stream = ACTION_SPECS[ActionKind(a.kind)].stream
+                    if stream in last:
+                        self.next_on_stream[last[stream]] = i
+                    else:
+                        self.heads.add(i)
+                    last[stream] = i
         self.start = [0.0] * n
         self.end = [-1.0] * n
 
@@ -328,8 +347,9 @@ class _Replay:
         running: list[tuple[int, float] | None] = [None] * g
         link_busy: list[_Fluid | None] = [None] * (2 * g)
         lane_busy: list[_Fluid | None] = [None] * len(self.lanes)
+        heads, next_on_stream = self.heads, self.next_on_stream
         for tr in transfers.values():
-            if preds_left[tr.index] == 0:
+            if preds_left[tr.index] == 0 and tr.index in heads:
                 pools[tr.link].append(tr)
         compute_q = self.compute_q
         now = 0.0
@@ -342,6 +362,14 @@ class _Replay:
             for s in succs[i]:
                 preds_left[s] -= 1
                 if preds_left[s] == 0 and s in transfers:
+                    tr = transfers[s]
+                    tr.ready = now
+                    if s in heads:
+                        pools[tr.link].append(tr)
+            if i in next_on_stream:  # the next transfer of its stream may go
+                s = next_on_stream[i]
+                heads.add(s)
+                if preds_left[s] == 0:
                     tr = transfers[s]
                     tr.ready = now
                     pools[tr.link].append(tr)
