@@ -375,13 +375,25 @@ def test_manager_keeps_the_last_k_and_finds_the_latest(tmp_path):
     compiled.close()
 
 
-def _run_child(root: Path, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+def _start_child(root: Path, *args: str) -> subprocess.Popen:
+    """tests/checkpoint_child.py in the background on one thread, its stderr in
+    ``root/stderr.txt``."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, str(CHILD), "--root", str(root), *args],
-                          capture_output=True, text=True, env=env, timeout=300)
-    if check:
-        assert proc.returncode == 0, proc.stderr[-3000:]
-    return proc
+    root.mkdir(exist_ok=True)
+    with (root / "stderr.txt").open("a") as err:
+        return subprocess.Popen([sys.executable, str(CHILD), "--root", str(root), *args],
+                                stdout=subprocess.DEVNULL, stderr=err, env=env)
+
+
+def _ended(root: Path, child: subprocess.Popen) -> tuple[int, str]:
+    """The child's exit status once it ends (a hang fails the test), and its stderr's end."""
+    try:
+        child.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        child.kill()
+        child.wait()
+        pytest.fail(f"the child in {root} did not end within 300 s (hang)")
+    return child.returncode, (root / "stderr.txt").read_text()[-3000:]
 
 
 def _losses(root: Path) -> dict[int, str]:
@@ -400,41 +412,43 @@ def _final(root: Path) -> dict[str, torch.Tensor]:
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
+    """Each run is its own process, as before; the independent ones run at once (each child
+    is one thread: one at a time left a core idle)."""
     steps = ["--steps", "7", "--every", "2"]
+    cases = {"in_write": ["--kill-in-write", "4"], "between": ["--kill-after", "2"],
+             "random": []}
     clean = tmp_path / "clean"
-    clean.mkdir()
-    _run_child(clean, *steps)
+    children = {name: _start_child(tmp_path / name, *steps, *kill)
+                for name, kill in {"clean": [], **cases}.items()}
+    root = tmp_path / "random"
+    child = children["random"]
+    deadline = time.monotonic() + 200
+    while time.monotonic() < deadline and child.poll() is None:
+        log = root / "losses.txt"
+        if log.exists() and len(log.read_text().splitlines()) >= 3:
+            break
+        time.sleep(0.01)
+    time.sleep(random.Random(0).uniform(0.0, 0.3))
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    code, err = _ended(clean, children["clean"])
+    assert code == 0, err
+    for name in ("in_write", "between"):
+        code, err = _ended(tmp_path / name, children[name])
+        assert code == -signal.SIGKILL, err
     want_losses, want_masters = _losses(clean), _final(clean)
     assert sorted(want_losses) == list(range(7))
 
-    cases = {"in_write": ["--kill-in-write", "4"], "between": ["--kill-after", "2"],
-             "random": None}
-    for name, kill in cases.items():
+    root = tmp_path / "in_write"
+    leftovers = [p.name for p in (root / "ckpts").iterdir() if p.name.startswith(".")]
+    assert leftovers, "the kill was meant to land inside a write"
+    latest = CheckpointManager(root / "ckpts").latest()
+    assert latest is not None and latest.name == "step-00000002"
+    resumed = {name: _start_child(tmp_path / name, *steps, "--resume") for name in cases}
+    for name, child in resumed.items():
         root = tmp_path / name
-        root.mkdir()
-        if kill is not None:
-            proc = _run_child(root, *steps, *kill, check=False)
-            assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
-        else:
-            env = dict(os.environ, OMP_NUM_THREADS="1")
-            child = subprocess.Popen([sys.executable, str(CHILD), "--root", str(root), *steps],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                     env=env)
-            deadline = time.monotonic() + 200
-            while time.monotonic() < deadline and child.poll() is None:
-                log = root / "losses.txt"
-                if log.exists() and len(log.read_text().splitlines()) >= 3:
-                    break
-                time.sleep(0.01)
-            time.sleep(random.Random(0).uniform(0.0, 0.3))
-            child.send_signal(signal.SIGKILL)
-            child.wait()
-        if name == "in_write":
-            leftovers = [p.name for p in (root / "ckpts").iterdir() if p.name.startswith(".")]
-            assert leftovers, "the kill was meant to land inside a write"
-            latest = CheckpointManager(root / "ckpts").latest()
-            assert latest is not None and latest.name == "step-00000002"
-        _run_child(root, *steps, "--resume")
+        code, err = _ended(root, child)
+        assert code == 0, (name, err)
         got = _losses(root)
         assert got == want_losses, name
         assert_same_masters(want_masters, _final(root))

@@ -249,17 +249,30 @@ def _fail_in_backward(trainer, scenario: str) -> None:
 
 
 def _spawn(target, world: int, tmp_path, *args, timeout: float = 240.0) -> list[dict | None]:
-    """Run ``target(rank, world, port, out, *args)`` in ``world`` spawned processes (one
-    gloo group on localhost); each writes ``out/rank<r>.pt``. Returns what every rank wrote
-    (None for a rank that wrote nothing); a rank still running after ``timeout`` fails the
-    test as a hang."""
-    ctx = mp.get_context("spawn")
+    """Run ``target(rank, world, port, out, *args)`` in ``world`` new processes (one gloo
+    group on localhost); each writes ``out/rank<r>.pt``. Returns what every rank wrote (None
+    for a rank that wrote nothing); a rank still running after ``timeout`` fails the test as
+    a hang."""
+    return _join(*_start(target, world, tmp_path, *args, timeout=timeout))
+
+
+def _start(target, world: int, tmp_path, *args, timeout: float = 240.0):
+    """Start the ranks of :func:`_spawn` (the caller may work meanwhile); :func:`_join` them.
+    The ranks are forked from a server started once for the session (tests/rank_server.py:
+    the imports and a first compile done there), each a new process with its own process
+    group, as a spawned one would be."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.rank_server"])
     port = _free_port()
     procs = [ctx.Process(target=target, args=(r, world, port, str(tmp_path), *args))
              for r in range(world)]
     for p in procs:
         p.start()
-    deadline = time.monotonic() + timeout
+    return procs, tmp_path, timeout, time.monotonic() + timeout
+
+
+def _join(procs: list, tmp_path, timeout: float, deadline: float) -> list[dict | None]:
+    world = len(procs)
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
     for p in procs:
@@ -307,7 +320,25 @@ def _max_diff(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, world):
-    ranks = _spawn(_rank_main, world, tmp_path, "train", {})
+    started = _start(_rank_main, world, tmp_path, "train", {})
+    # The references, while the ranks train (they share nothing with the ranks' run).
+    references = {}
+    try:
+        for name, model_name, options in CASES[world]:
+            # One process on the whole global batch: a loss_fn model's loss is the mean over
+            # microbatches, so it gets as many microbatches as all ranks together.
+            parts = 2 * world if model_name == "skipnet" else 2
+            memory: list = []  # one process with shard_optimizer: one shard, all of it
+            single = _single_process(model_name, options, parts, memory)
+            eager = None
+            if model_name == "qwen3" and name != "async":  # eager HF (async is stale)
+                eager = _eager(options.get("max_grad_norm"), options.get("optimizer", _sgd))
+            references[name] = single, memory, eager
+    except BaseException:
+        for p in started[0]:
+            p.kill()
+        raise
+    ranks = _join(*started)
     assert all(r is not None for r in ranks), "a rank failed (see its output)"
     for name, model_name, options in CASES[world]:
         first = ranks[0][name]
@@ -320,16 +351,11 @@ def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, wo
             # ... and uploads the same weights next step: the shadows match too.
             assert torch.equal(r[name]["shadow"], first["shadow"]), name
         assert first["reductions"] >= 2, name  # one per gradient stage at least, not one at the end
-        # One process on the whole global batch: a loss_fn model's loss is the mean over
-        # microbatches, so it gets as many microbatches as all ranks together.
-        parts = 2 * world if model_name == "skipnet" else 2
-        memory: list = []  # one process with shard_optimizer: one shard, all of it
-        single_losses, single = _single_process(model_name, options, parts, memory)
+        (single_losses, single), memory, eager = references[name]
         assert first["losses"] == pytest.approx(single_losses, abs=1e-6), name
         assert _max_diff(first["masters"], single) < 1e-6, name
-        if model_name == "qwen3" and name != "async":  # eager HF (async is stale)
-            eager_losses, eager = _eager(options.get("max_grad_norm"),
-                                         options.get("optimizer", _sgd))
+        if eager is not None:
+            eager_losses, eager = eager
             assert first["losses"] == pytest.approx(eager_losses, abs=1e-6), name
             assert _max_diff(first["masters"], {n: eager[n] for n in single}) < 1e-6, name
         if name == "sync":
@@ -712,6 +738,12 @@ def _announce_rank(rank: int, world: int, port: int, out: str) -> None:
     result["refused_batch"] = _outcome(compiled.step, bad)
     compiled.close()
     torch.save(result, os.path.join(out, f"rank{rank}.pt"))
+    if rank == 1:
+        # Alive until rank 0 is done, so that it learns of the refusal from the announcement,
+        # not from closed connections (a rank that exits at once can beat rank 0's next poll).
+        limit = time.monotonic() + 30.0
+        while not os.path.exists(os.path.join(out, "rank0.pt")) and time.monotonic() < limit:
+            time.sleep(0.1)
     dist.destroy_process_group()
 
 
@@ -1019,6 +1051,20 @@ def _train_args(tmp_path, lr: str = "3e-3") -> tuple[list[str], dict]:
     return args, env
 
 
+def _one_process(args: list[str]) -> int:
+    """``rpcompile train`` in this process (the CLI's own ``main``, no process group), on one
+    thread as the ranks and the CLI's subprocesses run (OMP_NUM_THREADS=1): the reference
+    runs without a new process's start-up and first compile. Returns the exit status."""
+    from rpcompile.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return main(args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _torchrun(args: list[str], out, env: dict, cwd, ranks: int = 2) -> None:
     import sys
 
@@ -1034,12 +1080,10 @@ def _records(out) -> list[dict]:
 
 
 def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_path):
-    import sys
-
     args, env = _train_args(tmp_path)
     two, one, resumed = tmp_path / "two", tmp_path / "one", tmp_path / "resumed"
     _torchrun(args, two, env, tmp_path)
-    _run_cli([sys.executable, "-m", "rpcompile", *args, "--out", str(one)], env, tmp_path)
+    assert _one_process([*args, "--out", str(one)]) == 0
     got, want = _records(two), _records(one)
     # Rank 0 alone wrote: one line per step and eval, one final/, its checkpoints.
     assert [r["step"] for r in got] == [r["step"] for r in want] == [0, 1, 2, 3, 4, 4]
@@ -1055,8 +1099,8 @@ def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_pat
             if key in b:
                 assert a[key] == pytest.approx(b[key], abs=1e-5), (key, a, b)
     # The two-rank checkpoint of step 2 resumes on one rank and continues as both runs did.
-    _run_cli([sys.executable, "-m", "rpcompile", "train", "--resume",
-              str(two / "checkpoints" / "step-00000002"), "--out", str(resumed)], env, tmp_path)
+    assert _one_process(["train", "--resume", str(two / "checkpoints" / "step-00000002"),
+                         "--out", str(resumed)]) == 0
     after = {r["step"]: r["loss"] for r in _records(resumed) if "loss" in r}
     assert sorted(after) == [3, 4]
     for step in (3, 4):
@@ -1064,11 +1108,10 @@ def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_pat
                                                  and "loss" in r), abs=1e-5)
 
 
-def test_train_shard_optimizer_under_torchrun_equals_one_process(tmp_path):
+def test_train_shard_optimizer_under_torchrun_equals_one_process(tmp_path, capsys):
     """``rpcompile train --shard-optimizer`` on 2 ranks: every rank takes part in the
     evaluations, the checkpoints and final/ (the masters gathered, rank 0 writes); the eval
     losses and final/'s weights equal one process training the same global batches."""
-    import sys
 
     from safetensors.torch import load_file
 
@@ -1077,7 +1120,7 @@ def test_train_shard_optimizer_under_torchrun_equals_one_process(tmp_path):
     args[args.index("--eval-every") + 1] = "2"
     two, one = tmp_path / "two", tmp_path / "one"
     _torchrun([*args, "--shard-optimizer"], two, env, tmp_path)
-    _run_cli([sys.executable, "-m", "rpcompile", *args, "--out", str(one)], env, tmp_path)
+    assert _one_process([*args, "--out", str(one)]) == 0
     got, want = _records(two), _records(one)
     evals = [r["eval_loss"] for r in want if "eval_loss" in r]
     assert len(evals) == 3 and [r.get("eval_loss") for r in got if "eval_loss" in r] == \
@@ -1118,9 +1161,13 @@ def test_train_shard_optimizer_under_torchrun_equals_one_process(tmp_path):
         for b in want:
             if b["step"] > 2 and "loss" in b:
                 assert after[b["step"]] == pytest.approx(b["loss"], abs=1e-6), ranks
-    with pytest.raises(AssertionError, match="needs --shard-optimizer"):
-        _run_cli([sys.executable, "-m", "rpcompile", *args, "--checkpoint-per-rank",
-                  "--out", str(tmp_path / "refused")], env, tmp_path)
+    # Without --shard-optimizer the CLI refuses --checkpoint-per-rank (exit status 2, the
+    # error on stderr) before it starts anything: an argument check of the CLI's own main,
+    # with no process group (the subprocess it ran in proved nothing more).
+    capsys.readouterr()
+    assert _one_process([*args, "--checkpoint-per-rank", "--out", str(tmp_path / "refused")]) == 2
+    assert "needs --shard-optimizer" in capsys.readouterr().err
+    assert not (tmp_path / "refused").exists()
 
 
 # -- planning at scale (no processes) -----------------------------------------------------------
