@@ -413,7 +413,7 @@ def _workers_note(summary: dict, plan, gpus: int, micro: int, rounds: int,
     if jobs < gpus:
         summary["idle_workers"] = gpus - jobs
         print(f"idle workers: a step has {jobs} jobs for {gpus} workers, so {gpus - jobs} "
-              f"worker{'s' if gpus - jobs > 1 else ''} get no job in each step (round robin gives each a job every "
+              f"worker{'s get' if gpus - jobs > 1 else ' gets'} no job in each step (round robin gives each a job every "
               f"{dispatch_period(jobs, gpus)} steps)")
     fill = (summary["bubble_fill_pct"] + summary["bubble_drain_pct"]) / 100
     if fill <= FILL_DRAIN_LIMIT:
