@@ -17,9 +17,11 @@ Chrome-trace JSON and PNG. ``--longest`` searches the longest sequence that fits
 sequence per microbatch (or the microbatch ``--batch`` gives), one memory proof per trial
 length of the memory-first plan (every unit its own stage; rpcompile.planner.longest), prints
 it with what limits the next length (the unit or the worker, action and memory parts at the
-peak) and that plan with its proven peak. Without ``--batch`` it picks the smallest batch (doubling the
-microbatch up to 64 sequences) whose plan gives every worker a job each step; a plan that
-leaves workers idle says so. For
+peak) and that plan with its proven peak. Without ``--batch`` it picks the batch by the rule
+of :func:`default_batch` (the sequences per microbatch double while the simulated tokens/s
+rises more than 5%) and prints the trials; a plan that leaves workers idle, or whose fill and
+drain dominate the step, says so. ``--optimizer`` defaults to sync, as ``train`` and
+``compile()`` do; ``--max-simulations`` caps the partitioner's search. For
 RoundPipe with the async optimizer it also simulates a run of steps (two warm-up steps
 and a steady-state window of at least 8 steps, rpcompile.sim.steady_steps; the steps meet at
 the schedule's barrier, as at run time) and prints the
@@ -38,10 +40,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["main"]
+
+
+class _DefaultsFormatter(argparse.HelpFormatter):
+    """Help that gives each option's default: its value, or (None) what its text says."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.required or action.default in (None, False, argparse.SUPPRESS) \
+                or "(default" in text:
+            return text
+        return text + " (default: %(default)s)"
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,36 +69,50 @@ def _parser() -> argparse.ArgumentParser:
     plan = sub.add_parser(
         "plan",
         help="plan, schedule and simulate a shipped model on a hardware profile",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Build a shipped model from its config on the meta device (no weights), "
+                    "compile it for a hardware profile and simulate one optimizer step: the "
+                    "stage table, predicted tokens/s and bubble, device and host memory, how "
+                    "the partition search ended and the longest sequence that fits. With no "
+                    "--batch it doubles the sequences per microbatch while the simulated "
+                    "tokens/s rises more than 5% and the plan fits, and says so. --out writes "
+                    "the schedule (CSV, Perfetto JSON, PNG), plan.txt and summary.json.",
+        formatter_class=_DefaultsFormatter,
     )
     plan.add_argument("--model", required=True, help="a shipped model (see `rpcompile models`)")
     plan.add_argument("--hardware", default="rtx4090x8", help="profile (see `rpcompile hardware`)")
-    plan.add_argument("--gpus", type=int, default=None, help="workers (default: the profile's)")
+    plan.add_argument("--gpus", type=int, default=None,
+                      help="workers (default: the profile's GPU count)")
     plan.add_argument("--seq", type=int, default=2048, help="sequence length (tokens)")
     plan.add_argument("--batch", type=int, default=None,
-                      help="global batch in sequences per optimizer step (default: the "
-                           "smallest multiple of microbatches x rounds, up to 64 sequences "
-                           "per microbatch, whose plan gives every worker a job each step); "
-                           "a batch that does not divide is split as evenly as possible and "
-                           "every microbatch is timed at the largest one's size")
+                      help="global batch in sequences per optimizer step (default: double the "
+                           "sequences per microbatch from 1 while the simulated tokens/s rises "
+                           "more than 5%%, up to 64, while the plan fits the GPUs and host "
+                           "RAM); a batch that does not divide is split as evenly as possible "
+                           "and every microbatch is timed at the largest one's size")
     plan.add_argument("--microbatches", type=int, default=None,
                       help="microbatches per round (default: gpus + 1)")
     plan.add_argument("--rounds", type=int, default=1, help="rounds per step (accumulation)")
     plan.add_argument("--schedule", default="roundpipe",
-                      choices=["roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs"])
-    plan.add_argument("--optimizer", default="async", choices=["async", "sync"])
+                      choices=["roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs"],
+                      help="RoundPipe, or a weight-bound baseline on the same simulator")
+    plan.add_argument("--optimizer", default="sync", choices=["async", "sync"],
+                      help="exact updates (sync, as `rpcompile train` and compile() default "
+                           "to) or one step stale, overlapping the next step (async; also "
+                           "simulates a steady state of several steps)")
     plan.add_argument("--layers", type=int, default=None,
-                      help="override the model depth (quick experiments)")
+                      help="override the model depth (quick experiments; default: the config's)")
     plan.add_argument("--out", type=Path, default=None,
                       help="folder for schedule.csv, schedule.json (Perfetto), schedule.png, "
-                           "plan.txt and summary.json")
+                           "plan.txt and summary.json (default: print only)")
     plan.add_argument("--recompute", default="auto", choices=["auto", "stage", "layer"],
                       help="how backward stages recompute their forward: stage (all layers' "
                            "activations for one backward), layer (one layer at a time, one "
                            "more forward) or auto (stage unless that plan does not fit, "
-                           "then the faster plan that fits, cut again by stage or by "
-                           "layer; default)")
+                           "then the faster plan that fits, cut again by stage or by layer)")
+    plan.add_argument("--max-simulations", type=int, default=None, metavar="N",
+                      help="cap the partitioner's simulator replays per search (default: its "
+                           "own, 1024 sync, 32 async); a search stopped before its proof "
+                           "says so, with the most a plan it did not replay could be faster")
     plan.add_argument("--no-fit-search", action="store_true",
                       help="skip the search for the longest sequence that fits")
     plan.add_argument("--longest", action="store_true",
@@ -106,8 +135,8 @@ def _parser() -> argparse.ArgumentParser:
                            "gloo's reduce to the gradients' owners and each SHADOW also "
                            "broadcasts the updated shadows")
     plan.add_argument("--link", default="eth100",
-                      help="the network between servers for --nodes: eth25 or eth100 "
-                           "(25 / 100 Gbit/s Ethernet; default eth100)")
+                      help="the network between servers for --nodes: eth25 or eth100 (25 / "
+                           "100 Gbit/s Ethernet)")
 
     train = sub.add_parser(
         "train",
@@ -195,23 +224,37 @@ def _plan(args: argparse.Namespace) -> int:
     print(f"building {args.model} on the meta device ...", file=sys.stderr)
     model = build_model(args.model, device="meta", layers=args.layers)
 
-    def compile_for(batch: int):
+    def compile_for(batch: int, max_simulations: int | None):
         ids = torch.zeros(batch, args.seq, dtype=torch.long, device="meta")
         # device="virtual": the plan is for the profile's machine, not for a GPU here.
         return rpcompile.compile(
             model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids,
             rounds=args.rounds, mode=args.optimizer, device="virtual",
-            recompute=args.recompute, shard_optimizer=args.shard_optimizer)
+            recompute=args.recompute, shard_optimizer=args.shard_optimizer,
+            max_simulations=max_simulations)
 
-    compiled = compile_for(batch)
+    choice = None
     if args.batch is None and args.schedule == "roundpipe":
-        filling = filling_microbatch(compiled, hw, gpus, micro, args.rounds, args.optimizer,
-                                     recompute=args.recompute)
-        if filling is not None and filling > 1:
-            batch = filling * micro * args.rounds
-            print(f"--batch not given: {batch} sequences ({filling} per microbatch) give every "
-                  f"worker a job each step", file=sys.stderr)
-            compiled = compile_for(batch)
+        # The smallest batch is planned with a capped search; the rule's trials reuse its
+        # capture, and the batch it picks is planned with the full search.
+        trial_cap = min(TRIAL_SIMULATIONS[args.optimizer], args.max_simulations or 1 << 30)
+        ram, _ = host_ram(args.host_ram, hw)
+        print(f"--batch not given: planning 1, 2, 4, ... sequences per microbatch (searches "
+              f"capped at {trial_cap} replays) to pick the batch", file=sys.stderr)
+        choice = default_batch(compile_for(batch, trial_cap), hw, gpus, micro, args.rounds,
+                               args.optimizer, args.recompute, ram, trial_cap,
+                               lambda b: compile_for(b * micro * args.rounds, trial_cap))
+        batch = choice.size * micro * args.rounds
+    while True:
+        try:
+            compiled = compile_for(batch, args.max_simulations)
+            break
+        except ValueError as err:  # the pick's runtime schedule does not fit: one size down
+            if choice is None or choice.size == 1:
+                raise
+            choice.trials.append((choice.size, None, f"the full compile refused it ({err})"))
+            choice.size //= 2
+            batch = choice.size * micro * args.rounds
     plan = compiled.plan
     if args.schedule == "roundpipe":
         # The compile's own lowered schedule (what a trainer runs); the figures below are of
@@ -236,7 +279,9 @@ def _plan(args: argparse.Namespace) -> int:
     print(plan)
     print()
     print(f"capture: {compiled.capture.report}")
-    print("passes: " + ", ".join(f"{r.name} {r.elapsed_ms:.0f} ms" for r in compiled.history)
+    # compiled.history holds the compile's passes, then the dispatch and lowering of its schedule.
+    passes = [r for r in compiled.history if r.name != "dispatch" and r not in history]
+    print("passes: " + ", ".join(f"{r.name} {r.elapsed_ms:.0f} ms" for r in passes)
           + "; lowering: " + ", ".join(f"{r.name} {r.elapsed_ms:.0f} ms" for r in history))
     tokens = batch * args.seq
     summary = {"model": args.model, "hardware": hw.name, "gpus": gpus, "schedule": args.schedule,
@@ -263,13 +308,15 @@ def _plan(args: argparse.Namespace) -> int:
             steady_utilization,
         )
 
-        run = simulate_roundpipe(plan, hw, steps=steady_steps(plan, rounds=args.rounds),
-                                 rounds=args.rounds, optimizer=args.optimizer)
+        steps = steady_steps(plan, rounds=args.rounds)
+        run = simulate_roundpipe(plan, hw, steps=steps, rounds=args.rounds,
+                                 optimizer=args.optimizer)
         step_ms = steady_step_ms(run)
         summary["steady_step_ms"] = step_ms
         summary["steady_tokens_per_s"] = tokens * 1e3 / step_ms
         summary["steady_bubble_pct"] = 100 * (1 - steady_utilization(run))
-        print(f"predicted, steady state ({args.optimizer}, steps overlapping): {step_ms:.1f} "
+        print(f"predicted, steady state ({args.optimizer}, {steps} steps meeting at the "
+              f"step barrier): {step_ms:.1f} "
               f"ms per step, {summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
               f"{summary['steady_bubble_pct']:.2f}%")
     if run is not None and args.nodes > 1:
@@ -280,15 +327,11 @@ def _plan(args: argparse.Namespace) -> int:
                                  sharded=compiled.options.plan.shard_optimizer)
         summary["nodes"] = scaling.to_dict()
         print(f"predicted, {scaling.summary()}")
-    jobs = len(plan.stages) * args.rounds
-    if args.schedule == "roundpipe" and jobs < gpus:
-        filling = None if args.batch is None else filling_microbatch(  # None: searched above
-            compiled, hw, gpus, micro, args.rounds, args.optimizer, recompute=args.recompute)
-        fill = ("no microbatch up to 64 sequences fills them" if filling is None else
-                f"--batch {filling * micro * args.rounds} would fill them")
-        summary["idle_workers"] = gpus - jobs
-        print(f"idle workers: a step has {jobs} jobs for {gpus} workers, so {gpus - jobs} "
-              f"workers get no job; the batch is too small for this machine ({fill})")
+    if choice is not None:
+        summary["batch_choice"] = choice.to_dict()
+        print(f"batch: {batch} sequences ({choice.size} per microbatch), {choice.describe()}")
+    if args.schedule == "roundpipe":
+        _workers_note(summary, plan, gpus, micro, args.rounds, choice)
     print(f"peak device memory: {max(summary['peak_device_gib']):.2f} GiB simulated of "
           f"{hw.memory_gib:g} GiB ({hw.usable_memory_bytes / 2**30:.2f} GiB usable, "
           f"{hw.memory_reserve_gib:g} GiB reserved for the CUDA context and allocator)")
@@ -364,6 +407,44 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _workers_note(summary: dict, plan, gpus: int, micro: int, rounds: int,
+                  choice: BatchChoice | None) -> None:
+    """Say when the plan leaves workers idle (fewer jobs a step than workers) or its fill and
+    drain dominate the step (the batch is too small for the workers)."""
+    from rpcompile.passes.schedule import dispatch_period
+
+    jobs = len(plan.stages) * rounds
+    if jobs < gpus:
+        summary["idle_workers"] = gpus - jobs
+        print(f"idle workers: a step has {jobs} jobs for {gpus} workers, so {gpus - jobs} "
+              f"worker{'s get' if gpus - jobs > 1 else ' gets'} no job in each step (round robin gives each a job every "
+              f"{dispatch_period(jobs, gpus)} steps)")
+    fill = (summary["bubble_fill_pct"] + summary["bubble_drain_pct"]) / 100
+    if fill <= FILL_DRAIN_LIMIT:
+        return
+    # An estimate from this plan's stage times: fill and drain stay as they are while the
+    # steady part grows with the microbatches a round, so k times the microbatches bring the
+    # working workers' share under the limit (an idle worker's step is all fill; more
+    # microbatches do not give it a job).
+    busy = min(jobs, gpus)
+    active = max(0.0, fill * gpus - (gpus - busy)) / busy
+    head = (f"batch too small for the workers: fill and drain are {100 * fill:.1f}% of the "
+            f"step (over {FILL_DRAIN_LIMIT:.0%})")
+    if active <= FILL_DRAIN_LIMIT:  # the idle workers are the bubble
+        summary["batch_too_small"] = {"fill_drain_pct": 100 * fill}
+        print(f"{head}, most of it the {gpus - busy} idle workers: more microbatches do not "
+              f"give them a job; fewer --gpus would")
+        return
+    k = active * (1 - FILL_DRAIN_LIMIT) / (FILL_DRAIN_LIMIT * (1 - active))
+    fills = max(micro + 1, math.ceil(micro * k))
+    summary["batch_too_small"] = {"fill_drain_pct": 100 * fill, "microbatches_to_fill": fills}
+    how = ("the default rule stopped at this batch (see batch:)" if choice is not None
+           else "leave out --batch to let plan double it while tokens/s rises")
+    print(f"{head}; with this plan's stage times about {fills} microbatches a round (--batch "
+          f"{fills * rounds * plan.microbatch_size} --microbatches {fills}) would bring them "
+          f"under {FILL_DRAIN_LIMIT:.0%}; or {how}")
+
+
 def _train(args: argparse.Namespace) -> int:
     from rpcompile.finetune import run
 
@@ -396,31 +477,104 @@ def host_ram(gib: float | None, hw) -> tuple[int, str]:
     return host_ram_bytes(), "this machine's; pass --host-ram for the target server"
 
 
-def filling_microbatch(compiled, hw, gpus: int, micro: int, rounds: int, optimizer: str,
-                       largest: int = 64, recompute: str = "auto") -> int | None:
-    """The smallest microbatch size (sequences, doubling from the plan's) whose plan gives
-    each of ``gpus`` workers a job every step (jobs per step >= workers), or None."""
+# The default batch (``plan`` without ``--batch``): the sequences per microbatch double from
+# 1 while a doubling raises the simulated tokens/s by more than DEFAULT_BATCH_GAIN, up to
+# DEFAULT_BATCH_LARGEST, and only while the plan fits the GPUs and adds no host memory beyond
+# the RAM. Each trial is a partition search capped at TRIAL_SIMULATIONS replays, without the
+# async boundary refinement (about the same replay time in both modes: an async replay is a
+# dozen steps); the batch picked is then planned with the full search, which is at least as
+# fast as its trial.
+DEFAULT_BATCH_GAIN = 0.05
+DEFAULT_BATCH_LARGEST = 64
+TRIAL_SIMULATIONS = {"sync": 16, "async": 4}
+# A step whose fill and drain idle more than this share of the workers' time: the batch is
+# too small for the workers.
+FILL_DRAIN_LIMIT = 0.30
+
+
+@dataclass
+class BatchChoice:
+    """How ``plan`` chose the batch: per trial (sequences per microbatch, simulated tokens/s
+    or None, why the doubling stopped there or ''), and the size picked."""
+
+    size: int
+    trials: list = field(default_factory=list)
+    cap: int = 0
+
+    def describe(self) -> str:
+        parts, last = [], None
+        for b, tps, why in self.trials:
+            fig = "no plan" if tps is None else f"{tps:,.0f} tokens/s"
+            if tps is not None and last is not None:
+                fig += f" ({tps / last - 1:+.1%})"
+            parts.append(f"{b}: {fig}" + (f", {why}" if why else ""))
+            last = tps if tps is not None else last
+        return (f"picked by doubling the sequences per microbatch while the simulated tokens/s "
+                f"rises more than {DEFAULT_BATCH_GAIN:.0%} (searches capped at {self.cap} "
+                f"replays): " + "; ".join(parts))
+
+    def to_dict(self) -> dict:
+        return {"microbatch_size": self.size, "gain": DEFAULT_BATCH_GAIN,
+                "trial_max_simulations": self.cap,
+                "trials": [{"microbatch_size": b, "tokens_per_s": tps, "stopped": why}
+                           for b, tps, why in self.trials]}
+
+
+def default_batch(compiled, hw, gpus: int, micro: int, rounds: int, optimizer: str,
+                  recompute: str, ram_bytes: int, cap: int, compile_at) -> BatchChoice:
+    """The default batch's sequences per microbatch (the rule above), from ``compiled`` (the
+    smallest batch, one sequence per microbatch). Trials plan the captured model at each size
+    (rpcompile.planner.partition); when the whole logits no longer fit, ``compile_at(size)``
+    compiles that size (which chunks the loss) and later trials reuse its capture."""
     from rpcompile.compiler import unit_profiles
+    from rpcompile.passes.memory import host_memory
     from rpcompile.planner.partition import PartitionError, StageCosting, partition
+    from rpcompile.sim import simulate_roundpipe
 
     dtype_bytes = compiled.compute_dtype.itemsize
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
-    s = compiled.plan.seq_len
-    b = compiled.plan.microbatch_size
-    if len(compiled.plan.stages) * rounds >= gpus:
-        return b
-    b *= 2
-    while b <= largest:
-        profiles = unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes)
+    seq = compiled.plan.seq_len
+    source = compiled
+
+    def trial(b: int):
+        profiles = unit_profiles(source.capture, source.unit_costs, b, seq, hw, dtype_bytes)
+        plan = partition(profiles, hw, gpus, micro, b, seq, rounds, costing,
+                         optimizer=optimizer, recompute=recompute, max_simulations=cap,
+                         refine=0)
+        run = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer=optimizer)
+        host = host_memory(plan, optimizer, run.peak_host_bytes).total
+        return b * micro * rounds * seq * 1e3 / plan.predicted_step_ms, host
+
+    choice = BatchChoice(size=1, cap=cap)
+    tps, host_limit = trial(1)
+    host_limit = max(host_limit, ram_bytes)  # the smallest batch's need is printed anyway
+    choice.trials.append((1, tps, ""))
+    b = 2
+    while b <= DEFAULT_BATCH_LARGEST:
         try:
-            plan = partition(profiles, hw, gpus, micro, b, s, rounds, costing,
-                             optimizer=optimizer, recompute=recompute)  # as compile() plans it
+            got, host = trial(b)
         except PartitionError:
-            return None
-        if len(plan.stages) * rounds >= gpus:
-            return b
+            if source.capture.loss_chunk_tokens is not None:
+                choice.trials.append((b, None, "no plan fits the GPUs"))
+                break
+            try:  # the whole logits are too large at this size: let compile chunk the loss
+                source = compile_at(b)
+                got, host = trial(b)
+            except ValueError:  # PartitionError, MemoryPlanError: nothing fits
+                choice.trials.append((b, None, "no plan fits the GPUs"))
+                break
+        if host > host_limit:
+            choice.trials.append((b, got, "its host memory exceeds the RAM"))
+            break
+        if got <= tps * (1 + DEFAULT_BATCH_GAIN):
+            choice.trials.append((b, got, f"not over {DEFAULT_BATCH_GAIN:.0%}"))
+            break
+        choice.trials.append((b, got, ""))
+        choice.size, tps = b, got
         b *= 2
-    return None
+    else:
+        choice.trials[-1] = (*choice.trials[-1][:2], f"the cap of {DEFAULT_BATCH_LARGEST}")
+    return choice
 
 
 def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,

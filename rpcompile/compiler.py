@@ -356,6 +356,7 @@ def compile(
     ranks: int | None = UNSET,
     link: Any = UNSET,
     shard_optimizer: bool = UNSET,
+    max_simulations: int | None = UNSET,
     optimizer: Callable | None = UNSET,
     device: str = UNSET,
     chaos: int | None = UNSET,
@@ -374,7 +375,7 @@ def compile(
     ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
     ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
     ``schedule_steps``, ``updates``, ``recompute``, ``ranks``, ``link``,
-    ``shard_optimizer``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``shard_optimizer``, ``max_simulations``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
     ``max_grad_norm``, ``timeout_s``, ``process_group``). Every option is also a keyword of this function; an
     option given both ways is refused. The result keeps them as ``Compiled.options``.
@@ -421,6 +422,7 @@ def compile(
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
         process_group=process_group, shard_optimizer=shard_optimizer,
+        max_simulations=max_simulations,
     ).items() if v is not UNSET}
     options = resolve({"capture": capture_options, "plan": plan_options,
                        "train": train_options}, flat)
@@ -573,7 +575,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         history, "partition",
         lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
                           optimizer=mode, recompute=po.recompute,
-                          capacity_bytes=options.train.capacity_bytes),
+                          capacity_bytes=options.train.capacity_bytes,
+                          max_simulations=po.max_simulations),
         lambda p: check_plan(p, len(captured.units)),
     )
     steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)

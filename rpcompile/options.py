@@ -160,7 +160,9 @@ class PlanOptions:
     trainable parameters (ZeRO-1 style: gradients reduced to their owners, updated shadows
     broadcast back by them); the lowered schedule says so (``Schedule.sharded``), so the
     simulator times those collectives; on one process it changes nothing (the one shard is
-    everything)."""
+    everything). ``max_simulations``: the partitioner's cap on simulator replays per search
+    (``None``: its own, rpcompile.planner.partition.SIMULATION_CAPS); a search stopped there
+    says so in the plan's notes, with the proven gap."""
 
     gpus: int = 8
     microbatches: int | None = None
@@ -174,6 +176,7 @@ class PlanOptions:
     ranks: int | None = None
     link: Any = None
     shard_optimizer: bool = False
+    max_simulations: int | None = None
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)
@@ -183,6 +186,7 @@ class PlanOptions:
             raise ValueError(f"mode must be 'sync' (exact) or 'async' (one step stale), got "
                              f"{self.mode!r}")
         _positive_int("chunk_bytes", self.chunk_bytes)
+        _positive_int("max_simulations", self.max_simulations, optional=True)
         _positive_int("schedule_steps", self.schedule_steps, optional=True)
         if self.updates is not None:
             check_choice("updates", self.updates, UPDATE_ORDERS)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -88,7 +89,9 @@ def test_plan_reports_idle_workers_and_host_memory(tmp_path, capsys):
     summary = json.loads((tmp_path / "summary.json").read_text())
     jobs = summary["stages"]
     assert jobs < 8 and summary["idle_workers"] == 8 - jobs
-    assert f"{8 - jobs} workers get no job" in text and "too small" in text
+    idle = next(t for t in text.splitlines() if t.startswith("idle workers: "))
+    assert f"{jobs} jobs for 8 workers, so {8 - jobs} worker" in idle
+    assert f"a job every {8 // math.gcd(jobs, 8)} steps" in idle
     host = summary["host"]
     assert host["masters"] > 0 and host["optimizer"] == 2 * host["masters"]
     # The module's own copy of its trainable parameters (a full fine-tune: all of them, in
@@ -99,22 +102,66 @@ def test_plan_reports_idle_workers_and_host_memory(tmp_path, capsys):
     assert "proven peak over the schedule" in text
 
 
-def test_plan_default_batch_fills_the_workers(tmp_path, capsys):
-    rc = main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--seq", "256",
-               "--no-fit-search", "--out", str(tmp_path)])
-    assert rc == 0
+def test_plan_default_batch_beats_the_smallest_and_says_how(tmp_path, capsys):
+    # The tiny Qwen3 on 4 workers: one sequence per microbatch leaves the workers mostly idle.
+    common = ["plan", "--model", "qwen3-tiny", "--seq", "256", "--gpus", "4", "--no-fit-search"]
+    assert main([*common, "--batch", "5", "--out", str(tmp_path / "small")]) == 0
     text = capsys.readouterr().out
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    if "idle_workers" in summary:  # no microbatch of up to 64 sequences fills 8 workers
-        assert "no microbatch up to 64 sequences fills them" in text
-    else:
-        assert summary["stages"] >= 8
-        assert summary["batch"] % 9 == 0
+    small = json.loads((tmp_path / "small" / "summary.json").read_text())
+    assert small["batch"] == 5 and small["bubble_fill_pct"] + small["bubble_drain_pct"] > 30
+    assert "batch too small for the workers" in text and "leave out --batch" in text
+    jobs = small["stages"]  # the idle workers, and every how many steps each gets a job
+    assert jobs < 4 and f"{4 - jobs} worker" in text
+    assert f"a job every {4 // math.gcd(jobs, 4)} steps" in text
+
+    assert main([*common, "--out", str(tmp_path / "picked")]) == 0
+    text = capsys.readouterr().out
+    picked = json.loads((tmp_path / "picked" / "summary.json").read_text())
+    assert picked["batch"] > 5 and picked["batch"] % 5 == 0
+    assert picked["tokens_per_s"] > 1.05 * small["tokens_per_s"]  # the full searches' figures
+    line = next(t for t in text.splitlines() if t.startswith("batch: "))
+    assert "picked by doubling the sequences per microbatch" in line
+    trials = picked["batch_choice"]["trials"]
+    assert [t["microbatch_size"] for t in trials][:2] == [1, 2]
+    assert f"{trials[0]['tokens_per_s']:,.0f} tokens/s" in line
+    # The smallest trial is the --batch 5 plan, searched with a cap: no faster than the full one.
+    assert trials[0]["tokens_per_s"] <= small["tokens_per_s"] * (1 + 1e-9)
+    assert picked["batch"] // 5 == picked["batch_choice"]["microbatch_size"]
+
+
+def test_plan_max_simulations_reaches_the_partitioner(monkeypatch, capsys):
+    import rpcompile.compiler
+
+    seen = []
+    real = rpcompile.compiler.partition
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("max_simulations"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(rpcompile.compiler, "partition", spy)
+    assert main(["plan", "--model", "qwen3-tiny", "--seq", "128", "--gpus", "2", "--batch", "3",
+                 "--optimizer", "async", "--max-simulations", "1", "--no-fit-search"]) == 0
+    text = capsys.readouterr().out
+    assert seen and set(seen) == {1}
+    assert "max_simulations=1" in text or "1 simulated" in text
+    # The steady state is of steps meeting at the barrier; each pass is listed once.
+    assert "steps meeting at the step barrier" in text and "overlapping" not in text
+    passes = next(t for t in text.splitlines() if t.startswith("passes: "))
+    assert passes.count(" upload ") == 1 and passes.count(" events ") == 1
+
+
+def test_plan_help_gives_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 2048)" in text and "(default: sync)" in text
+    assert "--max-simulations N" in text and "``" not in text
 
 
 def test_plan_longest_reports_the_limit(tmp_path, capsys):
     rc = main(["plan", "--model", "llama3.1-8b", "--layers", "4", "--seq", "2048", "--gpus", "4",
-               "--hardware", "rtx4090x8", "--longest", "--out", str(tmp_path)])
+               "--hardware", "rtx4090x8", "--longest", "--batch", "5", "--out", str(tmp_path)])
     assert rc == 0
     text = capsys.readouterr().out
     found = json.loads((tmp_path / "summary.json").read_text())["longest"]

@@ -1254,7 +1254,7 @@ def test_plan_nodes_prints_scaling(capsys, tmp_path):
     nodes = json.loads((sharded / "summary.json").read_text())["nodes"]
     assert nodes["sharded"] and nodes["shadow_bytes"] > 0
     assert main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--nodes", "2",
-                 "--shard-optimizer", "--no-fit-search"]) == 2  # async: refused
+                 "--optimizer", "async", "--shard-optimizer", "--no-fit-search"]) == 2
     assert "shard_optimizer needs mode='sync'" in capsys.readouterr().err
     assert main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--optimizer", "sync",
                  "--shard-optimizer", "--no-fit-search"]) == 2  # one server: nothing to shard
