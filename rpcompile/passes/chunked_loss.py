@@ -105,9 +105,14 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if need_w:
                 if gw.dtype == g.dtype:
                     gw.addmm_(g.t(), xr)
-                else:  # by blocks of vocabulary rows: no weight-sized product in the working dtype
-                    for v in range(0, gw.shape[0], ctx.chunk):
-                        gw[v:v + ctx.chunk] += g[:, v:v + ctx.chunk].t() @ xr
+                else:
+                    # The chunk's product in the working dtype, by blocks of vocabulary rows that
+                    # fit the fp32 buffer just freed (room for a cast of each block, too): one
+                    # block while hidden <= 2/3 of the chunk (Qwen3-1.7B at 4,096 tokens), two
+                    # for Llama-3.1-8B or Qwen3-32B there, never a weight-sized temporary.
+                    block = max(1, SOFTMAX_BYTES * g.numel() // (6 * weight.shape[1]))
+                    for v in range(0, gw.shape[0], block):
+                        gw[v:v + block] += g[:, v:v + block].t() @ xr
             del g  # (no view of it may outlive the chunk: it would keep the buffer)
         return gx, None if gw is None else gw.to(weight.dtype), None, None, None, None
 
