@@ -7,7 +7,9 @@ that pattern in the captured graph to :func:`linear_cross_entropy`, which comput
 ``chunk`` tokens at a time: the forward keeps only each token's log-sum-exp, the backward
 recomputes one chunk's logits at a time to form its gradient (softmax minus one-hot), then the
 chunk's input and weight gradients. Peak memory of the head and loss falls from the whole
-logits (plus their gradient) to one chunk's; the price is one more head matmul in backward.
+logits (plus their gradient) to one chunk's: :func:`chunk_element_bytes` per chunk x vocabulary
+element (4 in fp32, 6 in bf16), forward and backward, plus a narrower trainable weight's fp32
+gradient accumulator; the price is one more head matmul in backward.
 
 The rewrite only matches the plain pattern (no bias, no logit soft-capping or scaling between
 the head and the loss, no label smoothing, no class weights); anything else stays as captured.
@@ -22,7 +24,8 @@ import torch.fx as fx
 
 from rpcompile.capture.dropout import emit_like
 
-__all__ = ["chunk_lm_loss", "linear_cross_entropy", "logits_bytes"]
+__all__ = ["SOFTMAX_BYTES", "chunk_element_bytes", "chunk_lm_loss", "linear_cross_entropy",
+           "logits_bytes"]
 
 _CE = torch.ops.aten.cross_entropy_loss.default
 _LINEAR = torch.ops.aten.linear.default
@@ -33,18 +36,42 @@ _PASS_THROUGH = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
 _CHECK = torch.ops.aten._assert_tensor_metadata.default
 
 
+# Bytes the kernel holds per chunk x vocabulary element, besides its inputs, saved values and
+# returned gradients (measured: tests/test_chunked_loss.py::
+# test_the_kernels_measured_peak_is_what_the_cost_model_charges, live tensor storages, forward and
+# backward separately). The softmax runs in fp32 on the logits rounded to the working dtype, as
+# ``cross_entropy(logits.float())`` does: a chunk's fp32 logits (4 bytes), and while a narrower
+# working dtype is cast to or from them, its copy too (2 more for bf16/fp16). Every step after
+# the matmul works in place on that one fp32 buffer, and each chunk's buffers are freed before
+# the next chunk's matmul, so no two chunks are ever live together.
+SOFTMAX_BYTES = 4
+
+
+def chunk_element_bytes(elem: int) -> int:
+    """Peak bytes per chunk x vocabulary element, forward and backward alike, for a working
+    dtype of ``elem`` bytes: the fp32 softmax buffer, plus the working-dtype copy it is cast
+    from (the matmul's output) or to (the gradient fed to the backward matmuls)."""
+    return SOFTMAX_BYTES + (elem if elem < SOFTMAX_BYTES else 0)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, target, ignore_index, chunk, mean):
         valid = target != ignore_index
+        safe = torch.where(valid, target, 0).unsqueeze(1)  # any in-range index for ignored rows
         lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
         for start in range(0, x.shape[0], chunk):
             rows = slice(start, start + chunk)
-            logits = (x[rows] @ weight.t()).float()
-            lse[rows] = torch.logsumexp(logits, dim=-1)
-            picked = logits.gather(1, target[rows].clamp(min=0).unsqueeze(1)).squeeze(1)
-            total = total + ((lse[rows] - picked) * valid[rows]).sum()
+            logits = _fp32_logits(x[rows], weight)
+            picked = logits.gather(1, safe[rows]).squeeze(1)
+            top = logits.amax(dim=1, keepdim=True)
+            top.masked_fill_(top.isinf(), 0.0)  # a row of -inf logits: as torch.logsumexp
+            lse_rows = lse[rows]
+            torch.sum(logits.sub_(top).exp_(), dim=1, out=lse_rows)
+            lse_rows.log_().add_(top.squeeze(1))
+            del logits, top
+            total += ((lse_rows - picked) * valid[rows]).sum()
         count = valid.sum()
         ctx.save_for_backward(x, weight, target, lse, count)
         ctx.chunk, ctx.mean, ctx.ignore_index = chunk, mean, ignore_index
@@ -54,22 +81,46 @@ class _LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, target, lse, count = ctx.saved_tensors
         scale = grad / count if ctx.mean else grad
-        valid = (target != ctx.ignore_index).unsqueeze(1)
+        valid = target != ctx.ignore_index
+        safe = torch.where(valid, target, 0).unsqueeze(1)
+        row_scale = (valid * scale).to(torch.float32).unsqueeze(1)  # 0 for ignored tokens
+        minus_one = torch.full((min(ctx.chunk, x.shape[0]), 1), -1.0, dtype=torch.float32,
+                               device=x.device)
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         gx = torch.empty_like(x) if need_x else None
+        # The weight gradient sums over chunks in fp32 (an accumulator the size of the weight when
+        # the weight is narrower; for an fp32 weight it is the gradient itself).
         gw = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         for start in range(0, x.shape[0], ctx.chunk):
             rows = slice(start, start + ctx.chunk)
-            logits = (x[rows] @ weight.t()).float()
-            probs = torch.exp(logits - lse[rows].unsqueeze(1))
-            probs.scatter_add_(1, target[rows].clamp(min=0).unsqueeze(1),
-                               -torch.ones_like(probs[:, :1]))
-            g = (probs * valid[rows] * scale).to(x.dtype)
+            xr = x[rows]
+            probs = _fp32_logits(xr, weight)
+            probs.sub_(lse[rows].unsqueeze(1)).exp_()  # softmax, in place
+            probs.scatter_add_(1, safe[rows], minus_one[:probs.shape[0]])  # minus one-hot
+            probs.mul_(row_scale[rows])
+            g = probs.to(x.dtype)  # the same buffer for fp32
+            del probs  # a narrower working dtype: only its gradient copy stays
             if need_x:
-                gx[rows] = g @ weight
+                torch.mm(g, weight, out=gx[rows])
             if need_w:
-                gw += (g.t() @ x[rows]).float()
+                if gw.dtype == g.dtype:
+                    gw.addmm_(g.t(), xr)
+                else:
+                    # The chunk's product in the working dtype, by blocks of vocabulary rows that
+                    # fit the fp32 buffer just freed (room for a cast of each block, too): one
+                    # block while hidden <= 2/3 of the chunk (Qwen3-1.7B at 4,096 tokens), two
+                    # for Llama-3.1-8B or Qwen3-32B there, never a weight-sized temporary.
+                    block = max(1, SOFTMAX_BYTES * g.numel() // (6 * weight.shape[1]))
+                    for v in range(0, gw.shape[0], block):
+                        gw[v:v + block] += g[:, v:v + block].t() @ xr
+            del g  # (no view of it may outlive the chunk: it would keep the buffer)
         return gx, None if gw is None else gw.to(weight.dtype), None, None, None, None
+
+
+def _fp32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``(x @ weight.T).float()``: rounded to the working dtype, as the captured loss rounds them,
+    then one fp32 buffer (the working-dtype copy is freed on return)."""
+    return (x @ weight.t()).float()
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,

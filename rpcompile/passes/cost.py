@@ -832,11 +832,29 @@ def _scratch(node: fx.Node, walk: _Walk) -> sympy.Expr:
     if name == "cross_entropy_loss":
         return walk._bytes_of(node.args[0].meta["val"])
     if name == "linear_cross_entropy":
-        # One chunk at a time: its fp32 logits and their softmax (the backward's gradient).
-        # (A whole chunk is charged even when the microbatch has fewer tokens: a polynomial
-        # in b and s stays one.)
-        return sympy.Integer(2 * 4 * node.args[4]) * walk._shape(node.args[1].meta["val"])[0]
+        vocab, hidden = walk._shape(node.args[1].meta["val"])
+        return linear_ce_scratch_bytes(node.args[4], vocab, hidden, _E,
+                                       bool(walk.rg.get(node.args[1], False)))
     return sympy.Integer(0)
+
+
+def linear_ce_scratch_bytes(chunk, vocab, hidden, elem, weight_grad: bool):
+    """Bytes :func:`rpcompile.passes.chunked_loss.linear_cross_entropy` holds besides its inputs,
+    saved values and returned gradients, forward or backward (whichever is larger), for a working
+    dtype of ``elem`` bytes (an int, or the symbolic element size).
+
+    Per chunk x vocabulary element: ``chunked_loss.chunk_element_bytes`` (4 in fp32, 6 in bf16:
+    the fp32 softmax buffer and the working-dtype copy cast to or from it), measured with the
+    live-storage meter of ``tests/test_chunked_loss.py``. Written ``8 - elem`` so the figure
+    stays a polynomial in the symbolic element size: exact for 2- and 4-byte floats, the dtypes
+    the kernel runs in (over for 1-byte ones). With a trainable weight narrower than fp32 the
+    backward also keeps a weight-sized fp32 accumulator (``2 * (4 - elem)`` bytes per weight
+    element: 4 in bf16, 0 in fp32, where the accumulator is the returned gradient). A whole
+    chunk is charged even when the microbatch has fewer tokens: a polynomial in b and s stays one.
+    """
+    per_element = 8 - elem
+    accumulator = 2 * (4 - elem) * vocab * hidden if weight_grad else 0
+    return sympy.Integer(chunk) * vocab * per_element + accumulator
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import math
 from dataclasses import dataclass
 
 from rpcompile.ir import UnitProfile
+from rpcompile.passes.chunked_loss import chunk_element_bytes
 
 __all__ = [
     "MODELS", "PAPER_MODELS", "ROUNDPIPE_QWEN3_1_7B", "ROUNDPIPE_QWEN3_1_7B_BUBBLES", "WORKLOADS",
@@ -30,6 +31,9 @@ _TABLE_TOKENS = 4 * 2048
 # We assume the tail computes its loss in token chunks of this size (logits of a whole
 # 26k-token microbatch over a 150k vocabulary would not fit a 24 GB GPU otherwise).
 _LOSS_CHUNK_TOKENS = 4096
+_BF16_BYTES, _FP32_BYTES = 2, 4
+# Bytes per token x vocabulary element of a tail that keeps its whole logits.
+_WHOLE_LOGITS_BYTES = 6
 
 
 # --------------------------------------------------------------------------------------------
@@ -212,14 +216,24 @@ class PaperModel:
                     group=f"layers.{i}" if split_layers else "",
                 ))
         head = self.hidden + self.vocab * self.hidden  # tied: the tail still needs the matrix
-        chunk = itokens if loss_chunk_tokens is None else min(itokens, loss_chunk_tokens)
+        if loss_chunk_tokens is None:
+            # bf16 logits of the whole microbatch and their fp32 gradient, plus the normalised
+            # input (autograd's own linear + cross entropy; not re-measured).
+            logits_bytes = itokens * self.vocab * _WHOLE_LOGITS_BYTES
+        else:
+            # The chunked kernel (rpcompile/passes/chunked_loss.py) in bf16: one chunk's fp32
+            # softmax buffer and the bf16 copy it is cast from or to, forward or backward, and a
+            # trainable head's fp32 gradient accumulator (measured: tests/test_chunked_loss.py).
+            chunk = min(itokens, loss_chunk_tokens)
+            logits_bytes = chunk * self.vocab * chunk_element_bytes(_BF16_BYTES)
+            if not lora:
+                logits_bytes += _FP32_BYTES * self.vocab * self.hidden
         tail = UnitProfile(
             name="tail", forward_ms=self.head_forward_ms * scale,
             backward_ms=self.head_backward_ms * scale,
             trainable_params=0 if lora else head, frozen_params=head if lora else 0,
             output_bytes=0,
-            # bf16 logits and their fp32 gradient for one loss chunk, plus the normalised input.
-            working_bytes=chunk * self.vocab * 6 + 2 * act,
+            working_bytes=logits_bytes + 2 * act,
         )
         return (prefix, *layer_units, tail)
 
