@@ -6,6 +6,7 @@ capture -> cost -> partition -> split -> dispatch -> lower; every artifact stays
 from __future__ import annotations
 
 import atexit
+import warnings
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -38,7 +39,12 @@ from rpcompile.passes.manager import PassRecord, run_pass
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.split import StageProgram, split
-from rpcompile.planner.partition import PartitionError, StageCosting, partition
+from rpcompile.planner.partition import (
+    MEMORY_FIRST_NOTE,
+    PartitionError,
+    StageCosting,
+    partition,
+)
 from rpcompile.runtime.reference import reference_step
 from rpcompile.runtime.trainer import planned_ranks, update_order
 
@@ -484,6 +490,12 @@ def compile(
             tried.append((chunk, exc))
     compiled = _choose_loss_chunk(tried, capacity)
     check_memory(compiled)
+    fallback = next((n for n in compiled.plan.notes if n.startswith(MEMORY_FIRST_NOTE)), None)
+    if fallback is not None:  # fits, but slow: say so where a script would not look
+        warnings.warn(f"rpcompile.compile: the plan is the {fallback}; it fits, one unit per "
+                      f"stage, but runs slower than a searched plan would: a shorter sequence, "
+                      f"a smaller microbatch or more workers give the search room",
+                      RuntimeWarning, stacklevel=2)
     compiled._fx_sources = (fx_start, fx_source_mark())
     return compiled
 

@@ -196,3 +196,23 @@ def test_lr_scheduler_on_the_trainers_optimizer(qwen3, mode):
         masters = trainer.masters()
     for name, value in params.items():
         assert torch.equal(masters[name], value), name
+
+
+def test_a_step_with_adapters_merged_into_the_shared_base_is_refused():
+    # The trainer shares a LoRA model's frozen base weights with the host store's shadows (one
+    # copy on the host). PEFT's merge_adapter() writes W + BA into them in place, so a step
+    # then would train on the merged base with the adapters applied again: refused, naming
+    # the fix; after unmerge_adapter() the steps go on.
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(hf_model("qwen3", layers=2), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                                 device="virtual")
+    with Trainer(compiled, torch.optim.SGD, device="virtual") as trainer:
+        trainer.step(token_batch(4, seed=1))
+        trainer.sync_to_model()
+        model.merge_adapter()
+        with pytest.raises(ValueError, match=r"merged into its base weights.*unmerge_adapter"):
+            trainer.step(token_batch(4, seed=2))
+        model.unmerge_adapter()
+        trainer.step(token_batch(4, seed=2))

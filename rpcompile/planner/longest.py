@@ -43,10 +43,10 @@ from dataclasses import dataclass, replace
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.options import MODES, check_choice
-from rpcompile.passes.lower import MEMORY_WAITS, lower
+from rpcompile.passes.lower import lower
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
 from rpcompile.passes.schedule import build_schedule, dispatch_period
-from rpcompile.planner.partition import StageCosting, build_plan
+from rpcompile.planner.partition import StageCosting, memory_first_plan
 from rpcompile.sim.engine import paused_gc
 
 __all__ = ["LongestSequence", "longest_sequence", "memory_first_plan", "proof_steps",
@@ -71,23 +71,6 @@ class LongestSequence:
         if self.next_len is None:
             return f"{self.seq_len:,} tokens (the search limit; {self.why})"
         return f"{self.seq_len:,} tokens; at {self.next_len:,} tokens: {self.why}"
-
-
-def memory_first_plan(units: Sequence[UnitProfile], hardware: Hardware | str, workers: int,
-                      microbatches: int, microbatch_size: int = 1, seq_len: int = 1,
-                      rounds: int = 1, costing: StageCosting | None = None) -> Plan:
-    """The plan that holds least device memory per worker: every unit before the tail its
-    own forward stage and its own backward stage, the tail (the last unit) alone, all of the
-    lowering's memory-bounding waits (:data:`~rpcompile.passes.lower.MEMORY_WAITS`)."""
-    n = len(units)
-    if n < 2:
-        raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
-    cuts = list(range(n - 1))
-    plan = build_plan(units, cuts, cuts, n - 1, hardware, workers, microbatches, microbatch_size,
-                      seq_len, rounds, costing,
-                      notes=("memory first: every unit its own stage on both sides "
-                             "(rpcompile.planner.longest)",), steps=1)
-    return replace(plan, memory_waits=tuple(MEMORY_WAITS))
 
 
 def proof_steps(plan: Plan, rounds: int = 1, optimizer: str = "async") -> int:

@@ -30,12 +30,14 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
 from rpcompile.options import MODES, RECOMPUTE_MODES, check_choice
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
+from rpcompile.passes.lower import MEMORY_WAITS
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import deal, dispatch_period, steady_window
 from rpcompile.planner.bound import simulated_lower_bound
 
-__all__ = ["SIMULATION_CAPS", "PartitionError", "StageCosting", "build_plan", "fit_memory_waits",
-           "partition", "predict_step_ms"]
+__all__ = ["MEMORY_FIRST_NOTE", "SIMULATION_CAPS", "PartitionError", "StageCosting", "build_plan",
+           "fit_memory_waits", "is_memory_first_fallback", "memory_first_plan", "partition",
+           "predict_step_ms"]
 
 
 # Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
@@ -137,15 +139,22 @@ def partition(
         plan, refused = _fitting_plan(*args, replace(costing, recompute="stage"), capacity), None
     except PartitionError as exc:
         plan, refused = None, exc
-    if plan is not None and fit >= capacity:
-        return plan
-    if plan is not None and (at_fit := _proven_at(plan, hw, rounds, optimizer, fit)):
-        return at_fit
+    # A memory-first fallback (no searched stage-recompute candidate fits) is compared with
+    # the layer-recompute search below, not returned before it.
+    fallback = plan is not None and is_memory_first_fallback(plan)
+    if plan is not None and not fallback:
+        if fit >= capacity:
+            return plan
+        if at_fit := _proven_at(plan, hw, rounds, optimizer, fit):
+            return at_fit
     # The stage-recompute plan does not fit: each granularity is cut again under ``fit`` (by
     # stage only when a plan was cut for the larger hardware figure; none fits less) and the
     # faster that fits wins.
     tried: dict[str, Plan | PartitionError] = {"stage": refused}
-    for mode in ("stage", "layer") if plan is not None else ("layer",):
+    modes: tuple[str, ...] = ("stage", "layer") if plan is not None else ("layer",)
+    if fallback and fit >= capacity:  # the fallback was already cut for ``fit``
+        tried["stage"], modes = plan, ("layer",)
+    for mode in modes:
         try:  # a plan the partitioner returns fits ``fit`` over its whole schedule
             tried[mode] = _fitting_plan(*args, replace(costing, recompute=mode), fit)
         except PartitionError as exc:
@@ -166,6 +175,15 @@ def partition(
     return replace(best, notes=(*best.notes, (
         f"recompute: {how}, the fastest plan that fits {format_bytes(fit)} "
         f"({', '.join(said(m) for m in ('stage', 'layer'))})")))
+
+
+MEMORY_FIRST_NOTE = "memory-first fallback"  # how a fallback plan's note starts
+
+
+def is_memory_first_fallback(plan: Plan) -> bool:
+    """Whether ``plan`` is the memory-first fallback (one unit per stage), which the
+    partitioner returns when none of its searched candidates fits."""
+    return any(n.startswith(MEMORY_FIRST_NOTE) for n in plan.notes)
 
 
 def _proven_at(plan: Plan, hw: Hardware, rounds: int, optimizer: str,
@@ -211,10 +229,8 @@ def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, ro
                 break
             limit = (loose + tight) // 2
     # None of the searched candidates fits. The memory-first plan (every unit its own stage
-    # on both sides, every memory wait: rpcompile.planner.longest, what `plan --longest`
-    # proves lengths with) holds least, and may fit where no searched cut does.
-    from rpcompile.planner.longest import memory_first_plan
-
+    # on both sides, every memory wait: what `plan --longest` proves lengths with,
+    # rpcompile.planner.longest) holds least, and may fit where no searched cut does.
     first = memory_first_plan(units, hw, workers, microbatches, microbatch_size, seq_len,
                               rounds, costing)
     fallback = None
@@ -223,7 +239,7 @@ def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, ro
     if fallback is not None:
         return replace(fallback, notes=(
             *first.notes,
-            f"memory-first fallback: none of the searched candidates fits "
+            f"{MEMORY_FIRST_NOTE}: none of the searched candidates fits "
             f"{format_bytes(capacity)} per GPU over its whole schedule (the closest peaks at "
             f"{best.peak.describe()}); this plan, one unit per stage, fits "
             f"(peak {format_bytes(max(fallback.worker_peak_bytes))}) but is slow: a shorter "
@@ -707,6 +723,23 @@ def _layer_starts(units) -> list[int]:
     """Unit indices that begin a layer (a unit with no group begins its own)."""
     return [i for i, u in enumerate(units)
             if i == 0 or not u.group or u.group != units[i - 1].group]
+
+
+def memory_first_plan(units: Sequence[UnitProfile], hardware: Hardware | str, workers: int,
+                      microbatches: int, microbatch_size: int = 1, seq_len: int = 1,
+                      rounds: int = 1, costing: StageCosting | None = None) -> Plan:
+    """The plan that holds least device memory per worker: every unit before the tail its
+    own forward stage and its own backward stage, the tail (the last unit) alone, all of the
+    lowering's memory-bounding waits (:data:`~rpcompile.passes.lower.MEMORY_WAITS`)."""
+    n = len(units)
+    if n < 2:
+        raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
+    cuts = list(range(n - 1))
+    plan = build_plan(units, cuts, cuts, n - 1, hardware, workers, microbatches, microbatch_size,
+                      seq_len, rounds, costing,
+                      notes=("memory first: every unit its own stage on both sides "
+                             "(rpcompile.planner.partition.memory_first_plan)",), steps=1)
+    return replace(plan, memory_waits=tuple(MEMORY_WAITS))
 
 
 def build_plan(

@@ -227,6 +227,10 @@ class Trainer:
         try:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
             self.store.kernels = kernels
+            # PEFT layers that can merge their adapters into the base weights in place: the
+            # frozen base is shared with the store's shadows, which the workers upload.
+            self._mergeable = tuple(m for m in compiled.model.modules()
+                                    if hasattr(m, "merged") and callable(getattr(m, "unmerge", None)))
             self.dp = self._data_parallel(compiled, options.process_group,
                                           plan_options.shard_optimizer)
             # Updates are the schedule's OPT actions in both modes, run by the executor and
@@ -304,6 +308,19 @@ class Trainer:
         return self.dp is not None and self.dp.shard
 
     # -- training ----------------------------------------------------------------------------
+    def _refuse_merged_adapters(self) -> None:
+        """The model's frozen weights are views of the host store's shadows (what the workers
+        upload: ``HostStore.build(share_frozen=True)``), so adapters merged into them in place
+        (PEFT ``merge_adapter()``, e.g. for generation) would be trained on as base weights
+        with the adapters applied again."""
+        merged = [m for m in self._mergeable if m.merged]
+        if merged:
+            raise ValueError(
+                f"{len(merged)} adapter layer(s) of the model are merged into its base weights "
+                f"(PEFT merge_adapter()); the trainer shares the frozen base weights with what "
+                f"the workers upload, so this step would train on the merged weights with the "
+                f"adapters applied again: call model.unmerge_adapter() before the next step")
+
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step over ``batch`` (token ids ``[batch, seq]`` or a dict with
         ``input_ids``, ``labels``, ``attention_mask`` for a causal LM; a tuple of tensors
@@ -319,6 +336,7 @@ class Trainer:
         from rpcompile.capture.batch import NUM_ITEMS, bind_batch
 
         try:
+            self._refuse_merged_adapters()
             batch = bind_batch(self.compiled.capture, batch, step=self.executor.steps_run)
             check_plan_shape(self.compiled, batch)
         except BaseException as exc:
