@@ -192,7 +192,7 @@ def _plan(args: argparse.Namespace) -> int:
     from rpcompile.compiler import runtime_schedule
     from rpcompile.hardware import get_hardware
     from rpcompile.passes.lower import LOWERING_PASSES
-    from rpcompile.planner.partition import MEMORY_FIRST_NOTE
+    from rpcompile.planner.partition import memory_first_note
     from rpcompile.sim import simulate, simulate_pipeline
     from rpcompile.workloads.models import build_model, model_config
 
@@ -290,7 +290,7 @@ def _plan(args: argparse.Namespace) -> int:
                "microbatches": micro, "rounds": args.rounds, "tokens_per_step": tokens,
                "stages": len(plan.stages), "actions": sum(1 for _ in lowered.all_actions())}
     summary.update(result)
-    fallback = next((n for n in plan.notes if n.startswith(MEMORY_FIRST_NOTE)), None)
+    fallback = memory_first_note(plan)
     summary["memory_first_fallback"] = fallback is not None
     if fallback is not None:
         print(f"plan: the memory-first fallback (one unit per stage): {fallback}")

@@ -40,9 +40,9 @@ from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
-    MEMORY_FIRST_NOTE,
     PartitionError,
     StageCosting,
+    memory_first_note,
     partition,
 )
 from rpcompile.runtime.reference import reference_step
@@ -490,7 +490,7 @@ def compile(
             tried.append((chunk, exc))
     compiled = _choose_loss_chunk(tried, capacity)
     check_memory(compiled)
-    fallback = next((n for n in compiled.plan.notes if n.startswith(MEMORY_FIRST_NOTE)), None)
+    fallback = memory_first_note(compiled.plan)
     if fallback is not None:  # fits, but slow: say so where a script would not look
         warnings.warn(f"rpcompile.compile: the plan is the {fallback}; it fits, one unit per "
                       f"stage, but runs slower than a searched plan would: a shorter sequence, "

@@ -43,11 +43,13 @@ from dataclasses import dataclass, replace
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.options import MODES, check_choice
-from rpcompile.passes.lower import lower
-from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
-from rpcompile.passes.schedule import build_schedule, dispatch_period
-from rpcompile.planner.partition import StageCosting, memory_first_plan
-from rpcompile.sim.engine import paused_gc
+from rpcompile.passes.memory import format_bytes
+from rpcompile.planner.partition import (
+    StageCosting,
+    memory_first_plan,
+    proof_steps,
+    proven_peaks,
+)
 
 __all__ = ["LongestSequence", "longest_sequence", "memory_first_plan", "proof_steps",
            "proven_peaks"]
@@ -71,29 +73,6 @@ class LongestSequence:
         if self.next_len is None:
             return f"{self.seq_len:,} tokens (the search limit; {self.why})"
         return f"{self.seq_len:,} tokens; at {self.next_len:,} tokens: {self.why}"
-
-
-def proof_steps(plan: Plan, rounds: int = 1, optimizer: str = "async") -> int:
-    """Steps whose lowered schedule the proof reads, in either mode: one dispatch period
-    (every alignment of jobs to workers; the steps the runtime runs, ``Compiled.schedule``).
-    The step barrier ends each step before the next starts, so each is proven from empty
-    workers and a longer run repeats them."""
-    del optimizer  # both modes: the same dealing, the same barrier
-    return dispatch_period(len(plan.stages) * rounds, plan.workers)
-
-
-def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
-                 steps: int | None = None) -> tuple[WorkerPeak, ...]:
-    """The proven peak of every worker over ``plan``'s lowered schedule of ``steps`` steps
-    (default :func:`proof_steps`), dispatched and lowered as the simulator runs it, each step
-    from empty workers (``worker_peaks(overlap_steps=False)``, as the partitioner and
-    ``compile()`` prove them)."""
-    steps = proof_steps(plan, rounds, optimizer) if steps is None else steps
-    with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
-        compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
-                                 steps=steps, kind="roundpipe", optimizer=optimizer)
-        lowered, _ = lower(compute, plan, validate=False)
-        return worker_peaks(lowered, plan, overlap_steps=False)
 
 
 def _alone(plan: Plan, capacity: int) -> str:

@@ -31,13 +31,13 @@ from rpcompile.ir import Plan, Stage, UnitProfile
 from rpcompile.options import MODES, RECOMPUTE_MODES, check_choice
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
 from rpcompile.passes.lower import MEMORY_WAITS
-from rpcompile.passes.memory import format_bytes, worker_peaks
+from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
 from rpcompile.passes.schedule import deal, dispatch_period, steady_window
 from rpcompile.planner.bound import simulated_lower_bound
 
 __all__ = ["MEMORY_FIRST_NOTE", "SIMULATION_CAPS", "PartitionError", "StageCosting", "build_plan",
-           "fit_memory_waits", "is_memory_first_fallback", "memory_first_plan", "partition",
-           "predict_step_ms"]
+           "fit_memory_waits", "memory_first_note", "memory_first_plan", "partition",
+           "predict_step_ms", "proof_steps", "proven_peaks"]
 
 
 # Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
@@ -141,7 +141,7 @@ def partition(
         plan, refused = None, exc
     # A memory-first fallback (no searched stage-recompute candidate fits) is compared with
     # the layer-recompute search below, not returned before it.
-    fallback = plan is not None and is_memory_first_fallback(plan)
+    fallback = plan is not None and memory_first_note(plan) is not None
     if plan is not None and not fallback:
         if fit >= capacity:
             return plan
@@ -180,10 +180,10 @@ def partition(
 MEMORY_FIRST_NOTE = "memory-first fallback"  # how a fallback plan's note starts
 
 
-def is_memory_first_fallback(plan: Plan) -> bool:
-    """Whether ``plan`` is the memory-first fallback (one unit per stage), which the
-    partitioner returns when none of its searched candidates fits."""
-    return any(n.startswith(MEMORY_FIRST_NOTE) for n in plan.notes)
+def memory_first_note(plan: Plan) -> str | None:
+    """The note saying ``plan`` is the memory-first fallback (one unit per stage), which the
+    partitioner returns when none of its searched candidates fits; None for any other plan."""
+    return next((n for n in plan.notes if n.startswith(MEMORY_FIRST_NOTE)), None)
 
 
 def _proven_at(plan: Plan, hw: Hardware, rounds: int, optimizer: str,
@@ -620,31 +620,49 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
 
 def _runtime_peaks(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):
     """The proven peak of each worker of ``plan`` (with the memory waits it was timed with)
-    over the steps the runtime runs: one dispatch period (every alignment of jobs to
-    workers), each step from empty workers. A sync candidate is timed and screened on one
-    step, whose jobs sit on other workers than in later steps when the job count is not a
-    multiple of the workers; the search keeps a sync plan only once this proof fits (and
-    ``Plan.worker_peak_bytes`` is this proof, per worker). Kept in :data:`_REPLAYS`."""
-    from rpcompile.sim.engine import paused_gc
-
-    steps = dispatch_period(len(plan.stages) * rounds, plan.workers)
-    key = ("runtime", replace(plan, notes=()), hw, rounds, optimizer, steps)
+    over the steps the runtime runs (:func:`proven_peaks`: one dispatch period, every
+    alignment of jobs to workers, each step from empty workers). A sync candidate is timed
+    and screened on one step, whose jobs sit on other workers than in later steps when the
+    job count is not a multiple of the workers; the search keeps a sync plan only once this
+    proof fits (and ``Plan.worker_peak_bytes`` is this proof, per worker). Kept in
+    :data:`_REPLAYS`."""
+    key = ("runtime", replace(plan, notes=()), hw, rounds, optimizer, proof_steps(plan, rounds))
     with _REPLAYS_LOCK:
         hit = _REPLAYS.get(key)
     if hit is None:
-        from rpcompile.passes.lower import lower
-        from rpcompile.passes.schedule import build_schedule
-
-        with paused_gc():
-            compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
-                                     steps=steps, kind="roundpipe", optimizer=optimizer)
-            lowered, _ = lower(compute, plan, validate=False)
-            hit = worker_peaks(lowered, plan, overlap_steps=False)
+        hit = proven_peaks(plan, rounds, optimizer)
         with _REPLAYS_LOCK:
             _REPLAYS[key] = hit
             while len(_REPLAYS) > _REPLAYS_KEPT:
                 _REPLAYS.popitem(last=False)
     return hit
+
+
+def proof_steps(plan: Plan, rounds: int = 1, optimizer: str = "async") -> int:
+    """Steps whose lowered schedule the proof reads, in either mode: one dispatch period
+    (every alignment of jobs to workers; the steps the runtime runs, ``Compiled.schedule``).
+    The step barrier ends each step before the next starts, so each is proven from empty
+    workers and a longer run repeats them."""
+    del optimizer  # both modes: the same dealing, the same barrier
+    return dispatch_period(len(plan.stages) * rounds, plan.workers)
+
+
+def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
+                 steps: int | None = None) -> tuple[WorkerPeak, ...]:
+    """The proven peak of every worker over ``plan``'s lowered schedule of ``steps`` steps
+    (default :func:`proof_steps`), dispatched and lowered as the simulator runs it, each step
+    from empty workers (``worker_peaks(overlap_steps=False)``, as the partitioner and
+    ``compile()`` prove them)."""
+    from rpcompile.passes.lower import lower
+    from rpcompile.passes.schedule import build_schedule
+    from rpcompile.sim.engine import paused_gc
+
+    steps = proof_steps(plan, rounds, optimizer) if steps is None else steps
+    with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
+        compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
+                                 steps=steps, kind="roundpipe", optimizer=optimizer)
+        lowered, _ = lower(compute, plan, validate=False)
+        return worker_peaks(lowered, plan, overlap_steps=False)
 
 
 # Replays already run, by everything a replay depends on (the plan but its notes and memory
