@@ -381,6 +381,7 @@ ORDERED_STREAMS = ("compute", "host", "network")
 EDGE_KINDS = (
     "data",  # compute -> compute, same microbatch (the value stays on the device if same worker)
     "weights",  # UP -> first compute of its job
+    "landed",  # UP of job n+1 -> EVICT of job n, same worker and step (the sets overlap)
     "buffer",  # EVICT of job n-2 -> UP of job n on the same worker (two weight slots)
     "produced",  # compute -> D2H of the value it produced
     "on_host",  # D2H -> H2D of the same value on the consumer's worker

@@ -474,3 +474,65 @@ def test_any_plan_lowers_to_a_valid_schedule(plan, workers, microbatches, rounds
         n = sum(1 for a in low.host if a.kind == "SHADOW" and a.stage == s.index)
         assert n == (steps if covered else 0)
     assert Schedule.from_csv(low.to_csv()) == low
+
+
+
+def _lowered_without_landed(sched: Schedule, plan) -> Schedule:
+    """``sched`` lowered as :func:`lower` does, but with no ``landed`` edge."""
+    import rpcompile.passes.lower as lowering
+
+    plain = lowering.add_weight_uploads
+
+    def without(s, p, chunk_bytes):
+        up = plain(s, p, chunk_bytes)
+        return up.replace(edges=tuple(e for e in up.edges if e.kind != "landed"))
+
+    try:
+        lowering.add_weight_uploads = without
+        return lower(sched, plan)[0]
+    finally:
+        lowering.add_weight_uploads = plain
+
+
+@settings(max_examples=25, deadline=None)
+@given(random_plans(), st.integers(1, 5), st.integers(1, 4), st.integers(1, 2),
+       st.integers(1, 3), st.sampled_from(["sync", "async"]))
+def test_an_evict_waiting_for_the_next_upload_costs_no_time_and_keeps_the_peak(
+        plan, workers, microbatches, rounds, steps, optimizer) -> None:
+    # A job's EVICT waits (landed) for the next job's UP of its step on that worker. The
+    # compute after the EVICT is that job's first, which waits for the same UP, so no compute
+    # of the simulated run moves; the proof's held peak stays and its floor can only rise.
+    from rpcompile.passes.memory import worker_peaks
+
+    sched = build_schedule(plan, workers, microbatches, rounds, steps, optimizer=optimizer)
+    low = lower(sched, plan)[0]
+    base = _lowered_without_landed(sched, plan)
+    timed, free = simulate(low, plan, "rtx4090x8"), simulate(base, plan, "rtx4090x8")
+    for lst in low.actions:
+        ups = [a for a in lst if a.kind == "UP"]
+        evicts = [a for a in lst if a.kind == "EVICT"]
+        for up, evict in zip(ups[1:], evicts):
+            if up.step == evict.step:  # across steps the barrier orders them the other way
+                assert timed.timeline[evict][0] >= timed.timeline[up][1]
+    assert timed.makespan_ms == pytest.approx(free.makespan_ms, rel=1e-12)
+    for a, span in free.timeline.items():
+        if a.is_compute:
+            assert timed.timeline[a] == pytest.approx(span, rel=1e-12, abs=1e-9)
+    for got, was in zip(worker_peaks(low, plan, overlap_steps=False),
+                        worker_peaks(base, plan, overlap_steps=False)):
+        assert (got.held_bytes, got.peak_bytes) == (was.held_bytes, was.peak_bytes)
+        assert got.floor_bytes >= was.floor_bytes
+
+
+def test_the_landed_wait_makes_the_two_weight_sets_certain() -> None:
+    # One worker running every job, one microbatch (so the weights, not the 100 MiB gradient
+    # buffers, decide the floor): without the wait a run may free a job's weights before the
+    # next job's land, so the floor counts one set at a time; with it, both.
+    from rpcompile.passes.memory import worker_peaks
+
+    plan = make_plan()
+    sched = build_schedule(plan, 1, 1)
+    got = worker_peaks(lower(sched, plan)[0], plan, overlap_steps=False)[0]
+    was = worker_peaks(_lowered_without_landed(sched, plan), plan, overlap_steps=False)[0]
+    assert got.held_bytes == was.held_bytes
+    assert got.floor_bytes > was.floor_bytes

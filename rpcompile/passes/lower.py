@@ -146,7 +146,11 @@ def add_weight_uploads(sched: Schedule, plan: Plan | Sequence[Stage],
     The next job's UP is issued right after the current job's first compute, so it runs while
     the current job computes; it waits (``buffer``) for the EVICT of the job two back on the
     same worker, which bounds a worker to two resident weight sets. The first compute of a job
-    waits (``weights``) for its UP.
+    waits (``weights``) for its UP. A job's EVICT waits (``landed``) for the next job's UP of
+    the same step on that worker: that costs no time (the compute after the EVICT is the next
+    job's first, which waits for the same UP), and it makes the overlap of the two weight sets
+    certain, not a matter of timing, so the memory proof's floor
+    (:attr:`rpcompile.passes.memory.WorkerPeak.floor_bytes`) counts both.
     """
     _require_roundpipe(sched, "upload")
     stages = _stages(plan)
@@ -169,6 +173,9 @@ def add_weight_uploads(sched: Schedule, plan: Plan | Sequence[Stage],
             edges.append(Edge(ups[n], j.computes[0], "weights"))
             if n >= 2:
                 edges.append(Edge(evicts[n - 2], ups[n], "buffer"))
+            # Not across steps: the next step's UP waits for this step's end (the barrier).
+            if n + 1 < len(jobs) and jobs[n + 1].step == j.step:
+                edges.append(Edge(ups[n + 1], evicts[n], "landed"))
     return sched.replace(actions=_splice(sched, before, after, front), edges=tuple(edges),
                          passes=(*sched.passes, "upload"))
 

@@ -1,0 +1,115 @@
+"""Device memory, per worker: the planner's proven peak, the simulator's, and what the virtual
+workers account, on the tiny models of tests/test_memory_plan.py.
+
+The planner proves two figures per worker over the runtime's lowered schedule
+(rpcompile.passes.memory.worker_peaks): ``peak`` (weights, gradient buffers, held values and
+each compute's working set) and ``held`` (the same without working sets, which is what a
+virtual worker accounts: it allocates buffers, not a compute's transients). It also proves a
+``floor``: what every run holds at once for certain, whatever the timing of the transfers the
+schedule leaves free. Each run of a step lands somewhere in ``[floor, held]``; where it lands is
+timing, so this is a benchmark that prints figures, not a test (tests/test_memory_plan.py holds
+the bracket, which no timing can leave, and the simulator within 5 % of ``peak``).
+
+Cases as the test's: each plan cut for a capacity at its peak with every memory wait (so the
+waits it needs are in place), the workers given that peak + 5 %; ``--runs`` trainers of
+``--steps`` steps each, half of them with chaos delays on every stream.
+
+    python benchmarks/memory_agreement.py [--runs 4] [--steps 3] [--json PATH]
+
+Prints one line per worker and a summary: measured / held, min and max over all runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests/
+from tests.tiny_models import hf_model, token_batch  # the models the CPU tests use
+
+CASES = [("qwen3", 1, 3), ("qwen3", 2, 3), ("qwen3", 3, 4), ("qwen3", 4, 8), ("llama", 3, 6)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--runs", type=int, default=4, help="trainers per case (half with chaos)")
+    ap.add_argument("--steps", type=int, default=3, help="steps per trainer")
+    ap.add_argument("--json", type=Path,
+                    default=Path("benchmarks/results/memory_agreement.json"))
+    args = ap.parse_args()
+
+    import rpcompile
+    from rpcompile.compiler import runtime_schedule
+    from rpcompile.passes.lower import MEMORY_WAITS
+    from rpcompile.passes.memory import worker_peaks
+    from rpcompile.runtime.trainer import Trainer
+    from rpcompile.sim import simulate
+
+    def sgd(params):
+        return torch.optim.SGD(params, lr=0.1)
+
+    def compiled_for(arch, gpus, micro, **options):
+        return rpcompile.compile(hf_model(arch, layers=4), gpus=gpus, microbatches=micro,
+                                 device="virtual", example_inputs=token_batch(2 * micro),
+                                 **options)
+
+    rows = []
+    for arch, gpus, micro in CASES:
+        free = compiled_for(arch, gpus, micro)
+        waited = replace(free.plan, memory_waits=MEMORY_WAITS)
+        bound = max(p.peak_bytes for p in worker_peaks(
+            runtime_schedule(waited, gpus, micro, 1, "sync"), waited, overlap_steps=False))
+        compiled = compiled_for(arch, gpus, micro, capacity_bytes=bound)
+        sched = compiled.schedule
+        simulated = [0] * gpus
+        for k in range(sched.steps):  # each step replayed alone: the runtime drains between
+            one = sched.replace(
+                actions=tuple(tuple(a for a in lst if a.step == k) for lst in sched.actions),
+                host=tuple(a for a in sched.host if a.step == k),
+                edges=tuple(e for e in sched.edges if e.src.step == k and e.dst.step == k))
+            sim = simulate(one, compiled.plan, compiled.hardware)
+            simulated = [max(a, b) for a, b in zip(simulated, sim.peak_device_bytes)]
+        capacity = int(1.05 * max(p.peak_bytes for p in compiled.memory))
+        measured: list[list[int]] = [[] for _ in range(gpus)]
+        for run in range(args.runs):
+            chaos = run if run % 2 else None
+            with Trainer(compiled, sgd, device="virtual", capacity_bytes=capacity,
+                         chaos=chaos) as trainer:
+                for k in range(args.steps):
+                    trainer.step(token_batch(2 * micro, seed=k))
+                for w, got in enumerate(trainer.peak_bytes()):
+                    measured[w].append(got)
+        for w, proof in enumerate(compiled.memory):
+            row = {"arch": arch, "gpus": gpus, "microbatches": micro, "worker": w,
+                   "memory_waits": list(compiled.plan.memory_waits),
+                   "peak": proof.peak_bytes, "simulated": simulated[w],
+                   "held": proof.held_bytes, "floor": proof.floor_bytes,
+                   "measured_min": min(measured[w]), "measured_max": max(measured[w])}
+            rows.append(row)
+            print(f"{arch} {gpus} GPUs {micro} mb, worker {w}: peak {proof.peak_bytes:,} B, "
+                  f"simulated {simulated[w] / proof.peak_bytes:.3f} of it; held "
+                  f"{proof.held_bytes:,} B, floor {proof.floor_bytes / proof.held_bytes:.3f} "
+                  f"of it, measured {min(measured[w]) / proof.held_bytes:.3f}-"
+                  f"{max(measured[w]) / proof.held_bytes:.3f} of it", flush=True)
+    lo = min(r["measured_min"] / r["held"] for r in rows)
+    hi = max(r["measured_max"] / r["held"] for r in rows)
+    floor = min(r["floor"] / r["held"] for r in rows)
+    sim_lo = min(r["simulated"] / r["peak"] for r in rows)
+    within = sum(r["measured_min"] >= 0.95 * r["held"] for r in rows)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({"runs": args.runs, "steps": args.steps, "rows": rows},
+                                    indent=1))
+    print(f"memory_agreement: {len(rows)} workers x {args.runs} runs: measured {lo:.3f}-"
+          f"{hi:.3f} of the proven held peak ({within}/{len(rows)} workers within 5 % in "
+          f"every run), floor >= {floor:.3f} of it, simulated >= {sim_lo:.3f} of the proven "
+          f"peak; {args.json}")
+
+
+if __name__ == "__main__":
+    main()
