@@ -19,7 +19,7 @@ import torch
 from rpcompile.runtime.executor import Executor, StepAborted, StepFailed, StepTimeout
 from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 from rpcompile.runtime.trainer import Trainer
-from rpcompile.runtime.workers import Worker
+from rpcompile.runtime.workers import STREAMS, Worker
 from tests.test_executor import (
     ADAMW,
     SGD,
@@ -114,15 +114,18 @@ def test_async_optimizer_failure_fails_its_own_step_then_close(qwen3, monkeypatc
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_trainer_starts_no_optimizer_thread(qwen3, mode):  # noqa: F811
-    """Every update is a schedule action on the host queue: the driver's own thread (for
-    callers without a schedule) is never started, so no thread runs work the schedule does
-    not show."""
+def test_a_trainer_starts_no_thread_but_its_workers_streams(qwen3, mode):  # noqa: F811
+    """Every update is a schedule action on the host queue, run by the thread that calls
+    step() (the optimizer driver has no thread): the only threads a trainer starts are its
+    workers' stream threads, so no thread runs work the schedule does not show."""
+    before = set(threading.enumerate())
     with Trainer(qwen3, SGD, device="virtual", timeout_s=60, mode=mode) as trainer:
         for batch in batches(2, 6):
             trainer.step(batch)
         trainer.state_dict()
-        assert trainer.driver._thread.ident is None
+        streams = {f"rpcompile-{w.name}-{s}" for w in trainer.workers for s in STREAMS}
+        started = {t.name for t in threading.enumerate() if t not in before}
+    assert started and started <= streams, sorted(started - streams)
 
 
 def test_raising_error_listener_does_not_kill_the_streams(qwen3, monkeypatch):  # noqa: F811

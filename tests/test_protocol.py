@@ -3,18 +3,28 @@
 A step on virtual workers is logged action by action by wrapping every kind's runtime
 implementation (with the test's own clock, not the executor's timeline), and the log is held
 against the schedule: every action of the step ran exactly once, none that the schedule lacks,
-each started after every action its edges name had finished, ordered streams in list order;
-in sync mode the order of OPT against the step's later backward jobs is the one the
-simulator's replay of the same schedule has (overlapping them by default, after the step's
-last gradient when the schedule defers updates). Masters change only inside OPT, shadows only
-inside SHADOW, which leaves them equal to the masters cast; in async mode the step's OPTs
-(the previous step's gradients) run first, before their stages' ACCs, and the SHADOWs after
-them. Two consecutive steps meet at the schedule's barrier edges in the simulator and at run
-time.
+each started after every action its edges name had finished, and the actions of each stream
+(every worker's four, the host queue) ran in list order, each ending before the next one
+started. A wait hidden inside an action (``_do_OPT`` waiting for something the schedule does
+not make it wait for) breaks none of these on its own: it makes the action end later, which
+its queue absorbs. So the measured timeline is also held against the simulator's replay of the
+same schedule, with the test's slowed backward stage as slow in both: every pair of actions
+that the replay orders (one's end against the other's start) with more than half a slowed job
+between them is measured in the same order, where a whole step without the slowed jobs (what
+the replay does not model: the runtime's own costs) takes less than that. A wait for an action
+the schedule does not name shows there as an action ending after one the replay puts far after
+it started; a plain sleep (slow work, which the schedule allows) only when it is that long. In
+sync mode the pairs include each OPT's end against the later backward jobs' starts (the
+updates overlap them by default, come after the step's last gradient when the schedule defers
+them). Masters change only inside OPT, shadows only inside SHADOW, which leaves them equal to
+the masters cast; in async mode the step's OPTs (the previous step's gradients) run first,
+before their stages' ACCs, and the SHADOWs after them. Two consecutive steps meet at the
+schedule's barrier edges in the simulator and at run time.
 """
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 
@@ -22,7 +32,7 @@ import pytest
 import torch
 
 import rpcompile
-from rpcompile.ir import ORDERED_STREAMS, ActionKind
+from rpcompile.ir import ActionKind
 from rpcompile.passes.lower import updates_deferred
 from rpcompile.runtime.executor import Executor
 from rpcompile.runtime.trainer import Trainer
@@ -30,7 +40,11 @@ from rpcompile.sim import simulate
 from tests.test_executor import ADAMW, batches, qwen3  # noqa: F401  (fixture)
 from tests.tiny_models import hf_model
 
-SLOW_S = 0.05  # added to each compute of the last backward stage: later jobs are long
+# Added to each compute of the last backward stage, at run time and in the simulator's replay:
+# the later backward jobs are long. Over twice a whole unslowed step of the tiny model on
+# virtual workers (measured 42 to 157 ms on a loaded 2-core machine), which bounds the
+# runtime's own costs that the replay does not model.
+SLOW_S = 0.4
 
 
 def _logged_step(trainer, batch, monkeypatch, slow_stage):
@@ -89,6 +103,43 @@ def _order_of_opts(timeline, opts, backward):
     return {o: timeline[o][0] < last for o in opts}
 
 
+def _slowed_replay(compiled, sched, slow_stage, slow_s):
+    """The simulator's timeline of ``sched`` with each compute of ``slow_stage`` longer by
+    ``slow_s``, as the test makes it at run time (one of the stage's units' backward time, which
+    only that stage counts, is lengthened)."""
+    plan = compiled.plan
+    stage = plan.stages[slow_stage]
+    unit = plan.units[stage.units[0]]
+    assert stage.kind == "backward" and not any(
+        stage.units[0] in s.units for s in plan.stages if s.kind != "forward" and s is not stage)
+    slow_ms = slow_s * 1e3
+    timeline = simulate(sched, plan, compiled.hardware, unit_ms={
+        unit.name: (unit.forward_ms, unit.backward_ms + slow_ms)}).timeline
+    for a, (begin, end) in timeline.items():  # slowed: that stage's computes, and only they
+        if a.kind in ("F", "T", "B"):
+            assert (end - begin >= slow_ms) == (a.stage == slow_stage), a
+    return timeline
+
+
+def _misordered(measured, simulated, margin_ms, firsts=None, seconds=None):
+    """Pairs (a, b) whose order the replay and the run disagree on: a's end against b's start,
+    wherever the replay puts more than ``margin_ms`` between them (closer pairs are the
+    runtime's own unmodeled costs, not the schedule's)."""
+    out = []  # (how far the run is from the replay's order, what it did)
+    for a in firsts or measured:
+        for b in seconds or measured:
+            gap = simulated[b][0] - simulated[a][1]
+            if a == b or abs(gap) <= margin_ms:
+                continue
+            run = measured[b][0] - measured[a][1]
+            if (gap > 0) != (run >= 0):
+                said = (f"{a} ended {abs(run):.1f} ms {'before' if run >= 0 else 'after'} {b} "
+                        f"started; the replay has it end {abs(gap):.1f} ms "
+                        f"{'before' if gap > 0 else 'after'}")
+                out.append((abs(run) + abs(gap), said))
+    return [what for _, what in sorted(out, key=lambda o: -o[0])]
+
+
 @pytest.mark.parametrize("mode,updates", [("sync", "overlap"), ("sync", "deferred"),
                                           ("async", "overlap"), ("async", "clip")])
 def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  # noqa: F811
@@ -102,6 +153,13 @@ def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  #
         assert updates_deferred(sched) == (updates == "deferred")
         slow_stage = len(sched.stage_names) - 1
         trainer.step(batches(1, 6)[0])  # step 0: warm-up (its own schedule step)
+        # What the replay does not model (the runtime's own costs) is at most a whole step:
+        # the quickest of three, the machine's load aside (a hidden wait is in each of them).
+        seconds = []
+        for batch in batches(3, 6):
+            trainer.step(batch)
+            seconds.append(trainer.last.seconds)
+        unslowed_ms = 1e3 * min(seconds)
         step, log, changed, stale, moved, behind = _logged_step(trainer, batches(2, 6)[1],
                                                                 monkeypatch, slow_stage)
 
@@ -111,15 +169,25 @@ def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  #
     assert set(ran) == set(expected), (
         f"missing {[str(a) for a in set(expected) - set(ran)][:5]}, "
         f"not in the schedule {[str(a) for a in set(ran) - set(expected)][:5]}")
-    measured = {a: (b, e) for a, b, e in log}
+    t0 = min(b for _, b, _ in log)
+    measured = {a: ((b - t0) * 1e3, (e - t0) * 1e3) for a, b, e in log}  # ms, as the replay's
     for e in sched.edges:
         if e.src in measured and e.dst in measured:
             assert measured[e.src][1] <= measured[e.dst][0], f"{e.kind} edge broken: {e}"
     for (_, stream), queue in sched.queues().items():
-        if stream in ORDERED_STREAMS:
-            mine = [a for a in queue if a.step == step]
-            starts = [measured[a][0] for a in mine]
-            assert starts == sorted(starts), f"{stream} queue out of its list order"
+        mine = [a for a in queue if a.step == step]
+        for before, after in itertools.pairwise(mine):  # list order, one at a time
+            assert measured[before][1] <= measured[after][0], (
+                f"{stream} queue: {after} started before {before} ended")
+    # Held against the replay of the same schedule: no wait the schedule does not show.
+    # Pairs the replay puts closer than half a slowed job are left to the machine's timing.
+    margin_ms = SLOW_S * 1e3 / 2
+    assert unslowed_ms < margin_ms, (
+        f"a step without the slowed jobs took {unslowed_ms:.0f} ms: either an action waits "
+        "for something (or sleeps), or the machine is too loaded to tell")
+    simulated = _slowed_replay(qwen3, sched, slow_stage, SLOW_S)
+    misordered = _misordered(measured, simulated, margin_ms)
+    assert not misordered, "the run's order is not the replay's: " + "; ".join(misordered[:5])
 
     # The update and the refresh happen in the OPT and SHADOW actions themselves: each master
     # that the step moved moved inside an OPT, its shadow inside a SHADOW, and after each
@@ -146,16 +214,24 @@ def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  #
 
     opts = [a for a in expected if a.kind == "OPT"]
     backward = [a for a in expected if a.kind in ("T", "B")]
-    # Make the simulated later backward jobs long too, as the test made them at run time,
-    # by comparing against the slow stage's computes only.
+    # Each OPT's end against the later backward jobs' starts, as the replay has it; every
+    # OPT is compared with some slowed job (the replay puts one far from it).
     late = [c for c in backward if c.stage == slow_stage]
+    for o in opts:
+        assert any(abs(simulated[c][0] - simulated[o][1]) > margin_ms for c in late), (
+            f"the replay puts {o} near every slowed job: the order says nothing")
+    misordered = _misordered(measured, simulated, margin_ms, opts, backward)
+    assert not misordered, "an update's end is not where the replay has it: " + "; ".join(
+        misordered)
     run_order = _order_of_opts(measured, opts, late)
     # The OPT order against later backward jobs: measured == simulated.
-    simulated = simulate(sched, qwen3.plan, qwen3.hardware).timeline
     assert run_order == _order_of_opts(simulated, opts, late)
     first = min(opts, key=lambda o: measured[o][0])
     if updates == "overlap":
         assert run_order[first], "the first update waited for the whole backward"
+        # ... and it ended before the slowed jobs after it started: the update is done while
+        # they still run, not held until they end.
+        assert any(measured[first][1] < measured[c][0] for c in late)
     else:
         assert not any(run_order.values()), "an update ran before the step's last gradient"
 

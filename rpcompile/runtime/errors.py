@@ -114,4 +114,4 @@ class TransferError(RuntimeFault):
 
 
 class OptimizerError(RuntimeFault):
-    """The host optimizer thread failed while updating a group of parameters."""
+    """The host optimizer failed while updating a group of parameters (an OPT, or a flush)."""

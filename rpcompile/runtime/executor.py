@@ -557,11 +557,9 @@ class Executor:
         self._closed = ""  # why steps are refused (set by abort())
         self.abandoned: list[Worker] = []  # replaced workers whose threads were stuck
         self.steps_run = 0
-        # The loss scaler's state before each step whose update may still fail (by the
-        # driver's step index): a failed step or update puts it back, like the masters.
+        # The loss scaler's state before the open step (by the driver's step index): a step
+        # that fails while it is being closed puts it back, like the masters.
         self._scaler_before: dict[int, dict[str, Any]] = {}
-        if loss_scaler is not None:
-            driver.undo_hooks.append(self._restore_scaler)
         for worker in self.workers:
             worker.add_error_listener(self._on_worker_error)
 
@@ -603,14 +601,6 @@ class Executor:
         if j not in self._plans:
             self._plans[j] = _StepPlan(self.schedule, j)
         return self._plans[j]
-
-    def _restore_scaler(self, step: int) -> None:
-        """Put the loss scaler back to before step ``step`` (its update was undone)."""
-        saved = self._scaler_before.get(step)
-        if saved is not None and self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict(saved)
-        for k in [k for k in self._scaler_before if k >= step]:
-            del self._scaler_before[k]
 
     def _on_worker_error(self, error: WorkerError) -> None:
         run = self._run
@@ -677,14 +667,9 @@ class Executor:
         for w in self.workers:
             w.check()
             w.reset_peak()
-        try:
-            k = self.driver.begin_step()
-        except OptimizerError as exc:  # an earlier update failed and was undone
-            raise StepFailed.from_update(exc) from exc
+        k = self.driver.begin_step()
         if self.loss_scaler is not None:
-            self._scaler_before[k] = self.loss_scaler.state_dict()
-            for old in [j for j in self._scaler_before if j < k - 1]:
-                del self._scaler_before[old]  # updates before k - 1 are complete
+            self._scaler_before = {k: self.loss_scaler.state_dict()}
         # Updates and shadow refreshes are the schedule's own OPT and SHADOW actions, in both
         # modes, ordered by its edges alone: no upload waits on anything else.
         run = _Run(plan, parts, len(self.workers))
@@ -724,17 +709,10 @@ class Executor:
             if self.reducer is not None:
                 self.reducer.abandon(f"step {self.steps_run} failed on this rank")
             _uninterrupted(self._discard_open, interrupts, run)
-            update_error = self.driver.take_failure(self.timeout_s)
             if interrupts:
                 raise interrupts[0]
-            if stuck:
-                error = self._timeout_error(run, stuck)
-            elif update_error is not None and not self._roots(run):
-                error = StepFailed.from_update(update_error)
-            else:
-                error = self._step_error(run, host_error)
-                if update_error is not None:
-                    error.add_note(str(StepFailed.from_update(update_error)))
+            # (An optimizer failure is an OPT's own: _step_error names it from_update.)
+            error = self._timeout_error(run, stuck) if stuck else self._step_error(run, host_error)
             raise error from error.__cause__
         try:
             self._check_grads(run)
@@ -957,7 +935,7 @@ class Executor:
         action, cause = roots[0]
         if isinstance(cause, StepFailed):  # already named (data parallel: another rank failed)
             return cause
-        if isinstance(cause, OptimizerError):  # a sync OPT: the driver undid the update
+        if isinstance(cause, OptimizerError):  # an OPT's update: the discard undid it
             return StepFailed.from_update(cause)
         others = [f"'{a}': {type(e).__name__}" for a, e in run.failures if a is not action][:8]
         worker = None if action.worker is None else self.workers[action.worker].name

@@ -234,10 +234,9 @@ class Trainer:
             self.dp = self._data_parallel(compiled, options.process_group,
                                           plan_options.shard_optimizer)
             # Updates are the schedule's OPT actions in both modes, run by the executor and
-            # undone if the step fails (the driver's own thread queues nothing for them).
+            # undone if the step fails (the driver implements them and adds nothing).
             # Sharded, the optimizer is built over this rank's masters only.
-            driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode,
-                                     eager_updates=False)
+            driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode)
             self.driver = driver
             if self.sharded:
                 driver.shadow_gather = self.dp.gather_shadows

@@ -73,8 +73,8 @@ class Event:
     """A one-shot event: it is set once (the work before it is done) or failed once.
 
     ``is_set()`` is True once the event happened or failed. ``wait()`` blocks the calling host
-    thread until then and raises :class:`UpstreamFailed` if it failed. Host code (the executor,
-    the optimizer thread) creates plain events and sets them itself; workers create them with
+    thread until then and raises :class:`UpstreamFailed` if it failed. Host code (the executor)
+    creates plain events and sets them itself; workers create them with
     :meth:`Worker.record`. Callbacks run once, in the thread that sets or fails the event.
     """
 
