@@ -19,6 +19,7 @@ from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage, UnitProfi
 from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions
 from rpcompile.passes.lower import lower
 from rpcompile.passes.manager import PassInvariantError
+from rpcompile.passes.memory import HostMemoryError, HostMemoryWarning
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.planner.partition import PartitionError
 from rpcompile.runtime.checkpoint import CheckpointError, CheckpointFailed, CheckpointManager
@@ -47,6 +48,8 @@ __all__ = [
     "Compiled",
     "EventTimeout",
     "Hardware",
+    "HostMemoryError",
+    "HostMemoryWarning",
     "MemoryPlanError",
     "NoLossError",
     "OptimizerError",

@@ -123,6 +123,11 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--host-ram", type=float, default=None, metavar="GIB",
                       help="host RAM of the target server in GiB (default: the profile's, "
                            "else this machine's); the plan's host memory is checked against it")
+    plan.add_argument("--no-undo-journal", action="store_true",
+                      help="plan a run without the optimizer's undo journal (undo_journal="
+                           "False): 14 bytes per trainable parameter less host memory and no "
+                           "journal copy in each update's time, but a failed step then ends "
+                           "the run (restore the last checkpoint)")
     plan.add_argument("--nodes", type=int, default=1,
                       help="servers training data parallel (one pipeline each, on its share "
                            "of a --nodes times larger global batch); N > 1 also simulates "
@@ -196,7 +201,9 @@ def _plan(args: argparse.Namespace) -> int:
     from rpcompile.sim import simulate, simulate_pipeline
     from rpcompile.workloads.models import build_model, model_config
 
-    hw = get_hardware(args.hardware)
+    # The profile as the run uses the host (with or without the undo journal): every replay,
+    # bound and host figure below follows it.
+    hw = get_hardware(args.hardware).with_undo_journal(not args.no_undo_journal)
     if args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
     if args.shard_optimizer and args.nodes == 1:
@@ -226,13 +233,21 @@ def _plan(args: argparse.Namespace) -> int:
     model = build_model(args.model, device="meta", layers=args.layers)
 
     def compile_for(batch: int, max_simulations: int | None):
+        import warnings
+
+        from rpcompile.passes.memory import HostMemoryWarning
+
         ids = torch.zeros(batch, args.seq, dtype=torch.long, device="meta")
-        # device="virtual": the plan is for the profile's machine, not for a GPU here.
-        return rpcompile.compile(
-            model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids,
-            rounds=args.rounds, mode=args.optimizer, device="virtual",
-            recompute=args.recompute, shard_optimizer=args.shard_optimizer,
-            max_simulations=max_simulations)
+        # device="virtual": the plan is for the profile's machine, not for a GPU here. Its
+        # host check is printed below, from the same function (host_ram_problem).
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", HostMemoryWarning)
+            return rpcompile.compile(
+                model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids,
+                rounds=args.rounds, mode=args.optimizer, device="virtual",
+                recompute=args.recompute, shard_optimizer=args.shard_optimizer,
+                max_simulations=max_simulations, undo_journal=hw.undo_journal,
+                host_ram_bytes=None if args.host_ram is None else host_ram(args.host_ram, hw)[0])
 
     choice = None
     if args.batch is None and args.schedule == "roundpipe":
@@ -337,7 +352,7 @@ def _plan(args: argparse.Namespace) -> int:
           f"{hw.memory_gib:g} GiB ({hw.usable_memory_bytes / 2**30:.2f} GiB usable, "
           f"{hw.memory_reserve_gib:g} GiB reserved for the CUDA context and allocator)")
     if args.schedule == "roundpipe":
-        from rpcompile.passes.memory import format_bytes, host_memory
+        from rpcompile.passes.memory import format_bytes, host_memory, host_ram_problem
 
         peak = max(compiled.memory, key=lambda p: p.peak_bytes)
         summary["proven_peak_device_gib"] = peak.peak_bytes / 2**30
@@ -360,16 +375,19 @@ def _plan(args: argparse.Namespace) -> int:
         print(choice or ("recompute: layer by layer in " + ", ".join(layered) if layered else
                          "recompute: by stage (every backward stage recomputes its forward "
                          "with autograd at once)"))
-        host = host_memory(plan, args.optimizer, round(summary["host_gib"] * 2**30))
+        host = host_memory(plan, args.optimizer, round(summary["host_gib"] * 2**30),
+                           journal=hw.undo_journal)
         summary["host"] = {k: getattr(host, k) for k in
-                           ("masters", "optimizer", "gradients", "shadows", "model", "transfers")}
+                           ("masters", "optimizer", "gradients", "shadows", "model", "journal",
+                            "transfers")}
+        summary["undo_journal"] = hw.undo_journal
         ram, source = host_ram(args.host_ram, hw)
         summary["host_ram_gib"] = ram / 2**30
         print(f"host memory: {host.describe()}; {format_bytes(ram)} RAM ({source})")
-        if host.total > ram:
-            print(f"warning: the plan needs {format_bytes(host.total)} of host memory, more "
-                  f"than the {format_bytes(ram)} of RAM: use LoRA or fewer trainable "
-                  "parameters, or a server with more RAM")
+        problem = host_ram_problem(host, ram, source, ram_option="--host-ram",
+                                   journal_option="--no-undo-journal", parts=False)
+        if problem is not None:  # the check compile() and the Trainer make (one function)
+            print(f"warning: {problem}")
         pageable = (f"pageable {hw.pageable_h2d_gbps:g}/{hw.pageable_d2h_gbps:g} GB/s"
                     if hw.pageable_h2d_gbps else "pageable bandwidth not in the profile")
         print(f"transfers assume pinned host memory: H2D {hw.h2d_gbps:g} GB/s, D2H "
@@ -468,14 +486,12 @@ def _summary(res) -> dict:
 
 
 def host_ram(gib: float | None, hw) -> tuple[int, str]:
-    """(bytes, where the figure comes from) of the target server's host RAM."""
-    from rpcompile.hardware import host_ram_bytes
+    """(bytes, where the figure comes from) of the target server's host RAM: ``--host-ram``,
+    else the profile's, else this machine's (rpcompile.hardware.host_ram, as compile()
+    takes it)."""
+    from rpcompile.hardware import host_ram as ram_of
 
-    if gib is not None:
-        return int(gib * 2**30), "--host-ram"
-    if hw.host_ram_gib:
-        return int(hw.host_ram_gib * 2**30), f"the {hw.name} profile"
-    return host_ram_bytes(), "this machine's; pass --host-ram for the target server"
+    return ram_of(None if gib is None else int(gib * 2**30), hw, "--host-ram")
 
 
 # The default batch (``plan`` without ``--batch``): the sequences per microbatch double from
@@ -543,7 +559,7 @@ def default_batch(compiled, hw, gpus: int, micro: int, rounds: int, optimizer: s
                          optimizer=optimizer, recompute=recompute, max_simulations=cap,
                          refine=0)
         run = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer=optimizer)
-        host = host_memory(plan, optimizer, run.peak_host_bytes).total
+        host = host_memory(plan, optimizer, run.peak_host_bytes, journal=hw.undo_journal).total
         return b * micro * rounds * seq * 1e3 / plan.predicted_step_ms, host
 
     choice = BatchChoice(size=1, cap=cap)

@@ -36,7 +36,14 @@ from rpcompile.passes.invariants import (
 )
 from rpcompile.passes.lower import MEMORY_WAITS, lower, runtime_schedule
 from rpcompile.passes.manager import PassRecord, run_pass
-from rpcompile.passes.memory import format_bytes, worker_peaks
+from rpcompile.passes.memory import (
+    HostMemory,
+    HostMemoryWarning,
+    format_bytes,
+    host_memory,
+    host_ram_problem,
+    worker_peaks,
+)
 from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
@@ -48,8 +55,8 @@ from rpcompile.planner.partition import (
 from rpcompile.runtime.reference import reference_step
 from rpcompile.runtime.trainer import planned_ranks, update_order
 
-__all__ = ["Compiled", "MemoryPlanError", "check_memory", "compile", "runtime_schedule",
-           "update_order"]
+__all__ = ["Compiled", "MemoryPlanError", "check_host_memory", "check_memory", "compile",
+           "runtime_schedule", "update_order"]
 
 
 @dataclass
@@ -76,6 +83,12 @@ class Compiled:
     # of one dealing period, each from empty workers): rpcompile.passes.memory.WorkerPeak.
     memory: tuple[Any, ...] = ()
     options: Options = field(default_factory=Options)  # the compile's option groups
+    # The host bytes the run keeps (rpcompile.passes.memory.HostMemory: masters, optimizer
+    # state, gradients, shadows, the module's own copy, the undo journal unless
+    # ``undo_journal=False``, and the transfer staging of a simulated run of ``schedule``),
+    # and the RAM compile() checked it against with where that figure came from.
+    host: HostMemory | None = None
+    host_ram: tuple[int, str] = (0, "")
     _trainer: Any = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
     # Ids of the generated fx sources this compile made (released at close()).
@@ -308,6 +321,7 @@ class Compiled:
             list(self.history[:2]), replace(self.options, plan=plan),
         )
         check_memory(compiled)
+        check_host_memory(compiled)
         return compiled
 
     # -- reference semantics -----------------------------------------------------------
@@ -373,6 +387,8 @@ def compile(
     max_grad_norm: float | None = UNSET,
     timeout_s: float | None = UNSET,
     process_group: Any = UNSET,
+    host_ram_bytes: int | None = UNSET,
+    undo_journal: bool = UNSET,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -383,8 +399,19 @@ def compile(
     ``schedule_steps``, ``updates``, ``recompute``, ``ranks``, ``link``,
     ``shard_optimizer``, ``max_simulations``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
-    ``max_grad_norm``, ``timeout_s``, ``process_group``). Every option is also a keyword of this function; an
+    ``max_grad_norm``, ``timeout_s``, ``process_group``, ``host_ram_bytes``,
+    ``undo_journal``). Every option is also a keyword of this function; an
     option given both ways is refused. The result keeps them as ``Compiled.options``.
+
+    Host memory: ``Compiled.host`` is what the run keeps on the host (masters, optimizer
+    state, gradients, shadows, the module's copy, the undo journal, transfer staging); when
+    it exceeds ``host_ram_bytes`` (default: the hardware profile's ``host_ram_gib``, else
+    this machine's RAM) compile() warns (:class:`~rpcompile.passes.memory.HostMemoryWarning`:
+    it allocates nothing, and a plan may be for another server) and the Trainer refuses to
+    build its host store. ``undo_journal=False`` drops the journal (a copy of the masters,
+    optimizer state and trainable shadows, 14 bytes per trainable parameter) from both the
+    figure and the simulated OPT time, at the price of a failed step ending the run until a
+    checkpoint is loaded.
 
     The main ones: ``gpus``: workers to plan for (default 8). ``microbatches``: per round
     (default ``gpus + 1``). ``hardware``: a profile name or :class:`Hardware` (default: a
@@ -428,7 +455,8 @@ def compile(
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
         process_group=process_group, shard_optimizer=shard_optimizer,
-        max_simulations=max_simulations,
+        max_simulations=max_simulations, host_ram_bytes=host_ram_bytes,
+        undo_journal=undo_journal,
     ).items() if v is not UNSET}
     options = resolve({"capture": capture_options, "plan": plan_options,
                        "train": train_options}, flat)
@@ -490,6 +518,7 @@ def compile(
             tried.append((chunk, exc))
     compiled = _choose_loss_chunk(tried, capacity)
     check_memory(compiled)
+    check_host_memory(compiled)
     fallback = memory_first_note(compiled.plan)
     if fallback is not None:  # fits, but slow: say so where a script would not look
         warnings.warn(f"rpcompile.compile: the plan is the {fallback}; it fits, one unit per "
@@ -563,7 +592,10 @@ def _choose_loss_chunk(tried: list, capacity_bytes: int | None) -> Compiled:
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options) -> Compiled:
     po = options.plan
     gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
-    hw = get_hardware(po.hardware or _default_hardware()).with_gpus(gpus)
+    # The profile as this run uses the host: with or without the undo journal's copies,
+    # which every replay and bound of the search then charges (or not).
+    hw = get_hardware(po.hardware or _default_hardware()).with_gpus(gpus).with_undo_journal(
+        options.train.undo_journal)
     if po.link is not None:
         hw = hw.with_link(po.link)
     ranks = po.ranks or 1
@@ -667,6 +699,44 @@ def check_memory(compiled: Compiled) -> None:
                 "(a smaller microbatch for the same batch), a shorter sequence, finer units "
                 "(units=[...] at attention/MLP blocks), LoRA or frozen layers, a plan for "
                 "more GPUs, or more capacity")
+
+
+def check_host_memory(compiled: Compiled, stacklevel: int = 3) -> HostMemory:
+    """Set ``compiled.host`` (the host bytes of its runtime schedule, with the transfer
+    staging of a simulated run of it) and ``compiled.host_ram`` (``host_ram_bytes``, else
+    the profile's ``host_ram_gib``, else this machine's RAM), and warn
+    (:class:`~rpcompile.passes.memory.HostMemoryWarning`) when the first exceeds the second:
+    a warning, because compile allocates nothing and a plan (``device="virtual"``, a
+    profile of another server) may be for elsewhere; the Trainer, which allocates the host
+    store, refuses (rpcompile.runtime.trainer)."""
+    from rpcompile.hardware import host_ram
+
+    host = _host_figure(compiled)
+    ram = host_ram(compiled.options.train.host_ram_bytes, compiled.hardware)
+    compiled.host, compiled.host_ram = host, ram
+    problem = host_ram_problem(host, *ram)
+    if problem is not None:
+        warnings.warn(f"rpcompile.compile: {problem}; a Trainer would refuse to build its "
+                      f"host store", HostMemoryWarning, stacklevel=stacklevel)
+    return host
+
+
+def _host_figure(compiled: Compiled) -> HostMemory:
+    """The host bytes of ``compiled``'s runtime schedule: the static buffers of its plan and
+    mode (rpcompile.passes.memory.host_memory; the journal as ``Hardware.undo_journal``
+    says) plus the transfer staging of a simulated run of the schedule. Data parallel on a
+    profile without an inter-server link cannot be replayed (its REDUCEs have no link to
+    be timed on): the static buffers alone then, and ``sharded`` at one rank's share."""
+    from rpcompile.sim import simulate
+
+    sched, plan, hw = compiled.schedule, compiled.plan, compiled.hardware
+    peak = None
+    if sched is not None and (sched.ranks == 1 or hw.link is not None):
+        peak = simulate(sched, plan, hw).peak_host_bytes
+    host = host_memory(plan, compiled.options.plan.mode, peak, journal=hw.undo_journal)
+    if sched is not None and sched.sharded:
+        host = host.sharded(sched.ranks)
+    return host
 
 
 def unit_profiles(

@@ -86,6 +86,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_grad_norm", 1.0, "clip gradients to this global norm (0: no clipping)", float),
     Option("mode", "sync", "optimizer: exact (sync) or one step stale, overlapped (async)", str,
            ("sync", "async")),
+    Option("undo_journal", True, "keep the optimizer's undo journal, so a failed step is "
+           "undone and training goes on (--no-undo-journal: 14 bytes per trainable parameter "
+           "less host memory and no journal copy in each update, but a failed step ends the "
+           "run: --resume from the last checkpoint)", bool),
     Option("shard_optimizer", False, "under torchrun: each rank keeps the fp32 masters and "
            "optimizer state of 1/N of the parameters (ZeRO-1 style; --mode sync); evaluation "
            "and final/ gather the masters from every rank; one process: no change", bool),
@@ -532,6 +536,7 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
         optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=opts["weight_decay"],
                                               fused=True),
         max_grad_norm=opts["max_grad_norm"] or None, shard_optimizer=opts["shard_optimizer"],
+        undo_journal=opts["undo_journal"],
     )
     sharded = compiled.trainer().sharded
     if lead:

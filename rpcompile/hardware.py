@@ -18,6 +18,7 @@ __all__ = [
     "Link",
     "get_hardware",
     "get_link",
+    "host_ram",
     "host_ram_bytes",
     "list_hardware",
     "list_links",
@@ -47,6 +48,13 @@ class Hardware:
     pageable_h2d_gbps: float = 0.0
     pageable_d2h_gbps: float = 0.0
     host_ram_gib: float = 0.0  # host RAM of the server (0: not known; plan --host-ram)
+    # Whether the host's optimizer driver keeps its undo journal (TrainOptions.undo_journal,
+    # rpcompile.runtime.optim ``rollback``): a copy of what each OPT and SHADOW changes,
+    # taken before it changes it, which the simulator and the planner's bound charge to
+    # those actions. A property of how the run uses the host, not of the machine, carried
+    # here because the profile is what reaches every replay and bound of the search;
+    # compile() sets it from the training option (with_undo_journal).
+    undo_journal: bool = True
     # The network to the other servers of a data-parallel run (what REDUCE actions use);
     # None: the profile is of one server alone (with_link() adds one).
     link: Link | None = None
@@ -76,6 +84,10 @@ class Hardware:
         """The profile joined to other servers by ``link`` (a preset name or a
         :class:`Link`; None: no link)."""
         return replace(self, link=None if link is None else get_link(link))
+
+    def with_undo_journal(self, on: bool) -> Hardware:
+        """The profile as a run with the undo journal on (the default) or off times it."""
+        return self if self.undo_journal == on else replace(self, undo_journal=bool(on))
 
     def pageable(self) -> Hardware:
         """The profile with its links at pageable-memory bandwidth (host memory that is not
@@ -244,6 +256,19 @@ def probe(device: str = "auto", size: int = 2048, repeats: int = 3) -> Hardware:
         pageable_h2d_gbps=pageable_h2d, pageable_d2h_gbps=pageable_d2h,
         host_ram_gib=host_ram_bytes() / 2**30,
     )
+
+
+def host_ram(stated: int | None, hw: Hardware | None = None,
+             option: str = "host_ram_bytes") -> tuple[int, str]:
+    """(bytes, where the figure comes from) of the host RAM a plan's host state must fit:
+    ``stated`` (what the option named ``option`` said), else ``hw``'s ``host_ram_gib`` (a
+    profiled server), else this machine's (:func:`host_ram_bytes`; 0 where the OS does not
+    say, and no check can be made)."""
+    if stated is not None:
+        return int(stated), option
+    if hw is not None and hw.host_ram_gib:
+        return int(hw.host_ram_gib * 2**30), f"the {hw.name} profile"
+    return host_ram_bytes(), "this machine's, probed"
 
 
 def host_ram_bytes() -> int:

@@ -5,7 +5,7 @@
 - :class:`PlanOptions`: what the plan and its lowered schedule are made for (workers,
   microbatches, rounds, machine, optimizer mode, transfer pieces).
 - :class:`TrainOptions`: how the runtime runs it (optimizer, workers' backend, watchdog,
-  kernels, non-finite steps, loss scaling, clipping).
+  kernels, non-finite steps, loss scaling, clipping, the host's RAM, the undo journal).
 
 Each option is checked once, here, when its group is built; a bad value fails with the option's
 name and what to pass instead. ``rpcompile.compile`` takes the groups
@@ -232,7 +232,19 @@ class TrainOptions:
     ``math.inf``: off). ``process_group``: a gloo ``torch.distributed`` group to train data
     parallel over (``None``: the default group once ``init_process_group`` ran with more
     than one rank, else one process; docs/distributed.md; ``shard_optimizer`` is a
-    :class:`PlanOptions` field)."""
+    :class:`PlanOptions` field). ``host_ram_bytes``: the host RAM the plan's host state
+    (rpcompile.passes.memory.HostMemory) must fit, beside ``capacity_bytes`` for the
+    devices; ``None``: for ``compile()`` the hardware profile's ``host_ram_gib`` when it has
+    one, else this machine's RAM; for the Trainer, which allocates here, this machine's.
+    ``compile()`` warns when the plan needs more (it allocates nothing, and a plan may be
+    for another server); the Trainer refuses to build its host store.
+    ``undo_journal``: before each update the optimizer driver copies what it changes (fp32
+    masters, optimizer state, the shadows it rewrites; 14 bytes per trainable parameter
+    for AdamW and bf16, held until the step commits) so that a failed step is undone and
+    training goes on. ``False`` saves that host memory and the copy's time on every OPT,
+    but a failed step then leaves the masters half-updated: the Trainer refuses every
+    further step (and reading the masters) until a checkpoint is loaded
+    (docs/runtime.md, "the undo journal")."""
 
     optimizer: Callable | None = None
     device: str = "auto"
@@ -244,6 +256,8 @@ class TrainOptions:
     max_grad_norm: float | None = None
     timeout_s: float | None = None
     process_group: Any = None
+    host_ram_bytes: int | None = None
+    undo_journal: bool = True
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and not (callable(self.optimizer) or isinstance(
@@ -256,6 +270,9 @@ class TrainOptions:
                                        or not isinstance(self.chaos, int)):
             raise ValueError(f"chaos must be an integer seed (or None), got {self.chaos!r}")
         _positive_int("capacity_bytes", self.capacity_bytes, optional=True)
+        _positive_int("host_ram_bytes", self.host_ram_bytes, optional=True)
+        if not isinstance(self.undo_journal, bool):
+            raise ValueError(f"undo_journal must be True or False, got {self.undo_journal!r}")
         if not isinstance(self.skip_nonfinite, bool):
             raise ValueError(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}")
         g = self.max_grad_norm

@@ -44,8 +44,9 @@ from dataclasses import dataclass, field, replace
 
 from rpcompile.ir import Action, Plan, Schedule, Stage
 
-__all__ = ["HostMemory", "WorkerPeak", "format_bytes", "host_memory", "host_static_bytes",
-           "worker_peaks", "working_bytes"]
+__all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "WorkerPeak", "format_bytes",
+           "host_memory", "host_ram_problem", "host_static_bytes", "worker_peaks",
+           "working_bytes"]
 
 PARTS = ("weights", "grads", "values", "working")
 
@@ -337,12 +338,12 @@ class HostMemory:
     own, its trainable parameters in the compute dtype (its frozen ones are views of their
     shadows, ``HostStore.build(share_frozen=True)``; ``sync_to_model`` writes the trained
     masters into the trainable ones), and the step's undo ``journal``
-    (rpcompile.runtime.optim, ``rollback=True``, the Trainer's only setting): before an
-    ``OPT`` the driver copies the masters and optimizer state it changes, before a
-    ``SHADOW`` the trainable shadows it overwrites, and keeps every copy until the step
-    commits, so at a step's end it holds one more copy of all three for every trainable
-    parameter. Shadows and transfer staging are pinned; masters, optimizer state,
-    gradients, the module and the journal need not be."""
+    (rpcompile.runtime.optim, ``rollback=True``; ``TrainOptions.undo_journal``, on by
+    default): before an ``OPT`` the driver copies the masters and optimizer state it
+    changes, before a ``SHADOW`` the trainable shadows it overwrites, and keeps every copy
+    until the step commits, so at a step's end it holds one more copy of all three for
+    every trainable parameter (0 with the journal off). Shadows and transfer staging are
+    pinned; masters, optimizer state, gradients, the module and the journal need not be."""
 
     masters: int
     optimizer: int
@@ -361,6 +362,23 @@ class HostMemory:
     def pinned(self) -> int:
         return self.shadows + self.transfers
 
+    def sharded(self, ranks: int) -> HostMemory:
+        """The figure of one rank of ``ranks`` sharding masters and optimizer state
+        (``shard_optimizer``, rpcompile.runtime.distributed): masters, optimizer state and
+        the journal's copies of them at 1/N (rounded up; the shards split at parameter
+        boundaries, so a rank's share is about that), gradients, shadows, the module and
+        the journal's copy of the shadows whole."""
+        if ranks <= 1:
+            return self
+
+        def part(n: int) -> int:
+            return -(-n // ranks)
+
+        shadows_saved = self.journal - self.masters - self.optimizer if self.journal else 0
+        masters, state = part(self.masters), part(self.optimizer)
+        return replace(self, masters=masters, optimizer=state,
+                       journal=masters + state + shadows_saved if self.journal else 0)
+
     def describe(self) -> str:
         return (f"{format_bytes(self.total)} (masters {format_bytes(self.masters)}, optimizer "
                 f"{format_bytes(self.optimizer)}, gradients {format_bytes(self.gradients)}, "
@@ -370,25 +388,68 @@ class HostMemory:
 
 
 def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | None = None,
-                optimizer_bytes_per_param: int = 8) -> HostMemory:
+                optimizer_bytes_per_param: int = 8, journal: bool = True) -> HostMemory:
     """The host memory of ``plan`` (``optimizer``: ``"sync"``, or ``"async"``, which keeps a
-    second fp32 gradient buffer). ``peak_host_bytes``: a simulated run's ``SimResult.peak_host_bytes``,
-    whose part above the static buffers is the transfer staging."""
-    out = _static_host(plan.stages, plan.units, optimizer, optimizer_bytes_per_param)
+    second fp32 gradient buffer). ``peak_host_bytes``: a simulated run's
+    ``SimResult.peak_host_bytes``, whose part above the static buffers is the transfer
+    staging (simulated with the same ``journal`` setting: ``Hardware.undo_journal``).
+    ``journal``: whether the optimizer driver keeps its undo journal
+    (``TrainOptions.undo_journal``); without it the figure is less by exactly
+    :attr:`HostMemory.journal`."""
+    out = _static_host(plan.stages, plan.units, optimizer, optimizer_bytes_per_param, journal)
     if peak_host_bytes is not None:
         out = replace(out, transfers=max(0, peak_host_bytes - out.total))
     return out
 
 
 def host_static_bytes(stages: Sequence[Stage], units: Sequence, optimizer: str,
-                      optimizer_bytes_per_param: int = 8) -> int:
+                      optimizer_bytes_per_param: int = 8, journal: bool = True) -> int:
     """The host bytes of a RoundPipe run that do not change during a step (the simulator's
     base for its host peak): :class:`HostMemory` without ``transfers`` (the user's module's
-    own ``model`` part included)."""
-    return _static_host(stages, units, optimizer, optimizer_bytes_per_param).total
+    own ``model`` part included; the undo journal's unless ``journal`` is off)."""
+    return _static_host(stages, units, optimizer, optimizer_bytes_per_param, journal).total
 
 
-def _static_host(stages, units, optimizer, optimizer_bytes_per_param) -> HostMemory:
+class HostMemoryError(ValueError):
+    """A run's host state exceeds the host's RAM (refused before the host store is built)."""
+
+
+class HostMemoryWarning(RuntimeWarning):
+    """A plan's host state exceeds the RAM stated or found for its target (compile() warns:
+    it allocates nothing, and the plan may be for another server)."""
+
+
+def host_ram_problem(host: HostMemory, ram: int, source: str, *,
+                     ram_option: str = "host_ram_bytes",
+                     journal_option: str = "undo_journal=False", parts: bool = True
+                     ) -> str | None:
+    """The one check of host memory against RAM (``compile()``, the Trainer, ``rpcompile
+    plan``): ``None`` when ``host.total`` fits ``ram`` (or ``ram`` is 0, unknown), else what
+    is over, by how much, where the RAM figure came from (``source``; ``ram_option`` when it
+    was stated) and what would fit: LoRA or fewer trainable parameters, the undo journal off
+    (``journal_option``, when the figure holds one), a server with more RAM, or stating the
+    target's RAM with ``ram_option`` when the figure was not stated. ``parts``: the figure's
+    parts too (:meth:`HostMemory.describe`)."""
+    if ram <= 0 or host.total <= ram:
+        return None
+    per_param = host.masters + host.optimizer + host.gradients + host.journal
+    fixes = [f"LoRA or fewer trainable parameters (masters, optimizer state, gradients and "
+             f"the undo journal are per trainable parameter: {format_bytes(per_param)} here)"]
+    if host.journal:
+        fixes.append(f"the undo journal off ({journal_option}: {format_bytes(host.journal)} "
+                     f"less, but a failed optimizer step then means restoring the last "
+                     f"checkpoint)")
+    fixes.append("a server with more RAM")
+    if source != ram_option:
+        fixes.append(f"if the target server's RAM differs from this figure ({source}), state "
+                     f"it with {ram_option}")
+    what = f": {host.describe()}" if parts else ""
+    return (f"the plan needs {format_bytes(host.total)} of host memory, more than the "
+            f"{format_bytes(ram)} of RAM ({source}){what}. To fit: " + "; ".join(fixes))
+
+
+def _static_host(stages, units, optimizer, optimizer_bytes_per_param,
+                 journal: bool = True) -> HostMemory:
     trainable = sum(u.trainable_params for u in units)
     shadows = trainable_shadows = 0
     # The forward stages and the tail hold every unit once; a parameter a stage borrows
@@ -411,4 +472,4 @@ def _static_host(stages, units, optimizer, optimizer_bytes_per_param) -> HostMem
     masters, state = 4 * trainable, optimizer_bytes_per_param * trainable
     return HostMemory(masters=masters, optimizer=state, gradients=4 * buffers * trainable,
                       shadows=shadows, model=model,
-                      journal=masters + state + trainable_shadows)
+                      journal=masters + state + trainable_shadows if journal else 0)

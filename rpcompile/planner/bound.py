@@ -216,9 +216,13 @@ def _host_queue(plan: Plan, hw: Hardware, rounds: int, home: dict[tuple[int, int
     covering = [[y for y in grad_stages if span[x][0] <= span[y][1] and span[y][0] <= span[x][1]]
                 for x in range(len(stages))]
 
+    # The undo journal's copy before each update, as the simulator charges it: none when
+    # the run keeps no journal (Hardware.undo_journal), so the bound stays below its replay.
+    journal = JOURNAL_BYTES_PER_PARAM if hw.undo_journal else 0
+
     def opt_ms(s: int) -> float:  # the undo journal's copy, then the update
         params = stages[s].grad_bytes / 4
-        return params / opt_rate + JOURNAL_BYTES_PER_PARAM * params / host_rate
+        return params / opt_rate + journal * params / host_rate
 
     def shadow_ms(x: int) -> float:  # the pass (the journal's copy, once a step per
         return 3.0 * stages[x].trainable_weight_bytes / host_rate  # parameter, not counted)

@@ -388,15 +388,6 @@ class OptimizerDriver:
         self._pending = None
         return True
 
-    def wait(self, timeout: float | None = None) -> None:
-        """Returns at once: every update ran inside its OPT (or a flush), on the caller's
-        thread, and raised there if it failed; nothing runs in the background. Kept for the
-        Trainer's calls before it reads the masters."""
-
-    def close(self) -> None:
-        """Returns at once: the driver holds no thread or other resource to release. Kept for
-        the Trainer's calls when it closes."""
-
     # -- helpers -------------------------------------------------------------------------------
     def _is_grad_stage(self, stage: int) -> bool:
         """True for a stage whose gradients count; False for one without trainable parameters

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import math
+import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import replace
@@ -33,6 +34,7 @@ from rpcompile.passes.lower import (
     runtime_schedule,
     updates_deferred,
 )
+from rpcompile.passes.memory import HostMemory, HostMemoryError, host_memory, host_ram_problem
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
@@ -168,7 +170,21 @@ class Trainer:
     need the whole step's gradients first, else ``"overlap"``). Async mode has one order:
     step k's updates apply step k-1's gradients at its start (``"deferred"`` is refused),
     and :meth:`flush` applies the last step's. Either way a failed step changes nothing
-    (docs/runtime.md, "the protocol").
+    (docs/runtime.md, "the protocol"), thanks to the optimizer driver's undo journal.
+
+    ``undo_journal=False`` (a training option) runs without that journal: no copy of the
+    masters, optimizer state and trainable shadows (14 bytes per trainable parameter of
+    host memory, and the copy's time on every update), but a step that fails may leave
+    them half-updated, which nothing can undo. The trainer then refuses every further
+    :meth:`step` and every read of the masters (``masters``, ``state_dict``,
+    ``save_checkpoint``, ``sync_to_model``) with an error saying so, until
+    :meth:`load_checkpoint` or :meth:`load_state_dict` restores a saved state.
+
+    Host memory: before it builds the host store the trainer checks the plan's host bytes
+    (``host_memory``, :class:`~rpcompile.passes.memory.HostMemory`) against the RAM
+    (``host_ram_bytes``, else this machine's) and refuses with
+    :class:`~rpcompile.passes.memory.HostMemoryError`, naming the bytes, the RAM, where that
+    figure came from and what would fit, rather than meet the OOM killer or swap mid-run.
     """
 
     def __init__(
@@ -221,9 +237,15 @@ class Trainer:
         self.schedule = self._lowered_schedule(compiled, mode, plan_options.schedule_steps,
                                                plan_options.chunk_bytes, updates, world,
                                                plan_options.shard_optimizer)
+        # Why steps (and reads of the masters) are refused: a step failed with the undo
+        # journal off, so an update may be half-applied (cleared by loading a state).
+        self._refused = ""
+        self._stepping = threading.Lock()
+        self.host_memory = self._host_figure(compiled, mode, world,
+                                             plan_options.shard_optimizer)
+        self._check_host_ram()
         self.workers = make_workers(compiled.workers, device, options.capacity_bytes,
                                     options.chaos)
-        driver = None
         try:
             self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
             self.store.kernels = kernels
@@ -236,7 +258,10 @@ class Trainer:
             # Updates are the schedule's OPT actions in both modes, run by the executor and
             # undone if the step fails (the driver implements them and adds nothing).
             # Sharded, the optimizer is built over this rank's masters only.
-            driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode)
+            # The undo journal (rollback) is what lets a failed step change nothing; without
+            # it (undo_journal=False) a failure stops the trainer (_refuse).
+            driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode,
+                                     rollback=options.undo_journal)
             self.driver = driver
             if self.sharded:
                 driver.shadow_gather = self.dp.gather_shadows
@@ -246,8 +271,6 @@ class Trainer:
                                      loss_scaler=self.loss_scaler,
                                      max_grad_norm=options.max_grad_norm, reducer=self.dp)
         except BaseException:
-            if driver is not None:
-                driver.close()
             for w in self.workers:
                 w.shutdown()
             raise
@@ -276,6 +299,27 @@ class Trainer:
                                    compiled.rounds, mode, chunk_bytes, steps=steps,
                                    updates=updates, ranks=ranks)
         return lowered.replace(sharded=True) if sharded else lowered
+
+    def _host_figure(self, compiled: Any, mode: str, world: int, shard: bool) -> HostMemory:
+        """The host bytes this trainer's run keeps: the plan's static buffers in this mode,
+        with or without the undo journal, the transfer staging compile() simulated
+        (``compiled.host``), at one rank's share when sharded."""
+        host = host_memory(compiled.plan, mode, journal=self.options.undo_journal)
+        kept = getattr(compiled, "host", None)
+        if kept is not None:
+            host = replace(host, transfers=kept.transfers)
+        return host.sharded(world) if shard and world > 1 else host
+
+    def _check_host_ram(self) -> None:
+        """Refuse a run whose host bytes exceed the RAM (``host_ram_bytes``, else this
+        machine's, where the store is allocated): building the store would go on until the
+        OOM killer or swap met it, mid-run."""
+        from rpcompile.hardware import host_ram
+
+        ram, source = host_ram(self.options.host_ram_bytes)
+        problem = host_ram_problem(self.host_memory, ram, source)
+        if problem is not None:
+            raise HostMemoryError(f"the trainer refuses to build its host store: {problem}")
 
     @staticmethod
     def _build_store(compiled: Any, pin: bool) -> HostStore:
@@ -332,6 +376,21 @@ class Trainer:
         announced to them (they raise ``RankFailed`` at once instead of waiting for the
         process group's timeout) and this trainer refuses further steps, as after any failed
         step: restart every rank."""
+        if self._refused:
+            raise RuntimeError(self._refused)
+        # One step at a time (the executor refuses a second one too; here it is refused
+        # before it could count as a failed step of the first, _refuse).
+        if not self._stepping.acquire(blocking=False):
+            raise RuntimeError(
+                "step() was called while another step() is still running from another "
+                "thread: a trainer runs one step at a time, in order. Call step() from one "
+                "thread, or serialize the calls with a lock.")
+        try:
+            return self._step(batch)
+        finally:
+            self._stepping.release()
+
+    def _step(self, batch: Any) -> torch.Tensor:
         from rpcompile.capture.batch import NUM_ITEMS, bind_batch
 
         try:
@@ -351,9 +410,10 @@ class Trainer:
                 self.dp.begin_step()
         try:
             self.last = self.executor.run_step(batch)
-        except BaseException:
+        except BaseException as exc:
             if self.dp is not None:  # whatever failed, this rank's collectives are now behind
                 self.dp.abandon(f"step {self.executor.steps_run} failed on rank {self.dp.rank}")
+            self._refuse(exc, f"step {self.driver.step}")
             raise
         self._peaks = [max(a, b) for a, b in zip(self._peaks, self.last.peak_bytes)]
         return self.last.loss
@@ -366,13 +426,33 @@ class Trainer:
     def optimizer(self) -> torch.optim.Optimizer:
         return self.driver.optimizer
 
-    def _settle(self) -> None:
-        """Wait for the queued updates and, in async mode, apply the last step's pending
-        gradients (:meth:`flush`); a failed update raises (once) as :class:`StepFailed`."""
+    def _refuse(self, exc: BaseException, where: str) -> None:
+        """Without the undo journal, a failure that may have left an update half-applied
+        stops the trainer: every later step and read of the masters raises, naming it, until
+        a saved state is loaded (a no-op with the journal on: the failure was undone)."""
+        if self.options.undo_journal:
+            return
+        first = (str(exc).splitlines() or [""])[0]
+        if len(first) > 300:
+            first = first[:300] + "..."
+        self._refused = (
+            f"this trainer refuses to go on: {where} failed ({type(exc).__name__}: {first}) "
+            "with the undo journal off (undo_journal=False), so the masters, optimizer state "
+            "and shadows may hold a half-applied update that nothing can undo, and training "
+            "on would train on those weights. Restore the last checkpoint "
+            "(trainer.load_checkpoint(path), or load_state_dict(state)), which lets training "
+            "go on, or train with undo_journal=True (the default), which undoes a failed step")
         try:
-            self.driver.wait(self.timeout_s)
-        except OptimizerError as exc:
-            raise StepFailed.from_update(exc) from exc
+            exc.add_note(self._refused)
+        except Exception:  # an exception that takes no notes still stops the trainer
+            pass
+
+    def _settle(self) -> None:
+        """In async mode, apply the last step's pending gradients (:meth:`flush`); a failed
+        update raises (once) as :class:`StepFailed`.
+        Refused after a failure without the undo journal (the masters may be half-updated)."""
+        if self._refused:
+            raise RuntimeError(self._refused)
         self.flush()
 
     def flush(self) -> bool:
@@ -384,11 +464,14 @@ class Trainer:
         before (not from the masters now), and its own updates then find nothing pending
         (docs/runtime.md section 5). Returns whether anything was pending; a failed update
         is undone, leaves the gradients pending and raises :class:`StepFailed`."""
+        if self._refused:
+            raise RuntimeError(self._refused)
         try:
             with self.executor.between_steps("a flush of the pending gradients (masters(), "
                                              "evaluate, state_dict, checkpoints)"):
                 return self.driver.flush()
         except OptimizerError as exc:
+            self._refuse(exc, "the flush of the pending gradients")
             raise StepFailed(None, None, None, exc, where="the optimizer update (a flush of "
                              "the pending gradients)", step=self.driver.pending_step,
                              message="Undone: the gradients stay pending for the next step "
@@ -511,7 +594,11 @@ class Trainer:
         ranks' shards, those with this rank's parameters (a per-rank checkpoint's files)."""
         from rpcompile.runtime.checkpoint import match_optimizer_state, validate_state
 
-        self._settle()
+        # After a failed step without the undo journal what it left (pending gradients) is
+        # dropped, not applied: the state loaded replaces masters, optimizer state, shadows
+        # and the pending buffer (apply_state).
+        if not self._refused:
+            self._settle()
         if partial and not self.sharded:
             raise ValueError("a partial state (some ranks' shards) loads only into a sharded "
                              "trainer, which needs no more than its own shard")
@@ -540,6 +627,7 @@ class Trainer:
         if self.sharded:  # every rank loaded its own shard's shadows: bring the others'
             self.dp.gather_shadows(None, in_step=False)
         self.executor.steps_run = int(state.get("executor_steps", state["step"]))
+        self._refused = ""  # masters, optimizer state and shadows are the saved ones
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
                         allow_nonfinite: bool = False) -> None:
@@ -696,12 +784,13 @@ class Trainer:
         optimizer state this rank holds. Sharded: masters and optimizer state are this rank's
         1/N shard (the per-parameter figures are over all trainable parameters, so they fall
         as 1/N); the shadow and the gradient buffer stay whole."""
-        self._settle()
+        if not self._refused:  # (refused: the buffers are there to count, not to flush)
+            self._settle()
         return self.driver.memory_report()
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Finish queued updates, stop the optimizer thread and every worker's streams. From
+        """Apply pending async gradients and stop every worker's streams. From
         another thread it first aborts the running step (which raises :class:`StepFailed`
         there). Never raises: a failure not yet reported becomes a warning. Idempotent."""
         if self._closed:
@@ -712,13 +801,11 @@ class Trainer:
             if not finished:
                 warnings.warn("close(): the running step did not stop in time; shutting down "
                               "anyway", RuntimeWarning, stacklevel=2)
-            self.driver.wait(self.timeout_s)
-            if finished:
+            if finished and not self._refused:
                 self.driver.flush()  # async: the last step's gradients into the masters
         except BaseException as exc:  # close() must not raise for an earlier failure
             warnings.warn(f"close(): {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
         finally:
-            self.driver.close()
             for w in self.workers:
                 w.shutdown()
 

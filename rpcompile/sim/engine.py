@@ -63,7 +63,9 @@ OPTIMIZER_BYTES_PER_PARAM = 28
 # the driver copies its fp32 masters (4 bytes) and AdamW's two fp32 moments (8), each read
 # and written: 24 bytes of host traffic per parameter, a plain copy at the host's memory
 # bandwidth; before a SHADOW, it copies the shadows it overwrites that no SHADOW of the step
-# saved yet (read and written: 2 bytes per such byte, on top of the pass's 3).
+# saved yet (read and written: 2 bytes per such byte, on top of the pass's 3). Neither is
+# charged when the run keeps no journal (``Hardware.undo_journal``, from
+# ``TrainOptions.undo_journal``).
 JOURNAL_BYTES_PER_PARAM = 24
 SHADOW_JOURNAL_BYTES_PER_BYTE = 2
 # Host memory traffic of gloo's ring all-reduce, per byte of the reduced fp32 buffer and per
@@ -209,9 +211,14 @@ def _run(schedule: Schedule, plan: Plan | Sequence[Stage], hw: Hardware,
     if schedule.sharded:  # what each SHADOW's all-gather of updated shadows moves
         replay.gathered = shadow_gather_bytes(schedule, plan)
     # What each SHADOW's undo journal saves (a parameter two stages read, once a step); bare
-    # stages say nothing of which parameters they share, so each saves its own bytes.
-    replay.journaled = (shadow_journal_bytes(schedule, plan) if isinstance(plan, Plan)
-                        else {a: a.bytes for a in schedule.host if a.kind == "SHADOW"})
+    # stages say nothing of which parameters they share, so each saves its own bytes. A run
+    # without the journal saves nothing.
+    if not hw.undo_journal:
+        replay.journaled = {a: 0 for a in schedule.host if a.kind == "SHADOW"}
+    elif isinstance(plan, Plan):
+        replay.journaled = shadow_journal_bytes(schedule, plan)
+    else:
+        replay.journaled = {a: a.bytes for a in schedule.host if a.kind == "SHADOW"}
     return replay.run()
 
 
@@ -485,11 +492,12 @@ def _compute_ms(replay: _Replay, a: Action) -> float:
 def _optimizer_work(replay: _Replay, a: Action) -> tuple[float, float]:
     """(bytes of host memory traffic, full-speed rate in bytes per ms) of an update: the undo
     journal's copy of the masters and optimizer state it changes, at the host's memory
-    bandwidth, then fused AdamW's traffic per parameter at the profile's optimizer
-    throughput. Alone it takes the sum of the two times."""
+    bandwidth (none when the run keeps no journal, ``Hardware.undo_journal``), then fused
+    AdamW's traffic per parameter at the profile's optimizer throughput. Alone it takes the
+    sum of the two times."""
     params = a.bytes / 4  # fp32 gradients of the stage
     update = params * OPTIMIZER_BYTES_PER_PARAM
-    journal = params * JOURNAL_BYTES_PER_PARAM
+    journal = params * JOURNAL_BYTES_PER_PARAM if replay.hw.undo_journal else 0.0
     ms = params / (replay.hw.optimizer_params_per_s * 1e-3) + journal / replay.host_rate
     if ms <= 0.0:
         return 0.0, 1.0
@@ -595,7 +603,7 @@ def _measure(sched: Schedule, stages: tuple[Stage, ...], units: tuple[UnitProfil
         bubble_drain=drain / denom, bubble_steady=steady / denom,
         exposed_transfer_ms=exposed, idle_by_wait_ms=idle,
         peak_device_bytes=_device_memory(sched, stages, units, timeline),
-        peak_host_bytes=_host_memory(sched, stages, units, timeline),
+        peak_host_bytes=_host_memory(sched, stages, units, timeline, hw.undo_journal),
         step_end_ms=tuple(step_end), timeline=timeline,
     )
 
@@ -795,11 +803,12 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
 
 def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
                  units: tuple[UnitProfile, ...] | None,
-                 timeline: Mapping[Action, tuple[float, float]]) -> int:
+                 timeline: Mapping[Action, tuple[float, float]], journal: bool = True) -> int:
     """Peak host bytes. Static: fp32 masters and Adam moments of the trainable parameters
     (12 bytes each, when unit profiles are known); RoundPipe adds one low-precision shadow
     and one fp32 gradient accumulator per parameter, shared by the stages that read it, in
-    async mode a second one, the pending gradients (rpcompile.passes.memory.HostMemory; without
+    async mode a second one, the pending gradients, and the undo journal unless ``journal``
+    is off (rpcompile.passes.memory.HostMemory; without
     unit profiles: each stage's shadow and accumulator); a baseline adds the bf16
     weights of frozen parameters. Dynamic: activations between
     their D2H start and the end of the last H2D reading them, and a job's gradients between
@@ -809,7 +818,7 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
         # host store): rpcompile.passes.memory.HostMemory.
         from rpcompile.passes.memory import host_static_bytes
 
-        static = host_static_bytes(stages, units, sched.optimizer)
+        static = host_static_bytes(stages, units, sched.optimizer, journal=journal)
     elif sched.stage_workers is None:
         static = sum(s.weight_bytes + s.grad_bytes for s in stages)
         if sched.optimizer == "async":
