@@ -6,8 +6,11 @@ A step is timed from ``trainer.step`` called to ``trainer.step`` returned, media
 ``--steps`` steps after two warm-up steps; the last column adds the time the trainer still
 needs after the last step (``trainer.masters()``: every queued update done), spread over the
 timed steps, so that work left running after ``step`` returned is not missed. The simulated
-figure is :func:`rpcompile.sim.steady_step_ms` of a multi-step run on the compile's hardware
-profile; its ratio, not its milliseconds, compares with this CPU. Also prints each mode's
+figure is the mean step of the lowered schedule each trainer runs (``Trainer.schedule``: the
+sync trainer runs ``compiled.schedule``, the async one the same plan lowered for async
+updates; one dealing period of steps meeting at the step barrier, which is a long run's
+steady state) on the compile's hardware profile; its ratio, not its milliseconds, compares
+with this CPU. Also prints each mode's
 host bytes per trainable parameter (``Trainer.memory_report``, measured from the buffers and
 optimizer state held), where async mode's second gradient buffer shows.
 
@@ -41,9 +44,8 @@ def main() -> None:
     args = ap.parse_args()
 
     import rpcompile
-    from rpcompile.passes.lower import runtime_schedule
     from rpcompile.runtime.trainer import Trainer
-    from rpcompile.sim import simulate, steady_step_ms, steady_steps
+    from rpcompile.sim import simulate
 
     batches = token_batches(args.steps + 2, args.batch, args.seq)
     compiled = rpcompile.compile(qwen3(args.hidden, args.layers), gpus=args.gpus,
@@ -69,12 +71,13 @@ def main() -> None:
                       **{k: v for k, v in report.breakdown().items() if "frozen" not in k}}
         trainer.close()
 
+    # What each trainer ran: the compile's schedule (sync, the compile's mode) or the one it
+    # lowered for the other mode; step k of a run is schedule step k mod its steps.
+    assert trainers["sync"].schedule is compiled.schedule, "the sync trainer lowered its own"
     sim = {}
-    for mode in modes:
-        steps = steady_steps(compiled.plan, compiled.workers, compiled.rounds)
-        sched = runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
-                                 compiled.rounds, mode, steps=steps)
-        sim[mode] = steady_step_ms(simulate(sched, compiled.plan, compiled.hardware))
+    for mode, trainer in trainers.items():
+        run = simulate(trainer.schedule, compiled.plan, compiled.hardware)
+        sim[mode] = run.makespan_ms / trainer.schedule.steps
     step_ms = {m: 1e3 * statistics.median(times[m]) for m in modes}
     with_settle = {m: 1e3 * (sum(times[m]) + settle[m]) / len(times[m]) for m in modes}
     result = {

@@ -1,14 +1,15 @@
 """How the partitioner's search finds the simulator's fastest plan, on the paper's models.
 
 The partitioner builds every candidate plan (tail size x forward count x backward count, cut
-min-max, plus its dispatch-model local search), bounds each candidate's simulated figure from
+min-max, plus its local search on the bound), bounds each candidate's simulated figure from
 below (``rpcompile.planner.bound.simulated_lower_bound``), and replays candidates in the
 simulator, best first, until every candidate left has a bound at least the best simulated
 figure (optimality proven) or ``max_simulations`` replays are spent (the plan's notes give the
 gap). This script partitions each model and reports: the candidates, the simulations run,
 whether optimality was proven (and the gap when not), the chosen figure, the planning time,
-and how far the bound and the dispatch model sit below the simulated figure of the candidates
-that were simulated (simulated / bound and simulated / dispatch, min-max).
+and how far the bound sits below the simulated figure of the candidates that were simulated
+(simulated / bound, min-max). (An older tree also ranked by a dispatch model of its own, which
+this script no longer reports.)
 
     python benchmarks/ranking_model.py [--models qwen3-1.7b llama3.1-8b] [--modes sync async]
                                        [--json PATH]
@@ -40,7 +41,7 @@ def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
         from rpcompile.planner.bound import simulated_lower_bound
     except ImportError:  # a tree from before the best-first search
         simulated_lower_bound = None
-    runs: list[tuple[float, float, float | None]] = []  # (dispatch, simulated, bound)
+    runs: list[tuple[float, float | None]] = []  # (simulated, bound)
     candidates: list[int] = []
     simulated_ms = partition_module._simulated_ms
     best_simulated = getattr(partition_module, "_best_simulated", None)
@@ -49,7 +50,7 @@ def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
         out = simulated_ms(plan, hw_, rounds, optimizer, capacity)
         bound = (simulated_lower_bound(plan, hw_, rounds, optimizer)
                  if simulated_lower_bound is not None else None)
-        runs.append((plan.predicted_step_ms, out[0][0], bound))
+        runs.append((out[0][0], bound))
         return out
 
     def counting(pools, *args):  # a candidate may be in several grids' pools: counted once
@@ -70,7 +71,7 @@ def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
             partition_module._best_simulated = best_simulated
     notes = " ".join(plan.notes)
     gap = re.search(r"a gap of at most ([0-9.]+)%", notes)
-    with_bound = [(sim, b) for _d, sim, b in runs if b is not None]
+    with_bound = [(sim, b) for sim, b in runs if b is not None]
     return {
         "model": name, "mode": mode,
         "candidates": sum(candidates) if candidates else None,
@@ -81,8 +82,6 @@ def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
         "partition_s": seconds,
         "simulated_over_bound": ([min(s / b for s, b in with_bound),
                                   max(s / b for s, b in with_bound)] if with_bound else None),
-        "simulated_over_dispatch": [min(s / d for d, s, _b in runs),
-                                    max(s / d for d, s, _b in runs)],
     }
 
 
@@ -104,9 +103,7 @@ def main() -> None:
             print(f"{name:14s} {mode:5s} candidates {row['candidates']}, "
                   f"{row['simulations']} simulated, {proof}, chosen {row['chosen_ms']:.1f} ms, "
                   f"{row['partition_s']:.1f} s; simulated/bound "
-                  f"{'-' if bound is None else f'{bound[0]:.3f}-{bound[1]:.3f}'}, "
-                  f"simulated/dispatch {row['simulated_over_dispatch'][0]:.3f}-"
-                  f"{row['simulated_over_dispatch'][1]:.3f}", flush=True)
+                  f"{'-' if bound is None else f'{bound[0]:.3f}-{bound[1]:.3f}'}", flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(rows, indent=2))
     print(f"ranking_model: {len(rows)} runs, optimality proven in "

@@ -7,8 +7,11 @@ For each order: the median wall time of a step (``trainer.step`` returns once th
 updates and shadow refreshes are done: they are actions of the step), the host memory the
 update journal holds at the end of a step (what a failed step would be put back from: masters,
 optimizer state and shadows of every trainable parameter), and the time spent saving it. The
-simulated figure is one isolated step of the same lowered schedule on the compile's hardware
-profile; its ratio, not its milliseconds, is what compares with this CPU.
+simulated figure is the mean step of the lowered schedule each trainer runs
+(``Trainer.schedule``: ``compiled.schedule`` for the compile's order, ``overlap``; the same
+plan lowered with deferred updates for the other; one dealing period of steps meeting at the
+step barrier) on the compile's hardware profile; its ratio, not its milliseconds, is what
+compares with this CPU.
 
     python benchmarks/sync_updates.py [--hidden 256] [--layers 4] [--seq 128] [--batch 12]
                                       [--gpus 3] [--microbatches 3] [--steps 8] [--json PATH]
@@ -50,7 +53,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import rpcompile
-    from rpcompile.compiler import runtime_schedule
     from rpcompile.runtime.trainer import Trainer
     from rpcompile.sim import simulate
 
@@ -103,11 +105,13 @@ def main() -> None:
     for trainer in trainers.values():
         trainer.close()
 
+    # What each trainer ran: the compile's schedule (its order) or the one it lowered for the
+    # other order; step k of a run is schedule step k mod its steps.
+    assert trainers["overlap"].schedule is compiled.schedule, "overlap lowered its own"
     sim = {}
-    for order in orders:
-        sched = runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
-                                 compiled.rounds, "sync", steps=1, updates=order)
-        sim[order] = simulate(sched, compiled.plan, compiled.hardware).makespan_ms
+    for order, trainer in trainers.items():
+        run = simulate(trainer.schedule, compiled.plan, compiled.hardware)
+        sim[order] = run.makespan_ms / trainer.schedule.steps
     result = {
         "model": f"qwen3 hidden {args.hidden}, {args.layers} layers, batch {args.batch}x{args.seq}",
         "workers": args.gpus, "microbatches": args.microbatches, "steps_timed": args.steps,

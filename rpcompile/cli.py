@@ -3,8 +3,10 @@
 ``rpcompile train`` fine-tunes a checkpoint folder on a data file: see rpcompile.finetune.
 
 ``rpcompile plan`` builds a shipped model from its config on the ``meta`` device (no weights are
-allocated), compiles it for a hardware profile, schedules and lowers one optimizer step,
-simulates it, prints the stage table, predicted tokens/s, the bubble split, peak device memory
+allocated), compiles it for a hardware profile, replays the compile's own lowered schedule
+(``Compiled.schedule``, the one the runtime runs: one dealing period of steps meeting at the
+step barrier), prints the stage table, predicted tokens/s and the bubble split of one isolated
+step (the schedule's first step, which the barrier leaves as it would run alone), peak device memory
 (simulated and proven over the schedule, and whether the schedule needs the memory-bounding
 waits), how the partition search ended (the simulator's fastest of all candidates, proven
 by lower bounds, or the most a candidate it did not replay could be faster), the LM head's
@@ -22,11 +24,12 @@ of :func:`default_batch` (the sequences per microbatch double while the simulate
 rises more than 5%) and prints the trials; a plan that leaves workers idle, or whose fill and
 drain dominate the step, says so. ``--optimizer`` defaults to sync, as ``train`` and
 ``compile()`` do; ``--max-simulations`` caps the partitioner's search. For
-RoundPipe with the async optimizer it also simulates a run of steps (two warm-up steps
-and a steady-state window of at least 8 steps, rpcompile.sim.steady_steps; the steps meet at
-the schedule's barrier, as at run time) and prints the
-steady-state time per step, tokens/s and bubble (summary.json: steady_step_ms,
-steady_tokens_per_s, steady_bubble_pct). ``--nodes N`` (with ``--link eth25|eth100``) also
+RoundPipe with the async optimizer, or a schedule of several steps, it also prints the
+steady state of a long run: the mean step of the schedule's steps (step k of a run runs
+schedule step k mod its steps, one at a time), its tokens/s and bubble (summary.json, in
+either mode: schedule_steps, steady_step_ms, steady_tokens_per_s, steady_bubble_pct; peaks
+and exposed_transfer_ms are over the whole schedule, the latter a mean per step).
+``--nodes N`` (with ``--link eth25|eth100``) also
 predicts N such servers training data parallel: the schedule lowered for N ranks (a REDUCE
 action per gradient stage on the host's network lane, timed as a ring all-reduce on the link,
 with gloo's host-memory traffic) replayed over the same steps, its steady step time, tokens/s
@@ -70,8 +73,9 @@ def _parser() -> argparse.ArgumentParser:
         "plan",
         help="plan, schedule and simulate a shipped model on a hardware profile",
         description="Build a shipped model from its config on the meta device (no weights), "
-                    "compile it for a hardware profile and simulate one optimizer step: the "
-                    "stage table, predicted tokens/s and bubble, device and host memory, how "
+                    "compile it for a hardware profile and simulate the schedule the "
+                    "runtime runs: the stage table, predicted tokens/s and bubble of one "
+                    "step (and the steady state), device and host memory, how "
                     "the partition search ended and the longest sequence that fits. With no "
                     "--batch it doubles the sequences per microbatch while the simulated "
                     "tokens/s rises more than 5% and the plan fits, and says so. --out writes "
@@ -194,7 +198,6 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     import rpcompile
-    from rpcompile.compiler import runtime_schedule
     from rpcompile.hardware import get_hardware
     from rpcompile.passes.lower import LOWERING_PASSES
     from rpcompile.planner.partition import memory_first_note
@@ -272,15 +275,16 @@ def _plan(args: argparse.Namespace) -> int:
             choice.size //= 2
             batch = choice.size * micro * args.rounds
     plan = compiled.plan
+    whole = None  # the replay of the runtime's schedule (RoundPipe)
     if args.schedule == "roundpipe":
-        # The compile's own lowered schedule (what a trainer runs); the figures below are of
-        # one isolated step, so a schedule of several dealing steps is rebuilt for one step
-        # the same way (rpcompile.compiler.runtime_schedule).
+        # The compile's own lowered schedule, the one the runtime runs: one dealing period of
+        # steps (step k of a run runs schedule step k mod its steps), replayed once. The step
+        # barrier makes its first step an isolated step, action for action; the mean of its
+        # steps is a long run's step.
         lowered = compiled.schedule
         history = tuple(r for r in compiled.history if r.name in LOWERING_PASSES)
-        if lowered.steps != 1:
-            lowered = runtime_schedule(plan, gpus, micro, args.rounds, args.optimizer, steps=1)
-        sim = simulate(lowered, plan, hw)
+        whole = simulate(lowered, plan, hw)
+        sim = whole.step(0)
     else:
         # Weight-bound baselines: one stage per GPU (two per GPU for the interleaved and
         # looped schedules), cut from the same unit costs.
@@ -290,7 +294,7 @@ def _plan(args: argparse.Namespace) -> int:
             rounds=args.rounds, tokens_per_microbatch=plan.microbatch_size * args.seq,
         )
         lowered, history = sim.schedule, ()
-    result = _summary(sim)
+    result = _summary(sim, whole or sim)
 
     print(plan)
     print()
@@ -313,33 +317,27 @@ def _plan(args: argparse.Namespace) -> int:
           f"{summary['tokens_per_s']:,.0f} tokens/s; bubble {summary['bubble_pct']:.2f}% "
           f"(fill {summary['bubble_fill_pct']:.2f}%, steady {summary['bubble_steady_pct']:.2f}%, "
           f"drain {summary['bubble_drain_pct']:.2f}%)")
-    run = None
-    if args.schedule == "roundpipe" and (args.optimizer == "async" or args.nodes > 1):
-        # A training run of many steps (one at a time, at the schedule's barrier): report
-        # its steady state too.
-        from rpcompile.sim import (
-            simulate_roundpipe,
-            steady_step_ms,
-            steady_steps,
-            steady_utilization,
-        )
-
-        steps = steady_steps(plan, rounds=args.rounds)
-        run = simulate_roundpipe(plan, hw, steps=steps, rounds=args.rounds,
-                                 optimizer=args.optimizer)
-        step_ms = steady_step_ms(run)
-        summary["steady_step_ms"] = step_ms
-        summary["steady_tokens_per_s"] = tokens * 1e3 / step_ms
-        summary["steady_bubble_pct"] = 100 * (1 - steady_utilization(run))
-        print(f"predicted, steady state ({args.optimizer}, {steps} steps meeting at the "
-              f"step barrier): {step_ms:.1f} "
-              f"ms per step, {summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
-              f"{summary['steady_bubble_pct']:.2f}%")
-    if run is not None and args.nodes > 1:
+    if whole is not None:
+        # A training run of many steps: each step runs a step of the schedule, one at a time
+        # (the step barrier), so a long run's step is the mean of the schedule's steps.
+        steps = lowered.steps
+        summary["schedule_steps"] = steps
+        summary["steady_step_ms"] = whole.makespan_ms / steps
+        summary["steady_tokens_per_s"] = whole.tokens_per_s
+        summary["steady_bubble_pct"] = 100 * whole.bubble
+        if args.optimizer == "async" or steps > 1:
+            print(f"predicted, steady state ({args.optimizer}; the runtime's schedule, "
+                  f"{steps} step{'s' if steps > 1 else ''} of one dealing period, its steps "
+                  f"meeting at the step barrier): {summary['steady_step_ms']:.1f} ms per step, "
+                  f"{summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
+                  f"{summary['steady_bubble_pct']:.2f}%")
+    if whole is not None and args.nodes > 1:
         from rpcompile.sim.scaling import simulate_nodes
 
+        # N servers: the schedule lowered again for N ranks (REDUCE actions), replayed over
+        # a steady-state run beside one server's (rpcompile.sim.scaling).
         scaling = simulate_nodes(plan, hw, args.nodes, args.link, tokens_per_step=tokens,
-                                 optimizer=args.optimizer, rounds=args.rounds, one_server=run,
+                                 optimizer=args.optimizer, rounds=args.rounds,
                                  sharded=compiled.options.plan.shard_optimizer)
         summary["nodes"] = scaling.to_dict()
         print(f"predicted, {scaling.summary()}")
@@ -470,18 +468,21 @@ def _train(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _summary(res) -> dict:
+def _summary(step, run) -> dict:
+    """The figures of one step (``step``: a :class:`~rpcompile.sim.result.StepFigures`, or a
+    one-step run) and those of the whole replayed ``run`` (exposed transfers as a mean per
+    step, memory peaks over every step, the timeline the dump draws)."""
     return {
-        "makespan_ms": res.makespan_ms,
-        "tokens_per_s": res.tokens_per_s,
-        "bubble_pct": 100 * res.bubble,
-        "bubble_fill_pct": 100 * res.bubble_fill,
-        "bubble_steady_pct": 100 * res.bubble_steady,
-        "bubble_drain_pct": 100 * res.bubble_drain,
-        "exposed_transfer_ms": sum(res.exposed_transfer_ms),
-        "peak_device_gib": [b / 2**30 for b in res.peak_device_bytes],
-        "host_gib": res.peak_host_bytes / 2**30,
-        "_timeline": res.timeline,
+        "makespan_ms": step.makespan_ms,
+        "tokens_per_s": step.tokens_per_s,
+        "bubble_pct": 100 * step.bubble,
+        "bubble_fill_pct": 100 * step.bubble_fill,
+        "bubble_steady_pct": 100 * step.bubble_steady,
+        "bubble_drain_pct": 100 * step.bubble_drain,
+        "exposed_transfer_ms": sum(run.exposed_transfer_ms) / run.schedule.steps,
+        "peak_device_gib": [b / 2**30 for b in run.peak_device_bytes],
+        "host_gib": run.peak_host_bytes / 2**30,
+        "_timeline": run.timeline,
     }
 
 

@@ -166,6 +166,13 @@ class Plan:
     microbatch_size: int
     seq_len: int
     hardware: str
+    # Milliseconds per optimizer step, in one timing model, the simulator's: a plan from
+    # rpcompile.planner.partition.partition (and so Compiled.plan) carries the simulated figure
+    # of its replayed lowered schedule (sync: one step's makespan; async: the steady-state time
+    # per step); a plan from build_plan (a candidate not replayed yet, or a hand cut) carries
+    # the simulator's proven lower bound on that figure
+    # (rpcompile.planner.bound.simulated_lower_bound), which the partitioner's local search
+    # scores and its replays are ordered by.
     predicted_step_ms: float
     memory_limit_bytes: int
     notes: tuple[str, ...] = field(default=())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
@@ -172,3 +173,87 @@ def test_plan_longest_reports_the_limit(tmp_path, capsys):
         assert found["limit"] and found["limit"] in text
         assert "unit" in found["limit"] or "worker" in found["limit"]
     assert f"proven peak at {found['seq_len']:,} tokens" in text
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_schedules_first_step_is_an_isolated_step_and_its_mean_the_steady_state(mode):
+    """What ``plan`` reads off the runtime's schedule (SimResult.step, step_spans_ms): its
+    first step's figures are those of the same plan lowered and replayed for one step, bit
+    for bit; the steps' spans tile the run; and its mean step (and bubble) is the simulator's
+    steady state of a long run, replayed here from its own 11-step schedule."""
+    from rpcompile.passes.lower import runtime_schedule
+    from rpcompile.planner.partition import build_plan
+    from rpcompile.sim import (
+        simulate,
+        simulate_roundpipe,
+        steady_step_ms,
+        steady_steps,
+        steady_utilization,
+    )
+    from rpcompile.workloads.paper import get_model
+
+    units = get_model("qwen3-1.7b").units(4, 2048)
+    plan = build_plan(units, [0, 10, 20], [0, 6, 12, 18, 24], 29, "rtx4090x8", 8, 9, 4, 2048,
+                      optimizer=mode)  # 9 jobs on 8 workers: a period of 8 steps
+    whole = simulate(runtime_schedule(plan, 8, 9, 1, mode), plan, "rtx4090x8")
+    one = simulate(runtime_schedule(plan, 8, 9, 1, mode, steps=1), plan, "rtx4090x8")
+    assert whole.schedule.steps == 8
+    first = whole.step(0)
+    for name in ("makespan_ms", "tokens", "tokens_per_s", "busy_ms", "bubble", "bubble_fill",
+                 "bubble_drain", "bubble_steady"):
+        assert getattr(first, name) == getattr(one, name), name
+    spans = whole.step_spans_ms
+    assert spans[0][0] == 0.0 and spans[-1][1] == whole.makespan_ms
+    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
+    # Steps on other workers take other times, and no step outlasts its span.
+    assert len({round(whole.step(k).makespan_ms, 6) for k in range(8)}) > 1
+    for a, (s, e) in whole.timeline.items():
+        assert spans[a.step][0] <= s and e <= spans[a.step][1]
+    with pytest.raises(ValueError, match=r"step must be in 0\.\.7"):
+        whole.step(8)
+    run = simulate_roundpipe(plan, "rtx4090x8", steps=steady_steps(plan), optimizer=mode)
+    assert whole.makespan_ms / 8 == pytest.approx(steady_step_ms(run), rel=1e-9)
+    assert whole.bubble == pytest.approx(1 - steady_utilization(run), rel=1e-9)
+
+
+def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
+    """``plan`` replays ``Compiled.schedule`` (a fixed cut of 3 jobs on 4 workers: 4 steps) and
+    no other schedule, and reports its first step and the mean of its steps."""
+    import rpcompile
+    import rpcompile.compiler
+    import rpcompile.sim
+    from rpcompile.planner.partition import build_plan
+
+    def one_stage_a_side(units, hw, gpus, micro, size, seq, rounds, costing, **kwargs):
+        return build_plan(units, [0], [0], len(units) - 1, hw, gpus, micro, size, seq, rounds,
+                          costing, optimizer=kwargs.get("optimizer", "async"))
+
+    monkeypatch.setattr(rpcompile.compiler, "partition", one_stage_a_side)
+
+    compiled, replayed = [], []
+    real_compile, real_simulate = rpcompile.compile, rpcompile.sim.simulate
+
+    def compiling(*args, **kwargs):
+        compiled.append(real_compile(*args, **kwargs))
+        return compiled[-1]
+
+    def simulating(schedule, *args, **kwargs):
+        replayed.append(real_simulate(schedule, *args, **kwargs))
+        return replayed[-1]
+
+    monkeypatch.setattr(rpcompile, "compile", compiling)
+    monkeypatch.setattr(rpcompile.sim, "simulate", simulating)
+    assert main(["plan", "--model", "qwen3-tiny", "--seq", "128", "--gpus", "4", "--batch", "5",
+                 "--no-fit-search", "--out", str(tmp_path)]) == 0
+    text = capsys.readouterr().out
+    (c,) = compiled
+    assert c.schedule.steps == 4
+    assert [r.schedule for r in replayed] == [c.schedule]
+    (whole,) = replayed
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["schedule_steps"] == 4
+    assert summary["makespan_ms"] == whole.step(0).makespan_ms
+    assert summary["bubble_fill_pct"] == 100 * whole.step(0).bubble_fill
+    assert summary["steady_step_ms"] == whole.makespan_ms / 4
+    assert "predicted, one isolated step: " in text
+    assert "4 steps of one dealing period, its steps meeting at the step barrier" in text

@@ -158,7 +158,7 @@ def test_best_first_returns_the_exhaustive_argmin(mode: str) -> None:
     search returns the plan the simulator puts first, having simulated fewer than half."""
     hw = get_hardware("rtx4090x8")
     units = _tiny_units(random.Random(5), 3, tied=True)
-    plans = [build_plan(units, f, b, t, hw, 3, 4, steps=1 if mode == "sync" else None)
+    plans = [build_plan(units, f, b, t, hw, 3, 4, optimizer=mode)
              for f, b, t in _cuts(len(units))]
     figures = [_figure(replace(p, memory_waits=()), hw, 1, mode) for p in plans]
     sims = []
@@ -183,7 +183,7 @@ def test_best_first_returns_the_exhaustive_argmin(mode: str) -> None:
 def test_capped_search_states_its_gap() -> None:
     hw = get_hardware("rtx4090x8")
     units = _tiny_units(random.Random(5), 3)
-    plans = [build_plan(units, f, b, t, hw, 3, 4, steps=None) for f, b, t in _cuts(len(units))]
+    plans = [build_plan(units, f, b, t, hw, 3, 4, optimizer="async") for f, b, t in _cuts(len(units))]
     chosen, note, _bubble = partition_module._best_simulated(
         [plans], hw, 1, "async", hw.usable_memory_bytes, max_simulations=2)
     assert note.startswith("search: NOT proven the fastest") and "max_simulations=2" in note
@@ -235,11 +235,11 @@ def test_a_replay_is_kept_by_what_it_depends_on(monkeypatch) -> None:
     capacity = hw.usable_memory_bytes
     first, ran = partition_module._simulated_ms(plan, hw, 1, "sync", capacity)
     again, ran_again = partition_module._simulated_ms(
-        replace(plan, notes=("found by the dispatch-model search",), memory_waits=("sent",)),
+        replace(plan, notes=("found by the local search",), memory_waits=("sent",)),
         hw, 1, "sync", capacity)
     assert len(lowerings) == 1 and again == first
     assert ran_again.memory_waits == ran.memory_waits
-    assert ran_again.notes == ("found by the dispatch-model search",)
+    assert ran_again.notes == ("found by the local search",)
     assert first[0] == _figure(replace(plan, memory_waits=ran.memory_waits), hw, 1, "sync")
     for args in ((1, "sync", capacity - 1), (2, "sync", capacity), (1, "async", capacity)):
         partition_module._simulated_ms(plan, hw, *args)

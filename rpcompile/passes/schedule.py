@@ -75,8 +75,8 @@ def build_schedule(
 
 def deal(num_stages: int, workers: int, rounds: int) -> Iterator[tuple[int, int, int, int]]:
     """(worker, stage, round, step) of every job in dispatch order, step after step without
-    end: THE round-robin counter (the dispatch pass and the partitioner's ranking model both
-    deal from here).
+    end: THE round-robin counter (the dispatch pass and the simulator's lower bound that ranks
+    the partitioner's candidates, rpcompile.planner.bound, both deal from here).
 
     A round's jobs are the stages in index order (F1..Fp, B1 the fused tail, B2..Bq). The
     global counter runs over (step, round, stage) and never restarts, so a round that does not

@@ -35,7 +35,8 @@ Both are scaled by ``1 - 1e-9`` against rounding in the two summation orders.
 
 from __future__ import annotations
 
-import itertools
+import threading
+from collections import OrderedDict
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan
@@ -54,10 +55,36 @@ def simulated_lower_bound(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     steady-state time per step (milliseconds; see the module docstring for the argument)."""
     check_choice("optimizer", optimizer, MODES)
     hw = get_hardware(hardware)
+    # Everything the bound reads (roundpipe_flows reads the stages and the tokens per
+    # microbatch; nothing reads the units, notes or memory waits).
+    key = (plan.stages, plan.workers, plan.microbatches, plan.microbatch_size * plan.seq_len,
+           hw, rounds, optimizer)
+    with _BOUNDS_LOCK:
+        hit = _BOUNDS.get(key)
+        if hit is not None:
+            _BOUNDS.move_to_end(key)
+            return hit
+    costs = _Costs(plan, hw, rounds)
     if optimizer == "async":
         work = plan.microbatches * rounds * sum(s.compute_ms for s in plan.stages)
-        return max(work / plan.workers, _async_steady_bound(plan, hw, rounds)) * (1.0 - _MARGIN)
-    return _sync_makespan_bound(plan, hw, rounds) * (1.0 - _MARGIN)
+        bound = max(work / plan.workers,
+                    _async_steady_bound(plan, hw, rounds, costs)) * (1.0 - _MARGIN)
+    else:
+        bound = _sync_makespan_bound(plan, hw, rounds, costs) * (1.0 - _MARGIN)
+    with _BOUNDS_LOCK:
+        _BOUNDS[key] = bound
+        while len(_BOUNDS) > _BOUNDS_KEPT:
+            _BOUNDS.popitem(last=False)
+    return bound
+
+
+# Bounds already worked out, by everything they read: the partitioner meets a candidate in
+# build_plan (its predicted_step_ms), in the local search, in the replay order, and again
+# under lower stage limits and for each recompute granularity. The least recently used go
+# first.
+_BOUNDS: OrderedDict[tuple, float] = OrderedDict()
+_BOUNDS_KEPT = 65536
+_BOUNDS_LOCK = threading.Lock()
 
 
 def _transfer_ms(nbytes: int, gbps: float, latency_ms: float) -> float:
@@ -65,13 +92,53 @@ def _transfer_ms(nbytes: int, gbps: float, latency_ms: float) -> float:
     return nbytes / (gbps * 1e6) + latency_ms if nbytes else 0.0
 
 
-def _sync_makespan_bound(plan: Plan, hw: Hardware, rounds: int) -> float:
-    compute_end, home = _step_paths(plan, hw, rounds, 0, released=True)
+class _Costs:
+    """What :func:`_step_paths` reads of a plan with ``rounds`` rounds, worked out once for
+    all the steps it bounds (the same floats it would compute at every job): per stage its
+    compute, its weights' least upload, the least upload of each value it reads from the
+    host, the values it reads from other stages with their least hop through the host (a
+    D2H, then an H2D), and its gradients' least download (None for a stage with none to send
+    home); and the jobs as :func:`~rpcompile.passes.schedule.deal` deals them."""
+
+    def __init__(self, plan: Plan, hw: Hardware, rounds: int) -> None:
+        latency = hw.transfer_latency_us * 1e-3
+
+        def h2d(nbytes: int) -> float:
+            return _transfer_ms(nbytes, hw.h2d_gbps, latency)
+
+        def d2h(nbytes: int) -> float:
+            return _transfer_ms(nbytes, hw.d2h_gbps, latency)
+
+        stages = plan.stages
+        self.compute = [st.compute_ms for st in stages]
+        self.upload = [h2d(st.weight_bytes) for st in stages]
+        self.host_reads: list[list[float]] = [[] for _ in stages]
+        self.remote: list[list[tuple[int, float]]] = [[] for _ in stages]
+        for f in roundpipe_flows(plan):
+            if f.src_stage is None:
+                self.host_reads[f.dst_stage].append(h2d(f.bytes))
+            else:
+                self.remote[f.dst_stage].append((f.src_stage, d2h(f.bytes) + h2d(f.bytes)))
+        self.home = [d2h(st.grad_bytes) if st.kind != "forward" and st.grad_bytes else None
+                     for st in stages]
+        self.jobs = len(stages) * rounds
+        self._deal = deal(len(stages), plan.workers, rounds)
+        self._dealt: list[tuple[int, int, int, int]] = []
+
+    def dealt(self, step: int) -> list[tuple[int, int, int, int]]:
+        """(worker, stage, round, step) of step ``step``'s jobs, in dispatch order."""
+        while len(self._dealt) < (step + 1) * self.jobs:
+            self._dealt.append(next(self._deal))
+        return self._dealt[step * self.jobs:(step + 1) * self.jobs]
+
+
+def _sync_makespan_bound(plan: Plan, hw: Hardware, rounds: int, costs: _Costs) -> float:
+    compute_end, home = _step_paths(plan, hw, costs, 0, released=True)
     host = _host_queue(plan, hw, rounds, home, "sync")
     return max(compute_end, host)
 
 
-def _async_steady_bound(plan: Plan, hw: Hardware, rounds: int) -> float:
+def _async_steady_bound(plan: Plan, hw: Hardware, rounds: int, costs: _Costs) -> float:
     """The async steady-state step (:func:`~rpcompile.sim.steady_step_ms` over
     :func:`~rpcompile.sim.steady_steps` steps, the window from step ``w`` to the last step S-1)
     is the mean spacing of the window's step starts, ``(start[S-1] - start[w]) / (S-1-w)``:
@@ -96,65 +163,55 @@ def _async_steady_bound(plan: Plan, hw: Hardware, rounds: int) -> float:
         released = k > warm
         key = (k * jobs % plan.workers, released)
         if key not in paths:
-            compute_end, home = _step_paths(plan, hw, rounds, k, released=released)
+            compute_end, home = _step_paths(plan, hw, costs, k, released=released)
             host = _host_queue(plan, hw, rounds, home, "async" if released else "accs")
             paths[key] = max(compute_end, host)
         total += paths[key]
-    latency = hw.transfer_latency_us * 1e-3
-    total += min(_transfer_ms(s.weight_bytes, hw.h2d_gbps, latency) for s in plan.stages)
+    total += min(costs.upload)
     return total / (steps - 1 - warm)
 
 
-def _step_paths(plan: Plan, hw: Hardware, rounds: int, step: int, released: bool,
+def _step_paths(plan: Plan, hw: Hardware, costs: _Costs, step: int, released: bool,
                 ) -> tuple[float, dict[tuple[int, int], float]]:
     """(when step ``step``'s computes end at the earliest, (stage, round) -> when its
     gradients are home at the earliest), measured from a time at or before every action of
     the step (``released``: uploads and host inputs then count from it) or from the step's
-    first compute (not ``released``: each compute counts only from there)."""
-    stages, workers, micro = plan.stages, plan.workers, plan.microbatches
-    latency = hw.transfer_latency_us * 1e-3
-
-    def h2d(nbytes: int) -> float:
-        return _transfer_ms(nbytes, hw.h2d_gbps, latency) if released else 0.0
-
-    def d2h(nbytes: int) -> float:
-        return _transfer_ms(nbytes, hw.d2h_gbps, latency)
-
-    def hop(nbytes: int) -> float:
-        return d2h(nbytes) + _transfer_ms(nbytes, hw.h2d_gbps, latency)
-
-    # What each stage's computes read: (source stage or None for the host, bytes).
-    reads: dict[int, list[tuple[int | None, int]]] = {s.index: [] for s in stages}
-    for f in roundpipe_flows(plan):
-        reads[f.dst_stage].append((f.src_stage, f.bytes))
-    free = [0.0] * workers  # when each compute stream is free
+    first compute (not ``released``: each compute counts only from there). ``costs`` holds
+    the plan's figures (:class:`_Costs`)."""
+    free = [0.0] * plan.workers  # when each compute stream is free
     ends: dict[tuple[int, int], list[float]] = {}  # (stage, round) -> each microbatch's end
     where: dict[tuple[int, int], int] = {}
     home: dict[tuple[int, int], float] = {}
-    jobs = len(stages) * rounds
-    dealt = list(itertools.islice(deal(len(stages), workers, rounds),
-                                  step * jobs, (step + 1) * jobs))
+    dealt = costs.dealt(step)
     uploaded = _first_uploads(plan, hw, dealt) if released else {}
+    micro = range(plan.microbatches)
     for n, (w, s, r, _step) in enumerate(dealt):
-        st = stages[s]
         where[(s, r)] = w
-        t = max(free[w], h2d(st.weight_bytes), uploaded.get(n, 0.0))
-        remote = []
-        for src, nbytes in reads[s]:
-            if src is None:
-                t = max(t, h2d(nbytes))
-            else:
-                remote.append((ends[(src, r)], 0.0 if where[(src, r)] == w else hop(nbytes)))
+        t = free[w]
+        if released:  # the weights and the host's inputs upload after the release
+            t = max(t, costs.upload[s], uploaded.get(n, 0.0), *costs.host_reads[s])
+        remote = [(ends[(src, r)], 0.0 if where[(src, r)] == w else hop)
+                  for src, hop in costs.remote[s]]
+        c = costs.compute[s]
         done = []
-        for m in range(micro):
-            for src_ends, extra in remote:
-                t = max(t, src_ends[m] + extra)
-            t += st.compute_ms
-            done.append(t)
+        if len(remote) == 1:  # most stages: one value from another stage
+            src_ends, extra = remote[0]
+            for m in micro:
+                ready = src_ends[m] + extra
+                if ready > t:
+                    t = ready
+                t += c
+                done.append(t)
+        else:
+            for m in micro:
+                for src_ends, extra in remote:
+                    t = max(t, src_ends[m] + extra)
+                t += c
+                done.append(t)
         ends[(s, r)] = done
         free[w] = t
-        if st.kind != "forward" and st.grad_bytes:
-            home[(s, r)] = t + d2h(st.grad_bytes)
+        if costs.home[s] is not None:
+            home[(s, r)] = t + costs.home[s]
     return max(free), home
 
 

@@ -7,9 +7,11 @@ Sections, in reading order:
      (rpcompile.planner.bound)
   2. Cutting: contiguous min-max partition (exact dynamic programme) under a memory limit
   3. Stage figures: compute time, transfer bytes and device memory of a stage
-  4. predict_step_ms(): a small event model of round-robin dispatch (compute, weight
-     prefetch, activation hops) that steers the local search and orders the replays; the
-     simulator alone decides which candidate wins
+
+One timing model: a candidate is timed by the simulator's proven lower bound
+(rpcompile.planner.bound.simulated_lower_bound, built from the simulator's own costs and its
+step barrier) until it is replayed, and by the simulator's replay after; the bound scores the
+local search and orders the replays, the replay decides which candidate wins.
 
 Why not greedy packing: a greedy pack that fills stages up to a budget leaves the last stage
 short, and RoundPipe's round-robin dispatch runs at the pace of its longest job. Here each
@@ -22,7 +24,7 @@ import itertools
 import random
 import threading
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -32,12 +34,12 @@ from rpcompile.options import MODES, RECOMPUTE_MODES, check_choice
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
 from rpcompile.passes.lower import MEMORY_WAITS
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
-from rpcompile.passes.schedule import deal, dispatch_period, steady_window
+from rpcompile.passes.schedule import dispatch_period
 from rpcompile.planner.bound import simulated_lower_bound
 
 __all__ = ["MEMORY_FIRST_NOTE", "SIMULATION_CAPS", "PartitionError", "StageCosting", "build_plan",
            "fit_memory_waits", "memory_first_note", "memory_first_plan", "partition",
-           "predict_step_ms", "proof_steps", "proven_peaks"]
+           "proof_steps", "proven_peaks"]
 
 
 # Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
@@ -94,8 +96,9 @@ def partition(
     The last unit is the tail (final norm, LM head, loss); the fused tail stage may also take
     up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are
     cut exactly (min-max per stage count; all of them, or per grid the ``shortlist`` first by a
-    cheap pre-order), joined by a local search in the dispatch model (:func:`predict_step_ms`,
-    ``search`` plans per grid), and replayed in the simulator best first: each candidate has a
+    cheap pre-order), joined by a local search scored by the simulator's lower bound
+    (:func:`~rpcompile.planner.bound.simulated_lower_bound`, ``search`` plans per grid), and
+    replayed in the simulator best first: each candidate has a
     proven lower bound on its simulated figure (rpcompile.planner.bound), and the search stops
     once every candidate not replayed has a bound at least the best simulated figure, so the
     plan is the simulator's fastest of all candidates. At most ``max_simulations`` replays
@@ -322,17 +325,17 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
             f"{format_bytes(_stage_memory(units, (n - 1,), 'tail', costing))} and every stage "
             f"must fit in {format_bytes(limit)}; lower the microbatch size or sequence length"
         )
-    steps = None if optimizer == "async" else 1  # None: the async steady state
 
-    def make(f_bounds, b_bounds, t, notes=()) -> Plan:
+    def make(f_bounds, b_bounds, t, notes=()) -> Plan:  # timed by the bound of ``optimizer``
         return build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
-                          microbatch_size, seq_len, rounds, costing, notes=notes, steps=steps)
+                          microbatch_size, seq_len, rounds, costing, notes=notes,
+                          optimizer=optimizer)
 
     def predicted(plan: Plan) -> float:
         return round(plan.predicted_step_ms, 6)
 
     # Every candidate (per grid: all of them, or the ``shortlist`` first by the pre-order);
-    # the dispatch model seeds the local search.
+    # the lowest bounds seed the local search.
     pools: list[list[Plan]] = []
     seeds: list[list[Plan]] = []
     for grid_candidates in candidates:
@@ -342,7 +345,7 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
         seeds.append(sorted(built, key=predicted)[:4])
     if search > 0:
         # Min-max cuts balance stage times; round-robin dispatch also cares how consecutive
-        # jobs compare. A local search in the dispatch model starts from the best plans: on
+        # jobs compare. A local search on the bound starts from the best plans: on
         # the finest grid from the best of every grid, on a coarser grid from its own (so
         # this also finds what a partition of whole layers alone would). It only proposes
         # candidates: the simulator ranks them with the rest.
@@ -366,10 +369,10 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
     whole schedule fits ``capacity``, a note saying how it was found, its simulated bubble).
 
     Best-first with a proven bound: each candidate has a lower bound on its simulated figure,
-    :func:`~rpcompile.planner.bound.simulated_lower_bound`. Each pool (a grid's candidates) is
-    walked in increasing order of the larger of that bound and the dispatch model's figure
-    (``Plan.predicted_step_ms``; in sync mode the bound is the larger, in async mode the
-    dispatch model, so likely winners come first); a candidate already simulated, or whose
+    :func:`~rpcompile.planner.bound.simulated_lower_bound` (what :func:`build_plan` writes in
+    ``Plan.predicted_step_ms``; asked for again here, a lookup in the bound's cache, so a plan
+    built for another mode or rounds is not pruned by a figure that bounds another run). Each pool (a grid's
+    candidates) is walked in increasing order of that bound; a candidate already simulated, or whose
     bound is at least the best simulated figure so far (of any pool), is skipped. When every
     candidate left has such a bound, the plan is the simulator's argmin over all candidates.
     A pool stops after ``max_simulations`` replays of its own (so a coarser grid's candidates
@@ -392,7 +395,7 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
     bounds = [simulated_lower_bound(p, hw, rounds, optimizer) for p in plans]
 
     def first(i: int) -> tuple:
-        return round(max(bounds[i], plans[i].predicted_step_ms), 6), round(bounds[i], 6), i
+        return round(bounds[i], 6), i
 
     best: tuple[float, float, tuple, Plan] | None = None  # (ms, bubble, peaks, plan)
     misfit: tuple[int, object] | None = None  # (overshoot, worst peak) of the closest misfit
@@ -463,7 +466,10 @@ def _distinct(plans: Sequence[Plan]) -> list[Plan]:
 
 def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Random,
             grid: Sequence[int], keep: int = 4) -> list[Plan]:
-    """Iterated local search over stage boundaries, scored by the dispatch model.
+    """Iterated local search over stage boundaries, scored by ``Plan.predicted_step_ms`` of
+    the plans ``make`` builds (in the partitioner: the simulator's lower bound,
+    :func:`~rpcompile.planner.bound.simulated_lower_bound`, the figure the replays are ordered
+    by).
 
     Boundaries stay on ``grid`` (the unit indices a stage may start at). A move puts one
     boundary at any grid position between its neighbours, or shifts a whole stage by one
@@ -484,7 +490,7 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
         if key not in scored:
             if len(scored) >= budget:
                 return float("inf")
-            notes = () if key in seed_keys else ("found by the dispatch-model search",)
+            notes = () if key in seed_keys else ("found by the local search",)
             plan = make([pos[k] for k in fwd], [pos[k] for k in bwd], pos[tail], notes)
             fits = all(st.peak_bytes <= limit for st in plan.stages)
             scored[key] = round(plan.predicted_step_ms, 6) if fits else float("inf")
@@ -756,7 +762,8 @@ def memory_first_plan(units: Sequence[UnitProfile], hardware: Hardware | str, wo
     plan = build_plan(units, cuts, cuts, n - 1, hardware, workers, microbatches, microbatch_size,
                       seq_len, rounds, costing,
                       notes=("memory first: every unit its own stage on both sides "
-                             "(rpcompile.planner.partition.memory_first_plan)",), steps=1)
+                             "(rpcompile.planner.partition.memory_first_plan)",),
+                      optimizer="sync")
     return replace(plan, memory_waits=tuple(MEMORY_WAITS))
 
 
@@ -773,12 +780,14 @@ def build_plan(
     rounds: int = 1,
     costing: StageCosting | None = None,
     notes: tuple[str, ...] = (),
-    steps: int | None = None,
+    optimizer: str = "async",
 ) -> Plan:
     """A Plan from explicit cuts: ``*_bounds`` are the start units of each stage in model order
     (both start with 0); units ``tail_start..`` form the fused tail. ``predicted_step_ms`` is
-    :func:`predict_step_ms` over ``steps`` steps (1: an isolated step; more, or ``None``: the
-    async steady state)."""
+    the simulator's proven lower bound for ``optimizer``
+    (:func:`~rpcompile.planner.bound.simulated_lower_bound`: ``"sync"``, one step's makespan;
+    ``"async"``, the steady-state time per step), not yet a replay: the partitioner writes in
+    the simulated figure of the plan it returns."""
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
     units = tuple(units)
@@ -791,14 +800,13 @@ def build_plan(
         _make_stage(i, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges)
         for i, (kind, r) in enumerate(specs)
     )
-    step_ms = predict_step_ms(stages, hw, workers, microbatches, rounds, steps=steps)
     plan = Plan(
         units=units, stages=stages, workers=workers, microbatches=microbatches,
         microbatch_size=microbatch_size, seq_len=seq_len, hardware=hw.name,
-        predicted_step_ms=step_ms, memory_limit_bytes=hw.usable_memory_bytes, notes=notes,
+        predicted_step_ms=0.0, memory_limit_bytes=hw.usable_memory_bytes, notes=notes,
     )
     plan.validate()
-    return plan
+    return replace(plan, predicted_step_ms=simulated_lower_bound(plan, hw, rounds, optimizer))
 
 
 def _ranges(bounds: Sequence[int], end: int) -> list[tuple[int, ...]]:
@@ -970,103 +978,3 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         recompute=_recompute(kind, tuple(r), units, costing),
         shadow_bytes=trainable * costing.weight_dtype_bytes,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# 4. predict_step_ms()
-# ---------------------------------------------------------------------------------------------
-
-
-def predict_step_ms(
-    stages: Sequence[Stage], hardware: Hardware, workers: int, microbatches: int,
-    rounds: int = 1, steps: int | None = 1,
-) -> float:
-    """Time of one step (``rounds`` rounds) under round-robin dispatch.
-
-    Each job (stage x round) goes to worker ``counter % workers``, the counter carrying over
-    rounds and steps. A job's weights upload on its worker's H2D link as soon as the job
-    before it there has started (double buffer); its microbatch m starts when the worker is
-    free, the weights are in, and microbatch m of the previous stage is done (plus a host hop
-    when that ran on another worker). Steps overlap as with the async optimizer. With
-    ``steps`` = 1 this is the makespan of an isolated step; with more, the steady-state time
-    per step. With ``steps`` given, the mean spacing of step ends over the last
-    :func:`~rpcompile.passes.schedule.steady_window` steps (whole dispatch periods, at least
-    8 steps) when the run is that long, else over its second half. With ``steps=None``, the
-    run continues one window at a time after two warm-up steps until two windows in a row
-    agree within 0.1 % (at most 8 windows): plans whose steps overlap a lot can take a dozen
-    steps to settle, and a fixed short run would rank them by their fill. This is the
-    partitioner's ranking model; the simulator (rpcompile.sim) replays full lowered schedules.
-    """
-    window = steady_window(len(stages) * rounds, workers)
-    run = _dispatch_ends(stages, hardware, workers, microbatches, rounds)
-    if steps is None:
-        ends = [next(run) for _ in range(2 + window)]
-        mean = (ends[-1] - ends[1]) / window
-        for _ in range(7):
-            ends += [next(run) for _ in range(window)]
-            mean, previous = (ends[-1] - ends[-1 - window]) / window, mean
-            if abs(mean - previous) <= 1e-3 * mean:
-                break
-        return mean
-    ends = [next(run) for _ in range(steps)]
-    if steps == 1:
-        return ends[0]
-    if steps > window:
-        return (ends[-1] - ends[-1 - window]) / window
-    half = steps // 2
-    return (ends[-1] - ends[half - 1]) / (steps - half)
-
-
-def _dispatch_ends(stages: Sequence[Stage], hardware: Hardware, workers: int,
-                   microbatches: int, rounds: int) -> Iterator[float]:
-    """When each step's last job (and its gradient download) ends, in the dispatch model, step
-    after step without end."""
-    free = [0.0] * workers  # when the worker's compute is free
-    last_start = [0.0] * workers  # start of the worker's previous job (prefetch may begin)
-    link_free = [0.0] * workers
-    dealt = deal(len(stages), workers, rounds)  # the dispatch pass's own counter
-    # Per stage, computed once (the same floats the loop would compute at every job): its
-    # weights' upload, its compute, the hop of its output when the next stage runs elsewhere,
-    # and its gradients' download.
-    upload = [hardware.h2d_ms(st.weight_bytes) for st in stages]
-    compute = [st.compute_ms for st in stages]
-    hop_out = [hardware.d2h_ms(st.output_bytes) + hardware.h2d_ms(st.output_bytes)
-               for st in stages]
-    download = [hardware.d2h_ms(st.grad_bytes) for st in stages]
-    while True:
-        end_time = 0.0
-        for _r in range(rounds):
-            prev_done: list[float] | None = None
-            prev_worker = -1
-            for position in range(len(stages)):
-                w, dealt_stage, _, _ = next(dealt)
-                assert dealt_stage == position  # the model walks the jobs in dealing order
-                up_start = max(link_free[w], last_start[w])
-                up_done = up_start + upload[position]
-                link_free[w] = up_done
-                t = max(free[w], up_done)
-                c = compute[position]
-                done = []
-                if prev_done is None:
-                    start = t
-                    for _m in range(microbatches):
-                        t += c
-                        done.append(t)
-                else:
-                    hop = hop_out[position - 1] if prev_worker != w else 0.0
-                    start = None
-                    for ready in prev_done:
-                        ready += hop
-                        if ready > t:
-                            t = ready
-                        if start is None:
-                            start = t
-                        t += c
-                        done.append(t)
-                last_start[w] = start or 0.0
-                free[w] = t
-                end = t + download[position]
-                if end > end_time:
-                    end_time = end
-                prev_done, prev_worker = done, w
-        yield end_time

@@ -8,7 +8,38 @@ from dataclasses import dataclass, field
 
 from rpcompile.ir import Action, Schedule
 
-__all__ = ["SimResult"]
+__all__ = ["SimResult", "StepFigures"]
+
+
+@dataclass(frozen=True)
+class StepFigures:
+    """One step of a simulated run, as if it ran alone (:meth:`SimResult.step`). Times in ms.
+
+    The step barrier (rpcompile.passes.lower.add_step_barrier) starts every action of a step
+    after every action of the step before ended, so a step's clock starts at its release
+    (``start_ms``: 0 for the first step, the end of the step before for the others) and it
+    ends with its last action (``end_ms``). The bubble figures are fractions of
+    ``makespan_ms x workers`` as in :class:`SimResult`, counted inside that window: the
+    figures of step 0 are those of the same step lowered and replayed alone.
+    """
+
+    step: int
+    start_ms: float
+    end_ms: float
+    tokens: int
+    busy_ms: tuple[float, ...]  # the step's compute time per worker
+    bubble: float
+    bubble_fill: float
+    bubble_drain: float
+    bubble_steady: float
+
+    @property
+    def makespan_ms(self) -> float:
+        return self.end_ms - self.start_ms
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / (self.makespan_ms / 1e3) if self.makespan_ms > 0 else 0.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +81,45 @@ class SimResult:
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / (self.makespan_ms / 1e3) if self.makespan_ms > 0 else 0.0
+
+    @property
+    def step_spans_ms(self) -> tuple[tuple[float, float], ...]:
+        """Per step, (its release, the end of its last action of any kind): the release is 0
+        for the first step and the end of the step before for the others (the step
+        barrier). The spans tile the run: the last one ends at ``makespan_ms``."""
+        ends = [0.0] * self.schedule.steps
+        for a, (_start, end) in self.timeline.items():
+            if end > ends[a.step]:
+                ends[a.step] = end
+        for k in range(1, len(ends)):  # a step with nothing after the barrier ends there
+            ends[k] = max(ends[k], ends[k - 1])
+        return tuple(zip((0.0, *ends[:-1]), ends, strict=True))
+
+    def step(self, k: int) -> StepFigures:
+        """The figures of step ``k`` alone (:class:`StepFigures`). With the step barrier a
+        step's actions run inside its span (:attr:`step_spans_ms`), so the first step's
+        figures are an isolated step's, bit for bit (the same sums, in the same order)."""
+        if not 0 <= k < self.schedule.steps:
+            raise ValueError(f"step must be in 0..{self.schedule.steps - 1}, got {k}")
+        start, end = self.step_spans_ms[k]
+        makespan = end - start
+        busy, fill, drain, steady = [], 0.0, 0.0, 0.0
+        for lst in self.schedule.actions:
+            spans = [self.timeline[a] for a in lst if a.is_compute and a.step == k]
+            b = sum(e - s for s, e in spans)
+            busy.append(b)
+            if not spans:
+                fill += makespan
+                continue
+            first, last = min(s for s, _ in spans), max(e for _, e in spans)
+            fill += first - start
+            drain += end - last
+            steady += (last - first) - b
+        denom = makespan * self.schedule.workers if makespan > 0 else 1.0
+        return StepFigures(
+            step=k, start_ms=start, end_ms=end, tokens=self.tokens // self.schedule.steps,
+            busy_ms=tuple(busy), bubble=(fill + drain + steady) / denom,
+            bubble_fill=fill / denom, bubble_drain=drain / denom, bubble_steady=steady / denom)
 
     @property
     def compute_end_ms(self) -> float:
