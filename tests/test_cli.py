@@ -248,8 +248,10 @@ def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
     text = capsys.readouterr().out
     (c,) = compiled
     assert c.schedule.steps == 4
-    assert [r.schedule for r in replayed] == [c.schedule]
-    (whole,) = replayed
+    # compile() replays it too, for its host-memory figure (transfer staging); every replay
+    # is of the compile's own schedule, the CLI's last.
+    assert replayed and all(r.schedule == c.schedule for r in replayed)
+    whole = replayed[-1]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["schedule_steps"] == 4
     assert summary["makespan_ms"] == whole.step(0).makespan_ms
