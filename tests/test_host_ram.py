@@ -133,7 +133,12 @@ def test_the_host_figure_without_the_journal_is_less_by_exactly_the_journal(comp
 
 def test_simulated_opt_without_the_journal_is_shorter_by_its_traffic(compiled):
     from rpcompile.compiler import runtime_schedule
-    from rpcompile.planner.bound import _host_queue, _step_paths, simulated_lower_bound
+    from rpcompile.planner.bound import (
+        _Costs,
+        _host_queue,
+        _step_paths,
+        simulated_lower_bound,
+    )
     from rpcompile.sim.engine import JOURNAL_BYTES_PER_PARAM, SIM_COSTS
     from rpcompile.sim.sharding import shadow_journal_bytes
 
@@ -170,7 +175,7 @@ def test_simulated_opt_without_the_journal_is_shorter_by_its_traffic(compiled):
     bound_on = simulated_lower_bound(plan, hw, 1, "sync")
     bound_off = simulated_lower_bound(plan, hw.with_undo_journal(False), 1, "sync")
     assert bound_off <= bound_on and bound_off <= off_ms and bound_on <= on_ms
-    _end, home = _step_paths(plan, hw, 1, 0, released=True)
+    _end, home = _step_paths(plan, hw, _Costs(plan, hw, 1), 0, released=True)
     assert _host_queue(plan, hw.with_undo_journal(False), 1, home, "sync") < \
         _host_queue(plan, hw, 1, home, "sync")
 
