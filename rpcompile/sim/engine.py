@@ -47,7 +47,7 @@ from rpcompile.ir import (
     UnitProfile,
     check_registry,
 )
-from rpcompile.sim.result import SimResult
+from rpcompile.sim.result import SimResult, busy_split
 from rpcompile.sim.sharding import shadow_gather_bytes, shadow_journal_bytes
 
 __all__ = ["GLOO_BROADCAST_HOST_BYTES_PER_BYTE", "GLOO_HOST_BYTES_PER_BYTE",
@@ -611,25 +611,6 @@ def _measure(sched: Schedule, stages: tuple[Stage, ...], units: tuple[UnitProfil
 def makespan_of(timeline: Mapping[Action, tuple[float, float]]) -> float:
     """The end of a replay's last action (0 for an empty one)."""
     return max((e for _, e in timeline.values()), default=0.0)
-
-
-def busy_split(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
-               makespan: float) -> tuple[list[float], float, float, float]:
-    """(compute time per worker, and the idle time of all workers before their first compute,
-    after their last, and between): the bubble's parts before dividing by makespan x workers."""
-    busy, fill, drain, steady = [], 0.0, 0.0, 0.0
-    for w in range(sched.workers):
-        spans = [timeline[a] for a in sched.actions[w] if a.is_compute]
-        b = sum(e - s for s, e in spans)
-        busy.append(b)
-        if not spans:
-            fill += makespan
-            continue
-        first, last = min(s for s, _ in spans), max(e for _, e in spans)
-        fill += first
-        drain += makespan - last
-        steady += (last - first) - b
-    return busy, fill, drain, steady
 
 
 def _waits(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from rpcompile.ir import Action, Schedule
 
-__all__ = ["SimResult", "StepFigures"]
+__all__ = ["SimResult", "StepFigures", "busy_split"]
 
 
 @dataclass(frozen=True)
@@ -103,18 +103,8 @@ class SimResult:
             raise ValueError(f"step must be in 0..{self.schedule.steps - 1}, got {k}")
         start, end = self.step_spans_ms[k]
         makespan = end - start
-        busy, fill, drain, steady = [], 0.0, 0.0, 0.0
-        for lst in self.schedule.actions:
-            spans = [self.timeline[a] for a in lst if a.is_compute and a.step == k]
-            b = sum(e - s for s, e in spans)
-            busy.append(b)
-            if not spans:
-                fill += makespan
-                continue
-            first, last = min(s for s, _ in spans), max(e for _, e in spans)
-            fill += first - start
-            drain += end - last
-            steady += (last - first) - b
+        busy, fill, drain, steady = busy_split(self.schedule, self.timeline, makespan,
+                                               start=start, step=k)
         denom = makespan * self.schedule.workers if makespan > 0 else 1.0
         return StepFigures(
             step=k, start_ms=start, end_ms=end, tokens=self.tokens // self.schedule.steps,
@@ -148,3 +138,26 @@ class SimResult:
 
     def __str__(self) -> str:
         return self.summary()
+
+
+def busy_split(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
+               makespan: float, *, start: float = 0.0, step: int | None = None,
+               ) -> tuple[list[float], float, float, float]:
+    """(compute time per worker, and the idle time of all workers before their first compute,
+    after their last, and between, over the window ``start`` .. ``start + makespan``): the
+    bubble's parts before dividing by makespan x workers. ``step``: count only that step's
+    computes (:meth:`SimResult.step`); None: every compute."""
+    end = start + makespan
+    busy, fill, drain, steady = [], 0.0, 0.0, 0.0
+    for lst in sched.actions:
+        spans = [timeline[a] for a in lst if a.is_compute and (step is None or a.step == step)]
+        b = sum(e - s for s, e in spans)
+        busy.append(b)
+        if not spans:
+            fill += makespan
+            continue
+        first, last = min(s for s, _ in spans), max(e for _, e in spans)
+        fill += first - start
+        drain += end - last
+        steady += (last - first) - b
+    return busy, fill, drain, steady
