@@ -18,7 +18,7 @@ from rpcompile.hardware import Hardware, get_hardware, list_hardware
 from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage, UnitProfile
 from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions
 from rpcompile.passes.lower import lower
-from rpcompile.passes.manager import PassInvariantError
+from rpcompile.passes.manager import PassInvariantError, ScheduleInvariantError
 from rpcompile.passes.memory import HostMemoryError, HostMemoryWarning
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.planner.partition import PartitionError
@@ -63,6 +63,7 @@ __all__ = [
     "RuntimeFault",
     "Schedule",
     "ScheduleError",
+    "ScheduleInvariantError",
     "SimulationError",
     "Stage",
     "StepAborted",

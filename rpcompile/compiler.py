@@ -304,6 +304,12 @@ class Compiled:
         )
         return head + "\n" + "\n".join(lines)
 
+    def _front_history(self) -> list[PassRecord]:
+        """The records of the passes a replan keeps: those up to and including ``cost``
+        (capture, chunk-loss when it ran, cost)."""
+        names = [r.name for r in self.history]
+        return list(self.history[:names.index("cost") + 1])
+
     def timings(self) -> str:
         return "\n".join(f"{r.name:<10} {r.elapsed_ms:9.1f} ms" for r in self.history)
 
@@ -318,7 +324,7 @@ class Compiled:
                        rounds=self.rounds if rounds is None else rounds)
         compiled = _plan_and_split(
             self.model, self.capture, self.unit_costs, self.compute_dtype,
-            list(self.history[:2]), replace(self.options, plan=plan),
+            self._front_history(), replace(self.options, plan=plan),
         )
         check_memory(compiled)
         check_host_memory(compiled)
@@ -632,7 +638,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         compute = run_pass(trail, "dispatch", lambda: build_schedule(
             plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode,
             steps=steps), check_dispatch)
-        # The lowering runs its own passes through a PassManager that validates each one.
+        # The lowering's passes go through the same run_pass (a PassManager), their records
+        # into the same history; each lowered schedule is validated always.
         lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes, updates=order,
                                   ranks=ranks)
         if po.shard_optimizer and ranks > 1:  # what its REDUCE and SHADOW actions move

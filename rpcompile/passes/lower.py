@@ -737,8 +737,10 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
           ) -> tuple[Schedule, tuple[PassRecord[Schedule], ...]]:
     """Run the lowering passes (default: all of :data:`LOWERING_PASSES` for RoundPipe, or of
     :data:`DATA_PARALLEL_PASSES` when ``ranks`` > 1; only ``transfers`` and ``events`` for the
-    weight-bound baselines) through a :class:`PassManager` that validates the input (as pass
-    ``dispatch``) and the output of each pass. ``updates`` is the sync update order
+    weight-bound baselines) through a :class:`~rpcompile.passes.manager.PassManager`, the
+    compile's one pass mechanism, that validates the input (as pass ``dispatch``) and the
+    output of each pass when ``validate`` (whatever ``RPCOMPILE_DEBUG`` says; a broken
+    schedule raises :class:`~rpcompile.passes.manager.ScheduleInvariantError` naming the pass). ``updates`` is the sync update order
     (:func:`add_optimizer`; ``None``: ``deferred`` for data parallel, else ``overlap``).
     ``ranks``: processes training data parallel (:func:`add_reductions`). The memory-bounding
     waits added are ``plan.memory_waits`` (all of :data:`MEMORY_WAITS` for a bare stage
@@ -769,8 +771,12 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
         raise ValueError(f"unknown lowering passes {unknown}; known: {list(table)}")
     if validate:
         check(schedule, "dispatch")
+    # The compile's one pass mechanism (run_pass): each lowering pass recorded like the
+    # compile's, its schedule validated always when ``validate`` (it guards the runtime),
+    # a broken one raising ScheduleInvariantError (a PassInvariantError and a ScheduleError)
+    # naming the pass.
     manager = PassManager([(p, table[p]) for p in passes],
-                          check=check if validate else None)
+                          check=check if validate else None, always=True)
     return manager.run(schedule)
 
 

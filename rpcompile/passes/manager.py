@@ -1,8 +1,15 @@
-"""A small pass manager: runs named passes in order, checks invariants after each, keeps history.
+"""The one pass mechanism of the compile: every pass (capture, chunk-loss, cost, partition,
+split, dispatch and each lowering pass) runs through :func:`run_pass`, alone or as a
+:class:`PassManager`'s sequence.
 
-Each pass is a pure function artifact -> artifact. The manager times it, records the artifact it
-produced (so every intermediate schedule stays reachable), and runs ``check(artifact, name)``
-after it; a failing check raises and so names the pass that broke the invariant.
+Each pass is a pure function artifact -> artifact. :func:`run_pass` times it, appends a
+:class:`PassRecord` (name, time, artifact) to the history it is given (``Compiled.history``
+for a compile, so every intermediate artifact stays reachable), and checks the artifact's
+invariants: under ``RPCOMPILE_DEBUG=1`` always, otherwise only for a check marked
+``always`` (the lowering's schedule validation, which guards the runtime's correctness and
+has always run). A failing check raises :class:`PassInvariantError` naming the pass; a
+schedule's check raises :class:`ScheduleInvariantError`, which is both that and a
+:class:`~rpcompile.ir.ScheduleError` (the marked step x worker grid).
 """
 
 from __future__ import annotations
@@ -13,14 +20,18 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-__all__ = ["PassInvariantError", "PassManager", "PassRecord", "debug_checks", "run_pass"]
+from rpcompile.ir import ScheduleError
+
+__all__ = ["PassInvariantError", "PassManager", "PassRecord", "ScheduleInvariantError",
+           "debug_checks", "run_pass"]
 
 T = TypeVar("T")
 
 
 @dataclass(frozen=True)
 class PassRecord(Generic[T]):
-    """One pass run: its name, wall time of the pass and of the check after it, its output."""
+    """One pass run: its name, wall time of the pass and of the check after it (0 when not
+    checked), its output."""
 
     name: str
     elapsed_ms: float
@@ -28,34 +39,14 @@ class PassRecord(Generic[T]):
     artifact: T
 
 
-class PassManager(Generic[T]):
-    def __init__(self, passes: Sequence[tuple[str, Callable[[T], T]]],
-                 check: Callable[[T, str], None] | None = None) -> None:
-        names = [n for n, _ in passes]
-        if len(set(names)) != len(names):
-            raise ValueError(f"pass names must be unique, got {names}")
-        self.passes = tuple(passes)
-        self.check = check
-
-    def run(self, artifact: T) -> tuple[T, tuple[PassRecord[T], ...]]:
-        """Run every pass in order; returns the last artifact and one record per pass."""
-        history: list[PassRecord[T]] = []
-        for name, fn in self.passes:
-            t0 = time.perf_counter()
-            artifact = fn(artifact)
-            t1 = time.perf_counter()
-            if self.check is not None:
-                self.check(artifact, name)
-            t2 = time.perf_counter()
-            history.append(PassRecord(name, (t1 - t0) * 1e3, (t2 - t1) * 1e3, artifact))
-        return artifact, tuple(history)
-
-
-# -- the compile's passes: one record each, invariant checks under RPCOMPILE_DEBUG=1 -----------
-
-
 class PassInvariantError(AssertionError):
-    """A pass produced an artifact that breaks one of its invariants (``RPCOMPILE_DEBUG=1``)."""
+    """A pass produced an artifact that breaks one of its invariants; the message names the
+    pass (checked under ``RPCOMPILE_DEBUG=1``, and always for a lowered schedule)."""
+
+
+class ScheduleInvariantError(PassInvariantError, ScheduleError):
+    """A pass produced a schedule that breaks its invariants: a :class:`PassInvariantError`
+    naming the pass, and a :class:`~rpcompile.ir.ScheduleError` showing the marked grid."""
 
 
 def debug_checks() -> bool:
@@ -64,22 +55,56 @@ def debug_checks() -> bool:
 
 
 def run_pass(history: list[PassRecord], name: str, fn: Callable[[], T],
-             check: Callable[[T], None] | None = None) -> T:
-    """Run one pass of the compile, append its :class:`PassRecord` (name, time, artifact) to
-    ``history`` and, under ``RPCOMPILE_DEBUG=1``, check its artifact: a broken invariant
-    raises :class:`PassInvariantError` naming the pass."""
+             check: Callable[[T], None] | None = None, *, always: bool = False) -> T:
+    """Run one pass, append its :class:`PassRecord` (name, time, artifact) to ``history``
+    and check its artifact with ``check`` under ``RPCOMPILE_DEBUG=1`` (``always``: whatever
+    the environment says): a broken invariant raises :class:`PassInvariantError` naming the
+    pass (:class:`ScheduleInvariantError` for a schedule's)."""
     t0 = time.perf_counter()
     artifact = fn()
     t1 = time.perf_counter()
-    if check is not None and debug_checks():
+    checked = check is not None and (always or debug_checks())
+    if checked:
         try:
             check(artifact)
         except PassInvariantError:
             raise
         except Exception as exc:
-            raise PassInvariantError(
-                f"pass {name!r} produced an artifact that breaks its invariants: "
-                f"{type(exc).__name__}: {exc}") from exc
-    history.append(PassRecord(name, (t1 - t0) * 1e3, (time.perf_counter() - t1) * 1e3,
-                              artifact))
+            kind = ScheduleInvariantError if isinstance(exc, ScheduleError) else \
+                PassInvariantError
+            raise kind(f"pass {name!r} produced an artifact that breaks its invariants: "
+                       f"{type(exc).__name__}: {exc}") from exc
+    check_ms = (time.perf_counter() - t1) * 1e3 if checked else 0.0
+    history.append(PassRecord(name, (t1 - t0) * 1e3, check_ms, artifact))
     return artifact
+
+
+class PassManager(Generic[T]):
+    """Named passes run in order through :func:`run_pass`, each on the last one's artifact.
+
+    ``check(artifact, name)`` runs after each pass (under ``RPCOMPILE_DEBUG=1``, or always
+    with ``always=True``)."""
+
+    def __init__(self, passes: Sequence[tuple[str, Callable[[T], T]]],
+                 check: Callable[[T, str], None] | None = None, *,
+                 always: bool = False) -> None:
+        names = [n for n, _ in passes]
+        if len(set(names)) != len(names):
+            raise ValueError(f"pass names must be unique, got {names}")
+        self.passes = tuple(passes)
+        self.check = check
+        self.always = always
+
+    def run(self, artifact: T, history: list[PassRecord] | None = None
+            ) -> tuple[T, tuple[PassRecord[T], ...]]:
+        """Run every pass in order; returns the last artifact and one record per pass (also
+        appended to ``history`` when given: a compile's records and these are one list)."""
+        records: list[PassRecord[T]] = []
+        for name, fn in self.passes:
+            check = None if self.check is None else (
+                lambda a, _name=name: self.check(a, _name))
+            artifact = run_pass(records, name, lambda fn=fn, a=artifact: fn(a), check,
+                                always=self.always)
+        if history is not None:
+            history.extend(records)
+        return artifact, tuple(records)

@@ -49,7 +49,9 @@ def build_schedule(
     kind): each stage runs a forward F and a backward B, stage ``s`` bound to worker
     ``s % workers``; ``gpipe`` and ``1f1b`` need as many stages as workers, ``interleaved`` and
     ``looped-bfs`` a multiple of it (``stages // workers`` chunks per worker).
-    ``optimizer`` (async|sync) is recorded for the lowering passes.
+    ``optimizer`` (async|sync) is recorded for the lowering passes. A public entry point
+    (``rpcompile.build_schedule``), so it checks ``optimizer`` itself
+    (:func:`~rpcompile.options.check_choice`); the lowering passes read it unchecked.
     """
     if kind not in SCHEDULE_KINDS:
         raise ValueError(f"unknown schedule kind {kind!r}; expected one of {SCHEDULE_KINDS}")

@@ -52,7 +52,10 @@ _MARGIN = 1e-9  # relative; the bound and the replay sum the same terms in other
 def simulated_lower_bound(plan: Plan, hardware: Hardware | str, rounds: int = 1,
                           optimizer: str = "sync") -> float:
     """A figure no replay of ``plan`` can beat: one sync step's makespan, or the async
-    steady-state time per step (milliseconds; see the module docstring for the argument)."""
+    steady-state time per step (milliseconds; see the module docstring for the argument).
+    A public entry point (benchmarks and the search-quality tests call it on their own
+    plans), so it checks ``optimizer`` (:func:`~rpcompile.options.check_choice`, a tuple
+    lookup, negligible beside the bound even in the partitioner's search loop)."""
     check_choice("optimizer", optimizer, MODES)
     hw = get_hardware(hardware)
     # Everything the bound reads (roundpipe_flows reads the stages and the tokens per

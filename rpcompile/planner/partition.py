@@ -117,6 +117,12 @@ def partition(
     the hardware's usable memory), else the plan cut for layer-by-layer recompute under that
     capacity (the plan's notes say which, and why). ``capacity_bytes`` is only the target of
     that choice; a forced granularity, and the stage-recompute plan, are cut for the hardware.
+
+    A public entry point (benchmarks, ``rpcompile plan`` and scripts call it directly), so it
+    checks ``optimizer`` and ``recompute`` itself, with the one :func:`check_choice` and
+    message of :mod:`rpcompile.options`; from :func:`rpcompile.compile` they arrive already
+    checked by :class:`~rpcompile.options.PlanOptions`. The search's own helpers read them
+    unchecked; the bound it scores by, itself public, keeps its one-line check.
     """
     check_choice("optimizer", optimizer, MODES)
     check_choice("recompute", recompute, RECOMPUTE_MODES)

@@ -21,8 +21,8 @@ import copy
 import math
 import threading
 import warnings
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -117,6 +117,24 @@ def planned_ranks(ranks: int | None, process_group: Any) -> int | None:
     return world
 
 
+def train_options_for(compiled: Any, optimizer: OptimizerFactory | None = None,
+                      keywords: Mapping[str, Any] | None = None) -> TrainOptions:
+    """The training options of a Trainer built from ``compiled`` with keywords: the compile's
+    own (``compiled.options.train``) with each keyword given (``optimizer`` when not
+    ``None``) in place of that option, checked again as a whole by :class:`TrainOptions`.
+    A keyword that TrainOptions does not have is refused with the ones it has."""
+    base = getattr(getattr(compiled, "options", None), "train", None) or TrainOptions()
+    changes = dict(keywords or {})
+    known = {f.name for f in fields(TrainOptions)}
+    unknown = sorted(set(changes) - known)
+    if unknown:
+        raise TypeError(f"Trainer() got unknown keyword(s) {', '.join(unknown)}; the training "
+                        f"options are {', '.join(sorted(known))} (rpcompile.TrainOptions)")
+    if optimizer is not None:
+        changes["optimizer"] = optimizer
+    return replace(base, **changes) if changes else base
+
+
 def default_timeout_s(compiled: Any) -> float:
     """The step watchdog's default: ``max(300 s, 20 x the plan's predicted step time)``."""
     predicted = float(getattr(compiled.plan, "predicted_step_ms", 0.0) or 0.0) / 1e3
@@ -139,12 +157,16 @@ def plan_summary(compiled: Any) -> dict[str, Any]:
 class Trainer:
     """Trains ``compiled.model`` with RoundPipe on stateless workers (see the module doc).
 
-    ``options``: a :class:`~rpcompile.options.TrainOptions` (what :func:`rpcompile.compile`
-    passes), or the same options as keywords (``optimizer``, ``device``, ``chaos``,
-    ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``, ``max_grad_norm``,
-    ``timeout_s``, ``process_group``); each is described there. ``mode``,
-    ``schedule_steps`` and ``chunk_bytes`` override the compiled plan's
-    :class:`~rpcompile.options.PlanOptions`.
+    ``options``: a whole :class:`~rpcompile.options.TrainOptions` (what
+    :func:`rpcompile.compile` passes), used as it is; or keywords (``optimizer``, ``device``,
+    ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
+    ``max_grad_norm``, ``timeout_s``, ``process_group``, ``host_ram_bytes``,
+    ``undo_journal``; each is described there), each of which **overrides that one option of
+    the compile's** (``compiled.options.train``): ``compile(model, max_grad_norm=1.0)`` then
+    ``Trainer(compiled, opt, device="virtual")`` clips, with ``opt``, on virtual workers
+    (:func:`train_options_for`). A keyword set to ``None`` (or ``False``) turns its option
+    off. ``mode``, ``schedule_steps``, ``chunk_bytes``, ``updates`` and ``shard_optimizer``
+    override the compiled plan's :class:`~rpcompile.options.PlanOptions` the same way.
 
     Kernel backends give the same bits. A step whose gradients hold an inf or NaN (the
     accumulation kernel's fused check) sets ``trainer.last.found_nonfinite``; with
@@ -172,7 +194,10 @@ class Trainer:
     and :meth:`flush` applies the last step's. Either way a failed step changes nothing
     (docs/runtime.md, "the protocol"), thanks to the optimizer driver's undo journal.
 
-    ``undo_journal=False`` (a training option) runs without that journal: no copy of the
+    ``undo_journal=False`` (a training option; like the others it overrides the compile's,
+    and the Trainer applies it to everything it reads: its driver's rollback and its host
+    figure; the schedule's actions do not depend on it, only the plan's predicted OPT time
+    does, which the watchdog's generous default absorbs) runs without that journal: no copy of the
     masters, optimizer state and trainable shadows (14 bytes per trainable parameter of
     host memory, and the copy's time on every update), but a step that fails may leave
     them half-updated, which nothing can undo. The trainer then refuses every further
@@ -200,10 +225,12 @@ class Trainer:
         shard_optimizer: bool | None = None,
         **train: Any,
     ) -> None:
-        # ``options`` (as compile() passes them) or the same options as keywords; ``mode``,
-        # ``schedule_steps``, ``chunk_bytes`` and ``updates`` override the compiled plan options.
+        # ``options`` (as compile() passes them: the whole group) or keywords, each of which
+        # overrides that option of the compile's own TrainOptions (the others stay as the
+        # compile was given them); ``mode``, ``schedule_steps``, ``chunk_bytes``, ``updates``
+        # and ``shard_optimizer`` override the compiled plan options.
         if options is None:
-            options = TrainOptions(optimizer=optimizer, **train)
+            options = train_options_for(compiled, optimizer, train)
         elif optimizer is not None or train:
             raise ValueError("pass the training options either as options=TrainOptions(...) "
                              "or as keywords, not both")
