@@ -63,6 +63,12 @@ def pipeline_stages(units: Sequence[UnitProfile], num_stages: int,
         r = tuple(range(a, b + 1))
         params = sum(units[u].params for u in r)
         trainable = sum(units[u].trainable_params for u in r)
+        # A parameter a unit borrows from a unit on another stage (a tied LM head reads the
+        # embedding) is a copy on this stage's GPU, with its own gradient (Megatron keeps the
+        # tied matrix on the first and the last stage), counted once per stage.
+        lent = {(o, n, t) for u in r for o, n, t in units[u].borrowed if o not in r}
+        params += sum(n for _o, n, _t in lent)
+        trainable += sum(n for _o, n, t in lent if t)
         shared = max((units[u].shared_bytes for u in range(a)), default=0)
         weights = params * weight_dtype_bytes
         grads = trainable * grad_dtype_bytes
