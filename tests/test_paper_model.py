@@ -96,3 +96,25 @@ def test_a_weight_bound_baseline_keeps_a_copy_of_the_tied_matrix_on_the_tails_gp
     assert last.grad_bytes == 2 * (own + model.embedding_params)
     assert first.weight_bytes == 2 * sum(units[u].params for u in first.units)
 
+
+def test_more_chunks_than_layers_deal_blocks_with_the_tail_alone_last():
+    """Interleaved baselines at the artifact's v = ceil(28 / 8) = 4 chunks per GPU: 32 chunks
+    over Qwen3-1.7B's 56 attention/MLP blocks, none empty, the LM head (4 blocks' worth)
+    alone in the last; the schedule builds and replays."""
+    from rpcompile.sim import simulate_pipeline
+    from rpcompile.sim.baselines import head_layer_equivalents, pipeline_stages
+    from rpcompile.workloads.paper import hop_hardware
+
+    model = MODELS["qwen3-1.7b"]
+    blocks = model.units(4, 2048, split_layers=True)
+    assert head_layer_equivalents(blocks) == 4
+    stages = pipeline_stages(blocks, 32)
+    assert [u for s in stages for u in s.units] == list(range(len(blocks)))
+    assert all(s.units for s in stages)
+    assert stages[-1].units == (len(blocks) - 1,)
+    sizes = [len(s.units) for s in stages[1:-1]]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes)  # even, larger last
+    for kind in ("interleaved", "looped-bfs"):
+        r = simulate_pipeline(blocks, hop_hardware(model), kind, workers=8, microbatches=16,
+                              chunks=4)
+        assert 0 < r.bubble < 1
