@@ -5,11 +5,20 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
 
   gpipe, 1f1b            8 stages bound to 8 GPUs (layers cut by rpcompile.sim.pipeline_stages,
                          the rule that reproduces the paper's simulator), backward with recompute
-  interleaved,           v stages per GPU, v = ceil(layers / 8) as the paper's artifact
-  looped-bfs             interleaves (Megatron interleaved 1F1B; breadth-first loop), at most
-                         layers // 8 where the layers cannot be cut that finely (Qwen3-1.7B:
-                         3 instead of 4, Qwen3-235B-A22B: 11 instead of 12); the artifact's
-                         ideal bubble (p - 1) / (v m + p - 1) is printed beside them
+  interleaved,           v stages (chunks) per GPU, v = ceil(layers / 8) as the paper's
+  looped-bfs             artifact interleaves (Megatron interleaved 1F1B; breadth-first loop):
+                         4, 4, 3, 8, 12. Its ideal bubble (p - 1) / (v m + p - 1) is printed
+                         beside ours. The chunks are dealt by the rule of gpipe/1f1b (the LM
+                         head counts as h layers, larger chunks last; the tail alone in the
+                         last chunk when its h slots outweigh a chunk). Where v x 8 chunks are
+                         more than the layers (Qwen3-1.7B: 32 chunks, 28 layers; 235B: 96, 94)
+                         a chunk cannot hold whole layers only, so the layers are cut into
+                         their attention and MLP blocks (times shared by FLOPs, as for
+                         roundpipe-*) and the blocks are dealt: chunks of one or two blocks,
+                         none empty (an empty chunk would idle its worker on a bare hop; the
+                         artifact's ideal assumes v x 8 equal chunks, which whole layers
+                         cannot give, and blocks come closest). Models with enough layers
+                         (8B, GPT-OSS, 32B) are cut between whole layers, as before.
   roundpipe-sync         our partitioner's plan over attention/MLP blocks (each layer's measured
                          times shared by FLOPs, rpcompile.workloads.paper.PaperModel.attention_share),
                          round-robin dispatch, weights uploaded per job,
@@ -84,14 +93,20 @@ def paper_hardware(model: PaperModel) -> Hardware:
 
 
 def virtual_stages(model: PaperModel) -> int:
-    """Stages per GPU of the interleaved baselines: the artifact's ceil(layers / 8), at most
-    layers // 8 (a stage holds at least one layer)."""
-    return min(math.ceil(model.layers / WORKERS), model.layers // WORKERS)
+    """Stages (chunks) per GPU of the interleaved baselines: the artifact's ceil(layers / 8)."""
+    return math.ceil(model.layers / WORKERS)
+
+
+def interleaved_units(model: PaperModel):
+    """The units the interleaved baselines' chunks are dealt from: whole layers where there
+    are at least as many as chunks, else the layers' attention and MLP blocks."""
+    blocks = virtual_stages(model) * WORKERS > model.layers
+    return model.units(MICROBATCH_SIZE, SEQ, split_layers=blocks), blocks
 
 
 def ideal_interleaved(model: PaperModel) -> float:
-    """The artifact's ideal interleaved bubble (p - 1) / (v m + p - 1), percent."""
-    v = math.ceil(model.layers / WORKERS)
+    """The artifact's ideal interleaved bubble (p - 1) / (v m + p - 1) at our v and m, percent."""
+    v = virtual_stages(model)
     return 100 * (WORKERS - 1) / (v * MICROBATCHES + WORKERS - 1)
 
 
@@ -124,10 +139,11 @@ def bubbles(name: str, schedules=(*SCHEDULES, *EXTRA), search=partition) -> dict
     hw = paper_hardware(model)
     out: dict[str, float] = {}
     v = virtual_stages(model)
+    chunked, _ = interleaved_units(model)
     for kind, chunks in (("gpipe", 1), ("1f1b", 1), ("interleaved", v), ("looped-bfs", v)):
         if kind in schedules:
-            r = simulate_pipeline(units, hw, kind, workers=WORKERS, microbatches=MICROBATCHES,
-                                  chunks=chunks)
+            r = simulate_pipeline(units if chunks == 1 else chunked, hw, kind, workers=WORKERS,
+                                  microbatches=MICROBATCHES, chunks=chunks)
             out[kind] = 100 * r.bubble
     # Each optimizer mode runs the plan made for it (sync: one step's makespan; async: the
     # steady state). A graph compiler may cut between a layer's attention and MLP blocks.
@@ -177,6 +193,11 @@ def main() -> None:
             result[f"roundpipe-{mode}-memory-waits"] = {
                 m: list(table[m][f"roundpipe-{mode}-waits"]) for m in args.models}
 
+    if "interleaved" in args.schedules or "looped-bfs" in args.schedules:
+        result["virtual-stages-per-gpu"] = {m: virtual_stages(MODELS[m]) for m in args.models}
+        result["artifact-ideal-interleaved"] = {m: round(ideal_interleaved(MODELS[m]), 2)
+                                                for m in args.models}
+    last_chunked = next((s for s in reversed(rows) if s in ("interleaved", "looped-bfs")), None)
     width = max(len(m) for m in args.models)
     print(f"{'schedule':<18}" + "".join(f"{m:>{width + 2}}" for m in args.models))
     for s in rows:
@@ -189,9 +210,12 @@ def main() -> None:
         if s in REFERENCE:
             ref = [REFERENCE[s][PAPER_MODELS.index(m)] for m in args.models]
             print(f"{'  paper':<18}" + "".join(f"{v:>{width + 1}.2f}%" for v in ref))
-        if s == "looped-bfs":
+        if s in ("interleaved", "looped-bfs") and s == last_chunked:
             print(f"{'  v per GPU':<18}" + "".join(
                 f"{virtual_stages(MODELS[m]):>{width + 2}}" for m in args.models))
+            print(f"{'  chunks of':<18}" + "".join(
+                f"{'blocks' if interleaved_units(MODELS[m])[1] else 'layers':>{width + 2}}"
+                for m in args.models))
             print(f"{'  artifact ideal':<18}" + "".join(
                 f"{ideal_interleaved(MODELS[m]):>{width + 1}.2f}%" for m in args.models))
     own = roundpipe_own_plan()

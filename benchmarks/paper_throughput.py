@@ -18,6 +18,14 @@ Each RoundPipe line prints the simulated peak and the peak proven over the whole
 schedule (rpcompile.passes.memory), against the usable 22.5 GiB (24 GiB less a 1.5 GiB reserve
 for the CUDA context and the allocator); a plan over it is marked "over the GPU!".
 
+Each RoundPipe line also prints the plan's host memory (rpcompile.passes.memory.host_memory,
+async: masters, optimizer state, gradient buffers, shadows, the undo journal and the replay's
+transfer staging) against the server's RAM: ``--host-ram-gib``, else the profile's
+``host_ram_gib``, else 512 GB (476.8 GiB, a typical 8x RTX 4090 server; the output says which).
+A plan that needs more is marked "over the host RAM!" (rpcompile.passes.memory.host_ram_problem,
+the check compile() and ``rpcompile plan`` make), and the JSON lists it under "over-host-ram".
+The weight-bound baselines keep their weights on the GPUs and have no host figure.
+
 Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B (paper: about
 8,900 tokens/s).
 
@@ -25,7 +33,7 @@ Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B
 a capped search that stops before its proof says so, printed with the line.
 
     python benchmarks/paper_throughput.py [--models ...] [--max-simulations N] [--refine N]
-                                          [--json PATH] [--png PATH]
+                                          [--host-ram-gib G] [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ from pathlib import Path
 
 from _search import add_search_caps, capped_partition  # benchmarks/_search.py, beside this
 
-from rpcompile.hardware import get_hardware
-from rpcompile.passes.memory import host_memory, worker_peaks
+from rpcompile.hardware import get_hardware, host_ram
+from rpcompile.passes.memory import host_memory, host_ram_problem, worker_peaks
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms, steady_steps
 from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
@@ -48,10 +56,28 @@ HARDWARE = "rtx4090x8"
 CONFIGS = ("rpcompile", "roundpipe-partition", "1f1b", "gpipe")
 RESULTS = Path(__file__).resolve().parent / "results"
 CALIBRATION_TOKENS_PER_S = 8900.0
+# The server's RAM when neither --host-ram-gib nor the profile states it: 512 GB.
+DEFAULT_HOST_RAM_GIB = 512e9 / 2**30
 
 
-def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8) -> tuple[float, str]:
-    """(tokens/s, note) of one workload with a RoundPipe plan from ``partitioner``."""
+def server_ram(gib: float | None) -> tuple[int, str]:
+    """(bytes, source) of the server's RAM: ``gib`` (--host-ram-gib), else the profile's
+    host_ram_gib (rpcompile.hardware.host_ram), else DEFAULT_HOST_RAM_GIB, never this
+    machine's RAM (the figures are for a remote server)."""
+    hw = get_hardware(HARDWARE)
+    if gib is not None:
+        return host_ram(int(gib * 2**30), hw, option="--host-ram-gib")
+    if hw.host_ram_gib:
+        return host_ram(None, hw)
+    return (int(DEFAULT_HOST_RAM_GIB * 2**30),
+            f"512 GB, a typical 8x RTX 4090 server: the {HARDWARE} profile states no "
+            f"host_ram_gib")
+
+
+def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8,
+                           ram: tuple[int, str] = (0, "")) -> tuple[float, str, object]:
+    """(tokens/s, note, host memory) of one workload with a RoundPipe plan from
+    ``partitioner``; ``ram``: the server's (bytes, source), 0 for no check."""
     w = WORKLOADS[name]
     hw = get_hardware(HARDWARE).with_gpus(gpus)
     units = MODELS[name].units(w.microbatch_size, w.seq_len)
@@ -63,12 +89,15 @@ def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8) -> tuple[float
     proven = max(p.peak_bytes for p in worker_peaks(r.schedule, plan))
     host = host_memory(plan, "async", r.peak_host_bytes)
     search = next((n for n in plan.notes if n.startswith("search: NOT proven")), "")
+    over_host = host_ram_problem(host, *ram, ram_option="--host-ram-gib") is not None
     note = (f"{plan.num_forward}F+{len(plan.stages) - plan.num_forward}B stages, bubble "
             f"{100 * r.bubble:.1f}%, peak {peak:.1f} GiB simulated, {proven / 2**30:.1f} GiB "
             f"proven (usable {hw.usable_memory_bytes / 2**30:.1f})"
             + (" (over the GPU!)" if proven > hw.usable_memory_bytes else "")
-            + f", host {host.total / 2**30:.1f} GiB" + (f"; {search}" if search else ""))
-    return w.tokens_per_step / (steady_step_ms(r) / 1e3), note
+            + f", host {host.total / 2**30:.1f} GiB"
+            + (f" (over the host RAM, {ram[0] / 2**30:.1f} GiB!)" if over_host else "")
+            + (f"; {search}" if search else ""))
+    return w.tokens_per_step / (steady_step_ms(r) / 1e3), note, host
 
 
 def pipeline_tokens_per_s(name: str, kind: str) -> tuple[float | None, str]:
@@ -91,35 +120,52 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
     add_search_caps(ap)
+    ap.add_argument("--host-ram-gib", type=float, default=None,
+                    help="the server's RAM, GiB (default: the profile's host_ram_gib, else "
+                         f"{DEFAULT_HOST_RAM_GIB:.1f} = 512 GB)")
     ap.add_argument("--json", type=Path, default=RESULTS / "paper_throughput.json",
-                    help="where to write {model: {config: tokens_per_s or null}}")
+                    help="where to write {model: {config: tokens_per_s or null}}, plus "
+                         "host-gib: {model: {config: GiB}}, host-ram-gib, host-ram-source and "
+                         "over-host-ram: {model: [config, ...]}")
     ap.add_argument("--png", type=str, default=RESULTS / "paper_throughput.png",
                     help="grouped bar chart ('' to skip)")
     args = ap.parse_args()
 
     t0 = time.perf_counter()
+    ram = server_ram(args.host_ram_gib)
+    print(f"host RAM of the server: {ram[0] / 2**30:.1f} GiB ({ram[1]})")
     result: dict[str, dict[str, float | None]] = {}
+    host_gib: dict[str, dict[str, float]] = {}
+    over: dict[str, list[str]] = {}
     for name in args.models:
         row: dict[str, float | None] = {}
         notes = {}
+        hosts = {}
         ours = capped_partition(args)
-        row["rpcompile"], notes["rpcompile"] = roundpipe_tokens_per_s(name, ours)
-        row["roundpipe-partition"], notes["roundpipe-partition"] = roundpipe_tokens_per_s(
-            name, partition_roundpipe)
+        for k, partitioner in (("rpcompile", ours), ("roundpipe-partition", partition_roundpipe)):
+            row[k], notes[k], hosts[k] = roundpipe_tokens_per_s(name, partitioner, ram=ram)
         for kind in ("1f1b", "gpipe"):
             row[kind], notes[kind] = pipeline_tokens_per_s(name, kind)
         result[name] = {k: None if v is None else round(v, 1) for k, v in row.items()}
+        host_gib[name] = {k: round(h.total / 2**30, 1) for k, h in hosts.items()}
+        over[name] = [k for k, h in hosts.items()
+                      if host_ram_problem(h, *ram, ram_option="--host-ram-gib") is not None]
         print(name)
         for k in CONFIGS:
             v = row[k]
             print(f"  {k:<20} {'-' if v is None else f'{v:>10,.0f}':>10} tokens/s   {notes[k]}")
+        for k in over[name]:
+            print(f"  {k}: " + host_ram_problem(hosts[k], *ram, ram_option="--host-ram-gib",
+                                                 parts=False))
 
-    calib, _ = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1)
+    calib, _, _ = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1)
     print(f"calibration: RoundPipe partition on 1 RTX 4090, Qwen3-1.7B: {calib:,.0f} tokens/s "
           f"(paper: about {CALIBRATION_TOKENS_PER_S:,.0f})")
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    args.json.write_text(json.dumps({
+        **result, "host-gib": host_gib, "host-ram-gib": round(ram[0] / 2**30, 1),
+        "host-ram-source": ram[1], "over-host-ram": over}, indent=2) + "\n")
     if args.png:  # "" skips the chart (Path("") would be ".")
         from rpcompile.viz import bar_chart
 
@@ -128,7 +174,8 @@ def main() -> None:
     gains = [result[m]["rpcompile"] / result[m]["roundpipe-partition"] for m in args.models]
     print(f"paper_throughput: rpcompile / roundpipe-partition = "
           f"{min(gains):.3f}..{max(gains):.3f}x over {len(args.models)} models; 1-GPU calibration "
-          f"{calib:,.0f} tokens/s vs {CALIBRATION_TOKENS_PER_S:,.0f}; "
+          f"{calib:,.0f} tokens/s vs {CALIBRATION_TOKENS_PER_S:,.0f}; over the host RAM: "
+          f"{', '.join(f'{m} {k}' for m, ks in over.items() for k in ks) or 'none'}; "
           f"{time.perf_counter() - t0:.1f}s -> {args.json}")
 
 

@@ -5,7 +5,8 @@ exactly where the schedule puts them, and timed by the simulator on the inter-se
 The lowering is checked against the model's own parameters (each reduced once, a tied one
 after its last gradient stage); the run against a log of every action taken with this test's
 own clock (two processes, gloo, virtual workers); the simulator against the ring all-reduce
-formula, on a profile whose host memory never limits it."""
+formula, on a profile whose host memory is far faster than its link (a reduction that
+overlaps a host memory pass shares the bus, by a bounded share)."""
 
 from __future__ import annotations
 
@@ -263,8 +264,9 @@ def _sim_plan():
     from rpcompile.planner.partition import partition
     from rpcompile.workloads.paper import MODELS
 
-    # Host memory that never limits a reduction: with a link without latency a REDUCE then
-    # takes exactly its ring time, 2 (N-1)/N x bytes / bandwidth. One sync step of 27 layers
+    # Host memory far faster than any link: with a link without latency a REDUCE then takes
+    # exactly its ring time, 2 (N-1)/N x bytes / bandwidth, unless a host memory pass shares
+    # the bus with it (_check_reduction_times bounds that share). One sync step of 27 layers
     # of Qwen3-1.7B on 4 workers (the search's plan: 8 gradient stages before this session's
     # tighter bound, 14 after; the test reads the count from the plan).
     hw = replace(get_hardware("rtx4090x8").with_gpus(4), host_mem_gbps=1e6)
@@ -294,18 +296,43 @@ def _ring_ms(a, gbit: float) -> float:
     return a.bytes * 8 / (gbit * 1e9) * 1e3  # 2 (N-1)/N = 1 for two ranks
 
 
+def _check_reduction_times(run, gbit: float, hw) -> None:
+    """Each REDUCE of ``run`` takes its ring time (a ring all-reduce and, on two ranks, gloo's
+    reduce to the owners alike: 2 (N-1)/N x bytes / bandwidth) when no host memory pass
+    overlaps it. A memory pass (ACC, SHADOW) asks for the bus's full rate however fast the bus
+    is, and the replay shares the bus in proportion to demand: a REDUCE beside one is slower,
+    at most by the share of the bus that it and every worker's two links (all that can run
+    beside the pass) ask for."""
+    from rpcompile.sim.engine import GLOO_HOST_BYTES_PER_BYTE
+
+    bus = hw.host_mem_gbps * 1e6  # bytes per ms
+    others = GLOO_HOST_BYTES_PER_BYTE / 2 * gbit * 1e9 / 8 * 1e-3  # a REDUCE's own demand
+    others += run.schedule.workers * (hw.h2d_gbps + hw.d2h_gbps) * 1e6
+    tl = run.timeline
+    passes = [tl[x] for x in run.schedule.host if x.kind in ("ACC", "SHADOW")]
+    reds = run.schedule.network
+    alone = 0
+    for a in reds:
+        start, end = tl[a]
+        ring = _ring_ms(a, gbit)
+        if not any(s < end and e > start for s, e in passes):
+            assert end - start == pytest.approx(ring, rel=1e-6), a
+            alone += 1
+        else:
+            assert ring * (1 - 1e-9) <= end - start <= ring * (1 + others / bus) * (1 + 1e-9), a
+    assert alone >= len(reds) // 2  # most run alone: the equality is what is tested
+
+
 def test_the_reduction_time_follows_the_link_bandwidth():
     one, fast = _sim_case(800.0)
     _, slow = _sim_case(400.0)
-    plan, _hw = _sim_plan()
+    plan, hw = _sim_plan()
     gradient_stages = sum(1 for st in plan.stages if st.kind != "forward")
     assert gradient_stages >= 4
     for run, gbit in ((fast, 800.0), (slow, 400.0)):
         reds = run.schedule.network
         assert len(reds) == gradient_stages  # one REDUCE per gradient stage and step
-        for a in reds:
-            start, end = run.timeline[a]
-            assert end - start == pytest.approx(_ring_ms(a, gbit), rel=1e-6)
+        _check_reduction_times(run, gbit, hw)
         # The last reduction has nothing left to hide behind: the time data parallel adds
         # to the step is its ring time, exposed.
         assert run.makespan_ms - one.makespan_ms == pytest.approx(_ring_ms(reds[-1], gbit),
@@ -339,20 +366,18 @@ def test_a_sharded_run_is_timed_as_reduces_to_owners_and_shadow_broadcasts():
     after the step's last backward, so halving the bandwidth doubles the exposed time."""
     from rpcompile.sim.sharding import shadow_gather_bytes
 
-    plan, _ = _sim_plan()
+    plan, hw = _sim_plan()
     one, fast = _sim_case(800.0, True)
     _, slow = _sim_case(400.0, True)
     _, replicated = _sim_case(800.0)
     assert fast.schedule.sharded and not replicated.schedule.sharded
     for run, gbit in ((fast, 800.0), (slow, 400.0)):
         gathers = shadow_gather_bytes(run.schedule, plan)
-        # The shadows of every trainable parameter once (the paper units lend the tied
-        # embedding to the tail as a trainable parameter of its own: counted as the plan does).
+        # The shadows of every trainable parameter once (the tail borrows the tied embedding
+        # from the prefix, which owns it: counted once, as the plan does).
         trainable = sum(u.trainable_params for u in plan.units)
         assert sum(gathers.values()) == 2 * trainable  # bf16 shadows
-        for a in run.schedule.network:
-            start, end = run.timeline[a]
-            assert end - start == pytest.approx(_ring_ms(a, gbit), rel=1e-6)
+        _check_reduction_times(run, gbit, hw)
         for a in run.schedule.host:
             if a.kind == "SHADOW":
                 start, end = run.timeline[a]

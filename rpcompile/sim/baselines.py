@@ -6,7 +6,11 @@ reproduces the RoundPipe paper's simulator figures (arXiv 2604.27085; docs/simul
 shows the check): the LM head counts as ``h`` layers, h = its forward + backward time over one
 layer's forward + recompute + backward, rounded; the ``layers + h`` slots are split as evenly as
 possible over the stages, larger stages last; the last stage's slots are the head's ``h`` plus
-the layers left over. The prefix (embedding) joins the first stage, the tail the last.
+the layers left over (the tail alone when its ``h`` slots are more than the last stage's
+share). The prefix (embedding) joins the first stage, the tail the last. The "layers" are the
+units between the prefix and the tail: a model's attention and MLP blocks
+(``PaperModel.units(split_layers=True)``) can be dealt the same way where there are more stages
+than layers (benchmarks/paper_bubbles.py's interleaved baselines).
 """
 
 from __future__ import annotations
@@ -45,12 +49,19 @@ def pipeline_stages(units: Sequence[UnitProfile], num_stages: int,
         raise ValueError("pipeline_stages needs at least a prefix and a tail unit")
     if num_stages < 1 or num_stages > max(n_layers, 1):
         raise ValueError(f"cannot cut {n_layers} layers into {num_stages} stages; use between "
-                         f"1 and {max(n_layers, 1)}")
+                         f"1 and {max(n_layers, 1)}, or finer units (a layer's attention and "
+                         f"MLP blocks: PaperModel.units(split_layers=True))")
     h = head_layer_equivalents(units) if head_layers is None else head_layers
     h = min(h, n_layers - (num_stages - 1))  # every stage keeps at least one layer
     h = max(h, 0)
     q, rem = divmod(n_layers + h, num_stages)
     counts = [q] * (num_stages - rem) + [q + 1] * rem
+    if counts[-1] < h:
+        # The head outweighs the last stage's share (many stages, e.g. interleaved chunks
+        # over attention/MLP blocks): the tail is the last stage alone and the layers are
+        # split as evenly over the others, larger stages last.
+        q, rem = divmod(n_layers, num_stages - 1)
+        counts = [q] * (num_stages - 1 - rem) + [q + 1] * rem + [h]
     counts[-1] -= h
     bounds, start = [], 1
     for i, c in enumerate(counts):
@@ -63,6 +74,12 @@ def pipeline_stages(units: Sequence[UnitProfile], num_stages: int,
         r = tuple(range(a, b + 1))
         params = sum(units[u].params for u in r)
         trainable = sum(units[u].trainable_params for u in r)
+        # A parameter a unit borrows from a unit on another stage (a tied LM head reads the
+        # embedding) is a copy on this stage's GPU, with its own gradient (Megatron keeps the
+        # tied matrix on the first and the last stage), counted once per stage.
+        lent = {(o, n, t) for u in r for o, n, t in units[u].borrowed if o not in r}
+        params += sum(n for _o, n, _t in lent)
+        trainable += sum(n for _o, n, t in lent if t)
         shared = max((units[u].shared_bytes for u in range(a)), default=0)
         weights = params * weight_dtype_bytes
         grads = trainable * grad_dtype_bytes

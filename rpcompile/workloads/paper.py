@@ -183,8 +183,9 @@ class PaperModel:
         ``microbatch_size`` may be fractional: the paper splits e.g. 128 sequences into 10
         microbatches, and times scale with the mean tokens per microbatch. The embedding
         lookup and its gradient were not measured; they are taken as free (a gather and a
-        scatter-add, well under 1% of a layer). With tied embeddings the tail holds the
-        same matrix as the prefix: both upload it and both return gradients for it.
+        scatter-add, well under 1% of a layer). With tied embeddings the prefix owns the
+        matrix and the tail borrows it (``UnitProfile.borrowed``): a stage with the tail
+        uploads it and returns a gradient for it, the host holds it once.
         """
         tokens = microbatch_size * seq_len
         scale = tokens / _TABLE_TOKENS
@@ -215,7 +216,13 @@ class PaperModel:
                     output_bytes=act, working_bytes=self._layer_working_bytes(itokens, part),
                     group=f"layers.{i}" if split_layers else "",
                 ))
-        head = self.hidden + self.vocab * self.hidden  # tied: the tail still needs the matrix
+        # The tail's own parameters: the final norm, and the LM head unless it is the
+        # embedding. A tied head borrows the prefix's matrix (unit 0), as the capture marks a
+        # tied HF model (rpcompile.compiler._borrowed_params): a stage holding the tail but not
+        # the prefix still uploads it and returns its gradient, but it is one parameter on
+        # the host (one master, one optimizer state, one shadow).
+        head = self.head_params
+        borrowed = ((0, emb, not lora),) if self.tied_embeddings else ()
         if loss_chunk_tokens is None:
             # bf16 logits of the whole microbatch and their fp32 gradient, plus the normalised
             # input (autograd's own linear + cross entropy; not re-measured).
@@ -233,7 +240,7 @@ class PaperModel:
             backward_ms=self.head_backward_ms * scale,
             trainable_params=0 if lora else head, frozen_params=head if lora else 0,
             output_bytes=0,
-            working_bytes=logits_bytes + 2 * act,
+            working_bytes=logits_bytes + 2 * act, borrowed=borrowed,
         )
         return (prefix, *layer_units, tail)
 
