@@ -17,9 +17,11 @@ cut again by stage or layer by layer) and the longest sequence that fits, and wr
 schedule as CSV,
 Chrome-trace JSON and PNG. ``--longest`` searches the longest sequence that fits with one
 sequence per microbatch (or the microbatch ``--batch`` gives), one memory proof per trial
-length of the memory-first plan (every unit its own stage; rpcompile.planner.longest), prints
-it with what limits the next length (the unit or the worker, action and memory parts at the
-peak) and that plan with its proven peak. Without ``--batch`` it picks the batch by the rule
+length of the memory-first plan (every unit its own stage; rpcompile.planner.longest), then
+a replay for its host memory against the RAM (``--host-ram``, else the profile's, else this
+machine's), prints it with what limits the next length (the unit or the worker, action and
+memory parts at the peak, or the host RAM needed), the host memory at that length, the
+GPUs' own length where the RAM binds, and that plan with its proven peak. Without ``--batch`` it picks the batch by the rule
 of :func:`default_batch` (the sequences per microbatch double while the simulated tokens/s
 rises more than 5%) and prints the trials; a plan that leaves workers idle, or whose fill and
 drain dominate the step, says so. ``--optimizer`` defaults to sync, as ``train`` and
@@ -395,7 +397,7 @@ def _plan(args: argparse.Namespace) -> int:
                     "used" if hw.pageable_h2d_gbps and hw.pageable_d2h_gbps else
                     "pageable bandwidth unknown for this profile (hardware.probe() measures "
                     "it on a GPU)")
-        print(f"transfers: pinned host memory (the runtime pins its shadows and staging), "
+        print(f"transfers: pinned host memory (the runtime pins its host store and staging), "
               f"H2D {hw.h2d_gbps:g} GB/s, D2H {hw.d2h_gbps:g} GB/s per GPU; {pageable}")
     else:
         print(f"host memory {summary['host_gib']:.1f} GiB")
