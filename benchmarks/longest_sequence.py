@@ -8,7 +8,16 @@ memory-bounding wait) has a whole lowered schedule whose proven peak fits the GP
 memory (24 GiB less the 1.5 GiB reserve; rpcompile.passes.memory). One proof per trial length,
 no timing replay: rpcompile.planner.longest, the search ``rpcompile plan --longest`` runs. The
 first length that does not fit gives the limiting resource: the unit whose stage alone is too
-large, or the worker, action and parts at the peak of the proof. Backward stages of one unit
+large, or the worker, action and parts at the peak of the proof. A length must fit the host
+RAM too (``--host-ram``, default the profile's ``host_ram_gib``: rtx4090x8 is assumed to be a
+512 GB server, 476.84 GiB): the host memory of the memory-first plan's schedule at that length
+(static buffers plus the transfer staging of one replay, the figure compile() checks) is
+printed, and where it exceeds the RAM the length is bisected down to what fits both, the limit
+reads "host RAM: need ...", and the GPUs' own length (with the host memory it would need) is
+printed beside it. Where the static host memory alone (masters, optimizer state, gradients,
+shadows, the module's copy, the undo journal) exceeds the RAM, no length fits and the line
+says so. The memory-first plan stages the most boundary activations on the host (one per
+unit); a coarser plan that fits the GPUs stages fewer. Backward stages of one unit
 recompute no more than layer-by-layer recompute would, so the recompute granularity does not
 change these lengths.
 
@@ -28,7 +37,7 @@ decided: the static part is the same for every plan; the transfer staging is the
 2-step async replay of RoundPipe's greedy partition (rpcompile.planner.partition_baseline),
 which needs no search.
 
-    python benchmarks/longest_sequence.py [--models ...] [--json PATH]
+    python benchmarks/longest_sequence.py [--models ...] [--host-ram GIB] [--json PATH]
 """
 
 from __future__ import annotations
@@ -51,20 +60,34 @@ START, STEP, LIMIT = 2048, 1024, 1 << 20
 TAILS = (("unchunked", None), ("chunked", 4096))
 
 
-def longest(name: str, chunk: int | None) -> dict:
-    """{longest, limit, peak_gib, proofs, seconds} for one model and tail, microbatches of
-    one sequence (rpcompile.planner.longest, as ``rpcompile plan --longest``)."""
+def _gib(host) -> float | None:
+    return None if host is None else round(host.total / 2**30, 2)
+
+
+def longest(name: str, chunk: int | None, ram: int) -> dict:
+    """{longest, limit, limited_by, peak_gib, host_gib, gpu_longest, gpu_limit, gpu_host_gib,
+    proofs, replays, seconds} for one model and tail, microbatches of one sequence
+    (rpcompile.planner.longest, as ``rpcompile plan --longest``), the host memory checked
+    against ``ram`` bytes (0: not checked). ``gpu_*``: the GPUs alone (the same as the
+    answer unless the RAM binds)."""
     w = WORKLOADS[name]
     hw = get_hardware(HARDWARE)
     t0 = time.perf_counter()
     found = longest_sequence(lambda s: MODELS[name].units(1, s, loss_chunk_tokens=chunk), hw,
-                             hw.gpus, w.microbatches, 1, start=START, step=STEP, limit=LIMIT)
-    return {"longest": found.seq_len,
-            "limit": found.why if found.next_len is None else
-            f"at {found.next_len:,} tokens: {found.why}",
+                             hw.gpus, w.microbatches, 1, start=START, step=STEP, limit=LIMIT,
+                             host_ram_bytes=ram, host_ram_source="--host-ram or the profile")
+    gpu = found.gpu or found
+
+    def limit(f) -> str:
+        return f.why if f.next_len is None else f"at {f.next_len:,} tokens: {f.why}"
+
+    return {"longest": found.seq_len, "limit": limit(found), "limited_by": found.limit,
             "peak_gib": None if found.plan is None else
             round(max(found.plan.worker_peak_bytes) / 2**30, 2),
-            "proofs": found.proofs, "seconds": round(time.perf_counter() - t0, 1)}
+            "host_gib": _gib(found.host),
+            "gpu_longest": gpu.seq_len, "gpu_limit": limit(gpu), "gpu_host_gib": _gib(gpu.host),
+            "proofs": found.proofs, "replays": found.replays,
+            "seconds": round(time.perf_counter() - t0, 1)}
 
 
 def workload_host(name: str) -> dict:
@@ -84,30 +107,52 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
+    ap.add_argument("--host-ram", type=float, default=None, metavar="GIB",
+                    help=f"host RAM the lengths must fit, GiB (default: the {HARDWARE} "
+                         "profile's host_ram_gib, an assumed 512 GB server; 0: not checked)")
     ap.add_argument("--json", type=Path, default=RESULTS / "longest_sequence.json",
-                    help="where to write {model: {unchunked|chunked: {longest, limit, peak_gib, "
-                         "proofs, seconds}, host: {total_gib, pinned_gib, text}}}")
+                    help="where to write {model: {unchunked|chunked: {longest, limit, "
+                         "limited_by, peak_gib, host_gib, gpu_longest, gpu_limit, "
+                         "gpu_host_gib, proofs, replays, seconds}, host: {total_gib, "
+                         "pinned_gib, text}}, host_ram_gib}")
     args = ap.parse_args()
+    hw = get_hardware(HARDWARE)
+    ram_gib = hw.host_ram_gib if args.host_ram is None else args.host_ram
+    ram = int(ram_gib * 2**30)
+    print(f"host RAM: {ram_gib:g} GiB" + (" (not checked)" if not ram else
+          " (the profile's, an assumed 512 GB server)" if args.host_ram is None else
+          " (--host-ram)"), flush=True)
     t0 = time.perf_counter()
-    result: dict[str, dict] = {}
+    result: dict = {"host_ram_gib": ram_gib}
     for name in args.models:
         row: dict = {}
         print(name, flush=True)
         for tail, chunk in TAILS:
-            row[tail] = got = longest(name, chunk)
+            row[tail] = got = longest(name, chunk, ram)
             label = "unchunked tail" if chunk is None else "4,096-token chunks"
             peak = "" if got["peak_gib"] is None else f", proven peak {got['peak_gib']:.2f} GiB"
-            print(f"  {label:<20} {got['longest']:>9,} tokens{peak} ({got['proofs']} proofs, "
-                  f"{got['seconds']:.0f} s)   limit {got['limit']}", flush=True)
+            host = "" if got["host_gib"] is None else f", host {got['host_gib']:,.1f} GiB"
+            print(f"  {label:<20} {got['longest']:>9,} tokens{peak}{host} ({got['proofs']} "
+                  f"proofs, {got['replays']} host replays, {got['seconds']:.0f} s)   limit "
+                  f"({got['limited_by'] or 'none'}) {got['limit']}", flush=True)
+            if got["limited_by"] == "host RAM":
+                print(f"  {'':<20} the GPUs alone: {got['gpu_longest']:>9,} tokens, host "
+                      f"{got['gpu_host_gib']:,.1f} GiB there   limit {got['gpu_limit']}",
+                      flush=True)
         row["host"] = workload_host(name)
         print(f"  host memory of the workload: {row['host']['text']}", flush=True)
         result[name] = row
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
-    summary = ", ".join(f"{m} " + "/".join(f"{result[m][t]['longest']:,}" for t, _ in TAILS)
-                        for m in args.models)
-    print(f"longest_sequence: tokens (unchunked/chunked) on {HARDWARE}: {summary}; "
-          f"{time.perf_counter() - t0:.1f}s -> {args.json}")
+
+    def fig(m: str, t: str) -> str:
+        got = result[m][t]
+        gpu = "" if got["gpu_longest"] == got["longest"] else f" (GPUs {got['gpu_longest']:,})"
+        return f"{got['longest']:,}{gpu}"
+
+    summary = ", ".join(f"{m} " + "/".join(fig(m, t) for t, _ in TAILS) for m in args.models)
+    print(f"longest_sequence: tokens (unchunked/chunked) on {HARDWARE} with {ram_gib:g} GiB "
+          f"host RAM: {summary}; {time.perf_counter() - t0:.1f}s -> {args.json}")
 
 
 if __name__ == "__main__":

@@ -17,9 +17,11 @@ cut again by stage or layer by layer) and the longest sequence that fits, and wr
 schedule as CSV,
 Chrome-trace JSON and PNG. ``--longest`` searches the longest sequence that fits with one
 sequence per microbatch (or the microbatch ``--batch`` gives), one memory proof per trial
-length of the memory-first plan (every unit its own stage; rpcompile.planner.longest), prints
-it with what limits the next length (the unit or the worker, action and memory parts at the
-peak) and that plan with its proven peak. Without ``--batch`` it picks the batch by the rule
+length of the memory-first plan (every unit its own stage; rpcompile.planner.longest), then
+a replay for its host memory against the RAM (``--host-ram``, else the profile's, else this
+machine's), prints it with what limits the next length (the unit or the worker, action and
+memory parts at the peak, or the host RAM needed), the host memory at that length, the
+GPUs' own length where the RAM binds, and that plan with its proven peak. Without ``--batch`` it picks the batch by the rule
 of :func:`default_batch` (the sequences per microbatch double while the simulated tokens/s
 rises more than 5%) and prints the trials; a plan that leaves workers idle, or whose fill and
 drain dominate the step, says so. ``--optimizer`` defaults to sync, as ``train`` and
@@ -179,8 +181,11 @@ def main(argv: list[str] | None = None) -> int:
 
             for name in list_hardware():
                 hw = get_hardware(name)
+                ram = (f"host RAM {hw.host_ram_gib:g} GiB (assumed; --host-ram)"
+                       if hw.host_ram_gib else "host RAM unknown (this machine's is used)")
                 print(f"{name:<11} {hw.gpus} x {hw.gpu}, {hw.memory_gib:g} GiB, "
-                      f"{hw.matmul_tflops:g} TFLOP/s, H2D {hw.h2d_gbps:g} GB/s")
+                      f"{hw.matmul_tflops:g} TFLOP/s, H2D {hw.h2d_gbps:g} GB/s pinned, "
+                      f"{ram}")
             for name in list_links():
                 link = get_link(name)
                 print(f"{name:<11} link between servers (plan --nodes): {link.name}, "
@@ -386,20 +391,26 @@ def _plan(args: argparse.Namespace) -> int:
                                    journal_option="--no-undo-journal", parts=False)
         if problem is not None:  # the check compile() and the Trainer make (one function)
             print(f"warning: {problem}")
-        pageable = (f"pageable {hw.pageable_h2d_gbps:g}/{hw.pageable_d2h_gbps:g} GB/s"
-                    if hw.pageable_h2d_gbps else "pageable bandwidth not in the profile")
-        print(f"transfers assume pinned host memory: H2D {hw.h2d_gbps:g} GB/s, D2H "
-              f"{hw.d2h_gbps:g} GB/s per GPU ({pageable})")
+        # The runtime pins every staging buffer and shadow, so the plan is timed at the
+        # pinned bandwidth; the pageable one is only reported (docs/compiler.md).
+        pageable = (f"pageable {hw.pageable_h2d_gbps:g}/{hw.pageable_d2h_gbps:g} GB/s, not "
+                    "used" if hw.pageable_h2d_gbps and hw.pageable_d2h_gbps else
+                    "pageable bandwidth unknown for this profile (hardware.probe() measures "
+                    "it on a GPU)")
+        print(f"transfers: pinned host memory (the runtime pins its host store and staging), "
+              f"H2D {hw.h2d_gbps:g} GB/s, D2H {hw.d2h_gbps:g} GB/s per GPU; {pageable}")
     else:
         print(f"host memory {summary['host_gib']:.1f} GiB")
     if args.longest and args.schedule == "roundpipe":
         b = 1 if args.batch is None else plan.microbatch_size
         found = longest_sequence(compiled, hw, gpus, micro, args.rounds, microbatch_size=b,
-                                 optimizer=args.optimizer)
-        summary["longest"] = {"microbatch_size": b, "seq_len": found.seq_len,
-                              "next_len": found.next_len, "limit": found.why}
-        print(f"\nlongest sequence that fits ({micro} microbatches of {b} sequence"
-              f"{'s' if b > 1 else ''}, {gpus} GPUs): {found.describe()}")
+                                 optimizer=args.optimizer, ram=host_ram(args.host_ram, hw))
+        summary["longest"] = _longest_summary(found, b)
+        print(f"\nlongest sequence that fits the GPUs and the host RAM ({micro} microbatches "
+              f"of {b} sequence{'s' if b > 1 else ''}, {gpus} GPUs): {found.seq_len:,} tokens"
+              + (f" (limit: {found.limit})" if found.limit else ""))
+        print(f"  {found.describe()}")
+        print(f"  {found.host_line()}")
         if found.plan is not None:
             print(found.plan)
             print(f"proven peak at {found.seq_len:,} tokens: "
@@ -407,10 +418,11 @@ def _plan(args: argparse.Namespace) -> int:
                   f"{hw.usable_memory_bytes / 2**30:.2f} GiB usable")
     elif not args.no_fit_search and args.schedule == "roundpipe":
         found = longest_sequence(compiled, hw, gpus, micro, args.rounds,
-                                 optimizer=args.optimizer)
+                                 optimizer=args.optimizer, ram=host_ram(args.host_ram, hw))
         summary["longest_seq"] = found.seq_len
-        print(f"longest sequence that fits (microbatch of {plan.microbatch_size}): "
-              f"{found.describe()}")
+        summary["longest_detail"] = _longest_summary(found, plan.microbatch_size)
+        print(f"longest sequence that fits the GPUs and the host RAM (microbatch of "
+              f"{plan.microbatch_size}): {found.describe()}; {found.host_line()}")
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         timeline = result.pop("_timeline", None)
@@ -595,11 +607,24 @@ def default_batch(compiled, hw, gpus: int, micro: int, rounds: int, optimizer: s
     return choice
 
 
+def _longest_summary(found, microbatch_size: int) -> dict:
+    """summary.json's figures of a longest-sequence search (rpcompile.planner.longest)."""
+    gpu = found.gpu or found
+    return {"microbatch_size": microbatch_size, "seq_len": found.seq_len,
+            "next_len": found.next_len, "limit": found.why, "limited_by": found.limit,
+            "host_gib": None if found.host is None else found.host.total / 2**30,
+            "host_ram_gib": found.host_ram / 2**30 or None,
+            "gpu_seq_len": gpu.seq_len, "gpu_next_len": gpu.next_len, "gpu_limit": gpu.why,
+            "gpu_host_gib": None if gpu.host is None else gpu.host.total / 2**30}
+
+
 def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
-                     microbatch_size: int | None = None, optimizer: str = "async"):
+                     microbatch_size: int | None = None, optimizer: str = "async",
+                     ram: tuple[int, str] = (0, "")):
     """The longest sequence for which some plan fits (rpcompile.planner.longest), at
     ``microbatch_size`` sequences per microbatch (default: the plan's), searched from the
-    plan's length up to the model's ``max_position_embeddings`` to a multiple of 64 tokens."""
+    plan's length up to the model's ``max_position_embeddings`` to a multiple of 64 tokens;
+    ``ram``: (bytes, source) of the host RAM its host memory must fit (0: not checked)."""
     from rpcompile.compiler import unit_profiles
     from rpcompile.planner import longest
     from rpcompile.planner.partition import StageCosting
@@ -613,7 +638,7 @@ def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
     return longest.longest_sequence(
         lambda s: unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes),
         hw, gpus, micro, b, rounds, costing=costing, optimizer=optimizer, start=start,
-        step=min(64, start), limit=limit)
+        step=min(64, start), limit=limit, host_ram_bytes=ram[0], host_ram_source=ram[1])
 
 
 if __name__ == "__main__":

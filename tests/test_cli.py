@@ -79,7 +79,10 @@ def test_listings(capsys):
     assert main(["models"]) == 0
     assert "qwen3-235b-a22b" in capsys.readouterr().out
     assert main(["hardware"]) == 0
-    assert "rtx4090x8" in capsys.readouterr().out
+    lines = {t.split()[0]: t for t in capsys.readouterr().out.splitlines()}
+    # Only rtx4090x8 states a host RAM (an assumed 512 GB server); the others do not say.
+    assert "host RAM 476.84 GiB (assumed; --host-ram)" in lines["rtx4090x8"]
+    assert "host RAM unknown" in lines["a800x8"]
 
 
 def test_plan_reports_idle_workers_and_host_memory(tmp_path, capsys):
@@ -167,8 +170,13 @@ def test_plan_longest_reports_the_limit(tmp_path, capsys):
     text = capsys.readouterr().out
     found = json.loads((tmp_path / "summary.json").read_text())["longest"]
     assert found["microbatch_size"] == 1 and found["seq_len"] >= 2048
-    assert f"longest sequence that fits (5 microbatches of 1 sequence, 4 GPUs): " \
-           f"{found['seq_len']:,} tokens" in text
+    assert f"longest sequence that fits the GPUs and the host RAM (5 microbatches of 1 " \
+           f"sequence, 4 GPUs): {found['seq_len']:,} tokens" in text
+    # The host memory at that length, against the profile's RAM (a 512 GB server).
+    assert found["host_ram_gib"] == pytest.approx(476.84)
+    assert 0 < found["host_gib"] <= found["host_ram_gib"]
+    assert f"host memory at {found['seq_len']:,} tokens: " in text
+    assert "of 476.84 GiB RAM (the rtx4090x8 profile)" in text
     if found["next_len"] is not None:  # the reason names the unit or the worker at the peak
         assert found["limit"] and found["limit"] in text
         assert "unit" in found["limit"] or "worker" in found["limit"]

@@ -263,3 +263,42 @@ def test_plan_no_undo_journal_flag(tmp_path, capsys):
     warning = next(t for t in text.splitlines() if t.startswith("warning: the plan needs"))
     assert "more than the 1.00 GiB of RAM (--host-ram)" in warning
     assert "LoRA" in warning and "--no-undo-journal" not in warning  # already off
+
+
+def test_a_profiles_ram_plans_the_server_and_the_trainer_checks_this_machine(monkeypatch):
+    # rtx4090x8 is a 512 GB server (an assumption stated in the profile, README): compile()
+    # checks a plan for it against that figure, whatever this machine has; the Trainer,
+    # which allocates the host store here, checks this machine's RAM.
+    import rpcompile.hardware as hardware
+
+    monkeypatch.setattr(hardware, "host_ram_bytes", lambda: 1)  # this machine: 1 byte
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", HostMemoryWarning)
+        remote = _compile(hardware="rtx4090x8")
+    assert get_hardware("rtx4090x8").host_ram_gib == pytest.approx(512e9 / 2**30, abs=0.01)
+    assert remote.host_ram == (int(476.84 * 2**30), "the rtx4090x8 profile")
+    with pytest.raises(HostMemoryError, match=r"1 B of RAM \(this machine's, probed\)"):
+        Trainer(remote, SGD, device="virtual")
+
+
+def test_the_pinned_figure_is_what_a_cuda_store_pins(compiled, monkeypatch):
+    # On CUDA the host store registers its flat buffers with the driver (shadows, masters,
+    # gradients, the pending gradients); HostMemory.pinned counts those and the staging. The
+    # registration is faked here (no GPU): every buffer asked for pinned is recorded.
+    import rpcompile.runtime.memory as memory
+
+    pinned = []
+
+    def fake_flat(numel, dtype, pin):
+        flat = torch.empty(numel, dtype=dtype)
+        if pin:
+            pinned.append(flat.nbytes)
+        return flat, "registered" if pin else "no"
+
+    monkeypatch.setattr(memory, "_host_flat", fake_flat)
+    store = Trainer._build_store(compiled, pin=True)
+    store.add_pending()  # async: the second gradient buffer
+    host = host_memory(compiled.plan, "async", journal=False)
+    assert sum(pinned) == host.pinned - host.transfers == \
+        host.shadows + host.masters + host.gradients
+    assert host.pinned < host.total  # the optimizer state and the module are not pinned

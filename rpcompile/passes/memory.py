@@ -342,8 +342,15 @@ class HostMemory:
     default): before an ``OPT`` the driver copies the masters and optimizer state it
     changes, before a ``SHADOW`` the trainable shadows it overwrites, and keeps every copy
     until the step commits, so at a step's end it holds one more copy of all three for
-    every trainable parameter (0 with the journal off). Shadows and transfer staging are
-    pinned; masters, optimizer state, gradients, the module and the journal need not be."""
+    every trainable parameter (0 with the journal off).
+
+    Pinned (:attr:`pinned`), as a CUDA run allocates it: the host store's flat buffers
+    (shadows, masters, gradients and the pending gradients; exact size, registered with the
+    driver, rpcompile.runtime.memory) and the transfer staging (``pin_memory=True``, torch's
+    caching pinned allocator, which may round a block up to a power of two: the figure counts
+    exact bytes). Not pinned: the optimizer's state (torch's own tensors), the module and the
+    journal. Every transfer is planned at the profile's pinned bandwidth (``h2d_gbps``,
+    ``d2h_gbps``); nothing in the runtime copies from pageable memory."""
 
     masters: int
     optimizer: int
@@ -360,7 +367,8 @@ class HostMemory:
 
     @property
     def pinned(self) -> int:
-        return self.shadows + self.transfers
+        """The page-locked part: the host store's buffers and the transfer staging."""
+        return self.shadows + self.masters + self.gradients + self.transfers
 
     def sharded(self, ranks: int) -> HostMemory:
         """The figure of one rank of ``ranks`` sharding masters and optimizer state
