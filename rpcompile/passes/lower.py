@@ -54,6 +54,7 @@ __all__ = [
     "add_weight_uploads",
     "gradient_groups",
     "lower",
+    "opt_bytes",
     "runtime_schedule",
     "trainable_parameters",
     "updates_deferred",
@@ -384,12 +385,17 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
             accs.setdefault((a.stage, a.step), []).append(a)
     opts: dict[tuple[int, int], Action] = {}  # (stage, step) -> its OPT, once placed
     shadows: dict[tuple[int, int], Action] = {}
+    order: dict[int, list[int]] = {}  # step -> its OPTs' stages, in queue order
+    for a in sched.host:
+        if a.kind == "ACC" and a.round == sched.rounds - 1:
+            order.setdefault(a.step, []).append(a.stage)
+    updated = {k: opt_bytes(plan, stages_k) for k, stages_k in order.items()}
     for a in sched.host:
         host.append(a)
         if a.kind != "ACC" or a.round != sched.rounds - 1:
             continue
         s, k = a.stage, a.step
-        opt = Action(None, "OPT", s, None, None, k, bytes=stages[s].grad_bytes)
+        opt = Action(None, "OPT", s, None, None, k, bytes=updated[k][s])
         host.append(opt)
         opts[(s, k)] = opt
         edges += [Edge(acc, opt, "accumulated") for acc in accs[(s, k)]]
@@ -413,6 +419,31 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                 edges.append(Edge(up, war, "shadow_read"))
     return sched.replace(host=tuple(host), edges=tuple(edges),
                          passes=(*sched.passes, "optimizer"))
+
+
+def opt_bytes(plan: Plan | Sequence[Stage], order: Sequence[int]) -> dict[int, int]:
+    """The fp32 gradient bytes of the parameters each OPT of a step updates, the step's OPTs
+    in ``order`` (gradient stages, queue order): a parameter is updated at the OPT of the
+    last of its gradient stages (:func:`gradient_groups`), as the runtime's driver applies a
+    group (rpcompile.runtime.optim), so a parameter two stages share (a tied embedding and
+    LM head) is one update, charged to one OPT. What the simulator times an OPT by (its
+    update and the undo journal's copy): each stage's gradient bytes, less those of the
+    parameters it shares with a gradient stage whose OPT comes later. A bare stage list (no
+    units to say what stages share): each stage's own gradient bytes."""
+    stages = _stages(plan)
+    out = {s: stages[s].grad_bytes for s in order}
+    if not isinstance(plan, Plan):
+        return out
+    for group, nbytes in gradient_groups(plan).items():
+        members = [s for s in order if s in group]
+        for s in members[:-1]:  # updated at the last one's OPT
+            out[s] -= nbytes
+            if out[s] < 0:
+                raise ValueError(
+                    f"stage {s}: its gradient bytes ({stages[s].grad_bytes}) are fewer than "
+                    f"those of the parameters it shares with stages {sorted(group)}; the "
+                    "plan's stage figures and its units disagree")
+    return out
 
 
 def _sharing(sched: Schedule, plan: Plan | Sequence[Stage]) -> dict[int, set[int]]:
@@ -462,8 +493,8 @@ def _add_async_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
     for k in sorted(by_step):
         accs = by_step[k]
         order = [a.stage for a in accs if a.round == last]  # gradients home, first to last
-        opts = {s: Action(None, "OPT", s, None, None, k, bytes=stages[s].grad_bytes)
-                for s in order}
+        updated = opt_bytes(plan, order)
+        opts = {s: Action(None, "OPT", s, None, None, k, bytes=updated[s]) for s in order}
         host += opts.values()
         first_acc: dict[int, Action] = {}
         for a in accs:

@@ -41,6 +41,7 @@ from collections import OrderedDict
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan
 from rpcompile.options import MODES, check_choice
+from rpcompile.passes.lower import opt_bytes
 from rpcompile.passes.schedule import deal, roundpipe_flows
 from rpcompile.sim.engine import JOURNAL_BYTES_PER_PARAM
 
@@ -280,8 +281,13 @@ def _host_queue(plan: Plan, hw: Hardware, rounds: int, home: dict[tuple[int, int
     # the run keeps no journal (Hardware.undo_journal), so the bound stays below its replay.
     journal = JOURNAL_BYTES_PER_PARAM if hw.undo_journal else 0
 
+    # What each OPT updates (rpcompile.passes.lower.opt_bytes): a parameter shared by two
+    # gradient stages (a tied embedding and LM head) is updated once, at the OPT of the last
+    # of them in the queue, which is this queue's order (last-round ACCs by stage).
+    own = opt_bytes(plan, grad_stages)
+
     def opt_ms(s: int) -> float:  # the undo journal's copy, then the update
-        params = stages[s].grad_bytes / 4
+        params = own[s] / 4
         return params / opt_rate + journal * params / host_rate
 
     def shadow_ms(x: int) -> float:  # the pass (the journal's copy, once a step per
