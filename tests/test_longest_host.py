@@ -25,11 +25,11 @@ def _units(seq: int):
     return MODEL.units(1, seq, loss_chunk_tokens=4096)
 
 
-def _host_at(seq: int) -> int:
+def _host_at(seq: int, microbatches: int = 5) -> int:
     """The host bytes compile() would check for the memory-first plan at ``seq``: its
     runtime schedule replayed once (independent of the search's own lowering)."""
-    plan = memory_first_plan(_units(seq), HW, 4, 5, 1, seq)
-    sched = runtime_schedule(plan, 4, 5, 1, "async")
+    plan = memory_first_plan(_units(seq), HW, 4, microbatches, 1, seq)
+    sched = runtime_schedule(plan, 4, microbatches, 1, "async")
     return host_memory(plan, "async", simulate(sched, plan, HW).peak_host_bytes).total
 
 
@@ -86,3 +86,17 @@ def test_host_need_follows_the_undo_journal(gpu_only):
     off = host_need(plan, HW.with_undo_journal(False))
     assert on.journal > 0 and off.journal == 0
     assert on.total - off.total == on.journal
+
+
+def test_a_start_over_the_ram_does_not_rule_out_longer_lengths():
+    """The staging is not monotone in the length: on 4 GPUs and 4 microbatches the
+    memory-first plan stages more at 4,096 tokens than at 6,144. With the RAM between the
+    two, the search must not report that no length fits: it reports one that fits both
+    (the host checked by an independent replay) and says the host RAM limits the next."""
+    seqs = (4096, 6144)
+    need = {s: _host_at(s, 4) for s in seqs}
+    assert need[4096] > need[6144]  # the premise: longer, and less host memory
+    ram = (need[4096] + need[6144]) // 2
+    found = longest_sequence(_units, HW, 4, 4, start=4096, step=1024, host_ram_bytes=ram)
+    assert found.seq_len > 4096 and found.limit == "host RAM"
+    assert _host_at(found.seq_len, 4) <= ram

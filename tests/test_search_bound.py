@@ -244,3 +244,22 @@ def test_a_replay_is_kept_by_what_it_depends_on(monkeypatch) -> None:
     for args in ((1, "sync", capacity - 1), (2, "sync", capacity), (1, "async", capacity)):
         partition_module._simulated_ms(plan, hw, *args)
     assert len(lowerings) == 4
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_cached_bound_is_not_reused_for_a_plan_that_shares_a_parameter(mode: str) -> None:
+    """A tied plan and its untied twin have the same stage figures; only their units say
+    that the tail's matrix is the embedding's, updated once (passes.lower.opt_bytes). The
+    bound of one must not be served for the other from the cache: the untied twin's, which
+    charges the matrix's update twice, exceeds the tied plan's own replay."""
+    hw = replace(get_hardware("rtx4090x8").with_gpus(4), optimizer_params_per_s=2e8)
+    units = _tiny_units(random.Random(7), 4, tied=True)
+    assert any(u.borrowed for u in units)
+    tied = build_plan(units, (0, 1, 3), (0, 2, 4), len(units) - 1, hw, 4, 4, 1, 256)
+    untied = replace(tied, units=tuple(replace(u, borrowed=()) for u in tied.units))
+    assert untied.stages == tied.stages
+    twin = simulated_lower_bound(untied, hw, 1, mode)
+    bound = simulated_lower_bound(tied, hw, 1, mode)
+    figure = _figure(tied, hw, 1, mode)
+    assert bound <= figure, (bound, figure)
+    assert twin > bound  # the twin's bound is another figure, so a reuse would be seen

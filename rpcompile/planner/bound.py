@@ -60,9 +60,10 @@ def simulated_lower_bound(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     check_choice("optimizer", optimizer, MODES)
     hw = get_hardware(hardware)
     # Everything the bound reads (roundpipe_flows reads the stages and the tokens per
-    # microbatch; nothing reads the units, notes or memory waits).
-    key = (plan.stages, plan.workers, plan.microbatches, plan.microbatch_size * plan.seq_len,
-           hw, rounds, optimizer)
+    # microbatch; of the units, only what they borrow: opt_bytes charges a shared
+    # parameter's update once; nothing reads the notes or memory waits).
+    key = (plan.stages, tuple(u.borrowed for u in plan.units), plan.workers,
+           plan.microbatches, plan.microbatch_size * plan.seq_len, hw, rounds, optimizer)
     with _BOUNDS_LOCK:
         hit = _BOUNDS.get(key)
         if hit is not None:

@@ -35,7 +35,11 @@ schedule at the GPUs' longest length is replayed once for its host memory
 ``compile()`` checks as ``Compiled.host``). If that exceeds the RAM, the static part (the same
 at every length) is compared first: over the RAM, no length fits, and the answer says so with
 its parts. Otherwise the lengths below are bisected with both checks, one proof and one
-replay per trial, and the limit reads ``host RAM: need X of Y RAM (source)`` with the parts;
+replay per trial, and the limit reads ``host RAM: need X of Y RAM (source)`` with the parts.
+The host memory is not monotone in the length (the transfer staging is what a replay holds at
+once, and the overlaps move with the stage times): a length reported fits both, but a longer
+one between it and the GPUs' length may fit too, and when ``start`` itself is over the RAM
+the next lengths (``step`` apart, up to 32) are tried before no length is reported;
 the GPUs' own answer is kept (``LongestSequence.gpu``, with the host memory it would need) for
 a user with more RAM. The memory-first plan stages the most activations on the host (one per
 unit): a host-limited length is that plan's, and a coarser plan that fits the GPUs stages
@@ -259,8 +263,22 @@ def longest_sequence(
             f"{static.describe()}, over the {format_bytes(ram)} RAM ({host_ram_source}), so "
             f"no length fits{hint}", proofs, replays, None, ram, host_ram_source, gpu)
     lo, low, hi2, why2 = _search(both_attempt, start, step, seq, top=(seq, host_why(host)))
+    if low is None:
+        # The staging is not monotone in the length (what a replay overlaps changes with the
+        # stage times), so a failing start does not rule out the lengths above it: try them
+        # in steps, up to _HOST_SCAN of them, and bisect again from the first that fits.
+        for trial in range(start + step, seq, step)[:_HOST_SCAN]:
+            plan, _why = both_attempt(trial)
+            if plan is not None:
+                lo, low, hi2, why2 = _search(both_attempt, trial, step, seq,
+                                             top=(seq, host_why(host)))
+                break
     return LongestSequence(lo, low, hi2, why2, proofs, replays,
                            None if low is None else host_of(low), ram, host_ram_source, gpu)
+
+
+# Lengths above a start whose host memory is over the RAM that the host search still tries.
+_HOST_SCAN = 32
 
 
 def _search(attempt, start: int, step: int, limit: int, top: tuple[int, str] | None = None):

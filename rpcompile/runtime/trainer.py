@@ -164,8 +164,10 @@ class Trainer:
     ``undo_journal``; each is described there), each of which **overrides that one option of
     the compile's** (``compiled.options.train``): ``compile(model, max_grad_norm=1.0)`` then
     ``Trainer(compiled, opt, device="virtual")`` clips, with ``opt``, on virtual workers
-    (:func:`train_options_for`). A keyword set to ``None`` (or ``False``) turns its option
-    off. ``mode``, ``schedule_steps``, ``chunk_bytes``, ``updates`` and ``shard_optimizer``
+    (:func:`train_options_for`). A keyword set to ``None`` gives that option its default
+    (``max_grad_norm``, ``loss_scale``: off; ``timeout_s``: the default watchdog, ``math.inf``
+    turns it off; ``host_ram_bytes``: this machine's RAM), except ``optimizer``, whose
+    ``None`` keeps the compile's; ``False`` turns a flag off. ``mode``, ``schedule_steps``, ``chunk_bytes``, ``updates`` and ``shard_optimizer``
     override the compiled plan's :class:`~rpcompile.options.PlanOptions` the same way.
 
     Kernel backends give the same bits. A step whose gradients hold an inf or NaN (the
