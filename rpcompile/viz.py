@@ -71,5 +71,6 @@ def bar_chart(groups: Mapping[str, Mapping[str, float | None]], path: str | os.P
     ax.legend(fontsize=7, loc="best")
     ax.margins(y=0.15)
     fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(os.fspath(path))), exist_ok=True)
     fig.savefig(os.fspath(path), dpi=120)
     plt.close(fig)
