@@ -21,7 +21,7 @@ for the CUDA context and the allocator); a plan over it is marked "over the GPU!
 Each RoundPipe line also prints the plan's host memory (rpcompile.passes.memory.host_memory,
 async: masters, optimizer state, gradient buffers, shadows, the undo journal and the replay's
 transfer staging) against the server's RAM: ``--host-ram-gib``, else the profile's
-``host_ram_gib``, else 512 GB (476.8 GiB, a typical 8x RTX 4090 server; the output says which).
+``host_ram_gib`` (rtx4090x8: an assumed 512 GB server, 476.8 GiB; the output says which).
 A plan that needs more is marked "over the host RAM!" (rpcompile.passes.memory.host_ram_problem,
 the check compile() and ``rpcompile plan`` make), and the JSON lists it under "over-host-ram".
 The weight-bound baselines keep their weights on the GPUs and have no host figure.
@@ -56,22 +56,16 @@ HARDWARE = "rtx4090x8"
 CONFIGS = ("rpcompile", "roundpipe-partition", "1f1b", "gpipe")
 RESULTS = Path(__file__).resolve().parent / "results"
 CALIBRATION_TOKENS_PER_S = 8900.0
-# The server's RAM when neither --host-ram-gib nor the profile states it: 512 GB.
-DEFAULT_HOST_RAM_GIB = 512e9 / 2**30
 
 
 def server_ram(gib: float | None) -> tuple[int, str]:
     """(bytes, source) of the server's RAM: ``gib`` (--host-ram-gib), else the profile's
-    host_ram_gib (rpcompile.hardware.host_ram), else DEFAULT_HOST_RAM_GIB, never this
-    machine's RAM (the figures are for a remote server)."""
+    host_ram_gib (rpcompile.hardware.host_ram), never this machine's RAM (the figures are
+    for a remote server)."""
     hw = get_hardware(HARDWARE)
-    if gib is not None:
-        return host_ram(int(gib * 2**30), hw, option="--host-ram-gib")
-    if hw.host_ram_gib:
-        return host_ram(None, hw)
-    return (int(DEFAULT_HOST_RAM_GIB * 2**30),
-            f"512 GB, a typical 8x RTX 4090 server: the {HARDWARE} profile states no "
-            f"host_ram_gib")
+    if gib is None and not hw.host_ram_gib:
+        raise SystemExit(f"the {HARDWARE} profile states no host_ram_gib: give --host-ram-gib")
+    return host_ram(None if gib is None else int(gib * 2**30), hw, option="--host-ram-gib")
 
 
 def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8,
@@ -121,8 +115,8 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
     add_search_caps(ap)
     ap.add_argument("--host-ram-gib", type=float, default=None,
-                    help="the server's RAM, GiB (default: the profile's host_ram_gib, else "
-                         f"{DEFAULT_HOST_RAM_GIB:.1f} = 512 GB)")
+                    help="the server's RAM, GiB (default: the profile's host_ram_gib, an "
+                         "assumed 512 GB = 476.8 GiB)")
     ap.add_argument("--json", type=Path, default=RESULTS / "paper_throughput.json",
                     help="where to write {model: {config: tokens_per_s or null}}, plus "
                          "host-gib: {model: {config: GiB}}, host-ram-gib, host-ram-source and "
@@ -148,15 +142,15 @@ def main() -> None:
             row[kind], notes[kind] = pipeline_tokens_per_s(name, kind)
         result[name] = {k: None if v is None else round(v, 1) for k, v in row.items()}
         host_gib[name] = {k: round(h.total / 2**30, 1) for k, h in hosts.items()}
-        over[name] = [k for k, h in hosts.items()
-                      if host_ram_problem(h, *ram, ram_option="--host-ram-gib") is not None]
+        problems = {k: host_ram_problem(h, *ram, ram_option="--host-ram-gib", parts=False)
+                    for k, h in hosts.items()}
+        over[name] = [k for k, p in problems.items() if p is not None]
         print(name)
         for k in CONFIGS:
             v = row[k]
             print(f"  {k:<20} {'-' if v is None else f'{v:>10,.0f}':>10} tokens/s   {notes[k]}")
         for k in over[name]:
-            print(f"  {k}: " + host_ram_problem(hosts[k], *ram, ram_option="--host-ram-gib",
-                                                 parts=False))
+            print(f"  {k}: {problems[k]}")
 
     calib, _, _ = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1)
     print(f"calibration: RoundPipe partition on 1 RTX 4090, Qwen3-1.7B: {calib:,.0f} tokens/s "

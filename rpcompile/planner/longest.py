@@ -62,12 +62,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Plan, UnitProfile
+from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.options import MODES, check_choice
-from rpcompile.passes.memory import HostMemory, format_bytes, host_memory
+from rpcompile.passes.memory import HostMemory, format_bytes, host_memory, worker_peaks
 from rpcompile.planner.partition import (
     StageCosting,
     memory_first_plan,
+    proof_schedule,
     proof_steps,
     proven_peaks,
 )
@@ -143,30 +144,17 @@ def _alone(plan: Plan, capacity: int) -> str:
             f"microbatch's working set) but the GPU has {format_bytes(capacity)} usable")
 
 
-def _lowered(plan: Plan, rounds: int, optimizer: str):
-    """The plan's lowered schedule of one dispatch period, as :func:`proven_peaks` proves it
-    (and as the runtime runs it: ``Compiled.schedule``)."""
-    from rpcompile.passes.lower import lower
-    from rpcompile.passes.schedule import build_schedule
-    from rpcompile.sim.engine import paused_gc
-
-    with paused_gc():
-        compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
-                                 steps=proof_steps(plan, rounds, optimizer), kind="roundpipe",
-                                 optimizer=optimizer)
-        return lower(compute, plan, validate=False)[0]
-
-
 def host_need(plan: Plan, hardware: Hardware | str, rounds: int = 1,
               optimizer: str = "async", sched=None) -> HostMemory:
-    """The host memory of ``plan``'s schedule (``sched``, default the lowered dispatch period
+    """The host memory of ``plan``'s schedule (``sched``, default its
+    :func:`~rpcompile.planner.partition.proof_schedule`, the dispatch period
     :func:`proven_peaks` proves): its static buffers and the transfer staging of one
     simulated run, with the undo journal as ``hardware.undo_journal`` says; the figure
     ``compile()`` checks (``Compiled.host``) for the runtime's schedule."""
     from rpcompile.sim import simulate
 
     hw = get_hardware(hardware)
-    sched = _lowered(plan, rounds, optimizer) if sched is None else sched
+    sched = proof_schedule(plan, rounds, optimizer) if sched is None else sched
     return host_memory(plan, optimizer, simulate(sched, plan, hw).peak_host_bytes,
                        journal=hw.undo_journal)
 
@@ -210,14 +198,26 @@ def longest_sequence(
     ram = max(0, int(host_ram_bytes or 0))
     proofs = replays = 0
     hosts: dict[int, HostMemory] = {}
+    # Each length is proven once (the host search meets lengths the GPU search proved), and
+    # the last proof's schedule is kept for the host replay that usually follows it.
+    attempts: dict[int, tuple[Plan | None, str]] = {}
+    proven: dict[int, Schedule] = {}
 
     def gpu_attempt(seq: int) -> tuple[Plan | None, str]:
+        if seq not in attempts:
+            attempts[seq] = prove(seq)
+        return attempts[seq]
+
+    def prove(seq: int) -> tuple[Plan | None, str]:
         nonlocal proofs
         plan = memory_first_plan(units_at(seq), hw, workers, microbatches, microbatch_size,
                                  seq, rounds, costing)
         if why := _alone(plan, capacity):
             return None, why
-        peaks = proven_peaks(plan, rounds, optimizer)
+        sched = proof_schedule(plan, rounds, optimizer)
+        proven.clear()
+        proven[seq] = sched
+        peaks = worker_peaks(sched, plan, overlap_steps=False)  # as proven_peaks
         proofs += 1
         top = max(peaks, key=lambda p: p.peak_bytes)
         if top.peak_bytes > capacity:
@@ -230,7 +230,8 @@ def longest_sequence(
         nonlocal replays
         if plan.seq_len not in hosts:
             replays += 1
-            hosts[plan.seq_len] = host_need(plan, hw, rounds, optimizer)
+            hosts[plan.seq_len] = host_need(plan, hw, rounds, optimizer,
+                                            proven.get(plan.seq_len))
         return hosts[plan.seq_len]
 
     def host_why(host: HostMemory) -> str:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from functools import cache
 
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Plan, Stage, UnitProfile
+from rpcompile.ir import Plan, Schedule, Stage, UnitProfile
 from rpcompile.options import MODES, RECOMPUTE_MODES, check_choice
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
 from rpcompile.passes.lower import MEMORY_WAITS
@@ -39,7 +39,7 @@ from rpcompile.planner.bound import simulated_lower_bound
 
 __all__ = ["MEMORY_FIRST_NOTE", "SIMULATION_CAPS", "PartitionError", "StageCosting", "build_plan",
            "fit_memory_waits", "memory_first_note", "memory_first_plan", "partition",
-           "proof_steps", "proven_peaks"]
+           "proof_schedule", "proof_steps", "proven_peaks"]
 
 
 # Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
@@ -577,8 +577,6 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     are of each step from empty workers (``worker_peaks(overlap_steps=False)``): the step
     barrier ends every action of a step before the next step's first starts, so nothing a
     step holds outlives it, as the runtime runs them (``Compiled.memory``)."""
-    from rpcompile.passes.lower import lower
-    from rpcompile.passes.schedule import build_schedule
     from rpcompile.sim import steady_steps
 
     hw = get_hardware(hardware)
@@ -588,9 +586,7 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
                  else steady_steps(plan, rounds=rounds))
     for waits in WAIT_SETS:
         plan = replace(plan, memory_waits=waits)
-        compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
-                                 steps=steps, kind="roundpipe", optimizer=optimizer)
-        lowered, _ = lower(compute, plan, validate=False)
+        lowered = proof_schedule(plan, rounds, optimizer, steps)
         peaks = worker_peaks(lowered, plan, overlap_steps=False)
         if max(p.peak_bytes for p in peaks) <= capacity:
             break
@@ -659,12 +655,10 @@ def proof_steps(plan: Plan, rounds: int = 1, optimizer: str = "async") -> int:
     return dispatch_period(len(plan.stages) * rounds, plan.workers)
 
 
-def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
-                 steps: int | None = None) -> tuple[WorkerPeak, ...]:
-    """The proven peak of every worker over ``plan``'s lowered schedule of ``steps`` steps
-    (default :func:`proof_steps`), dispatched and lowered as the simulator runs it, each step
-    from empty workers (``worker_peaks(overlap_steps=False)``, as the partitioner and
-    ``compile()`` prove them)."""
+def proof_schedule(plan: Plan, rounds: int = 1, optimizer: str = "async",
+                   steps: int | None = None) -> Schedule:
+    """``plan``'s lowered schedule of ``steps`` steps (default :func:`proof_steps`),
+    dispatched and lowered as the simulator runs it: what the memory proof reads."""
     from rpcompile.passes.lower import lower
     from rpcompile.passes.schedule import build_schedule
     from rpcompile.sim.engine import paused_gc
@@ -673,8 +667,16 @@ def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
     with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
         compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
                                  steps=steps, kind="roundpipe", optimizer=optimizer)
-        lowered, _ = lower(compute, plan, validate=False)
-        return worker_peaks(lowered, plan, overlap_steps=False)
+        return lower(compute, plan, validate=False)[0]
+
+
+def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
+                 steps: int | None = None) -> tuple[WorkerPeak, ...]:
+    """The proven peak of every worker over ``plan``'s :func:`proof_schedule`, each step
+    from empty workers (``worker_peaks(overlap_steps=False)``, as the partitioner and
+    ``compile()`` prove them)."""
+    return worker_peaks(proof_schedule(plan, rounds, optimizer, steps), plan,
+                        overlap_steps=False)
 
 
 # Replays already run, by everything a replay depends on (the plan but its notes and memory

@@ -167,8 +167,9 @@ class Trainer:
     (:func:`train_options_for`). A keyword set to ``None`` gives that option its default
     (``max_grad_norm``, ``loss_scale``: off; ``timeout_s``: the default watchdog, ``math.inf``
     turns it off; ``host_ram_bytes``: this machine's RAM), except ``optimizer``, whose
-    ``None`` keeps the compile's; ``False`` turns a flag off. ``mode``, ``schedule_steps``, ``chunk_bytes``, ``updates`` and ``shard_optimizer``
-    override the compiled plan's :class:`~rpcompile.options.PlanOptions` the same way.
+    ``None`` keeps the compile's; ``False`` turns a flag off. ``mode``, ``schedule_steps``,
+    ``chunk_bytes``, ``updates`` and ``shard_optimizer`` override the compiled plan's
+    :class:`~rpcompile.options.PlanOptions` the same way.
 
     Kernel backends give the same bits. A step whose gradients hold an inf or NaN (the
     accumulation kernel's fused check) sets ``trainer.last.found_nonfinite``; with
@@ -199,8 +200,8 @@ class Trainer:
     ``undo_journal=False`` (a training option; like the others it overrides the compile's,
     and the Trainer applies it to everything it reads: its driver's rollback and its host
     figure; the schedule's actions do not depend on it, only the plan's predicted OPT time
-    does, which the watchdog's generous default absorbs) runs without that journal: no copy of the
-    masters, optimizer state and trainable shadows (14 bytes per trainable parameter of
+    does, which the watchdog's generous default absorbs) runs without that journal: no copy
+    of the masters, optimizer state and trainable shadows (14 bytes per trainable parameter of
     host memory, and the copy's time on every update), but a step that fails may leave
     them half-updated, which nothing can undo. The trainer then refuses every further
     :meth:`step` and every read of the masters (``masters``, ``state_dict``,
