@@ -16,7 +16,7 @@ from rpcompile.capture.types import (
 from rpcompile.compiler import Compiled, MemoryPlanError, compile
 from rpcompile.hardware import Hardware, get_hardware, list_hardware
 from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage, UnitProfile
-from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions
+from rpcompile.options import CaptureOptions, LossScaleConfig, Options, PlanOptions, TrainOptions
 from rpcompile.passes.lower import lower
 from rpcompile.passes.manager import PassInvariantError, ScheduleInvariantError
 from rpcompile.passes.memory import HostMemoryError, HostMemoryWarning
@@ -34,6 +34,7 @@ from rpcompile.runtime.errors import (
     WorkerOutOfMemory,
 )
 from rpcompile.runtime.executor import StepAborted, StepFailed, StepTimeout
+from rpcompile.runtime.trainer import Trainer
 from rpcompile.sim.engine import SimulationError
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "Hardware",
     "HostMemoryError",
     "HostMemoryWarning",
+    "LossScaleConfig",
     "MemoryPlanError",
     "NoLossError",
     "OptimizerError",
@@ -70,6 +72,7 @@ __all__ = [
     "StepFailed",
     "StepTimeout",
     "TrainOptions",
+    "Trainer",
     "TransferError",
     "UnitProfile",
     "UpstreamFailed",

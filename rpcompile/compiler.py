@@ -25,7 +25,14 @@ from rpcompile.capture.tracing import (
 )
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
-from rpcompile.options import CaptureOptions, Options, PlanOptions, TrainOptions, resolve
+from rpcompile.options import (
+    CaptureOptions,
+    Options,
+    PlanOptions,
+    TrainOptions,
+    grad_check_passes,
+    resolve,
+)
 from rpcompile.passes.cost import UnitCost, annotate_costs
 from rpcompile.passes.invariants import (
     check_captured,
@@ -626,7 +633,12 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
                           optimizer=mode, recompute=po.recompute,
                           capacity_bytes=options.train.capacity_bytes,
-                          max_simulations=po.max_simulations),
+                          max_simulations=po.max_simulations,
+                          # each candidate lowered, replayed and proven as the run will be
+                          updates=order if mode == "sync" else "overlap",
+                          grad_check_passes=grad_check_passes(
+                              max_grad_norm=options.train.max_grad_norm,
+                              loss_scale=options.train.loss_scale)),
         lambda p: check_plan(p, len(captured.units)),
     )
     steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)

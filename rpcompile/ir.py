@@ -182,6 +182,16 @@ class Plan:
     # The memory-bounding waits its lowering adds (rpcompile.passes.lower): every one of
     # MEMORY_WAITS by default; the partitioner drops them where the schedule fits without.
     memory_waits: tuple[str, ...] = field(default=("window", "sent", "grad_slot"))
+    # How the run closes and applies each step, which its lowering follows (and so every
+    # replay the partitioner ranks it by; rpcompile.compile sets both from the training
+    # options): ``updates``, the sync update order of rpcompile.passes.lower.add_optimizer
+    # ("overlap", or "deferred" when clipping, loss scaling or skipping non-finite steps must
+    # see the whole step's gradients first; async plans keep "overlap"), and
+    # ``grad_check_passes``, the passes over the fp32 gradients of the step's CHECK action
+    # (rpcompile.passes.lower.grad_check_passes: clipping reads them for the norm and
+    # rewrites them, 3; unscaling rewrites them, 2; 0 when the check only gathers the loss).
+    updates: str = "overlap"
+    grad_check_passes: int = 0
 
     # -- views ---------------------------------------------------------------------------
     @property
@@ -314,6 +324,7 @@ class ActionKind(str, enum.Enum):
     OPT = "OPT"  # run the optimizer over a stage's masters
     SHADOW = "SHADOW"  # rewrite a stage's low-precision flat buffer (what UP reads)
     REDUCE = "REDUCE"  # sum a stage's host gradients across data-parallel ranks (network)
+    CHECK = "CHECK"  # close a step's gradients: loss, non-finite jobs, unscale, clip
 
     def __str__(self) -> str:
         return self.value
@@ -352,6 +363,9 @@ ACTION_SPECS: Mapping[ActionKind, KindSpec] = {
         KindSpec(ActionKind.ACC, "host", bytes="the job's fp32 gradients"),
         KindSpec(ActionKind.OPT, "host", bytes="the stage's fp32 gradients"),
         KindSpec(ActionKind.SHADOW, "host", bytes="the stage's low-precision weights"),
+        KindSpec(ActionKind.CHECK, "host",
+                 bytes="the fp32 gradient traffic of the step's check (Plan.grad_check_passes "
+                       "passes over every trainable parameter's gradient)"),
         KindSpec(ActionKind.REDUCE, "network",
                  bytes="the fp32 gradients it reduces (each parameter once, at its last "
                        "gradient stage)"),

@@ -322,6 +322,22 @@ def deferred_reasons(*, max_grad_norm: float | None = None, loss_scale: Any = No
          "over every rank)", data_parallel)) if on]
 
 
+# Passes over the host's fp32 gradients in a step's CHECK (rpcompile.passes.lower, timed by the
+# simulator at the host's memory bandwidth): clipping reads every gradient for the global norm,
+# then rescales it in place (torch's clip_grads_with_norm_: read and write); unscaling (loss
+# scaling) rescales it in place.
+CLIP_GRAD_PASSES = 3
+UNSCALE_GRAD_PASSES = 2
+
+
+def grad_check_passes(*, max_grad_norm: float | None = None, loss_scale: Any = None) -> int:
+    """The passes over the fp32 gradients a run's step check makes (``Plan.grad_check_passes``):
+    :data:`CLIP_GRAD_PASSES` with clipping, plus :data:`UNSCALE_GRAD_PASSES` with loss
+    scaling; 0 when the check only gathers the loss and the non-finite flags."""
+    return ((CLIP_GRAD_PASSES if max_grad_norm is not None else 0)
+            + (UNSCALE_GRAD_PASSES if loss_scale else 0))
+
+
 def check_update_order(mode: str, updates: str | None, reasons: Sequence[str],
                        fix: str = "updates='deferred' (or None, which picks it)") -> None:
     """The one rule of the update order, checked wherever options meet (the options groups,

@@ -64,22 +64,22 @@ def test_two_ranks_lower_one_reduce_per_gradient_stage_and_the_check_waits(mode)
                            for e in sched.edges)
             first = _first_opts(sched)[k]
             host = list(sched.host)
+            check = next(a for a in host if a.kind == "CHECK" and a.step == k)
+            # The step's gradient check (its CHECK, after its last ACC) waits for the last
+            # REDUCE, and the network lane is ordered, so for every one of them.
+            assert any(e.src == reds[-1] and e.dst == check and e.kind == "reduced"
+                       for e in sched.edges)
+            assert host.index(check) > max(host.index(a) for a in accs)
             if mode == "sync":
-                # The step's gradient check (its first OPT) waits for the last REDUCE, and
-                # the network lane is ordered, so for every one of them; every OPT is after.
-                assert any(e.src == reds[-1] and e.dst == first and e.kind == "reduced"
-                           for e in sched.edges)
-                assert all(host.index(o) >= host.index(first) for o in host
+                # Every OPT of the step is after the check (host queue order).
+                assert all(host.index(o) > host.index(check) for o in host
                            if o.kind == "OPT" and o.step == k)
                 assert host.index(first) > max(host.index(a) for a in accs)
             else:
                 # Step k's OPTs apply step k-1's reduced gradients (checked at its end): they
-                # lead the step's host queue, and step k+1 starts after the step's last
-                # REDUCE (a barrier edge from it: to the step's last host action, the hub,
-                # or, when that ACC is the REDUCE's own source, to step k+1's starts).
+                # lead the step's host queue; step k+1 starts after the step's CHECK, which
+                # follows the last REDUCE.
                 assert host.index(first) < min(host.index(a) for a in accs)
-                assert k == sched.steps - 1 or any(
-                    e.src == reds[-1] and e.kind == "barrier" for e in sched.edges)
             # Every parameter reduced once: the bytes add up to the model's fp32 gradients,
             # and the tied embedding waits for the last of its two stages.
             assert sum(r.bytes for r in reds) == 4 * sum(p.numel() for p in trainable.values())

@@ -21,6 +21,13 @@ def test_tables_hold_nothing_else():
     assert set(ACTION_SPECS) == set(RUNTIME_ACTIONS) == set(SIM_COSTS) == set(ActionKind)
 
 
+def test_the_timeline_drawing_colours_every_kind():
+    # The PNG drawer is a leaf (it imports nothing of rpcompile), so it keeps its own table.
+    from rpcompile._draw import _COLORS
+
+    assert set(_COLORS) == {k.value for k in ActionKind}
+
+
 def test_a_table_missing_a_kind_is_refused():
     partial = {k: None for k in ActionKind if k is not ActionKind.SHADOW}
     with pytest.raises(TypeError, match="SHADOW"):

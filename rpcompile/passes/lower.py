@@ -407,6 +407,7 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                 edges += [Edge(opts[(y, k)], sh, "updated") for y in ys]
     if updates == "deferred":
         host = _deferred(host)
+    host = _with_checks(host, plan, grad_stages)
     for lst in sched.actions:
         for up in lst:
             if up.kind != "UP":
@@ -518,6 +519,7 @@ def _add_async_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
             host += before.get(i, [])
             host.append(a)
         host += before.get(len(accs), [])
+    host = _with_checks(host, plan, grad_stages)
     for lst in sched.actions:
         for up in lst:
             if up.kind == "UP":
@@ -526,6 +528,28 @@ def _add_async_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                     edges.append(Edge(src, up, "shadow"))
     return sched.replace(host=tuple(host), edges=tuple(edges),
                          passes=(*sched.passes, "optimizer"))
+
+
+def _with_checks(host: Sequence[Action], plan: Plan | Sequence[Stage],
+                 grad_stages: Sequence[int]) -> list[Action]:
+    """The host queue with each step's CHECK right after that step's last ACC: once every
+    gradient of the step is home, and before the first update that reads them (sync
+    ``deferred``; async, step k+1's OPTs, behind the step barrier). What the runtime's CHECK
+    does (rpcompile.runtime.executor): the step's loss, its non-finite jobs and the decision
+    to skip it, then unscaling and clipping in place over the fp32 gradients; its ``bytes``
+    are that traffic, ``Plan.grad_check_passes`` passes over every trainable parameter's
+    gradient (each once, :func:`opt_bytes`), which the simulator times at the host's memory
+    bandwidth. A bare stage list (no options): no passes. The action's stage is the step's
+    last gradient stage (the ACC it follows)."""
+    passes = plan.grad_check_passes if isinstance(plan, Plan) else 0
+    nbytes = passes * sum(opt_bytes(plan, grad_stages).values()) if passes else 0
+    last = {a.step: i for i, a in enumerate(host) if a.kind == "ACC"}
+    out: list[Action] = []
+    for i, a in enumerate(host):
+        out.append(a)
+        if last.get(a.step) == i:
+            out.append(Action(None, "CHECK", a.stage, None, None, a.step, bytes=nbytes))
+    return out
 
 
 def _deferred(host: Sequence[Action]) -> list[Action]:
@@ -610,8 +634,9 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
     then follow every REDUCE: in sync mode the step's first OPT (where the gradient check
     reads every gradient) waits for each (edge ``reduced``), and the schedule must already be
     deferred; in async mode step k's OPTs apply step k-1's gradients, reduced before step k
-    starts (the ``barrier`` edges, pass 4c, put step k-1's network lane before step k), and
-    the gradient check runs at step k-1's end."""
+    starts (the ``barrier`` edges, pass 4c, put step k-1's network lane before step k).
+    In both modes the step's CHECK (the gradient check, which agrees the loss across ranks
+    and clips by the global norm) waits for every REDUCE of its step (``reduced``)."""
     _require_roundpipe(sched, "reduce")
     if "optimizer" not in sched.passes:
         raise ValueError("pass 'reduce' needs the optimizer pass first (its OPT actions read "
@@ -632,6 +657,7 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
         for a in host:
             if a.kind == "OPT":
                 first_opt.setdefault(a.step, a)
+    checks = {a.step: a for a in host if a.kind == "CHECK"}
     edges = list(sched.edges)
     network: list[Action] = []
     done: dict[int, set[int]] = {}
@@ -650,6 +676,8 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
         edges.append(Edge(a, red, "reduce_ready"))
         if k in first_opt:
             edges.append(Edge(red, first_opt[k], "reduced"))
+        if k in checks:  # the check agrees the loss and clips over the reduced gradients
+            edges.append(Edge(red, checks[k], "reduced"))
     for k, left in pending.items():
         if left:
             raise ValueError(f"step {k}: the gradients of stages {sorted(map(sorted, left))} "
@@ -772,15 +800,17 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     compile's one pass mechanism, that validates the input (as pass ``dispatch``) and the
     output of each pass when ``validate`` (whatever ``RPCOMPILE_DEBUG`` says; a broken
     schedule raises :class:`~rpcompile.passes.manager.ScheduleInvariantError` naming the pass). ``updates`` is the sync update order
-    (:func:`add_optimizer`; ``None``: ``deferred`` for data parallel, else ``overlap``).
+    (:func:`add_optimizer`; ``None``: ``deferred`` for data parallel, else the plan's own,
+    ``Plan.updates``; a bare stage list, ``overlap``).
     ``ranks``: processes training data parallel (:func:`add_reductions`). The memory-bounding
     waits added are ``plan.memory_waits`` (all of :data:`MEMORY_WAITS` for a bare stage
     list). Returns the lowered schedule and one record per pass."""
     if ranks > 1 and schedule.stage_workers is not None:
         raise ValueError(f"data parallel (ranks={ranks}) lowers RoundPipe schedules; the "
                          f"{schedule.kind} baseline keeps its gradients on the bound workers")
-    if updates is None:
-        updates = "deferred" if ranks > 1 and schedule.optimizer == "sync" else "overlap"
+    if updates is None:  # the plan's own order (Plan.updates); data parallel sync defers
+        updates = "overlap" if schedule.optimizer != "sync" else (
+            "deferred" if ranks > 1 else plan.updates if isinstance(plan, Plan) else "overlap")
     if passes is None:
         passes = (LOWERING_PASSES if ranks == 1 else DATA_PARALLEL_PASSES) \
             if schedule.stage_workers is None else _BASELINE_PASSES

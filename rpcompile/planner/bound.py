@@ -31,6 +31,11 @@ Which figure is bounded:
     (:func:`_async_steady_bound`). Also at least one step's compute spread over the workers.
 
 Both are scaled by ``1 - 1e-9`` against rounding in the two summation orders.
+
+The host chain is the ``overlap`` order's, and leaves out each step's CHECK: a plan lowered
+with ``updates="deferred"`` or with ``grad_check_passes`` (``Plan.updates``, a clipped run)
+only adds host work after the step's last ACC, so its replay is no faster and the bound
+still holds (looser).
 """
 
 from __future__ import annotations

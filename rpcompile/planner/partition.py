@@ -32,7 +32,7 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, Stage, UnitProfile
 from rpcompile.options import MODES, RECOMPUTE_MODES, check_choice
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
-from rpcompile.passes.lower import MEMORY_WAITS
+from rpcompile.passes.lower import MEMORY_WAITS, UPDATE_ORDERS
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
 from rpcompile.passes.schedule import dispatch_period
 from rpcompile.planner.bound import simulated_lower_bound
@@ -90,6 +90,8 @@ def partition(
     search: int = 2000,
     recompute: str = "auto",
     capacity_bytes: int | None = None,
+    updates: str = "overlap",
+    grad_check_passes: int = 0,
 ) -> Plan:
     """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
 
@@ -118,6 +120,14 @@ def partition(
     capacity (the plan's notes say which, and why). ``capacity_bytes`` is only the target of
     that choice; a forced granularity, and the stage-recompute plan, are cut for the hardware.
 
+    ``updates`` (the sync update order, rpcompile.passes.lower.add_optimizer) and
+    ``grad_check_passes`` (the passes over the fp32 gradients of each step's CHECK:
+    :func:`rpcompile.options.grad_check_passes` of the run's clipping and loss scaling) say how
+    the run applies and checks each step; every candidate is lowered and replayed that way,
+    and the plan carries both (``Plan.updates``, ``Plan.grad_check_passes``), so its predicted
+    step is of the schedule that runs. :func:`rpcompile.compile` passes the training
+    options'; the defaults are a run without clipping or loss scaling.
+
     A public entry point (benchmarks, ``rpcompile plan`` and scripts call it directly), so it
     checks ``optimizer`` and ``recompute`` itself, with the one :func:`check_choice` and
     message of :mod:`rpcompile.options`; from :func:`rpcompile.compile` they arrive already
@@ -126,6 +136,16 @@ def partition(
     """
     check_choice("optimizer", optimizer, MODES)
     check_choice("recompute", recompute, RECOMPUTE_MODES)
+    check_choice("updates", updates, UPDATE_ORDERS)
+    if optimizer == "async" and updates != "overlap":
+        raise ValueError("updates='deferred' is a sync-mode order (async updates apply the "
+                         "previous step's gradients at the start of the step)")
+    if isinstance(grad_check_passes, bool) or not isinstance(grad_check_passes, int) \
+            or grad_check_passes < 0:
+        raise ValueError(f"grad_check_passes must be a whole number >= 0, got "
+                         f"{grad_check_passes!r}")
+    # Every candidate is lowered, replayed and proven as the run will be.
+    lowering = {"updates": updates, "grad_check_passes": grad_check_passes}
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
     units = tuple(units)
@@ -141,7 +161,7 @@ def partition(
     capacity = hw.usable_memory_bytes
     fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
     args = (units, hw, workers, microbatches, microbatch_size, seq_len, rounds, max_tail_layers,
-            shortlist, max_simulations, optimizer, refine, target_bubble, search)
+            shortlist, max_simulations, optimizer, refine, target_bubble, search, lowering)
     if recompute != "auto":
         return _fitting_plan(*args, replace(costing, recompute=recompute), capacity)
     try:
@@ -211,7 +231,7 @@ def _proven_at(plan: Plan, hw: Hardware, rounds: int, optimizer: str,
 
 def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
                   max_tail_layers, shortlist, max_simulations, optimizer, refine, target_bubble,
-                  search, costing, capacity) -> Plan:
+                  search, lowering, costing, capacity) -> Plan:
     """The fastest plan under ``costing`` whose whole schedule fits ``capacity``."""
     _check_units_fit(units, costing, capacity)
     # The stage check below is necessary, not sufficient: a worker also holds the next job's
@@ -225,7 +245,7 @@ def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, ro
         try:
             return _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
                               costing, max_tail_layers, shortlist, max_simulations, optimizer,
-                              refine, target_bubble, search, limit, capacity)
+                              refine, target_bubble, search, limit, capacity, lowering)
         except _NoPlanFits as exc:
             best, loose = exc, limit
             limit -= exc.overshoot
@@ -240,8 +260,8 @@ def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, ro
     # None of the searched candidates fits. The memory-first plan (every unit its own stage
     # on both sides, every memory wait: what `plan --longest` proves lengths with,
     # rpcompile.planner.longest) holds least, and may fit where no searched cut does.
-    first = memory_first_plan(units, hw, workers, microbatches, microbatch_size, seq_len,
-                              rounds, costing)
+    first = replace(memory_first_plan(units, hw, workers, microbatches, microbatch_size,
+                                      seq_len, rounds, costing), **lowering)
     fallback = None
     if all(st.peak_bytes <= capacity for st in first.stages):
         fallback = _proven_at(first, hw, rounds, optimizer, capacity)
@@ -281,7 +301,7 @@ class _NoPlanFits(Exception):
 
 def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds, costing,
                max_tail_layers, shortlist, max_simulations, optimizer, refine, target_bubble,
-               search, limit, capacity) -> Plan:
+               search, limit, capacity, lowering) -> Plan:
     n = len(units)
 
     # Cut anywhere between units; and, when units are blocks of layers, also only between
@@ -333,9 +353,9 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
         )
 
     def make(f_bounds, b_bounds, t, notes=()) -> Plan:  # timed by the bound of ``optimizer``
-        return build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
-                          microbatch_size, seq_len, rounds, costing, notes=notes,
-                          optimizer=optimizer)
+        return replace(build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
+                                  microbatch_size, seq_len, rounds, costing, notes=notes,
+                                  optimizer=optimizer), **lowering)
 
     def predicted(plan: Plan) -> float:
         return round(plan.predicted_step_ms, 6)

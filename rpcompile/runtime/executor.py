@@ -12,7 +12,7 @@ Sections, in reading order:
   2. value bundles                   - which tensors a schedule value (``x8``, ``g8``) carries
   3. _StepPlan                       - per schedule step: queues, waits, readers (built once)
   4. Executor                        - run_step(): submit, run the host queue, drain, clean up
-  5. actions                         - UP, EVICT, H2D, D2H, F, T, B, ACC, OPT, SHADOW, REDUCE
+  5. actions                         - UP, EVICT, H2D, D2H, F, T, B, ACC, OPT, SHADOW, REDUCE, CHECK
   6. device memory holds             - activations accounted against the worker's capacity
 
 **Values.** A schedule value names the boundary after a unit, but the stage programs exchange
@@ -40,8 +40,11 @@ satisfied when a step starts. ``ACC``, ``OPT`` and ``SHADOW`` are the optimizer 
 ``accumulate_grad``, ``update`` and ``refresh`` in both modes, run where the schedule puts them
 (``add_optimizer(updates=)``: overlapping the step's later backward jobs, or after its last
 gradient when clipping, loss scaling, skipping non-finite steps or data parallel must see them
-all first, done at the first ``OPT``; in async mode the step's ``OPT``s come first and apply
-the previous step's gradients, pending since its end, whose check ran there). The driver
+all first; in async mode the step's ``OPT``s come first and apply the previous step's
+gradients, pending since its end). The step's gradient check (its loss, the non-finite jobs,
+the decision to skip, unscaling and clipping in place) is the schedule's ``CHECK`` action,
+right after the step's last ``ACC`` (and, data parallel, every ``REDUCE``), so its wait and its
+cost are in the schedule the simulator times. The driver
 saves what each update and refresh changes, so
 when any item fails, a run-level abort flag makes every other wait give up, every stream
 drains, the workers are recovered and device memory freed, the driver puts the step's updates
@@ -364,8 +367,8 @@ class _Run:
         self.start = time.perf_counter()
         self.timeline: dict[Action, tuple[float, float]] = {}
         self.loss_scale = 1.0  # the tail's backward starts from loss * loss_scale
-        # The step's gradient checks, made once every gradient is home (sync deferred: at
-        # the first OPT; otherwise after the drain): non-finite jobs, skipped, the norm.
+        # The step's gradient checks, made by its CHECK action once every gradient is home
+        # (right after the step's last ACC): non-finite jobs, skipped, the norm.
         self.checked = False
         self.bad: tuple[tuple[str, int], ...] = ()
         self.skipped = False
@@ -513,6 +516,12 @@ class Executor:
             deferred_reasons(max_grad_norm=max_grad_norm, loss_scale=loss_scaler is not None,
                              skip_nonfinite=skip_nonfinite, data_parallel=reducer is not None),
             fix="a schedule lowered with updates='deferred' (rpcompile.passes.lower.lower)")
+        checks = [a.step for a in schedule.host if a.kind == "CHECK"]
+        if sorted(checks) != list(range(schedule.steps)):
+            raise ValueError(
+                "the schedule needs one CHECK action per step (the step's gradient check, "
+                f"placed by the lowering's optimizer pass); it has them for steps {checks} of "
+                f"{schedule.steps}: lower it with rpcompile.passes.lower.lower")
         self.kernels = kernels
         self.skip_nonfinite = skip_nonfinite
         self.loss_scaler = loss_scaler
@@ -715,7 +724,9 @@ class Executor:
             error = self._timeout_error(run, stuck) if stuck else self._step_error(run, host_error)
             raise error from error.__cause__
         try:
-            self._check_grads(run)
+            if not run.checked:  # the step's CHECK action ran, or the step failed above
+                raise RuntimeError("the step ended without running its CHECK action: the "
+                                   "schedule lacks one (lower it with the optimizer pass)")
             if self.loss_scaler is not None:
                 self.loss_scaler.update(run.found)
             if run.skipped:
@@ -1195,9 +1206,12 @@ class Executor:
         self.reducer.stage_done(a.stage)
         self.reducer.wait_reductions(run.left())
 
+    def _do_CHECK(self, run: _Run, a: Action) -> None:
+        # The step's last ACC ran (host queue order) and, data parallel, every REDUCE
+        # (``reduced`` edges): every gradient of the step is home.
+        self._check_grads(run)
+
     def _do_OPT(self, run: _Run, a: Action) -> None:
-        if self.deferred:
-            self._check_grads(run)  # every ACC of the step ran before this first OPT
         # Now, on this thread; undone if the step fails. (Async: the pending gradients of
         # the step before, checked at its end; none in a run's first step.)
         if not run.skipped and not self.driver.update(a.stage):
@@ -1223,6 +1237,7 @@ RUNTIME_ACTIONS: Mapping[ActionKind, Callable[[Executor, _Run, Action], None]] =
     ActionKind.OPT: lambda ex, run, a: ex._do_OPT(run, a),
     ActionKind.SHADOW: lambda ex, run, a: ex._do_SHADOW(run, a),
     ActionKind.REDUCE: lambda ex, run, a: ex._do_REDUCE(run, a),
+    ActionKind.CHECK: lambda ex, run, a: ex._do_CHECK(run, a),
 }
 check_registry(RUNTIME_ACTIONS, "the runtime executor")
 _RUNTIME = {k.value: fn for k, fn in RUNTIME_ACTIONS.items()}  # keyed by Action.kind's string

@@ -28,7 +28,13 @@ from typing import Any
 import torch
 
 from rpcompile.ir import Schedule
-from rpcompile.options import Options, TrainOptions, check_update_order, deferred_reasons
+from rpcompile.options import (
+    Options,
+    TrainOptions,
+    check_update_order,
+    deferred_reasons,
+    grad_check_passes,
+)
 from rpcompile.passes.lower import (
     DEFAULT_CHUNK_BYTES,
     runtime_schedule,
@@ -264,9 +270,11 @@ class Trainer:
             updates = update_order(mode, options)
         world = group_world(options.process_group)
         check_ranks(plan_options.ranks, world)
-        self.schedule = self._lowered_schedule(compiled, mode, plan_options.schedule_steps,
-                                               plan_options.chunk_bytes, updates, world,
-                                               plan_options.shard_optimizer)
+        self.schedule = self._lowered_schedule(
+            compiled, mode, plan_options.schedule_steps, plan_options.chunk_bytes, updates,
+            world, plan_options.shard_optimizer,
+            grad_check_passes(max_grad_norm=options.max_grad_norm,
+                              loss_scale=options.loss_scale))
         # Why steps (and reads of the masters) are refused: a step failed with the undo
         # journal off, so an update may be half-applied (cleared by loading a state).
         self._refused = ""
@@ -312,20 +320,25 @@ class Trainer:
     @staticmethod
     def _lowered_schedule(compiled: Any, mode: str, steps: int | None,
                           chunk_bytes: int | None, updates: str, ranks: int,
-                          shard: bool = False) -> Schedule:
+                          shard: bool = False, check_passes: int = 0) -> Schedule:
         """``compiled.schedule`` when it is the one these options run (one schedule per
         compile), else one built the same way (:func:`rpcompile.passes.lower.runtime_schedule`;
-        sharded data parallel marks it ``sharded``)."""
+        sharded data parallel marks it ``sharded``), its CHECK actions charged for these
+        options' clipping and loss scaling (``check_passes``)."""
         sharded = shard and ranks > 1
+        plan = compiled.plan
+        if getattr(plan, "grad_check_passes", check_passes) != check_passes:
+            plan = replace(plan, grad_check_passes=check_passes)
         kept = getattr(compiled, "schedule", None)
         built = getattr(getattr(compiled, "options", None), "plan", None)
         kept_chunk = built.chunk_bytes if built is not None else DEFAULT_CHUNK_BYTES
         if (kept is not None and kept.optimizer == mode and steps in (None, kept.steps)
                 and chunk_bytes in (None, kept_chunk) and kept.ranks == ranks
                 and kept.sharded == sharded
-                and updates_deferred(kept) == (updates == "deferred")):
+                and updates_deferred(kept) == (updates == "deferred")
+                and plan is compiled.plan):
             return kept
-        lowered = runtime_schedule(compiled.plan, compiled.workers, compiled.microbatches,
+        lowered = runtime_schedule(plan, compiled.workers, compiled.microbatches,
                                    compiled.rounds, mode, chunk_bytes, steps=steps,
                                    updates=updates, ranks=ranks)
         return lowered.replace(sharded=True) if sharded else lowered

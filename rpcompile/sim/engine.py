@@ -16,7 +16,7 @@ Resource model (docs/simulator.md):
     duplex. A link serves one transfer at a time among its streams' current ones: critical
     transfers (one microbatch's tensor) first, bulk ones (weights, gradients) chunk by chunk,
     so a critical transfer on another stream waits at most one chunk;
-  * the host queue (ACC, OPT, SHADOW) runs in list order, and so does the host's network lane
+  * the host queue (ACC, OPT, SHADOW, CHECK) runs in list order, and so does the host's network lane
     (REDUCE, data parallel: a ring all-reduce on the profile's inter-server link; sharded, a
     reduce to the owners, and each SHADOW then broadcasts the updated shadows);
   * host memory bandwidth is shared: every running transfer and host operation (a reduction's
@@ -552,6 +552,15 @@ def _shadow_work(replay: _Replay, a: Action) -> tuple[float, float]:
     return traffic, traffic / (work / rate + ms)
 
 
+def _check_work(replay: _Replay, a: Action) -> tuple[float, float]:
+    """CHECK's passes over the fp32 gradients (clipping's norm and rescale, unscaling), at
+    the host's memory bandwidth: ``a.bytes`` is that traffic (rpcompile.passes.lower); a
+    sharded rank passes over the gradients it owns only (``1/ranks`` of them). Gathering
+    the loss and the jobs' non-finite flags is not timed (a few scalars)."""
+    sharded = replay.sched.sharded and replay.sched.ranks > 1
+    return (a.bytes / replay.sched.ranks if sharded else float(a.bytes)), replay.host_rate
+
+
 # The simulator half of each action kind's record (rpcompile.ir.ACTION_SPECS is the other):
 # what an action costs, by the resource it holds: a compute stream (ms), a link (bytes, by
 # the action), the host queue (host memory traffic and its rate). Checked complete at import.
@@ -567,6 +576,7 @@ SIM_COSTS: Mapping[ActionKind, Callable[[_Replay, Action], object]] = {
     ActionKind.OPT: _optimizer_work,
     ActionKind.SHADOW: _shadow_work,
     ActionKind.REDUCE: _reduction_work,
+    ActionKind.CHECK: _check_work,
 }
 check_registry(SIM_COSTS, "the simulator")
 # Kinds whose own end an action waiting on them sees in _waits (the rest: transfers and the
