@@ -225,3 +225,53 @@ def test_the_hardware_listing_shows_the_pageable_figures(capsys):
     lines = {t.split()[0]: t for t in capsys.readouterr().out.splitlines()}
     assert "25/25 GB/s pinned, 12.5/12.5 GB/s pageable" in lines["rtx4090x8"]
     assert "pageable unknown" in lines["a800x8"]
+
+
+# -- the CUDA tier (skipped without a GPU) ---------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@cuda
+def test_a_cuda_worker_stages_in_pageable_memory_and_copies_right():
+    worker = workers_module.CudaWorker(0, host_memory="pageable")
+    try:
+        host = torch.randn(1 << 18)
+        dev = worker.alloc(shape=host.shape, dtype=host.dtype, tag="w")
+        down = worker.host_empty(host.shape, host.dtype)
+        worker.submit("weight_upload", lambda: (worker.copy_(dev, host),
+                                                worker.complete_copies()), label="UP")
+        up = worker.record("weight_upload", "UP done")
+        worker.wait("download", up)
+        worker.submit("download", lambda: (worker.copy_(down, dev), worker.complete_copies()),
+                      label="D2H")
+        worker.synchronize(timeout=30)
+        assert not down.is_pinned() and torch.equal(down, host)
+        again = worker.respawn()  # a replacement keeps the run's choice
+        try:
+            assert again.pinned is False and again.host_memory == "pageable"
+        finally:
+            again.shutdown()
+    finally:
+        worker.shutdown()
+
+
+@pytest.mark.cuda
+@cuda
+def test_pageable_cuda_training_equals_pinned():
+    data = [token_batch(4, seed=k) for k in range(2)]
+    masters = {}
+    for kind in ("pinned", "pageable"):
+        compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
+                                     example_inputs=data[0], device="cuda", host_memory=kind)
+        try:
+            trainer = compiled.trainer()
+            assert trainer.pin_host is (kind == "pinned")
+            assert trainer.store.shadow.is_pinned() is (kind == "pinned")
+            for b in data:
+                compiled.step(b)
+            masters[kind] = {n: t.clone() for n, t in trainer.masters().items()}
+        finally:
+            compiled.close()
+    assert all(torch.equal(masters["pinned"][n], masters["pageable"][n]) for n in masters["pinned"])
