@@ -239,6 +239,8 @@ class Worker(abc.ABC):
     """
 
     kind: str = ""
+    # Whether host_empty() gives pinned memory (CUDA workers of a pinned run only).
+    pinned: bool = False
 
     def __init__(
         self,
