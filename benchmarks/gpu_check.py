@@ -21,6 +21,10 @@ bf16 step-time comparison.
    ``kernels="triton"`` and ``kernels="torch"``: seconds per step and tokens/s (median of the
    timed steps after a warm-up step).
 
+``--host-memory pageable`` runs sections 1 and 2 from pageable host memory
+(``host_memory="pageable"``: the host store and the workers' staging not pinned); the JSON and
+the summary say which was used. Exactness must hold either way.
+
 Without CUDA the script prints that nothing was checked and exits 0. ``--virtual`` runs the
 same code on virtual CPU workers (the reference and eager on the CPU; the bench only with
 ``--bench-virtual``, tiny sizes advised: Triton runs in its interpreter there), to test the
@@ -62,7 +66,7 @@ def tokens(batch: int, seq: int, vocab: int, seed: int) -> torch.Tensor:
 
 
 def check_exact(arch: str, workers: int, trainer_device: str, device: torch.device,
-                steps: int) -> dict:
+                steps: int, host_memory: str = "pinned") -> dict:
     import rpcompile
     from rpcompile.capture.batch import bind_batch
     from rpcompile.runtime.reference import reference_step
@@ -77,7 +81,9 @@ def check_exact(arch: str, workers: int, trainer_device: str, device: torch.devi
                                  example_inputs=data[0])
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    with Trainer(compiled, adamw, device=trainer_device, kernels="auto") as trainer:
+    with Trainer(compiled, adamw, device=trainer_device, kernels="auto",
+                 host_memory=host_memory) as trainer:
+        pinned = trainer.pin_host
         losses = [float(trainer.step(b)) for b in data]
         masters = {n: t.clone() for n, t in trainer.masters().items()}
 
@@ -113,6 +119,8 @@ def check_exact(arch: str, workers: int, trainer_device: str, device: torch.devi
     return {
         "arch": arch,
         "workers": workers,
+        "host_memory": host_memory,
+        "pinned": pinned,
         "bit_identical": all(torch.equal(masters[n], params[n].detach()) for n in masters),
         "losses_identical": losses == ref_losses,
         "max_abs_diff_vs_reference": ref_diff,
@@ -124,7 +132,7 @@ def check_exact(arch: str, workers: int, trainer_device: str, device: torch.devi
 
 
 def bench(trainer_device: str, hidden: int, layers: int, seq: int, workers: int,
-          microbatch_size: int, steps: int) -> dict:
+          microbatch_size: int, steps: int, host_memory: str = "pinned") -> dict:
     import transformers as tf
 
     import rpcompile
@@ -147,10 +155,11 @@ def bench(trainer_device: str, hidden: int, layers: int, seq: int, workers: int,
     result = {"hidden": hidden, "layers": layers, "seq": seq, "workers": workers,
               "microbatches": microbatches, "batch": batch,
               "params": sum(p.numel() for p in model.parameters()),
+              "host_memory": host_memory,
               "compile_seconds": round(compile_s, 2)}
     for kernels in ("triton", "torch"):
         with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-4), device=trainer_device,
-                     kernels=kernels) as trainer:
+                     kernels=kernels, host_memory=host_memory) as trainer:
             trainer.step(data[0])  # warm-up: Triton compiles, allocator settles
             times = []
             for b in data[1:]:
@@ -221,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bench-microbatch", type=int, default=2,
                         help="sequences per microbatch (microbatches = workers)")
     parser.add_argument("--bench-steps", type=int, default=3, help="timed steps per backend")
+    parser.add_argument("--host-memory", default="pinned", choices=["pinned", "pageable"],
+                        help="host memory of the exactness and speed runs (default: pinned)")
     parser.add_argument("--virtual", action="store_true",
                         help="run on virtual CPU workers (tests this script; checks no GPU)")
     parser.add_argument("--bench-virtual", action="store_true",
@@ -238,7 +249,8 @@ def main(argv: list[str] | None = None) -> int:
         name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
 
     begin = time.perf_counter()
-    results: dict = {"device": name, "torch": torch.__version__, "exact": []}
+    results: dict = {"device": name, "torch": torch.__version__,
+                     "host_memory": args.host_memory, "exact": []}
     try:
         results["finetune"] = check_finetune(trainer_device, max(args.workers))
     except Exception as exc:
@@ -247,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     for workers in args.workers:
         for arch in args.archs:
             try:
-                row = check_exact(arch, workers, trainer_device, device, args.steps)
+                row = check_exact(arch, workers, trainer_device, device, args.steps,
+                                  args.host_memory)
             except Exception as exc:  # report every check, not just the first failure
                 row = {"arch": arch, "workers": workers, "error": f"{type(exc).__name__}: {exc}"}
             results["exact"].append(row)
@@ -256,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             results["bench"] = bench(trainer_device, args.bench_hidden, args.bench_layers,
                                      args.bench_seq, args.bench_workers, args.bench_microbatch,
-                                     args.bench_steps)
+                                     args.bench_steps, args.host_memory)
         except Exception as exc:
             results["bench"] = {"error": f"{type(exc).__name__}: {exc}"}
         print(json.dumps(results["bench"]), flush=True)
@@ -273,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     job_text = (f"train: eval loss {job['eval_loss_first']:.3f} -> {job['eval_loss_last']:.3f}, "
                 f"{job['tokens_per_s']} tok/s; " if "error" not in job else
                 f"train failed: {job['error']}; ")
-    summary = (f"gpu_check on {name}: {job_text}"
+    summary = (f"gpu_check on {name} ({args.host_memory} host memory): {job_text}"
                f"{len(exact)}/{len(rows)} bit-identical to the same-device "
                f"reference (worst max abs diff {worst:.3g}), {len(close)}/{len(rows)} close to "
                f"eager, {len(errors)} errors")

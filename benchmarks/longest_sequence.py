@@ -37,7 +37,13 @@ decided: the static part is the same for every plan; the transfer staging is the
 2-step async replay of RoundPipe's greedy partition (rpcompile.planner.partition_baseline),
 which needs no search.
 
-    python benchmarks/longest_sequence.py [--models ...] [--host-ram GIB] [--json PATH]
+``--host-memory pageable``: the run's host memory is pageable (TrainOptions.host_memory): the
+lengths are memory proofs and do not change; the host bytes' static part does not either, its
+pinned part is 0 (printed "pageable, nothing pinned", JSON pinned_gib 0, "host_memory"), and the
+transfer staging is that of replays at the profile's pageable bandwidth.
+
+    python benchmarks/longest_sequence.py [--models ...] [--host-ram GIB]
+                                          [--host-memory pinned|pageable] [--json PATH]
 """
 
 from __future__ import annotations
@@ -64,14 +70,14 @@ def _gib(host) -> float | None:
     return None if host is None else round(host.total / 2**30, 2)
 
 
-def longest(name: str, chunk: int | None, ram: int) -> dict:
+def longest(name: str, chunk: int | None, ram: int, memory: str = "pinned") -> dict:
     """{longest, limit, limited_by, peak_gib, host_gib, gpu_longest, gpu_limit, gpu_host_gib,
     proofs, replays, seconds} for one model and tail, microbatches of one sequence
     (rpcompile.planner.longest, as ``rpcompile plan --longest``), the host memory checked
     against ``ram`` bytes (0: not checked). ``gpu_*``: the GPUs alone (the same as the
-    answer unless the RAM binds)."""
+    answer unless the RAM binds). ``memory``: the run's host memory, pinned or pageable."""
     w = WORKLOADS[name]
-    hw = get_hardware(HARDWARE)
+    hw = get_hardware(HARDWARE).with_host_memory(memory)
     t0 = time.perf_counter()
     found = longest_sequence(lambda s: MODELS[name].units(1, s, loss_chunk_tokens=chunk), hw,
                              hw.gpus, w.microbatches, 1, start=START, step=STEP, limit=LIMIT,
@@ -90,15 +96,16 @@ def longest(name: str, chunk: int | None, ram: int) -> dict:
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def workload_host(name: str) -> dict:
-    """Host memory of the workload's own setup: {total_gib, pinned_gib, text}."""
+def workload_host(name: str, memory: str = "pinned") -> dict:
+    """Host memory of the workload's own setup: {total_gib, pinned_gib, text}, from
+    ``memory`` host memory (pinned or pageable)."""
     w = WORKLOADS[name]
-    hw = get_hardware(HARDWARE)
+    hw = get_hardware(HARDWARE).with_host_memory(memory)
     units = MODELS[name].units(w.microbatch_size, w.seq_len)
     plan = partition_roundpipe(units, hw, hw.gpus, w.microbatches, max(1, round(w.microbatch_size)),
                                w.seq_len, w.rounds)
     r = simulate_roundpipe(plan, hw, steps=2, rounds=w.rounds, optimizer="async")
-    host = host_memory(plan, "async", r.peak_host_bytes)
+    host = host_memory(plan, "async", r.peak_host_bytes, pageable=memory == "pageable")
     return {"total_gib": round(host.total / 2**30, 2), "pinned_gib": round(host.pinned / 2**30, 2),
             "text": host.describe()}
 
@@ -110,25 +117,35 @@ def main() -> None:
     ap.add_argument("--host-ram", type=float, default=None, metavar="GIB",
                     help=f"host RAM the lengths must fit, GiB (default: the {HARDWARE} "
                          "profile's host_ram_gib, an assumed 512 GB server; 0: not checked)")
-    ap.add_argument("--json", type=Path, default=RESULTS / "longest_sequence.json",
+    ap.add_argument("--host-memory", default="pinned", choices=["pinned", "pageable"],
+                    help="the run's host memory: pinned, or pageable (nothing pinned; "
+                         "default: pinned)")
+    ap.add_argument("--json", type=Path, default=None,
                     help="where to write {model: {unchunked|chunked: {longest, limit, "
                          "limited_by, peak_gib, host_gib, gpu_longest, gpu_limit, "
                          "gpu_host_gib, proofs, replays, seconds}, host: {total_gib, "
-                         "pinned_gib, text}}, host_ram_gib}")
+                         "pinned_gib, text}}, host_ram_gib, host_memory} (default: "
+                         "results/longest_sequence.json, with --host-memory pageable "
+                         "results/longest_sequence_pageable.json)")
     args = ap.parse_args()
+    if args.json is None:
+        args.json = RESULTS / ("longest_sequence" + (
+            "_pageable" if args.host_memory == "pageable" else "") + ".json")
     hw = get_hardware(HARDWARE)
     ram_gib = hw.host_ram_gib if args.host_ram is None else args.host_ram
     ram = int(ram_gib * 2**30)
     print(f"host RAM: {ram_gib:g} GiB" + (" (not checked)" if not ram else
           " (the profile's, an assumed 512 GB server)" if args.host_ram is None else
           " (--host-ram)"), flush=True)
+    print(f"transfers: {hw.with_host_memory(args.host_memory).describe_host_memory()}",
+          flush=True)
     t0 = time.perf_counter()
-    result: dict = {"host_ram_gib": ram_gib}
+    result: dict = {"host_ram_gib": ram_gib, "host_memory": args.host_memory}
     for name in args.models:
         row: dict = {}
         print(name, flush=True)
         for tail, chunk in TAILS:
-            row[tail] = got = longest(name, chunk, ram)
+            row[tail] = got = longest(name, chunk, ram, args.host_memory)
             label = "unchunked tail" if chunk is None else "4,096-token chunks"
             peak = "" if got["peak_gib"] is None else f", proven peak {got['peak_gib']:.2f} GiB"
             host = "" if got["host_gib"] is None else f", host {got['host_gib']:,.1f} GiB"
@@ -139,7 +156,7 @@ def main() -> None:
                 print(f"  {'':<20} the GPUs alone: {got['gpu_longest']:>9,} tokens, host "
                       f"{got['gpu_host_gib']:,.1f} GiB there   limit {got['gpu_limit']}",
                       flush=True)
-        row["host"] = workload_host(name)
+        row["host"] = workload_host(name, args.host_memory)
         print(f"  host memory of the workload: {row['host']['text']}", flush=True)
         result[name] = row
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -32,8 +32,15 @@ Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B
 ``--max-simulations N`` and ``--refine N`` cap the partitioner's search (benchmarks/_search.py);
 a capped search that stops before its proof says so, printed with the line.
 
+``--host-memory pageable`` plans and replays every configuration as a run from pageable host
+memory (TrainOptions.host_memory="pageable", RoundPipe's pin_model="off"): every host<->GPU
+transfer at the profile's pageable bandwidth (rtx4090x8: an assumed 12.5 GB/s per direction,
+half the pinned 25), the partitioner searching on the same figures. The output and the JSON
+("host-memory", "link-gbps") say which it assumed; the host bytes are the same either way.
+
     python benchmarks/paper_throughput.py [--models ...] [--max-simulations N] [--refine N]
-                                          [--host-ram-gib G] [--json PATH] [--png PATH]
+                                          [--host-ram-gib G] [--host-memory pinned|pageable]
+                                          [--json PATH] [--png PATH]
 """
 
 from __future__ import annotations
@@ -68,12 +75,20 @@ def server_ram(gib: float | None) -> tuple[int, str]:
     return host_ram(None if gib is None else int(gib * 2**30), hw, option="--host-ram-gib")
 
 
+def profile(memory: str = "pinned"):
+    """The rtx4090x8 profile as a run from ``memory`` host memory (pinned or pageable) times
+    it."""
+    return get_hardware(HARDWARE).with_host_memory(memory)
+
+
 def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8,
-                           ram: tuple[int, str] = (0, "")) -> tuple[float, str, object]:
+                           ram: tuple[int, str] = (0, ""),
+                           memory: str = "pinned") -> tuple[float, str, object]:
     """(tokens/s, note, host memory) of one workload with a RoundPipe plan from
-    ``partitioner``; ``ram``: the server's (bytes, source), 0 for no check."""
+    ``partitioner``; ``ram``: the server's (bytes, source), 0 for no check; ``memory``: the
+    run's host memory (the partitioner and the replay time transfers at its bandwidth)."""
     w = WORKLOADS[name]
-    hw = get_hardware(HARDWARE).with_gpus(gpus)
+    hw = profile(memory).with_gpus(gpus)
     units = MODELS[name].units(w.microbatch_size, w.seq_len)
     plan = partitioner(units, hw, gpus, w.microbatches, max(1, round(w.microbatch_size)),
                        w.seq_len, w.rounds)
@@ -81,7 +96,8 @@ def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8,
                            optimizer="async", rounds=w.rounds)
     peak = max(r.peak_device_bytes) / 2**30
     proven = max(p.peak_bytes for p in worker_peaks(r.schedule, plan))
-    host = host_memory(plan, "async", r.peak_host_bytes)
+    host = host_memory(plan, "async", r.peak_host_bytes,
+                       pageable=hw.host_memory == "pageable")
     search = next((n for n in plan.notes if n.startswith("search: NOT proven")), "")
     over_host = host_ram_problem(host, *ram, ram_option="--host-ram-gib") is not None
     note = (f"{plan.num_forward}F+{len(plan.stages) - plan.num_forward}B stages, bubble "
@@ -94,10 +110,12 @@ def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8,
     return w.tokens_per_step / (steady_step_ms(r) / 1e3), note, host
 
 
-def pipeline_tokens_per_s(name: str, kind: str) -> tuple[float | None, str]:
-    """(tokens/s or None if it does not fit, note) of a weight-bound baseline."""
+def pipeline_tokens_per_s(name: str, kind: str,
+                          memory: str = "pinned") -> tuple[float | None, str]:
+    """(tokens/s or None if it does not fit, note) of a weight-bound baseline (its
+    activations hop through host memory of the kind ``memory`` says)."""
     w = WORKLOADS[name]
-    hw = get_hardware(HARDWARE)
+    hw = profile(memory)
     units = MODELS[name].units(w.microbatch_size, w.seq_len)
     tokens = math.ceil(w.microbatch_size * w.seq_len)
     r = simulate_pipeline(units, hw, kind, workers=hw.gpus,
@@ -117,17 +135,29 @@ def main() -> None:
     ap.add_argument("--host-ram-gib", type=float, default=None,
                     help="the server's RAM, GiB (default: the profile's host_ram_gib, an "
                          "assumed 512 GB = 476.8 GiB)")
-    ap.add_argument("--json", type=Path, default=RESULTS / "paper_throughput.json",
+    ap.add_argument("--host-memory", default="pinned", choices=["pinned", "pageable"],
+                    help="the runs' host memory: pinned, or pageable (every transfer at the "
+                         "profile's pageable bandwidth; default: pinned)")
+    ap.add_argument("--json", type=Path, default=None,
                     help="where to write {model: {config: tokens_per_s or null}}, plus "
                          "host-gib: {model: {config: GiB}}, host-ram-gib, host-ram-source and "
-                         "over-host-ram: {model: [config, ...]}")
-    ap.add_argument("--png", type=str, default=RESULTS / "paper_throughput.png",
-                    help="grouped bar chart ('' to skip)")
+                         "over-host-ram: {model: [config, ...]}, host-memory, link-gbps "
+                         "(default: results/paper_throughput.json, with --host-memory "
+                         "pageable results/paper_throughput_pageable.json)")
+    ap.add_argument("--png", type=str, default=None,
+                    help="grouped bar chart ('' to skip; default: beside the JSON, .png)")
     args = ap.parse_args()
+    stem = "paper_throughput" + ("_pageable" if args.host_memory == "pageable" else "")
+    if args.json is None:
+        args.json = RESULTS / f"{stem}.json"
+    if args.png is None:
+        args.png = RESULTS / f"{stem}.png"
 
     t0 = time.perf_counter()
     ram = server_ram(args.host_ram_gib)
     print(f"host RAM of the server: {ram[0] / 2**30:.1f} GiB ({ram[1]})")
+    hw = profile(args.host_memory)
+    print(f"transfers: {hw.describe_host_memory('--host-memory pageable')}")
     result: dict[str, dict[str, float | None]] = {}
     host_gib: dict[str, dict[str, float]] = {}
     over: dict[str, list[str]] = {}
@@ -137,9 +167,10 @@ def main() -> None:
         hosts = {}
         ours = capped_partition(args)
         for k, partitioner in (("rpcompile", ours), ("roundpipe-partition", partition_roundpipe)):
-            row[k], notes[k], hosts[k] = roundpipe_tokens_per_s(name, partitioner, ram=ram)
+            row[k], notes[k], hosts[k] = roundpipe_tokens_per_s(
+                name, partitioner, ram=ram, memory=args.host_memory)
         for kind in ("1f1b", "gpipe"):
-            row[kind], notes[kind] = pipeline_tokens_per_s(name, kind)
+            row[kind], notes[kind] = pipeline_tokens_per_s(name, kind, args.host_memory)
         result[name] = {k: None if v is None else round(v, 1) for k, v in row.items()}
         host_gib[name] = {k: round(h.total / 2**30, 1) for k, h in hosts.items()}
         problems = {k: host_ram_problem(h, *ram, ram_option="--host-ram-gib", parts=False)
@@ -152,23 +183,28 @@ def main() -> None:
         for k in over[name]:
             print(f"  {k}: {problems[k]}")
 
-    calib, _, _ = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1)
+    calib, _, _ = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1,
+                                         memory=args.host_memory)
     print(f"calibration: RoundPipe partition on 1 RTX 4090, Qwen3-1.7B: {calib:,.0f} tokens/s "
           f"(paper: about {CALIBRATION_TOKENS_PER_S:,.0f})")
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         **result, "host-gib": host_gib, "host-ram-gib": round(ram[0] / 2**30, 1),
-        "host-ram-source": ram[1], "over-host-ram": over}, indent=2) + "\n")
+        "host-ram-source": ram[1], "over-host-ram": over, "host-memory": hw.host_memory,
+        "link-gbps": {"h2d": hw.link_h2d_gbps, "d2h": hw.link_d2h_gbps}}, indent=2) + "\n")
     if args.png:  # "" skips the chart (Path("") would be ".")
         from rpcompile.viz import bar_chart
 
         bar_chart(result, Path(args.png), ylabel="tokens/s (predicted)", log=True,
-                  title=f"paper workloads on {HARDWARE} (simulated)")
+                  title=f"paper workloads on {HARDWARE}"
+                        + (", pageable host memory" if hw.host_memory == "pageable" else "")
+                        + " (simulated)")
     gains = [result[m]["rpcompile"] / result[m]["roundpipe-partition"] for m in args.models]
     print(f"paper_throughput: rpcompile / roundpipe-partition = "
           f"{min(gains):.3f}..{max(gains):.3f}x over {len(args.models)} models; 1-GPU calibration "
-          f"{calib:,.0f} tokens/s vs {CALIBRATION_TOKENS_PER_S:,.0f}; over the host RAM: "
+          f"{calib:,.0f} tokens/s vs {CALIBRATION_TOKENS_PER_S:,.0f}; {hw.host_memory} host "
+          f"memory; over the host RAM: "
           f"{', '.join(f'{m} {k}' for m, ks in over.items() for k in ks) or 'none'}; "
           f"{time.perf_counter() - t0:.1f}s -> {args.json}")
 

@@ -24,7 +24,9 @@ memory parts at the peak, or the host RAM needed), the host memory at that lengt
 GPUs' own length where the RAM binds, and that plan with its proven peak. Without ``--batch`` it picks the batch by the rule
 of :func:`default_batch` (the sequences per microbatch double while the simulated tokens/s
 rises more than 5%) and prints the trials; a plan that leaves workers idle, or whose fill and
-drain dominate the step, says so. ``--optimizer`` defaults to sync, as ``train`` and
+drain dominate the step, says so. ``--host-memory pageable`` plans a run from pageable host memory (nothing pinned, every
+transfer timed at the profile's pageable bandwidth) and the summary says which it assumes.
+``--optimizer`` defaults to sync, as ``train`` and
 ``compile()`` do; ``--max-simulations`` caps the partitioner's search. For
 RoundPipe with the async optimizer, or a schedule of several steps, it also prints the
 steady state of a long run: the mean step of the schedule's steps (step k of a run runs
@@ -134,6 +136,12 @@ def _parser() -> argparse.ArgumentParser:
                            "False): 14 bytes per trainable parameter less host memory and no "
                            "journal copy in each update's time, but a failed step then ends "
                            "the run (restore the last checkpoint)")
+    plan.add_argument("--host-memory", default="pinned", choices=["pinned", "pageable"],
+                      help="host memory the run copies from and to: pinned (page-locked "
+                           "host store and staging) or pageable (nothing pinned, as "
+                           "RoundPipe's pin_model=\"off\"; every transfer timed at the "
+                           "profile's pageable bandwidth, which the profile must have; the "
+                           "same static host bytes)")
     plan.add_argument("--nodes", type=int, default=1,
                       help="servers training data parallel (one pipeline each, on its share "
                            "of a --nodes times larger global batch); N > 1 also simulates "
@@ -183,9 +191,13 @@ def main(argv: list[str] | None = None) -> int:
                 hw = get_hardware(name)
                 ram = (f"host RAM {hw.host_ram_gib:g} GiB (assumed; --host-ram)"
                        if hw.host_ram_gib else "host RAM unknown (this machine's is used)")
+                pageable = (f"{hw.pageable_h2d_gbps:g}/{hw.pageable_d2h_gbps:g} GB/s "
+                            "pageable"
+                            if hw.pageable_h2d_gbps and hw.pageable_d2h_gbps else
+                            "pageable unknown")
                 print(f"{name:<11} {hw.gpus} x {hw.gpu}, {hw.memory_gib:g} GiB, "
-                      f"{hw.matmul_tflops:g} TFLOP/s, H2D {hw.h2d_gbps:g} GB/s pinned, "
-                      f"{ram}")
+                      f"{hw.matmul_tflops:g} TFLOP/s, H2D/D2H {hw.h2d_gbps:g}/"
+                      f"{hw.d2h_gbps:g} GB/s pinned, {pageable}, {ram}")
             for name in list_links():
                 link = get_link(name)
                 print(f"{name:<11} link between servers (plan --nodes): {link.name}, "
@@ -212,6 +224,7 @@ def _plan(args: argparse.Namespace) -> int:
     # The profile as the run uses the host (with or without the undo journal): every replay,
     # bound and host figure below follows it.
     hw = get_hardware(args.hardware).with_undo_journal(not args.no_undo_journal)
+    hw = hw.with_host_memory(args.host_memory)  # pageable without its figures: refused here
     if args.nodes < 1:
         raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
     if args.shard_optimizer and args.nodes == 1:
@@ -255,6 +268,7 @@ def _plan(args: argparse.Namespace) -> int:
                 rounds=args.rounds, mode=args.optimizer, device="virtual",
                 recompute=args.recompute, shard_optimizer=args.shard_optimizer,
                 max_simulations=max_simulations, undo_journal=hw.undo_journal,
+                host_memory=hw.host_memory,
                 host_ram_bytes=None if args.host_ram is None else host_ram(args.host_ram, hw)[0])
 
     choice = None
@@ -379,11 +393,14 @@ def _plan(args: argparse.Namespace) -> int:
                          "recompute: by stage (every backward stage recomputes its forward "
                          "with autograd at once)"))
         host = host_memory(plan, args.optimizer, round(summary["host_gib"] * 2**30),
-                           journal=hw.undo_journal)
+                           journal=hw.undo_journal, pageable=hw.host_memory == "pageable")
         summary["host"] = {k: getattr(host, k) for k in
                            ("masters", "optimizer", "gradients", "shadows", "model", "journal",
                             "transfers")}
         summary["undo_journal"] = hw.undo_journal
+        summary["host_memory"] = hw.host_memory
+        summary["link_gbps"] = {"h2d": hw.link_h2d_gbps, "d2h": hw.link_d2h_gbps}
+        summary["host_pinned_gib"] = host.pinned / 2**30
         ram, source = host_ram(args.host_ram, hw)
         summary["host_ram_gib"] = ram / 2**30
         print(f"host memory: {host.describe()}; {format_bytes(ram)} RAM ({source})")
@@ -391,14 +408,9 @@ def _plan(args: argparse.Namespace) -> int:
                                    journal_option="--no-undo-journal", parts=False)
         if problem is not None:  # the check compile() and the Trainer make (one function)
             print(f"warning: {problem}")
-        # The runtime pins every staging buffer and shadow, so the plan is timed at the
-        # pinned bandwidth; the pageable one is only reported (docs/compiler.md).
-        pageable = (f"pageable {hw.pageable_h2d_gbps:g}/{hw.pageable_d2h_gbps:g} GB/s, not "
-                    "used" if hw.pageable_h2d_gbps and hw.pageable_d2h_gbps else
-                    "pageable bandwidth unknown for this profile (hardware.probe() measures "
-                    "it on a GPU)")
-        print(f"transfers: pinned host memory (the runtime pins its host store and staging), "
-              f"H2D {hw.h2d_gbps:g} GB/s, D2H {hw.d2h_gbps:g} GB/s per GPU; {pageable}")
+        # Which host memory the plan assumes (--host-memory): every transfer above was timed
+        # at its bandwidth (docs/compiler.md, "Pinned and pageable transfers").
+        print(f"transfers: {hw.describe_host_memory('--host-memory pageable')}")
     else:
         print(f"host memory {summary['host_gib']:.1f} GiB")
     if args.longest and args.schedule == "roundpipe":
@@ -572,7 +584,8 @@ def default_batch(compiled, hw, gpus: int, micro: int, rounds: int, optimizer: s
                          optimizer=optimizer, recompute=recompute, max_simulations=cap,
                          refine=0)
         run = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer=optimizer)
-        host = host_memory(plan, optimizer, run.peak_host_bytes, journal=hw.undo_journal).total
+        host = host_memory(plan, optimizer, run.peak_host_bytes, journal=hw.undo_journal,
+                           pageable=hw.host_memory == "pageable").total
         return b * micro * rounds * seq * 1e3 / plan.predicted_step_ms, host
 
     choice = BatchChoice(size=1, cap=cap)

@@ -282,7 +282,9 @@ class Compiled:
 
     # -- inspection ----------------------------------------------------------------------
     def explain(self) -> str:
-        """Per stage: units, parameters, FLOPs at the planned size, predicted ms, memory."""
+        """Per stage: units, parameters, FLOPs at the planned size, predicted ms, memory;
+        above them which host memory (pinned or pageable) the transfers are timed for, and
+        the host bytes (``Compiled.host``)."""
         b, s = self.plan.microbatch_size, self.plan.seq_len
         rows = [("stage", "kind", "units", "params", "fwd GFLOP", "bwd GFLOP", "ms/mb",
                  "peak mem")]
@@ -309,6 +311,10 @@ class Compiled:
             f"{self.microbatches} microbatches of {b}x{s}, "
             f"predicted step {self.plan.predicted_step_ms:.2f} ms"
         )
+        # Which host memory the plan assumes (TrainOptions.host_memory), and its host bytes.
+        head += f"\ntransfers: {self.hardware.describe_host_memory()}"
+        if self.host is not None:
+            head += f"\nhost memory: {self.host.describe()}"
         return head + "\n" + "\n".join(lines)
 
     def _front_history(self) -> list[PassRecord]:
@@ -402,6 +408,7 @@ def compile(
     process_group: Any = UNSET,
     host_ram_bytes: int | None = UNSET,
     undo_journal: bool = UNSET,
+    host_memory: str = UNSET,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
@@ -413,7 +420,7 @@ def compile(
     ``shard_optimizer``, ``max_simulations``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
     ``max_grad_norm``, ``timeout_s``, ``process_group``, ``host_ram_bytes``,
-    ``undo_journal``). Every option is also a keyword of this function; an
+    ``undo_journal``, ``host_memory``). Every option is also a keyword of this function; an
     option given both ways is refused. The result keeps them as ``Compiled.options``.
 
     Host memory: ``Compiled.host`` is what the run keeps on the host (masters, optimizer
@@ -424,7 +431,9 @@ def compile(
     build its host store. ``undo_journal=False`` drops the journal (a copy of the masters,
     optimizer state and trainable shadows, 14 bytes per trainable parameter) from both the
     figure and the simulated OPT time, at the price of a failed step ending the run until a
-    checkpoint is loaded.
+    checkpoint is loaded. ``host_memory="pageable"`` plans a run from pageable host memory
+    (nothing pinned, ``HostMemory.pinned`` 0; the same static host bytes): every transfer is timed
+    at the profile's pageable bandwidth, and a profile without it is refused here.
 
     The main ones: ``gpus``: workers to plan for (default 8). ``microbatches``: per round
     (default ``gpus + 1``). ``hardware``: a profile name or :class:`Hardware` (default: a
@@ -469,7 +478,7 @@ def compile(
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
         process_group=process_group, shard_optimizer=shard_optimizer,
         max_simulations=max_simulations, host_ram_bytes=host_ram_bytes,
-        undo_journal=undo_journal,
+        undo_journal=undo_journal, host_memory=host_memory,
     ).items() if v is not UNSET}
     options = resolve({"capture": capture_options, "plan": plan_options,
                        "train": train_options}, flat)
@@ -477,6 +486,8 @@ def compile(
     options = replace(options, plan=replace(options.plan, ranks=planned_ranks(
         options.plan.ranks, options.train.process_group)))
     co, po = options.capture, options.plan
+    if po.hardware is not None:  # a profile given: its refusals come before any capture
+        planning_hardware(options)
     history: list[PassRecord] = []
     fx_start = fx_source_mark()  # the generated fx sources from here on are this compile's
     parts = po.microbatches_per_round * po.rounds
@@ -605,12 +616,7 @@ def _choose_loss_chunk(tried: list, capacity_bytes: int | None) -> Compiled:
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options) -> Compiled:
     po = options.plan
     gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
-    # The profile as this run uses the host: with or without the undo journal's copies,
-    # which every replay and bound of the search then charges (or not).
-    hw = get_hardware(po.hardware or _default_hardware()).with_gpus(gpus).with_undo_journal(
-        options.train.undo_journal)
-    if po.link is not None:
-        hw = hw.with_link(po.link)
+    hw = planning_hardware(options)
     ranks = po.ranks or 1
     order = po.updates or ("deferred" if mode == "sync" and ranks > 1 else
                            update_order(mode, options.train))
@@ -683,6 +689,21 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     )
 
 
+def planning_hardware(options: Options) -> Hardware:
+    """The one place that decides the profile a compile plans on: the plan option's
+    ``hardware`` (else :func:`_default_hardware`) with the plan's workers and link, and as
+    this run uses the host: with or without the undo journal's copies, from pinned or
+    pageable host memory (``TrainOptions.host_memory``: every transfer of every replay and
+    bound of the search is timed at that bandwidth). Raises ``ValueError`` for pageable host
+    memory on a profile without pageable figures (:meth:`Hardware.with_host_memory`)."""
+    po, to = options.plan, options.train
+    hw = get_hardware(po.hardware or _default_hardware()).with_gpus(po.gpus)
+    hw = hw.with_undo_journal(to.undo_journal).with_host_memory(to.host_memory)
+    if po.link is not None:
+        hw = hw.with_link(po.link)
+    return hw
+
+
 class MemoryPlanError(ValueError):
     """A plan's proven per-worker peak exceeds what a worker has (refused at compile time)."""
 
@@ -752,7 +773,8 @@ def _host_figure(compiled: Compiled) -> HostMemory:
     peak = None
     if sched is not None and (sched.ranks == 1 or hw.link is not None):
         peak = simulate(sched, plan, hw).peak_host_bytes
-    host = host_memory(plan, compiled.options.plan.mode, peak, journal=hw.undo_journal)
+    host = host_memory(plan, compiled.options.plan.mode, peak, journal=hw.undo_journal,
+                       pageable=hw.host_memory == "pageable")
     if sched is not None and sched.sharded:
         host = host.sharded(sched.ranks)
     return host

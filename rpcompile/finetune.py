@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rpcompile.options import DEVICES, KERNELS
+from rpcompile.options import DEVICES, HOST_MEMORY, KERNELS
 
 __all__ = ["DEMO", "OPTIONS", "add_train_arguments", "resolve_options", "run"]
 
@@ -90,6 +90,10 @@ OPTIONS: tuple[Option, ...] = (
            "undone and training goes on (--no-undo-journal: 14 bytes per trainable parameter "
            "less host memory and no journal copy in each update, but a failed step ends the "
            "run: --resume from the last checkpoint)", bool),
+    Option("host_memory", "pinned", "host memory the run copies from and to: pinned "
+           "(page-locked host store and staging on CUDA) or pageable (nothing pinned, as "
+           "RoundPipe's pin_model=off: slower transfers, the same static host bytes; virtual workers "
+           "compute the same either way)", str, HOST_MEMORY),
     Option("shard_optimizer", False, "under torchrun: each rank keeps the fp32 masters and "
            "optimizer state of 1/N of the parameters (ZeRO-1 style; --mode sync); evaluation "
            "and final/ gather the masters from every rank; one process: no change", bool),
@@ -536,11 +540,14 @@ def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -
         optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=opts["weight_decay"],
                                               fused=True),
         max_grad_norm=opts["max_grad_norm"] or None, shard_optimizer=opts["shard_optimizer"],
-        undo_journal=opts["undo_journal"],
+        undo_journal=opts["undo_journal"], host_memory=opts["host_memory"],
     )
     sharded = compiled.trainer().sharded
     if lead:
         print(compiled.plan, file=sys.stderr)
+        print(f"train: transfers: "
+              f"{compiled.hardware.describe_host_memory('--host-memory pageable')}",
+              file=sys.stderr)
     log = None
     try:
         warmup = opts["warmup_steps"] if opts["warmup_steps"] is not None else round(0.03 * total)

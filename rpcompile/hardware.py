@@ -3,6 +3,10 @@
 Profiles are data (``configs/hardware.json``), not code branches. Figures come from datasheets
 and the RoundPipe paper (arXiv 2604.27085); achieved PCIe bandwidth is usually well under
 nominal, so the profiles carry an efficiency factor, and :func:`probe` measures a real machine.
+Pageable-memory bandwidth (``pageable_h2d_gbps`` / ``pageable_d2h_gbps``, what a run with
+``host_memory="pageable"`` is timed at): ``rtx4090x8``'s 12.5 GB/s each way is an assumption,
+half its pinned 25, not a measurement; ``cpu``'s equals its pinned figures (virtual workers copy
+the same either way); the other profiles have none (docs/compiler.md, hardware profiles).
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ class Hardware:
     mfu: float = 0.5  # fraction of matmul_tflops the cost model assumes a layer achieves
     transfer_latency_us: float = 10.0  # fixed cost of one DMA / kernel launch
     memory_reserve_gib: float = 1.5  # left free for the CUDA context and fragmentation
-    # h2d_gbps / d2h_gbps are copies from and to pinned host memory (what the runtime uses).
+    # h2d_gbps / d2h_gbps are copies from and to pinned host memory (the runtime's default).
     # Copies from pageable memory go through a driver staging buffer and are slower; 0 means
     # the profile does not know them (probe() measures them on a GPU).
     pageable_h2d_gbps: float = 0.0
@@ -55,6 +59,13 @@ class Hardware:
     # here because the profile is what reaches every replay and bound of the search;
     # compile() sets it from the training option (with_undo_journal).
     undo_journal: bool = True
+    # Which host memory the run copies from and to (TrainOptions.host_memory): "pinned" (the
+    # host store and staging buffers page-locked; transfers at h2d_gbps / d2h_gbps) or
+    # "pageable" (nothing pinned; transfers at pageable_h2d_gbps / pageable_d2h_gbps). Like
+    # undo_journal, a property of the run carried on the profile, so that every replay and
+    # bound of the search times transfers at one bandwidth (link_h2d_gbps / link_d2h_gbps);
+    # compile() sets it from the training option (with_host_memory).
+    host_memory: str = "pinned"
     # The network to the other servers of a data-parallel run (what REDUCE actions use);
     # None: the profile is of one server alone (with_link() adds one).
     link: Link | None = None
@@ -71,11 +82,22 @@ class Hardware:
         """Milliseconds one GPU needs for ``flops`` at the profile's assumed efficiency."""
         return flops / (self.matmul_tflops * 1e12 * self.mfu) * 1e3
 
+    @property
+    def link_h2d_gbps(self) -> float:
+        """The host-to-device bandwidth transfers are timed at: pinned or pageable, as
+        :attr:`host_memory` says (the simulator and the partitioner's bounds read this)."""
+        return self.pageable_h2d_gbps if self.host_memory == "pageable" else self.h2d_gbps
+
+    @property
+    def link_d2h_gbps(self) -> float:
+        """The device-to-host bandwidth transfers are timed at (see :attr:`link_h2d_gbps`)."""
+        return self.pageable_d2h_gbps if self.host_memory == "pageable" else self.d2h_gbps
+
     def h2d_ms(self, nbytes: float) -> float:
-        return nbytes / (self.h2d_gbps * 1e9) * 1e3 if nbytes else 0.0
+        return nbytes / (self.link_h2d_gbps * 1e9) * 1e3 if nbytes else 0.0
 
     def d2h_ms(self, nbytes: float) -> float:
-        return nbytes / (self.d2h_gbps * 1e9) * 1e3 if nbytes else 0.0
+        return nbytes / (self.link_d2h_gbps * 1e9) * 1e3 if nbytes else 0.0
 
     def with_gpus(self, gpus: int) -> Hardware:
         return replace(self, gpus=gpus)
@@ -89,14 +111,47 @@ class Hardware:
         """The profile as a run with the undo journal on (the default) or off times it."""
         return self if self.undo_journal == on else replace(self, undo_journal=bool(on))
 
+    def with_host_memory(self, kind: str) -> Hardware:
+        """The profile as a run from ``kind`` host memory times it: ``"pinned"`` (transfers
+        at ``h2d_gbps`` / ``d2h_gbps``) or ``"pageable"`` (at ``pageable_h2d_gbps`` /
+        ``pageable_d2h_gbps``, as RoundPipe's ``pin_model="off"``). Raises ``ValueError``,
+        naming the profile and the fix, when pageable is asked of a profile without pageable
+        figures."""
+        from rpcompile.options import HOST_MEMORY, check_choice
+
+        check_choice("host_memory", kind, HOST_MEMORY)
+        if kind == "pageable" and not (self.pageable_h2d_gbps > 0 and self.pageable_d2h_gbps > 0):
+            raise ValueError(
+                f"host_memory='pageable' needs the pageable-memory bandwidth of the "
+                f"{self.name!r} profile, which has none (pageable_h2d_gbps="
+                f"{self.pageable_h2d_gbps:g}, pageable_d2h_gbps={self.pageable_d2h_gbps:g}): "
+                f"plan with a profile that has them (`rpcompile hardware` lists them; "
+                f"rtx4090x8 does), measure this machine with rpcompile.hardware.probe() on "
+                f"its GPU, or give the profile pageable_h2d_gbps and pageable_d2h_gbps "
+                f"(dataclasses.replace(hw, pageable_h2d_gbps=..., pageable_d2h_gbps=...)); or "
+                f"keep host_memory='pinned'")
+        return self if self.host_memory == kind else replace(self, host_memory=kind)
+
     def pageable(self) -> Hardware:
-        """The profile with its links at pageable-memory bandwidth (host memory that is not
-        pinned, as RoundPipe's ``pin_model="off"``); raises when the profile lacks them."""
-        if not (self.pageable_h2d_gbps and self.pageable_d2h_gbps):
-            raise ValueError(f"profile {self.name!r} has no pageable bandwidth "
-                             "(pageable_h2d_gbps, pageable_d2h_gbps); probe() measures it")
-        return replace(self, name=f"{self.name}-pageable", h2d_gbps=self.pageable_h2d_gbps,
-                       d2h_gbps=self.pageable_d2h_gbps)
+        """``with_host_memory("pageable")``: the profile with transfers timed at its
+        pageable-memory bandwidth; raises when the profile lacks it."""
+        return self.with_host_memory("pageable")
+
+    def describe_host_memory(self, option: str = "host_memory='pageable'") -> str:
+        """One line: which host memory the plan assumes and the link bandwidth that gives
+        (what ``rpcompile plan`` and ``Compiled.explain()`` print); ``option``: how the
+        caller's user asks for pageable memory."""
+        known = self.pageable_h2d_gbps > 0 and self.pageable_d2h_gbps > 0
+        if self.host_memory == "pageable":
+            return (f"pageable host memory ({option}: nothing pinned), H2D "
+                    f"{self.link_h2d_gbps:g} GB/s, D2H {self.link_d2h_gbps:g} GB/s per GPU; "
+                    f"pinned would be {self.h2d_gbps:g}/{self.d2h_gbps:g} GB/s")
+        other = (f"pageable would be {self.pageable_h2d_gbps:g}/{self.pageable_d2h_gbps:g} "
+                 f"GB/s ({option})" if known else
+                 "pageable bandwidth unknown for this profile (hardware.probe() measures it "
+                 "on a GPU)")
+        return (f"pinned host memory (the runtime pins its host store and staging buffers), "
+                f"H2D {self.h2d_gbps:g} GB/s, D2H {self.d2h_gbps:g} GB/s per GPU; {other}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -229,8 +284,9 @@ def probe(device: str = "auto", size: int = 2048, repeats: int = 3) -> Hardware:
     h2d = nbytes / best(lambda: other.copy_(host, non_blocking=cuda)) / 1e9
     d2h = nbytes / best(lambda: host.copy_(other, non_blocking=cuda)) / 1e9
     pageable = torch.empty(nbytes, dtype=torch.uint8)
-    pageable_h2d = nbytes / best(lambda: other.copy_(pageable)) / 1e9 if cuda else 0.0
-    pageable_d2h = nbytes / best(lambda: pageable.copy_(other)) / 1e9 if cuda else 0.0
+    # Virtual workers copy with the CPU whichever host memory it is: the same figures.
+    pageable_h2d = nbytes / best(lambda: other.copy_(pageable)) / 1e9 if cuda else h2d
+    pageable_d2h = nbytes / best(lambda: pageable.copy_(other)) / 1e9 if cuda else d2h
     scratch = torch.empty_like(host)
     host_bw = 2 * nbytes / best(lambda: scratch.copy_(host)) / 1e9
 

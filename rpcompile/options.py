@@ -5,7 +5,8 @@
 - :class:`PlanOptions`: what the plan and its lowered schedule are made for (workers,
   microbatches, rounds, machine, optimizer mode, transfer pieces).
 - :class:`TrainOptions`: how the runtime runs it (optimizer, workers' backend, watchdog,
-  kernels, non-finite steps, loss scaling, clipping, the host's RAM, the undo journal).
+  kernels, non-finite steps, loss scaling, clipping, the host's RAM, the undo journal,
+  pinned or pageable host memory).
 
 Each option is checked once, here, when its group is built; a bad value fails with the option's
 name and what to pass instead. ``rpcompile.compile`` takes the groups
@@ -26,6 +27,7 @@ import torch
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEVICES",
+    "HOST_MEMORY",
     "KERNELS",
     "MODES",
     "RECOMPUTE_MODES",
@@ -40,6 +42,8 @@ __all__ = [
 MODES = ("sync", "async")
 DEVICES = ("auto", "cuda", "virtual")
 KERNELS = ("auto", "torch", "triton")
+# The host memory a run copies from and to (TrainOptions.host_memory): page-locked, or not.
+HOST_MEMORY = ("pinned", "pageable")
 UPDATE_ORDERS = ("overlap", "deferred")  # the sync update orders (rpcompile.passes.lower)
 # How backward stages recompute their forward (rpcompile.passes.cost): the planner's choice,
 # whole stages, or layer by layer.
@@ -244,7 +248,15 @@ class TrainOptions:
     training goes on. ``False`` saves that host memory and the copy's time on every OPT,
     but a failed step then leaves the masters half-updated: the Trainer refuses every
     further step (and reading the masters) until a checkpoint is loaded
-    (docs/runtime.md, "the undo journal")."""
+    (docs/runtime.md, "the undo journal").
+    ``host_memory``: ``"pinned"`` (the default: on CUDA the host store's flat buffers are
+    registered with the driver at their exact size and the transfer staging is
+    ``pin_memory=True``) or ``"pageable"`` (nothing pinned, as RoundPipe's
+    ``pin_model="off"``): the simulator and the partitioner then time every host<->GPU
+    transfer at the profile's ``pageable_h2d_gbps`` / ``pageable_d2h_gbps`` (a profile
+    without them is refused at compile time), and ``HostMemory.pinned`` is 0. The static
+    host bytes are the same either way (exact-size buffers); virtual workers compute the
+    same either way."""
 
     optimizer: Callable | None = None
     device: str = "auto"
@@ -258,6 +270,7 @@ class TrainOptions:
     process_group: Any = None
     host_ram_bytes: int | None = None
     undo_journal: bool = True
+    host_memory: str = "pinned"
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and not (callable(self.optimizer) or isinstance(
@@ -266,6 +279,7 @@ class TrainOptions:
                              f"got {self.optimizer!r}")
         check_choice("device", self.device, DEVICES)
         check_choice("kernels", self.kernels, KERNELS)
+        check_choice("host_memory", self.host_memory, HOST_MEMORY)
         if self.chaos is not None and (isinstance(self.chaos, bool)
                                        or not isinstance(self.chaos, int)):
             raise ValueError(f"chaos must be an integer seed (or None), got {self.chaos!r}")

@@ -349,8 +349,11 @@ class HostMemory:
     driver, rpcompile.runtime.memory) and the transfer staging (``pin_memory=True``, torch's
     caching pinned allocator, which may round a block up to a power of two: the figure counts
     exact bytes). Not pinned: the optimizer's state (torch's own tensors), the module and the
-    journal. Every transfer is planned at the profile's pinned bandwidth (``h2d_gbps``,
-    ``d2h_gbps``); nothing in the runtime copies from pageable memory."""
+    journal. ``pageable`` (``TrainOptions.host_memory="pageable"``): the run pins nothing,
+    neither the store nor the staging (rpcompile.runtime.memory.pin_host_memory), so
+    :attr:`pinned` is 0; every other figure is the same, since the registered buffers are
+    exact size either way. The transfers are timed at the bandwidth of the memory assumed
+    (``Hardware.link_h2d_gbps`` / ``link_d2h_gbps``)."""
 
     masters: int
     optimizer: int
@@ -359,6 +362,7 @@ class HostMemory:
     transfers: int = 0
     model: int = 0
     journal: int = 0
+    pageable: bool = False
 
     @property
     def total(self) -> int:
@@ -367,7 +371,10 @@ class HostMemory:
 
     @property
     def pinned(self) -> int:
-        """The page-locked part: the host store's buffers and the transfer staging."""
+        """The page-locked part: the host store's buffers and the transfer staging (0 from
+        pageable host memory, which pins nothing)."""
+        if self.pageable:
+            return 0
         return self.shadows + self.masters + self.gradients + self.transfers
 
     def sharded(self, ranks: int) -> HostMemory:
@@ -392,19 +399,24 @@ class HostMemory:
                 f"{format_bytes(self.optimizer)}, gradients {format_bytes(self.gradients)}, "
                 f"shadows {format_bytes(self.shadows)}, model {format_bytes(self.model)}, "
                 f"undo journal {format_bytes(self.journal)}, transfer staging "
-                f"{format_bytes(self.transfers)}; pinned {format_bytes(self.pinned)})")
+                f"{format_bytes(self.transfers)}; "
+                + ("pageable, nothing pinned)" if self.pageable else
+                   f"pinned {format_bytes(self.pinned)})"))
 
 
 def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | None = None,
-                optimizer_bytes_per_param: int = 8, journal: bool = True) -> HostMemory:
+                optimizer_bytes_per_param: int = 8, journal: bool = True,
+                pageable: bool = False) -> HostMemory:
     """The host memory of ``plan`` (``optimizer``: ``"sync"``, or ``"async"``, which keeps a
     second fp32 gradient buffer). ``peak_host_bytes``: a simulated run's
     ``SimResult.peak_host_bytes``, whose part above the static buffers is the transfer
     staging (simulated with the same ``journal`` setting: ``Hardware.undo_journal``).
     ``journal``: whether the optimizer driver keeps its undo journal
     (``TrainOptions.undo_journal``); without it the figure is less by exactly
-    :attr:`HostMemory.journal`."""
+    :attr:`HostMemory.journal`. ``pageable``: the run's host memory is pageable
+    (``Hardware.host_memory``), so nothing of it is pinned (:attr:`HostMemory.pinned`)."""
     out = _static_host(plan.stages, plan.units, optimizer, optimizer_bytes_per_param, journal)
+    out = replace(out, pageable=bool(pageable))
     if peak_host_bytes is not None:
         out = replace(out, transfers=max(0, peak_host_bytes - out.total))
     return out

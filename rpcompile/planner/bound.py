@@ -114,10 +114,10 @@ class _Costs:
         latency = hw.transfer_latency_us * 1e-3
 
         def h2d(nbytes: int) -> float:
-            return _transfer_ms(nbytes, hw.h2d_gbps, latency)
+            return _transfer_ms(nbytes, hw.link_h2d_gbps, latency)
 
         def d2h(nbytes: int) -> float:
-            return _transfer_ms(nbytes, hw.d2h_gbps, latency)
+            return _transfer_ms(nbytes, hw.link_d2h_gbps, latency)
 
         stages = plan.stages
         self.compute = [st.compute_ms for st in stages]
@@ -241,7 +241,7 @@ def _first_uploads(plan: Plan, hw: Hardware, dealt: list[tuple[int, int, int, in
     uploads)``, and all that went through host memory: at least the sum over links
     over ``host_mem_gbps``; and at least ``own`` over the link's rate."""
     host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
-    link_rate = hw.h2d_gbps * 1e6
+    link_rate = hw.link_h2d_gbps * 1e6  # pinned or pageable (Hardware.host_memory)
     firsts: dict[int, list[int]] = {}  # worker -> its first two jobs (places in dealt)
     for n, (w, _s, _r, _k) in enumerate(dealt):
         if len(firsts.setdefault(w, [])) < 2:

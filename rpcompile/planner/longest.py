@@ -156,7 +156,7 @@ def host_need(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     hw = get_hardware(hardware)
     sched = proof_schedule(plan, rounds, optimizer) if sched is None else sched
     return host_memory(plan, optimizer, simulate(sched, plan, hw).peak_host_bytes,
-                       journal=hw.undo_journal)
+                       journal=hw.undo_journal, pageable=hw.host_memory == "pageable")
 
 
 def longest_sequence(
@@ -252,7 +252,8 @@ def longest_sequence(
     gpu = LongestSequence(seq, best, hi, why_hi, proofs, replays, host, ram, host_ram_source)
     if not ram or host.total <= ram:
         return gpu
-    static = host_memory(best, optimizer, None, journal=hw.undo_journal)
+    static = host_memory(best, optimizer, None, journal=hw.undo_journal,
+                         pageable=hw.host_memory == "pageable")
     if static.total > ram:
         lean = static.total - static.journal
         hint = (f" (without the undo journal it is {format_bytes(lean)}, which fits)"

@@ -11,7 +11,9 @@ The host keeps, for every parameter, exactly one of each of:
 
 Each kind is ONE flat buffer, allocated at its exact size (no rounding), pinned on CUDA by
 registering the allocation with the driver (the caching pinned allocator would round each
-buffer up to a power of two). Parameters are laid out in the order they first appear when
+buffer up to a power of two), unless the run asked for pageable host memory
+(``TrainOptions.host_memory="pageable"``, :func:`pin_host_memory`): then the same exact-size
+buffers are left pageable, so the host bytes are the same either way. Parameters are laid out in the order they first appear when
 walking the stages in order, so a stage made of contiguous units is one contiguous range of the
 flat buffers and uploads as ONE copy; a stage whose parameters are not contiguous (a tied weight
 owned by an earlier stage, e.g. the LM head tied to the embedding) uploads one copy per
@@ -52,6 +54,7 @@ __all__ = [
     "Segment",
     "StageBuffers",
     "StageLayout",
+    "pin_host_memory",
     "shard_bounds",
 ]
 
@@ -767,6 +770,18 @@ def shard_bounds(slots: Sequence[ParamSlot], ranks: int) -> list[tuple[int, int]
         cuts.append(max(best, cuts[-1]))
     cuts.append(total)
     return [(cuts[r], cuts[r + 1]) for r in range(ranks)]
+
+
+def pin_host_memory(host_memory: str, device_kind: str) -> bool:
+    """Whether a run pins its host memory (the host store's flat buffers and the workers'
+    transfer staging): on CUDA workers with ``host_memory="pinned"`` (the default), never
+    with ``"pageable"`` (RoundPipe's ``pin_model="off"``: every copy then goes through the
+    driver's own staging) and never on virtual workers, whose copies are CPU copies either
+    way. The one decision the Trainer and the CudaWorker read."""
+    from rpcompile.options import HOST_MEMORY, check_choice
+
+    check_choice("host_memory", host_memory, HOST_MEMORY)
+    return device_kind == "cuda" and host_memory == "pinned"
 
 
 def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, str]:

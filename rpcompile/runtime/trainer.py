@@ -44,7 +44,7 @@ from rpcompile.passes.memory import HostMemory, HostMemoryError, host_memory, ho
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
-from rpcompile.runtime.memory import HostStore, MemoryReport
+from rpcompile.runtime.memory import HostStore, MemoryReport, pin_host_memory
 from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import make_workers
 
@@ -167,7 +167,7 @@ class Trainer:
     :func:`rpcompile.compile` passes), used as it is; or keywords (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
     ``max_grad_norm``, ``timeout_s``, ``process_group``, ``host_ram_bytes``,
-    ``undo_journal``; each is described there), each of which **overrides that one option of
+    ``undo_journal``, ``host_memory``; each is described there), each of which **overrides that one option of
     the compile's** (``compiled.options.train``): ``compile(model, max_grad_norm=1.0)`` then
     ``Trainer(compiled, opt, device="virtual")`` clips, with ``opt``, on virtual workers
     (:func:`train_options_for`). A keyword set to ``None`` gives that option its default
@@ -213,6 +213,12 @@ class Trainer:
     :meth:`step` and every read of the masters (``masters``, ``state_dict``,
     ``save_checkpoint``, ``sync_to_model``) with an error saying so, until
     :meth:`load_checkpoint` or :meth:`load_state_dict` restores a saved state.
+
+    ``host_memory="pageable"`` (like the others it overrides the compile's): on CUDA the
+    host store's buffers and the workers' staging are left pageable
+    (:func:`~rpcompile.runtime.memory.pin_host_memory` decides, ``trainer.pin_host`` says);
+    the schedule is the same, only its predicted transfer times differ (compile() times
+    them for the option it was given).
 
     Host memory: before it builds the host store the trainer checks the plan's host bytes
     (``host_memory``, :class:`~rpcompile.passes.memory.HostMemory`) against the RAM
@@ -283,9 +289,12 @@ class Trainer:
                                              plan_options.shard_optimizer)
         self._check_host_ram()
         self.workers = make_workers(compiled.workers, device, options.capacity_bytes,
-                                    options.chaos)
+                                    options.chaos, host_memory=options.host_memory)
         try:
-            self.store = self._build_store(compiled, pin=self.workers[0].kind == "cuda")
+            # Pinned on CUDA unless the run's host memory is pageable (one decision, the
+            # one the CUDA workers' staging reads too).
+            self.pin_host = pin_host_memory(options.host_memory, self.workers[0].kind)
+            self.store = self._build_store(compiled, pin=self.pin_host)
             self.store.kernels = kernels
             # PEFT layers that can merge their adapters into the base weights in place: the
             # frozen base is shared with the store's shadows, which the workers upload.
@@ -347,7 +356,8 @@ class Trainer:
         """The host bytes this trainer's run keeps: the plan's static buffers in this mode,
         with or without the undo journal, the transfer staging compile() simulated
         (``compiled.host``), at one rank's share when sharded."""
-        host = host_memory(compiled.plan, mode, journal=self.options.undo_journal)
+        host = host_memory(compiled.plan, mode, journal=self.options.undo_journal,
+                           pageable=self.options.host_memory == "pageable")
         kept = getattr(compiled, "host", None)
         if kept is not None:
             host = replace(host, transfers=kept.transfers)

@@ -13,7 +13,8 @@ Sections, in reading order:
   1. Event, CudaEvent        - one-shot, fail-able, waitable from the host or from a stream
   2. Worker                  - streams, error capture, shutdown, device-memory accounting
   3. VirtualWorker           - CPU tensors, chaos mode
-  4. CudaWorker              - CUDA streams and events, pinned staging (nothing CUDA at import)
+  4. CudaWorker              - CUDA streams and events, pinned or pageable staging (nothing CUDA
+                               at import)
   5. make_workers            - ``device="auto" | "cuda" | "virtual"``
 
 Failure model: an exception in a stream item is captured as a :class:`WorkerError` naming the
@@ -231,12 +232,15 @@ class Worker(abc.ABC):
     - ``synchronize(timeout)``, ``check()``, ``recover()``, ``shutdown(timeout)``.
     - ``alloc(nbytes | shape=, dtype=, tag=)``, ``free(tensor)``, ``free_all()``,
       ``reserve(nbytes, tag)``; ``memory_in_use``, ``peak_bytes``, ``reset_peak()``.
-    - ``host_empty(shape, dtype)``: a host staging buffer (pinned on CUDA);
+    - ``host_empty(shape, dtype)``: a host staging buffer (pinned on CUDA unless the run's
+      host memory is pageable);
       ``copy_(dst, src)``, ``complete_copies()``, ``device_wait(event)``: a copy issued on the
       current stream, waiting for it, ordering it after an event (call them inside an item).
     """
 
     kind: str = ""
+    # Whether host_empty() gives pinned memory (CUDA workers of a pinned run only).
+    pinned: bool = False
 
     def __init__(
         self,
@@ -313,7 +317,7 @@ class Worker(abc.ABC):
 
     @abc.abstractmethod
     def host_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """A host buffer for staging transfers (pinned on CUDA)."""
+        """A host buffer for staging transfers (pinned on CUDA unless pageable)."""
 
     @abc.abstractmethod
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
@@ -750,6 +754,16 @@ class CudaWorker(Worker):
     work; events are CUDA events recorded on those streams; a stream waits on another stream's
     event on the device. Several workers may share one GPU (``device_index``). Capacity defaults
     to the device's total memory; accounting covers :meth:`alloc` and :meth:`reserve` only.
+
+    ``host_memory``: ``"pinned"`` (the default) stages downloads in pinned buffers, whose
+    ``non_blocking`` copies are DMA the stream completes later (:meth:`complete_copies`
+    waits for them); ``"pageable"`` stages them in ordinary memory
+    (rpcompile.runtime.memory.pin_host_memory). A ``non_blocking`` copy to or from pageable
+    memory is synchronous with the host thread that issues it (CUDA stages it through the
+    driver's own pinned buffer: an upload returns once its source is read, a download once
+    its data is in the destination), so each stream thread blocks in its copies a little
+    longer; the order of the work, the events and the waits are the same, and every reader
+    of a staged buffer still waits for the copy's event or :meth:`complete_copies`.
     """
 
     kind = "cuda"
@@ -762,7 +776,12 @@ class CudaWorker(Worker):
         chaos: int | None = None,
         chaos_max_delay_s: float = 0.002,
         name: str | None = None,
+        host_memory: str = "pinned",
     ) -> None:
+        from rpcompile.runtime.memory import pin_host_memory
+
+        self.host_memory = host_memory
+        self.pinned = pin_host_memory(host_memory, "cuda")  # checks the choice first
         if not torch.cuda.is_available():
             raise RuntimeError(
                 "CudaWorker needs a CUDA device, and torch.cuda.is_available() is False; "
@@ -780,7 +799,7 @@ class CudaWorker(Worker):
 
     def _respawn(self) -> Worker:
         return CudaWorker(self.index, self.device.index, self.capacity_bytes, self.chaos,
-                          self.chaos_max_delay_s, self.name)
+                          self.chaos_max_delay_s, self.name, self.host_memory)
 
     def torch_stream(self, stream: str) -> torch.cuda.Stream:
         return self._torch_streams[stream]
@@ -815,7 +834,7 @@ class CudaWorker(Worker):
             tensor.record_stream(stream)
 
     def host_empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(tuple(shape), dtype=dtype, pin_memory=True)
+        return torch.empty(tuple(shape), dtype=dtype, pin_memory=self.pinned)
 
     def copy_(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src, non_blocking=True)
@@ -834,10 +853,16 @@ def make_workers(
     device: str = "auto",
     capacity_bytes: int | None = None,
     chaos: int | None = None,
+    host_memory: str = "pinned",
 ) -> list[Worker]:
     """``n`` workers. ``device="cuda"`` makes one per GPU (round-robin when ``n`` exceeds the
     GPU count, so several workers may share one GPU); ``"virtual"`` makes CPU workers;
-    ``"auto"`` picks CUDA when available and otherwise warns and falls back to virtual."""
+    ``"auto"`` picks CUDA when available and otherwise warns and falls back to virtual.
+    ``host_memory``: whether CUDA workers stage their transfers in pinned or pageable host
+    memory (``TrainOptions.host_memory``; virtual workers copy the same either way)."""
+    from rpcompile.runtime.memory import pin_host_memory
+
+    pin_host_memory(host_memory, "virtual")  # a bad choice fails here, whatever the device
     if n < 1:
         raise ValueError(f"make_workers needs n >= 1, got {n}")
     if device == "auto":
@@ -853,7 +878,8 @@ def make_workers(
             )
             device = "virtual"
     if device == "cuda":
-        return [CudaWorker(i, capacity_bytes=capacity_bytes, chaos=chaos) for i in range(n)]
+        return [CudaWorker(i, capacity_bytes=capacity_bytes, chaos=chaos,
+                           host_memory=host_memory) for i in range(n)]
     if device == "virtual":
         return [VirtualWorker(i, capacity_bytes=capacity_bytes, chaos=chaos) for i in range(n)]
     raise ValueError(f"device must be 'auto', 'cuda' or 'virtual', got {device!r}")

@@ -337,7 +337,8 @@ class _Replay:
 
     def _transfer(self, a: Action, index: int, order: int, link: _Link) -> _Transfer:
         d2h = link.d2h
-        rate = (self.hw.d2h_gbps if d2h else self.hw.h2d_gbps) * 1e6
+        # Pinned or pageable bandwidth, as the run's host memory (Hardware.host_memory).
+        rate = (self.hw.link_d2h_gbps if d2h else self.hw.link_h2d_gbps) * 1e6
         bulk = a.priority == "bulk"
         chunks = a.chunks if bulk else 1
         return _Transfer(index, bulk, order, 2 * a.worker + d2h, rate, chunks_left=chunks,
