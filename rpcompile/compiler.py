@@ -37,11 +37,10 @@ from rpcompile.passes.cost import UnitCost, annotate_costs
 from rpcompile.passes.invariants import (
     check_captured,
     check_costs,
-    check_dispatch,
     check_plan,
     check_stages,
 )
-from rpcompile.passes.lower import MEMORY_WAITS, lower, runtime_schedule
+from rpcompile.passes.lower import MEMORY_WAITS, runtime_schedule
 from rpcompile.passes.manager import PassRecord, run_pass
 from rpcompile.passes.memory import (
     HostMemory,
@@ -51,7 +50,7 @@ from rpcompile.passes.memory import (
     host_ram_problem,
     worker_peaks,
 )
-from rpcompile.passes.schedule import build_schedule, dispatch_period
+from rpcompile.passes.schedule import dispatch_period
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
     PartitionError,
@@ -653,16 +652,14 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         """The schedule the runtime runs for ``plan`` (the dealing period, the run's update
         order), its pass records, and its proven peaks."""
         trail: list = []
-        compute = run_pass(trail, "dispatch", lambda: build_schedule(
-            plan, gpus, microbatches, rounds=rounds, kind="roundpipe", optimizer=mode,
-            steps=steps), check_dispatch)
-        # The lowering's passes go through the same run_pass (a PassManager), their records
+        # The one builder of the runtime's schedule (the Trainer's too); the dispatch's and
+        # the lowering's passes go through the same run_pass (a PassManager), their records
         # into the same history; each lowered schedule is validated always.
-        lowered, lowering = lower(compute, plan, chunk_bytes=po.chunk_bytes, updates=order,
-                                  ranks=ranks)
+        lowered = runtime_schedule(plan, gpus, microbatches, rounds, mode, po.chunk_bytes,
+                                   steps=steps, updates=order, ranks=ranks, trail=trail,
+                                   validate=True)
         if po.shard_optimizer and ranks > 1:  # what its REDUCE and SHADOW actions move
             lowered = lowered.replace(sharded=True)
-        trail.extend(lowering)
         return lowered, trail, worker_peaks(lowered, plan, overlap_steps=False)
 
     lowered, trail, memory = schedule_of(plan)

@@ -17,6 +17,10 @@ from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
 
+# Where the host's side of every transfer lives (TrainOptions.host_memory, checked there):
+# pinned memory, or pageable memory (copies through the driver's staging buffer).
+HOST_MEMORY = ("pinned", "pageable")
+
 __all__ = [
     "Hardware",
     "Link",
@@ -117,9 +121,8 @@ class Hardware:
         ``pageable_d2h_gbps``, as RoundPipe's ``pin_model="off"``). Raises ``ValueError``,
         naming the profile and the fix, when pageable is asked of a profile without pageable
         figures."""
-        from rpcompile.options import HOST_MEMORY, check_choice
-
-        check_choice("host_memory", kind, HOST_MEMORY)
+        if kind not in HOST_MEMORY:
+            raise ValueError(f"host_memory must be one of {list(HOST_MEMORY)}, got {kind!r}")
         if kind == "pageable" and not (self.pageable_h2d_gbps > 0 and self.pageable_d2h_gbps > 0):
             raise ValueError(
                 f"host_memory='pageable' needs the pageable-memory bandwidth of the "

@@ -24,6 +24,8 @@ from typing import Any
 
 import torch
 
+from rpcompile.hardware import HOST_MEMORY
+
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
     "DEVICES",
@@ -42,8 +44,8 @@ __all__ = [
 MODES = ("sync", "async")
 DEVICES = ("auto", "cuda", "virtual")
 KERNELS = ("auto", "torch", "triton")
-# The host memory a run copies from and to (TrainOptions.host_memory): page-locked, or not.
-HOST_MEMORY = ("pinned", "pageable")
+# The host memory a run copies from and to (TrainOptions.host_memory): page-locked, or not
+# (defined with the profile whose link bandwidths it picks: rpcompile.hardware).
 UPDATE_ORDERS = ("overlap", "deferred")  # the sync update orders (rpcompile.passes.lower)
 # How backward stages recompute their forward (rpcompile.passes.cost): the planner's choice,
 # whole stages, or layer by layer.

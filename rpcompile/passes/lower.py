@@ -35,7 +35,8 @@ from rpcompile.options import (  # the one chunk size; the sync update orders
     DEFAULT_CHUNK_BYTES,
     UPDATE_ORDERS,
 )
-from rpcompile.passes.manager import PassManager, PassRecord, debug_checks
+from rpcompile.passes.invariants import check_dispatch
+from rpcompile.passes.manager import PassManager, PassRecord, debug_checks, run_pass
 from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.validate import validate as check
 
@@ -843,17 +844,23 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
 
 def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, mode: str,
                      chunk_bytes: int | None = None, *, steps: int | None = None,
-                     updates: str | None = None, ranks: int = 1) -> Schedule:
+                     updates: str | None = None, ranks: int = 1,
+                     trail: list | None = None, validate: bool | None = None) -> Schedule:
     """The lowered schedule the runtime runs: as many steps as the round-robin job counter
     takes to come back to worker 0 (:func:`~rpcompile.passes.schedule.dispatch_period`; step
-    ``k`` of a run runs schedule step ``k mod steps``). What :func:`compile` keeps as
-    ``Compiled.schedule``; a Trainer given other options (mode, ``schedule_steps``,
-    ``chunk_bytes``) builds its own with this. ``ranks`` > 1: data parallel (:func:`lower`)."""
-    period = dispatch_period(len(plan.stages) * rounds, workers)
-    compute = build_schedule(plan, workers=workers, microbatches=microbatches, rounds=rounds,
-                             steps=steps or period, kind="roundpipe", optimizer=mode)
-    # Validated like the compiled schedule under RPCOMPILE_DEBUG=1 (it is the same passes
-    # over other options; the check costs seconds on a large model).
-    lowered, _ = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-                       validate=debug_checks(), updates=updates, ranks=ranks)
+    ``k`` of a run runs schedule step ``k mod steps``). The one builder of it:
+    :func:`rpcompile.compile` keeps it as ``Compiled.schedule`` (passing ``trail``, a list
+    the dispatch's and each lowering pass's records are appended to, and ``validate=True``);
+    a Trainer given other options (mode, ``schedule_steps``, ``chunk_bytes``) builds its own
+    with this. ``validate`` (default: ``RPCOMPILE_DEBUG=1``) checks the dispatch and every
+    lowering pass's schedule. ``ranks`` > 1: data parallel (:func:`lower`)."""
+    steps = steps or dispatch_period(len(plan.stages) * rounds, workers)
+    validate = debug_checks() if validate is None else validate
+    records: list = [] if trail is None else trail
+    compute = run_pass(records, "dispatch", lambda: build_schedule(
+        plan, workers=workers, microbatches=microbatches, rounds=rounds, steps=steps,
+        kind="roundpipe", optimizer=mode), check_dispatch if validate else None)
+    lowered, lowering = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+                              validate=validate, updates=updates, ranks=ranks)
+    records.extend(lowering)
     return lowered
