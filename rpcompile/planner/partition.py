@@ -847,10 +847,17 @@ _EPS = 1e-9  # ms: sums of block costs differ from their layer's cost in the las
 
 
 def _all_cuts(units, cost, kind, costing, limit, span, starts=None):
-    """For ``span`` stage counts k from the smallest that fits, the contiguous cut of ``cost``
-    into k parts with the smallest maximum part, each part fitting in memory:
-    {k: (max_part, start_indices)}. ``starts`` (ascending, beginning with 0) restricts where
-    stages may begin; by default anywhere."""
+    """For ``span`` stage counts k from the smallest that fits, and for the largest (every
+    grid piece its own stage), the contiguous cut of ``cost`` into k parts with the smallest
+    maximum part, each part fitting in memory: {k: (max_part, start_indices)}. ``starts``
+    (ascending, beginning with 0) restricts where stages may begin; by default anywhere.
+
+    The finest cut is always among them: it holds the least device memory per stage, so it
+    is what a search on this grid alone ends at when its coarser cuts do not fit over the
+    whole schedule (:func:`_fitting_plan` cuts again under lower stage limits until the
+    fewest stages that fit are every piece); without it a search over a finer grid, whose
+    coarser candidates fit, would never see the whole-layer plan a whole-layer search
+    returns (Qwen3-235B-A22B: one layer per stage, 1.4 % faster than the block plan)."""
     pos = list(starts) if starts is not None else list(range(len(cost)))
     pos.append(len(cost))
     fine_prefix = [0.0]
@@ -900,6 +907,8 @@ def _all_cuts(units, cost, kind, costing, limit, span, starts=None):
         if value != float("inf"):
             out[k] = (value, tuple(pos[i] for i in cut))
     best.cache_clear()
+    # Every piece its own stage: each fits alone (checked by the packing above).
+    out.setdefault(n, (max(prefix[i + 1] - prefix[i] for i in range(n)), tuple(pos[:-1])))
     return out
 
 
