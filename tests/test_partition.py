@@ -26,7 +26,7 @@ from rpcompile.planner.partition import (
     partition,
 )
 from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
-from rpcompile.workloads.paper import MODELS
+from rpcompile.workloads.paper import MODELS, hop_hardware
 
 
 def _brute_force(cost, k, starts):
@@ -102,6 +102,39 @@ def test_block_plan_is_no_slower_than_the_layer_plan_and_refinement_only_helps()
     assert steady_step_ms(result) == pytest.approx(refined.predicted_step_ms)
     if refined.stages != blocks.stages:
         assert any("refined in the simulator" in note for note in refined.notes)
+
+
+def test_cuts_always_include_every_grid_piece_its_own_stage():
+    # A span of stage counts that stops short of the finest cut still returns it: the cut a
+    # search on that grid alone ends at when its coarser cuts do not fit (issue 14).
+    cost = [float(c) for c in (3, 1, 4, 1, 5, 9, 2, 6, 5, 3)]
+    units = [UnitProfile(f"u{i}", forward_ms=c, backward_ms=0.0, trainable_params=1)
+             for i, c in enumerate(cost)]
+    for starts in (None, [0, 2, 3, 5, 8]):
+        grid = starts or list(range(len(cost)))
+        cuts = _all_cuts(units, cost, "backward", StageCosting(), limit=2**40, span=2,
+                         starts=starts)
+        assert set(cuts) == {1, 2, len(grid)}
+        value, bounds = cuts[len(grid)]
+        assert bounds == tuple(grid)
+        edges = [*grid, len(cost)]
+        assert value == pytest.approx(max(sum(cost[a:b]) for a, b in itertools.pairwise(edges)))
+
+
+def test_block_search_is_no_slower_than_the_whole_layer_search():
+    # Issue 14: Qwen3-235B-A22B cut to 48 layers, 4 GPUs, 8 microbatches, sync, capped at 4
+    # replays per grid. The whole-layer search's coarse candidates do not fit over the whole
+    # schedule, so it cuts again under lower stage limits and returns one layer per stage;
+    # the block search's fine candidates fit, and its whole-layer grid never reached that
+    # stage count (4 x workers counts from the fewest). Its candidates replayed must cover
+    # the whole-layer plans, so its plan is no slower (by the simulator) than the other's.
+    model = replace(MODELS["qwen3-235b-a22b"], layers=48)
+    hw = hop_hardware(model, 4 * 2048)
+    args = (hw, 4, 8, 4, 2048)
+    caps = {"optimizer": "sync", "max_simulations": 4, "refine": 0}
+    layers = partition(model.units(4, 2048), *args, **caps)
+    blocks = partition(model.units(4, 2048, split_layers=True), *args, **caps)
+    assert blocks.predicted_step_ms <= layers.predicted_step_ms * (1 + 1e-9)
 
 
 @pytest.mark.parametrize(("jobs", "workers"), [(31, 8), (30, 8), (28, 8), (32, 8), (6, 4), (7, 3)])
