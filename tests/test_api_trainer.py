@@ -61,7 +61,8 @@ def test_a_hand_built_trainer_clips_as_the_compile_asked():
 def test_the_trainer_keywords_override_the_compiled_options_one_by_one():
     options = dict(device="virtual", chaos=7, capacity_bytes=1 << 40, kernels="torch",
                    skip_nonfinite=True, loss_scale=True, max_grad_norm=2.0, timeout_s=90.0,
-                   host_ram_bytes=1 << 50, undo_journal=True, optimizer=_sgd)
+                   host_ram_bytes=1 << 50, undo_journal=True, optimizer=_sgd,
+                   host_memory="pageable")
     # Every training option but the process group is set away from its default here, so a
     # keyword that resets the others would show.
     assert set(options) == {f.name for f in fields(TrainOptions)} - {"process_group"}
