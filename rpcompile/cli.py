@@ -389,6 +389,11 @@ def _plan(args: argparse.Namespace) -> int:
         layered = [plan.stage_name(s.index) for s in plan.stages if s.recompute == "layer"]
         summary["recompute"] = {"option": args.recompute, "layer_stages": layered}
         choice = next((n for n in plan.notes if n.startswith("recompute:")), None)
+        if choice is None and not layered and args.recompute == "layer":
+            # Layer recompute applies to backward stages of more than one unit; a plan of
+            # one-unit backward stages has none, which is not the by-stage choice.
+            choice = ("recompute: layer by layer (--recompute layer), though every backward "
+                      "stage of this plan is one unit, so each recomputes that unit at once")
         print(choice or ("recompute: layer by layer in " + ", ".join(layered) if layered else
                          "recompute: by stage (every backward stage recomputes its forward "
                          "with autograd at once)"))
