@@ -39,16 +39,20 @@ def _brute_force(cost, k, starts):
     return best
 
 
+def _cuts_on_each_grid(cost, span):
+    """(grid, _all_cuts) of units costing ``cost`` on the unit grid and on a coarser one."""
+    units = [UnitProfile(f"u{i}", forward_ms=c, backward_ms=0.0, trainable_params=1)
+             for i, c in enumerate(cost)]
+    for starts in (None, [0, 2, 3, 5, 8]):
+        yield starts or list(range(len(cost))), _all_cuts(
+            units, cost, "backward", StageCosting(), limit=2**40, span=span, starts=starts)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_min_max_cuts_match_brute_force_on_any_grid(seed):
     rng = random.Random(seed)
     cost = [rng.uniform(1, 10) for _ in range(9)]
-    units = [UnitProfile(f"u{i}", forward_ms=c, backward_ms=0.0, trainable_params=1)
-             for i, c in enumerate(cost)]
-    for starts in (None, [0, 2, 3, 5, 8]):
-        grid = starts or list(range(len(cost)))
-        cuts = _all_cuts(units, cost, "backward", StageCosting(), limit=2**40, span=10,
-                         starts=starts)
+    for grid, cuts in _cuts_on_each_grid(cost, span=10):
         assert set(cuts) == set(range(1, len(grid) + 1))
         for k, (value, bounds) in cuts.items():
             assert value == pytest.approx(_brute_force(cost, k, grid))
@@ -108,12 +112,7 @@ def test_cuts_always_include_every_grid_piece_its_own_stage():
     # A span of stage counts that stops short of the finest cut still returns it: the cut a
     # search on that grid alone ends at when its coarser cuts do not fit (issue 14).
     cost = [float(c) for c in (3, 1, 4, 1, 5, 9, 2, 6, 5, 3)]
-    units = [UnitProfile(f"u{i}", forward_ms=c, backward_ms=0.0, trainable_params=1)
-             for i, c in enumerate(cost)]
-    for starts in (None, [0, 2, 3, 5, 8]):
-        grid = starts or list(range(len(cost)))
-        cuts = _all_cuts(units, cost, "backward", StageCosting(), limit=2**40, span=2,
-                         starts=starts)
+    for grid, cuts in _cuts_on_each_grid(cost, span=2):
         assert set(cuts) == {1, 2, len(grid)}
         value, bounds = cuts[len(grid)]
         assert bounds == tuple(grid)
