@@ -87,6 +87,14 @@ class UnitProfile:
     # consecutive units with the same non-empty group form one layer. The partitioner also
     # tries cuts at layer boundaries only ("" = the unit is a group of its own).
     group: str = ""
+    # Non-parameter inputs the unit's nodes read, each with its bytes: ``buffers``, the
+    # buffers and lifted constants (rotary inv_freq, ...), uploaded with a stage's weights in
+    # their own dtype; ``batch_inputs``, the batch keys (input_ids, attention_mask, labels,
+    # num_items_in_batch, dropout seeds) per microbatch, uploaded from the host. A stage reads
+    # the union over its units (rpcompile.passes.cost). Empty for a profile built by hand
+    # (rpcompile.workloads.paper), which then stands for ids and labels alone.
+    buffers: tuple[tuple[str, int], ...] = ()
+    batch_inputs: tuple[tuple[str, int], ...] = ()
 
     @property
     def params(self) -> int:
@@ -129,6 +137,20 @@ class Stage:
     # base). The partitioner always sets it; None, for a stage built by hand without its
     # units' counts, stands for every weight (weight_bytes).
     shadow_bytes: int | None = None
+    # Bytes of the buffers and lifted constants the stage's program reads (the union over its
+    # units' UnitProfile.buffers): uploaded with its weights and evicted with them.
+    buffer_bytes: int = 0
+    # The batch inputs the stage's program reads, (key, bytes per microbatch), the union over
+    # its units' UnitProfile.batch_inputs: what its host uploads carry
+    # (rpcompile.passes.schedule.roundpipe_flows). None for a stage built without captured
+    # units (the paper workloads' profiles): ids and labels, 8 bytes a token each.
+    batch_inputs: tuple[tuple[str, int], ...] | None = None
+
+    @property
+    def upload_bytes(self) -> int:
+        """What the stage's UP moves and its worker holds until EVICT: the low-precision
+        weights and the buffers."""
+        return self.weight_bytes + self.buffer_bytes
 
     @property
     def trainable_weight_bytes(self) -> int:

@@ -331,3 +331,61 @@ def test_units_may_be_attention_and_mlp_blocks():
     assert list(compiled.capture.units) == ["prefix", *units, "tail"]
     compiled.plan.validate()
     _check_against_eager(compiled, model, batch, 3, exact=True)
+
+
+class GateNet(torch.nn.Module):
+    """A non-HF model whose every block reads a batch input (a per-sequence gate) directly, so
+    stages after the first read the batch too."""
+
+    def __init__(self, width: int = 32, depth: int = 4) -> None:
+        super().__init__()
+        from tests.tiny_models import Block
+
+        self.embed = torch.nn.Linear(16, width)
+        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(depth))
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h) * gate
+        return self.head(h)
+
+
+def test_stages_after_the_first_receive_the_batch_inputs_they_read(monkeypatch):
+    # Every stage's program reads the gate: each gets it from the host (an ``ids`` upload
+    # sized by what it reads), and one step on virtual workers equals eager SGD.
+    from rpcompile.planner.partition import build_plan
+    from rpcompile.runtime.trainer import Trainer
+
+    torch.manual_seed(0)
+    model = GateNet()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(6, 16, generator=g), torch.rand(6, 1, generator=g) + 0.5,
+             torch.randint(0, 10, (6,), generator=g))
+    loss_fn = torch.nn.functional.cross_entropy
+
+    def fixed_cut(units, hw, workers, microbatches, microbatch_size, seq_len, rounds, costing,
+                  **_search):
+        n = len(units)  # forward: prefix + 2 blocks, then 1 block; backward likewise
+        return build_plan(units, (0, 3), (0, 3), n - 2, hw, workers, microbatches,
+                          microbatch_size, seq_len, rounds, costing)
+
+    monkeypatch.setattr(rpcompile.compiler, "partition", fixed_cut)
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
+                                 loss_fn=loss_fn, device="virtual")
+    gate_key = compiled.capture.input_keys[1]
+    assert all(gate_key in dict(s.batch_inputs) for s in compiled.plan.stages)
+    host = {(f.dst_kind, f.dst_stage): f.bytes for f in compiled.schedule.flows
+            if f.src_kind is None}
+    assert len(host) == len(compiled.plan.stages)  # one host upload each, F2 included
+    assert host[("F", 1)] == 2 * 1 * 4  # two sequences' fp32 gate
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ref_loss, ref_grads = eager_grads(model, batch, 3, loss_fn)
+    with Trainer(compiled, lambda p: torch.optim.SGD(p, lr=0.1), device="virtual") as trainer:
+        loss = trainer.step(batch)
+        masters = trainer.masters()
+    torch.testing.assert_close(torch.as_tensor(loss), ref_loss, rtol=1e-6, atol=1e-6)
+    for n, p in before.items():
+        torch.testing.assert_close(masters[n], p - 0.1 * ref_grads[n], rtol=1e-5, atol=1e-6,
+                                   msg=n)

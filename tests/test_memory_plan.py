@@ -555,3 +555,73 @@ def test_plan_at_the_longest_length_fits():
         partition(unit_profiles(probe.capture, probe.unit_costs, 1, longer, hw, 4), hw,
                   gpus, micro, 1, longer, costing=StageCosting(4, 4, 4), optimizer="sync",
                   recompute="stage", shortlist=8, search=0)
+
+
+def _dropout_qwen3():
+    import transformers as tf
+
+    torch.manual_seed(0)
+    return tf.Qwen3ForCausalLM(tf.Qwen3Config(
+        head_dim=16, attention_dropout=0.1, hidden_size=64, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=128))
+
+
+@pytest.mark.parametrize("case", ["padded", "dropout"])
+def test_every_byte_a_worker_uploads_is_a_byte_the_schedule_moves(case, monkeypatch):
+    # The proof, the simulator and the bound size each transfer by the schedule's bytes. What
+    # the virtual workers account is the runtime's own tensors: each UP's weights and the
+    # buffers that travel with them (rotary inv_freq), each host upload's batch inputs
+    # (input_ids, an attention mask, labels, num_items_in_batch, dropout seeds). Per stage
+    # and per step they must be the same bytes, or a run could pass the proven peak.
+    from rpcompile.runtime.workers import Worker
+    from tests.tiny_models import sft_batch
+
+    model = _dropout_qwen3() if case == "dropout" else hf_model("qwen3", layers=4)
+    batch = sft_batch(6)
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3, device="virtual",
+                                 example_inputs=batch)
+    if case == "dropout":
+        assert any(k != "labels" and k not in batch for s in compiled.plan.stages
+                   for k, _ in s.batch_inputs)  # the seeds travel too
+    accounted: list[tuple[str, int]] = []
+    account = Worker._account
+
+    def record(self, nbytes, tag):
+        accounted.append((tag, nbytes))
+        account(self, nbytes, tag)
+
+    monkeypatch.setattr(Worker, "_account", record)
+    with Trainer(compiled, SGD, device="virtual") as trainer:
+        trainer.step(batch)
+        sched = trainer.schedule
+    step0 = [a for lst in sched.actions for a in lst if a.step == 0]
+    for s in compiled.plan.stages:
+        name = compiled.plan.stage_name(s.index)
+        up = sum(a.bytes for a in step0 if a.kind == "UP" and a.stage == s.index)
+        got = sum(n for tag, n in accounted
+                  if tag == f"{name} weights" or tag.startswith(f"{name} buffer "))
+        assert got == up > 0, (name, got, up)
+        for value in ("ids", "labels"):
+            moved = sum(a.bytes for a in step0 if a.kind == "H2D" and a.stage == s.index
+                        and a.value == value)
+            got = sum(n for tag, n in accounted if tag == f"{name} input {value}")
+            assert got == moved, (name, value, got, moved)
+    assert any(a.kind == "H2D" and a.value == "labels" for a in step0)
+
+
+def test_a_plan_that_miscounts_what_a_stage_reads_is_refused():
+    # The split checks each program against the plan's counts (Stage.buffer_bytes,
+    # Stage.batch_inputs): a disagreement would make the proof bound another run.
+    from rpcompile.passes.split import split
+
+    compiled = compiled_for("qwen3", 2, 3)
+    plan = compiled.plan
+    first = plan.stages[0]
+    wrong = replace(plan, stages=(replace(first, buffer_bytes=first.buffer_bytes + 4),
+                                  *plan.stages[1:]))
+    with pytest.raises(AssertionError, match="F1: its program reads buffers"):
+        split(compiled.capture, wrong)
+    wrong = replace(plan, stages=(replace(first, batch_inputs=first.batch_inputs[:1]),
+                                  *plan.stages[1:]))
+    with pytest.raises(AssertionError, match="the split disagree"):
+        split(compiled.capture, wrong)

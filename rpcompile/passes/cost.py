@@ -105,6 +105,10 @@ class UnitCost:
     saved_bytes: sympy.Expr
     transient_bytes: sympy.Expr
     graph_element_bytes: int  # element size of the graph's floating dtype (4 for fp32)
+    # Every buffer/constant the unit reads, with its bytes, and every batch input, with its
+    # bytes per microbatch (symbolic in b, s): UnitProfile.buffers / batch_inputs.
+    buffers: tuple[tuple[str, int], ...] = ()
+    batch_inputs: tuple[tuple[str, sympy.Expr], ...] = ()
     # output, shared, saved, transient with the floating element size left symbolic (_E).
     symbolic_bytes: tuple[sympy.Expr, ...] = field(repr=False, compare=False, default=())
 
@@ -148,6 +152,10 @@ class UnitCost:
             output_bytes=sizes["output"],
             shared_bytes=sizes["shared"],
             working_bytes=sizes["working"],
+            buffers=self.buffers,
+            batch_inputs=tuple((key, _to_int(e.xreplace({B: sympy.Integer(b), S: sympy.Integer(s)}),
+                                             key, self.name))
+                               for key, e in self.batch_inputs),
         )
 
 
@@ -183,6 +191,8 @@ class _UnitAcc:
         self.transient: dict[sympy.Expr, None] = {}  # candidates, insertion-ordered set
         self.output: dict[int, sympy.Expr] = {}  # storage key -> bytes
         self.shared: dict[int, sympy.Expr] = {}
+        self.buffers: dict[str, int] = {}  # buffer/constant placeholder -> bytes (every reader)
+        self.batch: dict[str, sympy.Expr] = {}  # batch key -> bytes per microbatch
 
 
 class _Walk:
@@ -209,6 +219,8 @@ class _Walk:
             elif node.name in constant_names:
                 self.weights[node.name] = None
         self.elem = _graph_element_bytes(gm, self.weights)
+        self.batch_keys = dict(zip(getattr(captured, "inputs", ()),
+                                   getattr(captured, "input_keys", ())))
         self.weight_storages: set[int] = set()
         self.seen_storages: set[int] = set()
         self.alias: dict[int, int] = {}  # storage of a run-time alias -> storage it aliases
@@ -265,6 +277,15 @@ class _Walk:
         target = node.target
         arg_nodes = node.all_input_nodes
 
+        # Every buffer and batch input a unit reads travels to each stage that holds it.
+        for a in arg_nodes:
+            if a.op != "placeholder":
+                continue
+            if self.weights.get(a.name, False) is None:
+                acc.buffers[a.name] = _concrete_nbytes(a.meta.get("val"), a.name)
+            elif a.name in self.batch_keys:
+                acc.batch[self.batch_keys[a.name]] = sympy.Mul(
+                    *self._shape(a.meta["val"])) * a.meta["val"].element_size()
         # Parameters and buffers are charged to the unit that reads them first.
         for a in arg_nodes:
             if a.op == "placeholder" and a.name in self.weights and a.name not in self.seen_weights:
@@ -532,6 +553,8 @@ class _Walk:
                 transient_bytes=transient_graph,
                 graph_element_bytes=self.elem,
                 symbolic_bytes=symbolic,
+                buffers=tuple(acc.buffers.items()),
+                batch_inputs=tuple(acc.batch.items()),
             ))
         return out
 

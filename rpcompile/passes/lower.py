@@ -163,8 +163,8 @@ def add_weight_uploads(sched: Schedule, plan: Plan | Sequence[Stage],
     for w in range(sched.workers):
         jobs = _jobs(sched, w)
         ups = [Action(w, "UP", j.stage, None, j.round, j.step,
-                      bytes=stages[j.stage].weight_bytes,
-                      chunks=_chunks(stages[j.stage].weight_bytes, chunk_bytes)) for j in jobs]
+                      bytes=stages[j.stage].upload_bytes,
+                      chunks=_chunks(stages[j.stage].upload_bytes, chunk_bytes)) for j in jobs]
         evicts = [Action(w, "EVICT", j.stage, None, j.round, j.step) for j in jobs]
         for n, j in enumerate(jobs):
             if n == 0:

@@ -88,8 +88,9 @@ def format_bytes(n: float) -> str:
 
 
 def working_bytes(stage: Stage) -> int:
-    """One compute's working set: the stage figure less twice its weights and its gradients."""
-    return max(0, stage.peak_bytes - 2 * stage.weight_bytes - stage.grad_bytes)
+    """One compute's working set: the stage figure less twice its upload (weights and
+    buffers) and its gradients."""
+    return max(0, stage.peak_bytes - 2 * stage.upload_bytes - stage.grad_bytes)
 
 
 def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,

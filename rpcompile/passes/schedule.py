@@ -252,7 +252,11 @@ def roundpipe_flows(plan: Plan) -> tuple[Flow, ...]:
     Sizes come from the Stage fields: an activation into a forward stage or the tail is the
     consumer's ``input_bytes``; an input gradient is its producer's ``output_bytes`` (what a
     backward stage or the tail sends on); a saved input is the rest of the backward consumer's
-    ``input_bytes``; ids and labels are int64 tokens.
+    ``input_bytes``. The batch lives on the host: a stage's one host upload (``ids``; the
+    tail's is ``labels`` unless it starts at unit 0) carries every batch input its program
+    reads (``Stage.batch_inputs``: input_ids, an attention mask, labels, num_items_in_batch,
+    dropout seeds), and a stage after the first that reads one gets an ``ids`` upload too. For
+    a stage that does not say (a profile built by hand), ids and labels are int64 tokens.
     """
     tokens = _ids_bytes(plan.microbatch_size * plan.seq_len)
     fwd = plan.forward_stages
@@ -261,21 +265,25 @@ def roundpipe_flows(plan: Plan) -> tuple[Flow, ...]:
     for s in plan.stages:
         ck = _compute_kind(s)
         first, last = s.units[0], s.units[-1]
+        batch = None if s.batch_inputs is None else sum(n for _, n in s.batch_inputs)
         if s.kind in ("forward", "tail"):
-            if first == 0:
-                flows.append(Flow("ids", "act", None, None, ck, s.index, s.input_bytes or tokens))
-            else:
+            if first == 0 or (s.kind == "forward" and batch):
+                flows.append(Flow("ids", "act", None, None, ck, s.index,
+                                  (s.input_bytes or tokens) if batch is None else batch))
+            if first > 0:
                 flows.append(Flow(f"x{first - 1}", "act", "F", owner[first - 1], ck, s.index,
                                   s.input_bytes))
-            if s.kind == "tail":
-                flows.append(Flow("labels", "act", None, None, ck, s.index, tokens))
+            if s.kind == "tail" and (first > 0 or batch is None):
+                flows.append(Flow("labels", "act", None, None, ck, s.index,
+                                  tokens if batch is None else batch))
             continue
         prev = plan.stages[s.index - 1]
         flows.append(Flow(f"g{last}", "igrad", _compute_kind(prev), prev.index, ck, s.index,
                           prev.output_bytes))
-        if first == 0:
-            flows.append(Flow("ids", "save", None, None, ck, s.index, tokens))
-        else:
+        if first == 0 or batch:
+            flows.append(Flow("ids", "save", None, None, ck, s.index,
+                              tokens if batch is None else batch))
+        if first > 0:
             flows.append(Flow(f"x{first - 1}", "save", "F", owner[first - 1], ck, s.index,
                               max(s.input_bytes - prev.output_bytes, 0)))
     return tuple(flows)

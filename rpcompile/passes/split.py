@@ -206,10 +206,30 @@ def split(captured: Captured, plan: Plan) -> list[StageProgram]:
                 and any(c > max(units) for c in consumers.get(n, ()))
             ]
         program = _build(captured, plan, st, members, outs, placeholders, requires_grad)
+        _check_reads(captured, st, program)
         if program.recompute == "layer":
             unit_segments(program)  # checked (and cached) now: a bad cut fails at compile time
         programs.append(program)
     return programs
+
+
+def _check_reads(captured: Captured, st, program: StageProgram) -> None:
+    """The plan's memory proof and transfer times count what each stage uploads besides its
+    parameters (Stage.buffer_bytes, Stage.batch_inputs, from the cost walk); the program the
+    runtime runs must read exactly that, or the proof would not bound the run. (A stage
+    built by hand, ``batch_inputs`` None, does not say.)"""
+    if st.batch_inputs is None:
+        return
+    extras = [i for i in program.inputs if i.kind in ("buffer", "constant")]
+    nbytes = sum(captured.graph_module.graph.find_nodes(op="placeholder", target=i.name)[0]
+                 .meta["val"].nbytes for i in extras)
+    keys = sorted({i.source for i in program.inputs if i.kind == "batch"})
+    planned = sorted(k for k, _ in st.batch_inputs)
+    if nbytes != st.buffer_bytes or keys != planned:
+        raise AssertionError(
+            f"stage {program.name}: its program reads buffers of {nbytes} bytes and the batch "
+            f"inputs {keys}, but the plan counts {st.buffer_bytes} bytes and {planned}: the "
+            "cost walk (rpcompile.passes.cost) and the split disagree on what the stage reads")
 
 
 def _requires_grad(captured: Captured, nodes: Sequence[fx.Node]) -> dict[fx.Node, bool]:

@@ -121,7 +121,7 @@ class _Costs:
 
         stages = plan.stages
         self.compute = [st.compute_ms for st in stages]
-        self.upload = [h2d(st.weight_bytes) for st in stages]
+        self.upload = [h2d(st.upload_bytes) for st in stages]
         self.host_reads: list[list[float]] = [[] for _ in stages]
         self.remote: list[list[tuple[int, float]]] = [[] for _ in stages]
         for f in roundpipe_flows(plan):
@@ -246,7 +246,7 @@ def _first_uploads(plan: Plan, hw: Hardware, dealt: list[tuple[int, int, int, in
     for n, (w, _s, _r, _k) in enumerate(dealt):
         if len(firsts.setdefault(w, [])) < 2:
             firsts[w].append(n)
-    weights = [plan.stages[s].weight_bytes for _w, s, _r, _k in dealt]
+    weights = [plan.stages[s].upload_bytes for _w, s, _r, _k in dealt]
     ready = [sum(weights[n] for n in mine) for mine in firsts.values()]
     out: dict[int, float] = {}
     for mine in firsts.values():

@@ -971,11 +971,26 @@ def _stage_params(units, r: tuple[int, ...]) -> tuple[int, int]:
     return params, trainable
 
 
+def _stage_reads(units, r: tuple[int, ...]) -> tuple[int, tuple[tuple[str, int], ...] | None]:
+    """A stage's buffer bytes and batch inputs: the union over its units of what they read
+    (UnitProfile.buffers, batch_inputs), each counted once. Batch inputs are None when no
+    unit of the plan says what it reads (profiles built by hand: the first unit reads no ids
+    and the last no labels)."""
+    buffers: dict[str, int] = {}
+    batch: dict[str, int] = {}
+    for u in r:
+        buffers.update(units[u].buffers)
+        batch.update(units[u].batch_inputs)
+    known = bool(units[0].batch_inputs or units[-1].batch_inputs)  # the ids, the labels
+    return sum(buffers.values()), (tuple(batch.items()) if known else None)
+
+
 def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -> int:
-    """Device memory of one job: weights twice (the next job's prefetch shares the device),
-    the fp32 gradient accumulator (not for forward stages), one microbatch's working set."""
+    """Device memory of one job: weights and buffers twice (the next job's prefetch shares
+    the device), the fp32 gradient accumulator (not for forward stages), one microbatch's
+    working set."""
     params, trainable = _stage_params(units, r)
-    weights = 2 * params * costing.weight_dtype_bytes
+    weights = 2 * (params * costing.weight_dtype_bytes + _stage_reads(units, r)[0])
     grads = 0 if kind == "forward" else trainable * costing.grad_dtype_bytes
     if kind == "forward":
         # No autograd: only the largest transient plus the values being sent out.
@@ -1002,6 +1017,7 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
     else:
         ms = recompute_ms(units, r, _recompute(kind, r, units, costing))
     params, trainable = _stage_params(units, r)
+    buffer_bytes, batch_inputs = _stage_reads(units, r)
     first = r[0]
     incoming = units[first - 1].output_bytes if first > 0 else 0
     shared = max((units[u].shared_bytes for u in range(first)), default=0)
@@ -1032,4 +1048,6 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         peak_bytes=_stage_memory(units, tuple(r), kind, costing),
         recompute=_recompute(kind, tuple(r), units, costing),
         shadow_bytes=trainable * costing.weight_dtype_bytes,
+        buffer_bytes=buffer_bytes,
+        batch_inputs=batch_inputs,
     )

@@ -543,6 +543,7 @@ class Executor:
         self.bundles = _bundle_names(self.programs, unit_of, schedule)
         # Flow read by each H2D, and values each compute kind of each stage produces.
         self._flow_of = {(f.dst_stage, f.value, f.what): f for f in schedule.flows}
+        self._host_upload = {f.dst_stage for f in schedule.flows if f.from_host}
         self._produces: dict[tuple[str, int], list[str]] = {}
         for f in schedule.flows:
             if not f.from_host:
@@ -1064,7 +1065,6 @@ class Executor:
     def _inputs(self, run: _Run, a: Action) -> tuple[dict[str, Any], dict[str, Any],
                                                      dict[str, Any]]:
         """(forward values, value gradients, batch inputs) of a compute, on its worker."""
-        worker = self.workers[a.worker]
         with run.lock:
             delivered = run.delivered.get((a.worker, a.stage, a.microbatch, a.round), {})
         values: dict[str, Any] = {}
@@ -1082,15 +1082,21 @@ class Executor:
             need = self._names_for(f)
             into = grads if f.what == "igrad" else values
             into.update(bundle if need is None else {n: v for n, v in bundle.items() if n in need})
-        mb = run.parts[a.round * self.compiled.microbatches + a.microbatch]
-        for inp in self.programs[a.stage].inputs:
-            # A batch input the schedule's flows do not bring in (a middle stage reading the
-            # labels, say) is copied by the compute itself: it is on the host from the start.
-            if inp.kind == "batch" and inp.source not in batch:
-                dev = torch.empty(mb[inp.source].shape, dtype=mb[inp.source].dtype,
-                                  device=worker.device)
-                worker.copy_(dev, mb[inp.source])
-                batch[inp.source] = dev
+        # Every batch input arrives by the schedule's own host upload (roundpipe_flows gives
+        # each stage that reads one an ``ids`` or ``labels`` upload): a copy made here would
+        # be a transfer the schedule, its timing and its memory proof do not have.
+        missing = [i.source for i in self.programs[a.stage].inputs
+                   if i.kind == "batch" and i.source not in batch]
+        if missing and a.stage in self._host_upload:
+            # The upload is in the schedule but has not landed: an ordering edge is missing,
+            # as for any other value read before its writer put it there.
+            raise KeyError(f"{a}: batch inputs {missing} read before their host upload landed")
+        if missing:
+            raise RuntimeError(
+                f"{a}: the schedule brings no upload of the batch inputs {missing} that "
+                f"{self.programs[a.stage].name} reads; its plan's stages do not say what they "
+                "read (Stage.batch_inputs is None: a stage built by hand), so build the plan "
+                "with rpcompile.planner.partition.build_plan from the captured units")
         return values, grads, batch
 
     def _finish_compute(self, run: _Run, a: Action, available: Mapping[str, Any],

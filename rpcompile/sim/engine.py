@@ -47,6 +47,7 @@ from rpcompile.ir import (
     UnitProfile,
     check_registry,
 )
+from rpcompile.passes.memory import working_bytes
 from rpcompile.sim.result import SimResult, busy_split
 from rpcompile.sim.sharding import shadow_gather_bytes, shadow_journal_bytes
 
@@ -697,7 +698,7 @@ def _working_bytes(sched: Schedule, stage: Stage, units: tuple[UnitProfile, ...]
     """Device memory a compute of ``stage`` needs beyond weights, gradients and the values
     listed in the schedule (one microbatch's activations and transients)."""
     if sched.stage_workers is None:  # RoundPipe: the planner's figure (passes.memory)
-        return max(0, stage.peak_bytes - 2 * stage.weight_bytes - stage.grad_bytes)
+        return working_bytes(stage)
     if units is None:
         return 0
     return sum(units[u].working_bytes for u in stage.units)
@@ -785,7 +786,7 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
         for job, first in job_first.items():
             w, s, _, _ = job
             if job not in evict:  # not lowered: weights resident over the job
-                hold(w, first, job_last[job], stages[s].weight_bytes)
+                hold(w, first, job_last[job], stages[s].upload_bytes)
             if stages[s].kind == "forward" or not stages[s].grad_bytes:
                 continue
             down = grad_down.get(job)
