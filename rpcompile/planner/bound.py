@@ -166,12 +166,11 @@ def _async_steady_bound(plan: Plan, hw: Hardware, rounds: int, costs: _Costs) ->
 
     steps = steady_steps(plan, rounds=rounds)
     warm = 1 if steps <= 4 else 2  # steady_utilization's default window
-    jobs = len(plan.stages) * rounds
     paths: dict[tuple[int, bool], float] = {}  # a step's figure depends on its first worker
     total = 0.0
     for k in range(warm, steps - 1):
         released = k > warm
-        key = (k * jobs % plan.workers, released)
+        key = (costs.dealt(k)[0][0], released)  # the worker step k's first job is dealt to
         if key not in paths:
             compute_end, home = _step_paths(plan, hw, costs, k, released=released)
             host = _host_queue(plan, hw, rounds, home, "async" if released else "accs")
