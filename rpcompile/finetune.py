@@ -19,13 +19,14 @@ import argparse
 import functools
 import json
 import math
+import re
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from rpcompile.options import DEVICES, HOST_MEMORY, KERNELS
+from rpcompile.options import DEVICES, HOST_MEMORY, KERNELS, PlanOptions
 
 __all__ = ["DEMO", "OPTIONS", "add_train_arguments", "resolve_options", "run"]
 
@@ -357,9 +358,43 @@ def _check(opts: dict[str, Any], origin: Any = None) -> None:
                          "--shard-optimizer (without it every rank holds the whole state and "
                          "rank 0 writes it); or pass --no-checkpoint-per-rank to write whole "
                          "checkpoints (resuming from per-rank files needs no sharding)")
-    if opts["shard_optimizer"] and opts["mode"] != "sync":
-        raise ValueError("--shard-optimizer needs --mode sync (a sharded update runs in the "
-                         "schedule's host queue, where the ranks' collectives are ordered)")
+    _check_plan_options(opts)
+
+
+# The train options that are PlanOptions fields under the same name: PlanOptions validates them
+# (each rule lives there once), and _cli_words puts its message in the command line's words.
+_PLAN_OPTIONS = tuple(f.name for f in fields(PlanOptions) if f.name in _BY_NAME)
+
+
+def _check_plan_options(opts: dict[str, Any]) -> None:
+    """Refuse what :class:`~rpcompile.options.PlanOptions` refuses (``--shard-optimizer``
+    with ``--mode async``, say) before anything is loaded, in the CLI's words."""
+    try:
+        PlanOptions(**{name: opts[name] for name in _PLAN_OPTIONS})
+    except ValueError as err:
+        raise ValueError(_cli_words(str(err))) from None
+
+
+def _cli_words(message: str) -> str:
+    """An option group's ``message`` in ``rpcompile train``'s words, the one place option
+    names are translated: ``mode='sync'`` -> ``--mode sync``, ``shard_optimizer=False`` ->
+    ``--no-shard-optimizer``, ``shard_optimizer=True`` and a bare ``shard_optimizer`` ->
+    ``--shard-optimizer`` (a bare one-word name only where it opens the message, so that
+    prose such as "sync mode" is left alone)."""
+    names = "|".join(sorted(_PLAN_OPTIONS, key=len, reverse=True))
+
+    def flag(m: re.Match[str]) -> str:
+        name, value = m.group(1), m.group(2)
+        dashed = "--" + name.replace("_", "-")
+        if value is None:
+            return dashed if "_" in name or m.start() == 0 else m.group(0)
+        if value == "False":
+            return "--no-" + dashed[2:]
+        if value == "True":
+            return dashed
+        return f"{dashed} {value.strip(chr(39))}"
+
+    return re.sub(rf"\b({names})\b(?:=('[^']*'|\w+))?", flag, message)
 
 
 class _Log:

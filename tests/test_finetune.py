@@ -178,6 +178,24 @@ def test_a_resumed_per_rank_run_without_sharding_names_where_per_rank_came_from(
         check("--no-shard-optimizer", "--checkpoint-per-rank")
 
 
+def test_shard_optimizer_with_async_mode_is_refused_in_the_command_lines_words(capsys):
+    """`rpcompile train --shard-optimizer --mode async`: refused by PlanOptions' own rule (not
+    a copy in finetune) before any model is loaded, its message naming the flags to change,
+    not the Python keywords (shard_optimizer=False, mode='sync')."""
+    from rpcompile.finetune import _check, add_train_arguments, resolve_options
+
+    assert main(["train", "--shard-optimizer", "--mode", "async"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("rpcompile: error: --shard-optimizer needs --mode sync:")
+    assert "use --mode sync, or --no-shard-optimizer to keep async updates" in err
+    assert "=" not in err and "shard_optimizer" not in err
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    _check(resolve_options(parser.parse_args(["--shard-optimizer", "--mode", "sync"]))[0])
+
+
 def test_help_lists_every_option_with_its_default(capsys):
     from rpcompile.finetune import OPTIONS
 
