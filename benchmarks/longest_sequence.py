@@ -34,8 +34,13 @@ Host memory (masters, optimizer state, gradients, shadows, the user's module's o
 its trainable parameters, transfer staging: rpcompile.passes.memory.host_memory) is printed for the workload's own setup (its
 microbatches of 2,048-token sequences, its rounds), where the host RAM a server needs is
 decided: the static part is the same for every plan; the transfer staging is the peak of a
-2-step async replay of RoundPipe's greedy partition (rpcompile.planner.partition_baseline),
+2-step replay (async unless ``--optimizer sync``) of RoundPipe's greedy partition (rpcompile.planner.partition_baseline),
 which needs no search.
+
+``--optimizer sync`` lowers the schedules for sync updates and counts one fp32 gradient
+buffer on the host (async keeps two); ``--no-undo-journal`` counts a run without the
+optimizer's undo journal (``TrainOptions.undo_journal=False``): the host memory a user with
+a fixed RAM can give back to the length (the GPU lengths do not change).
 
 ``--host-memory pageable``: the run's host memory is pageable (TrainOptions.host_memory): the
 lengths are memory proofs and do not change; the host bytes' static part does not either, its
@@ -70,18 +75,21 @@ def _gib(host) -> float | None:
     return None if host is None else round(host.total / 2**30, 2)
 
 
-def longest(name: str, chunk: int | None, ram: int, memory: str = "pinned") -> dict:
+def longest(name: str, chunk: int | None, ram: int, memory: str = "pinned",
+            optimizer: str = "async", journal: bool = True) -> dict:
     """{longest, limit, limited_by, peak_gib, host_gib, gpu_longest, gpu_limit, gpu_host_gib,
     proofs, replays, seconds} for one model and tail, microbatches of one sequence
     (rpcompile.planner.longest, as ``rpcompile plan --longest``), the host memory checked
     against ``ram`` bytes (0: not checked). ``gpu_*``: the GPUs alone (the same as the
-    answer unless the RAM binds). ``memory``: the run's host memory, pinned or pageable."""
+    answer unless the RAM binds). ``memory``: the run's host memory, pinned or pageable;
+    ``optimizer``: the update mode; ``journal``: whether the run keeps its undo journal."""
     w = WORKLOADS[name]
-    hw = get_hardware(HARDWARE).with_host_memory(memory)
+    hw = get_hardware(HARDWARE).with_host_memory(memory).with_undo_journal(journal)
     t0 = time.perf_counter()
     found = longest_sequence(lambda s: MODELS[name].units(1, s, loss_chunk_tokens=chunk), hw,
                              hw.gpus, w.microbatches, 1, start=START, step=STEP, limit=LIMIT,
-                             host_ram_bytes=ram, host_ram_source="--host-ram or the profile")
+                             host_ram_bytes=ram, host_ram_source="--host-ram or the profile",
+                             optimizer=optimizer)
     gpu = found.gpu or found
 
     def limit(f) -> str:
@@ -96,16 +104,19 @@ def longest(name: str, chunk: int | None, ram: int, memory: str = "pinned") -> d
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def workload_host(name: str, memory: str = "pinned") -> dict:
+def workload_host(name: str, memory: str = "pinned", optimizer: str = "async",
+                  journal: bool = True) -> dict:
     """Host memory of the workload's own setup: {total_gib, pinned_gib, text}, from
-    ``memory`` host memory (pinned or pageable)."""
+    ``memory`` host memory (pinned or pageable), ``optimizer`` updates, with or without the
+    undo ``journal``."""
     w = WORKLOADS[name]
-    hw = get_hardware(HARDWARE).with_host_memory(memory)
+    hw = get_hardware(HARDWARE).with_host_memory(memory).with_undo_journal(journal)
     units = MODELS[name].units(w.microbatch_size, w.seq_len)
     plan = partition_roundpipe(units, hw, hw.gpus, w.microbatches, max(1, round(w.microbatch_size)),
                                w.seq_len, w.rounds)
-    r = simulate_roundpipe(plan, hw, steps=2, rounds=w.rounds, optimizer="async")
-    host = host_memory(plan, "async", r.peak_host_bytes, pageable=memory == "pageable")
+    r = simulate_roundpipe(plan, hw, steps=2, rounds=w.rounds, optimizer=optimizer)
+    host = host_memory(plan, optimizer, r.peak_host_bytes, journal=journal,
+                       pageable=memory == "pageable")
     return {"total_gib": round(host.total / 2**30, 2), "pinned_gib": round(host.pinned / 2**30, 2),
             "text": host.describe()}
 
@@ -120,6 +131,13 @@ def main() -> None:
     ap.add_argument("--host-memory", default="pinned", choices=["pinned", "pageable"],
                     help="the run's host memory: pinned, or pageable (nothing pinned; "
                          "default: pinned)")
+    ap.add_argument("--optimizer", default="async", choices=["async", "sync"],
+                    help="the update mode the schedules are lowered and the host memory "
+                         "counted for (sync keeps one fp32 gradient buffer, async two; "
+                         "default: async)")
+    ap.add_argument("--no-undo-journal", action="store_true",
+                    help="count the host memory of a run without the optimizer's undo "
+                         "journal (TrainOptions.undo_journal=False)")
     ap.add_argument("--json", type=Path, default=None,
                     help="where to write {model: {unchunked|chunked: {longest, limit, "
                          "limited_by, peak_gib, host_gib, gpu_longest, gpu_limit, "
@@ -129,8 +147,10 @@ def main() -> None:
                          "results/longest_sequence_pageable.json)")
     args = ap.parse_args()
     if args.json is None:
-        args.json = RESULTS / ("longest_sequence" + (
-            "_pageable" if args.host_memory == "pageable" else "") + ".json")
+        args.json = RESULTS / ("longest_sequence"
+                               + ("_pageable" if args.host_memory == "pageable" else "")
+                               + ("_sync" if args.optimizer == "sync" else "")
+                               + ("_nojournal" if args.no_undo_journal else "") + ".json")
     hw = get_hardware(HARDWARE)
     ram_gib = hw.host_ram_gib if args.host_ram is None else args.host_ram
     ram = int(ram_gib * 2**30)
@@ -140,12 +160,14 @@ def main() -> None:
     print(f"transfers: {hw.with_host_memory(args.host_memory).describe_host_memory()}",
           flush=True)
     t0 = time.perf_counter()
-    result: dict = {"host_ram_gib": ram_gib, "host_memory": args.host_memory}
+    result: dict = {"host_ram_gib": ram_gib, "host_memory": args.host_memory,
+                    "optimizer": args.optimizer, "undo_journal": not args.no_undo_journal}
     for name in args.models:
         row: dict = {}
         print(name, flush=True)
         for tail, chunk in TAILS:
-            row[tail] = got = longest(name, chunk, ram, args.host_memory)
+            row[tail] = got = longest(name, chunk, ram, args.host_memory, args.optimizer,
+                                      not args.no_undo_journal)
             label = "unchunked tail" if chunk is None else "4,096-token chunks"
             peak = "" if got["peak_gib"] is None else f", proven peak {got['peak_gib']:.2f} GiB"
             host = "" if got["host_gib"] is None else f", host {got['host_gib']:,.1f} GiB"
@@ -156,7 +178,8 @@ def main() -> None:
                 print(f"  {'':<20} the GPUs alone: {got['gpu_longest']:>9,} tokens, host "
                       f"{got['gpu_host_gib']:,.1f} GiB there   limit {got['gpu_limit']}",
                       flush=True)
-        row["host"] = workload_host(name, args.host_memory)
+        row["host"] = workload_host(name, args.host_memory, args.optimizer,
+                                    not args.no_undo_journal)
         print(f"  host memory of the workload: {row['host']['text']}", flush=True)
         result[name] = row
     args.json.parent.mkdir(parents=True, exist_ok=True)
