@@ -51,6 +51,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 __all__ = ["main"]
 
@@ -66,7 +67,26 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
+def _option_value(option: str) -> Any:
+    """An argparse ``type`` checking a flag's value with the option's own rule
+    (:func:`rpcompile.choices.check_option`): a bad value is refused with the message
+    ``compile()`` and the Trainer give, after the flag's name."""
+    from rpcompile.choices import check_option
+
+    def parse(text: str) -> str:
+        try:
+            check_option(option, text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    parse.__name__ = option  # what argparse names in its own messages
+    return parse
+
+
 def _parser() -> argparse.ArgumentParser:
+    from rpcompile.choices import HOST_MEMORY, MODES, RECOMPUTE_MODES
+
     ap = argparse.ArgumentParser(
         prog="rpcompile",
         description="Compile PyTorch / Hugging Face models into RoundPipe training programs.",
@@ -103,7 +123,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedule", default="roundpipe",
                       choices=["roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs"],
                       help="RoundPipe, or a weight-bound baseline on the same simulator")
-    plan.add_argument("--optimizer", default="sync", choices=["async", "sync"],
+    plan.add_argument("--optimizer", default="sync", type=_option_value("mode"), choices=MODES,
                       help="exact updates (sync, as `rpcompile train` and compile() default "
                            "to) or one step stale, overlapping the next step (async; also "
                            "simulates a steady state of several steps)")
@@ -112,7 +132,8 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", type=Path, default=None,
                       help="folder for schedule.csv, schedule.json (Perfetto), schedule.png, "
                            "plan.txt and summary.json (default: print only)")
-    plan.add_argument("--recompute", default="auto", choices=["auto", "stage", "layer"],
+    plan.add_argument("--recompute", default="auto", type=_option_value("recompute"),
+                      choices=RECOMPUTE_MODES,
                       help="how backward stages recompute their forward: stage (all layers' "
                            "activations for one backward), layer (one layer at a time, one "
                            "more forward) or auto (stage unless that plan does not fit, "
@@ -136,7 +157,8 @@ def _parser() -> argparse.ArgumentParser:
                            "False): 14 bytes per trainable parameter less host memory and no "
                            "journal copy in each update's time, but a failed step then ends "
                            "the run (restore the last checkpoint)")
-    plan.add_argument("--host-memory", default="pinned", choices=["pinned", "pageable"],
+    plan.add_argument("--host-memory", default="pinned", type=_option_value("host_memory"),
+                      choices=HOST_MEMORY,
                       help="host memory the run copies from and to: pinned (page-locked "
                            "host store and staging) or pageable (nothing pinned, as "
                            "RoundPipe's pin_model=\"off\"; every transfer timed at the "

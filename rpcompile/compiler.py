@@ -50,7 +50,6 @@ from rpcompile.passes.memory import (
     host_ram_problem,
     worker_peaks,
 )
-from rpcompile.passes.schedule import dispatch_period
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
     PartitionError,
@@ -646,7 +645,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
                               loss_scale=options.train.loss_scale)),
         lambda p: check_plan(p, len(captured.units)),
     )
-    steps = po.schedule_steps or dispatch_period(len(plan.stages) * rounds, gpus)
+    # The plan options of the run (the update order its training options need).
+    run = replace(po, updates=order)
 
     def schedule_of(plan: Plan) -> tuple[Schedule, list, tuple]:
         """The schedule the runtime runs for ``plan`` (the dealing period, the run's update
@@ -655,11 +655,7 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         # The one builder of the runtime's schedule (the Trainer's too); the dispatch's and
         # the lowering's passes go through the same run_pass (a PassManager), their records
         # into the same history; each lowered schedule is validated always.
-        lowered = runtime_schedule(plan, gpus, microbatches, rounds, mode, po.chunk_bytes,
-                                   steps=steps, updates=order, ranks=ranks, trail=trail,
-                                   validate=True)
-        if po.shard_optimizer and ranks > 1:  # what its REDUCE and SHADOW actions move
-            lowered = lowered.replace(sharded=True)
+        lowered = runtime_schedule(plan, run, trail=trail, validate=True)
         return lowered, trail, worker_peaks(lowered, plan, overlap_steps=False)
 
     lowered, trail, memory = schedule_of(plan)

@@ -17,9 +17,7 @@ from dataclasses import asdict, dataclass, replace
 from functools import cache
 from importlib import resources
 
-# Where the host's side of every transfer lives (TrainOptions.host_memory, checked there):
-# pinned memory, or pageable memory (copies through the driver's staging buffer).
-HOST_MEMORY = ("pinned", "pageable")
+from rpcompile.choices import check_option
 
 __all__ = [
     "Hardware",
@@ -121,8 +119,7 @@ class Hardware:
         ``pageable_d2h_gbps``, as RoundPipe's ``pin_model="off"``). Raises ``ValueError``,
         naming the profile and the fix, when pageable is asked of a profile without pageable
         figures."""
-        if kind not in HOST_MEMORY:
-            raise ValueError(f"host_memory must be one of {list(HOST_MEMORY)}, got {kind!r}")
+        check_option("host_memory", kind)
         if kind == "pageable" and not (self.pageable_h2d_gbps > 0 and self.pageable_d2h_gbps > 0):
             raise ValueError(
                 f"host_memory='pageable' needs the pageable-memory bandwidth of the "

@@ -9,7 +9,11 @@
   pinned or pageable host memory).
 
 Each option is checked once, here, when its group is built; a bad value fails with the option's
-name and what to pass instead. ``rpcompile.compile`` takes the groups
+name and what to pass instead. The options that take one of a few names have their choices
+and their one check in :mod:`rpcompile.choices` (re-exported here): a lower layer that is
+public and takes such a value as a plain string calls that check, and the layers below
+``compile`` read the groups it resolved (``Compiled.options``): the Trainer, its Executor
+(``options=``) and the lowering entry ``rpcompile.passes.lower.runtime_schedule``. ``rpcompile.compile`` takes the groups
 (``capture_options=``, ``plan_options=``, ``train_options=``) and, for scripts written
 against the flat form, every option as a plain keyword too; the two are merged by
 :func:`resolve`, which refuses an option given both ways.
@@ -24,32 +28,40 @@ from typing import Any
 
 import torch
 
-from rpcompile.hardware import HOST_MEMORY
+from rpcompile.choices import (
+    CHOICES,
+    DEVICES,
+    HOST_MEMORY,
+    KERNELS,
+    MODES,
+    RECOMPUTE_MODES,
+    UPDATE_ORDERS,
+    check_choice,
+    check_option,
+)
 
 __all__ = [
+    "CHOICES",
     "DEFAULT_CHUNK_BYTES",
     "DEVICES",
     "HOST_MEMORY",
     "KERNELS",
     "MODES",
     "RECOMPUTE_MODES",
+    "UPDATE_ORDERS",
     "CaptureOptions",
     "LossScaleConfig",
     "Options",
     "PlanOptions",
     "TrainOptions",
+    "check_choice",
+    "check_option",
     "resolve",
 ]
 
-MODES = ("sync", "async")
-DEVICES = ("auto", "cuda", "virtual")
-KERNELS = ("auto", "torch", "triton")
-# The host memory a run copies from and to (TrainOptions.host_memory): page-locked, or not
-# (defined with the profile whose link bandwidths it picks: rpcompile.hardware).
-UPDATE_ORDERS = ("overlap", "deferred")  # the sync update orders (rpcompile.passes.lower)
-# How backward stages recompute their forward (rpcompile.passes.cost): the planner's choice,
-# whole stages, or layer by layer.
-RECOMPUTE_MODES = ("auto", "stage", "layer")
+# The options that take one of a few names (mode, updates, recompute, device, kernels,
+# host_memory): their choices and their one check live in rpcompile.choices (which
+# rpcompile.hardware reads too), re-exported here.
 # Bulk transfers (weights, gradients) move in 64 MiB pieces, so a critical transfer queued
 # behind one waits at most one piece: the one place the size is set.
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -60,14 +72,6 @@ def _positive_int(name: str, value: Any, *, optional: bool = False) -> None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-
-def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    """Refuse ``value`` unless it is one of ``choices``, naming the option and every choice:
-    the one check of each option's choices (the groups below, and the lower layers' own
-    arguments that take the same values: ``optimizer`` is a ``mode``)."""
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -188,15 +192,13 @@ class PlanOptions:
         _positive_int("gpus", self.gpus)
         _positive_int("microbatches", self.microbatches, optional=True)
         _positive_int("rounds", self.rounds)
-        if self.mode not in MODES:
-            raise ValueError(f"mode must be 'sync' (exact) or 'async' (one step stale), got "
-                             f"{self.mode!r}")
+        check_option("mode", self.mode)
         _positive_int("chunk_bytes", self.chunk_bytes)
         _positive_int("max_simulations", self.max_simulations, optional=True)
         _positive_int("schedule_steps", self.schedule_steps, optional=True)
         if self.updates is not None:
-            check_choice("updates", self.updates, UPDATE_ORDERS)
-        check_choice("recompute", self.recompute, RECOMPUTE_MODES)
+            check_option("updates", self.updates)
+        check_option("recompute", self.recompute)
         _positive_int("ranks", self.ranks, optional=True)
         if not isinstance(self.shard_optimizer, bool):
             raise ValueError(f"shard_optimizer must be True or False, got "
@@ -279,9 +281,9 @@ class TrainOptions:
                 self.optimizer, torch.optim.Optimizer)):
             raise ValueError(f"optimizer must be a factory params -> torch.optim.Optimizer, "
                              f"got {self.optimizer!r}")
-        check_choice("device", self.device, DEVICES)
-        check_choice("kernels", self.kernels, KERNELS)
-        check_choice("host_memory", self.host_memory, HOST_MEMORY)
+        check_option("device", self.device)
+        check_option("kernels", self.kernels)
+        check_option("host_memory", self.host_memory)
         if self.chaos is not None and (isinstance(self.chaos, bool)
                                        or not isinstance(self.chaos, int)):
             raise ValueError(f"chaos must be an integer seed (or None), got {self.chaos!r}")

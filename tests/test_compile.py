@@ -146,7 +146,7 @@ def test_frozen_parameters_get_no_gradient():
     [
         (dict(gpus=0), "gpus must be a positive integer"),
         (dict(gpus=2, microbatches=0), "microbatches must be a positive integer"),
-        (dict(gpus=2, mode="eventually"), "mode must be 'sync'"),
+        (dict(gpus=2, mode="eventually"), "mode must be one of 'sync', 'async'"),
         (dict(gpus=2, device="tpu"), "device must be"),
         (dict(gpus=2, example_inputs=torch.randn(2, 8)), "input_ids must hold integers"),
         (dict(gpus=2, example_inputs=torch.full((2, 8), 500)), "vocab_size"),

@@ -91,7 +91,7 @@ def test_an_option_given_twice_is_refused():
     [
         (dict(gpus=2.5), "gpus must be a positive integer"),
         (dict(rounds=0), "rounds must be a positive integer"),
-        (dict(mode="eventually"), "mode must be 'sync'"),
+        (dict(mode="eventually"), "mode must be one of 'sync', 'async'"),
         (dict(device="tpu"), "device must be one of"),
         (dict(kernels="cuda"), "kernels must be one of"),
         (dict(max_grad_norm=-1.0), "max_grad_norm must be a positive number"),
@@ -156,3 +156,151 @@ def test_options_are_frozen_and_compiled_keeps_them():
                           capture_options=CaptureOptions(compute_dtype=torch.float32))
     assert c.options.plan.gpus == 2 and c.workers == 2
     assert c.options.capture.compute_dtype is torch.float32
+
+
+# -- each option checked once: one rule, one message, wherever a bad value is refused ---------
+
+def _said(call) -> str:
+    """The message of the ValueError ``call()`` raises."""
+    with pytest.raises(ValueError) as info:
+        call()
+    return str(info.value)
+
+
+def _rule(option: str, bad: str, name: str | None = None) -> str:
+    """The option's one message (rpcompile.choices.check_option) for ``bad``."""
+    from rpcompile.choices import check_option
+
+    return _said(lambda: check_option(option, bad, name=name))
+
+
+@pytest.mark.parametrize(("option", "bad"), [
+    ("mode", "eventually"), ("updates", "later"), ("recompute", "never"),
+    ("device", "tpu"), ("kernels", "cuda"), ("host_memory", "swap"),
+])
+def test_a_bad_choice_reads_the_same_from_compile_and_the_trainer(monkeypatch, option, bad):
+    """compile() and a Trainer built by hand refuse a bad value with the option's one message:
+    its name, every choice, what they mean."""
+    rule = _rule(option, bad)
+    assert f"{option} must be one of" in rule and repr(bad) in rule
+    with monkeypatch.context() as m:
+        m.setattr("rpcompile.compiler.capture", lambda *a, **k: pytest.fail("captured"))
+        assert _said(lambda: rpcompile.compile(hf_model("qwen3", layers=1),
+                                               **{option: bad})) == rule
+    if option == "recompute":  # a plan option the Trainer does not override
+        return
+    compiled = _tiny()
+    assert _said(lambda: Trainer(compiled, **{option: bad})) == rule
+
+
+def test_public_lower_layers_refuse_with_the_options_rule():
+    """The lower layers users and benchmarks call with a plain string route it through the
+    options' own rule (no second copy): the same words, under the layer's own name."""
+    from rpcompile.hardware import get_hardware
+    from rpcompile.passes.lower import runtime_schedule
+    from rpcompile.planner.longest import longest_sequence
+    from rpcompile.planner.partition import partition
+    from rpcompile.runtime import kernels
+    from rpcompile.runtime.executor import Executor
+    from rpcompile.runtime.memory import pin_host_memory
+    from rpcompile.runtime.workers import make_workers
+
+    compiled = _tiny()
+    profiles = compiled.profiles
+    assert _said(lambda: partition(profiles, "cpu", 2, 2, optimizer="eventually")) == \
+        _rule("mode", "eventually", name="optimizer")
+    assert _said(lambda: partition(profiles, "cpu", 2, 2, recompute="never")) == \
+        _rule("recompute", "never")
+    assert _said(lambda: partition(profiles, "cpu", 2, 2, updates="later")) == \
+        _rule("updates", "later")
+    assert _said(lambda: longest_sequence(lambda s: profiles, "cpu", 2, 2,
+                                          optimizer="eventually")) == \
+        _rule("mode", "eventually", name="optimizer")
+    assert _said(lambda: runtime_schedule(compiled.plan, 2, 2, 1, "eventually")) == \
+        _rule("mode", "eventually")
+    assert _said(lambda: make_workers(2, "tpu")) == _rule("device", "tpu")
+    assert _said(lambda: pin_host_memory("swap", "cuda")) == _rule("host_memory", "swap")
+    assert _said(lambda: get_hardware("cpu").with_host_memory("swap")) == \
+        _rule("host_memory", "swap")
+    assert _said(lambda: kernels.resolve_backend("cuda", torch.device("cpu"))) == \
+        _rule("kernels", "cuda", name="backend")
+    assert _said(lambda: Executor(compiled, [], compiled.schedule, None, None,
+                                  kernels="cuda")) == _rule("kernels", "cuda")
+
+
+@pytest.mark.parametrize(("flag", "option", "bad"), [
+    ("--optimizer", "mode", "eventually"), ("--recompute", "recompute", "never"),
+    ("--host-memory", "host_memory", "swap"),
+])
+def test_a_bad_plan_flag_reads_the_options_rule(capsys, flag, option, bad):
+    """``rpcompile plan``'s choice flags are checked by the same rule (after the flag's
+    name), and list the same choices in --help."""
+    from rpcompile.choices import CHOICES
+    from rpcompile.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["plan", "--model", "qwen3-1.7b", flag, bad])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument {flag}: {_rule(option, bad)}" in err
+    with pytest.raises(SystemExit):
+        main(["plan", "--help"])
+    assert f"{flag} {{{','.join(CHOICES[option][0])}}}" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("flag", "bad"), [("--device", "tpu"), ("--kernels", "cuda"),
+                                           ("--host-memory", "swap")])
+def test_a_bad_train_flag_names_the_flag_and_its_choices(capsys, flag, bad):
+    from rpcompile.choices import CHOICES
+    from rpcompile.cli import main
+
+    with pytest.raises(SystemExit) as info:
+        main(["train", flag, bad])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    choices = CHOICES[flag[2:].replace("-", "_")][0]
+    assert f"argument {flag}" in err and repr(bad) in err
+    assert all(repr(c) in err for c in choices)
+
+
+def _tiny():
+    return rpcompile.compile(hf_model("qwen3", layers=1), gpus=2, microbatches=2,
+                             example_inputs=token_batch(4), device="virtual")
+
+
+# -- the lower layers read the groups compile() resolved ---------------------------------------
+
+def test_group_values_reach_the_trainer_and_its_executor():
+    """timeout_s, chunk_bytes and schedule_steps set in the groups passed to compile() are
+    what the trainer, its schedule and its executor run with; the executor reads the
+    compile's TrainOptions themselves."""
+    c = rpcompile.compile(
+        hf_model("qwen3", layers=2), example_inputs=token_batch(4),
+        plan_options=PlanOptions(gpus=2, microbatches=2, chunk_bytes=4096, schedule_steps=3),
+        train_options=TrainOptions(device="virtual", timeout_s=123.0, kernels="torch"))
+    default = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
+                                example_inputs=token_batch(4), device="virtual")
+    try:
+        trainer = c.trainer()
+        assert trainer.timeout_s == 123.0 and trainer.executor.timeout_s == 123.0
+        assert trainer.schedule is c.schedule and c.schedule.steps == 3
+        assert trainer.executor.options is c.options.train
+        assert trainer.executor.kernels == "torch"
+        pieces = sum(a.chunks for a in trainer.schedule.all_actions() if a.step == 0)
+        assert pieces > sum(a.chunks for a in default.schedule.all_actions() if a.step == 0)
+    finally:
+        c.close()
+        default.close()
+
+
+def test_runtime_schedule_reads_the_plan_options():
+    """runtime_schedule given the compile's PlanOptions lowers the very schedule compile()
+    kept; the loose form builds the same options (and refuses to mix the two)."""
+    from rpcompile.passes.lower import runtime_schedule
+
+    c = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=3, rounds=2,
+                          example_inputs=token_batch(6), device="virtual", chunk_bytes=8192)
+    assert runtime_schedule(c.plan, c.options.plan) == c.schedule
+    assert runtime_schedule(c.plan, 2, 3, 2, "sync", 8192) == c.schedule
+    with pytest.raises(TypeError, match="not both: mode"):
+        runtime_schedule(c.plan, c.options.plan, mode="async")

@@ -31,9 +31,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from rpcompile.ir import ORDERED_STREAMS, Action, Edge, Plan, Schedule, Stage
-from rpcompile.options import (  # the one chunk size; the sync update orders
+from rpcompile.options import (  # the one chunk size; the sync update orders and their rules
     DEFAULT_CHUNK_BYTES,
     UPDATE_ORDERS,
+    PlanOptions,
+    check_option,
+    check_update_order,
 )
 from rpcompile.passes.invariants import check_dispatch
 from rpcompile.passes.manager import PassManager, PassRecord, debug_checks, run_pass
@@ -365,18 +368,14 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
       order to choose.
     """
     _require_roundpipe(sched, "optimizer")
-    if updates not in UPDATE_ORDERS:
-        raise ValueError(f"updates must be one of {UPDATE_ORDERS}, got {updates!r}")
+    check_option("updates", updates)
     stages = _stages(plan)
     grad_stages = sorted({a.stage for a in sched.host if a.kind == "ACC"})
     covering = {x: [y for y in grad_stages if _overlaps(sched.stage_units[x],
                                                         sched.stage_units[y])]
                 for x in range(len(sched.stage_units))}
     if sched.optimizer == "async":
-        if updates != "overlap":
-            raise ValueError(
-                "updates='deferred' is a sync-mode order: async updates apply the previous "
-                "step's gradients, complete before the step starts, at the start of the step")
+        check_update_order("async", updates, ())  # async has one order: overlap
         return _add_async_optimizer(sched, plan, stages, covering)
     host: list[Action] = []
     edges = list(sched.edges)
@@ -842,25 +841,59 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     return manager.run(schedule)
 
 
-def runtime_schedule(plan: Plan, workers: int, microbatches: int, rounds: int, mode: str,
+def runtime_schedule(plan: Plan, options: PlanOptions | int, microbatches: int | None = None,
+                     rounds: int | None = None, mode: str | None = None,
                      chunk_bytes: int | None = None, *, steps: int | None = None,
-                     updates: str | None = None, ranks: int = 1,
+                     updates: str | None = None, ranks: int | None = None,
                      trail: list | None = None, validate: bool | None = None) -> Schedule:
-    """The lowered schedule the runtime runs: as many steps as the round-robin job counter
-    takes to come back to worker 0 (:func:`~rpcompile.passes.schedule.dispatch_period`; step
-    ``k`` of a run runs schedule step ``k mod steps``). The one builder of it:
-    :func:`rpcompile.compile` keeps it as ``Compiled.schedule`` (passing ``trail``, a list
-    the dispatch's and each lowering pass's records are appended to, and ``validate=True``);
-    a Trainer given other options (mode, ``schedule_steps``, ``chunk_bytes``) builds its own
-    with this. ``validate`` (default: ``RPCOMPILE_DEBUG=1``) checks the dispatch and every
-    lowering pass's schedule. ``ranks`` > 1: data parallel (:func:`lower`)."""
-    steps = steps or dispatch_period(len(plan.stages) * rounds, workers)
+    """The lowered schedule the runtime runs, for the plan options ``options``
+    (:class:`~rpcompile.options.PlanOptions`: ``gpus`` workers, ``microbatches_per_round``,
+    ``rounds``, ``mode``, ``chunk_bytes``, ``schedule_steps``, ``ranks``, ``shard_optimizer``)
+    as :func:`rpcompile.compile` resolved them (``Compiled.options.plan``): as many steps as
+    the round-robin job counter takes to come back to worker 0 unless ``schedule_steps``
+    says otherwise (:func:`~rpcompile.passes.schedule.dispatch_period`; step ``k`` of a run
+    runs schedule step ``k mod steps``), marked ``sharded`` for sharded data parallel.
+    ``updates``: the sync update order the run needs, when the options leave it to the
+    training options (``PlanOptions.updates`` ``None``: the compile and the Trainer pass
+    the order their training options need; else :func:`lower`'s default, the plan's own).
+
+    The one builder of it: :func:`rpcompile.compile` keeps it as ``Compiled.schedule``
+    (passing ``trail``, a list the dispatch's and each lowering pass's records are appended
+    to, and ``validate=True``); a Trainer given other options (mode, ``schedule_steps``,
+    ``chunk_bytes``) builds its own with this. ``validate`` (default: ``RPCOMPILE_DEBUG=1``)
+    checks the dispatch and every lowering pass's schedule.
+
+    The loose form ``runtime_schedule(plan, workers, microbatches, rounds, mode,
+    chunk_bytes=None, steps=..., updates=..., ranks=...)`` (scripts, tests, benchmarks)
+    builds those options from its arguments, checked by PlanOptions like any others."""
+    if isinstance(options, PlanOptions):
+        loose = {k: v for k, v in dict(microbatches=microbatches, rounds=rounds, mode=mode,
+                                       chunk_bytes=chunk_bytes, steps=steps,
+                                       ranks=ranks).items() if v is not None}
+        if loose:
+            raise TypeError(f"runtime_schedule takes PlanOptions or loose arguments, not both: "
+                            f"{', '.join(sorted(loose))} given beside the options; set them in "
+                            f"the PlanOptions (steps is schedule_steps)")
+    else:
+        if microbatches is None or rounds is None or mode is None:
+            raise TypeError("runtime_schedule(plan, workers, microbatches, rounds, mode) needs "
+                            "all four, or runtime_schedule(plan, PlanOptions(...))")
+        options = PlanOptions(gpus=options, microbatches=microbatches, rounds=rounds,
+                              mode=mode, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+                              schedule_steps=steps, ranks=ranks)
+    workers, rounds = options.gpus, options.rounds
+    ranks = options.ranks or 1
+    steps = options.schedule_steps or dispatch_period(len(plan.stages) * rounds, workers)
+    updates = updates or options.updates
     validate = debug_checks() if validate is None else validate
     records: list = [] if trail is None else trail
     compute = run_pass(records, "dispatch", lambda: build_schedule(
-        plan, workers=workers, microbatches=microbatches, rounds=rounds, steps=steps,
-        kind="roundpipe", optimizer=mode), check_dispatch if validate else None)
-    lowered, lowering = lower(compute, plan, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+        plan, workers=workers, microbatches=options.microbatches_per_round, rounds=rounds,
+        steps=steps, kind="roundpipe", optimizer=options.mode),
+        check_dispatch if validate else None)
+    lowered, lowering = lower(compute, plan, chunk_bytes=options.chunk_bytes,
                               validate=validate, updates=updates, ranks=ranks)
     records.extend(lowering)
+    if options.shard_optimizer and ranks > 1:  # what its REDUCE and SHADOW actions move
+        lowered = lowered.replace(sharded=True)
     return lowered

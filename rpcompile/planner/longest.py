@@ -63,7 +63,7 @@ from dataclasses import dataclass, replace
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
-from rpcompile.options import MODES, check_choice
+from rpcompile.options import check_option
 from rpcompile.passes.memory import HostMemory, format_bytes, host_memory, worker_peaks
 from rpcompile.planner.partition import (
     StageCosting,
@@ -191,7 +191,7 @@ def longest_sequence(
     answer says so), then the lengths below are bisected with both checks. The result keeps
     the GPUs' own answer (``gpu``) when the RAM binds."""
     hw = get_hardware(hardware)
-    check_choice("optimizer", optimizer, MODES)
+    check_option("mode", optimizer, name="optimizer")
     if not 1 <= step <= start <= limit:
         raise ValueError(f"need 1 <= step ({step}) <= start ({start}) <= limit ({limit})")
     capacity = hw.usable_memory_bytes if capacity_bytes is None else int(capacity_bytes)

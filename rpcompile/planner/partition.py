@@ -30,9 +30,9 @@ from functools import cache
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, Stage, UnitProfile
-from rpcompile.options import MODES, RECOMPUTE_MODES, check_choice
+from rpcompile.options import check_option, check_update_order
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
-from rpcompile.passes.lower import MEMORY_WAITS, UPDATE_ORDERS
+from rpcompile.passes.lower import MEMORY_WAITS
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
 from rpcompile.passes.schedule import dispatch_period
 from rpcompile.planner.bound import simulated_lower_bound
@@ -129,17 +129,16 @@ def partition(
     options'; the defaults are a run without clipping or loss scaling.
 
     A public entry point (benchmarks, ``rpcompile plan`` and scripts call it directly), so it
-    checks ``optimizer`` and ``recompute`` itself, with the one :func:`check_choice` and
-    message of :mod:`rpcompile.options`; from :func:`rpcompile.compile` they arrive already
-    checked by :class:`~rpcompile.options.PlanOptions`. The search's own helpers read them
+    checks ``optimizer``, ``recompute`` and ``updates`` itself, with the options' own rules
+    (:func:`~rpcompile.options.check_option`, :func:`~rpcompile.options.check_update_order`)
+    and their messages; from :func:`rpcompile.compile` they arrive already checked by
+    :class:`~rpcompile.options.PlanOptions`. The search's own helpers read them
     unchecked; the bound it scores by, itself public, keeps its one-line check.
     """
-    check_choice("optimizer", optimizer, MODES)
-    check_choice("recompute", recompute, RECOMPUTE_MODES)
-    check_choice("updates", updates, UPDATE_ORDERS)
-    if optimizer == "async" and updates != "overlap":
-        raise ValueError("updates='deferred' is a sync-mode order (async updates apply the "
-                         "previous step's gradients at the start of the step)")
+    check_option("mode", optimizer, name="optimizer")
+    check_option("recompute", recompute)
+    check_option("updates", updates)
+    check_update_order(optimizer, updates, ())  # async has one order
     if isinstance(grad_check_passes, bool) or not isinstance(grad_check_passes, int) \
             or grad_check_passes < 0:
         raise ValueError(f"grad_check_passes must be a whole number >= 0, got "

@@ -86,7 +86,7 @@ from torch import fx
 
 from rpcompile.capture.batch import split_batch
 from rpcompile.ir import Action, ActionKind, Schedule, check_registry
-from rpcompile.options import check_update_order, deferred_reasons
+from rpcompile.options import TrainOptions, check_update_order, deferred_reasons
 from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES, updates_deferred
 from rpcompile.passes.split import StageProgram
 from rpcompile.runtime import kernels as _kernels
@@ -493,14 +493,31 @@ class Executor:
     ``loss_scaler.scale``; after the step the scaler sees the non-finite flags: a clean step's
     gradients are divided by that scale and applied, a non-finite one is skipped (and the
     scale backs off), as with torch.amp.GradScaler.
+
+    ``options``: the run's :class:`~rpcompile.options.TrainOptions` (what the Trainer
+    passes), whose ``kernels``, ``skip_nonfinite`` and ``max_grad_norm`` the executor reads;
+    or those three as keywords, checked as a TrainOptions like any others. ``timeout_s``,
+    ``loss_scaler`` and ``reducer`` are what the Trainer made of its options (the resolved
+    watchdog, the scaler, the data-parallel reducer).
     """
 
     def __init__(self, compiled: Any, workers: Sequence[Worker], schedule: Schedule,
                  store: HostStore, driver: OptimizerDriver, *,
-                 timeout_s: float | None = None, kernels: str = "auto",
-                 skip_nonfinite: bool = False,
+                 options: TrainOptions | None = None,
+                 timeout_s: float | None = None, kernels: str | None = None,
+                 skip_nonfinite: bool | None = None,
                  loss_scaler: DynamicLossScaler | None = None,
                  max_grad_norm: float | None = None, reducer: Any = None) -> None:
+        loose = {k: v for k, v in dict(kernels=kernels, skip_nonfinite=skip_nonfinite,
+                                       max_grad_norm=max_grad_norm).items() if v is not None}
+        if options is None:
+            options = TrainOptions(**loose)
+        elif loose:
+            raise TypeError(f"Executor takes options=TrainOptions(...) or the keywords "
+                            f"{', '.join(sorted(loose))}, not both: set them in the options")
+        self.options = options
+        kernels, skip_nonfinite = options.kernels, options.skip_nonfinite
+        max_grad_norm = options.max_grad_norm
         # (Loss scaling works in both modes: async updates apply gradients unscaled at the
         # end of the step that computed them.)
         # Updates (both modes) are the schedule's OPT actions: where they sit in the host

@@ -38,7 +38,7 @@ from typing import Any
 import numpy
 import torch
 
-from rpcompile.options import KERNELS
+from rpcompile.options import KERNELS, check_option
 
 __all__ = [
     "BACKENDS",
@@ -63,8 +63,7 @@ _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 def resolve_backend(backend: str, device: torch.device) -> str:
     """Return the concrete backend (``"torch"`` or ``"triton"``) for ``backend`` on ``device``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    check_option("kernels", backend, name="backend")  # the kernels option's one check
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return backend

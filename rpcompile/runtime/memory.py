@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from rpcompile.options import HOST_MEMORY, check_choice
+from rpcompile.options import check_option
 from rpcompile.runtime.errors import format_bytes
 from rpcompile.runtime.kernels import cast_pack
 
@@ -779,7 +779,7 @@ def pin_host_memory(host_memory: str, device_kind: str) -> bool:
     with ``"pageable"`` (RoundPipe's ``pin_model="off"``: every copy then goes through the
     driver's own staging) and never on virtual workers, whose copies are CPU copies either
     way. The one decision the Trainer and the CudaWorker read."""
-    check_choice("host_memory", host_memory, HOST_MEMORY)  # a public helper
+    check_option("host_memory", host_memory)  # a public helper: the option's one check
     return device_kind == "cuda" and host_memory == "pinned"
 
 

@@ -30,6 +30,7 @@ import torch
 from rpcompile.ir import Schedule
 from rpcompile.options import (
     Options,
+    PlanOptions,
     TrainOptions,
     check_update_order,
     deferred_reasons,
@@ -276,9 +277,10 @@ class Trainer:
             updates = update_order(mode, options)
         world = group_world(options.process_group)
         check_ranks(plan_options.ranks, world)
+        # The plan options this run's schedule is lowered for: the compile's, with this
+        # trainer's overrides, its process group's ranks and the update order it needs.
         self.schedule = self._lowered_schedule(
-            compiled, mode, plan_options.schedule_steps, plan_options.chunk_bytes, updates,
-            world, plan_options.shard_optimizer,
+            compiled, replace(plan_options, ranks=world, updates=updates),
             grad_check_passes(max_grad_norm=options.max_grad_norm,
                               loss_scale=options.loss_scale))
         # Why steps (and reads of the masters) are refused: a step failed with the undo
@@ -313,10 +315,8 @@ class Trainer:
             if self.sharded:
                 driver.shadow_gather = self.dp.gather_shadows
             self.executor = Executor(compiled, self.workers, self.schedule, self.store,
-                                     self.driver, timeout_s=self.timeout_s, kernels=kernels,
-                                     skip_nonfinite=options.skip_nonfinite,
-                                     loss_scaler=self.loss_scaler,
-                                     max_grad_norm=options.max_grad_norm, reducer=self.dp)
+                                     self.driver, options=options, timeout_s=self.timeout_s,
+                                     loss_scaler=self.loss_scaler, reducer=self.dp)
         except BaseException:
             for w in self.workers:
                 w.shutdown()
@@ -327,30 +327,29 @@ class Trainer:
 
     # -- construction ------------------------------------------------------------------------
     @staticmethod
-    def _lowered_schedule(compiled: Any, mode: str, steps: int | None,
-                          chunk_bytes: int | None, updates: str, ranks: int,
-                          shard: bool = False, check_passes: int = 0) -> Schedule:
-        """``compiled.schedule`` when it is the one these options run (one schedule per
-        compile), else one built the same way (:func:`rpcompile.passes.lower.runtime_schedule`;
-        sharded data parallel marks it ``sharded``), its CHECK actions charged for these
-        options' clipping and loss scaling (``check_passes``)."""
-        sharded = shard and ranks > 1
+    def _lowered_schedule(compiled: Any, run: PlanOptions, check_passes: int = 0) -> Schedule:
+        """``compiled.schedule`` when it is the one the plan options ``run`` lower (one
+        schedule per compile), else one built from them
+        (:func:`rpcompile.passes.lower.runtime_schedule`), its CHECK actions charged for the
+        run's clipping and loss scaling (``check_passes``)."""
+        ranks = run.ranks or 1
         plan = compiled.plan
         if getattr(plan, "grad_check_passes", check_passes) != check_passes:
             plan = replace(plan, grad_check_passes=check_passes)
         kept = getattr(compiled, "schedule", None)
         built = getattr(getattr(compiled, "options", None), "plan", None)
         kept_chunk = built.chunk_bytes if built is not None else DEFAULT_CHUNK_BYTES
-        if (kept is not None and kept.optimizer == mode and steps in (None, kept.steps)
-                and chunk_bytes in (None, kept_chunk) and kept.ranks == ranks
-                and kept.sharded == sharded
-                and updates_deferred(kept) == (updates == "deferred")
+        if (kept is not None and kept.optimizer == run.mode
+                and run.schedule_steps in (None, kept.steps)
+                and run.chunk_bytes == kept_chunk and kept.ranks == ranks
+                and kept.sharded == (run.shard_optimizer and ranks > 1)
+                and updates_deferred(kept) == (run.updates == "deferred")
                 and plan is compiled.plan):
             return kept
-        lowered = runtime_schedule(plan, compiled.workers, compiled.microbatches,
-                                   compiled.rounds, mode, chunk_bytes, steps=steps,
-                                   updates=updates, ranks=ranks)
-        return lowered.replace(sharded=True) if sharded else lowered
+        # The compiled model's own figures (the same as its plan options' for a compile).
+        run = replace(run, gpus=compiled.workers, microbatches=compiled.microbatches,
+                      rounds=compiled.rounds)
+        return runtime_schedule(plan, run)
 
     def _host_figure(self, compiled: Any, mode: str, world: int, shard: bool) -> HostMemory:
         """The host bytes this trainer's run keeps: the plan's static buffers in this mode,

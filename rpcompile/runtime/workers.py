@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rpcompile.options import check_option
 from rpcompile.runtime.errors import (
     EventTimeout,
     UpstreamFailed,
@@ -863,6 +864,7 @@ def make_workers(
     from rpcompile.runtime.memory import pin_host_memory
 
     pin_host_memory(host_memory, "virtual")  # a bad choice fails here, whatever the device
+    check_option("device", device)  # the device option's one check (rpcompile.choices)
     if n < 1:
         raise ValueError(f"make_workers needs n >= 1, got {n}")
     if device == "auto":
@@ -882,4 +884,4 @@ def make_workers(
                            host_memory=host_memory) for i in range(n)]
     if device == "virtual":
         return [VirtualWorker(i, capacity_bytes=capacity_bytes, chaos=chaos) for i in range(n)]
-    raise ValueError(f"device must be 'auto', 'cuda' or 'virtual', got {device!r}")
+    raise AssertionError(device)  # unreachable: check_option refused it above
