@@ -277,26 +277,29 @@ class _Walk:
         target = node.target
         arg_nodes = node.all_input_nodes
 
-        # Every buffer and batch input a unit reads travels to each stage that holds it.
+        # Parameters and buffers are charged to the unit that reads them first; every buffer
+        # and batch input a unit reads also travels to each stage that holds it.
         for a in arg_nodes:
             if a.op != "placeholder":
                 continue
-            if self.weights.get(a.name, False) is None:
-                acc.buffers[a.name] = _concrete_nbytes(a.meta.get("val"), a.name)
-            elif a.name in self.batch_keys:
+            if a.name in self.batch_keys:
                 acc.batch[self.batch_keys[a.name]] = sympy.Mul(
                     *self._shape(a.meta["val"])) * a.meta["val"].element_size()
-        # Parameters and buffers are charged to the unit that reads them first.
-        for a in arg_nodes:
-            if a.op == "placeholder" and a.name in self.weights and a.name not in self.seen_weights:
-                self.seen_weights.add(a.name)
-                nbytes = _concrete_nbytes(a.meta.get("val"), a.name)
-                flag = self.weights[a.name]
-                if flag is None:
-                    acc.buffer_bytes += nbytes
-                else:
-                    acc.params[flag][0] += _concrete_numel(a.meta.get("val"), a.name)
-                    acc.params[flag][1] += nbytes
+                continue
+            if a.name not in self.weights:
+                continue
+            nbytes = _concrete_nbytes(a.meta.get("val"), a.name)
+            flag = self.weights[a.name]
+            if flag is None:
+                acc.buffers[a.name] = nbytes
+            if a.name in self.seen_weights:
+                continue
+            self.seen_weights.add(a.name)
+            if flag is None:
+                acc.buffer_bytes += nbytes
+            else:
+                acc.params[flag][0] += _concrete_numel(a.meta.get("val"), a.name)
+                acc.params[flag][1] += nbytes
 
         if target is operator.getitem:
             parent, index = node.args

@@ -206,14 +206,14 @@ def split(captured: Captured, plan: Plan) -> list[StageProgram]:
                 and any(c > max(units) for c in consumers.get(n, ()))
             ]
         program = _build(captured, plan, st, members, outs, placeholders, requires_grad)
-        _check_reads(captured, st, program)
+        _check_reads(placeholders, st, program)
         if program.recompute == "layer":
             unit_segments(program)  # checked (and cached) now: a bad cut fails at compile time
         programs.append(program)
     return programs
 
 
-def _check_reads(captured: Captured, st, program: StageProgram) -> None:
+def _check_reads(placeholders: dict[str, fx.Node], st, program: StageProgram) -> None:
     """The plan's memory proof and transfer times count what each stage uploads besides its
     parameters (Stage.buffer_bytes, Stage.batch_inputs, from the cost walk); the program the
     runtime runs must read exactly that, or the proof would not bound the run. (A stage
@@ -221,8 +221,7 @@ def _check_reads(captured: Captured, st, program: StageProgram) -> None:
     if st.batch_inputs is None:
         return
     extras = [i for i in program.inputs if i.kind in ("buffer", "constant")]
-    nbytes = sum(captured.graph_module.graph.find_nodes(op="placeholder", target=i.name)[0]
-                 .meta["val"].nbytes for i in extras)
+    nbytes = sum(placeholders[i.name].meta["val"].nbytes for i in extras)
     keys = sorted({i.source for i in program.inputs if i.kind == "batch"})
     planned = sorted(k for k, _ in st.batch_inputs)
     if nbytes != st.buffer_bytes or keys != planned:
