@@ -4,19 +4,21 @@ workers account, on the tiny models of tests/test_memory_plan.py.
 The planner proves two figures per worker over the runtime's lowered schedule
 (rpcompile.passes.memory.worker_peaks): ``peak`` (weights, gradient buffers, held values and
 each compute's working set) and ``held`` (the same without working sets, which is what a
-virtual worker accounts: it allocates buffers, not a compute's transients). It also proves a
-``floor``: what every run holds at once for certain, whatever the timing of the transfers the
-schedule leaves free. Each run of a step lands somewhere in ``[floor, held]``; where it lands is
-timing, so this is a benchmark that prints figures, not a test (tests/test_memory_plan.py holds
-the bracket, which no timing can leave, and the simulator within 5 % of ``peak``).
+virtual worker accounts: it allocates buffers, not a compute's transients). Every plan is
+lowered with the memory-bounding waits, and what a download sends home is given back at a
+compute the schedule names (Schedule.releases), so a run reaches the proof whatever the
+timing of its threads; this prints how close, over several runs (tests/test_memory_plan.py
+holds the 5 % that the issue asks for).
 
-Cases as the test's: each plan cut for a capacity at its peak with every memory wait (so the
-waits it needs are in place), the workers given that peak + 5 %; ``--runs`` trainers of
-``--steps`` steps each, half of them with chaos delays on every stream.
+Cases as the test's: each plan as compile() makes it (two gradient slots per worker), and
+once more with a capacity at its peak with one slot where that is lower (one slot then);
+the workers given the proven peak + 5 %; ``--runs`` trainers of ``--steps`` steps each, half
+of them with chaos delays on every stream.
 
     python benchmarks/memory_agreement.py [--runs 4] [--steps 3] [--json PATH]
 
-Prints one line per worker and a summary: measured / held, min and max over all runs.
+Prints one line per worker and a summary: measured / held and simulated / peak, min and max
+over all runs.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ def main() -> None:
 
     import rpcompile
     from rpcompile.compiler import runtime_schedule
-    from rpcompile.passes.lower import MEMORY_WAITS
+    from rpcompile.passes.lower import TIGHTEST_WAITS
     from rpcompile.passes.memory import worker_peaks
     from rpcompile.runtime.trainer import Trainer
     from rpcompile.sim import simulate
@@ -59,13 +61,22 @@ def main() -> None:
                                  device="virtual", example_inputs=token_batch(2 * micro),
                                  **options)
 
+    def tightest(compiled):
+        plan = replace(compiled.plan, memory_waits=TIGHTEST_WAITS)
+        return max(p.peak_bytes for p in worker_peaks(runtime_schedule(
+            plan, compiled.workers, compiled.microbatches, 1, "sync"), plan,
+            overlap_steps=False))
+
     rows = []
+    cases = []
     for arch, gpus, micro in CASES:
         free = compiled_for(arch, gpus, micro)
-        waited = replace(free.plan, memory_waits=MEMORY_WAITS)
-        bound = max(p.peak_bytes for p in worker_peaks(
-            runtime_schedule(waited, gpus, micro, 1, "sync"), waited, overlap_steps=False))
-        compiled = compiled_for(arch, gpus, micro, capacity_bytes=bound)
+        cases.append((arch, gpus, micro, free))
+        bound = tightest(free)
+        if bound < max(p.peak_bytes for p in free.memory):
+            cases.append((arch, gpus, micro, compiled_for(arch, gpus, micro,
+                                                          capacity_bytes=bound)))
+    for arch, gpus, micro, compiled in cases:
         sched = compiled.schedule
         simulated = [0] * gpus
         for k in range(sched.steps):  # each step replayed alone: the runtime drains between
@@ -89,17 +100,16 @@ def main() -> None:
             row = {"arch": arch, "gpus": gpus, "microbatches": micro, "worker": w,
                    "memory_waits": list(compiled.plan.memory_waits),
                    "peak": proof.peak_bytes, "simulated": simulated[w],
-                   "held": proof.held_bytes, "floor": proof.floor_bytes,
+                   "held": proof.held_bytes,
                    "measured_min": min(measured[w]), "measured_max": max(measured[w])}
             rows.append(row)
-            print(f"{arch} {gpus} GPUs {micro} mb, worker {w}: peak {proof.peak_bytes:,} B, "
+            print(f"{arch} {gpus} GPUs {micro} mb {'+'.join(compiled.plan.memory_waits)}, "
+                  f"worker {w}: peak {proof.peak_bytes:,} B, "
                   f"simulated {simulated[w] / proof.peak_bytes:.3f} of it; held "
-                  f"{proof.held_bytes:,} B, floor {proof.floor_bytes / proof.held_bytes:.3f} "
-                  f"of it, measured {min(measured[w]) / proof.held_bytes:.3f}-"
+                  f"{proof.held_bytes:,} B, measured {min(measured[w]) / proof.held_bytes:.3f}-"
                   f"{max(measured[w]) / proof.held_bytes:.3f} of it", flush=True)
     lo = min(r["measured_min"] / r["held"] for r in rows)
     hi = max(r["measured_max"] / r["held"] for r in rows)
-    floor = min(r["floor"] / r["held"] for r in rows)
     sim_lo = min(r["simulated"] / r["peak"] for r in rows)
     within = sum(r["measured_min"] >= 0.95 * r["held"] for r in rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -107,8 +117,7 @@ def main() -> None:
                                     indent=1))
     print(f"memory_agreement: {len(rows)} workers x {args.runs} runs: measured {lo:.3f}-"
           f"{hi:.3f} of the proven held peak ({within}/{len(rows)} workers within 5 % in "
-          f"every run), floor >= {floor:.3f} of it, simulated >= {sim_lo:.3f} of the proven "
-          f"peak; {args.json}")
+          f"every run), simulated >= {sim_lo:.3f} of the proven peak; {args.json}")
 
 
 if __name__ == "__main__":

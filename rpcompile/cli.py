@@ -391,15 +391,17 @@ def _plan(args: argparse.Namespace) -> int:
           f"{hw.memory_gib:g} GiB ({hw.usable_memory_bytes / 2**30:.2f} GiB usable, "
           f"{hw.memory_reserve_gib:g} GiB reserved for the CUDA context and allocator)")
     if args.schedule == "roundpipe":
+        from rpcompile.passes.lower import grad_slots
         from rpcompile.passes.memory import format_bytes, host_memory, host_ram_problem
 
         peak = max(compiled.memory, key=lambda p: p.peak_bytes)
         summary["proven_peak_device_gib"] = peak.peak_bytes / 2**30
         print(f"proven peak over the schedule: {peak.describe(plan.stage_name)}")
         summary["memory_waits"] = list(plan.memory_waits)
-        print("memory-bounding waits: " + (", ".join(plan.memory_waits) + " (the schedule "
-              "needs them to fit)" if plan.memory_waits else "none (the schedule fits "
-              "without them)"))
+        slots = grad_slots(plan.memory_waits)
+        print("memory-bounding waits: " + ", ".join(plan.memory_waits) + (
+            f" ({slots} gradient buffer{'s' if slots > 1 else ''} per worker"
+            + ("; the schedule fits only with one" if slots == 1 else "") + ")"))
         search = next((n for n in plan.notes if n.startswith("search:")), None)
         if search is not None:  # proven the simulator's fastest candidate, or the gap left
             print(search)

@@ -40,7 +40,7 @@ from rpcompile.passes.invariants import (
     check_plan,
     check_stages,
 )
-from rpcompile.passes.lower import MEMORY_WAITS, runtime_schedule
+from rpcompile.passes.lower import TIGHTEST_WAITS, runtime_schedule
 from rpcompile.passes.manager import PassRecord, run_pass
 from rpcompile.passes.memory import (
     HostMemory,
@@ -662,10 +662,10 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     fit = hw.usable_memory_bytes
     if options.train.capacity_bytes is not None:
         fit = min(fit, int(options.train.capacity_bytes))
-    if plan.memory_waits != MEMORY_WAITS and max(p.peak_bytes for p in memory) > fit:
-        # The partitioner's simulated run fits with fewer memory-bounding waits; the
-        # runtime's own schedule, or capacity_bytes, needs all of them.
-        plan = replace(plan, memory_waits=MEMORY_WAITS)
+    if plan.memory_waits != TIGHTEST_WAITS and max(p.peak_bytes for p in memory) > fit:
+        # The partitioner's simulated run fits with two gradient slots per worker; the
+        # runtime's own schedule, or capacity_bytes, needs one.
+        plan = replace(plan, memory_waits=TIGHTEST_WAITS)
         lowered, trail, memory = schedule_of(plan)
         # The plan's peaks are those of the schedule that runs.
         plan = replace(plan, worker_peak_bytes=tuple(p.peak_bytes for p in memory))

@@ -32,6 +32,7 @@ __all__ = [
     "HOST_STREAMS",
     "ORDERED_STREAMS",
     "PAYLOADS",
+    "RELEASE_EDGES",
     "STREAMS",
     "TRANSFER_KINDS",
     "Action",
@@ -76,6 +77,9 @@ class UnitProfile:
     # Bytes of values computed once and used by many later units (rotary cos/sin, masks,
     # position ids). They travel with every boundary that lies after the unit producing them.
     shared_bytes: int = 0
+    # Of those, the bytes of values whose gradient travels back the same way (they depend on
+    # a trainable parameter: a long skip connection; not rotary tables or masks).
+    shared_grad_bytes: int = 0
     # Peak working memory of this unit's forward + backward for one microbatch, excluding
     # its weights (activations saved for backward plus the largest transient).
     working_bytes: int = 0
@@ -201,9 +205,10 @@ class Plan:
     # Per worker, the device memory proven over the simulated lowered schedule
     # (rpcompile.passes.memory.worker_peaks); empty when the plan was built by hand.
     worker_peak_bytes: tuple[int, ...] = field(default=())
-    # The memory-bounding waits its lowering adds (rpcompile.passes.lower): every one of
-    # MEMORY_WAITS by default; the partitioner drops them where the schedule fits without.
-    memory_waits: tuple[str, ...] = field(default=("window", "sent", "grad_slot"))
+    # The memory-bounding waits its lowering adds (rpcompile.passes.lower): BOUNDED_WAITS
+    # by default (two gradient slots per worker); the partitioner takes TIGHTEST_WAITS (one
+    # slot) for a plan that fits only with them.
+    memory_waits: tuple[str, ...] = field(default=("window", "sent", "grad_pair"))
     # How the run closes and applies each step, which its lowering follows (and so every
     # replay the partitioner ranks it by; rpcompile.compile sets both from the training
     # options): ``updates``, the sync update order of rpcompile.passes.lower.add_optimizer
@@ -430,10 +435,11 @@ EDGE_KINDS = (
     "on_host",  # D2H -> H2D of the same value on the consumer's worker
     "arrived",  # H2D -> the compute that reads it
     "window",  # compute two places before a reader -> the H2D it reads (bounded early upload)
-    "sent",  # D2H of a value -> the compute two places after its producer (bounded hold)
+    "sent",  # D2H of a value -> the compute two places after its producer (freed before it)
     "grad_ready",  # last compute of a job -> D2H grad of the job
     "grad_home",  # D2H grad -> host ACC
-    "grad_slot",  # D2H grad of a worker's previous gradient job -> its next one's first compute
+    "grad_slot",  # D2H grad of a worker's gradient job -> its next one's first compute (1 slot)
+    "grad_pair",  # D2H grad of a worker's gradient job -> its next but one's first (2 slots)
     "accumulated",  # ACC -> OPT
     "reduce_ready",  # ACC of a stage's last round -> its REDUCE (data parallel)
     "reduced",  # REDUCE -> the step's first OPT (sync; the gradient check reads every gradient)
@@ -443,6 +449,11 @@ EDGE_KINDS = (
     "shadow_read",  # UP -> SHADOW that overwrites the buffer the UP read (write after read)
     "barrier",  # step k's ends -> its last host action -> step k+1's starts (one step at a time)
 )
+
+
+# The edges from a D2H to the compute before which what it sent home is given back on the
+# device (Schedule.releases).
+RELEASE_EDGES = ("sent", "grad_slot", "grad_pair")
 
 
 @dataclass(frozen=True)
@@ -707,6 +718,18 @@ class Schedule:
         for e in self.edges:
             out.setdefault(e.dst, []).append(e)
         return out
+
+    def releases(self) -> dict[Action, Action]:
+        """D2H -> the compute before whose start the device memory it sent home is given back:
+        for a job's gradients, the target of its ``grad_slot`` / ``grad_pair`` edge (the
+        worker's gradient slots); for a value, the target of its ``sent`` edge (rpcompile
+        .passes.lower). Memory whose D2H has none (a step's last jobs, a plan without the
+        waits; an edge into the next step, which the step barrier gives everything back
+        before) is given back when the download (and every local reader) is done. The proof,
+        the simulator and the runtime all read this one map, so what a worker holds is a
+        property of the schedule, not of how fast its downloads run."""
+        return {e.src: e.dst for e in self.edges
+                if e.kind in RELEASE_EDGES and e.src.step == e.dst.step}
 
     def replace(self, **changes: object) -> Schedule:
         return dataclasses.replace(self, **changes)

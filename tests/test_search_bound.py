@@ -16,6 +16,7 @@ import pytest
 
 from rpcompile.hardware import get_hardware
 from rpcompile.ir import UnitProfile
+from rpcompile.passes.lower import BOUNDED_WAITS, TIGHTEST_WAITS
 from rpcompile.planner import partition as partition_module
 from rpcompile.planner.bound import simulated_lower_bound
 from rpcompile.planner.partition import build_plan, partition
@@ -79,15 +80,15 @@ def _random_cuts(n: int, rng: random.Random, count: int):
 def _check_bounds(cases, make_units, rng: random.Random, cuts: int, rounds: int,
                   mode: str) -> int:
     """For each (hardware, workers, microbatches, units) case, ``cuts`` random plans, each
-    with no memory waits and with all three: the bound is positive and never above the
-    simulator's figure. Returns how many plans were checked."""
+    with either set of memory waits the partitioner lowers with: the bound is positive and
+    never above the simulator's figure. Returns how many plans were checked."""
     checked = 0
     for hw_name, workers, micro, *unit_args in cases:
         hw = get_hardware(hw_name)
         units = make_units(rng, *unit_args)
         for fwd, bwd, tail in _random_cuts(len(units), rng, cuts):
             plan = build_plan(units, fwd, bwd, tail, hw, workers, micro, rounds=rounds)
-            for waits in ((), ("window", "sent", "grad_slot")):
+            for waits in (BOUNDED_WAITS, TIGHTEST_WAITS):
                 plan = replace(plan, memory_waits=waits)
                 bound = simulated_lower_bound(plan, hw, rounds, mode)
                 figure = _figure(plan, hw, rounds, mode)
@@ -160,7 +161,7 @@ def test_best_first_returns_the_exhaustive_argmin(mode: str) -> None:
     units = _tiny_units(random.Random(5), 3, tied=True)
     plans = [build_plan(units, f, b, t, hw, 3, 4, optimizer=mode)
              for f, b, t in _cuts(len(units))]
-    figures = [_figure(replace(p, memory_waits=()), hw, 1, mode) for p in plans]
+    figures = [_figure(replace(p, memory_waits=BOUNDED_WAITS), hw, 1, mode) for p in plans]
     sims = []
     real = partition_module._simulated_ms
 
@@ -174,7 +175,7 @@ def test_best_first_returns_the_exhaustive_argmin(mode: str) -> None:
             [plans], hw, 1, mode, hw.usable_memory_bytes, max_simulations=len(plans))
     finally:
         partition_module._simulated_ms = real
-    assert chosen.memory_waits == ()  # so its figure is the one computed above
+    assert chosen.memory_waits == BOUNDED_WAITS  # so its figure is the one computed above
     assert chosen.predicted_step_ms == pytest.approx(min(figures), rel=0, abs=1e-6)
     assert note.startswith("search: the simulator's fastest") and "proven no faster" in note
     assert len(sims) < len(plans) / 2, (len(sims), len(plans))
@@ -210,9 +211,9 @@ def test_partition_picks_the_simulators_argmin_of_its_candidates(mode: str) -> N
                          max_simulations=10_000)
     finally:
         partition_module._best_simulated = real
-    assert plan.memory_waits == ()
+    assert plan.memory_waits == BOUNDED_WAITS
     assert any("proven no faster" in note for note in plan.notes)
-    best = min(_figure(replace(p, memory_waits=()), hw, 1, mode) for p in seen)
+    best = min(_figure(replace(p, memory_waits=BOUNDED_WAITS), hw, 1, mode) for p in seen)
     assert plan.predicted_step_ms == pytest.approx(best, rel=0, abs=1e-6)
     assert len(seen) > 10
 

@@ -412,8 +412,8 @@ def test_roundpipe_own_plan_against_the_artifact():
     sync = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")
     # A real sync step ends with the last stage's gradients downloaded, accumulated and
     # applied; the artifact's step ends at the last compute.
-    assert 100 * sync.bubble == pytest.approx(31.1, abs=0.5)
-    assert 100 * _compute_only(sync)[0] == pytest.approx(27.3, abs=0.5)
+    assert 100 * sync.bubble == pytest.approx(30.3, abs=0.5)
+    assert 100 * _compute_only(sync)[0] == pytest.approx(26.4, abs=0.5)
     # With transfers and host work instant, what is left is the dispatch itself: the fill is
     # the artifact's, the drain is not. Round-robin deals the 15 jobs to 8 GPUs: GPU 7 gets one
     # job, the step ends with the wavefront of the last backward jobs on GPUs 0-6.
@@ -428,7 +428,7 @@ def test_roundpipe_own_plan_against_the_artifact():
     # barrier the steady state is an isolated step's bubble.
     steps = steady_steps(plan)
     steady = simulate(_unbarred(plan, steps=steps, optimizer="async"), plan, hw)
-    assert 100 * (1 - steady_utilization(steady)) == pytest.approx(2.2, abs=0.3)
+    assert 100 * (1 - steady_utilization(steady)) == pytest.approx(1.35, abs=0.3)
     assert 100 * (1 - steady_utilization(steady)) < ref["async"]
     barrier = simulate_roundpipe(plan, hw, steps=steps, optimizer="async")
     one = simulate_roundpipe(plan, hw, steps=1, optimizer="async")

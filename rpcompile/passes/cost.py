@@ -83,6 +83,8 @@ class UnitCost:
     * ``output_bytes``: values produced here and read only by the next unit (the hidden state);
     * ``shared_bytes``: values produced here and read by any other later unit, or by several
       (rotary cos/sin, attention masks, long skip connections);
+    * ``shared_grad_bytes``: those of them that carry a gradient back (they depend on a
+      trainable parameter: a long skip connection, not a rotary table or a mask);
     * ``saved_bytes``: activations autograd keeps from this unit's forward until its backward
       (parameters excluded; values saved by this unit but produced earlier are included);
     * ``transient_bytes``: the largest single op's footprint beyond what is saved: its output,
@@ -102,6 +104,7 @@ class UnitCost:
     buffer_bytes: int  # buffers and lifted constants first used here (rotary inv_freq, ...)
     output_bytes: sympy.Expr
     shared_bytes: sympy.Expr
+    shared_grad_bytes: sympy.Expr
     saved_bytes: sympy.Expr
     transient_bytes: sympy.Expr
     graph_element_bytes: int  # element size of the graph's floating dtype (4 for fp32)
@@ -109,7 +112,8 @@ class UnitCost:
     # bytes per microbatch (symbolic in b, s): UnitProfile.buffers / batch_inputs.
     buffers: tuple[tuple[str, int], ...] = ()
     batch_inputs: tuple[tuple[str, sympy.Expr], ...] = ()
-    # output, shared, saved, transient with the floating element size left symbolic (_E).
+    # output, shared, saved, transient, shared_grad with the floating element size left
+    # symbolic (_E).
     symbolic_bytes: tuple[sympy.Expr, ...] = field(repr=False, compare=False, default=())
 
     @property
@@ -121,10 +125,11 @@ class UnitCost:
         return self.trainable_params + self.frozen_params
 
     def bytes_at(self, b: int, s: int, dtype_bytes: int | None = None) -> dict[str, int]:
-        """output/shared/saved/transient/working bytes at a size, floats as ``dtype_bytes``."""
+        """output/shared/saved/transient/shared_grad/working bytes at a size, floats as
+        ``dtype_bytes``."""
         elem = self.graph_element_bytes if dtype_bytes is None else dtype_bytes
         at = {B: sympy.Integer(b), S: sympy.Integer(s), _E: sympy.Integer(elem)}
-        keys = ("output", "shared", "saved", "transient")
+        keys = ("output", "shared", "saved", "transient", "shared_grad")
         out = {k: _to_int(e.xreplace(at), k, self.name) for k, e in zip(keys, self.symbolic_bytes)}
         out["working"] = out["saved"] + out["transient"]
         return out
@@ -151,6 +156,7 @@ class UnitCost:
             frozen_params=self.frozen_params,
             output_bytes=sizes["output"],
             shared_bytes=sizes["shared"],
+            shared_grad_bytes=sizes["shared_grad"],
             working_bytes=sizes["working"],
             buffers=self.buffers,
             batch_inputs=tuple((key, _to_int(e.xreplace({B: sympy.Integer(b), S: sympy.Integer(s)}),
@@ -191,6 +197,7 @@ class _UnitAcc:
         self.transient: dict[sympy.Expr, None] = {}  # candidates, insertion-ordered set
         self.output: dict[int, sympy.Expr] = {}  # storage key -> bytes
         self.shared: dict[int, sympy.Expr] = {}
+        self.shared_grad: dict[int, sympy.Expr] = {}  # the shared values that carry a gradient
         self.buffers: dict[str, int] = {}  # buffer/constant placeholder -> bytes (every reader)
         self.batch: dict[str, sympy.Expr] = {}  # batch key -> bytes per microbatch
 
@@ -505,8 +512,14 @@ class _Walk:
 
     # -- unit boundaries --------------------------------------------------------------------
     def boundaries(self, gm: fx.GraphModule) -> None:
-        """Sort each value read by a later unit into the producer's output or shared bytes."""
+        """Sort each value read by a later unit into the producer's output or shared bytes
+        (and, for a shared value that depends on a trainable parameter, its shared_grad
+        bytes: its gradient crosses the same boundaries backward)."""
+        graded: set[fx.Node] = set()
         for node in gm.graph.nodes:
+            if (self.weights.get(node.name) if node.op == "placeholder"
+                    else any(a in graded for a in node.all_input_nodes)):
+                graded.add(node)
             if node.op != "call_function":
                 continue
             u = node.meta["rp_unit"]
@@ -516,14 +529,18 @@ class _Walk:
             }
             if not readers:
                 continue
-            bucket = self.units[u].output if readers == {u + 1} else self.units[u].shared
+            acc = self.units[u]
+            buckets = [acc.output] if readers == {u + 1} else [acc.shared]
+            if buckets[0] is acc.shared and node in graded:
+                buckets.append(acc.shared_grad)
             for t in _flat_tensors(node.meta.get("val")):
                 key = self.key(t)
                 if key in self.weight_storages:
                     continue
                 nbytes = sympy.Mul(*self._shape(t)) * self._elem_bytes(t)
-                old = bucket.get(key)
-                bucket[key] = nbytes if old is None else _max_of([old, nbytes])
+                for bucket in buckets:
+                    old = bucket.get(key)
+                    bucket[key] = nbytes if old is None else _max_of([old, nbytes])
 
     # -- per-unit results -------------------------------------------------------------------
     def unit_costs(self, names: list[str]) -> list[UnitCost]:
@@ -532,6 +549,7 @@ class _Walk:
             elem = {_E: sympy.Integer(self.elem)}
             output_b = sympy.expand(sympy.Add(*acc.output.values()))
             shared_b = sympy.expand(sympy.Add(*acc.shared.values()))
+            shared_grad_b = sympy.expand(sympy.Add(*acc.shared_grad.values()))
             saved_b = sympy.expand(sympy.Add(*acc.saved.values(), *acc.saved_extra))
             candidates = tuple(acc.transient)
             hit = self.max_cache.get(candidates)
@@ -539,7 +557,7 @@ class _Walk:
                 symbolic_max = _max_of(list(candidates))
                 hit = self.max_cache[candidates] = (symbolic_max, _subs_in_max(symbolic_max, elem))
             transient_b, transient_graph = hit
-            symbolic = (output_b, shared_b, saved_b, transient_b)
+            symbolic = (output_b, shared_b, saved_b, transient_b, shared_grad_b)
             out.append(UnitCost(
                 index=i,
                 name=name,
@@ -552,6 +570,7 @@ class _Walk:
                 buffer_bytes=acc.buffer_bytes,
                 output_bytes=output_b.xreplace(elem),
                 shared_bytes=shared_b.xreplace(elem),
+                shared_grad_bytes=shared_grad_b.xreplace(elem),
                 saved_bytes=saved_b.xreplace(elem),
                 transient_bytes=transient_graph,
                 graph_element_bytes=self.elem,

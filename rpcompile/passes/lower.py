@@ -44,10 +44,12 @@ from rpcompile.passes.schedule import build_schedule, dispatch_period
 from rpcompile.passes.validate import validate as check
 
 __all__ = [
+    "BOUNDED_WAITS",
     "DATA_PARALLEL_PASSES",
     "DEFAULT_CHUNK_BYTES",
     "LOWERING_PASSES",
     "MEMORY_WAITS",
+    "TIGHTEST_WAITS",
     "UPDATE_ORDERS",
     "add_activation_transfers",
     "add_events",
@@ -56,6 +58,7 @@ __all__ = [
     "add_reductions",
     "add_step_barrier",
     "add_weight_uploads",
+    "grad_slots",
     "gradient_groups",
     "lower",
     "opt_bytes",
@@ -70,9 +73,13 @@ DATA_PARALLEL_PASSES = ("upload", "transfers", "grads", "optimizer", "reduce", "
                         "events")
 GRAD_BYTES = 4  # the host's gradients are fp32 (what ACC sums and REDUCE moves)
 # The waits that bound what a worker holds in flight (rpcompile.passes.memory): "window" and
-# "sent" (pass 2), "grad_slot" (pass 3). A plan lists the ones its lowering adds
-# (Plan.memory_waits); a bare stage list gets all of them.
-MEMORY_WAITS = ("window", "sent", "grad_slot")
+# "sent" (pass 2), and a gradient-slot wait (pass 3): "grad_pair" (two gradient buffers per
+# worker: a job's download has the whole next job to hide behind) or "grad_slot" (one: less
+# memory, but a job's first compute waits for the previous job's download). A plan lists the
+# ones its lowering adds (Plan.memory_waits); a bare stage list gets BOUNDED_WAITS.
+MEMORY_WAITS = ("window", "sent", "grad_pair", "grad_slot")
+BOUNDED_WAITS = ("window", "sent", "grad_pair")  # every plan's lowering unless memory is short
+TIGHTEST_WAITS = ("window", "sent", "grad_slot")  # the least memory, at some pipeline time
 _BASELINE_PASSES = ("transfers", "events")  # weights and optimizer stay on the bound workers
 
 
@@ -154,8 +161,7 @@ def add_weight_uploads(sched: Schedule, plan: Plan | Sequence[Stage],
     waits (``weights``) for its UP. A job's EVICT waits (``landed``) for the next job's UP of
     the same step on that worker: that costs no time (the compute after the EVICT is the next
     job's first, which waits for the same UP), and it makes the overlap of the two weight sets
-    certain, not a matter of timing, so the memory proof's floor
-    (:attr:`rpcompile.passes.memory.WorkerPeak.floor_bytes`) counts both.
+    certain, not a matter of timing: a run holds both there, as the memory proof counts.
     """
     _require_roundpipe(sched, "upload")
     stages = _stages(plan)
@@ -191,7 +197,7 @@ def add_weight_uploads(sched: Schedule, plan: Plan | Sequence[Stage],
 
 
 def add_activation_transfers(sched: Schedule,
-                             memory_waits: Sequence[str] = MEMORY_WAITS) -> Schedule:
+                             memory_waits: Sequence[str] = BOUNDED_WAITS) -> Schedule:
     """D2H/H2D for every flow whose producer and consumer run on different workers.
 
     A value leaves its producer once (one D2H, issued right after the producing compute), however
@@ -275,6 +281,12 @@ def add_activation_transfers(sched: Schedule,
                          passes=(*sched.passes, "transfers"))
 
 
+def grad_slots(memory_waits: Sequence[str]) -> int:
+    """The gradient buffers per worker that ``memory_waits`` allow: 1 with ``grad_slot``, 2
+    with ``grad_pair``, else 0 (no bound)."""
+    return 1 if "grad_slot" in memory_waits else 2 if "grad_pair" in memory_waits else 0
+
+
 # --------------------------------------------------------------------------------------------
 # 3. grads
 # --------------------------------------------------------------------------------------------
@@ -282,16 +294,24 @@ def add_activation_transfers(sched: Schedule,
 
 def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
                            chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                           grad_slot: bool = True) -> Schedule:
+                           grad_slots: int = 2) -> Schedule:
     """One D2H grad per backward job, and a host ACC per (stage, round, step).
 
     A T or B compute accumulates its microbatch's parameter gradients into the job's fp32
     gradient buffer on the worker (the job's first microbatch zero-fills it), so the job sends
     its gradients home once, after its last compute (``grad_ready``). The host adds them into
     the stage's fp32 accumulator (ACC after ``grad_home``), in dispatch order. Stages without
-    trainable parameters (grad_bytes == 0) send nothing. ``grad_slot``: add the wait that
-    keeps one gradient buffer per worker.
+    trainable parameters (grad_bytes == 0) send nothing.
+
+    ``grad_slots``: how many gradient buffers a worker holds in a step (0: no bound). With
+    ``n`` slots, the first compute of a worker's gradient job waits for the download of its
+    gradient job ``n`` places back (edge ``grad_pair`` for 2, ``grad_slot`` for 1), and that
+    buffer is given back right before that compute starts, not when its download ends
+    (:meth:`~rpcompile.ir.Schedule.releases`): what a worker holds is then fixed by
+    the schedule, whatever the downloads' speed.
     """
+    if grad_slots not in (0, 1, 2):
+        raise ValueError(f"grad_slots must be 0, 1 or 2, got {grad_slots!r}")
     _require_roundpipe(sched, "grads")
     stages = _stages(plan)
     after: dict[Action, list[Action]] = {}
@@ -300,18 +320,21 @@ def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
     for w in range(sched.workers):
         lst = sched.actions[w]
         place = {a: i for i, a in enumerate(lst)}
-        previous: Action | None = None  # the worker's last gradient download so far
+        previous: list[Action] = []  # the worker's gradient downloads so far in the step
         for j in _jobs(sched, w):
             nbytes = stages[j.stage].grad_bytes
             if j.computes[0].kind == "F" or nbytes == 0:
                 continue
+            if previous and previous[-1].step != j.step:
+                previous = []  # the step barrier gives every buffer back before the next
             down = Action(w, "D2H", j.stage, None, j.round, j.step, what="grad", bytes=nbytes,
                           chunks=_chunks(nbytes, chunk_bytes))
-            if previous is not None and grad_slot:
-                # One gradient buffer per worker: the next job's buffer is allocated once the
-                # previous one is home, so the worker never holds two (docs/compiler.md).
-                edges.append(Edge(previous, j.computes[0], "grad_slot"))
-            previous = down
+            if grad_slots and len(previous) >= grad_slots:
+                # At most ``grad_slots`` gradient buffers per worker: a job's buffer takes
+                # the slot of the one ``grad_slots`` jobs back, once that one is home.
+                edges.append(Edge(previous[-grad_slots], j.computes[0],
+                                  "grad_slot" if grad_slots == 1 else "grad_pair"))
+            previous.append(down)
             host = Action(None, "ACC", j.stage, None, j.round, j.step, bytes=nbytes)
             # Issue it after what the last compute already sends on and the job's EVICT, so the
             # last microbatch's input gradient is not issued behind the bulk download.
@@ -803,8 +826,8 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     (:func:`add_optimizer`; ``None``: ``deferred`` for data parallel, else the plan's own,
     ``Plan.updates``; a bare stage list, ``overlap``).
     ``ranks``: processes training data parallel (:func:`add_reductions`). The memory-bounding
-    waits added are ``plan.memory_waits`` (all of :data:`MEMORY_WAITS` for a bare stage
-    list). Returns the lowered schedule and one record per pass."""
+    waits added are ``plan.memory_waits`` (:data:`BOUNDED_WAITS` for a bare stage list).
+    Returns the lowered schedule and one record per pass."""
     if ranks > 1 and schedule.stage_workers is not None:
         raise ValueError(f"data parallel (ranks={ranks}) lowers RoundPipe schedules; the "
                          f"{schedule.kind} baseline keeps its gradients on the bound workers")
@@ -814,14 +837,14 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     if passes is None:
         passes = (LOWERING_PASSES if ranks == 1 else DATA_PARALLEL_PASSES) \
             if schedule.stage_workers is None else _BASELINE_PASSES
-    waits = plan.memory_waits if isinstance(plan, Plan) else MEMORY_WAITS
+    waits = plan.memory_waits if isinstance(plan, Plan) else BOUNDED_WAITS
     unknown = [w for w in waits if w not in MEMORY_WAITS]
     if unknown:
         raise ValueError(f"unknown memory waits {unknown}; known: {list(MEMORY_WAITS)}")
     table = {
         "upload": lambda s: add_weight_uploads(s, plan, chunk_bytes),
         "transfers": lambda s: add_activation_transfers(s, waits),
-        "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes, "grad_slot" in waits),
+        "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes, grad_slots(waits)),
         "optimizer": lambda s: add_optimizer(s, plan, updates),
         "reduce": lambda s: add_reductions(s, plan, ranks),
         "barrier": add_step_barrier,

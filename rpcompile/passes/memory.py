@@ -12,22 +12,28 @@ one that frees memory has ended before every compute that follows it starts. So:
 
   * a job's weights (UP) live from the end of the last compute of their worker that precedes
     the UP (at least the EVICT two jobs back: ``buffer``) until the job's EVICT;
-  * a job's fp32 gradient buffer is allocated by its first compute and freed when its D2H ends,
-    before the first compute of the worker that follows that D2H;
+  * a job's fp32 gradient buffer is allocated by its first compute and given back right
+    before the compute its gradient-slot edge names (``grad_pair``, ``grad_slot``:
+    ``Schedule.releases``), which the runtime and the simulator honour whatever the
+    download's speed; without one (a step's last gradient jobs), when its D2H ends, before
+    the first compute of the worker that follows that D2H;
   * an input (H2D) lives from the end of the last compute of its worker that precedes it until
     its reader ends;
   * a value a compute produces lives from that compute's end until its last local reader ends
-    and its D2H is done (before the first compute of the worker that follows the D2H);
+    and it is given back after its D2H: right before the compute its ``sent`` edge names
+    (``Schedule.releases``), or, without one, when the D2H ends (before the first compute of
+    the worker that follows the D2H);
   * each compute's working set (one microbatch's activations and transients:
     ``Stage.peak_bytes`` less twice the weights and the gradients) lives while it runs.
 
-The lowering's memory-bounding waits (``Plan.memory_waits``: ``window``, ``sent``,
-``grad_slot``; rpcompile.passes.lower) tighten that order so the peak is what the planner
-assumes: an input uploads no earlier than the end of the compute two places before its reader,
-a value's D2H ends before the compute two places after its producer, a worker holds one
-gradient buffer. Without them the proof still holds, over the longer holds the rest of the
-order allows (a value may wait for a chain of jobs round the other workers); the partitioner
-adds the waits only to plans whose schedule does not fit without them.
+The lowering's memory-bounding waits (``Plan.memory_waits``, rpcompile.passes.lower) tighten
+that order so the peak is what the planner assumes: an input uploads no earlier than the end
+of the compute two places before its reader (``window``), a value's D2H ends before the
+compute two places after its producer (``sent``), a worker holds two gradient buffers
+(``grad_pair``, every plan's default) or one (``grad_slot``, for a plan that fits only so).
+Without them the proof still holds, over the longer holds the rest of the order allows (a
+value may wait for a chain of jobs round the other workers), and is far from what a run
+reaches (half of it on the paper workloads); with them it is within a few percent.
 
 Points of a worker's compute stream: the gap before action ``p`` is point ``2p``, action ``p``
 itself is ``2p + 1``, the gap after the last action is ``2L``. Every hold above is an interval
@@ -57,11 +63,11 @@ class WorkerPeak:
     compute-stream action at, or just after, the peak), and ``held_bytes``: the peak of the
     same holds without compute working sets (what a virtual worker accounts).
 
-    ``floor_bytes``: the least of those holds that every run of the schedule reaches, however
-    its transfers interleave: at the start of some compute, everything certain to have arrived
-    by then and certain not to be freed before it. A run's accounted peak lies in
-    ``[floor_bytes, held_bytes]``; how far apart the two are says how much the peak depends
-    on the timing of transfers the schedule leaves free."""
+    A run of the schedule reaches ``held_bytes`` within a few percent whatever its timing:
+    what a worker gives back after a download is given back at a compute the schedule names
+    (``Schedule.releases``), not when the download happens to end. (A tensor that several
+    boundary values share, such as rotary tables, is counted once per value here and once
+    on the worker.)"""
 
     worker: int
     peak_bytes: int
@@ -69,7 +75,6 @@ class WorkerPeak:
     action: Action | None
     parts: dict[str, int] = field(default_factory=dict)
     stages: tuple[int, ...] = ()  # stages whose weights, gradients or values are held then
-    floor_bytes: int = 0
 
     def describe(self, stage_name=lambda s: f"stage {s}") -> str:
         what = ", ".join(f"{k} {format_bytes(v)}" for k, v in self.parts.items() if v)
@@ -123,10 +128,10 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
         if f.src_kind is not None:
             consumers.setdefault((f.src_kind, f.src_stage, f.value), []).append(
                 (f.dst_kind, f.dst_stage))
+    releases = sched.releases()
     scopes = [None] if overlap_steps else list(range(sched.steps))
     best: list[WorkerPeak | None] = [None] * sched.workers
     held = [0] * sched.workers
-    floor = [0] * sched.workers
     for step in scopes:
         lists = [lst if step is None else [a for a in lst if a.step == step]
                  for lst in sched.actions]
@@ -136,13 +141,11 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
         latest, earliest = _order(lists, host, edges)
         for w, lst in enumerate(lists):
             peak = _worker_peak(lst, w, stages, latest, earliest, flows_from, readers,
-                                consumers)
+                                consumers, releases)
             held[w] = max(held[w], peak.held_bytes)
-            floor[w] = max(floor[w], peak.floor_bytes)
             if best[w] is None or peak.peak_bytes > best[w].peak_bytes:
                 best[w] = peak
-    return tuple(replace(p, held_bytes=h, floor_bytes=f)
-                 for p, h, f in zip(best, held, floor))
+    return tuple(replace(p, held_bytes=h) for p, h in zip(best, held))
 
 
 _NONE = 1 << 62  # no compute of that worker follows
@@ -216,7 +219,7 @@ def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, li
     return latest, earliest
 
 
-def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumers):
+def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumers, releases):
     stream = [a for a in lst if a.stream == "compute"]
     pos = {a: p for p, a in enumerate(stream)}
     end = 2 * len(stream)
@@ -226,20 +229,11 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
     d2h = {(a.stage, a.microbatch, a.round, a.step, a.value): a
            for a in lst if a.kind == "D2H" and a.what != "grad"}
     holds: list[tuple[int, int, str, int, int]] = []  # (first, last point, part, bytes, stage)
-    # Held for certain at the start of computes first..last (positions): arrived (a
-    # transfer's end, a compute's end) before the first starts, freed after the last starts.
-    sure: list[tuple[int, int, int]] = []
+    outputs: dict[int, int] = {}  # compute point -> bytes of the values it leaves held
 
     def hold(first: int, last: int, part: str, nbytes: int, stage: int) -> None:
         if nbytes > 0:
             holds.append((first, max(first, last), part, nbytes, stage))
-
-    def surely(first: int, last: int, nbytes: int) -> None:
-        if nbytes > 0 and first <= last:
-            sure.append((first, last, nbytes))
-
-    def arrived(a: Action) -> int:  # the first compute certain to start after a has ended
-        return earliest[a][w]
 
     def starts(a: Action) -> int:  # the gap after the last compute ending before a starts
         return 2 * latest[a][w] + 2
@@ -252,18 +246,19 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
         if a.kind == "UP":
             ev = evict.get((a.stage, a.round, a.step))
             hold(starts(a), end if ev is None else 2 * pos[ev], "weights", a.bytes, a.stage)
-            surely(arrived(a), len(stream) - 1 if ev is None else pos[ev], a.bytes)
         elif a.kind == "H2D":
             reader = compute_at.get((readers.get((a.stage, a.value)), a.stage, a.microbatch,
                                      a.round, a.step))
             hold(starts(a), end if reader is None else 2 * pos[reader] + 1, "values", a.bytes,
                  a.stage)
-            surely(arrived(a), len(stream) - 1 if reader is None else pos[reader], a.bytes)
         elif a.kind == "D2H" and a.what == "grad":
             first = next(c for c in stream if c.is_compute and
                          (c.stage, c.round, c.step) == (a.stage, a.round, a.step))
-            hold(2 * pos[first] + 1, freed(a), "grads", a.bytes, a.stage)
-            surely(pos[first] + 1, latest[a][w], a.bytes)
+            slot = releases.get(a)
+            if slot is not None and slot in pos:  # given back right before that compute
+                hold(2 * pos[first] + 1, 2 * pos[slot], "grads", a.bytes, a.stage)
+            else:  # given back when its download ends
+                hold(2 * pos[first] + 1, freed(a), "grads", a.bytes, a.stage)
         if not a.is_compute:
             continue
         p = pos[a]
@@ -271,29 +266,28 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
         hold(2 * p + 1, 2 * p + 1, "working", working_bytes(stage), a.stage)
         for value, nbytes in flows_from.get((a.kind, a.stage), {}).items():
             last = 2 * p + 2
-            last_sure = p
             kept = False
             for dst_kind, dst_stage in consumers[(a.kind, a.stage, value)]:
                 r = compute_at.get((dst_kind, dst_stage, a.microbatch, a.round, a.step))
                 if r is not None:
                     last, kept = max(last, 2 * pos[r] + 1), True
-                    last_sure = max(last_sure, pos[r])
             down = d2h.get((a.stage, a.microbatch, a.round, a.step, value))
             if down is not None:
-                last, kept = max(last, freed(down)), True
-                last_sure = max(last_sure, latest[down][w])
+                given_back = releases.get(down)
+                if given_back is not None and given_back in pos:  # right before that compute
+                    last, kept = max(last, 2 * pos[given_back]), True
+                else:
+                    last, kept = max(last, freed(down)), True
             if kept:
                 hold(2 * p + 2, last, "values", nbytes, a.stage)
-                surely(p + 1, last_sure, nbytes)
-    peak = _sweep(w, stream, end, holds)
-    level = [0] * (len(stream) + 2)
-    for first, last, nbytes in sure:
-        level[first] += nbytes
-        level[last + 1] -= nbytes
-    return replace(peak, floor_bytes=max(itertools.accumulate(level), default=0))
+                # The compute registers its outputs before it lets go of its inputs: a
+                # worker's accounting holds both as it ends (the working set covers this in
+                # the peak).
+                outputs[2 * p + 1] = outputs.get(2 * p + 1, 0) + nbytes
+    return _sweep(w, stream, end, holds, outputs)
 
 
-def _sweep(w, stream, end, holds) -> WorkerPeak:
+def _sweep(w, stream, end, holds, outputs) -> WorkerPeak:
     delta = [[0] * (end + 2) for _ in PARTS]
     index = {part: i for i, part in enumerate(PARTS)}
     for first, last, part, nbytes, _stage in holds:
@@ -306,7 +300,7 @@ def _sweep(w, stream, end, holds) -> WorkerPeak:
         for i in range(len(PARTS)):
             level[i] += delta[i][point]
         total = sum(level)
-        held = max(held, total - level[index["working"]])
+        held = max(held, total - level[index["working"]] + outputs.get(point, 0))
         if total > best:
             best, best_point = total, point
     parts = {part: 0 for part in PARTS}

@@ -32,7 +32,7 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, Stage, UnitProfile
 from rpcompile.options import check_option, check_update_order
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
-from rpcompile.passes.lower import MEMORY_WAITS
+from rpcompile.passes.lower import BOUNDED_WAITS, TIGHTEST_WAITS
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
 from rpcompile.passes.schedule import dispatch_period
 from rpcompile.planner.bound import simulated_lower_bound
@@ -594,20 +594,22 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
     return _distinct(found)[:keep]
 
 
-# The sets of memory-bounding waits fit_memory_waits tries, fewest first; among sets of one
-# size, the activation waits before grad_slot (which can hold a gradient job's first compute
-# behind the previous job's whole gradient download).
-WAIT_SETS = ((), ("window",), ("sent",), ("window", "sent"), ("grad_slot",),
-             ("window", "grad_slot"), ("sent", "grad_slot"), ("window", "sent", "grad_slot"))
+# The sets of memory-bounding waits fit_memory_waits tries, in order: two gradient slots per
+# worker, then one (which can hold a gradient job's first compute behind the previous job's
+# whole download: 0.2 to 1.7 % of a paper workload's sync step). Every set bounds every hold,
+# so the proven peak is what a run reaches (within 3 % on the paper workloads, against half
+# of it without the waits), and on the paper workloads the first set costs no time: within
+# 0.1 % of a lowering without any wait (docs/compiler.md, Partition step 2).
+WAIT_SETS = (BOUNDED_WAITS, TIGHTEST_WAITS)
 
 
 def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
                      optimizer: str = "async", capacity: int | None = None,
                      steps: int | None = None):
     """``(plan, lowered schedule, proven peaks)``: ``plan`` with the first set of the
-    lowering's memory-bounding waits (``Plan.memory_waits``) in :data:`WAIT_SETS` (none, then
-    one, two, all three) whose schedule's proven peak fits ``capacity`` (default: the
-    hardware's usable memory); all three when none fits. The schedule is ``steps`` steps
+    lowering's memory-bounding waits (``Plan.memory_waits``) in :data:`WAIT_SETS` (two
+    gradient slots per worker, then one) whose schedule's proven peak fits ``capacity``
+    (default: the hardware's usable memory); the last when none fits. The schedule is ``steps`` steps
     (default: sync, one dispatch period, the steps the runtime runs, every alignment of jobs
     to workers; async, the steady-state run of :func:`~rpcompile.sim.steady_steps`, which
     holds whole dispatch periods), dispatched and lowered as the simulator runs it. The peaks
@@ -798,8 +800,9 @@ def memory_first_plan(units: Sequence[UnitProfile], hardware: Hardware | str, wo
                       microbatches: int, microbatch_size: int = 1, seq_len: int = 1,
                       rounds: int = 1, costing: StageCosting | None = None) -> Plan:
     """The plan that holds least device memory per worker: every unit before the tail its
-    own forward stage and its own backward stage, the tail (the last unit) alone, all of the
-    lowering's memory-bounding waits (:data:`~rpcompile.passes.lower.MEMORY_WAITS`)."""
+    own forward stage and its own backward stage, the tail (the last unit) alone, the
+    lowering's tightest memory-bounding waits (:data:`~rpcompile.passes.lower.TIGHTEST_WAITS`:
+    one gradient slot per worker)."""
     n = len(units)
     if n < 2:
         raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
@@ -809,7 +812,7 @@ def memory_first_plan(units: Sequence[UnitProfile], hardware: Hardware | str, wo
                       notes=("memory first: every unit its own stage on both sides "
                              "(rpcompile.planner.partition.memory_first_plan)",),
                       optimizer="sync")
-    return replace(plan, memory_waits=tuple(MEMORY_WAITS))
+    return replace(plan, memory_waits=TIGHTEST_WAITS)
 
 
 def build_plan(
@@ -1019,7 +1022,9 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
     buffer_bytes, batch_inputs = _stage_reads(units, r)
     first = r[0]
     incoming = units[first - 1].output_bytes if first > 0 else 0
-    shared = max((units[u].shared_bytes for u in range(first)), default=0)
+    # Shared values (rotary tables, masks, long skips) travel with every boundary after the
+    # unit that makes them (UnitProfile.shared_bytes): all of them, not the largest.
+    shared = sum(units[u].shared_bytes for u in range(first))
     if kind == "forward":
         last = r[-1]
         # The activation for the next stage, plus each backward boundary inside this stage:
@@ -1027,14 +1032,18 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         saved = sum(
             units[b[0] - 1].output_bytes for b in bwd_ranges if first < b[0] <= last
         )
-        out_bytes = units[last].output_bytes + saved + (units[last].shared_bytes if first == 0 else 0)
+        out_bytes = (units[last].output_bytes + saved
+                     + sum(units[u].shared_bytes for u in range(last + 1)))
         in_bytes = incoming + shared
     else:
         # Backward stages read their saved input and the output gradient; they send the
-        # input gradient on (nothing for the stage that starts at unit 0).
-        out_grad = units[r[-1]].output_bytes if kind == "backward" else 0
+        # input gradient on (nothing for the stage that starts at unit 0). A gradient covers
+        # the hidden state and every shared value that carries one (a long skip connection).
+        out_grad = (units[r[-1]].output_bytes
+                    + sum(units[u].shared_grad_bytes for u in range(r[-1] + 1))
+                    if kind == "backward" else 0)
         in_bytes = incoming + shared + out_grad
-        out_bytes = incoming
+        out_bytes = incoming + sum(units[u].shared_grad_bytes for u in range(first))
     return Stage(
         index=index,
         kind=kind,

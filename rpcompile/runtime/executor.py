@@ -68,7 +68,9 @@ chunk size is set once, by the lowering (``rpcompile.passes.lower.DEFAULT_CHUNK_
 
 **Device memory** accounted on each worker: the weight slots, the buffers uploaded with them
 and each job's fp32 gradient buffer (``Worker.alloc``), plus every activation or value gradient
-held between actions, once per storage (``Worker.reserve``). Transients inside one compute
+held between actions, once per storage (``Worker.reserve``). What a D2H sends home is given
+back as the compute its ``sent`` or gradient-slot edge names starts
+(``Schedule.releases``), else once downloaded: what a worker holds follows the schedule. Transients inside one compute
 (autograd's saved tensors) are not accounted; they are freed when the compute returns.
 """
 
@@ -319,6 +321,10 @@ class _StepPlan:
             elif a.kind == "H2D" and a.value not in _HOST_VALUES:
                 key = (a.value, a.microbatch, a.round)
                 self.host_readers[key] = self.host_readers.get(key, 0) + 1
+        # D2H -> the compute before which the device memory it sent home is given back (a
+        # gradient slot, a value's "sent" wait; rpcompile.ir.Schedule.releases)
+        self.releases = {d: c for d, c in schedule.releases().items()
+                         if d in here and c in here}
         self.job_first: set[Action] = set()  # first compute of each job
         for (_, stream), lst in self.queues.items():
             if stream != "compute":
@@ -354,6 +360,9 @@ class _Run:
         self.weights: dict[tuple[int, int, int], tuple[torch.Tensor, dict, dict]] = {}
         # (worker, stage, round) -> the job's flat fp32 gradients and where they go
         self.grads: dict[tuple[int, int, int], _JobGrads] = {}
+        # compute -> what is home already and given back as that compute starts: gradient
+        # buffers, and the keys of values whose D2H counted as one of their readers
+        self.given_back: dict[Action, list[torch.Tensor | tuple[int, str, int, int]]] = {}
         # (stage, round) -> the job's non-finite flag, downloaded with its gradients
         self.nonfinite: dict[tuple[int, int], torch.Tensor] = {}
         # (worker, value, microbatch, round) -> tensors a compute produced, kept on the device
@@ -1053,7 +1062,7 @@ class Executor:
             flag = worker.host_empty(job.flag.shape, job.flag.dtype)
             worker.copy_(flag, job.flag)
             worker.complete_copies()
-            worker.free(job.flat)
+            self._give_back(run, a, job.flat)
             run.host_grads[(a.stage, a.round)] = host
             run.nonfinite[(a.stage, a.round)] = flag
             return
@@ -1067,7 +1076,32 @@ class Executor:
         staged = {name: _copy_to(v, download) for name, v in run.device_values[key].items()}
         worker.complete_copies()
         run.host_values[(a.value, a.microbatch, a.round)] = staged
-        self._release_value(run, key)
+        self._give_back(run, a, key)
+
+    def _give_back(self, run: _Run, a: Action, what: torch.Tensor | tuple) -> None:
+        """After D2H ``a``: give back the device memory it sent home (a gradient buffer, or
+        the value ``key`` as one of its readers) now, or, where the schedule names a compute
+        for it (``Schedule.releases``), as that compute starts (:meth:`_take_back`), so
+        that a worker's memory follows the schedule, not the download's speed."""
+        at = run.plan.releases.get(a)
+        if at is not None:
+            with run.lock:
+                run.given_back.setdefault(at, []).append(what)
+        elif isinstance(what, tuple):
+            self._release_value(run, what)
+        else:
+            self.workers[a.worker].free(what)
+
+    def _take_back(self, run: _Run, a: Action) -> None:
+        """Before compute ``a`` starts: what :meth:`_give_back` held for it (its D2H is done:
+        the schedule's edge to ``a`` waited for it)."""
+        with run.lock:
+            held = run.given_back.pop(a, ())
+        for what in held:
+            if isinstance(what, tuple):
+                self._release_value(run, what)
+            else:
+                self.workers[a.worker].free(what)
 
     def _release_value(self, run: _Run, key: tuple[int, str, int, int]) -> None:
         with run.lock:
@@ -1160,6 +1194,7 @@ class Executor:
             return self._graphs[key]
 
     def _do_F(self, run: _Run, a: Action) -> None:
+        self._take_back(run, a)
         prog = self.programs[a.stage]
         params, extras = self._job(run, a)
         values, _, batch = self._inputs(run, a)
@@ -1182,6 +1217,7 @@ class Executor:
         values, value_grads, batch = self._inputs(run, a)
         job = (a.worker, a.stage, a.round)
         stage = self.store.stages[a.stage]
+        self._take_back(run, a)
         if a in run.plan.job_first and stage.layout.grad_numel:
             if job not in run.plan.grad_jobs:
                 raise RuntimeError(f"stage {prog.name} has trainable parameters but the "

@@ -80,7 +80,7 @@ def pipeline_stages(units: Sequence[UnitProfile], num_stages: int,
         lent = {(o, n, t) for u in r for o, n, t in units[u].borrowed if o not in r}
         params += sum(n for _o, n, _t in lent)
         trainable += sum(n for _o, n, t in lent if t)
-        shared = max((units[u].shared_bytes for u in range(a)), default=0)
+        shared = sum(units[u].shared_bytes for u in range(a))  # each travels on (UnitProfile)
         weights = params * weight_dtype_bytes
         grads = trainable * grad_dtype_bytes
         working = sum(units[u].working_bytes for u in r)

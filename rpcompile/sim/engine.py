@@ -709,8 +709,10 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
                    timeline: Mapping[Action, tuple[float, float]]) -> tuple[int, ...]:
     """Peak device bytes per worker: weight slots (UP start .. EVICT end; a schedule not yet
     lowered: over each job; baselines: their bound stages' weights and gradients all along), the fp32 gradient accumulator of a
-    backward job (first compute start .. its D2H grad end), each compute's working set,
-    values a compute produces (until their local readers and their D2H are done), values an
+    backward job (first compute start .. the start of the compute that takes its slot,
+    ``Schedule.releases``, else its D2H grad end), each compute's working set,
+    values a compute produces (until their local readers are done and they are given back
+    after their D2H: as the compute ``Schedule.releases`` names starts, else at its end), values an
     H2D brings (until the compute reading them ends), and a baseline's stash (F end .. B end,
     the stage's input kept for recompute)."""
     deltas: list[list[tuple[float, int, int]]] = [[] for _ in range(sched.workers)]
@@ -724,6 +726,7 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
     d2h: dict[tuple, Action] = {}
     evict: dict[tuple, Action] = {}
     grad_down: dict[tuple, Action] = {}
+    releases = sched.releases()
     for lst in sched.actions:
         for a in lst:
             key = (a.stage, a.microbatch, a.round, a.step)
@@ -777,6 +780,8 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
                 down = d2h.get((w, f.value, a.stage, a.microbatch, a.round, a.step))
                 if down is not None:
                     free = max(free, timeline[down][1])
+                    if down in releases:  # given back as that compute starts
+                        free = max(free, timeline[releases[down]][0])
                 # One tensor however many readers it has (the runtime holds it once).
                 held = produced.get(f.value, (0, end))
                 produced[f.value] = (max(held[0], nbytes), max(held[1], free))
@@ -790,7 +795,10 @@ def _device_memory(sched: Schedule, stages: tuple[Stage, ...],
             if stages[s].kind == "forward" or not stages[s].grad_bytes:
                 continue
             down = grad_down.get(job)
-            hold(w, first, timeline[down][1] if down else job_last[job], stages[s].grad_bytes)
+            free = timeline[down][1] if down else job_last[job]
+            if down in releases:  # its slot is given back as that compute starts
+                free = max(free, timeline[releases[down]][0])
+            hold(w, first, free, stages[s].grad_bytes)
     return tuple(_peak(d) for d in deltas)
 
 
