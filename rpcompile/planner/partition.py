@@ -597,9 +597,9 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
 # The sets of memory-bounding waits fit_memory_waits tries, in order: two gradient slots per
 # worker, then one (which can hold a gradient job's first compute behind the previous job's
 # whole download: 0.2 to 1.7 % of a paper workload's sync step). Every set bounds every hold,
-# so the proven peak is what a run reaches (within 3 % on the paper workloads, against half
-# of it without the waits), and on the paper workloads the first set costs no time: within
-# 0.1 % of a lowering without any wait (docs/compiler.md, Partition step 2).
+# so the proven peak is what a run reaches (within 1.3 % per worker on the paper workloads,
+# against a third to two thirds of it without the waits), and there the first set costs no
+# time: within 0.1 % of a lowering without any wait (benchmarks/memory_waits.py).
 WAIT_SETS = (BOUNDED_WAITS, TIGHTEST_WAITS)
 
 
