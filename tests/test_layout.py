@@ -125,3 +125,17 @@ def test_the_readme_layout_block_names_every_folder():
     folders = sorted(p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     missing = [f for f in folders if f"{f}/" not in block]
     assert not missing, f"README's layout block does not name {missing}"
+
+
+def test_no_benchmark_shadows_a_module_a_library_imports():
+    # `python benchmarks/X.py` puts benchmarks/ first on sys.path, so a script named like a
+    # module a library probes for shadows it: benchmarks/kernels.py made transformers (which
+    # imports the `kernels` package when it finds one) fail to load any model class.
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.path.insert(0, 'benchmarks'); import transformers; "
+            "transformers.Qwen3ForCausalLM; import torch, triton, sympy")
+    done = subprocess.run([sys.executable, "-c", code], cwd=PKG.parent, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

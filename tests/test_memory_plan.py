@@ -45,7 +45,8 @@ def tightest_peaks(compiled):
 
 def simulated_and_measured(compiled, gpus, microbatches, chaos=None):
     """Per worker: the simulated peak of each runtime step replayed alone (a step drains
-    before the next one), and the virtual workers' measured peak over a few steps."""
+    before the next one), and the virtual workers' measured peak over a few steps, run with
+    the predicted peak + 5 % as their capacity."""
     sched = runtime_schedule(compiled.plan, gpus, microbatches, 1, "sync")
     simulated = [0] * gpus
     for k in range(sched.steps):
@@ -56,7 +57,9 @@ def simulated_and_measured(compiled, gpus, microbatches, chaos=None):
                                         if e.src.step == k and e.dst.step == k))
         sim = simulate(one, compiled.plan, compiled.hardware)
         simulated = [max(a, b) for a, b in zip(simulated, sim.peak_device_bytes)]
-    with Trainer(compiled, SGD, device="virtual", chaos=chaos) as trainer:
+    capacity = int(1.05 * max(p.peak_bytes for p in compiled.memory))
+    with Trainer(compiled, SGD, device="virtual", chaos=chaos,
+                 capacity_bytes=capacity) as trainer:
         for k in range(max(2, sched.steps)):
             trainer.step(token_batch(2 * microbatches, seed=k))
         measured = trainer.peak_bytes()

@@ -9,8 +9,8 @@ Without CUDA the Triton kernels can only run in Triton's interpreter (numpy, one
 program), so the script falls back to small sizes and says so: those figures measure the
 interpreter, not the kernels, and must not be compared with GPU numbers.
 
-    python benchmarks/kernels.py                     # CUDA if present, else the interpreter
-    python benchmarks/kernels.py --elements 50000000 --json out.json
+    python benchmarks/transfer_kernels.py                     # CUDA if present, else the interpreter
+    python benchmarks/transfer_kernels.py --elements 50000000 --json out.json
 """
 
 from __future__ import annotations
