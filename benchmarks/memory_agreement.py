@@ -12,7 +12,7 @@ holds the 5 % that the issue asks for).
 
 Cases as the test's: each plan as compile() makes it (two gradient slots per worker), and
 once more with a capacity at its peak with one slot where that is lower (one slot then);
-the workers given the proven peak + 5 %; ``--runs`` trainers of ``--steps`` steps each, half
+the workers given the proven peak + 5 %; ``--runs`` trainers of ``--steps`` steps each (at least one dispatch period), half
 of them with chaos delays on every stream.
 
     python benchmarks/memory_agreement.py [--runs 4] [--steps 3] [--json PATH]
@@ -41,7 +41,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--runs", type=int, default=4, help="trainers per case (half with chaos)")
-    ap.add_argument("--steps", type=int, default=3, help="steps per trainer")
+    ap.add_argument("--steps", type=int, default=3,
+                    help="steps per trainer (at least the schedule's dispatch period)")
     ap.add_argument("--json", type=Path,
                     default=Path("benchmarks/results/memory_agreement.json"))
     args = ap.parse_args()
@@ -92,7 +93,8 @@ def main() -> None:
             chaos = run if run % 2 else None
             with Trainer(compiled, sgd, device="virtual", capacity_bytes=capacity,
                          chaos=chaos) as trainer:
-                for k in range(args.steps):
+                # Every step of the dispatch period: later steps put other jobs on a worker.
+                for k in range(max(args.steps, sched.steps)):
                     trainer.step(token_batch(2 * micro, seed=k))
                 for w, got in enumerate(trainer.peak_bytes()):
                     measured[w].append(got)
