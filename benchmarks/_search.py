@@ -9,9 +9,10 @@ says so in the plan's notes, with the most a candidate it did not replay could b
 from __future__ import annotations
 
 import argparse
-from functools import partial
+from collections.abc import Callable, Sequence
 from typing import Any
 
+from rpcompile.options import PlanOptions
 from rpcompile.planner.partition import partition
 
 
@@ -24,11 +25,22 @@ def add_search_caps(ap: argparse.ArgumentParser) -> None:
                          "the partitioner's 16; 0 turns it off)")
 
 
-def capped_partition(args: argparse.Namespace) -> Any:
-    """``partition`` with the caps given on the command line (none: the partitioner's own)."""
-    caps = {k: v for k, v in (("max_simulations", args.max_simulations),
-                              ("refine", args.refine)) if v is not None}
-    return partial(partition, **caps)
+def capped_partition(args: argparse.Namespace) -> Callable[..., Any]:
+    """``partition`` with the caps given on the command line (none: the partitioner's own),
+    called as the benchmarks call a partitioner (``partition_roundpipe``'s arguments, and
+    ``optimizer``): the plan options travel as the group (``PlanOptions``, its
+    ``max_simulations`` the cap), the refinement's cap as the search keyword it is."""
+    search = {} if args.refine is None else {"refine": args.refine}
+
+    def capped(units: Sequence[Any], hw: Any, workers: int, microbatches: int,
+               microbatch_size: int = 1, seq_len: int = 1, rounds: int = 1,
+               costing: Any = None, *, optimizer: str = "async") -> Any:
+        options = PlanOptions(gpus=workers, microbatches=microbatches, rounds=rounds,
+                              mode=optimizer, max_simulations=args.max_simulations)
+        return partition(units, hw, microbatch_size=microbatch_size, seq_len=seq_len,
+                         costing=costing, options=options, **search)
+
+    return capped
 
 
 def search_note(plan: Any) -> str:

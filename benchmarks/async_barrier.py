@@ -60,6 +60,8 @@ def main() -> None:
             units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ), hw)[0]}
         if args.ours:
             blocks = model.units(MICROBATCH_SIZE, SEQ, split_layers=True)
+            # The loose keywords, not options=PlanOptions(...): the script reads only APIs
+            # both trees compared have (the module doc).
             plans["ours-async"] = partition(blocks, hw, WORKERS, MICROBATCHES,
                                             MICROBATCH_SIZE, SEQ, optimizer="async")
         for label, plan in plans.items():

@@ -59,6 +59,7 @@ import time
 from pathlib import Path
 
 from rpcompile.hardware import get_hardware
+from rpcompile.options import PlanOptions
 from rpcompile.passes.memory import host_memory
 from rpcompile.planner.longest import longest_sequence
 from rpcompile.planner.partition_baseline import partition_roundpipe
@@ -87,9 +88,10 @@ def longest(name: str, chunk: int | None, ram: int, memory: str = "pinned",
     hw = get_hardware(HARDWARE).with_host_memory(memory).with_undo_journal(journal)
     t0 = time.perf_counter()
     found = longest_sequence(lambda s: MODELS[name].units(1, s, loss_chunk_tokens=chunk), hw,
-                             hw.gpus, w.microbatches, 1, start=START, step=STEP, limit=LIMIT,
+                             microbatch_size=1, start=START, step=STEP, limit=LIMIT,
                              host_ram_bytes=ram, host_ram_source="--host-ram or the profile",
-                             optimizer=optimizer)
+                             options=PlanOptions(gpus=hw.gpus, microbatches=w.microbatches,
+                                                 mode=optimizer))
     gpu = found.gpu or found
 
     def limit(f) -> str:

@@ -4,9 +4,11 @@ Every such option (``mode``, ``updates``, ``recompute``, ``device``, ``kernels``
 ``host_memory``) has one tuple of choices here and one rule, :func:`check_option`: the option
 groups (:mod:`rpcompile.options`, which re-exports all of this) check their fields with it,
 and each lower layer that is public and takes the same value as a plain argument
-(``partition(optimizer=...)``, ``make_workers(device=...)``, ``Hardware.with_host_memory``,
-``resolve_backend``, the CLI's flags) calls it under its own name for the value instead of a
-second copy of the rule, so a bad value reads the same wherever it is refused.
+(``make_workers(device=...)``, ``Hardware.with_host_memory``, ``resolve_backend``, the CLI's
+flags through :func:`flag_type`, ``rpcompile train``'s ``--config`` file) calls it under its
+own name for the value instead of a second copy of the rule, so a bad value reads the same
+wherever it is refused. The planner's entries (``partition``, ``longest_sequence``) build a
+``PlanOptions`` from their loose keywords instead (``rpcompile.options.entry_plan_options``).
 
 It imports nothing of rpcompile: both :mod:`rpcompile.hardware` and :mod:`rpcompile.options`
 (which imports hardware) read it.
@@ -14,6 +16,8 @@ It imports nothing of rpcompile: both :mod:`rpcompile.hardware` and :mod:`rpcomp
 
 from __future__ import annotations
 
+import argparse
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
@@ -22,10 +26,12 @@ __all__ = [
     "HOST_MEMORY",
     "KERNELS",
     "MODES",
+    "RECOMPUTE_GRANULARITIES",
     "RECOMPUTE_MODES",
     "UPDATE_ORDERS",
     "check_choice",
     "check_option",
+    "flag_type",
 ]
 
 MODES = ("sync", "async")
@@ -38,6 +44,9 @@ UPDATE_ORDERS = ("overlap", "deferred")  # the sync update orders (rpcompile.pas
 # How backward stages recompute their forward (rpcompile.passes.cost): the planner's choice,
 # whole stages, or layer by layer.
 RECOMPUTE_MODES = ("auto", "stage", "layer")
+# What a backward stage does once the planner has resolved "auto" (rpcompile.passes.cost's
+# figures, ``Stage.recompute``): a value, not an option, checked by the same rule.
+RECOMPUTE_GRANULARITIES = tuple(m for m in RECOMPUTE_MODES if m != "auto")
 
 # option -> (its choices, what they mean: said after the choices when a value is refused)
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -51,6 +60,8 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "host_memory": (HOST_MEMORY, "the host memory transfers copy from and to"),
 }
 _HINTS = {choices: hint for choices, hint in CHOICES.values()}
+_HINTS[RECOMPUTE_GRANULARITIES] = ("a backward stage's recompute, resolved: 'auto' is the "
+                                   "planner's choice between them")
 
 
 def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -66,3 +77,19 @@ def check_option(option: str, value: Any, *, name: str | None = None) -> None:
     """The one check of ``option``'s value (:data:`CHOICES`); ``name``: what the caller calls
     the value, when not the option's name (``partition``'s ``optimizer`` is a ``mode``)."""
     check_choice(name or option, value, CHOICES[option][0])
+
+
+def flag_type(option: str) -> Callable[[str], str]:
+    """An argparse ``type`` checking a flag's value with ``option``'s one rule
+    (:func:`check_option`): a bad value is refused with the message ``compile()`` gives,
+    after argparse's ``argument --flag:``."""
+
+    def parse(text: str) -> str:
+        try:
+            check_option(option, text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return text
+
+    parse.__name__ = option  # what argparse names in its own messages
+    return parse

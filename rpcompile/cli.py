@@ -51,7 +51,6 @@ import math
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 __all__ = ["main"]
 
@@ -67,25 +66,8 @@ class _DefaultsFormatter(argparse.HelpFormatter):
         return text + " (default: %(default)s)"
 
 
-def _option_value(option: str) -> Any:
-    """An argparse ``type`` checking a flag's value with the option's own rule
-    (:func:`rpcompile.choices.check_option`): a bad value is refused with the message
-    ``compile()`` and the Trainer give, after the flag's name."""
-    from rpcompile.choices import check_option
-
-    def parse(text: str) -> str:
-        try:
-            check_option(option, text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        return text
-
-    parse.__name__ = option  # what argparse names in its own messages
-    return parse
-
-
 def _parser() -> argparse.ArgumentParser:
-    from rpcompile.choices import HOST_MEMORY, MODES, RECOMPUTE_MODES
+    from rpcompile.choices import HOST_MEMORY, MODES, RECOMPUTE_MODES, flag_type
 
     ap = argparse.ArgumentParser(
         prog="rpcompile",
@@ -123,7 +105,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--schedule", default="roundpipe",
                       choices=["roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs"],
                       help="RoundPipe, or a weight-bound baseline on the same simulator")
-    plan.add_argument("--optimizer", default="sync", type=_option_value("mode"), choices=MODES,
+    plan.add_argument("--optimizer", default="sync", type=flag_type("mode"), choices=MODES,
                       help="exact updates (sync, as `rpcompile train` and compile() default "
                            "to) or one step stale, overlapping the next step (async; also "
                            "simulates a steady state of several steps)")
@@ -132,7 +114,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--out", type=Path, default=None,
                       help="folder for schedule.csv, schedule.json (Perfetto), schedule.png, "
                            "plan.txt and summary.json (default: print only)")
-    plan.add_argument("--recompute", default="auto", type=_option_value("recompute"),
+    plan.add_argument("--recompute", default="auto", type=flag_type("recompute"),
                       choices=RECOMPUTE_MODES,
                       help="how backward stages recompute their forward: stage (all layers' "
                            "activations for one backward), layer (one layer at a time, one "
@@ -157,7 +139,7 @@ def _parser() -> argparse.ArgumentParser:
                            "False): 14 bytes per trainable parameter less host memory and no "
                            "journal copy in each update's time, but a failed step then ends "
                            "the run (restore the last checkpoint)")
-    plan.add_argument("--host-memory", default="pinned", type=_option_value("host_memory"),
+    plan.add_argument("--host-memory", default="pinned", type=flag_type("host_memory"),
                       choices=HOST_MEMORY,
                       help="host memory the run copies from and to: pinned (page-locked "
                            "host store and staging) or pageable (nothing pinned, as "
@@ -301,8 +283,7 @@ def _plan(args: argparse.Namespace) -> int:
         ram, _ = host_ram(args.host_ram, hw)
         print(f"--batch not given: planning 1, 2, 4, ... sequences per microbatch (searches "
               f"capped at {trial_cap} replays) to pick the batch", file=sys.stderr)
-        choice = default_batch(compile_for(batch, trial_cap), hw, gpus, micro, args.rounds,
-                               args.optimizer, args.recompute, ram, trial_cap,
+        choice = default_batch(compile_for(batch, trial_cap), hw, ram,
                                lambda b: compile_for(b * micro * args.rounds, trial_cap))
         batch = choice.size * micro * args.rounds
     while True:
@@ -444,8 +425,8 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"host memory {summary['host_gib']:.1f} GiB")
     if args.longest and args.schedule == "roundpipe":
         b = 1 if args.batch is None else plan.microbatch_size
-        found = longest_sequence(compiled, hw, gpus, micro, args.rounds, microbatch_size=b,
-                                 optimizer=args.optimizer, ram=host_ram(args.host_ram, hw))
+        found = longest_sequence(compiled, hw, microbatch_size=b,
+                                 ram=host_ram(args.host_ram, hw))
         summary["longest"] = _longest_summary(found, b)
         print(f"\nlongest sequence that fits the GPUs and the host RAM ({micro} microbatches "
               f"of {b} sequence{'s' if b > 1 else ''}, {gpus} GPUs): {found.seq_len:,} tokens"
@@ -458,8 +439,7 @@ def _plan(args: argparse.Namespace) -> int:
                   f"{max(found.plan.worker_peak_bytes) / 2**30:.2f} GiB of "
                   f"{hw.usable_memory_bytes / 2**30:.2f} GiB usable")
     elif not args.no_fit_search and args.schedule == "roundpipe":
-        found = longest_sequence(compiled, hw, gpus, micro, args.rounds,
-                                 optimizer=args.optimizer, ram=host_ram(args.host_ram, hw))
+        found = longest_sequence(compiled, hw, ram=host_ram(args.host_ram, hw))
         summary["longest_seq"] = found.seq_len
         summary["longest_detail"] = _longest_summary(found, plan.microbatch_size)
         print(f"longest sequence that fits the GPUs and the host RAM (microbatch of "
@@ -591,17 +571,20 @@ class BatchChoice:
                            for b, tps, why in self.trials]}
 
 
-def default_batch(compiled, hw, gpus: int, micro: int, rounds: int, optimizer: str,
-                  recompute: str, ram_bytes: int, cap: int, compile_at) -> BatchChoice:
+def default_batch(compiled, hw, ram_bytes: int, compile_at) -> BatchChoice:
     """The default batch's sequences per microbatch (the rule above), from ``compiled`` (the
-    smallest batch, one sequence per microbatch). Trials plan the captured model at each size
-    (rpcompile.planner.partition); when the whole logits no longer fit, ``compile_at(size)``
-    compiles that size (which chunks the loss) and later trials reuse its capture."""
+    smallest batch, one sequence per microbatch, compiled with the trials' replay cap). Trials
+    plan the captured model at each size (rpcompile.planner.partition) with the compile's own
+    plan options (``compiled.options.plan``: workers, microbatches, rounds, mode, recompute,
+    the cap); when the whole logits no longer fit, ``compile_at(size)`` compiles that size
+    (which chunks the loss) and later trials reuse its capture."""
     from rpcompile.compiler import unit_profiles
     from rpcompile.passes.memory import host_memory
     from rpcompile.planner.partition import PartitionError, StageCosting, partition
     from rpcompile.sim import simulate_roundpipe
 
+    po = compiled.options.plan
+    micro, rounds, optimizer = po.microbatches_per_round, po.rounds, po.mode
     dtype_bytes = compiled.compute_dtype.itemsize
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
     seq = compiled.plan.seq_len
@@ -609,15 +592,14 @@ def default_batch(compiled, hw, gpus: int, micro: int, rounds: int, optimizer: s
 
     def trial(b: int):
         profiles = unit_profiles(source.capture, source.unit_costs, b, seq, hw, dtype_bytes)
-        plan = partition(profiles, hw, gpus, micro, b, seq, rounds, costing,
-                         optimizer=optimizer, recompute=recompute, max_simulations=cap,
-                         refine=0)
+        plan = partition(profiles, hw, microbatch_size=b, seq_len=seq, costing=costing,
+                         options=po, refine=0)
         run = simulate_roundpipe(plan, hw, steps=1, rounds=rounds, optimizer=optimizer)
         host = host_memory(plan, optimizer, run.peak_host_bytes, journal=hw.undo_journal,
                            pageable=hw.host_memory == "pageable").total
         return b * micro * rounds * seq * 1e3 / plan.predicted_step_ms, host
 
-    choice = BatchChoice(size=1, cap=cap)
+    choice = BatchChoice(size=1, cap=po.max_simulations)
     tps, host_limit = trial(1)
     host_limit = max(host_limit, ram_bytes)  # the smallest batch's need is printed anyway
     choice.trials.append((1, tps, ""))
@@ -660,11 +642,11 @@ def _longest_summary(found, microbatch_size: int) -> dict:
             "gpu_host_gib": None if gpu.host is None else gpu.host.total / 2**30}
 
 
-def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
-                     microbatch_size: int | None = None, optimizer: str = "async",
+def longest_sequence(compiled, hw, microbatch_size: int | None = None,
                      ram: tuple[int, str] = (0, "")):
-    """The longest sequence for which some plan fits (rpcompile.planner.longest), at
-    ``microbatch_size`` sequences per microbatch (default: the plan's), searched from the
+    """The longest sequence for which some plan fits (rpcompile.planner.longest) with the
+    compile's plan options (``compiled.options.plan``: workers, microbatches, rounds, mode),
+    at ``microbatch_size`` sequences per microbatch (default: the plan's), searched from the
     plan's length up to the model's ``max_position_embeddings`` to a multiple of 64 tokens;
     ``ram``: (bytes, source) of the host RAM its host memory must fit (0: not checked)."""
     from rpcompile.compiler import unit_profiles
@@ -679,7 +661,7 @@ def longest_sequence(compiled, hw, gpus: int, micro: int, rounds: int,
     start = min(compiled.plan.seq_len, limit)
     return longest.longest_sequence(
         lambda s: unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes),
-        hw, gpus, micro, b, rounds, costing=costing, optimizer=optimizer, start=start,
+        hw, microbatch_size=b, costing=costing, options=compiled.options.plan, start=start,
         step=min(64, start), limit=limit, host_ram_bytes=ram[0], host_ram_source=ram[1])
 
 

@@ -632,21 +632,18 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
+    # The plan options of the run (the update order its training options need): the
+    # partitioner lowers, replays and proves each candidate as the run will be.
+    run = replace(po, updates=order)
     plan = run_pass(
         history, "partition",
-        lambda: partition(profiles, hw, gpus, microbatches, mb_size, seq, rounds, costing,
-                          optimizer=mode, recompute=po.recompute,
-                          capacity_bytes=options.train.capacity_bytes,
-                          max_simulations=po.max_simulations,
-                          # each candidate lowered, replayed and proven as the run will be
-                          updates=order if mode == "sync" else "overlap",
+        lambda: partition(profiles, hw, microbatch_size=mb_size, seq_len=seq, costing=costing,
+                          options=run, capacity_bytes=options.train.capacity_bytes,
                           grad_check_passes=grad_check_passes(
                               max_grad_norm=options.train.max_grad_norm,
                               loss_scale=options.train.loss_scale)),
         lambda p: check_plan(p, len(captured.units)),
     )
-    # The plan options of the run (the update order its training options need).
-    run = replace(po, updates=order)
 
     def schedule_of(plan: Plan) -> tuple[Schedule, list, tuple]:
         """The schedule the runtime runs for ``plan`` (the dealing period, the run's update

@@ -26,7 +26,18 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from rpcompile.options import DEVICES, HOST_MEMORY, KERNELS, PlanOptions
+from rpcompile.choices import (
+    CHOICES,
+    DEVICES,
+    HOST_MEMORY,
+    KERNELS,
+    MODES,
+    RECOMPUTE_MODES,
+    check_choice,
+    check_option,
+    flag_type,
+)
+from rpcompile.options import FLAT, PlanOptions
 
 __all__ = ["DEMO", "OPTIONS", "add_train_arguments", "resolve_options", "run"]
 
@@ -86,7 +97,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("keep_last", 2, "checkpoints kept", int),
     Option("max_grad_norm", 1.0, "clip gradients to this global norm (0: no clipping)", float),
     Option("mode", "sync", "optimizer: exact (sync) or one step stale, overlapped (async)", str,
-           ("sync", "async")),
+           MODES),
     Option("undo_journal", True, "keep the optimizer's undo journal, so a failed step is "
            "undone and training goes on (--no-undo-journal: 14 bytes per trainable parameter "
            "less host memory and no journal copy in each update, but a failed step ends the "
@@ -105,7 +116,8 @@ OPTIONS: tuple[Option, ...] = (
            "shard; one process: one file as usual", bool),
     Option("recompute", "auto", "how backward stages recompute their forward: stage (all "
            "layers at once), layer (one layer at a time, one more forward), auto (stage unless "
-           "that plan does not fit, then the faster plan that fits, by stage or layer)", str, ("auto", "stage", "layer")),
+           "that plan does not fit, then the faster plan that fits, by stage or layer)", str,
+           RECOMPUTE_MODES),
     Option("dtype", "auto", "compute dtype (auto: bf16 on CUDA, fp32 on virtual workers)", str,
            ("auto", "fp32", "bf16", "fp16")),
     Option("workers", None, "workers (none: the CUDA GPUs, or 4 virtual)", int),
@@ -143,7 +155,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                                 help=text)
         else:
-            parser.add_argument(flag, type=o.type, choices=o.choices, default=None, help=text)
+            # An option's own choices (compile's too) are checked by its one rule.
+            kind = flag_type(o.name) if o.name in CHOICES else o.type
+            parser.add_argument(flag, type=kind, choices=o.choices, default=None, help=text)
 
 
 def _load_yaml(path: Path) -> dict[str, Any]:
@@ -162,8 +176,14 @@ def _load_yaml(path: Path) -> dict[str, Any]:
         option = _BY_NAME[name]
         if value is not None and option.type in (int, float) and not isinstance(value, bool):
             value = option.type(value)
-        if option.choices and value not in option.choices:
-            raise ValueError(f"{path}: {key} must be one of {option.choices}, got {value!r}")
+        if option.choices:
+            try:  # an option of compile's by its one rule, the others in the same words
+                if name in CHOICES:
+                    check_option(name, value)
+                else:
+                    check_choice(name, value, option.choices)
+            except ValueError as err:
+                raise ValueError(f"{path}: {_cli_words(str(err))}") from None
         out[name] = value
     return out
 
@@ -364,6 +384,10 @@ def _check(opts: dict[str, Any], origin: Any = None) -> None:
 # The train options that are PlanOptions fields under the same name: PlanOptions validates them
 # (each rule lives there once), and _cli_words puts its message in the command line's words.
 _PLAN_OPTIONS = tuple(f.name for f in fields(PlanOptions) if f.name in _BY_NAME)
+# Every train option that is an option of compile's under the same name (of any group), and
+# the table's own options with choices: the names _cli_words translates.
+_WORDS = tuple(sorted({name for name in _BY_NAME if name in FLAT or _BY_NAME[name].choices},
+                      key=len, reverse=True))
 
 
 def _check_plan_options(opts: dict[str, Any]) -> None:
@@ -376,12 +400,12 @@ def _check_plan_options(opts: dict[str, Any]) -> None:
 
 
 def _cli_words(message: str) -> str:
-    """An option group's ``message`` in ``rpcompile train``'s words, the one place option
-    names are translated: ``mode='sync'`` -> ``--mode sync``, ``shard_optimizer=False`` ->
-    ``--no-shard-optimizer``, ``shard_optimizer=True`` and a bare ``shard_optimizer`` ->
-    ``--shard-optimizer`` (a bare one-word name only where it opens the message, so that
-    prose such as "sync mode" is left alone)."""
-    names = "|".join(sorted(_PLAN_OPTIONS, key=len, reverse=True))
+    """An option group's or an option rule's ``message`` in ``rpcompile train``'s words, the
+    one place option names are translated: ``mode='sync'`` -> ``--mode sync``,
+    ``shard_optimizer=False`` -> ``--no-shard-optimizer``, ``shard_optimizer=True`` and a bare
+    ``shard_optimizer`` -> ``--shard-optimizer`` (a bare one-word name only where it opens
+    the message, so that prose such as "sync mode" is left alone)."""
+    names = "|".join(_WORDS)
 
     def flag(m: re.Match[str]) -> str:
         name, value = m.group(1), m.group(2)

@@ -13,7 +13,9 @@ name and what to pass instead. The options that take one of a few names have the
 and their one check in :mod:`rpcompile.choices` (re-exported here): a lower layer that is
 public and takes such a value as a plain string calls that check, and the layers below
 ``compile`` read the groups it resolved (``Compiled.options``): the Trainer, its Executor
-(``options=``) and the lowering entry ``rpcompile.passes.lower.runtime_schedule``. ``rpcompile.compile`` takes the groups
+(``options=``), the lowering entry ``rpcompile.passes.lower.runtime_schedule`` and the
+planner's entries ``partition`` and ``longest_sequence`` (``options=``; their loose keywords
+build the group, :func:`entry_plan_options`). ``rpcompile.compile`` takes the groups
 (``capture_options=``, ``plan_options=``, ``train_options=``) and, for scripts written
 against the flat form, every option as a plain keyword too; the two are merged by
 :func:`resolve`, which refuses an option given both ways.
@@ -34,6 +36,7 @@ from rpcompile.choices import (
     HOST_MEMORY,
     KERNELS,
     MODES,
+    RECOMPUTE_GRANULARITIES,
     RECOMPUTE_MODES,
     UPDATE_ORDERS,
     check_choice,
@@ -47,6 +50,7 @@ __all__ = [
     "HOST_MEMORY",
     "KERNELS",
     "MODES",
+    "RECOMPUTE_GRANULARITIES",
     "RECOMPUTE_MODES",
     "UPDATE_ORDERS",
     "CaptureOptions",
@@ -56,6 +60,7 @@ __all__ = [
     "TrainOptions",
     "check_choice",
     "check_option",
+    "entry_plan_options",
     "resolve",
 ]
 
@@ -223,6 +228,42 @@ class PlanOptions:
     @property
     def microbatches_per_round(self) -> int:
         return self.microbatches or self.gpus + 1
+
+
+def entry_plan_options(options: PlanOptions | None, entry: str, *,
+                       names: Mapping[str, str] | None = None,
+                       defaults: Mapping[str, Any] | None = None,
+                       **loose: Any) -> PlanOptions:
+    """The plan options of a public planner entry (``partition``, ``longest_sequence``) that
+    takes the group (``options=``) or, as scripts written before it do, the plan options as
+    loose keywords.
+
+    ``loose``: the loose keywords by :class:`PlanOptions` field name, ``None`` where not given;
+    ``names``: field -> the entry's own keyword where they differ (``partition``'s ``workers``
+    is ``gpus``, its ``optimizer`` is ``mode``); ``defaults``: the loose form's own defaults
+    where they are not the group's (``partition``'s ``optimizer`` is ``"async"``). With the
+    group, a loose keyword given too is refused, as ``runtime_schedule`` refuses it (which
+    one was meant cannot be known); without it they build the group, so each is checked by
+    the group's one rule, and a bad value is refused with the group's message under the
+    entry's own name for it."""
+    names = names or {}
+    given = {k: v for k, v in loose.items() if v is not None}
+    if options is not None:
+        if not isinstance(options, PlanOptions):
+            raise TypeError(f"{entry}'s options must be an rpcompile.PlanOptions, got "
+                            f"{type(options).__name__}")
+        if given:
+            renamed = ", ".join(sorted(f"{names[k]} is {k}" for k in given if k in names))
+            raise TypeError(f"{entry} takes PlanOptions or loose keywords, not both: "
+                            f"{', '.join(sorted(names.get(k, k) for k in given))} given beside "
+                            f"options=; set them in the PlanOptions"
+                            + (f" ({renamed})" if renamed else ""))
+        return options
+    try:
+        return PlanOptions(**{**(defaults or {}), **given})
+    except ValueError as err:  # each field's message starts with the field's name
+        head, space, rest = str(err).partition(" ")
+        raise ValueError(names.get(head, head) + space + rest) from None
 
 
 @dataclass(frozen=True)

@@ -146,7 +146,7 @@ def test_plan_max_simulations_reaches_the_partitioner(monkeypatch, capsys):
     real = rpcompile.compiler.partition
 
     def spy(*args, **kwargs):
-        seen.append(kwargs.get("max_simulations"))
+        seen.append(kwargs["options"].max_simulations)  # compile passes the plan group
         return real(*args, **kwargs)
 
     monkeypatch.setattr(rpcompile.compiler, "partition", spy)
@@ -238,9 +238,10 @@ def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
     import rpcompile.sim
     from rpcompile.planner.partition import build_plan
 
-    def one_stage_a_side(units, hw, gpus, micro, size, seq, rounds, costing, **kwargs):
-        return build_plan(units, [0], [0], len(units) - 1, hw, gpus, micro, size, seq, rounds,
-                          costing, optimizer=kwargs.get("optimizer", "async"))
+    def one_stage_a_side(units, hw, *, microbatch_size, seq_len, costing, options, **kwargs):
+        return build_plan(units, [0], [0], len(units) - 1, hw, options.gpus,
+                          options.microbatches_per_round, microbatch_size, seq_len,
+                          options.rounds, costing, optimizer=options.mode)
 
     monkeypatch.setattr(rpcompile.compiler, "partition", one_stage_a_side)
 

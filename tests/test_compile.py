@@ -365,11 +365,11 @@ def test_stages_after_the_first_receive_the_batch_inputs_they_read(monkeypatch):
              torch.randint(0, 10, (6,), generator=g))
     loss_fn = torch.nn.functional.cross_entropy
 
-    def fixed_cut(units, hw, workers, microbatches, microbatch_size, seq_len, rounds, costing,
-                  **_search):
+    def fixed_cut(units, hw, *, microbatch_size, seq_len, costing, options, **_search):
         n = len(units)  # forward: prefix + 2 blocks, then 1 block; backward likewise
-        return build_plan(units, (0, 3), (0, 3), n - 2, hw, workers, microbatches,
-                          microbatch_size, seq_len, rounds, costing)
+        return build_plan(units, (0, 3), (0, 3), n - 2, hw, options.gpus,
+                          options.microbatches_per_round, microbatch_size, seq_len,
+                          options.rounds, costing)
 
     monkeypatch.setattr(rpcompile.compiler, "partition", fixed_cut)
     compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,

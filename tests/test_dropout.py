@@ -123,11 +123,11 @@ def test_recompute_replays_the_forwards_dropout_masks(kind, left, monkeypatch):
     # Layers recomputed in two backward stages, whatever the search would pick: a fixed cut
     # (forward: prefix + one layer, then the rest; backward: prefix + one layer, then up to
     # the tail of the last layer and the head).
-    def fixed_cut(units, hw, workers, microbatches, microbatch_size, seq_len, rounds, costing,
-                  **_search):
+    def fixed_cut(units, hw, *, microbatch_size, seq_len, costing, options, **_search):
         n = len(units)
-        return build_plan(units, (0, 2), (0, 2), n - 2, hw, workers, microbatches,
-                          microbatch_size, seq_len, rounds, costing)
+        return build_plan(units, (0, 2), (0, 2), n - 2, hw, options.gpus,
+                          options.microbatches_per_round, microbatch_size, seq_len,
+                          options.rounds, costing)
 
     monkeypatch.setattr(rpcompile.compiler, "partition", fixed_cut)
     compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,

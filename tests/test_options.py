@@ -304,3 +304,130 @@ def test_runtime_schedule_reads_the_plan_options():
     assert runtime_schedule(c.plan, 2, 3, 2, "sync", 8192) == c.schedule
     with pytest.raises(TypeError, match="not both: mode"):
         runtime_schedule(c.plan, c.options.plan, mode="async")
+
+
+# -- the planner's entries take the plan group; every other door checks by the same rule -----
+
+def _group_compile():
+    """A sync compile whose clipping needs the deferred update order: the plan group it hands
+    the partitioner carries that order."""
+    return rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=3,
+                             example_inputs=token_batch(3), device="virtual", max_grad_norm=1.0,
+                             recompute="stage", max_simulations=5)
+
+
+def test_compile_hands_the_partitioner_its_plan_group(monkeypatch):
+    """compile() passes partition() the run's PlanOptions (the update order its training
+    options need), no loose plan keyword; partition given that group plans as the loose
+    keywords of the same values do."""
+    from dataclasses import replace
+
+    from rpcompile.planner.partition import partition
+
+    calls = []
+
+    def recording(*args, **kwargs):
+        calls.append((args, kwargs))
+        return partition(*args, **kwargs)
+
+    monkeypatch.setattr("rpcompile.compiler.partition", recording)
+    c = _group_compile()
+    ((args, kwargs),) = calls
+    assert len(args) == 2  # the profiles and the planning hardware; the rest by name
+    assert kwargs["options"] == replace(c.options.plan, updates="deferred")
+    loose = {"workers", "microbatches", "rounds", "optimizer", "recompute", "updates",
+             "max_simulations"}
+    assert not loose & set(kwargs)
+    grouped = partition(*args, **kwargs)
+    assert grouped.updates == "deferred" and grouped.grad_check_passes > 0
+    same = partition(c.profiles, c.hardware, 2, 3, c.plan.microbatch_size, c.plan.seq_len,
+                     1, kwargs["costing"], optimizer="sync", recompute="stage",
+                     max_simulations=5, updates="deferred",
+                     grad_check_passes=kwargs["grad_check_passes"])
+    assert same == grouped
+
+
+def test_partition_checks_its_loose_keywords_by_the_plan_group():
+    """The loose keywords build a PlanOptions: each is checked once, by the group's rule, its
+    message under partition's own name for it; a group given beside loose keywords is
+    refused; a bad update order in a group reads as compile() says it."""
+    from rpcompile.planner.partition import partition
+
+    profiles = _group_compile().profiles
+    assert _said(lambda: partition(profiles, "cpu", 0, 2)) == \
+        _said(lambda: PlanOptions(gpus=0)).replace("gpus", "workers", 1)
+    assert _said(lambda: partition(profiles, "cpu", 2, 0)) == \
+        _said(lambda: PlanOptions(microbatches=0))
+    assert _said(lambda: partition(profiles, "cpu", 2, 2, rounds=0)) == \
+        _said(lambda: PlanOptions(rounds=0))
+    assert _said(lambda: partition(profiles, "cpu", 2, 2, max_simulations=0)) == \
+        _said(lambda: PlanOptions(max_simulations=0))
+    for option, bad in (("mode", "eventually"), ("recompute", "never"), ("updates", "later")):
+        assert _said(lambda: PlanOptions(**{option: bad})) == _rule(option, bad)  # noqa: B023
+    async_deferred = dict(mode="async", updates="deferred")
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr("rpcompile.compiler.capture", lambda *a, **k: pytest.fail("captured"))
+        said = _said(lambda: rpcompile.compile(hf_model("qwen3", layers=1), **async_deferred))
+    assert _said(lambda: partition(profiles, "cpu", options=PlanOptions(
+        gpus=2, **async_deferred))) == said
+    with pytest.raises(TypeError, match=r"not both: optimizer, workers given beside "
+                                        r"options=; set them in the PlanOptions \(optimizer "
+                                        r"is mode, workers is gpus\)"):
+        partition(profiles, "cpu", 2, optimizer="sync", options=PlanOptions(gpus=2))
+    with pytest.raises(TypeError, match="needs workers and microbatches"):
+        partition(profiles, "cpu")
+
+
+def test_longest_sequence_takes_the_plan_group():
+    """rpcompile.planner.longest.longest_sequence reads the plan group too (what `rpcompile
+    plan` passes: its compile's); the loose keywords build the same group."""
+    from rpcompile.planner.longest import longest_sequence
+
+    profiles = _group_compile().profiles
+    search = dict(start=64, step=64, limit=256)
+    grouped = longest_sequence(lambda s: profiles, "cpu", options=PlanOptions(
+        gpus=2, microbatches=3, mode="sync"), **search)
+    loose = longest_sequence(lambda s: profiles, "cpu", 2, 3, optimizer="sync", **search)
+    assert grouped == loose and grouped.seq_len == 256
+    with pytest.raises(TypeError, match="not both: rounds given beside options="):
+        longest_sequence(lambda s: profiles, "cpu", rounds=2, options=PlanOptions(gpus=2))
+
+
+@pytest.mark.parametrize(("option", "bad"), [
+    ("mode", "eventually"), ("recompute", "never"), ("device", "tpu"), ("kernels", "cuda"),
+    ("host_memory", "swap"),
+])
+def test_a_bad_choice_in_a_train_config_reads_as_from_compile(monkeypatch, capsys, tmp_path,
+                                                               option, bad):
+    """A bad value in `rpcompile train --config run.yaml`, or as the flag, is refused with
+    compile()'s message (the option's one rule), in the command line's words."""
+    from rpcompile.cli import main
+
+    rule = _rule(option, bad)
+    with monkeypatch.context() as m:
+        m.setattr("rpcompile.compiler.capture", lambda *a, **k: pytest.fail("captured"))
+        assert _said(lambda: rpcompile.compile(hf_model("qwen3", layers=1),
+                                               **{option: bad})) == rule
+    flag = "--" + option.replace("_", "-")
+    config = tmp_path / "run.yaml"
+    config.write_text(f"{option}: {bad}\n")
+    assert main(["train", "--config", str(config)]) == 2
+    assert f"error: {config}: {flag}{rule[len(option):]}\n" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", flag, bad])
+    assert f"argument {flag}: {rule}\n" in capsys.readouterr().err
+
+
+def test_cost_figures_check_a_resolved_recompute_by_the_rule():
+    """recompute_working_bytes and recompute_ms (public) take a stage's resolved
+    granularity, checked by the choices' one rule: an unresolved "auto" is refused, not
+    costed as one granularity or the other."""
+    from rpcompile.choices import RECOMPUTE_GRANULARITIES, check_choice
+    from rpcompile.passes.cost import RECOMPUTE, recompute_ms, recompute_working_bytes
+
+    assert RECOMPUTE == RECOMPUTE_GRANULARITIES == ("stage", "layer")
+    profiles = _group_compile().profiles
+    rule = _said(lambda: check_choice("recompute", "auto", RECOMPUTE))
+    assert rule.startswith("recompute must be one of 'stage', 'layer', got 'auto' (")
+    assert _said(lambda: recompute_working_bytes(profiles, (1, 2), "auto")) == rule
+    assert _said(lambda: recompute_ms(profiles, (1, 2), "auto")) == rule

@@ -32,6 +32,7 @@ import torch
 from torch import fx
 
 from rpcompile.capture.types import B, S
+from rpcompile.choices import RECOMPUTE_GRANULARITIES, check_choice
 from rpcompile.hardware import Hardware
 from rpcompile.ir import UnitProfile
 
@@ -1067,14 +1068,16 @@ def _to_int(value: sympy.Expr, what: str, unit: str) -> int:
 # set, at the cost of one more forward of every unit but the last. A one-unit stage gains
 # nothing by "layer" and keeps "stage".
 
-RECOMPUTE = ("stage", "layer")
+RECOMPUTE = RECOMPUTE_GRANULARITIES  # "stage", "layer": the option's choices but "auto"
 
 
 def recompute_working_bytes(units: Sequence[Any], r: Sequence[int], recompute: str) -> int:
     """One microbatch's working set of a backward stage over units ``r`` (``UnitProfile``s),
-    weights, gradient buffer and the stage's own inputs excluded."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {RECOMPUTE}, got {recompute!r}")
+    weights, gradient buffer and the stage's own inputs excluded. ``recompute``: the
+    stage's resolved granularity, checked by the options' one rule (``rpcompile.choices``):
+    this function is public, and a value the partitioner did not resolve ("auto", a typo)
+    would otherwise be costed as layer recompute."""
+    check_choice("recompute", recompute, RECOMPUTE)
     if recompute == "stage" or len(r) < 2:
         return sum(units[u].working_bytes for u in r)
     inner = r[:-1]  # units whose outputs are boundaries kept for a later unit of the stage
@@ -1085,7 +1088,10 @@ def recompute_working_bytes(units: Sequence[Any], r: Sequence[int], recompute: s
 
 def recompute_ms(units: Sequence[Any], r: Sequence[int], recompute: str) -> float:
     """One microbatch's compute time of a backward stage over units ``r``: recompute plus
-    backward, and by "layer" the boundary forward of every unit but the last before it."""
+    backward, and by "layer" the boundary forward of every unit but the last before it.
+    ``recompute`` is checked as in :func:`recompute_working_bytes` (else an unresolved
+    "auto" would be timed as stage recompute)."""
+    check_choice("recompute", recompute, RECOMPUTE)
     ms = sum(units[u].forward_ms + units[u].backward_ms for u in r)
     if recompute == "layer" and len(r) > 1:
         ms += sum(units[u].forward_ms for u in r[:-1])

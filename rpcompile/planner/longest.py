@@ -63,7 +63,7 @@ from dataclasses import dataclass, replace
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
-from rpcompile.options import check_option
+from rpcompile.options import PlanOptions, entry_plan_options
 from rpcompile.passes.memory import HostMemory, format_bytes, host_memory, worker_peaks
 from rpcompile.planner.partition import (
     StageCosting,
@@ -162,19 +162,20 @@ def host_need(plan: Plan, hardware: Hardware | str, rounds: int = 1,
 def longest_sequence(
     units_at: Callable[[int], Sequence[UnitProfile]],
     hardware: Hardware | str,
-    workers: int,
-    microbatches: int,
+    workers: int | None = None,
+    microbatches: int | None = None,
     microbatch_size: int = 1,
-    rounds: int = 1,
+    rounds: int | None = None,
     *,
     costing: StageCosting | None = None,
-    optimizer: str = "async",
+    optimizer: str | None = None,
     start: int = 2048,
     step: int = 1024,
     limit: int = 1 << 20,
     capacity_bytes: int | None = None,
     host_ram_bytes: int = 0,
     host_ram_source: str = "host_ram_bytes",
+    options: PlanOptions | None = None,
 ) -> LongestSequence:
     """The longest sequence (between ``start`` and ``limit``, found to within ``step`` tokens) at which
     the memory-first plan (:func:`memory_first_plan`) for ``workers`` GPUs, ``microbatches``
@@ -189,9 +190,25 @@ def longest_sequence(
     static part alone (masters, optimizer state, gradients, shadows, the module's copy, the
     journal: the same at every length) is compared first (over it: no length fits, and the
     answer says so), then the lengths below are bisected with both checks. The result keeps
-    the GPUs' own answer (``gpu``) when the RAM binds."""
+    the GPUs' own answer (``gpu``) when the RAM binds.
+
+    The plan options it reads (the workers, microbatches per round, rounds and the update
+    mode) come as the group, ``options=PlanOptions(...)`` (``gpus``, ``microbatches``,
+    ``rounds``, ``mode``; what ``rpcompile plan`` passes: its compile's), or as the loose
+    keywords ``workers`` and ``microbatches`` (then required), ``rounds`` (default 1) and
+    ``optimizer`` (default ``"async"``), which build the group
+    (:func:`~rpcompile.options.entry_plan_options`: each checked by the group's rule, under
+    this function's name for it; given the group, any of them given too is refused)."""
+    if options is None and (workers is None or microbatches is None):
+        raise TypeError("longest_sequence() needs workers and microbatches, or "
+                        "options=PlanOptions(...)")
+    po = entry_plan_options(options, "longest_sequence",
+                            names={"gpus": "workers", "mode": "optimizer"},
+                            defaults={"mode": "async"}, gpus=workers, microbatches=microbatches,
+                            rounds=rounds, mode=optimizer)
+    workers, microbatches = po.gpus, po.microbatches_per_round
+    rounds, optimizer = po.rounds, po.mode
     hw = get_hardware(hardware)
-    check_option("mode", optimizer, name="optimizer")
     if not 1 <= step <= start <= limit:
         raise ValueError(f"need 1 <= step ({step}) <= start ({start}) <= limit ({limit})")
     capacity = hw.usable_memory_bytes if capacity_bytes is None else int(capacity_bytes)

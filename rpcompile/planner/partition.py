@@ -30,7 +30,7 @@ from functools import cache
 
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, Stage, UnitProfile
-from rpcompile.options import check_option, check_update_order
+from rpcompile.options import PlanOptions, check_update_order, entry_plan_options
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
 from rpcompile.passes.lower import BOUNDED_WAITS, TIGHTEST_WAITS
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
@@ -75,25 +75,41 @@ class StageCosting:
 def partition(
     units: Sequence[UnitProfile],
     hardware: Hardware | str,
-    workers: int,
-    microbatches: int,
+    workers: int | None = None,
+    microbatches: int | None = None,
     microbatch_size: int = 1,
     seq_len: int = 1,
-    rounds: int = 1,
+    rounds: int | None = None,
     costing: StageCosting | None = None,
     max_tail_layers: int = 3,
     shortlist: int | None = None,
     max_simulations: int | None = None,
-    optimizer: str = "async",
+    optimizer: str | None = None,
     refine: int = 16,
     target_bubble: float = 0.01,
     search: int = 2000,
-    recompute: str = "auto",
+    recompute: str | None = None,
     capacity_bytes: int | None = None,
-    updates: str = "overlap",
+    updates: str | None = None,
     grad_check_passes: int = 0,
+    *,
+    options: PlanOptions | None = None,
 ) -> Plan:
     """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
+
+    **Options.** The plan options come as the group, ``options=PlanOptions(...)`` (what
+    :func:`rpcompile.compile` passes: ``gpus`` are the workers, ``microbatches_per_round``,
+    ``rounds``, ``mode`` the optimizer, ``recompute``, ``updates``, ``max_simulations``;
+    ``hardware`` is not read from it: the ``hardware`` argument is the profile the plan is
+    timed on, for ``compile`` its planning hardware), or, as scripts written before the group
+    do, as loose keywords: ``workers`` and ``microbatches`` (then required), ``rounds``
+    (default 1), ``optimizer`` (default ``"async"``), ``recompute``, ``updates`` and
+    ``max_simulations``, which build the group (:func:`~rpcompile.options.entry_plan_options`),
+    so each is checked once, by the group's rule, with its message under this function's
+    name for it. Given the group, any of them given too is refused. ``capacity_bytes`` (a
+    training option), ``grad_check_passes`` (from the training options), ``costing``,
+    ``microbatch_size``, ``seq_len`` and the search's tuning (``max_tail_layers``,
+    ``shortlist``, ``refine``, ``target_bubble``, ``search``) are keywords either way.
 
     The last unit is the tail (final norm, LM head, loss); the fused tail stage may also take
     up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are
@@ -125,38 +141,39 @@ def partition(
     :func:`rpcompile.options.grad_check_passes` of the run's clipping and loss scaling) say how
     the run applies and checks each step; every candidate is lowered and replayed that way,
     and the plan carries both (``Plan.updates``, ``Plan.grad_check_passes``), so its predicted
-    step is of the schedule that runs. :func:`rpcompile.compile` passes the training
-    options'; the defaults are a run without clipping or loss scaling.
-
-    A public entry point (benchmarks, ``rpcompile plan`` and scripts call it directly), so it
-    checks ``optimizer``, ``recompute`` and ``updates`` itself, with the options' own rules
-    (:func:`~rpcompile.options.check_option`, :func:`~rpcompile.options.check_update_order`)
-    and their messages; from :func:`rpcompile.compile` they arrive already checked by
-    :class:`~rpcompile.options.PlanOptions`. The search's own helpers read them
-    unchecked; the bound it scores by, itself public, keeps its one-line check.
+    step is of the schedule that runs. :func:`rpcompile.compile` passes the order and the
+    passes its training options need; ``updates=None`` picks as far as this function can
+    tell: ``"deferred"`` in sync mode for several ranks or a step check with passes
+    (clipping, loss scaling), else ``"overlap"``; the defaults are a run without clipping or
+    loss scaling. The update order is checked by the options' own rule
+    (:func:`~rpcompile.options.check_update_order`: async has one order).
     """
-    check_option("mode", optimizer, name="optimizer")
-    check_option("recompute", recompute)
-    check_option("updates", updates)
-    check_update_order(optimizer, updates, ())  # async has one order
+    if options is None and (workers is None or microbatches is None):
+        raise TypeError("partition() needs workers and microbatches, or "
+                        "options=PlanOptions(...)")
+    po = entry_plan_options(
+        options, "partition", names={"gpus": "workers", "mode": "optimizer"},
+        defaults={"mode": "async"}, gpus=workers, microbatches=microbatches, rounds=rounds,
+        mode=optimizer, recompute=recompute, updates=updates, max_simulations=max_simulations)
     if isinstance(grad_check_passes, bool) or not isinstance(grad_check_passes, int) \
             or grad_check_passes < 0:
         raise ValueError(f"grad_check_passes must be a whole number >= 0, got "
                          f"{grad_check_passes!r}")
+    # The search below reads the group's values, checked when the group was built.
+    workers, microbatches, rounds = po.gpus, po.microbatches_per_round, po.rounds
+    optimizer, recompute = po.mode, po.recompute
+    updates = po.updates or ("deferred" if optimizer == "sync" and (
+        grad_check_passes or (po.ranks or 1) > 1) else "overlap")
+    check_update_order(optimizer, updates, ())  # async has one order
+    max_simulations = po.max_simulations or SIMULATION_CAPS[optimizer]
     # Every candidate is lowered, replayed and proven as the run will be.
     lowering = {"updates": updates, "grad_check_passes": grad_check_passes}
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
     units = tuple(units)
     n = len(units)
-    if max_simulations is None:
-        max_simulations = SIMULATION_CAPS[optimizer]
-    if max_simulations < 1:
-        raise ValueError(f"max_simulations must be at least 1, got {max_simulations}")
     if n < 2:
         raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
-    if workers < 1 or microbatches < 1 or rounds < 1:
-        raise ValueError("workers, microbatches and rounds must each be at least 1")
     capacity = hw.usable_memory_bytes
     fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
     args = (units, hw, workers, microbatches, microbatch_size, seq_len, rounds, max_tail_layers,
