@@ -1,7 +1,11 @@
 """The longest sequence the memory model proves for each paper model on 8x RTX 4090, and why.
 
 For each of the paper's five workloads (rpcompile.workloads.paper; Qwen3-235B-A22B with LoRA), with
-microbatches of ONE sequence and the workload's microbatch count (one round), the sequence length
+microbatches of ONE sequence and the workload's microbatch count per round (``--microbatches N``
+sets another: 9 is RoundPipe's default for 8 GPUs, GPUs + 1; 8, one per GPU, the fewest that
+give every GPU a microbatch of each job; every microbatch stages its boundary activations on
+the host until its backward, so fewer microbatches leave more RAM to the length, at the cost of
+a larger bubble: docs/compiler.md), one round, the sequence length
 is searched (doubling from 2,048 tokens, then bisecting to 1,024 tokens) for the longest at which
 the memory-first plan (every unit its own forward and backward stage, the tail alone, every
 memory-bounding wait) has a whole lowered schedule whose proven peak fits the GPUs' usable
@@ -35,7 +39,8 @@ its trainable parameters, transfer staging: rpcompile.passes.memory.host_memory)
 microbatches of 2,048-token sequences, its rounds), where the host RAM a server needs is
 decided: the static part is the same for every plan; the transfer staging is the peak of a
 2-step replay (async unless ``--optimizer sync``) of RoundPipe's greedy partition (rpcompile.planner.partition_baseline),
-which needs no search.
+which needs no search. With ``--microbatches N`` the workload keeps its global batch and rounds,
+cut into N microbatches per round (so more sequences per microbatch when N is smaller).
 
 ``--optimizer sync`` lowers the schedules for sync updates and counts one fp32 gradient
 buffer on the host (async keeps two); ``--no-undo-journal`` counts a run without the
@@ -47,8 +52,10 @@ lengths are memory proofs and do not change; the host bytes' static part does no
 pinned part is 0 (printed "pageable, nothing pinned", JSON pinned_gib 0, "host_memory"), and the
 transfer staging is that of replays at the profile's pageable bandwidth.
 
-    python benchmarks/longest_sequence.py [--models ...] [--host-ram GIB]
-                                          [--host-memory pinned|pageable] [--json PATH]
+    python benchmarks/longest_sequence.py [--models ...] [--microbatches N] [--host-ram GIB]
+                                          [--host-memory pinned|pageable]
+                                          [--optimizer async|sync] [--no-undo-journal]
+                                          [--json PATH]
 """
 
 from __future__ import annotations
@@ -56,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from rpcompile.hardware import get_hardware
@@ -64,7 +72,7 @@ from rpcompile.passes.memory import host_memory
 from rpcompile.planner.longest import longest_sequence
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_roundpipe
-from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
+from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS, Workload
 
 HARDWARE = "rtx4090x8"
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -77,21 +85,22 @@ def _gib(host) -> float | None:
 
 
 def longest(name: str, chunk: int | None, ram: int, memory: str = "pinned",
-            optimizer: str = "async", journal: bool = True) -> dict:
+            optimizer: str = "async", journal: bool = True,
+            microbatches: int | None = None) -> dict:
     """{longest, limit, limited_by, peak_gib, host_gib, gpu_longest, gpu_limit, gpu_host_gib,
-    proofs, replays, seconds} for one model and tail, microbatches of one sequence
+    microbatches, proofs, replays, seconds} for one model and tail, ``microbatches``
+    microbatches (default: the workload's) of one sequence in one round
     (rpcompile.planner.longest, as ``rpcompile plan --longest``), the host memory checked
     against ``ram`` bytes (0: not checked). ``gpu_*``: the GPUs alone (the same as the
     answer unless the RAM binds). ``memory``: the run's host memory, pinned or pageable;
     ``optimizer``: the update mode; ``journal``: whether the run keeps its undo journal."""
-    w = WORKLOADS[name]
+    n = workload(name, microbatches).microbatches
     hw = get_hardware(HARDWARE).with_host_memory(memory).with_undo_journal(journal)
     t0 = time.perf_counter()
     found = longest_sequence(lambda s: MODELS[name].units(1, s, loss_chunk_tokens=chunk), hw,
                              microbatch_size=1, start=START, step=STEP, limit=LIMIT,
                              host_ram_bytes=ram, host_ram_source="--host-ram or the profile",
-                             options=PlanOptions(gpus=hw.gpus, microbatches=w.microbatches,
-                                                 mode=optimizer))
+                             options=PlanOptions(gpus=hw.gpus, microbatches=n, mode=optimizer))
     gpu = found.gpu or found
 
     def limit(f) -> str:
@@ -102,16 +111,28 @@ def longest(name: str, chunk: int | None, ram: int, memory: str = "pinned",
             round(max(found.plan.worker_peak_bytes) / 2**30, 2),
             "host_gib": _gib(found.host),
             "gpu_longest": gpu.seq_len, "gpu_limit": limit(gpu), "gpu_host_gib": _gib(gpu.host),
-            "proofs": found.proofs, "replays": found.replays,
+            "microbatches": n, "proofs": found.proofs, "replays": found.replays,
             "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def workload_host(name: str, memory: str = "pinned", optimizer: str = "async",
-                  journal: bool = True) -> dict:
-    """Host memory of the workload's own setup: {total_gib, pinned_gib, text}, from
-    ``memory`` host memory (pinned or pageable), ``optimizer`` updates, with or without the
-    undo ``journal``."""
+def workload(name: str, microbatches: int | None = None) -> Workload:
+    """The paper workload of ``name``, cut into ``microbatches`` microbatches per round
+    (default: its own count; the global batch and rounds are kept)."""
     w = WORKLOADS[name]
+    if microbatches is None or microbatches == w.microbatches:
+        return w
+    if microbatches < 1:
+        raise ValueError(f"microbatches must be at least 1, got {microbatches}")
+    return replace(w, microbatches=microbatches)
+
+
+def workload_host(name: str, memory: str = "pinned", optimizer: str = "async",
+                  journal: bool = True, microbatches: int | None = None) -> dict:
+    """Host memory of the workload's own setup: {total_gib, pinned_gib, microbatches, text},
+    from ``memory`` host memory (pinned or pageable), ``optimizer`` updates, with or without
+    the undo ``journal``, its global batch cut into ``microbatches`` per round (default: its
+    own count)."""
+    w = workload(name, microbatches)
     hw = get_hardware(HARDWARE).with_host_memory(memory).with_undo_journal(journal)
     units = MODELS[name].units(w.microbatch_size, w.seq_len)
     plan = partition_roundpipe(units, hw, hw.gpus, w.microbatches, max(1, round(w.microbatch_size)),
@@ -120,13 +141,18 @@ def workload_host(name: str, memory: str = "pinned", optimizer: str = "async",
     host = host_memory(plan, optimizer, r.peak_host_bytes, journal=journal,
                        pageable=memory == "pageable")
     return {"total_gib": round(host.total / 2**30, 2), "pinned_gib": round(host.pinned / 2**30, 2),
-            "text": host.describe()}
+            "microbatches": w.microbatches, "text": host.describe()}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=list(PAPER_MODELS), choices=PAPER_MODELS)
+    ap.add_argument("--microbatches", type=int, default=None, metavar="N",
+                    help="microbatches per round, of the search (one sequence each) and of "
+                         "the workload's host figure (its global batch kept) (default: each "
+                         "workload's own, 10 for all but GPT-OSS-20B's 16; RoundPipe's "
+                         "default for 8 GPUs is 9)")
     ap.add_argument("--host-ram", type=float, default=None, metavar="GIB",
                     help=f"host RAM the lengths must fit, GiB (default: the {HARDWARE} "
                          "profile's host_ram_gib, an assumed 512 GB server; 0: not checked)")
@@ -143,16 +169,22 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=None,
                     help="where to write {model: {unchunked|chunked: {longest, limit, "
                          "limited_by, peak_gib, host_gib, gpu_longest, gpu_limit, "
-                         "gpu_host_gib, proofs, replays, seconds}, host: {total_gib, "
-                         "pinned_gib, text}}, host_ram_gib, host_memory} (default: "
-                         "results/longest_sequence.json, with --host-memory pageable "
-                         "results/longest_sequence_pageable.json)")
+                         "gpu_host_gib, microbatches, proofs, replays, seconds}, host: "
+                         "{total_gib, pinned_gib, microbatches, text}}, host_ram_gib, "
+                         "host_memory, optimizer, undo_journal, microbatches} (default: "
+                         "results/longest_sequence.json, with _pageable, _sync, _nojournal, "
+                         "_mbN appended for --host-memory pageable, --optimizer sync, "
+                         "--no-undo-journal, --microbatches N)")
     args = ap.parse_args()
+    if args.microbatches is not None and args.microbatches < 1:
+        ap.error(f"--microbatches must be at least 1, got {args.microbatches}")
     if args.json is None:
         args.json = RESULTS / ("longest_sequence"
                                + ("_pageable" if args.host_memory == "pageable" else "")
                                + ("_sync" if args.optimizer == "sync" else "")
-                               + ("_nojournal" if args.no_undo_journal else "") + ".json")
+                               + ("_nojournal" if args.no_undo_journal else "")
+                               + ("" if args.microbatches is None else f"_mb{args.microbatches}")
+                               + ".json")
     hw = get_hardware(HARDWARE)
     ram_gib = hw.host_ram_gib if args.host_ram is None else args.host_ram
     ram = int(ram_gib * 2**30)
@@ -161,15 +193,20 @@ def main() -> None:
           " (--host-ram)"), flush=True)
     print(f"transfers: {hw.with_host_memory(args.host_memory).describe_host_memory()}",
           flush=True)
+    print("microbatches per round: " + ("each workload's own" if args.microbatches is None
+                                        else f"{args.microbatches} (--microbatches)"),
+          flush=True)
     t0 = time.perf_counter()
     result: dict = {"host_ram_gib": ram_gib, "host_memory": args.host_memory,
-                    "optimizer": args.optimizer, "undo_journal": not args.no_undo_journal}
+                    "optimizer": args.optimizer, "undo_journal": not args.no_undo_journal,
+                    "microbatches": args.microbatches}
     for name in args.models:
         row: dict = {}
-        print(name, flush=True)
+        print(f"{name} ({workload(name, args.microbatches).microbatches} microbatches)",
+              flush=True)
         for tail, chunk in TAILS:
             row[tail] = got = longest(name, chunk, ram, args.host_memory, args.optimizer,
-                                      not args.no_undo_journal)
+                                      not args.no_undo_journal, args.microbatches)
             label = "unchunked tail" if chunk is None else "4,096-token chunks"
             peak = "" if got["peak_gib"] is None else f", proven peak {got['peak_gib']:.2f} GiB"
             host = "" if got["host_gib"] is None else f", host {got['host_gib']:,.1f} GiB"
@@ -181,7 +218,7 @@ def main() -> None:
                       f"{got['gpu_host_gib']:,.1f} GiB there   limit {got['gpu_limit']}",
                       flush=True)
         row["host"] = workload_host(name, args.host_memory, args.optimizer,
-                                    not args.no_undo_journal)
+                                    not args.no_undo_journal, args.microbatches)
         print(f"  host memory of the workload: {row['host']['text']}", flush=True)
         result[name] = row
     args.json.parent.mkdir(parents=True, exist_ok=True)
