@@ -114,7 +114,7 @@ def roundpipe_own_plan() -> dict[str, float]:
     """RoundPipe's own Qwen3-1.7B partition in our simulator: an isolated sync step (bubble,
     fill, drain, steady) and the async steady state, percent."""
     hw = paper_hardware(MODELS["qwen3-1.7b"])
-    # Like our plans: the memory-bounding waits only if the schedule does not fit without.
+    # Like our plans: two gradient slots per worker, one if only that fits.
     plan = roundpipe_qwen3_1_7b_plan(hw, WORKERS, MICROBATCHES)
     plan = fit_memory_waits(plan, hw)[0]  # proven over the async steady state, step by step
     r = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")

@@ -56,6 +56,7 @@ from rpcompile.planner.partition import (
     StageCosting,
     memory_first_note,
     partition,
+    retimed,
 )
 from rpcompile.runtime.reference import reference_step
 from rpcompile.runtime.trainer import planned_ranks, update_order
@@ -661,11 +662,15 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         fit = min(fit, int(options.train.capacity_bytes))
     if plan.memory_waits != TIGHTEST_WAITS and max(p.peak_bytes for p in memory) > fit:
         # The partitioner's simulated run fits with two gradient slots per worker; the
-        # runtime's own schedule, or capacity_bytes, needs one.
+        # runtime's own schedule, or capacity_bytes, needs one, which costs time: the plan's
+        # peaks and its predicted step are those of the schedule that runs.
         plan = replace(plan, memory_waits=TIGHTEST_WAITS)
         lowered, trail, memory = schedule_of(plan)
-        # The plan's peaks are those of the schedule that runs.
-        plan = replace(plan, worker_peak_bytes=tuple(p.peak_bytes for p in memory))
+        plan = replace(retimed(plan, hw, rounds, mode),
+                       worker_peak_bytes=tuple(p.peak_bytes for p in memory),
+                       notes=(*plan.notes, "memory: one gradient slot per worker (the "
+                              "runtime's schedule does not fit with two); predicted step "
+                              "replayed with it"))
     stages = run_pass(history, "split", lambda: split(captured, plan),
                       lambda progs: check_stages(progs, plan))
     # The schedule lowered and proven above is the one kept: compile lowers it once (twice

@@ -25,6 +25,7 @@ from typing import Any
 __all__ = [
     "ACTION_KINDS",
     "ACTION_SPECS",
+    "BOUNDED_WAITS",
     "BULK_PAYLOADS",
     "COMPUTE_KINDS",
     "EDGE_KINDS",
@@ -34,6 +35,7 @@ __all__ = [
     "PAYLOADS",
     "RELEASE_EDGES",
     "STREAMS",
+    "TIGHTEST_WAITS",
     "TRANSFER_KINDS",
     "Action",
     "ActionKind",
@@ -175,6 +177,13 @@ class Stage:
         return f"B{self.index - num_forward + 1}"
 
 
+# Every plan's memory-bounding waits by default (rpcompile.passes.lower: the activation waits
+# and two gradient slots per worker), and the tightest set (one slot), for a plan that fits
+# only so.
+BOUNDED_WAITS = ("window", "sent", "grad_pair")
+TIGHTEST_WAITS = ("window", "sent", "grad_slot")
+
+
 @dataclass(frozen=True)
 class Plan:
     """A RoundPipe partition of a model's units into forward stages, the tail and backward stages.
@@ -208,7 +217,7 @@ class Plan:
     # The memory-bounding waits its lowering adds (rpcompile.passes.lower): BOUNDED_WAITS
     # by default (two gradient slots per worker); the partitioner takes TIGHTEST_WAITS (one
     # slot) for a plan that fits only with them.
-    memory_waits: tuple[str, ...] = field(default=("window", "sent", "grad_pair"))
+    memory_waits: tuple[str, ...] = field(default=BOUNDED_WAITS)
     # How the run closes and applies each step, which its lowering follows (and so every
     # replay the partitioner ranks it by; rpcompile.compile sets both from the training
     # options): ``updates``, the sync update order of rpcompile.passes.lower.add_optimizer

@@ -30,7 +30,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from rpcompile.ir import ORDERED_STREAMS, Action, Edge, Plan, Schedule, Stage
+from rpcompile.ir import (  # the default and the tightest memory waits are the plan's data
+    BOUNDED_WAITS,
+    ORDERED_STREAMS,
+    TIGHTEST_WAITS,
+    Action,
+    Edge,
+    Plan,
+    Schedule,
+    Stage,
+)
 from rpcompile.options import (  # the one chunk size; the sync update orders and their rules
     DEFAULT_CHUNK_BYTES,
     UPDATE_ORDERS,
@@ -78,8 +87,7 @@ GRAD_BYTES = 4  # the host's gradients are fp32 (what ACC sums and REDUCE moves)
 # memory, but a job's first compute waits for the previous job's download). A plan lists the
 # ones its lowering adds (Plan.memory_waits); a bare stage list gets BOUNDED_WAITS.
 MEMORY_WAITS = ("window", "sent", "grad_pair", "grad_slot")
-BOUNDED_WAITS = ("window", "sent", "grad_pair")  # every plan's lowering unless memory is short
-TIGHTEST_WAITS = ("window", "sent", "grad_slot")  # the least memory, at some pipeline time
+
 _BASELINE_PASSES = ("transfers", "events")  # weights and optimizer stay on the bound workers
 
 

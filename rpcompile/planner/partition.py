@@ -37,9 +37,21 @@ from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
 from rpcompile.passes.schedule import dispatch_period
 from rpcompile.planner.bound import simulated_lower_bound
 
-__all__ = ["MEMORY_FIRST_NOTE", "SIMULATION_CAPS", "PartitionError", "StageCosting", "build_plan",
-           "fit_memory_waits", "memory_first_note", "memory_first_plan", "partition",
-           "proof_schedule", "proof_steps", "proven_peaks"]
+__all__ = [
+    "MEMORY_FIRST_NOTE",
+    "SIMULATION_CAPS",
+    "PartitionError",
+    "StageCosting",
+    "build_plan",
+    "fit_memory_waits",
+    "memory_first_note",
+    "memory_first_plan",
+    "partition",
+    "proof_schedule",
+    "proof_steps",
+    "proven_peaks",
+    "retimed",
+]
 
 
 # Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
@@ -238,7 +250,7 @@ def _proven_at(plan: Plan, hw: Hardware, rounds: int, optimizer: str,
     of waits fits."""
     (ms, _bubble, peaks), ran = _simulated_ms(plan, hw, rounds, optimizer, capacity)
     if optimizer == "sync":
-        peaks = _runtime_peaks(ran, hw, rounds, optimizer, capacity)
+        (ms, _bubble, peaks), ran = _sync_period_proof(ms, _bubble, ran, hw, rounds, capacity)
     if max(p.peak_bytes for p in peaks) > capacity:
         return None
     return replace(ran, predicted_step_ms=ms,
@@ -477,7 +489,8 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
             if top.peak_bytes <= capacity and optimizer == "sync" and (
                     best is None or round(ms, 6) < round(best[0], 6)):
                 # It would be kept: prove it over the runtime's steps (one was screened).
-                peaks = _runtime_peaks(ran, hw, rounds, optimizer, capacity)
+                (ms, bubble, peaks), ran = _sync_period_proof(ms, bubble, ran, hw, rounds,
+                                                              capacity)
                 top = max(peaks, key=lambda p: p.peak_bytes)
             if top.peak_bytes > capacity:
                 if misfit is None or top.peak_bytes - capacity < misfit[0]:
@@ -680,6 +693,46 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
                 _REPLAYS.popitem(last=False)
     figures, waits = hit
     return figures, replace(plan, memory_waits=waits)
+
+
+def _sync_period_proof(ms: float, bubble: float, ran: Plan, hw: Hardware, rounds: int,
+                       capacity: int):
+    """((step time, bubble, proven peak of each worker over the dispatch period), the plan as
+    it runs) of a sync candidate timed and screened on one step (``ms``, ``bubble``, the
+    waits ``ran`` carries). When its period does not fit with those waits, the next set of
+    :data:`WAIT_SETS` (one gradient slot) is timed on one step and proven over the period in
+    turn, so a plan that fits only so is kept at its own, slower, figure, not dropped."""
+    from rpcompile.sim.engine import paused_gc
+    from rpcompile.sim.runs import search_figures
+
+    peaks = _runtime_peaks(ran, hw, rounds, "sync", capacity)
+    later = WAIT_SETS[WAIT_SETS.index(ran.memory_waits) + 1:] \
+        if ran.memory_waits in WAIT_SETS else ()
+    for waits in later:
+        if max(p.peak_bytes for p in peaks) <= capacity:
+            break
+        ran = replace(ran, memory_waits=waits)
+        with paused_gc():
+            ms, bubble = search_figures(proof_schedule(ran, rounds, "sync", 1), ran, hw)
+        peaks = _runtime_peaks(ran, hw, rounds, "sync", capacity)
+    return (ms, bubble, peaks), ran
+
+
+def retimed(plan: Plan, hw: Hardware | str, rounds: int = 1, optimizer: str = "async") -> Plan:
+    """``plan`` with ``predicted_step_ms`` replayed as it is lowered now (its own memory
+    waits): one isolated sync step's makespan, or the async steady-state step, the figures the
+    partitioner ranks by (rpcompile.sim.runs.search_figures). For a plan whose waits were
+    changed after the search (rpcompile.compile switches to one gradient slot when the
+    runtime's schedule needs it), so that its prediction is of the schedule that runs."""
+    from rpcompile.sim import steady_steps
+    from rpcompile.sim.engine import paused_gc
+    from rpcompile.sim.runs import search_figures
+
+    steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
+    with paused_gc():
+        ms, _bubble = search_figures(proof_schedule(plan, rounds, optimizer, steps), plan,
+                                     get_hardware(hw))
+    return replace(plan, predicted_step_ms=ms)
 
 
 def _runtime_peaks(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):

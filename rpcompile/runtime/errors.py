@@ -10,7 +10,6 @@ __all__ = [
     "EventTimeout",
     "OptimizerError",
     "RuntimeFault",
-    "TransferError",
     "UpstreamFailed",
     "WorkerAborted",
     "WorkerError",
@@ -107,10 +106,6 @@ class UpstreamFailed(RuntimeFault):
 
 class EventTimeout(RuntimeFault, TimeoutError):
     """A host wait on an event ran past its timeout."""
-
-
-class TransferError(RuntimeFault):
-    """A copy of the transfer engine failed; names the transfer, direction and chunk."""
 
 
 class OptimizerError(RuntimeFault):

@@ -225,7 +225,7 @@ class _Item:
 class Worker(abc.ABC):
     """One device: four ordered streams, events, and accounted device memory.
 
-    Public interface (the executor and the transfer engine use only this):
+    Public interface (the executor uses only this):
 
     - ``submit(stream, fn, label)``: run ``fn()`` on ``stream`` after the stream's earlier items.
     - ``record(stream, label) -> Event``: an event set when the stream's earlier items are done.
@@ -410,7 +410,7 @@ class Worker(abc.ABC):
             item.produces.fail(error)
 
     def report_error(self, error: WorkerError) -> None:
-        """Record a failure on this worker (also used by the transfer engine); it stops the
+        """Record a failure on this worker (also used by the executor's actions); it stops the
         worker's streams from running anything more until :meth:`recover`."""
         with self._lock:
             self._errors.append(error)
