@@ -59,6 +59,7 @@ from pathlib import Path
 from _search import add_search_caps, capped_partition, search_note  # beside this script
 
 from rpcompile.hardware import Hardware
+from rpcompile.passes.lower import grad_slots
 from rpcompile.planner.partition import fit_memory_waits, partition
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import (
@@ -204,8 +205,10 @@ def main() -> None:
         row = [table[m][s] for m in args.models]
         print(f"{s:<18}" + "".join(f"{v:>{width + 1}.2f}%" for v in row))
         if s in ("roundpipe-sync", "roundpipe-async"):
-            print(f"{'  memory waits':<18}" + "".join(
-                f"{','.join(table[m][s + '-waits']) or 'none':>{width + 2}}"
+            # The plans' memory waits, by their gradient slots per worker (the activation
+            # waits come with either): the column fits the table.
+            print(f"{'  gradient slots':<18}" + "".join(
+                f"{grad_slots(table[m][s + '-waits']) or 'no wait':>{width + 2}}"
                 for m in args.models))
         if s in REFERENCE:
             ref = [REFERENCE[s][PAPER_MODELS.index(m)] for m in args.models]
