@@ -625,23 +625,10 @@ def _dropout_qwen3():
         num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=4, vocab_size=128))
 
 
-@pytest.mark.parametrize("case", ["padded", "dropout"])
-def test_every_byte_a_worker_uploads_is_a_byte_the_schedule_moves(case, monkeypatch):
-    # The proof, the simulator and the bound size each transfer by the schedule's bytes. What
-    # the virtual workers account is the runtime's own tensors: each UP's weights and the
-    # buffers that travel with them (rotary inv_freq), each host upload's batch inputs
-    # (input_ids, an attention mask, labels, num_items_in_batch, dropout seeds). Per stage
-    # and per step they must be the same bytes, or a run could pass the proven peak.
+def accounted_step(compiled, batch, monkeypatch):
+    """(every (tag, bytes) the virtual workers accounted during one step, the schedule)."""
     from rpcompile.runtime.workers import Worker
-    from tests.tiny_models import sft_batch
 
-    model = _dropout_qwen3() if case == "dropout" else hf_model("qwen3", layers=4)
-    batch = sft_batch(6)
-    compiled = rpcompile.compile(model, gpus=3, microbatches=3, device="virtual",
-                                 example_inputs=batch)
-    if case == "dropout":
-        assert any(k != "labels" and k not in batch for s in compiled.plan.stages
-                   for k, _ in s.batch_inputs)  # the seeds travel too
     accounted: list[tuple[str, int]] = []
     account = Worker._account
 
@@ -652,7 +639,26 @@ def test_every_byte_a_worker_uploads_is_a_byte_the_schedule_moves(case, monkeypa
     monkeypatch.setattr(Worker, "_account", record)
     with Trainer(compiled, SGD, device="virtual") as trainer:
         trainer.step(batch)
-        sched = trainer.schedule
+        return accounted, trainer.schedule
+
+
+@pytest.mark.parametrize("case", ["padded", "dropout"])
+def test_every_byte_a_worker_uploads_is_a_byte_the_schedule_moves(case, monkeypatch):
+    # The proof, the simulator and the bound size each transfer by the schedule's bytes. What
+    # the virtual workers account is the runtime's own tensors: each UP's weights and the
+    # buffers that travel with them (rotary inv_freq), each host upload's batch inputs
+    # (input_ids, an attention mask, labels, num_items_in_batch, dropout seeds). Per stage
+    # and per step they must be the same bytes, or a run could pass the proven peak.
+    from tests.tiny_models import sft_batch
+
+    model = _dropout_qwen3() if case == "dropout" else hf_model("qwen3", layers=4)
+    batch = sft_batch(6)
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3, device="virtual",
+                                 example_inputs=batch)
+    if case == "dropout":
+        assert any(k != "labels" and k not in batch for s in compiled.plan.stages
+                   for k, _ in s.batch_inputs)  # the seeds travel too
+    accounted, sched = accounted_step(compiled, batch, monkeypatch)
     step0 = [a for lst in sched.actions for a in lst if a.step == 0]
     for s in compiled.plan.stages:
         name = compiled.plan.stage_name(s.index)
@@ -678,7 +684,6 @@ def test_every_value_a_worker_receives_is_the_size_the_schedule_gives_it(case, m
     # another run (found when values were first held to the schedule's release points).
     import torch.nn.functional as F
 
-    from rpcompile.runtime.workers import Worker
     from tests.test_executor import SkipNet, skipnet_batch
 
     if case == "skips":
@@ -691,17 +696,7 @@ def test_every_value_a_worker_receives_is_the_size_the_schedule_gives_it(case, m
         compiled = compiled_for("qwen3", 3, 3)
         assert sum(u.shared_bytes for u in compiled.profiles) > 0
         assert sum(u.shared_grad_bytes for u in compiled.profiles) == 0  # rotary, masks
-    accounted: list[tuple[str, int]] = []
-    account = Worker._account
-
-    def record(self, nbytes, tag):
-        accounted.append((tag, nbytes))
-        account(self, nbytes, tag)
-
-    monkeypatch.setattr(Worker, "_account", record)
-    with Trainer(compiled, SGD, device="virtual") as trainer:
-        trainer.step(batch)
-        sched = trainer.schedule
+    accounted, sched = accounted_step(compiled, batch, monkeypatch)
     step0 = [a for lst in sched.actions for a in lst if a.step == 0 and a.kind == "H2D"]
     checked = 0
     for a in {(a.stage, a.value) for a in step0 if a.value not in ("ids", "labels")}:
