@@ -242,6 +242,12 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
         p = earliest[a][w]
         return end if p == _NONE else 2 * p
 
+    def released(down: Action) -> int:
+        """Where what D2H ``down`` sent home is given back: right before the compute the
+        schedule names for it (``Schedule.releases``), else when the download ends."""
+        at = releases.get(down)
+        return 2 * pos[at] if at in pos else freed(down)
+
     for a in lst:
         if a.kind == "UP":
             ev = evict.get((a.stage, a.round, a.step))
@@ -254,11 +260,7 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
         elif a.kind == "D2H" and a.what == "grad":
             first = next(c for c in stream if c.is_compute and
                          (c.stage, c.round, c.step) == (a.stage, a.round, a.step))
-            slot = releases.get(a)
-            if slot is not None and slot in pos:  # given back right before that compute
-                hold(2 * pos[first] + 1, 2 * pos[slot], "grads", a.bytes, a.stage)
-            else:  # given back when its download ends
-                hold(2 * pos[first] + 1, freed(a), "grads", a.bytes, a.stage)
+            hold(2 * pos[first] + 1, released(a), "grads", a.bytes, a.stage)
         if not a.is_compute:
             continue
         p = pos[a]
@@ -273,11 +275,7 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
                     last, kept = max(last, 2 * pos[r] + 1), True
             down = d2h.get((a.stage, a.microbatch, a.round, a.step, value))
             if down is not None:
-                given_back = releases.get(down)
-                if given_back is not None and given_back in pos:  # right before that compute
-                    last, kept = max(last, 2 * pos[given_back]), True
-                else:
-                    last, kept = max(last, freed(down)), True
+                last, kept = max(last, released(down)), True
             if kept:
                 hold(2 * p + 2, last, "values", nbytes, a.stage)
                 # The compute registers its outputs before it lets go of its inputs: a

@@ -248,9 +248,9 @@ def _proven_at(plan: Plan, hw: Hardware, rounds: int, optimizer: str,
     """``plan`` with the memory waits that fit ``capacity`` (the first of
     :data:`WAIT_SETS`), timed and proven with them over the runtime's steps; None when no set
     of waits fits."""
-    (ms, _bubble, peaks), ran = _simulated_ms(plan, hw, rounds, optimizer, capacity)
+    (ms, bubble, peaks), ran = _simulated_ms(plan, hw, rounds, optimizer, capacity)
     if optimizer == "sync":
-        (ms, _bubble, peaks), ran = _sync_period_proof(ms, _bubble, ran, hw, rounds, capacity)
+        (ms, bubble, peaks), ran = _sync_period_proof(ms, bubble, ran, hw, rounds, capacity)
     if max(p.peak_bytes for p in peaks) > capacity:
         return None
     return replace(ran, predicted_step_ms=ms,
@@ -702,9 +702,6 @@ def _sync_period_proof(ms: float, bubble: float, ran: Plan, hw: Hardware, rounds
     waits ``ran`` carries). When its period does not fit with those waits, the next set of
     :data:`WAIT_SETS` (one gradient slot) is timed on one step and proven over the period in
     turn, so a plan that fits only so is kept at its own, slower, figure, not dropped."""
-    from rpcompile.sim.engine import paused_gc
-    from rpcompile.sim.runs import search_figures
-
     peaks = _runtime_peaks(ran, hw, rounds, "sync", capacity)
     later = WAIT_SETS[WAIT_SETS.index(ran.memory_waits) + 1:] \
         if ran.memory_waits in WAIT_SETS else ()
@@ -712,8 +709,7 @@ def _sync_period_proof(ms: float, bubble: float, ran: Plan, hw: Hardware, rounds
         if max(p.peak_bytes for p in peaks) <= capacity:
             break
         ran = replace(ran, memory_waits=waits)
-        with paused_gc():
-            ms, bubble = search_figures(proof_schedule(ran, rounds, "sync", 1), ran, hw)
+        ms, bubble = _replayed(ran, hw, rounds, "sync")
         peaks = _runtime_peaks(ran, hw, rounds, "sync", capacity)
     return (ms, bubble, peaks), ran
 
@@ -724,15 +720,21 @@ def retimed(plan: Plan, hw: Hardware | str, rounds: int = 1, optimizer: str = "a
     partitioner ranks by (rpcompile.sim.runs.search_figures). For a plan whose waits were
     changed after the search (rpcompile.compile switches to one gradient slot when the
     runtime's schedule needs it), so that its prediction is of the schedule that runs."""
+    ms, _bubble = _replayed(plan, get_hardware(hw), rounds, optimizer)
+    return replace(plan, predicted_step_ms=ms)
+
+
+def _replayed(plan: Plan, hw: Hardware, rounds: int, optimizer: str) -> tuple[float, float]:
+    """(the figure the search ranks by, its bubble) of ``plan`` lowered with its own memory
+    waits: one isolated sync step, or the async steady-state run
+    (rpcompile.sim.runs.search_figures)."""
     from rpcompile.sim import steady_steps
     from rpcompile.sim.engine import paused_gc
     from rpcompile.sim.runs import search_figures
 
     steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
-    with paused_gc():
-        ms, _bubble = search_figures(proof_schedule(plan, rounds, optimizer, steps), plan,
-                                     get_hardware(hw))
-    return replace(plan, predicted_step_ms=ms)
+    with paused_gc():  # the lowering allocates as much as the replay (rpcompile.sim.engine)
+        return search_figures(proof_schedule(plan, rounds, optimizer, steps), plan, hw)
 
 
 def _runtime_peaks(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):

@@ -1211,13 +1211,13 @@ class Executor:
         self._backward(run, a)
 
     def _backward(self, run: _Run, a: Action) -> None:
+        self._take_back(run, a)
         worker = self.workers[a.worker]
         prog = self.programs[a.stage]
         params, extras = self._job(run, a)
         values, value_grads, batch = self._inputs(run, a)
         job = (a.worker, a.stage, a.round)
         stage = self.store.stages[a.stage]
-        self._take_back(run, a)
         if a in run.plan.job_first and stage.layout.grad_numel:
             if job not in run.plan.grad_jobs:
                 raise RuntimeError(f"stage {prog.name} has trainable parameters but the "
