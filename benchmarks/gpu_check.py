@@ -86,6 +86,17 @@ def check_exact(arch: str, workers: int, trainer_device: str, device: torch.devi
         pinned = trainer.pin_host
         losses = [float(trainer.step(b)) for b in data]
         masters = {n: t.clone() for n, t in trainer.masters().items()}
+        # The transfer staging: exact-size buffers, registered with the driver on a pinned
+        # run (rpcompile.runtime.memory.HostStaging): torch must see them as pinned, or every
+        # download would be a synchronous pageable copy.
+        staging = trainer.executor.staging
+        spare = staging.take(4096)
+        staging_pinned = spare.is_pinned()
+        staging.give(spare)
+        staging_figure = {"held_bytes": staging.held_bytes, "buffers": staging.registered,
+                          "planned_bytes": compiled.host.transfers,
+                          "pinned": staging_pinned,
+                          "pinned_as_asked": staging_pinned == pinned}
 
     # Reference: the same stage programs on the same device, one after another; AdamW on fp32
     # CPU masters like the trainer's host optimizer.
@@ -121,6 +132,7 @@ def check_exact(arch: str, workers: int, trainer_device: str, device: torch.devi
         "workers": workers,
         "host_memory": host_memory,
         "pinned": pinned,
+        "staging": staging_figure,
         "bit_identical": all(torch.equal(masters[n], params[n].detach()) for n in masters),
         "losses_identical": losses == ref_losses,
         "max_abs_diff_vs_reference": ref_diff,
@@ -280,6 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     errors = [r for r in rows if "error" in r]
     exact = [r for r in rows if r.get("bit_identical")]
     close = [r for r in rows if r.get("close_to_eager")]
+    staged = [r for r in rows if r.get("staging", {}).get("pinned_as_asked")]
     worst = max((r.get("max_abs_diff_vs_reference", 0.0) for r in rows if "error" not in r),
                 default=0.0)
     job = results["finetune"]
@@ -289,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = (f"gpu_check on {name} ({args.host_memory} host memory): {job_text}"
                f"{len(exact)}/{len(rows)} bit-identical to the same-device "
                f"reference (worst max abs diff {worst:.3g}), {len(close)}/{len(rows)} close to "
-               f"eager, {len(errors)} errors")
+               f"eager, {len(staged)}/{len(rows)} with staging pinned as asked, "
+               f"{len(errors)} errors")
     bench_row = results.get("bench")
     if bench_row and "error" not in bench_row:
         summary += (f"; bf16 h{bench_row['hidden']} L{bench_row['layers']} s{bench_row['seq']}: "
@@ -302,6 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     summary += f"; {results['seconds']} s; JSON in {args.json}"
     print(summary)
     ok = not errors and len(exact) == len(rows) and len(close) == len(rows)
+    ok = ok and len(staged) == len(rows)
     ok = ok and bool(job.get("ok"))
     ok = ok and not (bench_row and "error" in bench_row)
     return 0 if ok else 1

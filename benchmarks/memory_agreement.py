@@ -18,7 +18,9 @@ of them with chaos delays on every stream.
     python benchmarks/memory_agreement.py [--runs 4] [--steps 3] [--json PATH]
 
 Prints one line per worker and a summary: measured / held and simulated / peak, min and max
-over all runs.
+over all runs. Host memory too: what the run's transfer staging pool holds after each trainer
+(rpcompile.runtime.memory.HostStaging) against the plan's staging figure
+(``compiled.host.transfers``, the simulator's count of that pool).
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ def main() -> None:
             overlap_steps=False))
 
     rows = []
+    hosts: list[dict] = []
     cases = []
     for arch, gpus, micro in CASES:
         free = compiled_for(arch, gpus, micro)
@@ -89,6 +92,7 @@ def main() -> None:
             simulated = [max(a, b) for a, b in zip(simulated, sim.peak_device_bytes)]
         capacity = int(1.05 * max(p.peak_bytes for p in compiled.memory))
         measured: list[list[int]] = [[] for _ in range(gpus)]
+        staged: list[int] = []
         for run in range(args.runs):
             chaos = run if run % 2 else None
             with Trainer(compiled, sgd, device="virtual", capacity_bytes=capacity,
@@ -98,6 +102,12 @@ def main() -> None:
                     trainer.step(token_batch(2 * micro, seed=k))
                 for w, got in enumerate(trainer.peak_bytes()):
                     measured[w].append(got)
+                staged.append(trainer.executor.staging.held_bytes)
+        figure = compiled.host.transfers
+        hosts.append({"arch": arch, "gpus": gpus, "microbatches": micro,
+                      "staging_figure": figure, "staging_held": staged})
+        print(f"{arch} {gpus} GPUs {micro} mb: host staging figure {figure:,} B, the pool "
+              f"held {min(staged) / figure:.3f}-{max(staged) / figure:.3f} of it", flush=True)
         for w, proof in enumerate(compiled.memory):
             row = {"arch": arch, "gpus": gpus, "microbatches": micro, "worker": w,
                    "memory_waits": list(compiled.plan.memory_waits),
@@ -115,11 +125,14 @@ def main() -> None:
     sim_lo = min(r["simulated"] / r["peak"] for r in rows)
     within = sum(r["measured_min"] >= 0.95 * r["held"] for r in rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"runs": args.runs, "steps": args.steps, "rows": rows},
-                                    indent=1))
+    args.json.write_text(json.dumps({"runs": args.runs, "steps": args.steps, "rows": rows,
+                                     "host": hosts}, indent=1))
+    host_lo = min(min(h["staging_held"]) / h["staging_figure"] for h in hosts)
+    host_hi = max(max(h["staging_held"]) / h["staging_figure"] for h in hosts)
     print(f"memory_agreement: {len(rows)} workers x {args.runs} runs: measured {lo:.3f}-"
           f"{hi:.3f} of the proven held peak ({within}/{len(rows)} workers within 5 % in "
-          f"every run), simulated >= {sim_lo:.3f} of the proven peak; {args.json}")
+          f"every run), simulated >= {sim_lo:.3f} of the proven peak; host staging pool "
+          f"{host_lo:.3f}-{host_hi:.3f} of its figure; {args.json}")
 
 
 if __name__ == "__main__":

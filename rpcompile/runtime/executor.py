@@ -101,7 +101,7 @@ from rpcompile.runtime.errors import (
     WorkerError,
 )
 from rpcompile.runtime.loss_scale import DynamicLossScaler
-from rpcompile.runtime.memory import HostStore
+from rpcompile.runtime.memory import HostStaging, HostStore
 from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.reference import loss_divisor, run_backward_microbatch, stage_arguments
 from rpcompile.runtime.workers import Event, Worker
@@ -371,6 +371,9 @@ class _Run:
         self.delivered: dict[tuple[int, int, int, int], dict[str, Any]] = {}
         self.host_values: dict[tuple[str, int, int], dict[str, Any]] = {}
         self.host_grads: dict[tuple[int, int], torch.Tensor] = {}
+        # host_values' and host_grads' keys -> the staging buffer their tensors live in
+        # (Executor.staging), given back once read
+        self.host_bufs: dict[tuple, torch.Tensor] = {}
         self.losses: dict[tuple[int, int], torch.Tensor] = {}
         self.holds = [_Holds() for _ in range(workers)]
         self.start = time.perf_counter()
@@ -592,6 +595,9 @@ class Executor:
         self._step_lock = threading.Lock()
         self._closed = ""  # why steps are refused (set by abort())
         self.abandoned: list[Worker] = []  # replaced workers whose threads were stuck
+        # The host side of every download: exact-size buffers, pinned on a pinned CUDA run,
+        # reused by size from step to step (rpcompile.runtime.memory.HostStaging).
+        self.staging = HostStaging(pin=any(w.pinned for w in self.workers))
         self.steps_run = 0
         # The loss scaler's state before the open step (by the driver's step index): a step
         # that fails while it is being closed puts it back, like the masters.
@@ -927,6 +933,21 @@ class Executor:
                     continue
             run.holds[i].release_all()
             worker.free_all()
+        self._reclaim_staging(run)
+
+    def _reclaim_staging(self, run: _Run) -> None:
+        """After a failed step, the staging buffers its downloads still held go back to the
+        pool once no copy can touch them: every worker drained (and, on CUDA, each device
+        idle). A worker that was replaced may still have a copy in flight, so the buffers
+        then stay lent (held, never reused) rather than risk a copy writing into reuse."""
+        if not self.staging.lent_bytes:
+            return
+        if run.replaced:
+            return
+        for worker in self.workers:
+            if worker.kind == "cuda":
+                torch.cuda.synchronize(worker.device)
+        self.staging.reclaim()
 
     def _replace(self, run: _Run, i: int, worker: Worker) -> None:
         fresh = worker.respawn()
@@ -1043,11 +1064,17 @@ class Executor:
             for name, value in staged.items():
                 if need is None or name in need:
                     copies[prefix + name] = _copy_to(value, upload)
+        worker.complete_copies()
+        if a.value not in _HOST_VALUES:
+            # Its last reader's copies are done: the staging buffer goes back to the pool.
             with run.lock:
                 run.host_readers[hkey] -= 1
-                if run.host_readers[hkey] == 0:
+                done = run.host_readers[hkey] == 0
+                if done:
                     del run.host_values[hkey]
-        worker.complete_copies()
+                    buf = run.host_bufs.pop(hkey)
+            if done:
+                self.staging.give(buf)
         run.holds[a.worker].hold(worker, ("in", key, a.value), _tensors(copies),
                                  f"{self.programs[a.stage].name} input {a.value}")
         with run.lock:
@@ -1057,25 +1084,37 @@ class Executor:
         worker = self.workers[a.worker]
         if a.what == "grad":
             job = run.grads.pop((a.worker, a.stage, a.round))
-            host = worker.host_empty(job.flat.shape, job.flat.dtype)
+            buf, (host,) = self.staging.carve([job.flat])
             _chunked_copy(worker, [(host, job.flat)], a.chunks)
             flag = worker.host_empty(job.flag.shape, job.flag.dtype)
             worker.copy_(flag, job.flag)
             worker.complete_copies()
             self._give_back(run, a, job.flat)
-            run.host_grads[(a.stage, a.round)] = host
-            run.nonfinite[(a.stage, a.round)] = flag
+            with run.lock:
+                run.host_grads[(a.stage, a.round)] = host
+                run.host_bufs[(a.stage, a.round)] = buf
+                run.nonfinite[(a.stage, a.round)] = flag
             return
         key = (a.worker, a.value, a.microbatch, a.round)
+        # The value's tensors go home together, into one exact-size staging buffer.
+        device = run.device_values[key]
+        tensors: list[torch.Tensor] = []
+        for v in device.values():
+            _copy_to(v, lambda t: tensors.append(t) or t)
+        buf, views = self.staging.carve(tensors)
+        slots = iter(views)
 
         def download(t: torch.Tensor) -> torch.Tensor:
-            host = worker.host_empty(t.shape, t.dtype)
+            host = next(slots)
             worker.copy_(host, t)
             return host
 
-        staged = {name: _copy_to(v, download) for name, v in run.device_values[key].items()}
+        staged = {name: _copy_to(v, download) for name, v in device.items()}
         worker.complete_copies()
-        run.host_values[(a.value, a.microbatch, a.round)] = staged
+        hkey = (a.value, a.microbatch, a.round)
+        with run.lock:
+            run.host_values[hkey] = staged
+            run.host_bufs[hkey] = buf
         self._give_back(run, a, key)
 
     def _give_back(self, run: _Run, a: Action, what: torch.Tensor | tuple) -> None:
@@ -1256,6 +1295,9 @@ class Executor:
     # -- host --------------------------------------------------------------------------------
     def _do_ACC(self, run: _Run, a: Action) -> None:
         self.driver.accumulate_grad(a.stage, run.host_grads.pop((a.stage, a.round)))
+        with run.lock:
+            buf = run.host_bufs.pop((a.stage, a.round))
+        self.staging.give(buf)  # added into the masters' gradients: free for the next job
 
     def _do_REDUCE(self, run: _Run, a: Action) -> None:
         # Data parallel: the stage's gradients of the step are home (the edge from its last

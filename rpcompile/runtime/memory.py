@@ -24,7 +24,8 @@ of all its uses are summed into its one master gradient.
 Sections, in reading order:
   1. Layout values: ParamSlot, Segment, StageLayout, StageBuffers, MemoryReport
   2. HostStore: build, shadow refresh, gradient accumulation, masters for the optimizer
-  3. Helpers: exact-size (optionally pinned) flat buffers, contiguous runs, shard bounds
+  3. HostStaging: the transfers' host buffers, exact size, kept for reuse
+  4. Helpers: exact-size (optionally pinned) flat buffers, contiguous runs, shard bounds
 
 **Sharded masters** (data parallel with ``shard_optimizer``, :meth:`HostStore.shard_masters`):
 the master buffer then holds only the element range ``[master_start, master_stop)`` of the
@@ -49,6 +50,7 @@ from rpcompile.runtime.errors import format_bytes
 from rpcompile.runtime.kernels import cast_pack
 
 __all__ = [
+    "HostStaging",
     "HostStore",
     "MemoryReport",
     "ParamSlot",
@@ -673,7 +675,110 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # ============================================================================================
-# 3. Helpers
+# 3. HostStaging
+# ============================================================================================
+
+
+class HostStaging:
+    """The host side of the workers' transfers: one buffer per download (a value's tensors
+    together, or a job's gradients), of exactly the bytes asked for, given back once the
+    last upload reading it (or the ``ACC`` adding it) is done, and kept for the next
+    download of that exact size.
+
+    Why not ``torch.empty(..., pin_memory=True)``: torch's caching pinned allocator rounds
+    each block up to a power of two (``CachingHostAllocator``: ``PowerOf2Ceil``), a third
+    more host memory for a 192 MiB activation, unseen by any figure. Here a pinned buffer is
+    registered with the driver at its exact size (:func:`_host_flat`), once, on its first
+    use, and reused by size after that. What the pool holds after a step is therefore, for
+    every size, that size times the most buffers of it lent at once: the figure the
+    simulator gives the staging (``rpcompile.sim.engine``, ``SimResult.peak_host_bytes``).
+
+    Thread-safe: downloads take buffers on the workers' stream threads, uploads and the host
+    give them back on theirs. A buffer is given back only once every copy that touches it has
+    completed (the executor waits for its copies before it gives one back; after a failed
+    step, :meth:`reclaim` is called once the devices are idle).
+    """
+
+    def __init__(self, pin: bool = False) -> None:
+        self.pin = bool(pin)
+        self._lock = threading.Lock()
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
+        self.held_bytes = 0  # every buffer the pool owns, lent or free
+        self.lent_bytes = 0
+        self.peak_lent_bytes = 0  # the most lent at once (the pool's lower bound)
+        self.registered = 0  # buffers made so far (each made once, then reused)
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """A flat ``uint8`` host buffer of exactly ``nbytes`` bytes (pinned when the pool
+        is), reused if one of that size is free."""
+        nbytes = int(nbytes)
+        if nbytes < 0:
+            raise ValueError(f"a staging buffer of {nbytes} bytes")
+        if nbytes == 0:  # nothing to hold (and no address to know it by)
+            return torch.empty(0, dtype=torch.uint8)
+        with self._lock:
+            free = self._free.get(nbytes)
+            buf = free.pop() if free else None
+        if buf is None:
+            buf, _ = _host_flat(nbytes, torch.uint8, self.pin)
+            with self._lock:
+                self.held_bytes += nbytes
+                self.registered += 1
+        with self._lock:
+            self._lent[buf.data_ptr()] = buf
+            self.lent_bytes += nbytes
+            self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
+        return buf
+
+    def give(self, buf: torch.Tensor) -> None:
+        """Give back a buffer :meth:`take` lent (every copy touching it complete)."""
+        if buf.numel() == 0:
+            return
+        with self._lock:
+            mine = self._lent.pop(buf.data_ptr(), None)
+            if mine is None:
+                raise ValueError("give(): this buffer is not one the staging pool lent "
+                                 "(given back twice?)")
+            self.lent_bytes -= mine.numel()
+            self._free.setdefault(mine.numel(), []).append(mine)
+
+    def reclaim(self) -> int:
+        """After a failed step, once no copy can still touch them: every buffer still lent
+        goes back to the pool. Returns how many."""
+        with self._lock:
+            lent = list(self._lent.values())
+        for buf in lent:
+            self.give(buf)
+        return len(lent)
+
+    def release(self) -> None:
+        """Drop every free buffer (their memory goes back to the host once nothing else
+        refers to them); lent ones stay lent."""
+        with self._lock:
+            dropped = sum(b.numel() for bufs in self._free.values() for b in bufs)
+            self._free.clear()
+            self.held_bytes -= dropped
+
+    def carve(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One buffer for ``tensors`` together, and a host tensor for each (its shape and
+        dtype, contiguous) inside it. The widest dtypes come first, so every view is
+        aligned to its element size without padding: the buffer is exactly the sum of the
+        tensors' bytes."""
+        order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
+        buf = self.take(sum(t.numel() * t.element_size() for t in tensors))
+        views: list[torch.Tensor] = [buf] * len(tensors)
+        offset = 0
+        for i in order:
+            t = tensors[i]
+            n = t.numel() * t.element_size()
+            views[i] = buf[offset:offset + n].view(t.dtype).view(t.shape)
+            offset += n
+        return buf, views
+
+
+# ============================================================================================
+# 4. Helpers
 # ============================================================================================
 
 
@@ -794,7 +899,9 @@ def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor,
         return flat, "registered"
     cudart = torch.cuda.cudart()
     try:
-        torch.cuda.check_error(cudart.cudaHostRegister(flat.data_ptr(), flat.nbytes, 0))
+        # Portable: every GPU's context reads these buffers, not only the current device's.
+        torch.cuda.check_error(cudart.cudaHostRegister(flat.data_ptr(), flat.nbytes,
+                                                       _HOST_REGISTER_PORTABLE))
     except RuntimeError as exc:
         warnings.warn(
             f"cudaHostRegister of {format_bytes(flat.nbytes)} failed ({exc}); using the caching "
@@ -806,6 +913,9 @@ def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor,
     # Unregister before the memory goes back to the CPU allocator.
     weakref.finalize(flat, _unregister, flat.data_ptr())
     return flat, "registered"
+
+
+_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 
 
 def _unregister(pointer: int) -> None:

@@ -233,14 +233,17 @@ class Worker(abc.ABC):
     - ``synchronize(timeout)``, ``check()``, ``recover()``, ``shutdown(timeout)``.
     - ``alloc(nbytes | shape=, dtype=, tag=)``, ``free(tensor)``, ``free_all()``,
       ``reserve(nbytes, tag)``; ``memory_in_use``, ``peak_bytes``, ``reset_peak()``.
-    - ``host_empty(shape, dtype)``: a host staging buffer (pinned on CUDA unless the run's
-      host memory is pageable);
+    - ``host_empty(shape, dtype)``: a small host buffer (pinned on CUDA unless the run's
+      host memory is pageable), for a job's non-finite flag and a microbatch's loss; the
+      downloads of values and gradients stage in the executor's exact-size pool
+      (rpcompile.runtime.memory.HostStaging, pinned when ``pinned`` is);
       ``copy_(dst, src)``, ``complete_copies()``, ``device_wait(event)``: a copy issued on the
       current stream, waiting for it, ordering it after an event (call them inside an item).
     """
 
     kind: str = ""
-    # Whether host_empty() gives pinned memory (CUDA workers of a pinned run only).
+    # Whether host_empty() and the executor's staging give pinned memory (CUDA workers of a
+    # pinned run only).
     pinned: bool = False
 
     def __init__(
@@ -756,7 +759,8 @@ class CudaWorker(Worker):
     event on the device. Several workers may share one GPU (``device_index``). Capacity defaults
     to the device's total memory; accounting covers :meth:`alloc` and :meth:`reserve` only.
 
-    ``host_memory``: ``"pinned"`` (the default) stages downloads in pinned buffers, whose
+    ``host_memory``: ``"pinned"`` (the default) stages downloads in pinned buffers (the
+    executor's exact-size pool, registered with the driver), whose
     ``non_blocking`` copies are DMA the stream completes later (:meth:`complete_copies`
     waits for them); ``"pageable"`` stages them in ordinary memory
     (rpcompile.runtime.memory.pin_host_memory). A ``non_blocking`` copy to or from pageable

@@ -813,7 +813,9 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
     unit profiles: each stage's shadow and accumulator); a baseline adds the bf16
     weights of frozen parameters. Dynamic: activations between
     their D2H start and the end of the last H2D reading them, and a job's gradients between
-    their D2H start and the end of their ACC."""
+    their D2H start and the end of their ACC; for RoundPipe counted as the runtime's staging
+    pool holds them (:func:`_pool_peak`: buffers kept and reused by exact size), for a
+    baseline as the peak of their sum."""
     if sched.stage_workers is None and units is not None:
         # Masters, Adam moments, gradients and shadows, every parameter once (the runtime's
         # host store): rpcompile.passes.memory.HostMemory.
@@ -848,4 +850,19 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
             else:
                 free = max(end, last_read.get((a.value, a.microbatch, a.round, a.step), end))
             deltas += [(start, 1, a.bytes), (free, 0, -a.bytes)]
+    if sched.stage_workers is None:
+        # The runtime stages each download in a buffer of exactly its bytes, kept and reused
+        # by size (rpcompile.runtime.memory.HostStaging): what it holds is, for every size,
+        # that size times the most downloads of it on the host at once.
+        return static + _pool_peak(deltas)
     return static + _peak(deltas)
+
+
+def _pool_peak(deltas: list[tuple[float, int, int]]) -> int:
+    """What a pool that keeps every buffer and reuses it by exact size holds at the end:
+    the sum over sizes of the size times the peak count of that size (frees first at equal
+    times, as in :func:`_peak`)."""
+    by_size: dict[int, list[tuple[float, int, int]]] = {}
+    for t, order, d in deltas:
+        by_size.setdefault(abs(d), []).append((t, order, 1 if d > 0 else -1))
+    return sum(size * _peak(events) for size, events in by_size.items())
