@@ -183,6 +183,12 @@ class Stage:
 BOUNDED_WAITS = ("window", "sent", "grad_pair")
 TIGHTEST_WAITS = ("window", "sent", "grad_slot")
 
+# The transfer staging's rule (rpcompile.runtime.memory.HostStaging, replayed by the
+# simulator): a download takes the smallest free host buffer that holds it, if that buffer
+# is at most this many times its size (a shorter batch fits the buffers of a longer one; an
+# activation does not tie up a gradient's much larger buffer); else a buffer of its own.
+STAGING_FIT = 2
+
 
 @dataclass(frozen=True)
 class Plan:

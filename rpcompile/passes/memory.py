@@ -340,9 +340,9 @@ class HostMemory:
     Pinned (:attr:`pinned`), as a CUDA run allocates it: the host store's flat buffers
     (shadows, masters, gradients and the pending gradients) and the transfer staging (the
     executor's pool, rpcompile.runtime.memory.HostStaging: one buffer per download, kept and
-    reused by size, so ``transfers`` is, for each size, the size times the most downloads of
-    it on the host at once in the simulated step), all of exact size and registered with the
-    driver (never rounded up, as torch's caching pinned allocator would). Not pinned: the
+    lent again to later downloads it fits, so ``transfers`` is that rule replayed over the
+    simulated step), all of exact size and registered with the driver (never rounded up, as
+    torch's caching pinned allocator would). Not pinned: the
     optimizer's state (torch's own tensors), the module and the journal. ``pageable`` (``TrainOptions.host_memory="pageable"``): the run pins nothing,
     neither the store nor the staging (rpcompile.runtime.memory.pin_host_memory), so
     :attr:`pinned` is 0; every other figure is the same, since the registered buffers are

@@ -374,6 +374,8 @@ class _Run:
         # host_values' and host_grads' keys -> the staging buffer their tensors live in
         # (Executor.staging), given back once read
         self.host_bufs: dict[tuple, torch.Tensor] = {}
+        # every staging buffer this step took (HostStaging.take appends under its lock)
+        self.taken: list[torch.Tensor] = []
         self.losses: dict[tuple[int, int], torch.Tensor] = {}
         self.holds = [_Holds() for _ in range(workers)]
         self.start = time.perf_counter()
@@ -596,7 +598,7 @@ class Executor:
         self._closed = ""  # why steps are refused (set by abort())
         self.abandoned: list[Worker] = []  # replaced workers whose threads were stuck
         # The host side of every download: exact-size buffers, pinned on a pinned CUDA run,
-        # reused by size from step to step (rpcompile.runtime.memory.HostStaging).
+        # lent again to later downloads they fit (rpcompile.runtime.memory.HostStaging).
         self.staging = HostStaging(pin=any(w.pinned for w in self.workers))
         self.steps_run = 0
         # The loss scaler's state before the open step (by the driver's step index): a step
@@ -748,6 +750,7 @@ class Executor:
         _uninterrupted(lambda: self._cleanup(run, stuck), interrupts, run)
         self._run = None
         if failed:
+            _uninterrupted(lambda: self._settle_staging(run), interrupts, run)
             if self.reducer is not None:
                 self.reducer.abandon(f"step {self.steps_run} failed on this rank")
             _uninterrupted(self._discard_open, interrupts, run)
@@ -933,21 +936,24 @@ class Executor:
                     continue
             run.holds[i].release_all()
             worker.free_all()
-        self._reclaim_staging(run)
 
-    def _reclaim_staging(self, run: _Run) -> None:
-        """After a failed step, the staging buffers its downloads still held go back to the
-        pool once no copy can touch them: every worker drained (and, on CUDA, each device
-        idle). A worker that was replaced may still have a copy in flight, so the buffers
-        then stay lent (held, never reused) rather than risk a copy writing into reuse."""
-        if not self.staging.lent_bytes:
-            return
-        if run.replaced:
-            return
-        for worker in self.workers:
-            if worker.kind == "cuda":
-                torch.cuda.synchronize(worker.device)
-        self.staging.reclaim()
+    def _settle_staging(self, run: _Run) -> None:
+        """After a failed step (its streams drained): the staging buffers this step took and
+        did not give back go back to the pool once no copy can touch them, every GPU idle.
+        If a worker was replaced, or a GPU cannot be waited on, a copy may still write into
+        them: they are set aside for good (held, never lent again), not risked."""
+        safe = not run.replaced
+        if safe:
+            try:
+                for worker in self.workers:
+                    if worker.kind == "cuda":
+                        torch.cuda.synchronize(worker.device)
+            except Exception:  # a failed device: its copies' state is unknown
+                safe = False
+        if safe:
+            self.staging.reclaim(run.taken)
+        else:
+            self.staging.quarantine(run.taken)
 
     def _replace(self, run: _Run, i: int, worker: Worker) -> None:
         fresh = worker.respawn()
@@ -1084,7 +1090,7 @@ class Executor:
         worker = self.workers[a.worker]
         if a.what == "grad":
             job = run.grads.pop((a.worker, a.stage, a.round))
-            buf, (host,) = self.staging.carve([job.flat])
+            buf, (host,) = self.staging.carve([job.flat], run.taken)
             _chunked_copy(worker, [(host, job.flat)], a.chunks)
             flag = worker.host_empty(job.flag.shape, job.flag.dtype)
             worker.copy_(flag, job.flag)
@@ -1101,7 +1107,7 @@ class Executor:
         tensors: list[torch.Tensor] = []
         for v in device.values():
             _copy_to(v, lambda t: tensors.append(t) or t)
-        buf, views = self.staging.carve(tensors)
+        buf, views = self.staging.carve(tensors, run.taken)
         slots = iter(views)
 
         def download(t: torch.Tensor) -> torch.Tensor:

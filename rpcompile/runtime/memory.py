@@ -37,6 +37,7 @@ reduced to their owner.
 
 from __future__ import annotations
 
+import bisect
 import threading
 import warnings
 import weakref
@@ -45,6 +46,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from rpcompile.ir import STAGING_FIT
 from rpcompile.options import check_option
 from rpcompile.runtime.errors import format_bytes
 from rpcompile.runtime.kernels import cast_pack
@@ -682,44 +684,54 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
 class HostStaging:
     """The host side of the workers' transfers: one buffer per download (a value's tensors
     together, or a job's gradients), of exactly the bytes asked for, given back once the
-    last upload reading it (or the ``ACC`` adding it) is done, and kept for the next
-    download of that exact size.
+    last upload reading it (or the ``ACC`` adding it) is done, and kept for later downloads.
 
     Why not ``torch.empty(..., pin_memory=True)``: torch's caching pinned allocator rounds
-    each block up to a power of two (``CachingHostAllocator``: ``PowerOf2Ceil``), a third
-    more host memory for a 192 MiB activation, unseen by any figure. Here a pinned buffer is
+    each block up to a power of two (``CachingHostAllocator``: ``PowerOf2Ceil``), 39 % more
+    host memory for a 184 MiB activation, unseen by any figure. Here a pinned buffer is
     registered with the driver at its exact size (:func:`_host_flat`), once, on its first
-    use, and reused by size after that. What the pool holds after a step is therefore, for
-    every size, that size times the most buffers of it lent at once: the figure the
-    simulator gives the staging (``rpcompile.sim.engine``, ``SimResult.peak_host_bytes``).
+    use. A later download takes the smallest free buffer that holds it, if that one is at
+    most ``STAGING_FIT`` (2) times its size (rpcompile.ir; the same size when the step has
+    the plan's shapes; a batch down to half the planned length fits the buffers of the
+    planned one, so bucketed lengths make few new buffers; an activation never ties up a
+    gradient's far larger buffer), and is given the first bytes of it; else a new one. What
+    the pool holds is the simulator's replay of this rule over the step
+    (``rpcompile.sim.engine._staging_pool``, ``SimResult.peak_host_bytes``).
 
     Thread-safe: downloads take buffers on the workers' stream threads, uploads and the host
     give them back on theirs. A buffer is given back only once every copy that touches it has
-    completed (the executor waits for its copies before it gives one back; after a failed
-    step, :meth:`reclaim` is called once the devices are idle).
+    completed (the executor waits for its copies first). After a failed step the executor
+    gives back what that step still held (:meth:`reclaim`) once no copy can touch it, or, if
+    one still might (a worker was replaced), sets it aside for good (:meth:`quarantine`).
     """
 
     def __init__(self, pin: bool = False) -> None:
         self.pin = bool(pin)
         self._lock = threading.Lock()
-        self._free: dict[int, list[torch.Tensor]] = {}
-        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> buffer
-        self.held_bytes = 0  # every buffer the pool owns, lent or free
-        self.lent_bytes = 0
-        self.peak_lent_bytes = 0  # the most lent at once (the pool's lower bound)
-        self.registered = 0  # buffers made so far (each made once, then reused)
+        self._free: list[tuple[int, int, torch.Tensor]] = []  # (bytes, serial, buffer), sorted
+        self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
+        self._quarantined: dict[int, torch.Tensor] = {}
+        self._serial = 0
+        self.held_bytes = 0  # every buffer the pool owns: lent, free or set aside
+        self.lent_bytes = 0  # the whole buffers lent now
+        self.peak_lent_bytes = 0  # the most lent at once (a lower bound of the pool)
+        self.registered = 0  # buffers made so far
 
-    def take(self, nbytes: int) -> torch.Tensor:
-        """A flat ``uint8`` host buffer of exactly ``nbytes`` bytes (pinned when the pool
-        is), reused if one of that size is free."""
+    def take(self, nbytes: int, record: list[torch.Tensor] | None = None) -> torch.Tensor:
+        """A flat ``uint8`` host tensor of exactly ``nbytes`` bytes (pinned when the pool
+        is): the start of the smallest free buffer that holds it and is at most
+        ``STAGING_FIT`` times its size, else a new buffer.
+        ``record``: a list the buffer is appended to as it is lent (a step's takes, so that
+        a failed step finds even a buffer whose taker never returned)."""
         nbytes = int(nbytes)
         if nbytes < 0:
             raise ValueError(f"a staging buffer of {nbytes} bytes")
         if nbytes == 0:  # nothing to hold (and no address to know it by)
             return torch.empty(0, dtype=torch.uint8)
         with self._lock:
-            free = self._free.get(nbytes)
-            buf = free.pop() if free else None
+            i = bisect.bisect_left(self._free, (nbytes, -1))
+            fits = i < len(self._free) and self._free[i][0] <= STAGING_FIT * nbytes
+            buf = self._free.pop(i)[2] if fits else None
         if buf is None:
             buf, _ = _host_flat(nbytes, torch.uint8, self.pin)
             with self._lock:
@@ -727,46 +739,69 @@ class HostStaging:
                 self.registered += 1
         with self._lock:
             self._lent[buf.data_ptr()] = buf
-            self.lent_bytes += nbytes
+            self.lent_bytes += buf.numel()
             self.peak_lent_bytes = max(self.peak_lent_bytes, self.lent_bytes)
-        return buf
+            if record is not None:
+                record.append(buf)
+        return buf[:nbytes]
 
     def give(self, buf: torch.Tensor) -> None:
-        """Give back a buffer :meth:`take` lent (every copy touching it complete)."""
+        """Give back what :meth:`take` lent (every copy touching it complete). A buffer set
+        aside by :meth:`quarantine` stays aside."""
         if buf.numel() == 0:
             return
         with self._lock:
-            mine = self._lent.pop(buf.data_ptr(), None)
-            if mine is None:
+            if buf.data_ptr() in self._quarantined:
+                return
+            whole = self._lent.pop(buf.data_ptr(), None)
+            if whole is None:
                 raise ValueError("give(): this buffer is not one the staging pool lent "
                                  "(given back twice?)")
-            self.lent_bytes -= mine.numel()
-            self._free.setdefault(mine.numel(), []).append(mine)
+            self.lent_bytes -= whole.numel()
+            self._serial += 1
+            bisect.insort(self._free, (whole.numel(), self._serial, whole))
 
-    def reclaim(self) -> int:
-        """After a failed step, once no copy can still touch them: every buffer still lent
-        goes back to the pool. Returns how many."""
+    def reclaim(self, bufs: Iterable[torch.Tensor]) -> int:
+        """Give back ``bufs`` (a failed step's, still lent) once no copy can touch them;
+        ones already given back are skipped. Returns how many went back."""
+        back = 0
+        for buf in bufs:
+            with self._lock:
+                lent = buf.numel() and buf.data_ptr() in self._lent
+            if lent:
+                self.give(buf)
+                back += 1
+        return back
+
+    def quarantine(self, bufs: Iterable[torch.Tensor]) -> int:
+        """Set ``bufs`` aside for good: still held, never lent again (a copy of a worker
+        that was replaced may still write into them). Returns how many."""
+        aside = 0
         with self._lock:
-            lent = list(self._lent.values())
-        for buf in lent:
-            self.give(buf)
-        return len(lent)
+            for buf in bufs:
+                whole = self._lent.pop(buf.data_ptr(), None) if buf.numel() else None
+                if whole is not None:
+                    self.lent_bytes -= whole.numel()
+                    self._quarantined[buf.data_ptr()] = whole
+                    aside += 1
+        return aside
 
     def release(self) -> None:
         """Drop every free buffer (their memory goes back to the host once nothing else
-        refers to them); lent ones stay lent."""
+        refers to them); lent and quarantined ones stay."""
         with self._lock:
-            dropped = sum(b.numel() for bufs in self._free.values() for b in bufs)
+            dropped = sum(size for size, _, _ in self._free)
             self._free.clear()
             self.held_bytes -= dropped
 
-    def carve(self, tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """One buffer for ``tensors`` together, and a host tensor for each (its shape and
-        dtype, contiguous) inside it. The widest dtypes come first, so every view is
-        aligned to its element size without padding: the buffer is exactly the sum of the
-        tensors' bytes."""
+    def carve(self, tensors: Sequence[torch.Tensor], record: list[torch.Tensor] | None = None
+              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One buffer for ``tensors`` together (:meth:`take`, ``record`` as there), and a
+        host tensor for each (its shape and dtype, contiguous) inside it. The widest dtypes
+        come first, so every view is aligned to its element size without padding: the
+        buffer is exactly the sum of the tensors' bytes."""
         order = sorted(range(len(tensors)), key=lambda i: -tensors[i].element_size())
-        buf = self.take(sum(t.numel() * t.element_size() for t in tensors))
+        buf = self.take(sum(t.numel() * t.element_size() for t in tensors), record)
         views: list[torch.Tensor] = [buf] * len(tensors)
         offset = 0
         for i in order:

@@ -30,6 +30,7 @@ Ties are broken by fixed orders (worker, stream, list position), so a replay is 
 
 from __future__ import annotations
 
+import bisect
 import gc
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -39,6 +40,7 @@ from dataclasses import dataclass, replace
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import (
     ACTION_SPECS,
+    STAGING_FIT,
     Action,
     ActionKind,
     Plan,
@@ -814,7 +816,7 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
     weights of frozen parameters. Dynamic: activations between
     their D2H start and the end of the last H2D reading them, and a job's gradients between
     their D2H start and the end of their ACC; for RoundPipe counted as the runtime's staging
-    pool holds them (:func:`_pool_peak`: buffers kept and reused by exact size), for a
+    pool holds them (:func:`_staging_pool`: buffers kept and lent again, best fit), for a
     baseline as the peak of their sum."""
     if sched.stage_workers is None and units is not None:
         # Masters, Adam moments, gradients and shadows, every parameter once (the runtime's
@@ -830,6 +832,7 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
         static = 0 if units is None else sum(12 * u.trainable_params + 2 * u.frozen_params
                                              for u in units)
     deltas: list[tuple[float, int, int]] = []
+    stays: list[tuple[float, float, int]] = []  # each download on the host: start, end, bytes
     last_read: dict[tuple, float] = {}
     acc_end: dict[tuple, float] = {}
     for lst in sched.actions:
@@ -850,19 +853,36 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
             else:
                 free = max(end, last_read.get((a.value, a.microbatch, a.round, a.step), end))
             deltas += [(start, 1, a.bytes), (free, 0, -a.bytes)]
+            stays.append((start, free, a.bytes))
     if sched.stage_workers is None:
-        # The runtime stages each download in a buffer of exactly its bytes, kept and reused
-        # by size (rpcompile.runtime.memory.HostStaging): what it holds is, for every size,
-        # that size times the most downloads of it on the host at once.
-        return static + _pool_peak(deltas)
+        # The runtime stages each download in a buffer it keeps and lends again (the
+        # smallest free one that holds it, within STAGING_FIT; HostStaging): what it holds
+        # is this rule replayed over the step.
+        return static + _staging_pool(stays)
     return static + _peak(deltas)
 
 
-def _pool_peak(deltas: list[tuple[float, int, int]]) -> int:
-    """What a pool that keeps every buffer and reuses it by exact size holds at the end:
-    the sum over sizes of the size times the peak count of that size (frees first at equal
-    times, as in :func:`_peak`)."""
-    by_size: dict[int, list[tuple[float, int, int]]] = {}
-    for t, order, d in deltas:
-        by_size.setdefault(abs(d), []).append((t, order, 1 if d > 0 else -1))
-    return sum(size * _peak(events) for size, events in by_size.items())
+def _staging_pool(stays: list[tuple[float, float, int]]) -> int:
+    """The bytes a pool holds that lends each download (start, end, bytes) the smallest free
+    buffer at least its size and at most ``STAGING_FIT`` times it, or makes one of exactly
+    its size, and keeps every buffer
+    (rpcompile.runtime.memory.HostStaging); at equal times, buffers come back first."""
+    events = sorted([(start, 1, i) for i, (start, _, _) in enumerate(stays)]
+                    + [(end, 0, i) for i, (_, end, _) in enumerate(stays)])
+    free: list[int] = []  # sizes of the free buffers, sorted
+    lent: dict[int, int] = {}  # download -> the size of the buffer it holds
+    made = 0
+    for _, taking, i in events:
+        nbytes = stays[i][2]
+        if nbytes <= 0:
+            continue
+        if not taking:
+            bisect.insort(free, lent.pop(i))
+            continue
+        j = bisect.bisect_left(free, nbytes)
+        if j < len(free) and free[j] <= STAGING_FIT * nbytes:
+            lent[i] = free.pop(j)
+        else:
+            lent[i] = nbytes
+            made += nbytes
+    return made
