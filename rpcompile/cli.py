@@ -24,7 +24,8 @@ memory parts at the peak, or the host RAM needed), the host memory at that lengt
 GPUs' own length where the RAM binds, and that plan with its proven peak. Without ``--batch`` it picks the batch by the rule
 of :func:`default_batch` (the sequences per microbatch double while the simulated tokens/s
 rises more than 5%) and prints the trials; a plan that leaves workers idle, or whose fill and
-drain dominate the step, says so. ``--host-memory pageable`` plans a run from pageable host memory (nothing pinned, every
+drain dominate the step, says so, and one whose workers idle more than 30% of the step in its
+steady part names the slowest stage that paces it and the bound it puts on a round. ``--host-memory pageable`` plans a run from pageable host memory (nothing pinned, every
 transfer timed at the profile's pageable bandwidth) and the summary says which it assumes.
 ``--optimizer`` defaults to sync, as ``train`` and
 ``compile()`` do; ``--max-simulations`` caps the partitioner's search. For
@@ -48,6 +49,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -471,6 +473,7 @@ def _workers_note(summary: dict, plan, gpus: int, micro: int, rounds: int,
               f"{dispatch_period(jobs, gpus)} steps)")
     fill = (summary["bubble_fill_pct"] + summary["bubble_drain_pct"]) / 100
     if fill <= FILL_DRAIN_LIMIT:
+        _slowest_stage_note(summary, plan, micro)
         return
     # An estimate from this plan's stage times: fill and drain stay as they are while the
     # steady part grows with the microbatches a round, so k times the microbatches bring the
@@ -493,6 +496,38 @@ def _workers_note(summary: dict, plan, gpus: int, micro: int, rounds: int,
     print(f"{head}; with this plan's stage times about {fills} microbatches a round (--batch "
           f"{fills * rounds * plan.microbatch_size} --microbatches {fills}) would bring them "
           f"under {FILL_DRAIN_LIMIT:.0%}; or {how}")
+
+
+def _slowest_stage_note(summary: dict, plan, micro: int) -> None:
+    """Say when the workers idle more than IDLE_LIMIT of the step though fill and drain do
+    not dominate: the steady part, where a round's microbatches pass the slowest stage one
+    after another on its worker while the stages after it wait on its pace. The bound it
+    prints is a critical path of the plan's stage times alone (no transfer, no wait): the
+    first microbatch through every stage before the slowest, all of them through it, the
+    last through every stage after it."""
+    bubble = summary["bubble_pct"] / 100
+    if bubble <= IDLE_LIMIT:
+        return
+    times = [s.compute_ms for s in plan.stages]
+    k = max(range(len(times)), key=times.__getitem__)
+    slow = plan.stages[k]
+    before, after = sum(times[:k]), sum(times[k + 1:])
+    bound = before + micro * times[k] + after
+    median = statistics.median(t for t in times if t > 0)
+    name = plan.stage_name(k)
+    units = plan.units[slow.units[0]].name if len(slow.units) == 1 else \
+        f"{len(slow.units)} units"
+    summary["idle"] = {"bubble_pct": 100 * bubble, "slowest_stage": name,
+                       "slowest_ms_per_microbatch": times[k], "median_ms_per_microbatch": median,
+                       "round_bound_ms": bound}
+    why = (f"; {name} is one unit, which no cut divides" if len(slow.units) == 1 else
+           f"; cutting {name} finer, where memory allows, lowers that bound")
+    print(f"workers idle {100 * bubble:.1f}% of the step, {summary['bubble_steady_pct']:.1f}% "
+          f"of it in the steady part: a round's microbatches pass the slowest stage, {name} "
+          f"({units}: {times[k]:.2f} ms a microbatch, the median stage {median:.2f}), one after "
+          f"another on one worker, and the stages after it go at its pace, so a round takes at "
+          f"least {before:,.0f} + {micro} x {times[k]:.2f} + {after:,.0f} = {bound:,.0f} ms of "
+          f"the step's {summary['makespan_ms']:,.1f} (stage times alone){why}")
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -541,6 +576,9 @@ TRIAL_SIMULATIONS = {"sync": 16, "async": 4}
 # A step whose fill and drain idle more than this share of the workers' time: the batch is
 # too small for the workers.
 FILL_DRAIN_LIMIT = 0.30
+# A step whose workers idle more than this share of their time (fill, drain and the steady
+# part together) says so, and what paces it.
+IDLE_LIMIT = 0.30
 
 
 @dataclass

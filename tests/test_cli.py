@@ -112,6 +112,35 @@ def test_plan_reports_idle_workers_and_host_memory(tmp_path, capsys):
     assert "proven peak over the schedule" in text
 
 
+def test_plan_says_which_stage_paces_a_step_whose_workers_idle(tmp_path, capsys):
+    # Four layers of Qwen3-1.7B, 16 x 2048 tokens a microbatch: the LM head and loss (one
+    # unit, 151,936-word vocabulary) take about twice as long as the next slowest stage, and
+    # the stages after it go at its pace. Fill and drain are small: the steady part idles.
+    rc = main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--seq", "2048", "--batch",
+               "160", "--gpus", "4", "--microbatches", "10", "--no-fit-search",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["bubble_fill_pct"] + summary["bubble_drain_pct"] <= 30
+    assert summary["bubble_pct"] > 30
+    assert "batch too small" not in text
+    # The stage named is the slowest of the printed table, and the bound from the table's
+    # stage times is a lower bound of the simulated step that accounts for most of it.
+    rows = [r.split() for r in (tmp_path / "plan.txt").read_text().splitlines()
+            if r[:1] in "FB" and len(r.split()) > 5 and r.split()[0][1:].isdigit()]
+    ms = [float(r[-6]) for r in rows]
+    k = max(range(len(ms)), key=ms.__getitem__)
+    idle = summary["idle"]
+    assert idle["slowest_stage"] == rows[k][0] == "B1" and rows[k][1] == "tail"
+    bound = sum(ms[:k]) + 10 * ms[k] + sum(ms[k + 1:])
+    assert idle["round_bound_ms"] == pytest.approx(bound, rel=1e-3)
+    assert 0.8 * summary["makespan_ms"] < bound <= summary["makespan_ms"]
+    line = next(t for t in text.splitlines() if t.startswith("workers idle "))
+    assert f"slowest stage, B1 (tail: {ms[k]:.2f} ms a microbatch" in line
+    assert f"10 x {ms[k]:.2f}" in line and "B1 is one unit, which no cut divides" in line
+
+
 def test_plan_default_batch_beats_the_smallest_and_says_how(tmp_path, capsys):
     # The tiny Qwen3 on 4 workers: one sequence per microbatch leaves the workers mostly idle.
     common = ["plan", "--model", "qwen3-tiny", "--seq", "256", "--gpus", "4", "--no-fit-search"]
@@ -120,6 +149,7 @@ def test_plan_default_batch_beats_the_smallest_and_says_how(tmp_path, capsys):
     small = json.loads((tmp_path / "small" / "summary.json").read_text())
     assert small["batch"] == 5 and small["bubble_fill_pct"] + small["bubble_drain_pct"] > 30
     assert "batch too small for the workers" in text and "leave out --batch" in text
+    assert "workers idle " not in text and "idle" not in small  # fill and drain say it
     jobs = small["stages"]  # the idle workers, and every how many steps each gets a job
     assert jobs < 4 and f"{4 - jobs} worker" in text
     assert f"a job every {4 // math.gcd(jobs, 4)} steps" in text
