@@ -100,6 +100,9 @@ def test_the_simulated_pool_replays_the_runtimes_rule():
     assert _staging_pool([(0, 1, 50), (1, 2, 50), (2, 3, 40)]) == 50
     # A larger download than any free buffer makes its own.
     assert _staging_pool([(0, 1, 50), (2, 3, 60)]) == 110
+    # A download that stays no time takes a buffer and gives it back at that instant.
+    assert _staging_pool([(0, 0, 10), (0, 1, 10)]) == 20
+    assert _staging_pool([(0, 0, 10), (1, 2, 10)]) == 10
 
 
 @pytest.mark.parametrize("arch,gpus,microbatches", [("qwen3", 2, 2), ("qwen3", 3, 4),
@@ -120,10 +123,8 @@ def test_what_the_run_stages_is_the_plans_staging_figure(arch, gpus, microbatche
             held.append(pool.held_bytes)
         made = pool.registered
         trainer.step(token_batch(size, seed=9))
-    # What is lent at once is within the pool, and the pool within 5 % of the figure: the
-    # threads' timing may keep one more buffer of a size on the host than the simulated
-    # order does, or fewer.
-    assert pool.peak_lent_bytes <= held[-1]
+    # The pool within 5 % of the figure: the threads' timing may keep one more buffer of a
+    # size on the host than the simulated order does, or fewer.
     assert max(held) <= 1.05 * planned, (held, planned)
     assert pool.registered <= made + 2  # reused from step to step, not made anew
 
@@ -134,6 +135,9 @@ def test_training_with_reused_staging_equals_eager():
     data = [token_batch(6, seed=20 + k) for k in range(4)]
     eager_losses, eager_model = eager_training(model, data, 3, SGD)
     with Trainer(compiled, SGD, device="virtual", chaos=7) as trainer:
+        # Every buffer given back is NaN until a download fills it again: a reader it was
+        # given back too early for reads NaN whatever the threads' timing.
+        trainer.executor.staging.poison = True
         losses = [trainer.step(b) for b in data]
         masters = trainer.masters()
         reused = trainer.executor.staging.registered
@@ -217,13 +221,16 @@ def test_shorter_batches_stage_in_the_buffers_of_the_planned_length():
     lengths = [32, 24, 31, 16, 28, 20]
     with Trainer(compiled, SGD, device="virtual") as trainer:
         pool = trainer.executor.staging
+        pool.poison = True  # a shorter download reads only its own bytes of a longer buffer
         for k, seq in enumerate(lengths):
-            trainer.step(token_batch(6, seq=seq, seed=k))
-            assert pool.lent_bytes == 0
+            loss = trainer.step(token_batch(6, seq=seq, seed=k))
+            assert pool.lent_bytes == 0 and torch.isfinite(loss)
         for k, seq in enumerate(lengths):
             trainer.step(token_batch(6, seq=seq, seed=10 + k))
-    assert pool.held_bytes <= 2.5 * compiled.host.transfers, (pool.held_bytes,
-                                                               compiled.host.transfers)
+        held = pool.held_bytes
+        assert all(torch.isfinite(p).all() for p in trainer.masters().values())
+    assert held <= 2.5 * compiled.host.transfers, (held, compiled.host.transfers)
+    assert pool.held_bytes == pool.lent_bytes == 0  # closing the trainer let the pool go
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gpt_oss", "qwen3_moe", "qwen3_tied"])

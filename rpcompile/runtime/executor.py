@@ -747,7 +747,13 @@ class Executor:
         run.worker_errors = [(w.name, e) for w in self.workers for e in w.errors]
         failed = (host_error is not None or bool(run.failures) or run.root is not None
                   or bool(stuck) or bool(run.worker_errors) or bool(interrupts))
-        _uninterrupted(lambda: self._cleanup(run, stuck), interrupts, run)
+        try:
+            _uninterrupted(lambda: self._cleanup(run, stuck), interrupts, run)
+        except BaseException:
+            # No copy's state is known after a failed clean-up: what the step took is set
+            # aside, never lent again.
+            self.staging.quarantine(run.taken)
+            raise
         self._run = None
         if failed:
             _uninterrupted(lambda: self._settle_staging(run), interrupts, run)

@@ -705,8 +705,12 @@ class HostStaging:
     one still might (a worker was replaced), sets it aside for good (:meth:`quarantine`).
     """
 
-    def __init__(self, pin: bool = False) -> None:
+    def __init__(self, pin: bool = False, poison: bool = False) -> None:
         self.pin = bool(pin)
+        # A check for tests: every buffer given back is filled with 0xFF bytes (NaN in every
+        # float dtype) before it can be lent again, so a reader that a buffer was given back
+        # too early for reads NaN every time, not only when another download got there first.
+        self.poison = bool(poison)
         self._lock = threading.Lock()
         self._free: list[tuple[int, int, torch.Tensor]] = []  # (bytes, serial, buffer), sorted
         self._lent: dict[int, torch.Tensor] = {}  # data_ptr -> whole buffer
@@ -750,27 +754,41 @@ class HostStaging:
         aside by :meth:`quarantine` stays aside."""
         if buf.numel() == 0:
             return
+        if self.poison:
+            with self._lock:
+                whole = self._lent.get(buf.data_ptr())
+            if whole is not None:
+                whole.fill_(0xFF)
         with self._lock:
             if buf.data_ptr() in self._quarantined:
                 return
-            whole = self._lent.pop(buf.data_ptr(), None)
-            if whole is None:
+            if not self._give_locked(buf):
                 raise ValueError("give(): this buffer is not one the staging pool lent "
                                  "(given back twice?)")
-            self.lent_bytes -= whole.numel()
-            self._serial += 1
-            bisect.insort(self._free, (whole.numel(), self._serial, whole))
+
+    def _give_locked(self, buf: torch.Tensor) -> bool:
+        """Move ``buf`` from lent to free (the lock held); False if it is not lent."""
+        whole = self._lent.get(buf.data_ptr())
+        if whole is None:
+            return False
+        self._serial += 1
+        bisect.insort(self._free, (whole.numel(), self._serial, whole))
+        del self._lent[buf.data_ptr()]  # last: an interrupt above leaves it lent, not lost
+        self.lent_bytes -= whole.numel()
+        return True
 
     def reclaim(self, bufs: Iterable[torch.Tensor]) -> int:
-        """Give back ``bufs`` (a failed step's, still lent) once no copy can touch them;
-        ones already given back are skipped. Returns how many went back."""
+        """Give back those of ``bufs`` still lent (a failed step's, once no copy can touch
+        them); ones already given back are skipped. Returns how many went back."""
         back = 0
         for buf in bufs:
-            with self._lock:
-                lent = buf.numel() and buf.data_ptr() in self._lent
-            if lent:
-                self.give(buf)
-                back += 1
+            if not buf.numel():
+                continue
+            with self._lock:  # checked and given back at once
+                whole = self._lent.get(buf.data_ptr())
+                if whole is not None and self.poison:
+                    whole.fill_(0xFF)
+                back += self._give_locked(buf)
         return back
 
     def quarantine(self, bufs: Iterable[torch.Tensor]) -> int:
@@ -779,10 +797,11 @@ class HostStaging:
         aside = 0
         with self._lock:
             for buf in bufs:
-                whole = self._lent.pop(buf.data_ptr(), None) if buf.numel() else None
+                whole = self._lent.get(buf.data_ptr()) if buf.numel() else None
                 if whole is not None:
+                    self._quarantined[buf.data_ptr()] = whole  # first: never out of the pool
+                    del self._lent[buf.data_ptr()]
                     self.lent_bytes -= whole.numel()
-                    self._quarantined[buf.data_ptr()] = whole
                     aside += 1
         return aside
 

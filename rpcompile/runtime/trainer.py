@@ -860,6 +860,7 @@ class Trainer:
         finally:
             for w in self.workers:
                 w.shutdown()
+            self.executor.staging.release()  # the free staging buffers (lent ones stay)
 
     def __enter__(self) -> Trainer:
         return self

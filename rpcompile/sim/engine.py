@@ -867,16 +867,19 @@ def _staging_pool(stays: list[tuple[float, float, int]]) -> int:
     buffer at least its size and at most ``STAGING_FIT`` times it, or makes one of exactly
     its size, and keeps every buffer
     (rpcompile.runtime.memory.HostStaging); at equal times, buffers come back first."""
+    # (time, order, download): at equal times buffers come back (0) before they are taken
+    # (1), except a download's own return when it stays no time at all (2: after its take).
     events = sorted([(start, 1, i) for i, (start, _, _) in enumerate(stays)]
-                    + [(end, 0, i) for i, (_, end, _) in enumerate(stays)])
+                    + [(end, 0 if end > start else 2, i) for i, (start, end, _)
+                       in enumerate(stays)])
     free: list[int] = []  # sizes of the free buffers, sorted
     lent: dict[int, int] = {}  # download -> the size of the buffer it holds
     made = 0
-    for _, taking, i in events:
+    for _, order, i in events:
         nbytes = stays[i][2]
         if nbytes <= 0:
             continue
-        if not taking:
+        if order != 1:
             bisect.insort(free, lent.pop(i))
             continue
         j = bisect.bisect_left(free, nbytes)
