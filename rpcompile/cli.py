@@ -509,6 +509,8 @@ def _slowest_stage_note(summary: dict, plan, micro: int) -> None:
     if bubble <= IDLE_LIMIT:
         return
     times = [s.compute_ms for s in plan.stages]
+    if not any(t > 0 for t in times):  # no stage times to name a pace by
+        return
     k = max(range(len(times)), key=times.__getitem__)
     slow = plan.stages[k]
     before, after = sum(times[:k]), sum(times[k + 1:])
