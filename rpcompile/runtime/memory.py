@@ -754,11 +754,6 @@ class HostStaging:
         aside by :meth:`quarantine` stays aside."""
         if buf.numel() == 0:
             return
-        if self.poison:
-            with self._lock:
-                whole = self._lent.get(buf.data_ptr())
-            if whole is not None:
-                whole.fill_(0xFF)
         with self._lock:
             if buf.data_ptr() in self._quarantined:
                 return
@@ -767,10 +762,13 @@ class HostStaging:
                                  "(given back twice?)")
 
     def _give_locked(self, buf: torch.Tensor) -> bool:
-        """Move ``buf`` from lent to free (the lock held); False if it is not lent."""
+        """Move ``buf`` from lent to free (the lock held; poisoned first when the pool
+        poisons); False if it is not lent."""
         whole = self._lent.get(buf.data_ptr())
         if whole is None:
             return False
+        if self.poison:
+            whole.fill_(0xFF)
         self._serial += 1
         bisect.insort(self._free, (whole.numel(), self._serial, whole))
         del self._lent[buf.data_ptr()]  # last: an interrupt above leaves it lent, not lost
@@ -785,9 +783,6 @@ class HostStaging:
             if not buf.numel():
                 continue
             with self._lock:  # checked and given back at once
-                whole = self._lent.get(buf.data_ptr())
-                if whole is not None and self.poison:
-                    whole.fill_(0xFF)
                 back += self._give_locked(buf)
         return back
 

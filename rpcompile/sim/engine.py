@@ -831,7 +831,6 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
     else:
         static = 0 if units is None else sum(12 * u.trainable_params + 2 * u.frozen_params
                                              for u in units)
-    deltas: list[tuple[float, int, int]] = []
     stays: list[tuple[float, float, int]] = []  # each download on the host: start, end, bytes
     last_read: dict[tuple, float] = {}
     acc_end: dict[tuple, float] = {}
@@ -852,14 +851,13 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
                 free = acc_end.get((a.stage, a.round, a.step), end)
             else:
                 free = max(end, last_read.get((a.value, a.microbatch, a.round, a.step), end))
-            deltas += [(start, 1, a.bytes), (free, 0, -a.bytes)]
             stays.append((start, free, a.bytes))
     if sched.stage_workers is None:
         # The runtime stages each download in a buffer it keeps and lends again (the
         # smallest free one that holds it, within STAGING_FIT; HostStaging): what it holds
         # is this rule replayed over the step.
         return static + _staging_pool(stays)
-    return static + _peak(deltas)
+    return static + _peak([e for start, end, n in stays for e in ((start, 1, n), (end, 0, -n))])
 
 
 def _staging_pool(stays: list[tuple[float, float, int]]) -> int:
