@@ -47,7 +47,7 @@ def measure(name: str, hardware: str = "rtx4090x8") -> dict:
     for waits in SETS:
         p = replace(plan, memory_waits=waits)
         sched = proof_schedule(p, w.rounds, "sync", 1)
-        proof = [x.peak_bytes for x in worker_peaks(sched, p, overlap_steps=False)]
+        proof = [x.peak_bytes for x in worker_peaks(sched, p)]
         sim = simulate(sched, p, hw)
         ratios = [s / q for s, q in zip(sim.peak_device_bytes, proof)]
         out["sets"].append({

@@ -40,7 +40,7 @@ from rpcompile.passes.invariants import (
     check_plan,
     check_stages,
 )
-from rpcompile.passes.lower import TIGHTEST_WAITS, runtime_schedule
+from rpcompile.passes.lower import TIGHTEST_WAITS, runtime_peaks, runtime_schedule
 from rpcompile.passes.manager import PassRecord, run_pass
 from rpcompile.passes.memory import (
     HostMemory,
@@ -48,7 +48,6 @@ from rpcompile.passes.memory import (
     format_bytes,
     host_memory,
     host_ram_problem,
-    worker_peaks,
 )
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
@@ -647,14 +646,14 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     )
 
     def schedule_of(plan: Plan) -> tuple[Schedule, list, tuple]:
-        """The schedule the runtime runs for ``plan`` (the dealing period, the run's update
+        """The schedule the runtime runs for ``plan`` (its cycle of steps, the run's update
         order), its pass records, and its proven peaks."""
         trail: list = []
         # The one builder of the runtime's schedule (the Trainer's too); the dispatch's and
         # the lowering's passes go through the same run_pass (a PassManager), their records
         # into the same history; each lowered schedule is validated always.
         lowered = runtime_schedule(plan, run, trail=trail, validate=True)
-        return lowered, trail, worker_peaks(lowered, plan, overlap_steps=False)
+        return lowered, trail, runtime_peaks(plan, run)
 
     lowered, trail, memory = schedule_of(plan)
     fit = hw.usable_memory_bytes

@@ -462,7 +462,7 @@ EDGE_KINDS = (
     "pending",  # async OPT(s, k) -> the first ACC of s in step k (update k-1 reads first)
     "shadow",  # SHADOW -> UP that reads that shadow version
     "shadow_read",  # UP -> SHADOW that overwrites the buffer the UP read (write after read)
-    "barrier",  # step k's ends -> its last host action -> step k+1's starts (one step at a time)
+    "commit",  # step k's last action of each ordered queue -> its last host action (commit)
 )
 
 
@@ -676,6 +676,11 @@ class Schedule:
     one, ``network`` is the host's network lane (REDUCE actions, in order). ``sharded``: the
     ranks shard the masters and optimizer state (``shard_optimizer``): each REDUCE reduces its
     gradients to their owners, and each SHADOW also brings the other ranks' updated shadows.
+    ``repeat_from``, ``repeat_until``: how a run cycles through the schedule (:meth:`step_of`;
+    the runtime's schedule, rpcompile.passes.schedule.runtime_cycle): steps ``repeat_from ..
+    repeat_until-1`` over and over; the steps after ``repeat_until`` (0: none) are never run
+    as such, they give the last repeated step the waits into the step after it that a long
+    run has.
     """
 
     kind: str
@@ -695,10 +700,15 @@ class Schedule:
     network: tuple[Action, ...] = ()
     ranks: int = 1
     sharded: bool = False
+    repeat_from: int = 0
+    repeat_until: int = 0
 
     def __post_init__(self) -> None:
         if self.sharded and self.ranks < 2:
             raise ValueError("a sharded schedule is data parallel: it needs ranks > 1")
+        if not 0 <= self.repeat_from < self.run_steps <= self.steps:
+            raise ValueError(f"the schedule's repeated steps {self.repeat_from}.."
+                             f"{self.run_steps - 1} must lie within its {self.steps} steps")
         # Edges are kept in one canonical order (by the waiting action's place in the lists,
         # then as given) so that equal schedules compare equal after a CSV or JSON round trip.
         if self.edges:
@@ -708,6 +718,21 @@ class Schedule:
             object.__setattr__(self, "edges", tuple(edges))
 
     # -- views ---------------------------------------------------------------------------
+    @property
+    def run_steps(self) -> int:
+        """The steps a run executes (:meth:`step_of`): ``repeat_until``, else ``steps``."""
+        return self.repeat_until or self.steps
+
+    def step_of(self, run_step: int) -> int:
+        """The schedule step that step ``run_step`` of a run executes: itself while it is
+        below :attr:`run_steps`, then ``repeat_from .. run_steps-1`` over and over. An edge
+        from step ``j - d`` into step ``j`` means the action of the run's step
+        ``run_step - d``, as the step that run step executes holds it."""
+        end = self.run_steps
+        if run_step < end:
+            return run_step
+        return self.repeat_from + (run_step - self.repeat_from) % (end - self.repeat_from)
+
     def all_actions(self) -> Iterator[Action]:
         for lst in self.actions:
             yield from lst
@@ -738,13 +763,12 @@ class Schedule:
         """D2H -> the compute before whose start the device memory it sent home is given back:
         for a job's gradients, the target of its ``grad_slot`` / ``grad_pair`` edge (the
         worker's gradient slots); for a value, the target of its ``sent`` edge (rpcompile
-        .passes.lower). Memory whose D2H has none (a step's last jobs, a plan without the
-        waits; an edge into the next step, which the step barrier gives everything back
-        before) is given back when the download (and every local reader) is done. The proof,
-        the simulator and the runtime all read this one map, so what a worker holds is a
-        property of the schedule, not of how fast its downloads run."""
-        return {e.src: e.dst for e in self.edges
-                if e.kind in RELEASE_EDGES and e.src.step == e.dst.step}
+        .passes.lower), in its step or a later one (steps overlap). Memory whose D2H has
+        none (a run's last jobs, a plan without the waits) is given back when the download
+        (and every local reader) is done. The proof, the simulator and the runtime all read
+        this one map, so what a worker holds is a property of the schedule, not of how fast
+        its downloads run."""
+        return {e.src: e.dst for e in self.edges if e.kind in RELEASE_EDGES}
 
     def replace(self, **changes: object) -> Schedule:
         return dataclasses.replace(self, **changes)
@@ -976,6 +1000,8 @@ class Schedule:
             # Written only for data parallel, so one-process schedules read as before.
             **({"ranks": self.ranks} if self.ranks != 1 else {}),
             **({"sharded": True} if self.sharded else {}),
+            **({"repeat_from": self.repeat_from} if self.repeat_from else {}),
+            **({"repeat_until": self.repeat_until} if self.repeat_until else {}),
         }
 
     @classmethod
@@ -992,6 +1018,8 @@ class Schedule:
             edges=tuple(edges), stage_workers=None if sw is None else tuple(sw),
             passes=tuple(meta["passes"]), network=tuple(network),
             ranks=int(meta.get("ranks", 1)), sharded=bool(meta.get("sharded", False)),
+            repeat_from=int(meta.get("repeat_from", 0)),
+            repeat_until=int(meta.get("repeat_until", 0)),
         )
 
     def __str__(self) -> str:

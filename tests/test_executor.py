@@ -199,7 +199,10 @@ def test_async_mode_is_one_step_stale_reference(qwen3, gpus, chaos):
 
 def test_schedule_period_continues_round_robin_across_steps(qwen3):
     # With J jobs per step on G workers dealing repeats after G / gcd(J, G) steps: the
-    # schedule spans that many steps and step k runs schedule step k mod that period.
+    # schedule spans as many steps as an edge reaches back, then that period, which a run
+    # repeats (step k of a longer run runs schedule step Schedule.step_of(k)).
+    from rpcompile.passes.schedule import runtime_cycle
+
     for gpus in (4, 5, 3, 8, 2):
         compiled = qwen3.replan(gpus, microbatches=3)
         period = gpus // math.gcd(len(compiled.stages), gpus)
@@ -207,9 +210,13 @@ def test_schedule_period_continues_round_robin_across_steps(qwen3):
             break
     else:
         pytest.skip("every worker count divides the stage count of this plan")
-    trainer = assert_trains_like_reference(compiled, batches(period + 1, 6), SGD)
-    assert trainer.schedule.steps == period
-    assert trainer.last.schedule_step == 0  # the last step wraps around
+    steps, repeat_from, repeat_until = runtime_cycle(compiled.plan.stages, gpus)
+    assert repeat_until - repeat_from == period == steps - repeat_until
+    trainer = assert_trains_like_reference(compiled, batches(repeat_until + 1, 6), SGD)
+    sched = trainer.schedule
+    assert (sched.steps, sched.repeat_from, sched.run_steps) == (steps, repeat_from,
+                                                                repeat_until)
+    assert trainer.last.schedule_step == repeat_from  # the last step wraps around
 
 
 @pytest.mark.parametrize("kind,edge", [("UP", "weights"), ("H2D", "arrived"),

@@ -272,6 +272,8 @@ def test_keyboard_interrupt_in_dispatch_reraises_itself(qwen3, monkeypatch):  # 
 
 
 def test_keyboard_interrupt_during_the_drain_reraises_itself(qwen3, monkeypatch):  # noqa: F811
+    # A fault aborts the steps in flight; a Ctrl-C while they are taken apart (the workers'
+    # streams draining) re-raises itself once they are, the state the last committed step's.
     data = batches(3, 6)
     with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60) as trainer:
         trainer.step(data[0])
@@ -286,8 +288,10 @@ def test_keyboard_interrupt_during_the_drain_reraises_itself(qwen3, monkeypatch)
                 time.sleep(0.05)
             return original(self, timeout)
 
+        program = next(p for p in qwen3.stages if p.kind == "tail")
         with monkeypatch.context() as patch:
             patch.setattr(Worker, "synchronize", synchronize)
+            _raise_on_call(patch, program, 0, KeyError("stage fault"))
             with pytest.raises(KeyboardInterrupt):
                 trainer.step(data[1])
         assert fired

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import rpcompile
+import rpcompile.runtime.actions as actions_mod
 import rpcompile.runtime.executor as executor_mod
 from rpcompile.hardware import get_hardware
 from rpcompile.sim import simulate
@@ -20,9 +21,17 @@ def _compile(model, **kw):
 
 
 def _step_ms(compiled) -> float:
-    run = simulate(compiled.schedule, compiled.plan, get_hardware(compiled.plan.hardware))
-    start, end = run.step_spans_ms[0]
-    return end - start
+    """One isolated step of the schedule the run uses (its update order and check), as the
+    partitioner ranks sync plans."""
+    from rpcompile.passes.lower import lower, updates_deferred
+    from rpcompile.passes.schedule import build_schedule
+
+    sched = compiled.schedule
+    one = build_schedule(compiled.plan, sched.workers, sched.microbatches, rounds=sched.rounds,
+                         steps=1, optimizer=sched.optimizer)
+    one, _ = lower(one, compiled.plan,
+                   updates="deferred" if updates_deferred(sched) else "overlap")
+    return simulate(one, compiled.plan, get_hardware(compiled.plan.hardware)).makespan_ms
 
 
 @pytest.mark.parametrize("clip", [None, 1.0])
@@ -76,7 +85,7 @@ def test_check_bytes_are_the_clip_passes_over_every_trainable_parameter():
 def test_the_runtime_clips_inside_the_check_action(mode, monkeypatch):
     inside: list[object] = []  # the CHECK actions running now
     calls: list[bool] = []  # per clip: whether a CHECK was running
-    clip, check = executor_mod.clip_grad_norm, executor_mod.Executor._do_CHECK
+    clip, check = actions_mod.clip_grad_norm, executor_mod.Executor._do_CHECK
 
     def check_spy(self, run, a):
         inside.append(a)
@@ -90,7 +99,7 @@ def test_the_runtime_clips_inside_the_check_action(mode, monkeypatch):
         return clip(*args, **kw)
 
     monkeypatch.setattr(executor_mod.Executor, "_do_CHECK", check_spy)
-    monkeypatch.setattr(executor_mod, "clip_grad_norm", clip_spy)
+    monkeypatch.setattr(actions_mod, "clip_grad_norm", clip_spy)
     compiled = rpcompile.compile(hf_model("qwen3"), gpus=2, microbatches=3,
                                  example_inputs=token_batch(6, 16), mode=mode,
                                  device="virtual", max_grad_norm=1.0,

@@ -519,6 +519,6 @@ def test_an_evict_waiting_for_the_next_upload_costs_no_time_and_keeps_the_peak(
     for a, span in free.timeline.items():
         if a.is_compute:
             assert timed.timeline[a] == pytest.approx(span, rel=1e-12, abs=1e-9)
-    for got, was in zip(worker_peaks(low, plan, overlap_steps=False),
-                        worker_peaks(base, plan, overlap_steps=False)):
+    for got, was in zip(worker_peaks(low, plan),
+                        worker_peaks(base, plan)):
         assert (got.held_bytes, got.peak_bytes) == (was.held_bytes, was.peak_bytes)

@@ -43,7 +43,7 @@ def tightest_peaks(compiled):
     plan = replace(compiled.plan, memory_waits=TIGHTEST_WAITS)
     sched = runtime_schedule(plan, compiled.workers, compiled.microbatches, compiled.rounds,
                              "sync")
-    return worker_peaks(sched, plan, overlap_steps=False)
+    return worker_peaks(sched, plan)
 
 
 @contextlib.contextmanager
@@ -78,25 +78,19 @@ def metered_computes(workers: int):
 
 
 def simulated_and_measured(compiled, gpus, microbatches, chaos=None):
-    """Per worker: the simulated peak of each runtime step replayed alone (a step drains
-    before the next one), the virtual workers' measured peak over a few steps, run with the
-    predicted peak + 5 % as their capacity, and the most they really held during a compute
+    """Per worker: the simulated peak of the runtime's schedule replayed whole (its steps
+    overlapping), the virtual workers' measured peak over a stream of those steps and one
+    more (the schedule's repeated part runs again), run with the predicted peak + 5 % as
+    their capacity, and the most they really held during a compute
     (:func:`metered_computes`)."""
     sched = runtime_schedule(compiled.plan, gpus, microbatches, 1, "sync")
-    simulated = [0] * gpus
-    for k in range(sched.steps):
-        one = sched.replace(actions=tuple(tuple(a for a in lst if a.step == k)
-                                          for lst in sched.actions),
-                            host=tuple(a for a in sched.host if a.step == k),
-                            edges=tuple(e for e in sched.edges
-                                        if e.src.step == k and e.dst.step == k))
-        sim = simulate(one, compiled.plan, compiled.hardware)
-        simulated = [max(a, b) for a, b in zip(simulated, sim.peak_device_bytes)]
+    simulated = list(simulate(sched, compiled.plan, compiled.hardware).peak_device_bytes)
     capacity = int(1.05 * max(p.peak_bytes for p in compiled.memory))
     with metered_computes(gpus) as really, Trainer(
             compiled, SGD, device="virtual", chaos=chaos, capacity_bytes=capacity) as trainer:
-        for k in range(max(2, sched.steps)):
-            trainer.step(token_batch(2 * microbatches, seed=k))
+        data = [token_batch(2 * microbatches, seed=k) for k in range(sched.steps + 1)]
+        for _ in trainer.fit(data):
+            pass
         measured = trainer.peak_bytes()
         assert trainer.predicted_peak_bytes() == tuple(p.peak_bytes for p in compiled.memory)
     return simulated, measured, list(really)
@@ -192,7 +186,7 @@ def without_waits(compiled):
     compiled.plan = replace(compiled.plan, memory_waits=())
     compiled.schedule = runtime_schedule(compiled.plan, compiled.workers,
                                          compiled.microbatches, compiled.rounds, "sync")
-    compiled.memory = worker_peaks(compiled.schedule, compiled.plan, overlap_steps=False)
+    compiled.memory = worker_peaks(compiled.schedule, compiled.plan)
     return compiled
 
 
@@ -279,7 +273,7 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
     assert len(plan.worker_peak_bytes) == 4
     assert max(plan.worker_peak_bytes) <= hw.usable_memory_bytes
     r = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
-    assert tuple(p.peak_bytes for p in worker_peaks(r.schedule, plan, overlap_steps=False)) == plan.worker_peak_bytes
+    assert tuple(p.peak_bytes for p in worker_peaks(r.schedule, plan)) == plan.worker_peak_bytes
     for got, bound in zip(r.peak_device_bytes, plan.worker_peak_bytes):
         assert got <= bound
 
@@ -307,7 +301,7 @@ def test_longest_sequence_is_the_last_length_that_fits():
     assert plan is not None and plan.seq_len == found.seq_len
     assert max(plan.worker_peak_bytes) <= hw.usable_memory_bytes
     r = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
-    assert tuple(p.peak_bytes for p in worker_peaks(r.schedule, plan, overlap_steps=False)) == plan.worker_peak_bytes
+    assert tuple(p.peak_bytes for p in worker_peaks(r.schedule, plan)) == plan.worker_peak_bytes
     assert max(r.peak_device_bytes) <= max(plan.worker_peak_bytes)
     assert "'tail'" in found.why and "alone" in found.why
     assert f"at {found.next_len:,} tokens" in found.describe()
@@ -400,7 +394,7 @@ def test_every_set_of_waits_is_proven_and_the_first_that_fits_is_kept():
     for waits in ((), *WAIT_SETS):
         p = replace(plan, memory_waits=waits)
         r = simulate_roundpipe(p, hw, steps=4, optimizer="async")
-        proven[waits] = max(x.peak_bytes for x in worker_peaks(r.schedule, p, overlap_steps=False))
+        proven[waits] = max(x.peak_bytes for x in worker_peaks(r.schedule, p))
         simulated[waits] = max(r.peak_device_bytes)
         assert simulated[waits] <= proven[waits], waits
     for waits in WAIT_SETS:

@@ -84,7 +84,7 @@ def _logged_step(trainer, batch, monkeypatch, slow_stage):
                 log.append((a, begin, end))
 
         monkeypatch.setattr(Executor, name, wrapped)
-    step = trainer.executor.steps_run % trainer.schedule.steps
+    step = trainer.schedule.step_of(trainer.executor.steps_run)
     masters = {n: store.master_of(n).clone() for n in names}
     trainer.step(batch)
     monkeypatch.undo()

@@ -49,7 +49,7 @@ def _cut(compiled, recompute: str, forward=(0, 3), backward=(0, 3)):
     c.plan = replace(plan, memory_waits=c.plan.memory_waits)
     c.stages = split(c.capture, c.plan)
     c.schedule = runtime_schedule(c.plan, c.workers, c.microbatches, c.rounds, "sync")
-    c.memory = worker_peaks(c.schedule, c.plan, overlap_steps=False)
+    c.memory = worker_peaks(c.schedule, c.plan)
     return c
 
 

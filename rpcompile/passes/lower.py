@@ -15,8 +15,9 @@ Each pass takes a Schedule and returns a new one, adds one concern, stamps its n
   4b. reduce    - data parallel over more than one rank only: a REDUCE on the host's network
                   lane after each stage's last ACC of the step, and the step's updates after
                   all of them
-  4c. barrier   - edges that end each step before the next one starts: the runtime runs one
-                  step at a time, and the simulator times the same wait from these edges
+  4c. commit    - edges from each step's last actions to its last host action, where the
+                  step commits; nothing else orders one step after another, so step k+1's
+                  jobs start as soon as what they read is ready (steps overlap)
   5. events     - drop edges already implied by stream order or by another edge, so that what
                   remains is the set of events a runtime records and waits on
 
@@ -49,7 +50,8 @@ from rpcompile.options import (  # the one chunk size; the sync update orders an
 )
 from rpcompile.passes.invariants import check_dispatch
 from rpcompile.passes.manager import PassManager, PassRecord, debug_checks, run_pass
-from rpcompile.passes.schedule import build_schedule, dispatch_period
+from rpcompile.passes.memory import WorkerPeak, worker_peaks
+from rpcompile.passes.schedule import build_schedule, runtime_cycle
 from rpcompile.passes.validate import validate as check
 
 __all__ = [
@@ -61,24 +63,25 @@ __all__ = [
     "TIGHTEST_WAITS",
     "UPDATE_ORDERS",
     "add_activation_transfers",
+    "add_commit",
     "add_events",
     "add_gradient_downloads",
     "add_optimizer",
     "add_reductions",
-    "add_step_barrier",
     "add_weight_uploads",
     "grad_slots",
     "gradient_groups",
     "lower",
     "opt_bytes",
+    "runtime_peaks",
     "runtime_schedule",
     "trainable_parameters",
     "updates_deferred",
 ]
 
-LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "barrier", "events")
+LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "commit", "events")
 # Data parallel over more than one rank adds the cross-rank reduction (pass 4b).
-DATA_PARALLEL_PASSES = ("upload", "transfers", "grads", "optimizer", "reduce", "barrier",
+DATA_PARALLEL_PASSES = ("upload", "transfers", "grads", "optimizer", "reduce", "commit",
                         "events")
 GRAD_BYTES = 4  # the host's gradients are fp32 (what ACC sums and REDUCE moves)
 # The waits that bound what a worker holds in flight (rpcompile.passes.memory): "window" and
@@ -192,7 +195,8 @@ def add_weight_uploads(sched: Schedule, plan: Plan | Sequence[Stage],
             edges.append(Edge(ups[n], j.computes[0], "weights"))
             if n >= 2:
                 edges.append(Edge(evicts[n - 2], ups[n], "buffer"))
-            # Not across steps: the next step's UP waits for this step's end (the barrier).
+            # Across steps the next UP may wait (shadow) for the step's commit point, which
+            # waits for this EVICT: the commit pass adds the edge where it does not.
             if n + 1 < len(jobs) and jobs[n + 1].step == j.step:
                 edges.append(Edge(ups[n + 1], evicts[n], "landed"))
     return sched.replace(actions=_splice(sched, before, after, front), edges=tuple(edges),
@@ -311,9 +315,11 @@ def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
     the stage's fp32 accumulator (ACC after ``grad_home``), in dispatch order. Stages without
     trainable parameters (grad_bytes == 0) send nothing.
 
-    ``grad_slots``: how many gradient buffers a worker holds in a step (0: no bound). With
+    ``grad_slots``: how many gradient buffers a worker holds at once (0: no bound). With
     ``n`` slots, the first compute of a worker's gradient job waits for the download of its
-    gradient job ``n`` places back (edge ``grad_pair`` for 2, ``grad_slot`` for 1), and that
+    gradient job ``n`` places back, in this step or an earlier one (steps overlap: a job of
+    step k+1 may take the slot of one of step k), (edge ``grad_pair`` for 2, ``grad_slot``
+    for 1), and that
     buffer is given back right before that compute starts, not when its download ends
     (:meth:`~rpcompile.ir.Schedule.releases`): what a worker holds is then fixed by
     the schedule, whatever the downloads' speed.
@@ -328,13 +334,11 @@ def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
     for w in range(sched.workers):
         lst = sched.actions[w]
         place = {a: i for i, a in enumerate(lst)}
-        previous: list[Action] = []  # the worker's gradient downloads so far in the step
+        previous: list[Action] = []  # the worker's gradient downloads so far, every step
         for j in _jobs(sched, w):
             nbytes = stages[j.stage].grad_bytes
             if j.computes[0].kind == "F" or nbytes == 0:
                 continue
-            if previous and previous[-1].step != j.step:
-                previous = []  # the step barrier gives every buffer back before the next
             down = Action(w, "D2H", j.stage, None, j.round, j.step, what="grad", bytes=nbytes,
                           chunks=_chunks(nbytes, chunk_bytes))
             if grad_slots and len(previous) >= grad_slots:
@@ -378,10 +382,10 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
 
     SHADOW(x, k) rewrites stage x's part of the host's low-precision shadow (what UP reads)
     from the masters; a forward stage shares parameters with the backward stages overlapping
-    its units. The host keeps ONE shadow, every parameter once (stages sharing a parameter, a
-    tied weight included, read the same copy), in both modes, and UP(x, k) waits (``shadow``)
-    for SHADOW(x, k-1). OPT(s, k) runs the update of every parameter whose gradient stages'
-    OPTs of step k have then all run. The two modes:
+    its units. The shadow holds every parameter once (stages sharing a parameter, a tied
+    weight included, read the same copy); async mode keeps two copies of the trainable ones
+    (below). UP(x, k) waits (``shadow``) for SHADOW(x, k-1). OPT(s, k) runs the update of
+    every parameter whose gradient stages' OPTs of step k have then all run. The two modes:
 
     - ``sync``: OPT(s, k) applies step k's gradients and follows the last round's ACC of s
       (``accumulated``); SHADOW(x, k) once every OPT over parameters x holds is done
@@ -393,10 +397,11 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
       step k's last ACC, so no update reads a gradient before the whole step's gradients are
       home (needed by clipping, loss scaling, skipping non-finite steps and data parallel).
     - ``async`` (:func:`_add_async_optimizer`): OPT(s, k) applies step k-1's gradients,
-      which the host holds pending since step k-1 ended, at the start of step k's host queue;
-      step k's gradients are applied in step k+1. ``updates`` must be ``overlap`` (the
-      default): the pending gradients are complete before the step starts, so there is no
-      order to choose.
+      which the host holds pending since step k-1 committed, at the start of step k's host
+      queue, and SHADOW(x, k) writes the second copy of the shadow, which step k+1 reads
+      while step k's own uploads read the first; step k's gradients are applied in step k+1.
+      ``updates`` must be ``overlap`` (the default): the pending gradients are complete
+      before the step starts, so there is no order to choose.
     """
     _require_roundpipe(sched, "optimizer")
     check_option("updates", updates)
@@ -495,19 +500,20 @@ def _add_async_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                          covering: dict[int, list[int]]) -> Schedule:
     """Async updates, shifted into the next step: ``w_{k+1} = U(w_k, g_k(w_{k-1}))``.
 
-    Step k's host queue starts with OPT(s, k) of every gradient stage s, in the order in
-    which step k's backward brings the stages' gradients home (the order of their last-round
-    ACCs): each applies step k-1's gradients of s, pending on the host since step k-1 ended
-    (complete, checked, clipped, unscaled and reduced by then; nothing in step 0). Each
-    stage's first ACC of step k waits for its OPT (``pending``: the update reads step k-1's
-    gradients before step k's arrive). SHADOW(x, k) waits for the OPTs over x's parameters
-    (``updated``) and for every UP of step k that reads a shadow it rewrites (``shadow_read``),
-    and sits in the host queue right before the first ACC known to follow all those uploads
-    (the last-round ACC of the first gradient stage, at or after the uploading stage, in the
-    forward-then-backward order every round follows), else at the step's end: it then holds
-    the host queue no longer than those ACCs would have waited anyway. So step k+1's
-    uploads (``shadow``) read the masters after update k-1: one step stale, as before, and
-    the update runs while step k's workers compute."""
+    Step k's host queue starts with OPT(s, k) of every gradient stage s, each applying step
+    k-1's gradients of s, pending on the host since step k-1 committed (complete, checked,
+    clipped, unscaled and reduced by then; nothing in step 0), then the step's ACCs and its
+    CHECK. Each SHADOW(x, k) follows the last OPT it waits for (``updated``: the OPTs over
+    x's parameters, a borrowed, tied one included), and the OPTs come in the order the next
+    step uploads the stages whose shadows they complete (F1 first): the shadow a job of step
+    k+1 waits for (``shadow``) is written as early as the host can.
+
+    The host keeps two copies of each trainable parameter's shadow (rpcompile.runtime.memory
+    .HostStore.add_shadow_pair): step k's uploads read copy ``k % 2``, SHADOW(x, k) writes
+    copy ``(k + 1) % 2``, which step k-1's uploads read (``shadow_read``: every UP of step k-1
+    of a stage sharing a parameter with x). So step k+1's forward jobs upload while step k's
+    backward jobs still read the copy they need: the steps overlap, one step stale, and no
+    SHADOW waits for an upload of its own step."""
     sharing = _sharing(sched, plan)
     grad_stages = sorted({a.stage for a in sched.host if a.kind == "ACC"})
     last = sched.rounds - 1
@@ -520,36 +526,43 @@ def _add_async_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
         for up in lst:
             if up.kind == "UP":
                 ups.setdefault((up.stage, up.step), []).append(up)
+    # The OPTs a stage's SHADOW waits for: those over its own units, and over the units of
+    # every stage it shares a parameter with (a tied embedding is in F1's and the tail's).
+    rewriters = {x: sorted({y for z in sharing[x] for y in covering[z]} | set(ys))
+                 for x, ys in covering.items() if ys}
     host: list[Action] = []
     shadows: dict[tuple[int, int], Action] = {}
     for k in sorted(by_step):
         accs = by_step[k]
-        order = [a.stage for a in accs if a.round == last]  # gradients home, first to last
+        homes = [a.stage for a in accs if a.round == last]
+        order: list[int] = []
+        for x in sorted(rewriters):  # stages in upload order: F1, F2, ..., B1, B2, ...
+            order += [y for y in rewriters[x] if y in homes and y not in order]
+        order += [y for y in homes if y not in order]
         updated = opt_bytes(plan, order)
-        opts = {s: Action(None, "OPT", s, None, None, k, bytes=updated[s]) for s in order}
-        host += opts.values()
+        done: set[int] = set()
+        placed: set[int] = set()
+        for s in order:
+            host.append(Action(None, "OPT", s, None, None, k, bytes=updated[s]))
+            done.add(s)
+            for x, ys in rewriters.items():
+                if x in placed or not set(ys) & set(homes) <= done:
+                    continue
+                placed.add(x)
+                sh = Action(None, "SHADOW", x, None, None, k,
+                            bytes=stages[x].trainable_weight_bytes)
+                host.append(sh)
+                shadows[(x, k)] = sh
+                edges += [Edge(Action(None, "OPT", y, None, None, k, bytes=updated[y]), sh,
+                               "updated") for y in ys if y in homes]
+                edges += [Edge(up, sh, "shadow_read")
+                          for z in sorted(sharing[x]) for up in ups.get((z, k - 1), ())]
         first_acc: dict[int, Action] = {}
         for a in accs:
             first_acc.setdefault(a.stage, a)
-        edges += [Edge(opts[s], first_acc[s], "pending") for s in order]
-        position = {a.stage: i for i, a in enumerate(accs) if a.round == last}
-        before: dict[int, list[Action]] = {}  # ACC index -> SHADOWs right before it
-        for x, ys in covering.items():
-            if not ys:
-                continue
-            sh = Action(None, "SHADOW", x, None, None, k, bytes=stages[x].trainable_weight_bytes)
-            shadows[(x, k)] = sh
-            rewriters = {y for z in sharing[x] for y in covering[z]} | set(ys)
-            edges += [Edge(opts[y], sh, "updated") for y in sorted(rewriters) if y in opts]
-            readers = [up for z in sorted(sharing[x]) for up in ups.get((z, k), ())]
-            edges += [Edge(up, sh, "shadow_read") for up in readers]
-            home = [min((position[y] for y in grad_stages if y >= z and y in position),
-                        default=len(accs)) for z in sharing[x] if (z, k) in ups]
-            before.setdefault(max(home, default=0), []).append(sh)
-        for i, a in enumerate(accs):
-            host += before.get(i, [])
-            host.append(a)
-        host += before.get(len(accs), [])
+        edges += [Edge(Action(None, "OPT", s, None, None, k, bytes=updated[s]), first_acc[s],
+                       "pending") for s in order]
+        host += accs
     host = _with_checks(host, plan, grad_stages)
     for lst in sched.actions:
         for up in lst:
@@ -565,7 +578,7 @@ def _with_checks(host: Sequence[Action], plan: Plan | Sequence[Stage],
                  grad_stages: Sequence[int]) -> list[Action]:
     """The host queue with each step's CHECK right after that step's last ACC: once every
     gradient of the step is home, and before the first update that reads them (sync
-    ``deferred``; async, step k+1's OPTs, behind the step barrier). What the runtime's CHECK
+    ``deferred``; async, step k+1's OPTs, which follow it in the host queue). What the runtime's CHECK
     does (rpcompile.runtime.executor): the step's loss, its non-finite jobs and the decision
     to skip it, then unscaling and clipping in place over the fp32 gradients; its ``bytes``
     are that traffic, ``Plan.grad_check_passes`` passes over every trainable parameter's
@@ -665,7 +678,8 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
     then follow every REDUCE: in sync mode the step's first OPT (where the gradient check
     reads every gradient) waits for each (edge ``reduced``), and the schedule must already be
     deferred; in async mode step k's OPTs apply step k-1's gradients, reduced before step k
-    starts (the ``barrier`` edges, pass 4c, put step k-1's network lane before step k).
+    starts (step k-1's CHECK waits for every REDUCE of step k-1, and step k's OPTs follow
+    that CHECK in the host queue).
     In both modes the step's CHECK (the gradient check, which agrees the loss across ranks
     and clips by the global norm) waits for every REDUCE of its step (``reduced``)."""
     _require_roundpipe(sched, "reduce")
@@ -718,60 +732,53 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
 
 
 # --------------------------------------------------------------------------------------------
-# 4c. barrier
+# 4c. commit
 # --------------------------------------------------------------------------------------------
 
 
-def add_step_barrier(sched: Schedule) -> Schedule:
-    """Edges (kind ``barrier``) that make every action of step k+1 start after every action
-    of step k ended: the runtime runs one step at a time (a step's journal is committed or
-    discarded as a whole), and with these edges the simulator, which times only edges and
-    stream order, waits where the runtime waits.
+def add_commit(sched: Schedule) -> Schedule:
+    """Edges (kind ``commit``) from step k's last action of each ordered queue (each worker's
+    compute stream, the network lane) to step k's last host action, its *commit point*: when
+    it has run, every action of step k has ended, and the runtime commits the step there
+    (docs/runtime.md). Every action of step k precedes one of those last actions (a transfer
+    always has a successor in its step: the compute that reads it, the ACC of its
+    gradients), so the commit point follows all of them.
 
-    Step k's *ends* are the last action of each ordered queue (compute, host, network) and
-    every transfer-lane action with no successor edge inside step k; every action of step k
-    precedes one of them. Step k+1's *starts* are the first action of each ordered queue and
-    every transfer-lane action with no predecessor edge inside step k+1; every action of
-    step k+1 follows one of them. Through a hub, the last host action of step k: every end
-    -> hub, hub -> every start (ends + starts edges instead of ends x starts). A step with
-    no host action, or whose last host action has a successor inside its step (the hub would
-    wait for itself), gets the edges end x start directly."""
-    _require_roundpipe(sched, "barrier")
-    in_step: dict[int, list[tuple[tuple[int | None, str], list[Action]]]] = {}
+    Nothing else orders one step after another: step k+1's jobs wait only for what they read
+    (the shadow of their stage, sync mode's from step k's update) and for the memory bounds
+    of their worker (``buffer``, ``grad_pair``, ``window``, ``sent``, which run across steps),
+    so step k+1's forward jobs run while step k's backward jobs drain. Step k+1's host
+    actions follow step k's commit point in the host queue: the host has at most one step
+    open, and a step commits before the next one's first update."""
+    _require_roundpipe(sched, "commit")
+    by_step: dict[int, dict[tuple[int | None, str], Action]] = {}
     for q, lst in sched.queues().items():
-        by: dict[int, list[Action]] = {}
-        for a in lst:
-            by.setdefault(a.step, []).append(a)
-        for k, mine in by.items():
-            in_step.setdefault(k, []).append((q, mine))
-    has_succ = {e.src for e in sched.edges if e.src.step == e.dst.step}
-    has_pred = {e.dst for e in sched.edges if e.src.step == e.dst.step}
-
-    def ends(k: int) -> list[Action]:
-        out = []
-        for (_, stream), mine in in_step[k]:
-            out += [mine[-1]] if stream in ORDERED_STREAMS else \
-                [a for a in mine if a not in has_succ]
-        return out
-
-    def starts(k: int) -> list[Action]:
-        out = []
-        for (_, stream), mine in in_step[k]:
-            out += [mine[0]] if stream in ORDERED_STREAMS else \
-                [a for a in mine if a not in has_pred]
-        return out
-
+        if q[1] in ORDERED_STREAMS:
+            for a in lst:
+                by_step.setdefault(a.step, {})[q] = a  # the queue's last action of the step
     edges = list(sched.edges)
-    steps = sorted(in_step)
-    for k, nxt in itertools.pairwise(steps):
-        host = dict(in_step[k]).get((None, "host"))
-        hub = host[-1] if host else None
-        if hub is not None and hub not in has_succ:
-            edges += [Edge(a, hub, "barrier") for a in ends(k) if a.stream != "host"]
-            edges += [Edge(hub, b, "barrier") for b in starts(nxt) if b.stream != "host"]
-        else:
-            edges += [Edge(a, b, "barrier") for a in ends(k) for b in starts(nxt)]
-    return sched.replace(edges=tuple(edges), passes=(*sched.passes, "barrier"))
+    hubs: set[Action] = set()
+    for _step, last in sorted(by_step.items()):
+        hub = last.get((None, "host"))
+        if hub is None:  # nothing trainable: no host action, nothing to commit
+            continue
+        hubs.add(hub)
+        edges += [Edge(a, hub, "commit") for q, a in last.items() if q != (None, "host")]
+    # A worker's last job of step k and its first of step k+1: as within a step (pass
+    # upload), the EVICT waits (landed) for the next UP, which costs no time (the next
+    # compute waits for that UP) and makes the overlap of the two weight sets certain, as
+    # the memory proof counts it; unless that UP waits for step k's commit point, which
+    # waits for the EVICT: then the two sets never overlap, and the order says so already.
+    # (A run that stops after step k has no such UP: the runtime meets the wait then.)
+    after = {e.dst for e in sched.edges if e.src in hubs}
+    for lst in sched.actions:
+        evicts = [a for a in lst if a.kind == "EVICT"]
+        ups = {(a.stage, a.round, a.step): a for a in lst if a.kind == "UP"}
+        for ev, nxt in itertools.pairwise(evicts):
+            up = ups[(nxt.stage, nxt.round, nxt.step)]
+            if nxt.step == ev.step + 1 and up not in after:
+                edges.append(Edge(up, ev, "landed"))
+    return sched.replace(edges=tuple(edges), passes=(*sched.passes, "commit"))
 
 
 # --------------------------------------------------------------------------------------------
@@ -795,7 +802,14 @@ def add_events(sched: Schedule) -> Schedule:
         for i, a in enumerate(lst):
             pos[a] = (q, i)
     groups: dict[tuple, list[tuple[int, int, Edge]]] = {}
+    kept: list[Edge] = []
     for e in sched.edges:
+        if e.kind == "landed" and e.src.step != e.dst.step:
+            # Kept, and no reason to drop another edge: a run whose last step it points
+            # from has no such wait (nothing comes after it in the schedule), so what it
+            # implies must stand on its own edges.
+            kept.append(e)
+            continue
         (qs, i), (qd, j) = pos[e.src], pos[e.dst]
         if qs == qd and i < j and qs[1] in ORDERED_STREAMS:
             continue
@@ -803,7 +817,6 @@ def add_events(sched: Schedule) -> Schedule:
         src_key = qs if qs[1] in ORDERED_STREAMS else e.src
         dst_key = qd if qd[1] in ORDERED_STREAMS else e.dst
         groups.setdefault((src_key, dst_key), []).append((j, -i, e))
-    kept: list[Edge] = []
     for items in groups.values():
         items.sort(key=lambda t: (t[0], t[1]))
         best = -1  # latest source index among edges ending no later than this one
@@ -855,7 +868,7 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
         "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes, grad_slots(waits)),
         "optimizer": lambda s: add_optimizer(s, plan, updates),
         "reduce": lambda s: add_reductions(s, plan, ranks),
-        "barrier": add_step_barrier,
+        "commit": add_commit,
         "events": add_events,
     }
     unknown = [p for p in passes if p not in table]
@@ -880,10 +893,11 @@ def runtime_schedule(plan: Plan, options: PlanOptions | int, microbatches: int |
     """The lowered schedule the runtime runs, for the plan options ``options``
     (:class:`~rpcompile.options.PlanOptions`: ``gpus`` workers, ``microbatches_per_round``,
     ``rounds``, ``mode``, ``chunk_bytes``, ``schedule_steps``, ``ranks``, ``shard_optimizer``)
-    as :func:`rpcompile.compile` resolved them (``Compiled.options.plan``): as many steps as
-    the round-robin job counter takes to come back to worker 0 unless ``schedule_steps``
-    says otherwise (:func:`~rpcompile.passes.schedule.dispatch_period`; step ``k`` of a run
-    runs schedule step ``k mod steps``), marked ``sharded`` for sharded data parallel.
+    as :func:`rpcompile.compile` resolved them (``Compiled.options.plan``): the steps of
+    :func:`~rpcompile.passes.schedule.runtime_cycle` (``schedule_steps``, or the fewest: as
+    many steps as an edge reaches back, then one dispatch period, which a run repeats
+    (``Schedule.step_of``), then one more, the context of the last), marked ``sharded`` for
+    sharded data parallel.
     ``updates``: the sync update order the run needs, when the options leave it to the
     training options (``PlanOptions.updates`` ``None``: the compile and the Trainer pass
     the order their training options need; else :func:`lower`'s default, the plan's own).
@@ -914,7 +928,8 @@ def runtime_schedule(plan: Plan, options: PlanOptions | int, microbatches: int |
                               schedule_steps=steps, ranks=ranks)
     workers, rounds = options.gpus, options.rounds
     ranks = options.ranks or 1
-    steps = options.schedule_steps or dispatch_period(len(plan.stages) * rounds, workers)
+    steps, repeat_from, repeat_until = runtime_cycle(plan.stages, workers, rounds,
+                                                     options.schedule_steps)
     updates = updates or options.updates
     validate = debug_checks() if validate is None else validate
     records: list = [] if trail is None else trail
@@ -925,6 +940,18 @@ def runtime_schedule(plan: Plan, options: PlanOptions | int, microbatches: int |
     lowered, lowering = lower(compute, plan, chunk_bytes=options.chunk_bytes,
                               validate=validate, updates=updates, ranks=ranks)
     records.extend(lowering)
+    lowered = lowered.replace(repeat_from=repeat_from, repeat_until=repeat_until)
     if options.shard_optimizer and ranks > 1:  # what its REDUCE and SHADOW actions move
         lowered = lowered.replace(sharded=True)
     return lowered
+
+
+def runtime_peaks(plan: Plan, options: PlanOptions, *, updates: str | None = None,
+                  ) -> tuple[WorkerPeak, ...]:
+    """The proven peak of every worker over the runtime's schedule,
+    ``runtime_schedule(plan, options, updates=updates)``: over the steps a run executes
+    (``Schedule.run_steps``), the period lowered after them their context
+    (``worker_peaks(steps=)``), so the last repeated steps are proven as a long run, which
+    repeats them, runs them: before the steps after them."""
+    sched = runtime_schedule(plan, options, updates=updates, validate=False)
+    return worker_peaks(sched, plan, steps=sched.run_steps)

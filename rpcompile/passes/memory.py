@@ -99,13 +99,20 @@ def working_bytes(stage: Stage) -> int:
 
 
 def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
-                 overlap_steps: bool = True) -> tuple[WorkerPeak, ...]:
-    """The peak device memory of every worker over the whole lowered RoundPipe ``sched``.
+                 steps: int | None = None) -> tuple[WorkerPeak, ...]:
+    """The peak device memory of every worker over the whole lowered RoundPipe ``sched``,
+    its steps overlapping as the order lets them (the next step's jobs upload and run while
+    this step's last jobs drain, both steps' weights, gradient buffers and values held on
+    one worker at once).
 
-    ``overlap_steps``: steps may overlap on a worker (the simulator's async runs: the next
-    step's first weights upload while this step's last job runs). ``False``: each step
-    starts on empty workers, as the runtime runs them (a step drains before the next one),
-    so the peak is the largest of the steps' own peaks.
+    ``steps``: the peak over the points of the first ``steps`` steps only, the rest of the
+    schedule their context: a schedule's last steps lack the waits into the steps after them
+    that a longer run has (a download's memory given back at a compute of the next step), so
+    their own points are proven looser than any run reaches. The runtime's schedule, which a
+    long run cycles through (``Schedule.step_of``), is proven over a lowering one dispatch
+    period longer, at its own steps (rpcompile.passes.lower.runtime_peaks): every step of its
+    repeated part after the steps before it and before the steps after it, as in a long run;
+    where the first steps lack a wait (nothing before step 0), looser, never tighter.
 
     Raises ``ValueError`` for a schedule that is not lowered (no UP/EVICT) or is a
     weight-bound baseline: their memory is not bounded by the schedule's order.
@@ -129,23 +136,9 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
             consumers.setdefault((f.src_kind, f.src_stage, f.value), []).append(
                 (f.dst_kind, f.dst_stage))
     releases = sched.releases()
-    scopes = [None] if overlap_steps else list(range(sched.steps))
-    best: list[WorkerPeak | None] = [None] * sched.workers
-    held = [0] * sched.workers
-    for step in scopes:
-        lists = [lst if step is None else [a for a in lst if a.step == step]
-                 for lst in sched.actions]
-        host = sched.host if step is None else [a for a in sched.host if a.step == step]
-        edges = sched.edges if step is None else [
-            e for e in sched.edges if e.src.step == step and e.dst.step == step]
-        latest, earliest = _order(lists, host, edges)
-        for w, lst in enumerate(lists):
-            peak = _worker_peak(lst, w, stages, latest, earliest, flows_from, readers,
-                                consumers, releases)
-            held[w] = max(held[w], peak.held_bytes)
-            if best[w] is None or peak.peak_bytes > best[w].peak_bytes:
-                best[w] = peak
-    return tuple(replace(p, held_bytes=h) for p, h in zip(best, held))
+    latest, earliest = _order(sched.actions, sched.host, sched.edges)
+    return tuple(_worker_peak(lst, w, stages, latest, earliest, flows_from, readers,
+                              consumers, releases, steps) for w, lst in enumerate(sched.actions))
 
 
 _NONE = 1 << 62  # no compute of that worker follows
@@ -219,10 +212,14 @@ def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, li
     return latest, earliest
 
 
-def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumers, releases):
+def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumers, releases,
+                 steps=None):
     stream = [a for a in lst if a.stream == "compute"]
     pos = {a: p for p, a in enumerate(stream)}
     end = 2 * len(stream)
+    # The last point counted: the gap before the worker's first action of step ``steps``.
+    upto = next((2 * p for p, a in enumerate(stream) if steps is not None and a.step >= steps),
+                end)
     compute_at = {(a.kind, a.stage, a.microbatch, a.round, a.step): a
                   for a in stream if a.is_compute}
     evict = {(a.stage, a.round, a.step): a for a in stream if a.kind == "EVICT"}
@@ -282,10 +279,10 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
                 # worker's accounting holds both as it ends (the working set covers this in
                 # the peak).
                 outputs[2 * p + 1] = outputs.get(2 * p + 1, 0) + nbytes
-    return _sweep(w, stream, end, holds, outputs)
+    return _sweep(w, stream, end, holds, outputs, upto)
 
 
-def _sweep(w, stream, end, holds, outputs) -> WorkerPeak:
+def _sweep(w, stream, end, holds, outputs, upto) -> WorkerPeak:
     delta = [[0] * (end + 2) for _ in PARTS]
     index = {part: i for i, part in enumerate(PARTS)}
     for first, last, part, nbytes, _stage in holds:
@@ -294,7 +291,7 @@ def _sweep(w, stream, end, holds, outputs) -> WorkerPeak:
     level = [0] * len(PARTS)
     best = held = 0
     best_point = 0
-    for point in range(end + 1):
+    for point in range(upto + 1):
         for i in range(len(PARTS)):
             level[i] += delta[i][point]
         total = sum(level)
@@ -325,7 +322,9 @@ class HostMemory:
     trainable parameter (async: two, the accumulator and the previous step's pending
     gradients, ``HostStore.add_pending``), the low-precision ``shadows`` the uploads read (one
     copy of every parameter, frozen or trainable, that the forward and the backward stage
-    holding it share, in both modes), ``transfers``: the peak of
+    holding it share; async, a second copy of the trainable ones, which the next step reads
+    while this step's uploads read the first, ``HostStore.add_shadow_pair``), ``transfers``:
+    the peak of
     activations, recompute inputs and downloaded gradients staged on the host during a step
     (0 when no run was simulated), ``model``: what the user's module still holds of its
     own, its trainable parameters in the compute dtype (its frozen ones are views of their
@@ -333,9 +332,10 @@ class HostMemory:
     masters into the trainable ones), and the step's undo ``journal``
     (rpcompile.runtime.optim, ``rollback=True``; ``TrainOptions.undo_journal``, on by
     default): before an ``OPT`` the driver copies the masters and optimizer state it
-    changes, before a ``SHADOW`` the trainable shadows it overwrites, and keeps every copy
-    until the step commits, so at a step's end it holds one more copy of all three for
-    every trainable parameter (0 with the journal off).
+    changes, and (sync) before a ``SHADOW`` the trainable shadows it overwrites, and keeps
+    every copy until the step commits, so at a step's end it holds one more copy of them for
+    every trainable parameter (0 with the journal off). An async SHADOW writes the copy no
+    committed step reads, which a failed step's retry writes again: nothing to save.
 
     Pinned (:attr:`pinned`), as a CUDA run allocates it: the host store's flat buffers
     (shadows, masters, gradients and the pending gradients) and the transfer staging (the
@@ -484,6 +484,8 @@ def _static_host(stages, units, optimizer, optimizer_bytes_per_param,
     params = sum(u.params for u in units)
     model = trainable * shadows // params if params else 0
     masters, state = 4 * trainable, optimizer_bytes_per_param * trainable
+    paired = optimizer == "async"  # async: two copies of the trainable shadows, no journal
     return HostMemory(masters=masters, optimizer=state, gradients=4 * buffers * trainable,
-                      shadows=shadows, model=model,
-                      journal=masters + state + trainable_shadows if journal else 0)
+                      shadows=shadows + (trainable_shadows if paired else 0), model=model,
+                      journal=masters + state + (0 if paired else trainable_shadows)
+                      if journal else 0)

@@ -20,8 +20,8 @@ from rpcompile.ir import Action, Edge, Flow, Plan, Schedule, Stage
 from rpcompile.options import MODES, check_choice
 
 __all__ = [
-    "SCHEDULE_KINDS", "build_schedule", "deal", "dispatch_period", "roundpipe_jobs",
-    "steady_window",
+    "SCHEDULE_KINDS", "build_schedule", "cross_step_reach", "deal", "dispatch_period",
+    "roundpipe_jobs", "runtime_cycle", "steady_window",
 ]
 
 SCHEDULE_KINDS = ("roundpipe", "gpipe", "1f1b", "interleaved", "looped-bfs")
@@ -126,6 +126,55 @@ def steady_window(jobs_per_step: int, workers: int) -> int:
     """
     period = dispatch_period(jobs_per_step, workers)
     return period * -(-STEADY_MIN_STEPS // period)
+
+
+def cross_step_reach(stages: Sequence[Stage], workers: int, rounds: int = 1) -> int:
+    """How many steps back an edge of a RoundPipe schedule of ``stages`` may reach: the
+    lowering's waits between a worker's jobs (rpcompile.passes.lower: a weight slot two jobs
+    back, ``buffer``; an input two computes back, ``window`` and ``sent``; a gradient slot
+    one or two gradient jobs back, ``grad_slot`` and ``grad_pair``) run across steps, and a
+    shadow is read one step after it is written. Worked out from the dealing, so it holds for
+    any microbatch count (a job of one microbatch puts ``window`` two jobs back)."""
+    grads = {s.index for s in stages if s.kind != "forward" and s.grad_bytes}
+    period = dispatch_period(len(stages) * rounds, workers)
+    jobs: list[list[int]] = [[] for _ in range(workers)]
+    graded: list[list[int]] = [[] for _ in range(workers)]
+    reach = 1  # a SHADOW of step k-1 -> the UPs of step k; async, UPs of k-1 -> SHADOW of k
+    for w, s, _r, k in itertools.islice(deal(len(stages), workers, rounds),
+                                        len(stages) * rounds * (4 * period + 4)):
+        for mine in (jobs[w], *((graded[w],) if s in grads else ())):
+            if len(mine) >= 2:
+                reach = max(reach, k - mine[-2])
+            mine.append(k)
+    return reach
+
+
+def runtime_cycle(stages: Sequence[Stage], workers: int, rounds: int = 1,
+                  steps: int | None = None) -> tuple[int, int, int]:
+    """``(steps, repeat_from, repeat_until)`` of the schedule a run cycles through: run step
+    ``k`` runs schedule step ``k`` while ``k < repeat_until``, then steps ``repeat_from ..
+    repeat_until-1`` over and over (:meth:`rpcompile.ir.Schedule.step_of`). ``repeat_from``
+    is the :func:`cross_step_reach`: from there on every edge into a step reaches back only
+    as far as the schedule holds, so a step run again waits for the same actions of the steps
+    before it as in a longer schedule. The repeated steps are whole dispatch periods, so the
+    round-robin counter goes on as in a long run. One more period is lowered after them and
+    never run as such: it gives the last repeated step the waits into the step after it (a
+    download's memory given back at the next step's compute, a worker's next upload landing
+    before its last job's weights go) that a long run has, and the memory proof its context.
+    ``steps`` (``PlanOptions.schedule_steps``): the steps lowered, at least ``repeat_from``
+    plus two periods; the repeated part is then the most whole periods that leave
+    ``repeat_from`` steps before it and one period after it."""
+    reach = cross_step_reach(stages, workers, rounds)
+    period = dispatch_period(len(stages) * rounds, workers)
+    if steps is None:
+        return reach + 2 * period, reach, reach + period
+    if steps < reach + 2 * period:
+        raise ValueError(
+            f"schedule_steps={steps} is too few for a run of overlapping steps: its edges reach "
+            f"{reach} step(s) back and its dealing repeats every {period}, so it needs at "
+            f"least {reach + 2 * period} (leave schedule_steps unset for that)")
+    until = steps - period
+    return steps, until - period * ((until - reach) // period), until
 
 
 def _compute_kind(stage: Stage) -> str:

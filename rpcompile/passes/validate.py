@@ -247,12 +247,12 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
         for red in sched.network:
             acc = index.get((None, "ACC", None, red.stage, None, last, red.step, None))
             need(acc, red, f"the last round's gradients of stage {red.stage}")
-            # (Async: step k's OPTs apply step k-1's gradients, reduced before the barrier.)
-            opt = first_opt.get(red.step) if sched.optimizer == "sync" else None
+            # Async: step k+1's OPTs apply step k's gradients.
+            opt = first_opt.get(red.step + (sched.optimizer == "async"))
             if opt is not None:
                 need(red, opt, f"the reduced gradients of stage {red.stage}")
     if "optimizer" in applied:
-        lag = 1  # one shadow on the host, in both modes (lower.add_optimizer)
+        lag = 1  # UP(x, k) reads what SHADOW(x, k-1) wrote, in both modes (lower.add_optimizer)
         # Sync: OPT(s, k) applies step k's gradients of s; async: step k-1's, pending on the
         # host (nothing in a schedule's first step).
         behind = 0 if sched.optimizer == "sync" else 1
@@ -279,10 +279,11 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
             src = shadows.get((a.stage, a.step - lag))
             if src is not None:
                 need(src, a, f"the shadow of stage {a.stage} from step {a.step - lag}")
-            # Async: a stage's SHADOW of step k rewrites the shadow every stage overlapping its
-            # units reads in step k (the schedule does not know ties; the lowering does);
-            # sync: only a stage's own SHADOW rewrites what it reads before the next step.
-            later = ([sh for sh in by_step.get(a.step, [])
+            # Sync: a stage's own SHADOW of step k rewrites what its uploads of step k read.
+            # Async (two copies of the shadow): the SHADOW of step k+1 of every stage
+            # overlapping its units rewrites the copy step k read (the schedule does not
+            # know ties; the lowering does).
+            later = ([sh for sh in by_step.get(a.step + 1, [])
                       if _overlap(sched.stage_units[sh.stage], sched.stage_units[a.stage])]
                      if sched.optimizer == "async" else
                      [sh for sh in (shadows.get((a.stage, a.step)),) if sh is not None])

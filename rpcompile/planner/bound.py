@@ -14,9 +14,7 @@ must serialize or wait for:
   * a job's first compute waits for its weights' upload (from time 0);
   * the host queue runs one action at a time in its list order, none faster than alone at
     full rate: in the lowering's order (:func:`_host_queue`), each action after the one
-    before it and after its release (an ACC after its gradients' download);
-  * every action of step k+1 starts after every action of step k ended (the step barrier,
-    rpcompile.passes.lower.add_step_barrier).
+    before it and after its release (an ACC after its gradients' download).
 
 Which figure is bounded:
 
@@ -24,11 +22,12 @@ Which figure is bounded:
     DAG whose longest path (durations at their minimum) no replay can beat, and the host
     queue's chain (ACCs, OPTs and SHADOWs, forward stages' included) ends no earlier than
     :func:`_host_queue` says.
-  * ``optimizer="async"``: the steady-state time per step (rpcompile.sim.steady_step_ms),
-    which with the barrier is the mean spacing of the window's step starts; each spacing is
-    at least one step's paths as in sync, counted from the barrier (uploads, host inputs and
-    the step's updates after it) or, for the window's first step, from its first compute
-    (:func:`_async_steady_bound`). Also at least one step's compute spread over the workers.
+  * ``optimizer="async"``: the steady-state time per step (rpcompile.sim.steady_step_ms): one
+    step's compute over the workers at the window's utilisation, which is at most 1, so at
+    least one step's compute spread over the workers. Steps overlap (nothing but what a job
+    reads and its worker's memory bounds orders step k+1 after step k), so no one step's
+    path bounds the spacing of step starts; a plan's steady state comes within a few
+    percent of this bound where it overlaps well.
 
 Both are scaled by ``1 - 1e-9`` against rounding in the two summation orders.
 
@@ -50,7 +49,7 @@ from rpcompile.passes.lower import opt_bytes
 from rpcompile.passes.schedule import deal, roundpipe_flows
 from rpcompile.sim.engine import JOURNAL_BYTES_PER_PARAM
 
-__all__ = ["simulated_lower_bound"]
+__all__ = ["simulated_lower_bound", "steady_estimate"]
 
 _MARGIN = 1e-9  # relative; the bound and the replay sum the same terms in other orders
 
@@ -74,18 +73,75 @@ def simulated_lower_bound(plan: Plan, hardware: Hardware | str, rounds: int = 1,
         if hit is not None:
             _BOUNDS.move_to_end(key)
             return hit
-    costs = _Costs(plan, hw, rounds)
     if optimizer == "async":
         work = plan.microbatches * rounds * sum(s.compute_ms for s in plan.stages)
-        bound = max(work / plan.workers,
-                    _async_steady_bound(plan, hw, rounds, costs)) * (1.0 - _MARGIN)
+        bound = work / plan.workers * (1.0 - _MARGIN)
     else:
-        bound = _sync_makespan_bound(plan, hw, rounds, costs) * (1.0 - _MARGIN)
+        bound = _sync_makespan_bound(plan, hw, rounds, _Costs(plan, hw, rounds)) * (
+            1.0 - _MARGIN)
     with _BOUNDS_LOCK:
         _BOUNDS[key] = bound
         while len(_BOUNDS) > _BOUNDS_KEPT:
             _BOUNDS.popitem(last=False)
     return bound
+
+
+def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> float:
+    """The async steady-state step (rpcompile.sim.steady_step_ms, over
+    :func:`~rpcompile.sim.steady_steps` overlapping steps) of a replay that keeps only each
+    worker's compute order, the jobs as :func:`~rpcompile.passes.schedule.deal` deals them,
+    and each value's least hop between workers (a D2H and an H2D): no uploads, host work,
+    link sharing or memory waits. Not a bound (the figure is a ratio, which a relaxed replay
+    may not lower), but it sees what an overlapping run's bubble is made of where steps
+    overlap (a job faster than the one before it waits for each microbatch; workers freed
+    unevenly start the next step's chain late), which :func:`simulated_lower_bound` cannot;
+    so the partitioner climbs and orders its async replays by it. At least the bound."""
+    hw = get_hardware(hardware)
+    key = ("steady", plan.stages, plan.workers, plan.microbatches,
+           plan.microbatch_size * plan.seq_len, hw, rounds)
+    with _BOUNDS_LOCK:
+        hit = _BOUNDS.get(key)
+        if hit is not None:
+            _BOUNDS.move_to_end(key)
+            return hit
+    from rpcompile.sim.runs import steady_steps
+
+    costs = _Costs(plan, hw, rounds)
+    steps = steady_steps(plan, rounds=rounds)
+    warm = 1 if steps <= 4 else 2  # steady_utilization's default window
+    free = [0.0] * plan.workers
+    ends: dict[tuple[int, int, int], list[float]] = {}
+    where: dict[tuple[int, int, int], int] = {}
+    spans: list[tuple[float, float]] = []
+    first: dict[int, float] = {}
+    micro = range(plan.microbatches)
+    for k in range(steps):
+        for w, s, r, _k in costs.dealt(k):
+            where[(s, r, k)] = w
+            t = free[w]
+            remote = [(ends[(src, r, k)], 0.0 if where[(src, r, k)] == w else hop)
+                      for src, hop in costs.remote[s]]
+            c = costs.compute[s]
+            done = []
+            for m in micro:
+                for src_ends, extra in remote:
+                    t = max(t, src_ends[m] + extra)
+                if k not in first or t < first[k]:
+                    first[k] = t
+                spans.append((t, t + c))
+                t += c
+                done.append(t)
+            ends[(s, r, k)] = done
+            free[w] = t
+    lo, hi = first[warm], first[steps - 1]
+    busy = sum(max(0.0, min(e, hi) - max(b, lo)) for b, e in spans)
+    work = plan.microbatches * rounds * sum(costs.compute)
+    estimate = work * (hi - lo) / busy if busy > 0 else float("inf")
+    with _BOUNDS_LOCK:
+        _BOUNDS[key] = estimate
+        while len(_BOUNDS) > _BOUNDS_KEPT:
+            _BOUNDS.popitem(last=False)
+    return estimate
 
 
 # Bounds already worked out, by everything they read: the partitioner meets a candidate in
@@ -143,62 +199,26 @@ class _Costs:
 
 
 def _sync_makespan_bound(plan: Plan, hw: Hardware, rounds: int, costs: _Costs) -> float:
-    compute_end, home = _step_paths(plan, hw, costs, 0, released=True)
-    host = _host_queue(plan, hw, rounds, home, "sync")
-    return max(compute_end, host)
+    compute_end, home = _step_paths(plan, hw, costs)
+    return max(compute_end, _host_queue(plan, hw, rounds, home))
 
 
-def _async_steady_bound(plan: Plan, hw: Hardware, rounds: int, costs: _Costs) -> float:
-    """The async steady-state step (:func:`~rpcompile.sim.steady_step_ms` over
-    :func:`~rpcompile.sim.steady_steps` steps, the window from step ``w`` to the last step S-1)
-    is the mean spacing of the window's step starts, ``(start[S-1] - start[w]) / (S-1-w)``:
-    with the step barrier every compute of steps w..S-2 lies inside the window, so the
-    clipped busy time is exactly those steps' compute. Step k+1's actions all start after
-    step k's all ended (time ``T[k+1]``, rpcompile.passes.lower.add_step_barrier), so
-
-      start[S-1] - start[w] >= (T[w+1] - start[w]) + sum over k in w+1..S-2 of (T[k+1] - T[k])
-                               + (start[S-1] - T[S-1]),
-
-    with each term bounded by one step's paths: from ``start[w]`` (no upload or update of step w
-    counted: they may have run before its first compute), from ``T[k]`` (uploads, host inputs
-    and the step's updates all after it), and the least weight upload before any compute."""
-    from rpcompile.sim.runs import steady_steps
-
-    steps = steady_steps(plan, rounds=rounds)
-    warm = 1 if steps <= 4 else 2  # steady_utilization's default window
-    paths: dict[tuple[int, bool], float] = {}  # a step's figure depends on its first worker
-    total = 0.0
-    for k in range(warm, steps - 1):
-        released = k > warm
-        key = (costs.dealt(k)[0][0], released)  # the worker step k's first job is dealt to
-        if key not in paths:
-            compute_end, home = _step_paths(plan, hw, costs, k, released=released)
-            host = _host_queue(plan, hw, rounds, home, "async" if released else "accs")
-            paths[key] = max(compute_end, host)
-        total += paths[key]
-    total += min(costs.upload)
-    return total / (steps - 1 - warm)
-
-
-def _step_paths(plan: Plan, hw: Hardware, costs: _Costs, step: int, released: bool,
+def _step_paths(plan: Plan, hw: Hardware, costs: _Costs,
                 ) -> tuple[float, dict[tuple[int, int], float]]:
-    """(when step ``step``'s computes end at the earliest, (stage, round) -> when its
-    gradients are home at the earliest), measured from a time at or before every action of
-    the step (``released``: uploads and host inputs then count from it) or from the step's
-    first compute (not ``released``: each compute counts only from there). ``costs`` holds
-    the plan's figures (:class:`_Costs`)."""
+    """(when a run's first step's computes end at the earliest, (stage, round) -> when its
+    gradients are home at the earliest), from the run's start. ``costs`` holds the plan's
+    figures (:class:`_Costs`)."""
     free = [0.0] * plan.workers  # when each compute stream is free
     ends: dict[tuple[int, int], list[float]] = {}  # (stage, round) -> each microbatch's end
     where: dict[tuple[int, int], int] = {}
     home: dict[tuple[int, int], float] = {}
-    dealt = costs.dealt(step)
-    uploaded = _first_uploads(plan, hw, dealt) if released else {}
+    dealt = costs.dealt(0)
+    uploaded = _first_uploads(plan, hw, dealt)
     micro = range(plan.microbatches)
     for n, (w, s, r, _step) in enumerate(dealt):
         where[(s, r)] = w
-        t = free[w]
-        if released:  # the weights and the host's inputs upload after the release
-            t = max(t, costs.upload[s], uploaded.get(n, 0.0), *costs.host_reads[s])
+        # the weights and the host's inputs upload after the start
+        t = max(free[w], costs.upload[s], uploaded.get(n, 0.0), *costs.host_reads[s])
         remote = [(ends[(src, r)], 0.0 if where[(src, r)] == w else hop)
                   for src, hop in costs.remote[s]]
         c = costs.compute[s]
@@ -226,12 +246,12 @@ def _step_paths(plan: Plan, hw: Hardware, costs: _Costs, step: int, released: bo
 
 def _first_uploads(plan: Plan, hw: Hardware, dealt: list[tuple[int, int, int, int]],
                    ) -> dict[int, float]:
-    """Job (its place in ``dealt``, one step's jobs) -> the earliest its weights are in, for
-    the first two jobs of each worker in the step, counted from the step's release.
+    """Job (its place in ``dealt``, a run's first step's jobs) -> the earliest its weights are
+    in, for the first two jobs of each worker, counted from the run's start.
 
-    Those two uploads wait for nothing of the step (the ``buffer`` wait of a worker's n-th
-    upload is on job n-2's EVICT, before the step; the ``shadow`` wait on a SHADOW of the
-    step before), so at the release every worker's H2D link has them ready, and it serves
+    Those two uploads wait for nothing (a worker's first two uploads have no ``buffer`` wait,
+    the first step no ``shadow`` wait), so at the start every worker's H2D link has them
+    ready, and it serves
     them back to back, the first first (list order breaks the tie). The links have one
     rate, and the simulator slows every transfer in proportion when host memory is
     oversubscribed, so while two links are busy they move the same work at every instant.
@@ -256,22 +276,16 @@ def _first_uploads(plan: Plan, hw: Hardware, dealt: list[tuple[int, int, int, in
     return out
 
 
-def _host_queue(plan: Plan, hw: Hardware, rounds: int, home: dict[tuple[int, int], float],
-                order: str) -> float:
-    """The earliest end of one step's host queue (ACC, OPT, SHADOW), from the time ``home``
-    counts from. The queue is ordered: each action starts after the one before it and after
-    its release (an ACC: its gradients home), and takes at least its time alone at full rate
-    (rpcompile.sim.engine). The order is the lowering's (rpcompile.passes.lower.add_optimizer,
-    ``updates="overlap"``), ACCs in dispatch order (round, then stage):
-
-      * ``"sync"``: after the last round's ACC of stage s, OPT(s), then SHADOW(x) of every
-        stage x (forward stages included) whose parameters' gradient stages (those whose
-        units overlap x's) have all had their OPT;
-      * ``"async"``: every OPT first, then the ACCs with SHADOWs between them; the SHADOWs'
-        places are not followed here, so they count only in the queue's total work (every
-        action of the step runs after the time ``home`` counts from);
-      * ``"accs"``: the ACCs alone (async, counted from the step's first compute: its OPTs
-        and SHADOWs may have run before it).
+def _host_queue(plan: Plan, hw: Hardware, rounds: int,
+                home: dict[tuple[int, int], float]) -> float:
+    """The earliest end of one sync step's host queue (ACC, OPT, SHADOW), from the time
+    ``home`` counts from. The queue is ordered: each action starts after the one before it
+    and after its release (an ACC: its gradients home), and takes at least its time alone at
+    full rate (rpcompile.sim.engine). The order is the lowering's
+    (rpcompile.passes.lower.add_optimizer, ``updates="overlap"``), ACCs in dispatch order
+    (round, then stage); after the last round's ACC of stage s, OPT(s), then SHADOW(x) of
+    every stage x (forward stages included) whose parameters' gradient stages (those whose
+    units overlap x's) have all had their OPT.
 
     Leaving actions out of an ordered queue keeps the rest in order: still a lower bound."""
     stages = plan.stages
@@ -298,19 +312,15 @@ def _host_queue(plan: Plan, hw: Hardware, rounds: int, home: dict[tuple[int, int
     def shadow_ms(x: int) -> float:  # the pass (the journal's copy, once a step per
         return 3.0 * stages[x].trainable_weight_bytes / host_rate  # parameter, not counted)
 
-    t = sum(opt_ms(s) for s in grad_stages) if order == "async" else 0.0
-    total = t + sum(shadow_ms(x) for x, ys in enumerate(covering) if ys) \
-        if order == "async" else 0.0
+    t = 0.0
     opted: set[int] = set()
     for (s, r) in sorted(home, key=lambda sr: (sr[1], sr[0])):
-        acc = 3.0 * stages[s].grad_bytes / host_rate
-        total += acc
-        t = max(t, home[(s, r)]) + acc  # ACC
-        if order != "sync" or r != rounds - 1:
+        t = max(t, home[(s, r)]) + 3.0 * stages[s].grad_bytes / host_rate  # ACC
+        if r != rounds - 1:
             continue
         t += opt_ms(s)  # OPT
         opted.add(s)
         for x, ys in enumerate(covering):
             if s in ys and all(y in opted for y in ys):
                 t += shadow_ms(x)  # SHADOW
-    return max(t, total)
+    return t

@@ -12,11 +12,9 @@ layer-by-layer recompute would, and more waits only shorten what the schedule ho
 (rpcompile.passes.memory). Only the values a worker holds (boundary activations and their
 gradients) grow with the number of cuts, so a coarser plan may fit a little longer where
 values make up the peak. The proof
-(:func:`rpcompile.passes.memory.worker_peaks`) runs over the schedule's lowered steps; with the
-step barrier in place (a step's actions all end before the next step's start) each step is
-proven from empty workers, and the proof of one dispatch period of steps (every alignment of
-jobs to workers) equals the proof over the simulator's longer steady-state run, which the
-partitioner checks, and the proof of the runtime's schedule (``Compiled.memory``).
+(:func:`rpcompile.passes.memory.worker_peaks`) runs over the steps the runtime cycles through
+(every alignment of jobs to workers, each step overlapping the one before, as a run overlaps
+them), the proof of the runtime's schedule (``Compiled.memory``).
 
 So a length reported as fitting has a plan, returned with its proven peaks, whose whole
 lowered schedule fits the GPUs. Searching: doubling from ``start`` while the length fits, then
@@ -65,6 +63,7 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.options import PlanOptions, entry_plan_options
 from rpcompile.passes.memory import HostMemory, format_bytes, host_memory, worker_peaks
+from rpcompile.passes.schedule import dispatch_period
 from rpcompile.planner.partition import (
     StageCosting,
     memory_first_plan,
@@ -231,10 +230,12 @@ def longest_sequence(
                                  seq, rounds, costing)
         if why := _alone(plan, capacity):
             return None, why
-        sched = proof_schedule(plan, rounds, optimizer)
+        steps = proof_steps(plan, rounds, optimizer)
+        period = dispatch_period(len(plan.stages) * rounds, plan.workers)
+        sched = proof_schedule(plan, rounds, optimizer, steps + period)
         proven.clear()
         proven[seq] = sched
-        peaks = worker_peaks(sched, plan, overlap_steps=False)  # as proven_peaks
+        peaks = worker_peaks(sched, plan, steps=steps)  # as proven_peaks
         proofs += 1
         top = max(peaks, key=lambda p: p.peak_bytes)
         if top.peak_bytes > capacity:

@@ -9,9 +9,11 @@ Sections, in reading order:
   3. Stage figures: compute time, transfer bytes and device memory of a stage
 
 One timing model: a candidate is timed by the simulator's proven lower bound
-(rpcompile.planner.bound.simulated_lower_bound, built from the simulator's own costs and its
-step barrier) until it is replayed, and by the simulator's replay after; the bound scores the
-local search and orders the replays, the replay decides which candidate wins.
+(rpcompile.planner.bound.simulated_lower_bound, built from the simulator's own costs) until
+it is replayed, and by the simulator's replay after; the bound scores the local search and
+orders the replays, the replay decides which candidate wins. An async candidate is replayed
+in the overlapping steady state the runtime runs (step k+1's jobs start while step k's
+drain), so the plan chosen is the fastest there, not the fastest isolated step.
 
 Why not greedy packing: a greedy pack that fills stages up to a budget leaves the last stage
 short, and RoundPipe's round-robin dispatch runs at the pace of its longest job. Here each
@@ -34,8 +36,8 @@ from rpcompile.options import PlanOptions, check_update_order, entry_plan_option
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
 from rpcompile.passes.lower import BOUNDED_WAITS, TIGHTEST_WAITS
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
-from rpcompile.passes.schedule import dispatch_period
-from rpcompile.planner.bound import simulated_lower_bound
+from rpcompile.passes.schedule import dispatch_period, runtime_cycle
+from rpcompile.planner.bound import simulated_lower_bound, steady_estimate
 
 __all__ = [
     "MEMORY_FIRST_NOTE",
@@ -56,10 +58,10 @@ __all__ = [
 
 # Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
 # replay is one step and its lower bound is within a few percent, so a search usually ends
-# proven well before the cap. An async replay is a dozen barrier-separated steps, 10-20 times
-# a sync one; its per-step bound is as tight as the sync one (1-3 %), but the golden models
-# have dozens of candidates within that of the best, so the search usually stops at its cap
-# and the plan's notes give the (proven) gap, about 1-3 %.
+# proven well before the cap. An async replay is a dozen overlapping steps, 10-20 times a
+# sync one; its bound is one step's compute over the workers, within the steady bubble (a
+# few percent) of the replay, and the golden models have dozens of candidates within that of
+# the best, so the search usually stops at its cap and the plan's notes give the (proven) gap.
 SIMULATION_CAPS = {"sync": 1024, "async": 32}
 
 
@@ -435,11 +437,13 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
     whole schedule fits ``capacity``, a note saying how it was found, its simulated bubble).
 
     Best-first with a proven bound: each candidate has a lower bound on its simulated figure,
-    :func:`~rpcompile.planner.bound.simulated_lower_bound` (what :func:`build_plan` writes in
-    ``Plan.predicted_step_ms``; asked for again here, a lookup in the bound's cache, so a plan
-    built for another mode or rounds is not pruned by a figure that bounds another run). Each pool (a grid's
-    candidates) is walked in increasing order of that bound; a candidate already simulated, or whose
-    bound is at least the best simulated figure so far (of any pool), is skipped. When every
+    :func:`~rpcompile.planner.bound.simulated_lower_bound` (asked for here, a lookup in the
+    bound's cache, so a plan built for another mode or rounds is not pruned by a figure that
+    bounds another run). Each pool (a grid's candidates) is walked in increasing order of that
+    bound (async: of :func:`~rpcompile.planner.bound.steady_estimate`, which ranks
+    overlapping steady states far better than their bound does); a candidate already
+    simulated, or whose bound is at least the best simulated figure so far (of any pool), is
+    skipped. When every
     candidate left has such a bound, the plan is the simulator's argmin over all candidates.
     A pool stops after ``max_simulations`` replays of its own (so a coarser grid's candidates
     are replayed as far as they would be alone), and the note then gives the proven gap: no
@@ -464,9 +468,13 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
             mine[i] = None
         members.append(list(mine))
     bounds = [simulated_lower_bound(p, hw, rounds, optimizer) for p in plans]
+    # The order of the replays: the bound (sync), or the relaxed replay's estimate of the
+    # overlapping steady state (async), whose bound (one step's compute over the workers)
+    # does not see how stages pace each other.
+    keys = bounds if optimizer == "sync" else [steady_estimate(p, hw, rounds) for p in plans]
 
     def first(i: int) -> tuple:
-        return round(bounds[i], 6), i
+        return round(keys[i], 6), i
 
     best: tuple[float, float, tuple, Plan] | None = None  # (ms, bubble, peaks, plan)
     misfit: tuple[int, object] | None = None  # (overshoot, worst peak) of the closest misfit
@@ -540,9 +548,8 @@ def _distinct(plans: Sequence[Plan]) -> list[Plan]:
 def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Random,
             grid: Sequence[int], keep: int = 4) -> list[Plan]:
     """Iterated local search over stage boundaries, scored by ``Plan.predicted_step_ms`` of
-    the plans ``make`` builds (in the partitioner: the simulator's lower bound,
-    :func:`~rpcompile.planner.bound.simulated_lower_bound`, the figure the replays are ordered
-    by).
+    the plans ``make`` builds (in the partitioner: what :func:`build_plan` writes, the figure
+    the replays are ordered by).
 
     Boundaries stay on ``grid`` (the unit indices a stage may start at). A move puts one
     boundary at any grid position between its neighbours, or shifts a whole stage by one
@@ -640,23 +647,31 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     lowering's memory-bounding waits (``Plan.memory_waits``) in :data:`WAIT_SETS` (two
     gradient slots per worker, then one) whose schedule's proven peak fits ``capacity``
     (default: the hardware's usable memory); the last when none fits. The schedule is ``steps`` steps
-    (default: sync, one dispatch period, the steps the runtime runs, every alignment of jobs
-    to workers; async, the steady-state run of :func:`~rpcompile.sim.steady_steps`, which
-    holds whole dispatch periods), dispatched and lowered as the simulator runs it. The peaks
-    are of each step from empty workers (``worker_peaks(overlap_steps=False)``): the step
-    barrier ends every action of a step before the next step's first starts, so nothing a
-    step holds outlives it, as the runtime runs them (``Compiled.memory``)."""
+    (default: sync, the steps the runtime cycles through, :func:`proof_steps`, every
+    alignment of jobs to workers; async, the steady-state run of
+    :func:`~rpcompile.sim.steady_steps`, which holds whole dispatch periods), dispatched and
+    lowered as the simulator runs it. The peaks are of the steps overlapping
+    (``worker_peaks``): two steps' jobs on one worker at once, as the runtime runs them
+    (``Compiled.memory``)."""
     from rpcompile.sim import steady_steps
 
     hw = get_hardware(hardware)
     capacity = hw.usable_memory_bytes if capacity is None else capacity
     if steps is None:
-        steps = (dispatch_period(len(plan.stages) * rounds, plan.workers) if optimizer == "sync"
+        steps = (proof_steps(plan, rounds) if optimizer == "sync"
                  else steady_steps(plan, rounds=rounds))
+    period = dispatch_period(len(plan.stages) * rounds, plan.workers)
     for waits in WAIT_SETS:
         plan = replace(plan, memory_waits=waits)
         lowered = proof_schedule(plan, rounds, optimizer, steps)
-        peaks = worker_peaks(lowered, plan, overlap_steps=False)
+        if steps == 1:  # a screen: the one step (the search proves a plan it keeps again)
+            peaks = worker_peaks(lowered, plan)
+        elif steps - period >= proof_steps(plan, rounds):
+            # Its first steps hold every alignment after the steps before them, and its
+            # last period is their context (worker_peaks(steps=)).
+            peaks = worker_peaks(lowered, plan, steps=steps - period)
+        else:
+            peaks = proven_peaks(plan, rounds, optimizer)
         if max(p.peak_bytes for p in peaks) <= capacity:
             break
     return plan, lowered, peaks
@@ -664,8 +679,8 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
 
 def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):
     """((step time, bubble, proven peak of each worker), the plan as it runs) in the
-    simulator: the steady state of an async run (:func:`~rpcompile.sim.steady_steps` steps,
-    separated by the step barrier), or one isolated sync step, with the memory waits :func:`fit_memory_waits`
+    simulator: the steady state of an async run (:func:`~rpcompile.sim.steady_steps`
+    overlapping steps), or one isolated sync step, with the memory waits :func:`fit_memory_waits`
     gives (they cost pipeline time). The peaks bound the simulated run's memory
     (rpcompile.passes.memory): async, of every step of the run (every alignment of jobs to
     workers); sync, of the one step replayed, which only screens candidates:
@@ -739,8 +754,8 @@ def _replayed(plan: Plan, hw: Hardware, rounds: int, optimizer: str) -> tuple[fl
 
 def _runtime_peaks(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacity: int):
     """The proven peak of each worker of ``plan`` (with the memory waits it was timed with)
-    over the steps the runtime runs (:func:`proven_peaks`: one dispatch period, every
-    alignment of jobs to workers, each step from empty workers). A sync candidate is timed
+    over the steps the runtime runs (:func:`proven_peaks`: the steps it cycles through,
+    every alignment of jobs to workers, overlapping). A sync candidate is timed
     and screened on one step, whose jobs sit on other workers than in later steps when the
     job count is not a multiple of the workers; the search keeps a sync plan only once this
     proof fits (and ``Plan.worker_peak_bytes`` is this proof, per worker). Kept in
@@ -758,12 +773,13 @@ def _runtime_peaks(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capaci
 
 
 def proof_steps(plan: Plan, rounds: int = 1, optimizer: str = "async") -> int:
-    """Steps whose lowered schedule the proof reads, in either mode: one dispatch period
-    (every alignment of jobs to workers; the steps the runtime runs, ``Compiled.schedule``).
-    The step barrier ends each step before the next starts, so each is proven from empty
-    workers and a longer run repeats them."""
-    del optimizer  # both modes: the same dealing, the same barrier
-    return dispatch_period(len(plan.stages) * rounds, plan.workers)
+    """Steps whose points the proof counts, in either mode: the steps the runtime executes
+    (``Compiled.schedule.run_steps``, rpcompile.passes.schedule.runtime_cycle): as many as an
+    edge reaches back, then one dispatch period (every alignment of jobs to workers), which a
+    longer run repeats; each proven after the steps before it and, one period more being
+    lowered, before the steps after it (:func:`proven_peaks`)."""
+    del optimizer  # both modes: the same dealing, the same cycle
+    return runtime_cycle(plan.stages, plan.workers, rounds)[2]
 
 
 def proof_schedule(plan: Plan, rounds: int = 1, optimizer: str = "async",
@@ -783,11 +799,15 @@ def proof_schedule(plan: Plan, rounds: int = 1, optimizer: str = "async",
 
 def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
                  steps: int | None = None) -> tuple[WorkerPeak, ...]:
-    """The proven peak of every worker over ``plan``'s :func:`proof_schedule`, each step
-    from empty workers (``worker_peaks(overlap_steps=False)``, as the partitioner and
-    ``compile()`` prove them)."""
-    return worker_peaks(proof_schedule(plan, rounds, optimizer, steps), plan,
-                        overlap_steps=False)
+    """The proven peak of every worker over the first ``steps`` steps (default
+    :func:`proof_steps`, the runtime's) of ``plan``'s :func:`proof_schedule` one dispatch
+    period longer, its steps overlapping and its last steps proven before the steps after
+    them, as a long run runs them (``worker_peaks(steps=)``, as the partitioner and
+    ``compile()`` prove them: rpcompile.passes.lower.runtime_peaks)."""
+    steps = proof_steps(plan, rounds, optimizer) if steps is None else steps
+    period = dispatch_period(len(plan.stages) * rounds, plan.workers)
+    return worker_peaks(proof_schedule(plan, rounds, optimizer, steps + period), plan,
+                        steps=steps)
 
 
 # Replays already run, by everything a replay depends on (the plan but its notes and memory
@@ -903,11 +923,13 @@ def build_plan(
     optimizer: str = "async",
 ) -> Plan:
     """A Plan from explicit cuts: ``*_bounds`` are the start units of each stage in model order
-    (both start with 0); units ``tail_start..`` form the fused tail. ``predicted_step_ms`` is
-    the simulator's proven lower bound for ``optimizer``
-    (:func:`~rpcompile.planner.bound.simulated_lower_bound`: ``"sync"``, one step's makespan;
-    ``"async"``, the steady-state time per step), not yet a replay: the partitioner writes in
-    the simulated figure of the plan it returns."""
+    (both start with 0); units ``tail_start..`` form the fused tail. ``predicted_step_ms`` is,
+    for ``"sync"``, the simulator's proven lower bound on one step's makespan
+    (:func:`~rpcompile.planner.bound.simulated_lower_bound`); for ``"async"``, the relaxed
+    replay's estimate of the overlapping steady-state step
+    (:func:`~rpcompile.planner.bound.steady_estimate`, at least that mode's bound): not yet a
+    replay either way: the partitioner writes in the simulated figure of the plan it
+    returns."""
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
     units = tuple(units)
@@ -926,7 +948,9 @@ def build_plan(
         predicted_step_ms=0.0, memory_limit_bytes=hw.usable_memory_bytes, notes=notes,
     )
     plan.validate()
-    return replace(plan, predicted_step_ms=simulated_lower_bound(plan, hw, rounds, optimizer))
+    figure = steady_estimate(plan, hw, rounds) if optimizer == "async" else \
+        simulated_lower_bound(plan, hw, rounds, optimizer)
+    return replace(plan, predicted_step_ms=figure)
 
 
 def _ranges(bounds: Sequence[int], end: int) -> list[tuple[int, ...]]:

@@ -9,6 +9,10 @@ The host keeps, for every parameter, exactly one of each of:
   with async updates shifted into the next step a second one, **pending**, holds the last
   completed step's gradients until the next step applies them (:meth:`HostStore.add_pending`).
 
+Async runs also keep a second copy of the trainable parameters' shadow
+(:meth:`HostStore.add_shadow_pair`): step k uploads copy ``k % 2`` while step k+1, running at
+the same time, uploads the other, which step k's SHADOW actions wrote.
+
 Each kind is ONE flat buffer, allocated at its exact size (no rounding), pinned on CUDA by
 registering the allocation with the driver (the caching pinned allocator would round each
 buffer up to a power of two), unless the run asked for pageable host memory
@@ -307,6 +311,11 @@ class HostStore:
         # gradient buffer holding the last completed step's gradients until the next step's
         # OPTs (or a flush) apply them, while ``grad`` accumulates the running step's.
         self.pending: torch.Tensor | None = None
+        # Async steps overlapping (:meth:`add_shadow_pair`): copy 1 of the trainable
+        # parameters' shadow, laid out as the masters (copy 0 is ``shadow``; a frozen
+        # parameter has one copy, read by both), and the copy the next step to run reads.
+        self.shadow_pair: torch.Tensor | None = None
+        self.shadow_version = 0
 
     # -- construction --------------------------------------------------------------------
     @classmethod
@@ -490,9 +499,57 @@ class HostStore:
             raise KeyError(f"{name!r} is frozen: it has no gradient")
         return self.grad[s.master_offset : s.master_offset + s.numel].view(s.shape)
 
-    def shadow_of(self, name: str) -> torch.Tensor:
+    def shadow_of(self, name: str, version: int | None = None) -> torch.Tensor:
+        """The parameter's shadow in copy ``version`` (default: :attr:`shadow_version`, the
+        copy the next step reads); a frozen parameter has one copy."""
         s = self.slot(name)
+        if self._paired(version) and s.trainable:
+            return self.shadow_pair[s.master_offset : s.master_offset + s.numel].view(s.shape)
         return self.shadow[s.shadow_offset : s.shadow_offset + s.numel].view(s.shape)
+
+    def _paired(self, version: int | None) -> bool:
+        """Whether ``version`` (None: the current one) is copy 1, the pair."""
+        version = self.shadow_version if version is None else version
+        if version not in (0, 1) or (version == 1 and self.shadow_pair is None):
+            raise ValueError(f"shadow copy {version} does not exist (copies: "
+                             f"{[0, 1] if self.shadow_pair is not None else [0]})")
+        return version == 1
+
+    def add_shadow_pair(self) -> None:
+        """Allocate copy 1 of the trainable parameters' shadow (idempotent), equal to copy 0:
+        2 more bytes (the compute dtype's) per trainable parameter, pinned like the others."""
+        if self.shadow_pair is None:
+            pair, _ = _host_flat(self.master.numel(), self.compute_dtype,
+                                 self.pin == "registered")
+            for m0, m1, s0 in _runs(self.trainable_slots):
+                pair[m0:m1].copy_(self.shadow[s0:s0 + m1 - m0])
+            self.shadow_pair = pair
+
+    def upload_pieces(self, stage: int, version: int = 0,
+                      ) -> list[tuple[int, torch.Tensor]]:
+        """``(device offset, host view)`` of each contiguous piece of ``stage``'s shadow in
+        copy ``version``: what one UP copies into the stage's device weight buffer. Copy 0 is
+        the stage's segments; copy 1 takes the trainable parameters from the pair and the
+        frozen ones from copy 0."""
+        layout = self.stages[stage].layout
+        if not self._paired(version):
+            return [(seg.device_offset, view) for seg, view in
+                    zip(layout.shadow_segments, self.stages[stage].shadow)]
+        pieces: list[list] = []  # [device offset, source, host start, numel]
+        for index in sorted(layout.slots, key=lambda i: self.slots[i].shadow_offset):
+            slot = self.slots[index]
+            if not slot.numel:
+                continue
+            device = _device_offset(layout.shadow_segments, slot.shadow_offset)
+            source, start = (1, slot.master_offset) if slot.trainable else (0, slot.shadow_offset)
+            last = pieces[-1] if pieces else None
+            if last is not None and last[1] == source and last[0] + last[3] == device and \
+                    last[2] + last[3] == start:
+                last[3] += slot.numel
+            else:
+                pieces.append([device, source, start, slot.numel])
+        return [(device, (self.shadow_pair if source else self.shadow)[start:start + numel])
+                for device, source, start, numel in pieces]
 
     @property
     def trainable_slots(self) -> tuple[ParamSlot, ...]:
@@ -504,9 +561,10 @@ class HostStore:
         return self._owned
 
     # -- shadow and gradients ------------------------------------------------------------
-    def refresh_shadow(self, stage: int | None = None) -> None:
+    def refresh_shadow(self, stage: int | None = None, version: int | None = None) -> None:
         """Rewrite the shadow of a stage's trainable parameters (all, when ``stage`` is None)
-        from their masters, cast to the compute dtype (round to nearest even)."""
+        in copy ``version`` (default: the current one, :attr:`shadow_version`) from their
+        masters, cast to the compute dtype (round to nearest even)."""
         if self.sharded:  # only the held masters; the others' shadows come from their owners
             owned = set(self._owned)
             slots = self.trainable_slots if stage is None else \
@@ -514,6 +572,11 @@ class HostStore:
             self._copy_runs(_runs([s for s in slots if s in owned]))
             return
         runs = _runs(self.trainable_slots) if stage is None else self._stage_runs[stage]
+        if self._paired(version):  # the pair is laid out as the masters
+            if runs:
+                cast_pack([self._m(m0, m1) for m0, m1, _ in runs], self.shadow_pair,
+                          [m0 for m0, _, _ in runs], backend=self.kernels)
+            return
         self._copy_runs(runs)
 
     def refresh_slots(self, slot_indices: Iterable[int]) -> None:
@@ -647,13 +710,14 @@ class HostStore:
         frozen = sum(s.numel for s in self.slots if not s.trainable)
         itemsize = self.compute_dtype.itemsize
         shadow_bytes = self.shadow.untyped_storage().nbytes()
+        pair = 0 if self.shadow_pair is None else self.shadow_pair.untyped_storage().nbytes()
         return MemoryReport(
             compute_dtype=str(self.compute_dtype).removeprefix("torch."),
             pin=self.pin,
             trainable_params=trainable,
             frozen_params=frozen,
             master_bytes=self.master.untyped_storage().nbytes(),
-            shadow_trainable_bytes=trainable * itemsize,
+            shadow_trainable_bytes=trainable * itemsize + pair,
             shadow_frozen_bytes=shadow_bytes - trainable * itemsize,
             grad_bytes=self.grad.untyped_storage().nbytes() + (
                 0 if self.pending is None else self.pending.untyped_storage().nbytes()),

@@ -35,15 +35,19 @@ computed at weights ``w``:
   RoundPipe. Step ``k``'s OPTs apply step ``k-1``'s gradients, which ``commit_step`` of step
   ``k-1`` left in the store's pending buffer (the two gradient buffers trade places), with step
   ``k-1``'s hyperparameters; ``discard_step`` leaves them pending, ``flush()`` applies them
-  between steps.
+  between steps. Its SHADOWs write the second copy of the shadow (``HostStore
+  .add_shadow_pair``), which step ``k+1`` reads while step ``k``'s own uploads still read the
+  first: the steps overlap. A skipped step (``commit_step(skipped=True)``) drops its own
+  gradients and keeps the rest.
 
 Hyperparameters (``param_groups`` entries: lr, betas, ...) are snapshotted at ``begin_step``:
 update ``k`` uses what was set when step ``k`` began, even if an LR scheduler changes them
 before it runs (async: in the next step, or a flush).
 
 **Failure atomicity.** Before an OPT changes a group the driver saves what the update will
-change (the group's masters and their optimizer state), and before a SHADOW the shadow it
-overwrites: the step's journal, kept until ``commit_step`` drops it. An exception in an update
+change (the group's masters and their optimizer state), and before a sync SHADOW the shadow it
+overwrites (an async one writes the copy no committed step reads): the step's journal, kept
+until ``commit_step`` drops it. An exception in an update
 (the user's ``step()`` at any group) raises from ``update`` as an :class:`OptimizerError`
 (``.step``, ``.label``, ``.rolled_back``), once, where the OPT ran; ``discard_step`` then puts
 every saved value back and zeroes the step's gradients, so the step never happened: masters,
@@ -307,38 +311,55 @@ class OptimizerDriver:
                 raise error from exc
         return True
 
-    def refresh(self, stage: int) -> None:
-        """``SHADOW``: rewrite ``stage``'s shadow (what its UP reads) from the masters, saving
-        the old values first (undone by :meth:`discard_step`, like the updates). The schedule
-        runs it after the OPTs over the stage's parameters: sync, it copies ``w_{k+1}``; async,
-        whose step-k OPTs applied update k-1, ``w_k``: in both, what step k+1 computes with."""
+    def refresh(self, stage: int, version: int | None = None) -> None:
+        """``SHADOW``: rewrite ``stage``'s shadow (what its UP reads) from the masters. The
+        schedule runs it after the OPTs over the stage's parameters: sync, it copies
+        ``w_{k+1}`` over the one shadow, saving the old values first (undone by
+        :meth:`discard_step`, like the updates); async, whose step-k OPTs applied update k-1,
+        ``w_k`` into copy ``version`` of the shadow pair (``HostStore.add_shadow_pair``), the
+        copy step k+1 reads and no committed step does: nothing to save (a failed step's
+        retry writes it again). In both, what step k+1 computes with."""
         state = self._require_open()
-        if self.rollback:
+        paired = version is not None and self.store.shadow_pair is not None
+        if self.rollback and not paired:
             journal = state.journal = state.journal or _Journal()
             for index in self.store.stages[stage].layout.slots:
                 slot = self.store.slots[index]
                 if slot.trainable and index not in journal.shadows:
                     journal.shadows[index] = self.store.shadow_of(slot.name).clone()
-        self.store.refresh_shadow(stage)
+        self.store.refresh_shadow(stage, version)
         if self.shadow_gather is not None:
             self.shadow_gather(stage, set(state.opt_stages))
 
-    def commit_step(self) -> None:
+    def commit_step(self, skipped: bool = False) -> None:
         """End a step whose OPT and SHADOW actions all ran: the journal is dropped (the update
         is kept) and the step counter advances; async (:meth:`use_pending`): the step's
-        gradients become the pending ones (the store's two gradient buffers trade places)."""
+        gradients become the pending ones (the store's two gradient buffers trade places).
+
+        ``skipped`` (async: the step's CHECK found its gradients non-finite): its gradients
+        are dropped instead, so the update they would feed (the next step's OPTs) does not
+        happen; its own OPTs, which applied the step before's checked gradients, and its
+        SHADOWs, which the next step already reads, are kept; the step counter stays, as for
+        a skipped sync step (:meth:`discard_step`)."""
         state = self._require_open()
         missing = self._grad_stages - state.opt_stages
         if missing:
             raise RuntimeError(f"step {state.step}: the schedule ran no OPT of gradient stages "
                                f"{sorted(missing)}")
+        if skipped and not self.shifted:
+            raise ValueError("commit_step(skipped=True) is async mode's; a skipped sync step "
+                             "is discarded (discard_step)")
         with _interrupts_held():  # no Ctrl-C between the swap and its record
-            if self.shifted:
+            if skipped:
+                self.store.zero_grads()
+                self._pending = None
+            elif self.shifted:
                 self.store.swap_pending()
                 self._pending = _Pending(state.step, state.hyperparams)
             state.journal = None
             self._open = None
-            self.step += 1
+            if not skipped:
+                self.step += 1
         # The step is taken: tell an LR scheduler so (the flag its step() wrapper would set),
         # or it warns that it stepped before the optimizer.
         self.optimizer._opt_called = True  # type: ignore[attr-defined]

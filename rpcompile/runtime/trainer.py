@@ -21,9 +21,9 @@ import copy
 import math
 import threading
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import fields, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -48,6 +48,9 @@ from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 from rpcompile.runtime.memory import HostStore, MemoryReport, pin_host_memory
 from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import make_workers
+
+if TYPE_CHECKING:
+    from rpcompile.runtime.stream import StepStream
 
 __all__ = ["StepFailed", "Trainer", "check_ranks", "default_timeout_s", "group_world", "plan_summary",
            "planned_ranks"]
@@ -326,12 +329,14 @@ class Trainer:
         self._peaks = [0] * len(self.workers)
 
     # -- construction ------------------------------------------------------------------------
-    @staticmethod
-    def _lowered_schedule(compiled: Any, run: PlanOptions, check_passes: int = 0) -> Schedule:
+    def _lowered_schedule(self, compiled: Any, run: PlanOptions,
+                          check_passes: int = 0) -> Schedule:
         """``compiled.schedule`` when it is the one the plan options ``run`` lower (one
         schedule per compile), else one built from them
         (:func:`rpcompile.passes.lower.runtime_schedule`), its CHECK actions charged for the
-        run's clipping and loss scaling (``check_passes``)."""
+        run's clipping and loss scaling (``check_passes``). ``self._lowered_by``: the plan
+        and options it was built from (None: the compile's)."""
+        self._lowered_by: tuple[Any, PlanOptions] | None = None
         ranks = run.ranks or 1
         plan = compiled.plan
         if getattr(plan, "grad_check_passes", check_passes) != check_passes:
@@ -349,6 +354,7 @@ class Trainer:
         # The compiled model's own figures (the same as its plan options' for a compile).
         run = replace(run, gpus=compiled.workers, microbatches=compiled.microbatches,
                       rounds=compiled.rounds)
+        self._lowered_by = (plan, run)
         return runtime_schedule(plan, run)
 
     def _host_figure(self, compiled: Any, mode: str, world: int, shard: bool) -> HostMemory:
@@ -420,14 +426,15 @@ class Trainer:
         """One optimizer step over ``batch`` (token ids ``[batch, seq]`` or a dict with
         ``input_ids``, ``labels``, ``attention_mask`` for a causal LM; a tuple of tensors
         otherwise): split into ``microbatches x rounds`` microbatches (as evenly as possible),
-        forward, backward, update. Returns the loss (a causal LM's token mean over the whole
-        batch; else the mean over microbatches). Raises :class:`StepFailed` if any action
-        fails, ``ValueError`` before anything runs if the batch is malformed or larger than
-        the plan's shape. Data parallel: the other ranks are (or will be) waiting for this
-        rank at the step's start, so a refused batch (or an interrupt before the step) is
-        announced to them (they raise ``RankFailed`` at once instead of waiting for the
-        process group's timeout) and this trainer refuses further steps, as after any failed
-        step: restart every rank."""
+        forward, backward, update, committed before it returns (nothing in flight after it;
+        :meth:`fit` keeps the next step running while this one drains). Returns the loss (a
+        causal LM's token mean over the whole batch; else the mean over microbatches). Raises
+        :class:`StepFailed` if any action fails, ``ValueError`` before anything runs if the
+        batch is malformed or larger than the plan's shape. Data parallel: the other ranks are
+        (or will be) waiting for this rank at the step's start, so a refused batch (or an
+        interrupt before the step) is announced to them (they raise ``RankFailed`` at once
+        instead of waiting for the process group's timeout) and this trainer refuses further
+        steps, as after any failed step: restart every rank."""
         if self._refused:
             raise RuntimeError(self._refused)
         # One step at a time (the executor refuses a second one too; here it is refused
@@ -438,37 +445,80 @@ class Trainer:
                 "thread: a trainer runs one step at a time, in order. Call step() from one "
                 "thread, or serialize the calls with a lock.")
         try:
-            return self._step(batch)
+            bound = self._bind(batch, self.executor.steps_run)
+            try:
+                self._committed(self.executor.run_step(bound))
+            except BaseException as exc:
+                self._failed(exc)
+                raise
+            return self.last.loss
         finally:
             self._stepping.release()
 
-    def _step(self, batch: Any) -> torch.Tensor:
+    def fit(self, batches: Iterable[Any], steps: int | None = None) -> StepStream:
+        """Train on ``batches`` as a stream of steps: an iterator of :class:`StepResult`, one
+        per committed step, in order (``trainer.last`` is the latest). Step k+1 starts while
+        step k drains (its forward jobs run as soon as what they read is ready), and each
+        batch is taken from ``batches`` and bound while the steps before it run, so neither
+        the data loading nor the loop's own work (logging, evaluation) stalls the workers.
+        ``steps``: at most that many steps (None: until ``batches`` ends).
+
+        A failure raises :class:`StepFailed` from ``next()``: every step not yet committed is
+        discarded (the state is the last committed step's), and the stream stays usable: the
+        next ``next()`` runs the discarded steps' batches again first, bit for bit as they
+        would have run, then goes on with ``batches``. ``flush()``, the checkpoints and
+        ``close()`` let the steps in flight commit first, so a checkpoint is always of a
+        committed step, and the steps committed then equal the batches taken from
+        ``batches`` (``stream.committed``)::
+
+            for result in trainer.fit(loader, steps=1000):
+                log(result.loss)
+                if trainer.steps_done % 100 == 0:
+                    trainer.save_checkpoint(path)   # lets the steps in flight commit first
+
+        ``trainer.step(batch)`` is the same step, run alone."""
+        from rpcompile.runtime.stream import StepStream
+
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                                  or steps < 0):
+            raise ValueError(f"steps must be a whole number >= 0 or None, got {steps!r}")
+        return StepStream(self, batches, steps)
+
+    def _bind(self, batch: Any, step: int) -> dict[str, torch.Tensor]:
+        """``batch`` as the executor runs it at run step ``step`` (its dropout seeds are the
+        step's), checked against the plan's shape; data parallel, with the whole global
+        batch's token count agreed with the other ranks (the step's start)."""
         from rpcompile.capture.batch import NUM_ITEMS, bind_batch
 
+        if self._refused:
+            raise RuntimeError(self._refused)
         try:
             self._refuse_merged_adapters()
-            batch = bind_batch(self.compiled.capture, batch, step=self.executor.steps_run)
-            check_plan_shape(self.compiled, batch)
+            bound = bind_batch(self.compiled.capture, batch, step=step)
+            check_plan_shape(self.compiled, bound)
         except BaseException as exc:
             if self.dp is not None:
-                self.dp.abandon(f"step {self.executor.steps_run} refused its batch on rank "
+                self.dp.abandon(f"step {step} refused its batch on rank "
                                 f"{self.dp.rank}: {type(exc).__name__}: {exc}")
             raise
         if self.dp is not None:
             # The loss is the token mean over the global batch of every rank.
-            if NUM_ITEMS in batch:
-                batch[NUM_ITEMS] = self.dp.begin_step(batch[NUM_ITEMS])
+            if NUM_ITEMS in bound:
+                bound[NUM_ITEMS] = self.dp.begin_step(bound[NUM_ITEMS])
             else:
                 self.dp.begin_step()
-        try:
-            self.last = self.executor.run_step(batch)
-        except BaseException as exc:
-            if self.dp is not None:  # whatever failed, this rank's collectives are now behind
-                self.dp.abandon(f"step {self.executor.steps_run} failed on rank {self.dp.rank}")
-            self._refuse(exc, f"step {self.driver.step}")
-            raise
-        self._peaks = [max(a, b) for a, b in zip(self._peaks, self.last.peak_bytes)]
-        return self.last.loss
+        return bound
+
+    def _failed(self, exc: BaseException) -> None:
+        """A step (or the steps in flight) failed: data parallel, this rank's collectives are
+        now behind; without the undo journal, the trainer stops (:meth:`_refuse`)."""
+        if self.dp is not None:
+            self.dp.abandon(f"step {self.executor.steps_run} failed on rank {self.dp.rank}")
+        self._refuse(exc, f"step {self.driver.step}")
+
+    def _committed(self, result: StepResult) -> None:
+        self.last = result
+        self._peaks = [max(a, b) for a, b in zip(self._peaks, result.peak_bytes)]
 
     @property
     def steps_done(self) -> int:
@@ -675,10 +725,19 @@ class Trainer:
     def apply_state(self, state: dict[str, Any]) -> None:
         """Apply a :meth:`prepare_state`-d state. Sharded: a collective (the shadows of every
         rank's shard are gathered)."""
-        self.driver.load_state_dict(state)
+        steps = int(state.get("executor_steps", state["step"]))
+        before = self.store.shadow_version
+        if self.executor.paired:  # the saved shadow is what the next step reads: its copy
+            self.store.shadow_version = steps % 2
+        try:
+            self.driver.load_state_dict(state)
+        except BaseException:
+            self.store.shadow_version = before
+            raise
         if self.sharded:  # every rank loaded its own shard's shadows: bring the others'
             self.dp.gather_shadows(None, in_step=False)
-        self.executor.steps_run = int(state.get("executor_steps", state["step"]))
+        self.executor.steps_run = steps
+        self.executor.reset_scales()
         self._refused = ""  # masters, optimizer state and shadows are the saved ones
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
@@ -822,12 +881,17 @@ class Trainer:
         return tuple(self._peaks)
 
     def predicted_peak_bytes(self, held: bool = False) -> tuple[int, ...]:
-        """The compiler's proven peak per worker over this trainer's schedule
-        (:func:`rpcompile.passes.memory.worker_peaks`, each step from empty workers).
+        """The compiler's proven peak per worker over this trainer's schedule, its steps
+        overlapping as a long run runs them (:func:`rpcompile.passes.lower.runtime_peaks`;
+        the compile's own ``Compiled.memory`` when the trainer runs the compile's schedule).
         ``held``: without compute working sets, which virtual workers do not account."""
-        from rpcompile.passes.memory import worker_peaks
+        from rpcompile.passes.lower import runtime_peaks
 
-        peaks = worker_peaks(self.schedule, self.compiled.plan, overlap_steps=False)
+        if self._lowered_by is None:
+            peaks = self.compiled.memory
+        else:
+            plan, run = self._lowered_by
+            peaks = runtime_peaks(plan, run)
         return tuple(p.held_bytes if held else p.peak_bytes for p in peaks)
 
     def memory_report(self) -> MemoryReport:
@@ -842,12 +906,19 @@ class Trainer:
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
-        """Apply pending async gradients and stop every worker's streams. From
-        another thread it first aborts the running step (which raises :class:`StepFailed`
-        there). Never raises: a failure not yet reported becomes a warning. Idempotent."""
+        """Let the steps in flight commit (a stream's), apply pending async gradients and
+        stop every worker's streams. From another thread it aborts the running steps instead
+        (which raise :class:`StepFailed` there). Never raises: a failure not yet reported
+        becomes a warning. Idempotent."""
         if self._closed:
             return
         self._closed = True
+        try:
+            if self.executor.in_flight and not self._refused and self.executor.drives():
+                with self.executor.between_steps("close()"):
+                    pass  # the steps in flight commit
+        except BaseException as exc:  # close() must not raise for a step that failed
+            warnings.warn(f"close(): {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=2)
         try:
             finished = self.executor.abort("the trainer was closed", wait_s=self.timeout_s or 60.0)
             if not finished:

@@ -215,8 +215,9 @@ def _run(schedule: Schedule, plan: Plan | Sequence[Stage], hw: Hardware,
         replay.gathered = shadow_gather_bytes(schedule, plan)
     # What each SHADOW's undo journal saves (a parameter two stages read, once a step); bare
     # stages say nothing of which parameters they share, so each saves its own bytes. A run
-    # without the journal saves nothing.
-    if not hw.undo_journal:
+    # without the journal saves nothing, nor does an async SHADOW (it writes the copy of the
+    # shadow no committed step reads).
+    if not hw.undo_journal or schedule.optimizer == "async":
         replay.journaled = {a: 0 for a in schedule.host if a.kind == "SHADOW"}
     elif isinstance(plan, Plan):
         replay.journaled = shadow_journal_bytes(schedule, plan)

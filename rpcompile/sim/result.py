@@ -13,14 +13,15 @@ __all__ = ["SimResult", "StepFigures", "busy_split"]
 
 @dataclass(frozen=True)
 class StepFigures:
-    """One step of a simulated run, as if it ran alone (:meth:`SimResult.step`). Times in ms.
+    """One step of a simulated run (:meth:`SimResult.step`). Times in ms.
 
-    The step barrier (rpcompile.passes.lower.add_step_barrier) starts every action of a step
-    after every action of the step before ended, so a step's clock starts at its release
-    (``start_ms``: 0 for the first step, the end of the step before for the others) and it
-    ends with its last action (``end_ms``). The bubble figures are fractions of
-    ``makespan_ms x workers`` as in :class:`SimResult`, counted inside that window: the
-    figures of step 0 are those of the same step lowered and replayed alone.
+    A step's span runs from the start of its first action (``start_ms``: 0 for the first
+    step) to the end of its last one (``end_ms``). Steps overlap (step k+1's forward jobs run
+    while step k's backward jobs drain), so spans overlap too, and a worker's time inside
+    step k's span that it spends on another step's computes counts as idle for step k. The
+    bubble figures are fractions of ``makespan_ms x workers`` as in :class:`SimResult`,
+    counted inside the span, of the step's own computes: step 0's fill is an isolated step's,
+    its drain shares the workers with step 1's fill.
     """
 
     step: int
@@ -84,21 +85,18 @@ class SimResult:
 
     @property
     def step_spans_ms(self) -> tuple[tuple[float, float], ...]:
-        """Per step, (its release, the end of its last action of any kind): the release is 0
-        for the first step and the end of the step before for the others (the step
-        barrier). The spans tile the run: the last one ends at ``makespan_ms``."""
+        """Per step, (the start of its first action, the end of its last action), of any
+        kind. Steps overlap, so the spans do; the last one to end ends at ``makespan_ms``."""
+        starts = [float("inf")] * self.schedule.steps
         ends = [0.0] * self.schedule.steps
-        for a, (_start, end) in self.timeline.items():
-            if end > ends[a.step]:
-                ends[a.step] = end
-        for k in range(1, len(ends)):  # a step with nothing after the barrier ends there
-            ends[k] = max(ends[k], ends[k - 1])
-        return tuple(zip((0.0, *ends[:-1]), ends, strict=True))
+        for a, (start, end) in self.timeline.items():
+            starts[a.step] = min(starts[a.step], start)
+            ends[a.step] = max(ends[a.step], end)
+        return tuple((0.0 if s == float("inf") else s, e) for s, e in zip(starts, ends))
 
     def step(self, k: int) -> StepFigures:
-        """The figures of step ``k`` alone (:class:`StepFigures`). With the step barrier a
-        step's actions run inside its span (:attr:`step_spans_ms`), so the first step's
-        figures are an isolated step's, bit for bit (the same sums, in the same order)."""
+        """The figures of step ``k`` inside its span (:class:`StepFigures`): its own
+        computes' busy time, and the idle time of every worker between them."""
         if not 0 <= k < self.schedule.steps:
             raise ValueError(f"step must be in 0..{self.schedule.steps - 1}, got {k}")
         start, end = self.step_spans_ms[k]

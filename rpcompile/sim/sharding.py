@@ -88,7 +88,10 @@ def shadow_gather_bytes(schedule: Schedule, plan: Plan) -> dict[Action, int]:
 def shadow_journal_bytes(schedule: Schedule, plan: Plan) -> dict[Action, int]:
     """Bytes of old shadows the undo journal saves at each ``SHADOW`` of ``schedule`` (see the
     module doc): every trainable parameter's shadow once per step, at the first ``SHADOW`` of
-    the step whose stage reads it."""
+    the step whose stage reads it. Async, none: a SHADOW writes the second copy of the
+    shadow, which no committed step reads (rpcompile.runtime.optim)."""
+    if schedule.optimizer == "async":
+        return {a: 0 for a in schedule.host if a.kind == "SHADOW"}
     elements, _stages_of, reads = _parameters(plan)
     size = _element_bytes(plan)
     saved: dict[int, set[_Key]] = {}

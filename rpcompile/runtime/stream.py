@@ -1,0 +1,119 @@
+"""The stream of steps a training loop iterates: :class:`StepStream` (``Trainer.fit``).
+
+It keeps the executor fed: before it hands back step k's result, step k+1 runs and step k+2
+is submitted (at most ``Executor.in_flight_limit`` steps uncommitted), its batch taken from
+the source and bound meanwhile, so the workers go from one step's backward drain into the
+next step's forward fill without waiting for the loop's own work.
+
+A failure discards every step not yet committed (rpcompile.runtime.executor); their batches
+are kept, in order, and the next ``next()`` runs them again before taking more from the
+source: the same batches at the same run steps, so the retry is bit for bit what the steps
+would have been.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+from rpcompile.runtime.results import StepResult
+
+if TYPE_CHECKING:
+    from rpcompile.runtime.trainer import Trainer
+
+__all__ = ["StepStream"]
+
+
+class StepStream(Iterator[StepResult]):
+    """An iterator of the :class:`StepResult` of each committed step, over the batches of
+    ``batches`` (at most ``steps`` of them; see ``Trainer.fit``). ``committed``: the steps it
+    has committed, which equals the batches it has taken from ``batches`` once no step is in
+    flight (after a ``flush()``, a checkpoint, or the end). ``in_flight``: the batches taken
+    and not yet committed (run again first after a failure)."""
+
+    def __init__(self, trainer: Trainer, batches: Iterable[Any], steps: int | None) -> None:
+        self._trainer = trainer
+        self._source = iter(batches)
+        self._left = steps  # batches still to take from the source (None: all)
+        # (run step, batch) of each step submitted and not yet handed back, in order
+        self._ahead: collections.deque[tuple[int, Any]] = collections.deque()
+        self._retry: collections.deque[Any] = collections.deque()  # discarded, to run again
+        self._ended = False
+        self.committed = 0
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._ahead) + len(self._retry)
+
+    def __iter__(self) -> StepStream:
+        return self
+
+    def __next__(self) -> StepResult:
+        trainer = self._trainer
+        executor = trainer.executor
+        if trainer._refused:
+            raise RuntimeError(trainer._refused)
+        self._requeue()
+        self._fill()
+        if not self._ahead:
+            raise StopIteration
+        if not self._retry and (self._ended or self._left == 0):
+            executor.end_steps()  # the source is done: no step follows the ones in flight
+        try:
+            result = executor.finish()
+        except BaseException as exc:
+            self._requeue()  # every step not yet committed was discarded: they run again
+            trainer._failed(exc)
+            raise
+        k, _batch = self._ahead.popleft()
+        if k != result.step:
+            raise RuntimeError(f"the stream expected step {k}'s result, got step "
+                               f"{result.step}'s: another caller ran steps on this trainer")
+        self.committed += 1
+        trainer._committed(result)
+        try:
+            self._fill()  # the next steps run while the caller works on this one
+        except Exception:  # raised again by the next next(), which fills first
+            pass
+        return result
+
+    def _requeue(self) -> None:
+        """Steps submitted but neither committed nor in flight were discarded by a failure
+        (here, or in a flush or checkpoint that let them commit): their batches, in order,
+        run again before any other."""
+        next_step = self._trainer.executor.next_step
+        while self._ahead and self._ahead[-1][0] >= next_step:
+            self._retry.appendleft(self._ahead.pop()[1])
+
+    def _fill(self) -> None:
+        """Submit steps until the executor holds as many in flight as it runs at once. A
+        batch that cannot be bound or submitted goes back first in line, and the error is
+        raised."""
+        executor = self._trainer.executor
+        while executor.in_flight < executor.in_flight_limit:
+            batch = self._take()
+            if batch is None:
+                return
+            try:
+                k = executor.next_step
+                executor.start(self._trainer._bind(batch, k))
+            except BaseException:
+                self._retry.appendleft(batch)
+                raise
+            self._ahead.append((k, batch))
+
+    def _take(self) -> Any:
+        """The next batch: a discarded one first, then the source's (None at the end)."""
+        if self._retry:
+            return self._retry.popleft()
+        if self._ended or self._left == 0:
+            return None
+        try:
+            batch = next(self._source)
+        except StopIteration:
+            self._ended = True
+            return None
+        if self._left is not None:
+            self._left -= 1
+        return batch
