@@ -1,20 +1,21 @@
-"""Simulated async steady state of two paper models on 8x RTX 4090, for a before/after
-comparison of a lowering change (the step barrier in the schedule, async updates in the next
-step): a small subset of ``paper_bubbles.py`` that runs in minutes instead of an hour.
+"""Simulated steady state of two paper models on 8x RTX 4090, steps overlapping as the
+lowered schedule lets them (async updates in the next step, each step closed at its commit
+point): a small subset of ``paper_bubbles.py`` that runs in seconds instead of an hour.
 
 For Qwen3-1.7B and Llama-3.1-8B (the RoundPipe paper's layer times, microbatches of 4 x 2048
 tokens, 16 per round, links set to the paper's activation hop: ``paper_bubbles.py``), each on
 one fixed plan, RoundPipe's own greedy partition (``partition_roundpipe``, with the memory
-waits only where its schedule needs them), so that the plan does not move between the trees
-compared; ``--ours`` adds our partitioner's async plan (slow: minutes per model). Prints and
-writes to JSON, per plan:
+waits only where its schedule needs them); ``--ours`` adds our partitioner's async plan (slow:
+minutes per model). Prints and writes to JSON, per plan:
 
   async step ms        steady-state time per step (``steady_step_ms`` over ``steady_steps``)
   async bubble %       steady-state idle share (1 - ``steady_utilization``)
   sync step ms         one isolated sync step's makespan, and its bubble %
+  sync steady ms       sync steps in a stream (each job waits only for the updated shadow of
+                       its own stage): steady-state time per step, and its bubble %
+  async / sync         one isolated sync step's time over the async steady step's
 
-Run it from the tree to measure (``PYTHONPATH=<tree> python3 benchmarks/async_barrier.py``;
-the script reads only APIs both trees have).
+Run it from the tree to measure (``PYTHONPATH=<tree> python3 benchmarks/async_barrier.py``).
 """
 
 from __future__ import annotations
@@ -37,9 +38,13 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def figures(plan, hw) -> dict[str, float]:
     steady = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
     one = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")
+    stream = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="sync")
     return {"async_step_ms": steady_step_ms(steady),
             "async_bubble_pct": 100 * (1 - steady_utilization(steady)),
-            "sync_step_ms": one.makespan_ms, "sync_bubble_pct": 100 * one.bubble}
+            "sync_step_ms": one.makespan_ms, "sync_bubble_pct": 100 * one.bubble,
+            "sync_steady_step_ms": steady_step_ms(stream),
+            "sync_steady_bubble_pct": 100 * (1 - steady_utilization(stream)),
+            "async_over_sync": one.makespan_ms / steady_step_ms(steady)}
 
 
 def main() -> None:
@@ -71,7 +76,10 @@ def main() -> None:
             print(f"{name:14s} {label:18s} async step {row['async_step_ms']:9.1f} ms  "
                   f"async bubble {row['async_bubble_pct']:6.2f} %  sync step "
                   f"{row['sync_step_ms']:9.1f} ms  sync bubble {row['sync_bubble_pct']:6.2f} %"
-                  f"  ({time.perf_counter() - t0:.0f} s)", flush=True)
+                  f"  sync steady {row['sync_steady_step_ms']:9.1f} ms "
+                  f"{row['sync_steady_bubble_pct']:6.2f} %  async / sync "
+                  f"{row['async_over_sync']:.3f}  ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     print(f"wrote {args.json}")

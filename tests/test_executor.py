@@ -57,15 +57,21 @@ def reference_training(compiled, data, make_optimizer, mode="sync"):
 
 
 def assert_trains_like_reference(compiled, data, make_optimizer, mode="sync", chaos=None,
-                                 **options):
+                                 stream=True, **options):
+    """Train on ``data`` and hold losses and masters bit for bit against
+    :func:`reference_training`. ``stream``: as one stream of steps (``Trainer.fit``: step k+1
+    runs while step k drains, two steps' jobs in flight); else one ``step()`` at a time."""
     ref_losses, ref_params = reference_training(compiled, data, make_optimizer, mode)
     with Trainer(compiled, make_optimizer, device="virtual", mode=mode, chaos=chaos,
                  **options) as trainer:
-        losses = []
-        for batch in data:
-            losses.append(trainer.step(batch))
-            # Every weight slot, gradient buffer and value was freed by the schedule's actions.
-            assert set(trainer.last.left_over_bytes) == {0}, trainer.last.left_over_bytes
+        if stream:
+            results = list(trainer.fit(data))
+            assert [r.step for r in results] == list(range(len(data)))
+            losses = [r.loss for r in results]
+        else:
+            losses = [trainer.step(batch) for batch in data]
+        # Every weight slot, gradient buffer and value was freed by the schedule's actions.
+        assert set(trainer.last.left_over_bytes) == {0}, trainer.last.left_over_bytes
         masters = trainer.masters()
         for k, (got, want) in enumerate(zip(losses, ref_losses)):
             assert torch.equal(got, want), f"step {k}: loss {got.item()} != {want.item()}"
@@ -76,12 +82,13 @@ def assert_trains_like_reference(compiled, data, make_optimizer, mode="sync", ch
         return trainer
 
 
-@pytest.mark.parametrize("gpus,chaos", [
-    (1, None), (2, 11), (3, None), (3, 12), (4, 13), (8, None), (8, 14),
+@pytest.mark.parametrize("gpus,chaos,stream", [
+    (1, None, True), (2, 11, True), (3, None, False), (3, 12, True), (4, 13, True),
+    (8, None, False), (8, 14, True),
 ])
-def test_qwen3_bit_identical_to_reference_sgd(qwen3, gpus, chaos):
+def test_qwen3_bit_identical_to_reference_sgd(qwen3, gpus, chaos, stream):
     compiled = qwen3 if gpus == 3 else qwen3.replan(gpus, microbatches=3)
-    assert_trains_like_reference(compiled, batches(3, 6), SGD, chaos=chaos)
+    assert_trains_like_reference(compiled, batches(3, 6), SGD, chaos=chaos, stream=stream)
 
 
 @pytest.mark.parametrize("gpus,chaos", [(1, None), (3, 5), (4, 6)])
@@ -191,10 +198,14 @@ def test_rounds_accumulate_on_the_host_bit_identically():
     assert_trains_like_reference(compiled, batches(3, 8), ADAMW, chaos=2)
 
 
-@pytest.mark.parametrize("gpus,chaos", [(2, None), (3, 9)])
-def test_async_mode_is_one_step_stale_reference(qwen3, gpus, chaos):
+@pytest.mark.parametrize("gpus,chaos,stream", [(1, 3, True), (2, None, False), (3, 9, True),
+                                               (8, 10, True)])
+def test_async_mode_is_one_step_stale_reference(qwen3, gpus, chaos, stream):
+    # Eager stale-by-one training (each step's gradients at the weights before the previous
+    # update), steps overlapping under chaos on 1, 3 and 8 virtual workers.
     compiled = qwen3 if gpus == 3 else qwen3.replan(gpus, microbatches=3)
-    assert_trains_like_reference(compiled, batches(3, 6), ADAMW, mode="async", chaos=chaos)
+    assert_trains_like_reference(compiled, batches(4, 6), ADAMW, mode="async", chaos=chaos,
+                                 stream=stream)
 
 
 def test_schedule_period_continues_round_robin_across_steps(qwen3):
@@ -404,3 +415,34 @@ def test_workers_on_another_device_run_retargeted_graphs(qwen3):
         assert retargeted == {(p.index, torch.device("cpu")) for p in qwen3.stages}
         assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
         assert all(torch.equal(masters[n], p) for n, p in ref_params.items())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_missing_edge_between_steps_breaks_exactness(qwen3, monkeypatch, mode):
+    """The edges between steps are what keeps overlapping steps exact. With each SHADOW of a
+    step after the first held back (the host is slow), a stream of steps still trains as
+    eager training does; with the ``shadow`` edges from one step into the next taken out of
+    the schedule (a forward upload no longer waits for the shadow it reads), the next step
+    uploads the weights before they are rewritten and leaves eager training."""
+    original = Executor._do_SHADOW
+
+    def slow_shadow(self, run, a):
+        if run.k >= 1:
+            time.sleep(0.3)
+        original(self, run, a)
+
+    monkeypatch.setattr(Executor, "_do_SHADOW", slow_shadow)
+    data = batches(3, 6)
+    assert_trains_like_reference(qwen3, data, SGD, mode=mode, chaos=4)
+
+    lowered = Trainer._lowered_schedule
+
+    def without_shadow_edges(self, compiled, run, check_passes=0):
+        sched = lowered(self, compiled, run, check_passes)
+        dropped = [e for e in sched.edges if e.kind == "shadow" and e.src.step != e.dst.step]
+        assert dropped
+        return sched.replace(edges=tuple(e for e in sched.edges if e not in dropped))
+
+    monkeypatch.setattr(Trainer, "_lowered_schedule", without_shadow_edges)
+    with pytest.raises(AssertionError, match=r"differs from the reference|loss"):
+        assert_trains_like_reference(qwen3, data, SGD, mode=mode, chaos=4)

@@ -175,8 +175,8 @@ def test_the_planners_peak_of_each_worker_is_what_a_multi_step_run_reaches(
     capacity = int(1.05 * max(predicted))
     with metered_computes(gpus) as really, Trainer(
             compiled, SGD, device="virtual", mode=mode, capacity_bytes=capacity) as trainer:
-        for k in range(2 * period):
-            trainer.step(token_batch(2 * microbatches, seed=k))
+        for _ in trainer.fit(token_batch(2 * microbatches, seed=k) for k in range(2 * period)):
+            pass  # a stream: two steps' jobs in flight on a worker, as the proof counts
         measured = trainer.peak_bytes()
     assert_agree(compiled.memory, sim.peak_device_bytes, measured, really)
 
@@ -194,9 +194,8 @@ def without_waits(compiled):
 def test_without_the_waits_the_proof_still_bounds_the_run(arch, gpus, microbatches):
     # Without the memory-bounding waits transfers may start earlier and values stay longer:
     # the proof follows the schedule's remaining order and still bounds what the simulator
-    # and the virtual workers reach (with chaos delays on the workers, too), but no longer
-    # within 5 %: it proves more than the waits let a run hold.
-    waited = max(p.peak_bytes for p in compiled_for(arch, gpus, microbatches).memory)
+    # and the virtual workers reach over a stream of overlapping steps (with chaos delays on
+    # the workers, too), but no longer within 5 %.
     compiled = without_waits(compiled_for(arch, gpus, microbatches))
     assert not any(e.kind in MEMORY_WAITS for e in compiled.schedule.edges)
     simulated, measured, _really = simulated_and_measured(compiled, gpus, microbatches, chaos=3)
@@ -204,7 +203,6 @@ def test_without_the_waits_the_proof_still_bounds_the_run(arch, gpus, microbatch
         assert got <= bound.peak_bytes
     for got, bound in zip(measured, compiled.memory):
         assert got <= bound.held_bytes
-    assert max(p.peak_bytes for p in compiled.memory) > waited
 
 
 @pytest.mark.parametrize("arch,gpus,microbatches", [("qwen3", 2, 3), ("llama", 3, 6)])
@@ -335,9 +333,12 @@ def test_longest_sequence_names_the_peak_of_the_schedule_that_does_not_fit():
 
 @pytest.mark.parametrize("waits", [(), BOUNDED_WAITS, TIGHTEST_WAITS])
 def test_the_proof_of_one_dispatch_period_equals_the_steady_state_runs(waits):
-    # The longest-sequence search proves one dispatch period of steps, each from empty
-    # workers; with the step barrier that is the proof of the simulator's longer run, for a
-    # memory-first plan and for RoundPipe's own plan (rounds 1 and 2), in both modes.
+    # The longest-sequence search proves the steps the runtime runs (as far back as an edge
+    # reaches, then one dispatch period), steps overlapping; with the memory-bounding waits
+    # that is the proof of the simulator's longer run, for a memory-first plan and for
+    # RoundPipe's own plan (rounds 1 and 2), in both modes. Without any wait nothing bounds
+    # how long a downloaded value stays across overlapping steps: the longer run's proof is
+    # a few MiB (under 0.1 %) higher, which the planner's headroom must cover.
     from rpcompile.planner.longest import memory_first_plan, proof_steps, proven_peaks
     from rpcompile.sim import steady_steps
     from rpcompile.workloads.paper import MODELS, hop_hardware, roundpipe_qwen3_1_7b_plan
@@ -351,7 +352,11 @@ def test_the_proof_of_one_dispatch_period_equals_the_steady_state_runs(waits):
         assert proof_steps(plan, rounds, mode) < steady_steps(plan, rounds=rounds)
         short = proven_peaks(plan, rounds, mode)
         long = proven_peaks(plan, rounds, mode, steps=steady_steps(plan, rounds=rounds))
-        assert [p.peak_bytes for p in short] == [p.peak_bytes for p in long]
+        if waits:
+            assert [p.peak_bytes for p in short] == [p.peak_bytes for p in long]
+        else:
+            for a, b in zip(short, long):
+                assert a.peak_bytes <= b.peak_bytes <= 1.001 * a.peak_bytes
 
 
 @pytest.mark.parametrize("gib,chunk", [(0.6, 1024), (3.0, None)])
@@ -442,7 +447,12 @@ def test_host_memory_model_equals_what_the_host_store_of_a_lora_model_holds(mode
         adapters = sum(p.numel() for p in model.parameters() if p.requires_grad)
         assert 0 < adapters < frozen / 10
         predicted = host_memory(compiled.plan, mode)
-        assert predicted.shadows == store.shadow.nbytes
+        # Async steps overlap: a second copy of the trainable parameters' shadow, which the
+        # next step reads while this one's uploads read the first.
+        pair = 0 if store.shadow_pair is None else store.shadow_pair.nbytes
+        assert (pair > 0) == (mode == "async")
+        assert predicted.shadows == store.shadow.nbytes + pair
+        assert pair in (0, store.shadow.element_size() * adapters)
         assert store.shadow.numel() == frozen + adapters  # every parameter once
         assert predicted.masters == store.master.nbytes == 4 * adapters
         assert predicted.gradients == store.grad.nbytes + pending
@@ -526,19 +536,19 @@ def test_the_undo_journal_is_what_the_host_figure_and_the_simulator_charge(mode)
         journal = driver._open.journal
         return 0 if journal is None else sum(t.nbytes for t in journal.shadows.values())
 
-    def measuring_refresh(driver, stage):
+    def measuring_refresh(driver, stage, version=None):
         before = shadow_bytes(driver)
-        refresh(driver, stage)
+        refresh(driver, stage, version)
         refreshed.setdefault(driver.step, []).append(shadow_bytes(driver) - before)
 
-    def measuring_commit(driver):
+    def measuring_commit(driver, skipped=False):
         journal = driver._open.journal
         if journal is not None:
             state = sum(v.nbytes for _p, saved in journal.state if saved is not None
                         for k, v in saved.items() if k != "step")
             held.append((sum(t.nbytes for t in journal.masters.values()), state,
                          shadow_bytes(driver)))
-        return commit(driver)
+        return commit(driver, skipped)
 
     with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-3), device="virtual",
                  mode=mode) as trainer:
