@@ -569,6 +569,42 @@ def test_interpreter_launches_from_worker_threads():
         assert all(pool.map(job, range(8)))
 
 
+def test_first_launch_of_a_specialization_runs_alone(monkeypatch):
+    # On CUDA the first launch of each specialization compiles: compute threads of several
+    # workers reaching it together must not each compile it. Later launches take no lock.
+    import threading
+    import time
+
+    monkeypatch.setattr(kernels, "_LAUNCHED", set())
+    spans: list[tuple[str, float, float]] = []
+    lock = threading.Lock()
+
+    def launch(key):
+        begin = time.perf_counter()
+        time.sleep(0.02)
+        with lock:
+            spans.append((key, begin, time.perf_counter()))
+
+    keys = ["a", "a", "a", "b", "b", "a", "b", "a"]
+    threads = [threading.Thread(target=kernels._first_launch_alone,
+                                args=(k, lambda k=k: launch(k))) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(k for k, _, _ in spans) == sorted(keys)  # every launch ran, once
+    spans.sort(key=lambda span: span[1])
+    first = {}
+    for span in spans:
+        first.setdefault(span[0], span)
+    for key, (_, begin, end) in first.items():
+        # No other launch of the same key, and no other first launch, overlaps it.
+        others = [s for s in spans if s[0] == key and s is not first[key]]
+        others += [f for f in first.values() if f is not first[key]]
+        assert all(e <= begin or b >= end for _, b, e in others), (key, spans)
+    assert kernels._LAUNCHED == {"a", "b"}
+
+
 @pytest.mark.parametrize(
     ("kernel", "constexprs", "signature"),
     [

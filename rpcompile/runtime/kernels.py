@@ -11,7 +11,8 @@ instead of one copy and one cast per parameter tensor:
 
 Each takes ``backend``: ``"torch"`` (the reference, plain torch ops), ``"triton"`` (the Triton
 kernel: compiled on CUDA tensors, run by Triton's interpreter on CPU tensors) or ``"auto"``
-(Triton on CUDA, torch elsewhere). Both backends are bit-exact with torch for every finite and
+(Triton on CUDA, torch elsewhere). :func:`host_backend` is the rule for the host's own calls
+(the shadow refresh on CPU tensors): the interpreter runs there only beside virtual workers. Both backends are bit-exact with torch for every finite and
 infinite value; a NaN stays a NaN, but its bits may differ (torch itself does not fix them:
 its vectorised CPU cast to bf16 writes 0xFFFF for every NaN, its scalar cast 0x7FC0).
 
@@ -45,6 +46,7 @@ __all__ = [
     "accumulate_grads",
     "cast_flat",
     "cast_pack",
+    "host_backend",
     "nonfinite_flag",
     "packed_offsets",
     "resolve_backend",
@@ -67,6 +69,25 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return backend
+
+
+def host_backend(kernels: str, worker_kind: str) -> str:
+    """The backend of the host's own kernel calls (the shadow refresh, on CPU tensors) in a run
+    whose workers are of ``worker_kind`` and whose ``kernels`` option is ``kernels``.
+
+    Beside CUDA workers it is ``"torch"`` whatever ``kernels`` says: the compiled kernels need
+    CUDA tensors, and Triton's interpreter on the host would cost ~1 ms per program (seconds a
+    step for a large model), hold the GIL against the stream threads and patch
+    ``triton.language`` while a stream thread may be compiling. Beside virtual workers it is
+    ``kernels`` itself, so ``kernels="triton"`` runs the interpreter on the host too and the
+    CPU tests cover the kernel on both sides of the transfer.
+    """
+    check_option("kernels", kernels)
+    if worker_kind == "cuda":
+        return "torch"
+    if worker_kind == "virtual":
+        return kernels
+    raise ValueError(f"unknown worker kind {worker_kind!r}; expected 'cuda' or 'virtual'")
 
 
 def packed_offsets(tensors: Sequence[torch.Tensor], align: int = 1) -> list[int]:
@@ -363,7 +384,11 @@ def _launch(
         return  # nothing to move: no launch, and the flag stays as it was
     kernels = _triton_kernels(interpret=not out.is_cuda)
     if out.is_cuda:
-        _run(kernels, op, table, out, flag)
+        # What Triton specialises a launch on: the constexprs, the pointer dtypes and each
+        # pointer's 16-byte alignment (the table and the flag are fresh allocations, aligned).
+        key = (op, out.device, out.dtype, out.data_ptr() % 16 == 0, table.block,
+               table.aligned, table.mixed, table.source_dtype, flag is not None)
+        _first_launch_alone(key, lambda: _run(kernels, op, table, out, flag))
     else:
         # The interpreter patches triton.language module-wide for the length of a launch, so
         # launches from several threads (virtual workers) must take turns. It also emulates the
@@ -371,6 +396,26 @@ def _launch(
         # on a GPU (and in torch) that is silent and intended.
         with _INTERPRETER_LOCK, numpy.errstate(over="ignore", invalid="ignore"):
             _run(kernels, op, table, out, flag)
+
+
+def _first_launch_alone(key: tuple, launch: Any) -> None:
+    """Run ``launch``; the first launch of each specialization ``key`` runs alone.
+
+    The first launch compiles. Compute threads of several workers reach the same kernel at
+    about the same time, and without this each would compile it (seconds each, in the first
+    step) and race on Triton's cache. Later launches take no lock.
+    """
+    if key not in _LAUNCHED:
+        with _COMPILE_LOCK:
+            if key not in _LAUNCHED:
+                launch()
+                _LAUNCHED.add(key)
+                return
+    launch()
+
+
+_COMPILE_LOCK = threading.Lock()
+_LAUNCHED: set[tuple] = set()
 
 
 def _run(

@@ -290,8 +290,9 @@ class HostStore:
         self.grad = grad
         self.compute_dtype = shadow.dtype
         self.pin = pin
-        # Backend of the shadow refresh (rpcompile.runtime.kernels): "auto" is torch on this
-        # CPU host; "triton" runs the kernel in Triton's interpreter (for tests).
+        # Backend of the shadow refresh on these CPU tensors (rpcompile.runtime.kernels):
+        # "auto" is torch; "triton" runs Triton's interpreter, which only a run on virtual
+        # workers asks for (the Trainer sets it by kernels.host_backend).
         self.kernels = "auto"
         self._by_name = {name: slot for slot in slots for name in slot.names}
         self._lock = threading.Lock()
