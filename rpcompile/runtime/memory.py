@@ -38,11 +38,16 @@ reduced to their owner.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import ctypes
+import functools
+import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -386,12 +391,14 @@ class HostStore:
             if trainable:
                 master_at += numel
 
-        pin_kind = "no"
-        buffers = []
+        buffers, pin_kinds = [], []
         for numel, dtype in ((shadow_at, compute_dtype), (master_at, torch.float32),
                              (master_at, torch.float32)):
-            flat, pin_kind = _host_flat(numel, dtype, pin)
+            flat, kind = _host_flat(numel, dtype, pin)
             buffers.append(flat)
+            pin_kinds.append(kind)
+        # A buffer whose registration fell back is the one the report names.
+        pin_kind = next((k for k in pin_kinds if k not in ("no", "registered")), pin_kinds[0])
         shadow, master, grad = buffers
         grad.zero_()
         with torch.no_grad():
@@ -452,7 +459,7 @@ class HostStore:
         if cut:
             raise ValueError(f"shard [{start}, {stop}) cuts parameters {cut[:3]}; shards hold "
                              "whole parameters (rpcompile.runtime.memory.shard_bounds)")
-        kept, _ = _host_flat(stop - start, torch.float32, self.pin == "registered")
+        kept, _ = _host_flat(stop - start, torch.float32, self.pin != "no")
         kept.copy_(self.master[start:stop])
         self.master = kept
         self.master_start, self.master_stop = start, stop
@@ -552,7 +559,7 @@ class HostStore:
         memory per trainable parameter, pinned like the others."""
         if self.pending is None:
             self.pending, _ = _host_flat(self.grad.numel(), torch.float32,
-                                         self.pin == "registered")
+                                         self.pin != "no")
             self.pending.zero_()
 
     def swap_pending(self) -> None:
@@ -939,7 +946,9 @@ def pin_host_memory(host_memory: str, device_kind: str) -> bool:
 
 
 def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, str]:
-    """An exact-size flat host buffer, pinned by registering it with the CUDA driver."""
+    """An exact-size flat host buffer, pinned by registering it with the CUDA driver; where
+    the registration fails, a warning that says why and a buffer of torch's caching pinned
+    allocator instead (pinned all the same, its size maybe rounded up)."""
     flat = torch.empty(numel, dtype=dtype)
     if not pin:
         return flat, "no"
@@ -947,26 +956,110 @@ def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor,
         raise ValueError("pin=True needs CUDA (torch.cuda.is_available() is False); use pin=False")
     if numel == 0:
         return flat, "registered"
-    cudart = torch.cuda.cudart()
-    try:
-        # Portable: every GPU's context reads these buffers, not only the current device's.
-        torch.cuda.check_error(cudart.cudaHostRegister(flat.data_ptr(), flat.nbytes,
-                                                       _HOST_REGISTER_PORTABLE))
-    except RuntimeError as exc:
+    failure = _register(flat.data_ptr(), flat.nbytes)
+    if failure is not None:
         warnings.warn(
-            f"cudaHostRegister of {format_bytes(flat.nbytes)} failed ({exc}); using the caching "
-            "pinned allocator, which may round the buffer up to a power of two",
+            f"registering {format_bytes(flat.nbytes)} of host memory with the CUDA driver "
+            f"failed ({failure}); using torch's caching pinned allocator instead, which may "
+            "round the buffer up to a power of two",
             RuntimeWarning,
             stacklevel=3,
         )
-        return torch.empty(numel, dtype=dtype, pin_memory=True), "caching allocator (may round up)"
+        return _caching_pinned(numel, dtype), "caching allocator (may round up)"
     # Unregister before the memory goes back to the CPU allocator.
     weakref.finalize(flat, _unregister, flat.data_ptr())
     return flat, "registered"
 
 
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+def _caching_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+# [Note: registration through the driver API]
+# torch's binding of cudaHostRegister (torch.cuda.cudart()) returns the error of a failed call
+# but leaves it as the CUDA runtime's last error of the calling thread, and torch offers no
+# cudaGetLastError to clear it. The next kernel launch on that thread (a worker's stream thread,
+# for the staging buffers) then raises it at an unrelated op, failing the step instead of
+# falling back. The driver API keeps no such state: a call returns its error and that is all.
+# Driver calls act on the thread's current context, which a fresh stream thread may not have
+# yet, so each call runs inside the device's primary context (the one torch's runtime uses).
+
+
+def _register(pointer: int, nbytes: int) -> str | None:
+    """Register ``nbytes`` at ``pointer`` as pinned memory every GPU can read; None when it is
+    done, else what failed."""
+    try:
+        driver = _driver()
+    except OSError as exc:
+        return f"the CUDA driver library could not be loaded: {exc}"
+    return driver.register(pointer, nbytes)
 
 
 def _unregister(pointer: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+    # A finalizer: it may run at exit, with CUDA shut down, where a failure changes nothing.
+    with contextlib.suppress(OSError, RuntimeError):
+        _driver().unregister(pointer)
+
+
+@functools.cache
+def _driver() -> _Driver:
+    return _Driver(ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"))
+
+
+class _Driver:
+    """The few CUDA driver API calls that host registration needs, through ctypes."""
+
+    _SIGNATURES: ClassVar[dict[str, list]] = {
+        "cuInit": [ctypes.c_uint],
+        "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+        "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+        "cuDevicePrimaryCtxRelease_v2": [ctypes.c_int],
+        "cuCtxPushCurrent_v2": [ctypes.c_void_p],
+        "cuCtxPopCurrent_v2": [ctypes.POINTER(ctypes.c_void_p)],
+        "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
+        "cuMemHostUnregister": [ctypes.c_void_p],
+        "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    }
+    _PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: every context sees the memory as pinned
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for name, arguments in self._SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = arguments, ctypes.c_int
+            self._functions[name] = function
+
+    def register(self, pointer: int, nbytes: int) -> str | None:
+        return self._in_primary_context(
+            lambda: self._call("cuMemHostRegister_v2", pointer, nbytes, self._PORTABLE))
+
+    def unregister(self, pointer: int) -> str | None:
+        return self._in_primary_context(lambda: self._call("cuMemHostUnregister", pointer))
+
+    def _call(self, name: str, *arguments: object) -> str | None:
+        result = self._functions[name](*arguments)
+        if result == 0:  # CUDA_SUCCESS
+            return None
+        text = ctypes.c_char_p()
+        self._functions["cuGetErrorName"](result, ctypes.byref(text))
+        return f"{name} returned {(text.value or b'').decode() or 'CUresult'} ({result})"
+
+    def _in_primary_context(self, call: Callable[[], str | None]) -> str | None:
+        # The device of torch's current device (portable memory: any device would do).
+        ordinal = torch.cuda.current_device()
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        failure = (self._call("cuInit", 0)
+                   or self._call("cuDeviceGet", ctypes.byref(device), ordinal)
+                   or self._call("cuDevicePrimaryCtxRetain", ctypes.byref(context), device))
+        if failure:
+            return failure
+        try:
+            failure = self._call("cuCtxPushCurrent_v2", context)
+            if failure:
+                return failure
+            try:
+                return call()
+            finally:
+                self._call("cuCtxPopCurrent_v2", ctypes.byref(ctypes.c_void_p()))
+        finally:
+            self._call("cuDevicePrimaryCtxRelease_v2", device)
