@@ -541,6 +541,34 @@ def test_compiled_kernels_on_cuda_match_torch(dtype):
     assert flag.item() == int(found)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernels_launched_from_several_threads_at_once():
+    # Worker compute threads reach a specialization none has compiled yet at the same time:
+    # it compiles once and every thread's sums are right.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    device = torch.device("cuda")
+    gate = threading.Barrier(4)
+
+    def job(seed):
+        sizes = [4097 + seed, 3, 10_000]  # unaligned offsets: a specialization of its own
+        grads = [_grad(n, torch.float16, seed * 10 + n, 0.0).to(device) for n in sizes]
+        accumulator = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(seed))
+        expected, _ = _reference_accumulate([g.cpu() for g in grads], accumulator,
+                                            kernels.packed_offsets(grads))
+        accumulator = accumulator.to(device)
+        gate.wait()
+        kernels.accumulate_grads(grads, accumulator, backend="triton")
+        torch.cuda.synchronize()
+        assert_bits_equal(accumulator.cpu(), expected)
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(job, range(4)))
+
+
 def test_interpreter_launches_from_worker_threads():
     # Virtual workers are threads. Triton's interpreter patches triton.language for the length
     # of a launch, so concurrent launches must not trip over each other.
