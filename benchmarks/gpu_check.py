@@ -348,13 +348,20 @@ def bench(trainer_device: str, hidden: int, layers: int, seq: int, workers: int,
 
 
 class Run:
-    """The results, the clock against the budget, and one printed line per event."""
+    """The results, the clock against the budget, and one printed line per event. The JSON is
+    rewritten after every section, so a run stopped from outside leaves what it measured."""
 
-    def __init__(self, budget_s: float) -> None:
+    def __init__(self, budget_s: float, results: dict, path: Path) -> None:
         self.begin = time.perf_counter()
         self.budget_s = budget_s
+        self.results, self.path = results, path
         self.sections: dict[str, dict] = {}
         self.incomplete: list[str] = []
+        results["sections"], results["incomplete"] = self.sections, self.incomplete
+
+    def save(self) -> None:
+        self.results["seconds"] = round(self.elapsed(), 1)
+        self.path.write_text(json.dumps(self.results, indent=2))
 
     def elapsed(self) -> float:
         return time.perf_counter() - self.begin
@@ -389,6 +396,14 @@ class Run:
         self.sections[name] = {"skipped": reason}
         self.say(f"{name}: skipped: {reason}")
         return {"skipped": reason}
+
+    def record(self, name: str, row: dict) -> None:
+        """Keep ``row`` as the results' ``name`` (appended, for the exactness rows) and save."""
+        if isinstance(self.results.get(name), list):
+            self.results[name].append(row)
+        else:
+            self.results[name] = row
+        self.save()
 
 
 def _missing(package: str) -> bool:
@@ -454,23 +469,23 @@ def main(argv: list[str] | None = None) -> int:
         trainer_device, device = "cuda", torch.device("cuda")
         name = f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}"
 
-    run = Run(args.budget_s)
     results: dict = {"device": name, "versions": versions(), "mode":
                      "quick" if args.quick else "full", "budget_s": args.budget_s,
                      "host_memory": args.host_memory, "exact": []}
+    run = Run(args.budget_s, results, Path(args.json))
     run.say(f"gpu_check on {name}: " + ", ".join(f"{k} {v}" for k, v in
                                                  results["versions"].items()))
-    results["machine"] = run.section("machine", lambda: check_machine(trainer_device))
+    run.record("machine", run.section("machine", lambda: check_machine(trainer_device)))
 
     if args.skip_finetune:
-        results["finetune"] = run.skip("finetune", "--skip-finetune")
+        run.record("finetune", run.skip("finetune", "--skip-finetune"))
     elif _missing("datasets"):
-        results["finetune"] = run.skip(
+        run.record("finetune", run.skip(
             "finetune", "the `datasets` package is not installed (rpcompile.data reads the "
-                        "data file with it); the other sections decide the result")
+                        "data file with it); the other sections decide the result"))
     elif run.fits("finetune", NEEDS_S["finetune"]):
-        results["finetune"] = run.section(
-            "finetune", lambda: check_finetune(trainer_device, max(args.workers)))
+        run.record("finetune", run.section(
+            "finetune", lambda: check_finetune(trainer_device, max(args.workers))))
 
     # Exactness: torch's deterministic kernels where it has them (others only warn), so a
     # difference between two runs of the same programs is rpcompile's.
@@ -489,30 +504,28 @@ def main(argv: list[str] | None = None) -> int:
                 row.setdefault("arch", arch)
                 row.setdefault("workers", workers)
                 slowest = max(slowest, run.sections[case]["seconds"])
-                results["exact"].append(row)
+                run.record("exact", row)
     finally:
         torch.use_deterministic_algorithms(deterministic)
     run.sections["exact"] = {"seconds": round(time.perf_counter() - exact_start, 1)}
 
     if args.skip_bench:
-        results["kernels"] = run.skip("kernels", "--skip-bench")
-        results["bench"] = run.skip("bench", "--skip-bench")
+        run.record("kernels", run.skip("kernels", "--skip-bench"))
+        run.record("bench", run.skip("bench", "--skip-bench"))
     else:
         if run.fits("kernels", NEEDS_S["kernels"]):
-            results["kernels"] = run.section(
-                "kernels", lambda: check_kernels(device, args.kernel_elements))
+            run.record("kernels", run.section(
+                "kernels", lambda: check_kernels(device, args.kernel_elements)))
         if args.virtual and not args.bench_virtual:
-            results["bench"] = run.skip("bench", "virtual workers (--bench-virtual runs it)")
+            run.record("bench", run.skip("bench", "virtual workers (--bench-virtual runs it)"))
         elif run.fits("bench", NEEDS_S["bench"]):
-            results["bench"] = run.section("bench", lambda: bench(
+            run.record("bench", run.section("bench", lambda: bench(
                 trainer_device, args.bench_hidden, args.bench_layers, args.bench_seq,
                 args.bench_workers, args.bench_microbatch, args.bench_steps,
-                args.host_memory))
-    results["sections"] = run.sections
-    results["incomplete"] = run.incomplete
-    results["seconds"] = round(run.elapsed(), 1)
-    Path(args.json).write_text(json.dumps(results, indent=2))
+                args.host_memory)))
     ok, summary = verdict(results, name, args.host_memory)
+    results["ok"] = ok
+    run.save()
     print(summary + f"; {results['seconds']} s; JSON in {args.json}")
     return 0 if ok else 1
 

@@ -12,9 +12,10 @@ instead of one copy and one cast per parameter tensor:
 Each takes ``backend``: ``"torch"`` (the reference, plain torch ops), ``"triton"`` (the Triton
 kernel: compiled on CUDA tensors, run by Triton's interpreter on CPU tensors) or ``"auto"``
 (Triton on CUDA, torch elsewhere). :func:`host_backend` is the rule for the host's own calls
-(the shadow refresh on CPU tensors): the interpreter runs there only beside virtual workers. Both backends are bit-exact with torch for every finite and
-infinite value; a NaN stays a NaN, but its bits may differ (torch itself does not fix them:
-its vectorised CPU cast to bf16 writes 0xFFFF for every NaN, its scalar cast 0x7FC0).
+(the shadow refresh on CPU tensors): the interpreter runs there only beside virtual workers.
+Both backends are bit-exact with torch for every finite and infinite value; a NaN stays a NaN,
+but its bits may differ (torch itself does not fix them: its vectorised CPU cast to bf16
+writes 0xFFFF for every NaN, its scalar cast 0x7FC0).
 
 Sections, in reading order:
   1. Public API: the three kernels, their validation and the torch reference
