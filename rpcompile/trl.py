@@ -96,10 +96,13 @@ class SFTTrainer(trl.SFTTrainer):
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "")
             config = trl.SFTConfig(f"{name.split('/')[-1]}-SFT")
         _refuse_fields(config)  # before TRL loads the model and prepares the data
+        config = copy.copy(config)  # the user's own stays as given
+        # The GPUs are the workers: transformers must not replicate the module over them
+        # (nn.DataParallel, which TRL refuses), as it does not for a model-parallel one.
+        config._n_gpu = min(config.n_gpu, 1)
         if isinstance(model, str) and isinstance(config, trl.SFTConfig) \
                 and "device_map" not in (config.model_init_kwargs or {}):
             # TRL would spread a model it loads over the GPUs; the workers take it from the host.
-            config = copy.copy(config)
             config.model_init_kwargs = {**(config.model_init_kwargs or {}), "device_map": "cpu"}
         given["args"] = config
         self.rpcompile_options = _compile_options(rpcompile)
@@ -165,6 +168,10 @@ class SFTTrainer(trl.SFTTrainer):
         loss = compiled.step(batch)
         self._grad_norm = compiled.trainer().last.grad_norm
         return loss.detach().to(self.args.device)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        self._group = []  # a group left by a stopped run is dropped, as its gradients would be
+        return super().train(*args, **kwargs)
 
     def _count_tokens(self, inputs: Mapping[str, Any]) -> None:
         # TRL's "num_tokens": the non-padding tokens trained on so far.

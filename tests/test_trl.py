@@ -210,6 +210,17 @@ def test_fields_that_cannot_apply_are_refused(tmp_path, fields, extra, error, wo
                    train_dataset=_prompt_completion(4), processing_class=_tokenizer(), **extra)
 
 
+def test_visible_gpus_are_workers_not_data_parallel(tmp_path):
+    # As on a server with 2 visible GPUs and no launcher: transformers would replicate the module
+    # over them (n_gpu 2, which TRL refuses) and multiply the per-device batch.
+    config = _config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=3)
+    config._n_gpu = 2
+    trainer = SFTTrainer(model=_model(), args=config, train_dataset=_prompt_completion(4),
+                         processing_class=_tokenizer(), rpcompile=VIRTUAL)
+    assert trainer.args.n_gpu == 1 and config.n_gpu == 2
+    assert trainer._train_batch_size == 2 and trainer._plan_rows == 6
+
+
 def test_importing_rpcompile_does_not_import_trl():
     code = ("import sys, rpcompile; print(sorted(m for m in ('trl', 'transformers.trainer') "
             "if m in sys.modules))")
