@@ -1,0 +1,132 @@
+"""Quantized frozen bases (bitsandbytes NF4 / FP4 / int8 under PEFT LoRA adapters).
+
+The models are built the Hugging Face way: a tiny Qwen3 saved in fp32 and
+reloaded with ``BitsAndBytesConfig``, then wrapped by ``peft.get_peft_model``. Every comparison
+is with what bitsandbytes itself computes on the CPU: the eager PEFT model's loss and adapter
+gradients, ``bitsandbytes.functional.dequantize_4bit`` and bitsandbytes' int8 training matmul.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import pytest
+import torch
+
+from rpcompile.capture import RefusedModel, capture
+from rpcompile.capture.quantized import DEQUANTIZE_OPS
+from tests.tiny_models import hf_model
+
+bnb = pytest.importorskip("bitsandbytes")
+peft = pytest.importorskip("peft")
+# bitsandbytes warns once that it cannot reach an optional CPU kernel hub; its fallback is used.
+logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+
+CONFIGS = {
+    "nf4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                       bnb_4bit_use_double_quant=True),
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "fp4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4",
+                       bnb_4bit_use_double_quant=True),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+    "int8": dict(load_in_8bit=True),
+}
+
+
+@functools.cache
+def _checkpoint(tmp_root: str) -> str:
+    hf_model("qwen3", layers=2).save_pretrained(tmp_root)
+    return tmp_root
+
+
+def quantized_model(tmp_path_factory, kind: str, *, lora: bool = True, **lora_kw):
+    """A tiny Qwen3 loaded with bitsandbytes ``kind`` (a CONFIGS key), fp32 compute, with
+    seeded non-zero LoRA adapters on every linear of the base (``lora=False``: none)."""
+    import transformers as tf
+
+    root = _checkpoint(str(tmp_path_factory.getbasetemp() / "qwen3-fp32"))
+    config = tf.BitsAndBytesConfig(**CONFIGS[kind], bnb_4bit_compute_dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_pretrained(root, quantization_config=config,
+                                                    dtype=torch.float32)
+    if not lora:
+        return model
+    torch.manual_seed(1)
+    kw = dict(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+              init_lora_weights=False) | lora_kw
+    return peft.get_peft_model(model, peft.LoraConfig(**kw)).base_model.model.train()
+
+
+def _graph_loss(captured, batch):
+    gm = captured.graph_module
+    values = []
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if node.name in captured.inputs:
+            values.append(batch[captured.input_keys[captured.inputs.index(node.name)]])
+        else:
+            values.append(captured.value_of(node.name))
+    out = gm(*values)
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_captured_quantized_lora_equals_eager_peft_bitsandbytes(tmp_path_factory, kind):
+    model = quantized_model(tmp_path_factory, kind)
+    ids = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    captured = capture(model, batch)
+
+    dequantize = [n for n in captured.graph_module.graph.nodes if n.target in DEQUANTIZE_OPS]
+    linears = [n for n, m in model.named_modules()
+               if isinstance(m, (bnb.nn.Linear4bit, bnb.nn.Linear8bitLt))]
+    assert len(dequantize) == len(linears) == 14
+    assert sorted(captured.quantized) == sorted(f"{n}.weight" for n in linears)
+    for packed in captured.quantized.values():
+        assert packed.format == kind.split("-")[0]
+        assert packed.packed is model.get_parameter(
+            next(k for k, v in captured.quantized.items() if v is packed))
+        assert not packed.packed.requires_grad
+    assert not any("bitsandbytes" in str(n.target) for n in captured.graph_module.graph.nodes)
+
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert trainable and all(p.dtype == torch.float32 for p in trainable)
+    eager = model(**batch).loss
+    eager_grads = torch.autograd.grad(eager, trainable)
+    graph = _graph_loss(captured, captured.example_batch)
+    graph_grads = torch.autograd.grad(graph, trainable)
+    # The example batch is the whole step: the graph's loss is Hugging Face's.
+    torch.testing.assert_close(graph, eager, rtol=0, atol=0)
+    for ours, theirs in zip(graph_grads, eager_grads):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_full_fine_tuning_of_a_quantized_model_is_refused(tmp_path_factory):
+    model = quantized_model(tmp_path_factory, "nf4", lora=False)
+    with pytest.raises(RefusedModel, match="full fine-tuning of a quantized model"):
+        capture(model)
+
+
+def test_other_quantization_methods_are_refused(tmp_path_factory):
+    model = hf_model("qwen3", layers=1)
+    model.config.quantization_config = {"quant_method": "gptq", "bits": 4}
+    with pytest.raises(RefusedModel, match=r"quantized with gptq.*BitsAndBytesConfig"):
+        capture(model)
+
+
+def test_an_int8_linear_with_trainable_fp16_weights_is_refused():
+    model = hf_model("qwen3", layers=1)
+    old = model.model.layers[0].mlp.down_proj
+    new = bnb.nn.Linear8bitLt(old.in_features, old.out_features, bias=False,
+                              has_fp16_weights=True)
+    model.model.layers[0].mlp.down_proj = new
+    with pytest.raises(RefusedModel, match="has_fp16_weights=True"):
+        capture(model)
+
+
+def test_an_unknown_integer_weight_is_refused():
+    model = hf_model("qwen3", layers=1)
+    layer = model.model.layers[0].mlp
+    layer.down_proj.weight = torch.nn.Parameter(
+        torch.zeros_like(layer.down_proj.weight, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(RefusedModel, match=r"down_proj\.weight has dtype torch\.int8"):
+        capture(model)
