@@ -130,3 +130,91 @@ def test_an_unknown_integer_weight_is_refused():
         torch.zeros_like(layer.down_proj.weight, dtype=torch.int8), requires_grad=False)
     with pytest.raises(RefusedModel, match=r"down_proj\.weight has dtype torch\.int8"):
         capture(model)
+
+
+# -- the kernels ------------------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
+
+
+@pytest.mark.parametrize("quant_type", ["nf4", "fp4"])
+@pytest.mark.parametrize("nested", [False, True])
+@pytest.mark.parametrize("blocksize", [64, 128])
+def test_dequantize_4bit_is_bit_identical_to_bitsandbytes(quant_type, nested, blocksize):
+    import bitsandbytes.functional as BF
+
+    from rpcompile.capture.quantized import state_4bit
+    from rpcompile.runtime import kernels
+
+    # 300 x 130 weights: a partial last block and more than 256 blocks, so the second-level
+    # scale of a double-quantized absmax changes inside the tensor. One large outlier.
+    weight = torch.randn(300, 130, generator=torch.Generator().manual_seed(2)) * 0.02
+    weight[3, 5] = 0.3
+    packed, quant = BF.quantize_4bit(weight, blocksize=blocksize, quant_type=quant_type,
+                                     compress_statistics=nested)
+    state = dict(state_4bit(quant))
+    assert (quant.nested, quant.absmax.numel() > 256) == (nested, True)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        quant.dtype = dtype
+        expected = BF.dequantize_4bit(packed, quant)
+        for backend in ("torch", "triton"):  # triton: the interpreter, on these CPU tensors
+            out = torch.full((300 * 130,), float("nan"), dtype=dtype)
+            got = kernels.dequantize_4bit(
+                packed, state["code"], state["absmax"], shape=quant.shape, blocksize=blocksize,
+                dtype=dtype, absmax_code=state.get("absmax_code"),
+                absmax_scale=state.get("absmax_scale"), absmax_offset=state.get("absmax_offset"),
+                absmax_blocksize=quant.state2.blocksize if nested else 0, out=out,
+                backend=backend)
+            assert got.data_ptr() == out.data_ptr() and got.shape == expected.shape
+            assert torch.equal(_bits(got), _bits(expected)), (dtype, backend)
+
+
+def test_dequantize_int8_is_bit_identical_to_bitsandbytes_training_matmul():
+    import bitsandbytes.functional as BF
+    from bitsandbytes.autograd._functions import MatMul8bitFp
+
+    from rpcompile.runtime import kernels
+
+    weight = torch.randn(70, 96, generator=torch.Generator().manual_seed(3))
+    cb, scb, _ = BF.int8_vectorwise_quant(weight.half())
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        state = bnb.MatmulLtState()
+        state.CB, state.SCB, state.has_fp16_weights = cb, scb, False
+        # What bitsandbytes trains with on the CPU: linear(x, its dequantized weight); x = I
+        # reads that weight back exactly (each output is one product by 1, plus zeros).
+        expected = MatMul8bitFp.apply(torch.eye(96, dtype=dtype), cb, None, None, state).t()
+        for backend in ("torch", "triton"):
+            got = kernels.dequantize_int8(cb, scb, dtype=dtype, backend=backend)
+            assert torch.equal(_bits(got), _bits(expected)), (dtype, backend)
+
+
+@pytest.mark.parametrize("options", ["launch", "triton default"])
+def test_dequantize_4bit_compiles_for_sm90_without_a_fused_multiply_add(options):
+    # bitsandbytes rounds absmax_code[a] * absmax_scale before adding the offset; a fused
+    # multiply-add would round once. The interpreter never fuses, so this compiles the kernel
+    # ahead of time for an H100/H200 with the launch's options and reads the PTX.
+    import re
+
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.backends.nvidia")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from rpcompile.runtime import kernels
+
+    kernels._triton_kernels(interpret=True)  # binds the module's `tl`
+    fn = triton.jit(kernels._dequantize_4bit_kernel)
+    signature = {"packed_ptr": "*u8", "code_ptr": "*fp32", "absmax_ptr": "*u8",
+                 "absmax_code_ptr": "*fp32", "absmax_scale_ptr": "*fp32",
+                 "absmax_offset_ptr": "*fp32", "out_ptr": "*bf16", "n": "i64",
+                 "blocksize": "i32", "absmax_blocksize": "i32"}
+    constants = {"BLOCK": 4096, "NESTED": True, "OUT_DTYPE": triton.language.bfloat16,
+                 "OUT_IS_BF16": True}
+    source = ASTSource(fn, signature | dict.fromkeys(constants, "constexpr"),
+                       constexprs=constants)
+    chosen = kernels._DEQUANTIZE_OPTIONS if options == "launch" else {}
+    ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=chosen).asm["ptx"]
+    fused = re.findall(r"\bfma\.rn\.f32", ptx)
+    assert bool(fused) == (options == "triton default")

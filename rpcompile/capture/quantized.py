@@ -38,6 +38,7 @@ __all__ = [
     "dequantize_4bit_reference",
     "dequantize_int8_reference",
     "packed_weights",
+    "state_4bit",
 ]
 
 FORMATS = ("nf4", "fp4", "int8")
@@ -319,12 +320,20 @@ def _int8_scale(module: nn.Module) -> torch.Tensor | None:
     return scale if scale is not None else module.state.SCB
 
 
-def _state_4bit(module: nn.Module) -> tuple[tuple[str, torch.Tensor], ...]:
-    state = module.weight.quant_state
-    out = [("code", state.code), ("absmax", state.absmax)]
-    if state.nested:
-        out += [("absmax_code", state.state2.code), ("absmax_scale", state.state2.absmax),
-                ("absmax_offset", state.offset)]
+def state_4bit(quant_state) -> tuple[tuple[str, torch.Tensor], ...]:
+    """A bitsandbytes 4-bit ``QuantState`` as the dequantize op takes it: (name, tensor) in the
+    op's order (see :class:`PackedWeight`)."""
+    code = quant_state.code
+    if quant_state.quant_type == "fp4":
+        # FP4 code 8 is the sign bit over a zero: bitsandbytes' compiled dequantize gives -0.0
+        # there, while its table (and its torch fallback) holds +0.0. The compiled kernel is the
+        # one bitsandbytes runs, so the graph decodes -0.0 too.
+        code = code.clone()
+        code[8] = -0.0
+    out = [("code", code), ("absmax", quant_state.absmax)]
+    if quant_state.nested:
+        out += [("absmax_code", quant_state.state2.code),
+                ("absmax_scale", quant_state.state2.absmax), ("absmax_offset", quant_state.offset)]
     return tuple(out)
 
 
@@ -341,7 +350,7 @@ def _forward_of(module: nn.Module):
     the module's parameters are fake tensors, without bitsandbytes' attributes."""
     if isinstance(module, _bnb().nn.Linear4bit):
         quant = module.weight.quant_state
-        state = dict(_state_4bit(module))
+        state = dict(state_4bit(quant))
         sizes = (quant.blocksize, quant.state2.blocksize if quant.nested else 0,
                  list(quant.shape))
 
