@@ -218,3 +218,98 @@ def test_dequantize_4bit_compiles_for_sm90_without_a_fused_multiply_add(options)
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=chosen).asm["ptx"]
     fused = re.findall(r"\bfma\.rn\.f32", ptx)
     assert bool(fused) == (options == "triton default")
+
+
+# -- cost, stage figures, host figure and the host store ---------------------------------------
+
+
+def _compiled(model):
+    import rpcompile
+    from tests.tiny_models import token_batch
+
+    return rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                             device="virtual")
+
+
+def test_cost_counts_packed_bytes_and_no_dequantized_activation(tmp_path_factory):
+    # The same adapters over the fp32 base and over its NF4 copy: FLOPs and saved activations
+    # are equal (a dequantized weight is a weight, not an activation); parameters are counted
+    # at their dequantized size, and the layer's packed bytes are its bitsandbytes tensors'.
+    import transformers as tf
+
+    from rpcompile.passes.cost import annotate_costs
+
+    quantized = quantized_model(tmp_path_factory, "nf4-double")
+    root = _checkpoint(str(tmp_path_factory.getbasetemp() / "qwen3-fp32"))
+    plain = tf.AutoModelForCausalLM.from_pretrained(root, dtype=torch.float32)
+    torch.manual_seed(1)
+    plain = peft.get_peft_model(plain, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0,
+        init_lora_weights=False)).base_model.model.train()
+    q_units, p_units = annotate_costs(capture(quantized)), annotate_costs(capture(plain))
+    for q, p in zip(q_units, p_units):
+        assert (q.trainable_params, q.frozen_params) == (p.trainable_params, p.frozen_params)
+        assert q.flops_at(2, 7) == p.flops_at(2, 7)
+        assert q.bytes_at(2, 7)["saved"] == p.bytes_at(2, 7)["saved"]
+        layer = q.name.startswith("model.layers.")
+        weights = [m.weight for n, m in quantized.named_modules()
+                   if isinstance(m, bnb.nn.Linear4bit) and n.startswith(q.name + ".")]
+        assert len(weights) == (7 if layer else 0)
+        assert q.packed_params == sum(w.quant_state.shape.numel() for w in weights)
+        state_bytes = [w.nbytes + sum(t.nbytes for t in (
+            w.quant_state.code, w.quant_state.absmax, w.quant_state.state2.code,
+            w.quant_state.state2.absmax, w.quant_state.offset)) for w in weights]
+        assert q.packed_bytes == sum(-(-b // 4) * 4 for b in state_bytes)
+        assert p.packed_params == p.packed_bytes == 0
+
+
+@pytest.mark.parametrize("kind", ["nf4-double", "int8"])
+def test_host_store_keeps_quantized_weights_packed_and_uploads_what_dequantizes(
+        tmp_path_factory, kind):
+    from bitsandbytes.functional import dequantize_4bit
+
+    from rpcompile.passes.memory import host_memory
+    from rpcompile.runtime import kernels
+    from rpcompile.runtime.memory import HostStore
+
+    model = quantized_model(tmp_path_factory, kind)
+    compiled = _compiled(model)
+    quantized = compiled.capture.quantized
+    # What bitsandbytes trains with (fp32 compute), read before the store shares the tensors.
+    expected = {}
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            expected[f"{name}.weight"] = dequantize_4bit(module.weight, module.weight.quant_state)
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            # Its training matmul on the identity reads the weight it multiplies by back.
+            with torch.no_grad():
+                expected[f"{name}.weight"] = module(torch.eye(module.in_features)).t()
+    assert sorted(expected) == sorted(quantized)
+    stage_params = [[(i.source, model.get_parameter(i.source)) for i in p.inputs
+                     if i.kind == "param"] for p in compiled.stages]
+    with pytest.raises(ValueError, match="kept packed only when given in packed="):
+        HostStore.build(stage_params, grad_stages=[1, 2])
+    store = HostStore.build(stage_params, grad_stages=[1, 2], packed=quantized)
+
+    dense = sum(p.numel() for n, p in model.named_parameters() if n not in quantized)
+    assert store.shadow.numel() == dense
+    assert store.packed.nbytes == sum(w.packed_bytes for w in quantized.values())
+    report = store.memory_report()
+    for stage, buffers in zip(compiled.stages, store.stages):
+        names = [i.source for i in stage.inputs if i.source in quantized]
+        assert buffers.packed_layout.names == tuple(sorted(
+            names, key=lambda n: store.packed_weights[n].packed.data_ptr()))
+        # What a worker uploads: the stage's packed segments end to end.
+        upload = torch.cat(list(buffers.packed)) if buffers.packed else torch.empty(
+            0, dtype=torch.uint8)
+        for name, weight in buffers.packed_views(upload.clone()).items():
+            for backend in ("torch", "triton"):
+                got = kernels.dequantize_packed(weight, torch.float32, backend=backend)
+                assert torch.equal(got, expected[name]), (name, backend)
+    # The plan's figures are the store's bytes: uploads per stage and the host's shadows.
+    assert report.upload_bytes == tuple(st.weight_bytes for st in compiled.plan.stages)
+    assert host_memory(compiled.plan, "async").shadows == store.shadow.nbytes + store.packed.nbytes
+    # The module's packed weights are views of the store's records: one copy on the host.
+    lo, n = store.packed.data_ptr(), store.packed.nbytes
+    for name in quantized:
+        assert lo <= model.get_parameter(name).data_ptr() < lo + n

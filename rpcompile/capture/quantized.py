@@ -42,6 +42,9 @@ __all__ = [
 ]
 
 FORMATS = ("nf4", "fp4", "int8")
+# A packed weight is kept as one record of whole 4-byte words (its fp32 state first), so every
+# record of a flat host buffer starts where its fp32 tensors can be viewed.
+PACKED_ALIGN = 4
 
 _SUPPORTED = (
     "rpcompile trains a frozen bitsandbytes base (Linear4bit NF4/FP4, with or without double "
@@ -83,12 +86,17 @@ class PackedWeight:
 
     @property
     def packed_bytes(self) -> int:
-        """Bytes of the packed codes and the quantization state: what the host holds and a
-        job uploads for this weight."""
-        return self.packed.nbytes + sum(t.nbytes for _, t in self.state)
+        """Bytes of the packed codes and the quantization state, in whole 4-byte words
+        (:data:`PACKED_ALIGN`): what the host holds and a job uploads for this weight."""
+        return packed_record_bytes([self.packed, *(t for _, t in self.state)])
 
     def dequantized_bytes(self, dtype: torch.dtype) -> int:
         return self.numel * torch.empty((), dtype=dtype).element_size()
+
+
+def packed_record_bytes(tensors) -> int:
+    """Bytes of one packed weight's record: its tensors' bytes rounded up to PACKED_ALIGN."""
+    return -(-sum(t.nbytes for t in tensors) // PACKED_ALIGN) * PACKED_ALIGN
 
 
 # ---------------------------------------------------------------------------------------------
