@@ -313,3 +313,19 @@ def test_host_store_keeps_quantized_weights_packed_and_uploads_what_dequantizes(
     lo, n = store.packed.data_ptr(), store.packed.nbytes
     for name in quantized:
         assert lo <= model.get_parameter(name).data_ptr() < lo + n
+
+
+def test_paper_model_nf4_bytes_are_what_bitsandbytes_stores():
+    import bitsandbytes.functional as BF
+
+    from rpcompile.capture.quantized import PackedWeight, state_4bit
+    from rpcompile.workloads.paper import MODELS, nf4_bytes
+
+    for shape in [(300, 130), (64, 64), (7, 1000)]:
+        packed, quant = BF.quantize_4bit(torch.randn(shape), blocksize=64, quant_type="nf4",
+                                         compress_statistics=True)
+        weight = PackedWeight("nf4", shape, packed, state_4bit(quant), 64, 256)
+        assert nf4_bytes(shape[0] * shape[1]) == weight.packed_bytes
+    model = MODELS["qwen3-235b-a22b"]
+    with pytest.raises(ValueError, match="needs LoRA adapters"):
+        type(model)(**{**model.__dict__, "lora_rank": 0, "base": "nf4"})
