@@ -44,7 +44,12 @@ from torch import fx
 from rpcompile.ir import Action, ActionKind, check_registry
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.memory import HostStore
-from rpcompile.runtime.reference import loss_divisor, run_backward_microbatch, stage_arguments
+from rpcompile.runtime.reference import (
+    loss_divisor,
+    run_backward_microbatch,
+    stage_arguments,
+    step_loss,
+)
 from rpcompile.runtime.step_state import StepState
 from rpcompile.runtime.values import HOST_VALUES, Buffers, JobGrads, copy_to, tensors
 from rpcompile.runtime.workers import Worker
@@ -408,7 +413,7 @@ class Actions:
         total = self.compiled.microbatches * self.compiled.rounds
         losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
                   for m in range(self.compiled.microbatches)]
-        run.loss = torch.stack(losses).sum() / loss_divisor(self.compiled.capture, total)
+        run.loss = step_loss(losses, loss_divisor(self.compiled.capture, total))
         run.found = bool(run.bad)
         if self.reducer is not None:
             run.loss, run.found = self.reducer.finish(run.loss, run.found, run.left())
