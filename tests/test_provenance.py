@@ -13,7 +13,7 @@ from rpcompile.passes.manager import PassInvariantError
 from tests.tiny_models import hf_model, token_batch
 
 PASSES = ["capture", "cost", "partition", "split", "dispatch",
-          "upload", "transfers", "grads", "optimizer", "barrier", "events"]
+          "upload", "transfers", "grads", "optimizer", "commit", "events"]
 
 
 def _compile():
