@@ -26,6 +26,11 @@ A plan that needs more is marked "over the host RAM!" (rpcompile.passes.memory.h
 the check compile() and ``rpcompile plan`` make), and the JSON lists it under "over-host-ram".
 The weight-bound baselines keep their weights on the GPUs and have no host figure.
 
+Each RoundPipe line also gives the same plan's sync throughput (its steps in a stream, each
+job waiting for the updated shadow of its stage) and the async / sync ratio, beside the ratio
+RoundPipe measured on real 4090s (1.16 / 1.29 / 1.44 / 1.32 / 1.14); and each workload's
+rpcompile / roundpipe-partition ratio (both async, the same overlapping schedule).
+
 Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B (paper: about
 8,900 tokens/s).
 
@@ -63,6 +68,8 @@ HARDWARE = "rtx4090x8"
 CONFIGS = ("rpcompile", "roundpipe-partition", "1f1b", "gpipe")
 RESULTS = Path(__file__).resolve().parent / "results"
 CALIBRATION_TOKENS_PER_S = 8900.0
+# RoundPipe's measured async / sync throughput on 8x RTX 4090 (the paper), per workload.
+ROUNDPIPE_ASYNC_OVER_SYNC = dict(zip(PAPER_MODELS, (1.16, 1.29, 1.44, 1.32, 1.14)))
 
 
 def server_ram(gib: float | None) -> tuple[int, str]:
@@ -83,8 +90,9 @@ def profile(memory: str = "pinned"):
 
 def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8,
                            ram: tuple[int, str] = (0, ""),
-                           memory: str = "pinned") -> tuple[float, str, object]:
-    """(tokens/s, note, host memory) of one workload with a RoundPipe plan from
+                           memory: str = "pinned") -> tuple[float, str, object, float]:
+    """(tokens/s, note, host memory, sync tokens/s of the same plan) of one workload with a
+    RoundPipe plan from
     ``partitioner``; ``ram``: the server's (bytes, source), 0 for no check; ``memory``: the
     run's host memory (the partitioner and the replay time transfers at its bandwidth)."""
     w = WORKLOADS[name]
@@ -107,7 +115,10 @@ def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8,
             + f", host {host.total / 2**30:.1f} GiB"
             + (f" (over the host RAM, {ram[0] / 2**30:.1f} GiB!)" if over_host else "")
             + (f"; {search}" if search else ""))
-    return w.tokens_per_step / (steady_step_ms(r) / 1e3), note, host
+    sync = simulate_roundpipe(plan, hw, steps=steady_steps(plan, rounds=w.rounds),
+                              optimizer="sync", rounds=w.rounds)
+    return (w.tokens_per_step / (steady_step_ms(r) / 1e3), note, host,
+            w.tokens_per_step / (steady_step_ms(sync) / 1e3))
 
 
 def pipeline_tokens_per_s(name: str, kind: str,
@@ -161,13 +172,15 @@ def main() -> None:
     result: dict[str, dict[str, float | None]] = {}
     host_gib: dict[str, dict[str, float]] = {}
     over: dict[str, list[str]] = {}
+    ratios: dict[str, dict[str, float]] = {}
     for name in args.models:
         row: dict[str, float | None] = {}
         notes = {}
         hosts = {}
+        sync = {}
         ours = capped_partition(args)
         for k, partitioner in (("rpcompile", ours), ("roundpipe-partition", partition_roundpipe)):
-            row[k], notes[k], hosts[k] = roundpipe_tokens_per_s(
+            row[k], notes[k], hosts[k], sync[k] = roundpipe_tokens_per_s(
                 name, partitioner, ram=ram, memory=args.host_memory)
         for kind in ("1f1b", "gpipe"):
             row[kind], notes[kind] = pipeline_tokens_per_s(name, kind, args.host_memory)
@@ -182,6 +195,12 @@ def main() -> None:
             print(f"  {k:<20} {'-' if v is None else f'{v:>10,.0f}':>10} tokens/s   {notes[k]}")
         for k in over[name]:
             print(f"  {k}: {problems[k]}")
+        ratios[name] = {f"{k} async/sync": round(row[k] / sync[k], 3) for k in sync}
+        ratios[name]["rpcompile/roundpipe-partition"] = round(
+            row["rpcompile"] / row["roundpipe-partition"], 3)
+        print("  " + ", ".join(f"{k} {v:.3f}" for k, v in ratios[name].items())
+              + f" (RoundPipe measured async/sync {ROUNDPIPE_ASYNC_OVER_SYNC[name]:.2f})",
+              flush=True)
 
     calib, _, _ = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1,
                                          memory=args.host_memory)
@@ -190,7 +209,7 @@ def main() -> None:
 
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
-        **result, "host-gib": host_gib, "host-ram-gib": round(ram[0] / 2**30, 1),
+        **result, "ratios": ratios, "host-gib": host_gib, "host-ram-gib": round(ram[0] / 2**30, 1),
         "host-ram-source": ram[1], "over-host-ram": over, "host-memory": hw.host_memory,
         "link-gbps": {"h2d": hw.link_h2d_gbps, "d2h": hw.link_d2h_gbps}}, indent=2) + "\n")
     if args.png:  # "" skips the chart (Path("") would be ".")

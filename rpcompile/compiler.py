@@ -8,7 +8,7 @@ from __future__ import annotations
 import atexit
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
@@ -121,6 +121,11 @@ class Compiled:
     def step(self, batch: Any) -> torch.Tensor:
         """One optimizer step over ``batch`` on the workers; returns the mean loss."""
         return self.trainer().step(batch)
+
+    def fit(self, batches: Iterable[Any], steps: int | None = None) -> Iterator[Any]:
+        """Train on ``batches`` as a stream of steps, step k+1 running while step k drains:
+        an iterator of each committed step's ``StepResult`` (see ``Trainer.fit``)."""
+        return self.trainer().fit(batches, steps)
 
     def _finished_trainer(self) -> Any:
         # After close() the masters and optimizer state are still there to read.

@@ -262,8 +262,9 @@ def test_optimizer_async_is_one_step_stale() -> None:
         for (x, k), sh in shadow.items():  # a copy is rewritten after every read of it
             if k == up.step + 1 and x in _overlapping(sched, up.stage):
                 assert sh in hb[up]
-    for (_, k), sh in shadow.items():  # ... from the masters after the step's updates
-        assert all(sh in hb[o] for (_, ko), o in opt.items() if ko == k)
+    for (x, k), sh in shadow.items():  # ... from the masters after the updates over them
+        assert all(sh in hb[o] for (y, ko), o in opt.items()
+                   if ko == k and y in _overlapping(sched, x))
     for (s, k), o in opt.items():
         # update k-1: after every gradient of step k-1, before any of step k arrives
         assert all(o in hb[a] for a in accs if (a.stage, a.step) == (s, k - 1))

@@ -933,14 +933,16 @@ def runtime_schedule(plan: Plan, options: PlanOptions | int, microbatches: int |
     updates = updates or options.updates
     validate = debug_checks() if validate is None else validate
     records: list = [] if trail is None else trail
+    # The cycle is the dispatch's: every pass carries it, so each record's artifact is the
+    # schedule as the run reads it.
     compute = run_pass(records, "dispatch", lambda: build_schedule(
         plan, workers=workers, microbatches=options.microbatches_per_round, rounds=rounds,
-        steps=steps, kind="roundpipe", optimizer=options.mode),
+        steps=steps, kind="roundpipe", optimizer=options.mode,
+    ).replace(repeat_from=repeat_from, repeat_until=repeat_until),
         check_dispatch if validate else None)
     lowered, lowering = lower(compute, plan, chunk_bytes=options.chunk_bytes,
                               validate=validate, updates=updates, ranks=ranks)
     records.extend(lowering)
-    lowered = lowered.replace(repeat_from=repeat_from, repeat_until=repeat_until)
     if options.shard_optimizer and ranks > 1:  # what its REDUCE and SHADOW actions move
         lowered = lowered.replace(sharded=True)
     return lowered

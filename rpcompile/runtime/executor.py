@@ -191,7 +191,12 @@ class Executor(Actions):
         self._plans: dict[int, StepPlan] = {}
         self._flight: InFlight | None = None
         self._driver_thread: int | None = None  # the thread whose steps are in flight
+        # Results of steps committed during a drain, not yet handed back by finish().
         self._finished: collections.deque[StepResult] = collections.deque()
+        # Every step submitted whose result finish() has not handed back yet, oldest first:
+        # a step may commit long before the caller asks for it (its loop is slow), and its
+        # result waits here.
+        self._unreported: collections.deque[StepState] = collections.deque()
         self._last_commit = 0.0
         self._step_lock = threading.Lock()
         self._closed = ""  # why steps are refused (set by abort())
@@ -276,6 +281,7 @@ class Executor(Actions):
                 except (StepFailed, *INTERRUPTS):
                     pass
             self._finished.clear()
+            self._unreported.clear()
         finally:
             self._step_lock.release()
         return True
@@ -338,7 +344,7 @@ class Executor(Actions):
         with self._driving("step()"):
             if self._closed:
                 raise RuntimeError(f"cannot run a step: {self._closed}")
-            if self.in_flight or self._finished:
+            if self.in_flight or self._finished or self._unreported:
                 raise RuntimeError(
                     "step() was called with steps of a stream still in flight (or their "
                     "results not yet taken): finish the stream (Trainer.fit) or flush() it "
@@ -392,6 +398,7 @@ class Executor(Actions):
         parts = split_batch(batch, self.compiled.microbatches * self.compiled.rounds)
         state = StepState(k, self.plan_for(k), parts, flight)
         flight.add_step(state)
+        self._unreported.append(state)
         if len(flight.steps) == 1:
             self._start_clock(flight, state)
         step_of = self.schedule.step_of
@@ -478,10 +485,15 @@ class Executor(Actions):
     def _finish(self) -> StepResult:
         if self._finished:
             return self._finished.popleft()
-        flight = self._flight
-        if flight is None or not flight.steps:
+        return self._await_oldest()
+
+    def _await_oldest(self) -> StepResult:
+        """Wait for the oldest step not yet handed back to commit (it may have already) and
+        return its result; the run of steps ends after the last one (the workers idle)."""
+        if not self._unreported:
             raise RuntimeError("no step in flight to finish: start() one first")
-        state = flight.steps[flight.done_below]
+        state = self._unreported[0]
+        flight = state.flight
         interrupts: list[BaseException] = []
         try:
             while not state.committed.wait(0.02):
@@ -492,8 +504,9 @@ class Executor(Actions):
             flight.aborted = True
         if not state.committed.is_set():
             self._fail(flight, interrupts)
+        self._unreported.popleft()
         result = state.result
-        if not flight.steps:  # the workers are idle: this run of steps ends here
+        if not flight.steps and not self._unreported:  # the workers are idle: the run ends
             result = _with_left_over(result, self._close(flight))
         return result
 
@@ -502,8 +515,8 @@ class Executor(Actions):
         workers are idle after it. Raises :class:`StepFailed` if one fails."""
         if self._flight is not None:
             self._flight.end_steps()
-        while self.in_flight:
-            self._finished.append(self._finish())
+        while self._unreported:
+            self._finished.append(self._await_oldest())
 
     def _close(self, flight: InFlight) -> tuple[int, ...]:
         """End a run of steps that all committed: stop the host's lanes, give back what the
@@ -542,6 +555,8 @@ class Executor(Actions):
         interrupts = [] if interrupts is None else interrupts
         flight.aborted = True
         discarded = sorted(flight.steps)
+        # Steps commit in order: the ones not handed back yet are the ones discarded.
+        self._unreported.clear()
         stuck = uninterrupted(flight.drain, interrupts, flight)
         try:
             uninterrupted(lambda: flight.take_apart(self._replace, self.timeout_s or 60.0),
