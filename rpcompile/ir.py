@@ -468,6 +468,7 @@ EDGE_KINDS = (
     "shadow",  # SHADOW -> UP that reads that shadow version
     "shadow_read",  # UP -> SHADOW that overwrites the buffer the UP read (write after read)
     "commit",  # step k's last action of each ordered queue -> its last host action (commit)
+    "barrier",  # data parallel: step k's commit point -> step k+1's first actions
 )
 
 

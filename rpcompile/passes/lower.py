@@ -18,6 +18,9 @@ Each pass takes a Schedule and returns a new one, adds one concern, stamps its n
   4c. commit    - edges from each step's last actions to its last host action, where the
                   step commits; nothing else orders one step after another, so step k+1's
                   jobs start as soon as what they read is ready (steps overlap)
+  4d. barrier   - data parallel over more than one rank only: step k+1's first actions wait
+                  for step k's commit point (a rank's collectives are per step, so it runs
+                  one step at a time)
   5. events     - drop edges already implied by stream order or by another edge, so that what
                   remains is the set of events a runtime records and waits on
 
@@ -68,6 +71,7 @@ __all__ = [
     "add_gradient_downloads",
     "add_optimizer",
     "add_reductions",
+    "add_step_barrier",
     "add_weight_uploads",
     "grad_slots",
     "gradient_groups",
@@ -82,7 +86,7 @@ __all__ = [
 LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "commit", "events")
 # Data parallel over more than one rank adds the cross-rank reduction (pass 4b).
 DATA_PARALLEL_PASSES = ("upload", "transfers", "grads", "optimizer", "reduce", "commit",
-                        "events")
+                        "barrier", "events")
 GRAD_BYTES = 4  # the host's gradients are fp32 (what ACC sums and REDUCE moves)
 # The waits that bound what a worker holds in flight (rpcompile.passes.memory): "window" and
 # "sent" (pass 2), and a gradient-slot wait (pass 3): "grad_pair" (two gradient buffers per
@@ -782,6 +786,45 @@ def add_commit(sched: Schedule) -> Schedule:
 
 
 # --------------------------------------------------------------------------------------------
+# 4d. barrier (data parallel)
+# --------------------------------------------------------------------------------------------
+
+
+def add_step_barrier(sched: Schedule) -> Schedule:
+    """Data parallel: edges (kind ``barrier``) from step k's commit point (its last host
+    action, pass 4c) to each first action of step k+1: the first of each ordered queue, and
+    each transfer with no predecessor edge in its step. Every action of step k+1 follows one
+    of them, so step k+1 starts once step k has committed. A rank's collectives (the step's
+    start, its gradient check) are per step and must come in the same order on every rank,
+    so a data-parallel run keeps one step in flight (rpcompile.runtime.executor), and with
+    these edges the simulator waits where it waits."""
+    _require_roundpipe(sched, "barrier")
+    hubs = {}
+    for a in sched.host:
+        hubs[a.step] = a  # the step's last host action
+    has_pred = {e.dst for e in sched.edges if e.src.step == e.dst.step}
+    starts: dict[int, list[Action]] = {}
+    for (_w, stream), lst in sched.queues().items():
+        if stream == "host":
+            continue  # the host queue is ordered: step k+1's follow the commit point
+        seen: set[int] = set()
+        for a in lst:
+            if stream in ORDERED_STREAMS:
+                if a.step not in seen:
+                    seen.add(a.step)
+                    starts.setdefault(a.step, []).append(a)
+            elif a not in has_pred:
+                starts.setdefault(a.step, []).append(a)
+    # A worker's last EVICT of step k waits (landed) for its first UP of step k+1, which now
+    # waits for the commit point, which waits for that EVICT: the two weight sets never
+    # overlap across the barrier, so the edge goes.
+    edges = [e for e in sched.edges if not (e.kind == "landed" and e.src.step != e.dst.step)]
+    for k, hub in sorted(hubs.items()):
+        edges += [Edge(hub, b, "barrier") for b in starts.get(k + 1, ())]
+    return sched.replace(edges=tuple(edges), passes=(*sched.passes, "barrier"))
+
+
+# --------------------------------------------------------------------------------------------
 # 5. events
 # --------------------------------------------------------------------------------------------
 
@@ -869,6 +912,7 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
         "optimizer": lambda s: add_optimizer(s, plan, updates),
         "reduce": lambda s: add_reductions(s, plan, ranks),
         "commit": add_commit,
+        "barrier": add_step_barrier,
         "events": add_events,
     }
     unknown = [p for p in passes if p not in table]
