@@ -122,10 +122,11 @@ class Compiled:
         """One optimizer step over ``batch`` on the workers; returns the mean loss."""
         return self.trainer().step(batch)
 
-    def fit(self, batches: Iterable[Any], steps: int | None = None) -> Iterator[Any]:
+    def fit(self, batches: Iterable[Any], steps: int | None = None, *,
+            scheduler: Any = None) -> Iterator[Any]:
         """Train on ``batches`` as a stream of steps, step k+1 running while step k drains:
         an iterator of each committed step's ``StepResult`` (see ``Trainer.fit``)."""
-        return self.trainer().fit(batches, steps)
+        return self.trainer().fit(batches, steps, scheduler=scheduler)
 
     def _finished_trainer(self) -> Any:
         # After close() the masters and optimizer state are still there to read.

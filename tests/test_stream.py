@@ -178,3 +178,32 @@ def test_a_slow_loop_gets_every_steps_result_in_order(qwen3):  # noqa: F811
     assert [r.step for r in got] == list(range(len(data)))
     for r, want in zip(got, losses):
         assert torch.equal(r.loss, want)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_scheduler_given_to_fit_steps_as_in_a_step_loop(qwen3, mode):  # noqa: F811
+    # fit(scheduler=) steps the scheduler as each step commits, before the next one opens:
+    # losses and masters are those of a step() loop stepping it after each step, bit for
+    # bit, though the next step is already in flight when a result comes back.
+    data = batches(4, 6)
+
+    def run(stream):
+        with Trainer(qwen3, ADAMW, device="virtual", mode=mode, chaos=5) as trainer:
+            scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer,
+                                                          lambda k: 1.0 / (k + 1))
+            if stream:
+                losses = [r.loss for r in trainer.fit(data, scheduler=scheduler)]
+            else:
+                losses = []
+                for batch in data:
+                    losses.append(trainer.step(batch))
+                    scheduler.step()
+            return losses, trainer.masters(), scheduler.last_epoch
+
+    losses, masters, epochs = run(stream=False)
+    got, got_masters, got_epochs = run(stream=True)
+    assert got_epochs == epochs == len(data)
+    for a, b in zip(got, losses):
+        assert torch.equal(a, b)
+    for name, value in masters.items():
+        assert torch.equal(got_masters[name], value), name

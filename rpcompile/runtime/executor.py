@@ -41,7 +41,7 @@ import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
@@ -353,17 +353,20 @@ class Executor(Actions):
             self._flight.end_steps()
             return self._finish()
 
-    def start(self, batch: Mapping[str, torch.Tensor]) -> int:
+    def start(self, batch: Mapping[str, torch.Tensor],
+              after_commit: Callable[[], object] | None = None) -> int:
         """Submit the next step on ``batch`` (a normalized batch dict) while the steps before
         it may still run; returns its run step. At most ``in_flight_limit`` steps are in
-        flight: :meth:`finish` the oldest first."""
+        flight: :meth:`finish` the oldest first. ``after_commit``: called on the host queue
+        once the step has committed, before the next step opens (it reads the
+        hyperparameters as they are then); if it raises, the steps after it fail."""
         with self._driving("a step"):
             if self._closed:
                 raise RuntimeError(f"cannot run a step: {self._closed}")
             if self.in_flight >= self.in_flight_limit:
                 raise RuntimeError(f"{self.in_flight} steps are in flight, the most at once: "
                                    "finish() the oldest before starting another")
-            return self._start(batch)
+            return self._start(batch, after_commit)
 
     def finish(self) -> StepResult:
         """Wait for the oldest step in flight to commit and return its result (raises
@@ -379,7 +382,8 @@ class Executor(Actions):
             if self._flight is not None:
                 self._flight.end_steps()
 
-    def _start(self, batch: Mapping[str, torch.Tensor]) -> int:
+    def _start(self, batch: Mapping[str, torch.Tensor],
+               after_commit: Callable[[], object] | None = None) -> int:
         k = self.next_step
         if self._flight is not None and (not self._overlaps(k)
                                          or self._flight.last_step is not None):
@@ -397,6 +401,7 @@ class Executor(Actions):
             self._last_commit = flight.start
         parts = split_batch(batch, self.compiled.microbatches * self.compiled.rounds)
         state = StepState(k, self.plan_for(k), parts, flight)
+        state.after_commit = after_commit
         flight.add_step(state)
         self._unreported.append(state)
         if len(flight.steps) == 1:
@@ -481,6 +486,12 @@ class Executor(Actions):
         else:
             flight.deadline = None
         state.committed.set()
+        if state.after_commit is not None:
+            try:
+                state.after_commit()
+            except BaseException as exc:  # the step stands; the ones after it fail
+                flight.fail_outside(f"the host, after step {state.k} committed", exc)
+                raise
 
     def _finish(self) -> StepResult:
         if self._finished:

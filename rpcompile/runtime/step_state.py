@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -111,6 +112,9 @@ class StepState:
         self.lock = threading.Lock()
         self.submitted = time.perf_counter()
         self.started: float | None = None  # when it became the oldest step in flight
+        # Run on the host queue once the step has committed, before the next step opens (a
+        # stream's LR scheduler: the next step's hyperparameters are then the stepped ones).
+        self.after_commit: Callable[[], object] | None = None
         self.deadline: float | None = None  # time.monotonic() the watchdog fires at
         self.device_readers = dict(plan.device_readers)
         self.host_readers = dict(plan.host_readers)

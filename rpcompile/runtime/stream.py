@@ -32,8 +32,10 @@ class StepStream(Iterator[StepResult]):
     flight (after a ``flush()``, a checkpoint, or the end). ``in_flight``: the batches taken
     and not yet committed (run again first after a failure)."""
 
-    def __init__(self, trainer: Trainer, batches: Iterable[Any], steps: int | None) -> None:
+    def __init__(self, trainer: Trainer, batches: Iterable[Any], steps: int | None,
+                 scheduler: Any = None) -> None:
         self._trainer = trainer
+        self._after_commit = None if scheduler is None else scheduler.step
         self._source = iter(batches)
         self._left = steps  # batches still to take from the source (None: all)
         # (run step, batch) of each step submitted and not yet handed back, in order
@@ -97,7 +99,7 @@ class StepStream(Iterator[StepResult]):
                 return
             try:
                 k = executor.next_step
-                executor.start(self._trainer._bind(batch, k))
+                executor.start(self._trainer._bind(batch, k), self._after_commit)
             except BaseException:
                 self._retry.appendleft(batch)
                 raise

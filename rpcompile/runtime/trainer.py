@@ -456,13 +456,19 @@ class Trainer:
         finally:
             self._stepping.release()
 
-    def fit(self, batches: Iterable[Any], steps: int | None = None) -> StepStream:
+    def fit(self, batches: Iterable[Any], steps: int | None = None, *,
+            scheduler: Any = None) -> StepStream:
         """Train on ``batches`` as a stream of steps: an iterator of :class:`StepResult`, one
         per committed step, in order (``trainer.last`` is the latest). Step k+1 starts while
         step k drains (its forward jobs run as soon as what they read is ready), and each
         batch is taken from ``batches`` and bound while the steps before it run, so neither
         the data loading nor the loop's own work (logging, evaluation) stalls the workers.
-        ``steps``: at most that many steps (None: until ``batches`` ends).
+        ``steps``: at most that many steps (None: until ``batches`` ends). ``scheduler``: a
+        learning-rate scheduler (anything with ``step()``) stepped right after each step
+        commits, before the next one opens: each step runs with the hyperparameters a
+        ``step()`` loop calling ``scheduler.step()`` after each step gives it (a loop that
+        steps it itself, after each result, is a step or two late: the next steps have
+        already opened). A step discarded by a failure has not stepped it.
 
         A failure raises :class:`StepFailed` from ``next()``: every step not yet committed is
         discarded (the state is the last committed step's), and the stream stays usable: the
@@ -483,7 +489,7 @@ class Trainer:
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
                                   or steps < 0):
             raise ValueError(f"steps must be a whole number >= 0 or None, got {steps!r}")
-        return StepStream(self, batches, steps)
+        return StepStream(self, batches, steps, scheduler)
 
     def _bind(self, batch: Any, step: int) -> dict[str, torch.Tensor]:
         """``batch`` as the executor runs it at run step ``step`` (its dropout seeds are the
