@@ -12,8 +12,11 @@ holds the 5 % that the issue asks for).
 
 Cases as the test's: each plan as compile() makes it (two gradient slots per worker), and
 once more with a capacity at its peak with one slot where that is lower (one slot then);
-the workers given the proven peak + 5 %; ``--runs`` trainers of ``--steps`` steps each (at least one dispatch period), half
-of them with chaos delays on every stream.
+the workers given the proven peak + 5 %; ``--runs`` trainers, each one stream of steps
+(``Trainer.fit``: two steps' jobs in flight on a worker) of ``--steps`` steps, at least the
+steps of the runtime's schedule and one more (its repeated steps run again), half of them
+with chaos delays on every stream. The simulator replays the runtime's schedule whole, its
+steps overlapping.
 
     python benchmarks/memory_agreement.py [--runs 4] [--steps 3] [--json PATH]
 
@@ -67,8 +70,7 @@ def main() -> None:
     def tightest(compiled):
         plan = replace(compiled.plan, memory_waits=TIGHTEST_WAITS)
         return max(p.peak_bytes for p in worker_peaks(runtime_schedule(
-            plan, compiled.workers, compiled.microbatches, 1, "sync"), plan,
-            overlap_steps=False))
+            plan, compiled.workers, compiled.microbatches, 1, "sync"), plan))
 
     rows = []
     hosts: list[dict] = []
@@ -82,14 +84,7 @@ def main() -> None:
                                                           capacity_bytes=bound)))
     for arch, gpus, micro, compiled in cases:
         sched = compiled.schedule
-        simulated = [0] * gpus
-        for k in range(sched.steps):  # each step replayed alone: the runtime drains between
-            one = sched.replace(
-                actions=tuple(tuple(a for a in lst if a.step == k) for lst in sched.actions),
-                host=tuple(a for a in sched.host if a.step == k),
-                edges=tuple(e for e in sched.edges if e.src.step == k and e.dst.step == k))
-            sim = simulate(one, compiled.plan, compiled.hardware)
-            simulated = [max(a, b) for a, b in zip(simulated, sim.peak_device_bytes)]
+        simulated = list(simulate(sched, compiled.plan, compiled.hardware).peak_device_bytes)
         capacity = int(1.05 * max(p.peak_bytes for p in compiled.memory))
         measured: list[list[int]] = [[] for _ in range(gpus)]
         staged: list[int] = []
@@ -97,9 +92,11 @@ def main() -> None:
             chaos = run if run % 2 else None
             with Trainer(compiled, sgd, device="virtual", capacity_bytes=capacity,
                          chaos=chaos) as trainer:
-                # Every step of the dispatch period: later steps put other jobs on a worker.
-                for k in range(max(args.steps, sched.steps)):
-                    trainer.step(token_batch(2 * micro, seed=k))
+                # Every step of the cycle, steps overlapping: later steps put other jobs on a
+                # worker, and the repeated steps run again.
+                steps = max(args.steps, sched.steps + 1)
+                for _ in trainer.fit(token_batch(2 * micro, seed=k) for k in range(steps)):
+                    pass
                 for w, got in enumerate(trainer.peak_bytes()):
                     measured[w].append(got)
                 staged.append(trainer.executor.staging.held_bytes)
