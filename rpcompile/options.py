@@ -152,7 +152,9 @@ class PlanOptions:
     step k overlaps step k+1, one step stale): the optimizer's place in the schedule.
     ``chunk_bytes``: the piece size of bulk transfers in the lowered schedule.
     ``schedule_steps``: steps of the lowered schedule the runtime cycles through (``None``:
-    the dealing period, the steps the round-robin job counter takes to come back to worker 0).
+    as many as an edge reaches back, then two dealing periods, the first repeated by a long
+    run, rpcompile.passes.schedule.runtime_cycle; fewer: the run goes through them whole
+    again and again, each pass after the one before committed).
     ``updates``: the sync update order in the schedule (async has one: ``"deferred"`` is
     refused there), ``"overlap"`` (each stage's update as
     soon as its gradients are home, while later backward jobs compute) or ``"deferred"``

@@ -121,9 +121,9 @@ def test_the_host_figure_without_the_journal_is_less_by_exactly_the_journal(comp
         assert trainer.driver.rollback is False
         commit = trainer.driver.commit_step
 
-        def watching_commit():
+        def watching_commit(skipped=False):
             saved.append(trainer.driver._open.journal)
-            return commit()
+            return commit(skipped)
 
         trainer.driver.commit_step = watching_commit
         for seed in range(2):
@@ -175,7 +175,7 @@ def test_simulated_opt_without_the_journal_is_shorter_by_its_traffic(compiled):
     bound_on = simulated_lower_bound(plan, hw, 1, "sync")
     bound_off = simulated_lower_bound(plan, hw.with_undo_journal(False), 1, "sync")
     assert bound_off <= bound_on and bound_off <= off_ms and bound_on <= on_ms
-    _end, home = _step_paths(plan, hw, _Costs(plan, hw, 1), 0, released=True)
+    _end, home = _step_paths(plan, hw, _Costs(plan, hw, 1))
     assert _host_queue(plan, hw.with_undo_journal(False), 1, home, "sync") < \
         _host_queue(plan, hw, 1, home, "sync")
 
@@ -298,6 +298,7 @@ def test_the_pinned_figure_is_what_a_cuda_store_pins(compiled, monkeypatch):
     monkeypatch.setattr(memory, "_host_flat", fake_flat)
     store = Trainer._build_store(compiled, pin=True)
     store.add_pending()  # async: the second gradient buffer
+    store.add_shadow_pair()  # async: the second copy of the trainable shadow
     host = host_memory(compiled.plan, "async", journal=False)
     assert sum(pinned) == host.pinned - host.transfers == \
         host.shadows + host.masters + host.gradients

@@ -93,10 +93,10 @@ def test_a_start_over_the_ram_does_not_rule_out_longer_lengths():
     memory-first plan stages more at 4,096 tokens than at 6,144. With the RAM between the
     two, the search must not report that no length fits: it reports one that fits both
     (the host checked by an independent replay) and says the host RAM limits the next."""
-    seqs = (4096, 6144)
+    seqs = (6144, 7168)
     need = {s: _host_at(s, 4) for s in seqs}
-    assert need[4096] > need[6144]  # the premise: longer, and less host memory
-    ram = (need[4096] + need[6144]) // 2
-    found = longest_sequence(_units, HW, 4, 4, start=4096, step=1024, host_ram_bytes=ram)
-    assert found.seq_len > 4096 and found.limit == "host RAM"
+    assert need[6144] > need[7168]  # the premise: longer, and less host memory
+    ram = (need[6144] + need[7168]) // 2
+    found = longest_sequence(_units, HW, 4, 4, start=6144, step=1024, host_ram_bytes=ram)
+    assert found.seq_len > 6144 and found.limit == "host RAM"
     assert _host_at(found.seq_len, 4) <= ram

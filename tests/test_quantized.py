@@ -308,7 +308,10 @@ def test_host_store_keeps_quantized_weights_packed_and_uploads_what_dequantizes(
                 assert torch.equal(got, expected[name]), (name, backend)
     # The plan's figures are the store's bytes: uploads per stage and the host's shadows.
     assert report.upload_bytes == tuple(st.weight_bytes for st in compiled.plan.stages)
-    assert host_memory(compiled.plan, "async").shadows == store.shadow.nbytes + store.packed.nbytes
+    assert host_memory(compiled.plan, "sync").shadows == store.shadow.nbytes + store.packed.nbytes
+    store.add_shadow_pair()  # async: a second copy of the trainable shadow (the adapters')
+    assert host_memory(compiled.plan, "async").shadows == (
+        store.shadow.nbytes + store.packed.nbytes + store.shadow_pair.nbytes)
     # The module's packed weights are views of the store's records: one copy on the host.
     lo, n = store.packed.data_ptr(), store.packed.nbytes
     for name in quantized:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 import rpcompile
-from rpcompile.runtime import executor, reference
+from rpcompile.runtime import actions, reference
 from rpcompile.runtime.trainer import Trainer
 from tests.tiny_models import hf_model, token_batch
 
@@ -21,7 +21,7 @@ def test_runtime_and_reference_reduce_the_step_loss_in_one_place(monkeypatch):
         return reduce(losses, divisor)
 
     monkeypatch.setattr(reference, "step_loss", recorder)
-    monkeypatch.setattr(executor, "step_loss", recorder)
+    monkeypatch.setattr(actions, "step_loss", recorder)
     model = hf_model("qwen3", layers=2)
     batch = token_batch(8, seq=8, seed=5)
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, rounds=2, example_inputs=batch)

@@ -448,13 +448,21 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
     if updates == "deferred":
         host = _deferred(host)
     host = _with_checks(host, plan, grad_stages)
+    # A tied parameter (an LM head borrowing the embedding) is one slot of the shadow, which
+    # the SHADOW of each stage holding it rewrites, the first of them possibly before the
+    # update that reads the other stage's gradients: an upload of the next step waits for
+    # every SHADOW of the step before that writes what it reads, not only its own stage's.
+    sharing = _sharing(sched, plan)
+    tied = {x: sorted(z for z in sharing[x] if z != x and not _overlaps(
+        sched.stage_units[x], sched.stage_units[z])) for x in sharing}
     for lst in sched.actions:
         for up in lst:
             if up.kind != "UP":
                 continue
-            src = shadows.get((up.stage, up.step - 1))
-            if src is not None:
-                edges.append(Edge(src, up, "shadow"))
+            for z in (up.stage, *tied[up.stage]):
+                src = shadows.get((z, up.step - 1))
+                if src is not None:
+                    edges.append(Edge(src, up, "shadow"))
             war = shadows.get((up.stage, up.step))
             if war is not None:
                 edges.append(Edge(up, war, "shadow_read"))

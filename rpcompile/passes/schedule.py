@@ -161,18 +161,18 @@ def runtime_cycle(stages: Sequence[Stage], workers: int, rounds: int = 1,
     never run as such: it gives the last repeated step the waits into the step after it (a
     download's memory given back at the next step's compute, a worker's next upload landing
     before its last job's weights go) that a long run has, and the memory proof its context.
-    ``steps`` (``PlanOptions.schedule_steps``): the steps lowered, at least ``repeat_from``
-    plus two periods; the repeated part is then the most whole periods that leave
-    ``repeat_from`` steps before it and one period after it."""
+    ``steps`` (``PlanOptions.schedule_steps``): the steps lowered; from ``repeat_from`` plus
+    two periods on, the repeated part is the most whole periods that leave ``repeat_from``
+    steps before it and one period after it. Fewer steps give ``(steps, 0, 0)``: a run goes
+    through the whole schedule again and again (run step ``k`` runs step ``k mod steps``),
+    and the steps of one pass commit before the next pass starts (no edge of the schedule
+    says how a step waits for the ones before it across the wrap)."""
     reach = cross_step_reach(stages, workers, rounds)
     period = dispatch_period(len(stages) * rounds, workers)
     if steps is None:
         return reach + 2 * period, reach, reach + period
     if steps < reach + 2 * period:
-        raise ValueError(
-            f"schedule_steps={steps} is too few for a run of overlapping steps: its edges reach "
-            f"{reach} step(s) back and its dealing repeats every {period}, so it needs at "
-            f"least {reach + 2 * period} (leave schedule_steps unset for that)")
+        return steps, 0, 0
     until = steps - period
     return steps, until - period * ((until - reach) // period), until
 

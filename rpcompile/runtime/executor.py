@@ -242,7 +242,7 @@ class Executor(Actions):
         if len(self.store.stages) != len(self.programs):
             problems.append("the host store was not built stage by stage from these programs")
         period = dispatch_period(len(sched.stage_names) * sched.rounds, sched.workers)
-        if (sched.run_steps - sched.repeat_from) % period:
+        if sched.repeat_until and (sched.run_steps - sched.repeat_from) % period:
             problems.append(f"the schedule repeats steps {sched.repeat_from}.."
                             f"{sched.run_steps - 1}, not whole dispatch periods of {period} "
                             "steps (build it with rpcompile.passes.lower.runtime_schedule)")
@@ -428,7 +428,9 @@ class Executor(Actions):
         """Whether step ``k`` may start while the steps before it run: its schedule step
         holds every wait on them (a repeated step of the runtime's schedule does, or one the
         schedule runs after the steps it follows)."""
-        return k < self.schedule.run_steps or self.schedule.repeat_from >= self._reach
+        sched = self.schedule
+        return k < sched.run_steps or bool(sched.repeat_until
+                                           and sched.repeat_from >= self._reach)
 
     def _start_clock(self, flight: InFlight, state: StepState) -> None:
         """``state`` is now the oldest step in flight: the watchdog's clock starts."""
@@ -581,9 +583,11 @@ class Executor(Actions):
         if self.reducer is not None:
             self.reducer.abandon(f"step {discarded[0] if discarded else self.steps_run} "
                                  "failed on this rank")
-        uninterrupted(lambda: self._discard(flight), interrupts, flight)
-        self._flight = None
-        self._driver_thread = None
+        try:
+            uninterrupted(lambda: self._discard(flight), interrupts, flight)
+        finally:  # the steps are gone even when the driver refuses to discard (no journal)
+            self._flight = None
+            self._driver_thread = None
         interrupt = interrupts[0] if interrupts else flight.interrupt()
         if interrupt is not None:
             raise interrupt
