@@ -102,12 +102,17 @@ class _LossOf(nn.Module):
         return self.loss_fn(model(*args[:-1]), args[-1])
 
 
-def example_batch_for(model: nn.Module, batch: int = 2, seq: int = 16) -> dict[str, torch.Tensor]:
-    """A batch synthesized from a causal LM's config (random token ids, labels = ids)."""
+def example_batch_for(model: nn.Module, batch: int = 2, seq: int = 16,
+                      mask: bool = False) -> dict[str, torch.Tensor]:
+    """A batch synthesized from a causal LM's config (random token ids, labels = ids; with
+    ``mask``, an all-ones ``attention_mask`` too, so the graph takes padded batches)."""
     device = _model_device(model)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), device="cpu").to(device)
-    return {"input_ids": ids, "labels": ids.clone()}
+    out = {"input_ids": ids, "labels": ids.clone()}
+    if mask:
+        out["attention_mask"] = torch.ones_like(ids)
+    return out
 
 
 def capture(
