@@ -21,8 +21,15 @@ contiguous *segment*. Stages may overlap (RoundPipe's forward and backward stage
 units cut differently): a parameter is stored once whichever stages use it, and the gradients
 of all its uses are summed into its one master gradient.
 
+A frozen quantized weight (a QLoRA base, :class:`rpcompile.capture.quantized.PackedWeight`)
+has no shadow: the host keeps it **packed**, its codes and quantization state as one record of
+a flat byte buffer (pinned or pageable like the others), laid out in stage order too; a job
+uploads its stage's packed records (:attr:`StageBuffers.packed`) and the worker rebuilds the
+weights in the compute dtype (:meth:`StageBuffers.packed_views`,
+:func:`rpcompile.runtime.kernels.dequantize_packed`).
+
 Sections, in reading order:
-  1. Layout values: ParamSlot, Segment, StageLayout, StageBuffers, MemoryReport
+  1. Layout values: ParamSlot, Segment, StageLayout, PackedLayout, StageBuffers, MemoryReport
   2. HostStore: build, shadow refresh, gradient accumulation, masters for the optimizer
   3. HostStaging: the transfers' host buffers, exact size, kept for reuse
   4. Helpers: exact-size (optionally pinned) flat buffers, contiguous runs, shard bounds
@@ -147,6 +154,27 @@ class StageLayout:
 
 
 @dataclass(frozen=True)
+class PackedLayout:
+    """Where a stage's frozen quantized weights live in the host's packed byte buffer.
+
+    The stage's device packed buffer is the concatenation of ``segments`` (byte ranges of the
+    host buffer, ``nbytes`` in all); ``parts[name]`` gives each tensor of a weight's record
+    (its name in :attr:`PackedWeight.state`, or ``"packed"``) as (byte offset in that device
+    buffer, dtype, shape).
+    """
+
+    stage: int
+    names: tuple[str, ...]
+    segments: tuple[Segment, ...]
+    parts: dict[str, tuple[tuple[str, int, torch.dtype, tuple[int, ...]], ...]] = field(
+        compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel for s in self.segments)
+
+
+@dataclass(frozen=True)
 class StageBuffers:
     """A stage's host buffers: one flat view per segment (what the transfers copy)."""
 
@@ -154,6 +182,28 @@ class StageBuffers:
     shadow: tuple[torch.Tensor, ...]  # compute dtype, one per shadow segment: upload these
     master: tuple[torch.Tensor, ...]  # fp32, one per grad segment
     grad: tuple[torch.Tensor, ...]  # fp32, one per grad segment
+    # uint8, one per packed segment (frozen quantized weights): upload these too
+    packed: tuple[torch.Tensor, ...] = ()
+    packed_layout: PackedLayout | None = None
+    formats: dict[str, object] = field(default_factory=dict, compare=False)  # name -> PackedWeight
+
+    def packed_views(self, data: torch.Tensor) -> dict[str, object]:
+        """The stage's quantized weights as PackedWeights whose tensors are views into
+        ``data``, the stage's packed bytes as uploaded (uint8, ``packed_layout.nbytes``, the
+        segments end to end): what the worker dequantizes."""
+        layout = self.packed_layout
+        if layout is None or data.dtype != torch.uint8 or data.numel() != layout.nbytes:
+            need = 0 if layout is None else layout.nbytes
+            raise ValueError(f"stage {self.layout.stage}: packed buffer of {data.numel()} "
+                             f"{data.dtype} elements, the layout needs {need} uint8")
+        out = {}
+        for name in layout.names:
+            views = {part: _byte_view(data, offset, dtype, shape)
+                     for part, offset, dtype, shape in layout.parts[name]}
+            weight = self.formats[name]
+            out[name] = replace(weight, packed=views["packed"],
+                                state=tuple((k, views[k]) for k, _ in weight.state))
+        return out
 
     def device_views(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of every parameter of the stage into its uploaded device weight buffer."""
@@ -288,8 +338,17 @@ class HostStore:
         master: torch.Tensor,
         grad: torch.Tensor,
         pin: str,
+        packed: torch.Tensor | None = None,
+        packed_layouts: tuple[PackedLayout, ...] = (),
+        packed_weights: dict | None = None,
     ) -> None:
         self.slots = slots
+        # Frozen quantized weights: one flat uint8 buffer of packed records, and each weight
+        # as a PackedWeight whose tensors are views into it.
+        self.packed = torch.empty(0, dtype=torch.uint8) if packed is None else packed
+        self.packed_weights = dict(packed_weights or {})
+        self._packed_layouts = packed_layouts or tuple(
+            PackedLayout(layout.stage, (), (), {}) for layout in layouts)
         self.shadow = shadow
         self.master = master
         self.grad = grad
@@ -301,7 +360,8 @@ class HostStore:
         self.kernels = "auto"
         self._by_name = {name: slot for slot in slots for name in slot.names}
         self._lock = threading.Lock()
-        self.stages = tuple(self._stage_buffers(layout) for layout in layouts)
+        self.stages = tuple(self._stage_buffers(layout, packed_layout)
+                            for layout, packed_layout in zip(layouts, self._packed_layouts))
         self._masters: list[torch.nn.Parameter] | None = None
         # The master index range this store holds (all of it unless shard_masters ran).
         self.master_start = 0
@@ -323,6 +383,7 @@ class HostStore:
         pin: bool = False,
         grad_stages: Iterable[int] | None = None,
         share_frozen: bool = True,
+        packed: dict | None = None,
     ) -> HostStore:
         """Lay out and fill the host buffers from each stage's ``(fqn, tensor)`` list.
 
@@ -337,7 +398,23 @@ class HostStore:
         stride. A tensor is trainable when ``requires_grad`` is True. ``grad_stages`` are the
         stages that produce gradients (default: all); every trainable parameter must be in one.
         ``pin=True`` needs CUDA.
+
+        ``packed``: the frozen quantized weights by parameter name
+        (``Captured.quantized``, PackedWeights). Each is kept packed in :attr:`packed`, not in
+        the shadow; with ``share_frozen`` its tensors (the module's packed parameter and its
+        quantization state) become views of that record. Any other non-floating parameter is
+        refused: casting packed codes to the compute dtype would lose what they mean.
         """
+        packed = dict(packed or {})
+        stage_packed = [[(n, t) for n, t in params if n in packed] for params in stage_params]
+        stage_params = [[(n, t) for n, t in params if n not in packed]
+                        for params in stage_params]
+        for params in stage_params:
+            for name, tensor in params:
+                if not tensor.is_floating_point():
+                    raise ValueError(
+                        f"parameter {name!r} has dtype {tensor.dtype}: a quantized weight is kept "
+                        "packed only when given in packed= (its PackedWeight, Captured.quantized)")
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, not {compute_dtype}")
         grad_set = set(range(len(stage_params)) if grad_stages is None else grad_stages)
@@ -430,14 +507,21 @@ class HostStore:
                 if index not in stage_slots:
                     stage_slots.append(index)
             layouts.append(_layout(stage, [n for n, _ in params], stage_slots, slots, seen_names))
-        return cls(tuple(slots), tuple(layouts), shadow, master, grad, pin_kind)
+        flat, packed_layouts, weights = _pack(stage_packed, packed, pin, share_frozen)
+        return cls(tuple(slots), tuple(layouts), shadow, master, grad, pin_kind, flat,
+                   packed_layouts, weights)
 
-    def _stage_buffers(self, layout: StageLayout) -> StageBuffers:
+    def _stage_buffers(self, layout: StageLayout,
+                       packed_layout: PackedLayout | None = None) -> StageBuffers:
+        packed_layout = packed_layout or PackedLayout(layout.stage, (), (), {})
         return StageBuffers(
             layout=layout,
             shadow=tuple(self.shadow[s.start : s.stop] for s in layout.shadow_segments),
             master=tuple(self.master[s.start : s.stop] for s in layout.grad_segments),
             grad=tuple(self.grad[s.start : s.stop] for s in layout.grad_segments),
+            packed=tuple(self.packed[s.start : s.stop] for s in packed_layout.segments),
+            packed_layout=packed_layout,
+            formats={n: self.packed_weights[n] for n in packed_layout.names},
         )
 
     def shard_masters(self, start: int, stop: int, rank: int, ranks: int) -> None:
@@ -465,8 +549,7 @@ class HostStore:
         self.master_start, self.master_stop = start, stop
         self.rank, self.ranks = rank, ranks
         self._owned = owned
-        self.stages = tuple(StageBuffers(
-            layout=st.layout, shadow=st.shadow, master=(), grad=st.grad) for st in self.stages)
+        self.stages = tuple(replace(st, master=()) for st in self.stages)
 
     def _m(self, start: int, stop: int) -> torch.Tensor:
         """The master elements ``[start, stop)`` (global offsets) this store holds."""
@@ -652,9 +735,11 @@ class HostStore:
     # -- accounting ----------------------------------------------------------------------
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         trainable = sum(s.numel for s in self.trainable_slots)
-        frozen = sum(s.numel for s in self.slots if not s.trainable)
+        frozen = sum(s.numel for s in self.slots if not s.trainable) + sum(
+            w.numel for w in self.packed_weights.values())
         itemsize = self.compute_dtype.itemsize
-        shadow_bytes = self.shadow.untyped_storage().nbytes()
+        # Frozen quantized weights count with the frozen shadows, at their packed bytes.
+        shadow_bytes = self.shadow.untyped_storage().nbytes() + self.packed.nbytes
         return MemoryReport(
             compute_dtype=str(self.compute_dtype).removeprefix("torch."),
             pin=self.pin,
@@ -666,7 +751,8 @@ class HostStore:
             grad_bytes=self.grad.untyped_storage().nbytes() + (
                 0 if self.pending is None else self.pending.untyped_storage().nbytes()),
             optimizer_state_bytes=0 if optimizer is None else _state_bytes(optimizer),
-            upload_bytes=tuple(st.layout.shadow_numel * itemsize for st in self.stages),
+            upload_bytes=tuple(st.layout.shadow_numel * itemsize + st.packed_layout.nbytes
+                               for st in self.stages),
             owned_params=sum(s.numel for s in self._owned),
             rank=self.rank,
             ranks=self.ranks,
@@ -847,6 +933,69 @@ def _identity(tensor: torch.Tensor) -> object:
         tuple(tensor.stride()),
         tensor.dtype,
     ) if tensor.numel() else ("empty", id(tensor))
+
+
+def _pack(stage_packed, weights: dict, pin: bool, share: bool):
+    """The packed byte buffer: each quantized weight once, in the order the stages first use
+    it, as one record (fp32 state first, then the codes and 8-bit state; the record in whole
+    PACKED_ALIGN words); each stage's byte segments and part offsets; the weights re-pointed
+    at their records."""
+    from rpcompile.capture.quantized import PACKED_ALIGN
+
+    records: dict[str, tuple[int, int, list]] = {}  # name -> (start, stop, parts)
+    at = 0
+    for params in stage_packed:
+        for name, tensor in params:
+            if name in records:
+                continue
+            weight = weights[name]
+            if weight.packed is not tensor:
+                raise ValueError(f"packed[{name!r}] holds another tensor than the stage's "
+                                 "parameter of that name")
+            tensors = [("packed", weight.packed), *weight.state]
+            tensors.sort(key=lambda kv: kv[1].element_size() != 4)
+            parts, start = [], at
+            for part, t in tensors:
+                parts.append((part, at - start, t))
+                at += t.nbytes
+            at = -(-at // PACKED_ALIGN) * PACKED_ALIGN
+            records[name] = (start, at, parts)
+    flat, _ = _host_flat(at, torch.uint8, pin)
+    moved = {}
+    with torch.no_grad():
+        for name, (start, _, parts) in records.items():
+            views = {}
+            for part, offset, t in parts:
+                view = _byte_view(flat, start + offset, t.dtype, tuple(t.shape))
+                view.copy_(t)
+                views[part] = view
+                if share and t.device.type == "cpu":
+                    t.data = view  # the module's tensor and the record are one copy
+            weight = weights[name]
+            moved[name] = replace(weight, packed=views["packed"],
+                                  state=tuple((k, views[k]) for k, _ in weight.state))
+    layouts = []
+    for stage, params in enumerate(stage_packed):
+        # In host order, so the device buffer is the segments end to end.
+        names = tuple(sorted(dict.fromkeys(n for n, _ in params), key=lambda n: records[n][0]))
+        spans, parts, device_at = [], {}, 0
+        for name in names:
+            start, stop, record = records[name]
+            parts[name] = tuple((part, device_at + offset, t.dtype, tuple(t.shape))
+                                for part, offset, t in record)
+            spans.append((start, stop - start))
+            device_at += stop - start
+        layouts.append(PackedLayout(stage, names, tuple(_segments(spans)), parts))
+    return flat, tuple(layouts), moved
+
+
+def _byte_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """``shape`` elements of ``dtype`` at byte ``offset`` of the uint8 buffer ``flat``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for d in shape:
+        count *= d
+    return flat[offset : offset + count * size].view(dtype).view(shape)
 
 
 def _layout(
