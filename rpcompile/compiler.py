@@ -101,8 +101,9 @@ class Compiled:
     plans_made: list[tuple[int, int]] = field(default_factory=list)
     _trainer: Any = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
-    # The batch the model was captured with (a re-plan captures from it again).
-    _capture_batch: Any = field(default=None, repr=False)
+    # The capture as compile() made it, before any planning pass rewrote a copy of it: every
+    # plan (each loss-chunk variant, each shape) plans a fork of it.
+    _source: Any = field(default=None, repr=False)
     # Ids of the generated fx sources this compile made (released at close()).
     _fx_sources: tuple[int, int] | None = field(default=None, repr=False)
 
@@ -153,13 +154,12 @@ class Compiled:
 
         t0 = time.perf_counter()
         parts = self.microbatches * self.rounds
-        # The capture compile() made serves the first plan; a later plan (or one after a
-        # loss-chunk rewrite of that capture) captures anew, leaving the running plan's alone.
-        fresh = self.plan is not None or self.capture.loss_chunk_tokens is not None
-        base = [] if fresh else [r for r in self.history if r.name == "capture"][:1]
-        new = _plan_captured(self.model, self.capture, base, self.options,
-                             self._capture_batch, (shape[0] * parts, shape[1]),
-                             fresh_capture=fresh)
+        # Planned from compile()'s capture, with the running capture's dropout seed (a
+        # loaded checkpoint sets it), so the mask stream goes on unchanged under the new plan.
+        source = replace(self._source, dropout_seed=self.capture.dropout_seed)
+        base = [r for r in self.history if r.name == "capture"][:1]
+        new = _plan_captured(self.model, source, base, self.options,
+                             (shape[0] * parts, shape[1]))
         state = None
         if self._trainer is not None:
             state = self._trainer.state_dict()
@@ -458,7 +458,7 @@ class Compiled:
         )
         check_memory(compiled)
         check_host_memory(compiled)
-        compiled._capture_batch = self._capture_batch
+        compiled._source = self._source
         compiled.plans_made.append(_shape_of(compiled))
         return compiled
 
@@ -646,42 +646,37 @@ def compile(
             stages=[], hardware=planning_hardware(options), workers=po.gpus,
             microbatches=po.microbatches_per_round, rounds=po.rounds, history=history,
             compute_dtype=dtype, options=options)
-        compiled._capture_batch = example_inputs
     else:
-        compiled = _plan_captured(model, captured, history, options, example_inputs,
+        compiled = _plan_captured(model, captured, history, options,
                                   _batch_shape(captured.example_batch), stacklevel=3)
-        compiled._capture_batch = example_inputs
         compiled.plans_made.append(_shape_of(compiled))
+    compiled._source = captured
     compiled._fx_sources = (fx_start, fx_source_mark())
     return compiled
 
 
 
-def _plan_captured(model: nn.Module, captured: Captured, history: list[PassRecord],
-                   options: Options, capture_batch: Any, shape: tuple[int, int], *,
-                   fresh_capture: bool = False, stacklevel: int = 2) -> Compiled:
-    """Plan ``captured`` for global batches of ``shape`` (sequences, tokens per sequence):
-    each loss-chunk variant (:func:`_loss_chunks`) costed, partitioned, split and lowered, the
-    fastest that fits kept, its memory checked. ``history`` holds the records up to capture;
-    ``fresh_capture``: capture anew for the first variant too (a re-plan, whose current
-    capture is the running plan's), from ``capture_batch``."""
+def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord],
+                   options: Options, shape: tuple[int, int], *,
+                   stacklevel: int = 2) -> Compiled:
+    """Plan ``source`` for global batches of ``shape`` (sequences, tokens per sequence):
+    each loss-chunk variant (:func:`_loss_chunks`) costed, partitioned, split and lowered on
+    its own fork of ``source`` (which stays as captured), the fastest that fits kept, its
+    memory checked. ``history`` holds the records up to capture."""
     co = options.capture
     parts = options.plan.microbatches_per_round * options.plan.rounds
     dtype = _floating_dtype(model)
     capacity = options.train.capacity_bytes
     base = list(history)
     tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
-    for chunk in _loss_chunks(captured, co.loss_chunk_tokens, parts, shape):
+    for chunk in _loss_chunks(source, co.loss_chunk_tokens, parts, shape):
         if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
             if all(isinstance(c, Compiled) and _fits(c, capacity) for _, c in tried) \
-                    and not _large_logits(captured, parts, shape):
+                    and not _large_logits(source, parts, shape):
                 break
             continue
         run = list(base)
-        if tried or fresh_capture:  # each variant rewrites its own capture of the model
-            captured = run_pass(run, "capture", partial(
-                capture, model, capture_batch, loss_fn=co.loss_fn, units=co.units,
-                opaque=co.opaque), check_captured)
+        captured = source.fork()  # each variant rewrites its own copy of the graph
         if chunk is not None:
             from rpcompile.passes.chunked_loss import chunk_lm_loss
 
