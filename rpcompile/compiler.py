@@ -627,12 +627,15 @@ def compile(
         from rpcompile.capture.core import example_batch_for
 
         example_inputs = example_batch_for(model, batch=parts, seq=16, mask=True)
+    _notice(po, f"rpcompile: capturing {type(model).__name__} as a graph ...")
     captured = run_pass(
         history, "capture",
         lambda: capture(model, example_inputs, loss_fn=co.loss_fn, units=co.units,
                         opaque=co.opaque),
         check_captured,
     )
+    _notice(po, f"rpcompile: captured {captured.report.node_count:,} nodes in "
+                f"{len(captured.units)} units in {history[-1].elapsed_ms / 1e3:.1f} s")
     dtype = _floating_dtype(model)
     if co.compute_dtype is not None and co.compute_dtype != dtype:
         raise ValueError(
@@ -840,7 +843,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     run = replace(po, updates=order)
     plan = run_pass(
         history, "partition",
-        lambda: _searched_plan(profiles, hw, mb_size, seq, costing, run, options),
+        lambda: _searched_plan(profiles, hw, mb_size, seq, costing, run, options,
+                               _head_text(captured.loss_chunk_tokens)),
         lambda p: check_plan(p, len(captured.units)),
     )
 
@@ -882,8 +886,13 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     )
 
 
+def _head_text(chunk: int | None) -> str:
+    return "whole logits" if chunk is None else f"the LM head + loss in {chunk:,}-token chunks"
+
+
 def _searched_plan(profiles: list[UnitProfile], hw: Hardware, mb_size: int, seq: int,
-                   costing: StageCosting, run: PlanOptions, options: Options) -> Plan:
+                   costing: StageCosting, run: PlanOptions, options: Options,
+                   head: str = "") -> Plan:
     """The partition search's plan, from the plan cache when it holds this search
     (:mod:`rpcompile.planner.cache`). Data parallel, rank 0 alone searches (or reads the
     cache) and sends the plan to the others, so every rank runs the same plan."""
@@ -894,9 +903,23 @@ def _searched_plan(profiles: list[UnitProfile], hw: Hardware, mb_size: int, seq:
     checks = grad_check_passes(max_grad_norm=train.max_grad_norm, loss_scale=train.loss_scale)
 
     def search() -> Plan:
-        return partition(profiles, hw, microbatch_size=mb_size, seq_len=seq, costing=costing,
-                         options=run, capacity_bytes=train.capacity_bytes,
-                         grad_check_passes=checks)
+        import time
+
+        _notice(run, f"rpcompile: searching stage cuts of {len(profiles)} units for "
+                     f"{run.gpus} workers, microbatches of {mb_size} x {seq} tokens"
+                     f"{', ' + head if head else ''} ...")
+        t0 = time.perf_counter()
+        try:
+            plan = partition(profiles, hw, microbatch_size=mb_size, seq_len=seq,
+                             costing=costing, options=run, capacity_bytes=train.capacity_bytes,
+                             grad_check_passes=checks)
+        except PartitionError:
+            _notice(run, f"rpcompile: searched in {time.perf_counter() - t0:.1f} s: "
+                         f"no plan fits")
+            raise
+        _notice(run, f"rpcompile: searched in {time.perf_counter() - t0:.1f} s: "
+                     f"predicted step {plan.predicted_step_ms:,.1f} ms")
+        return plan
 
     def local() -> Plan:
         key, inputs = plan_key(profiles, hw, mb_size, seq, costing, run, train.capacity_bytes,

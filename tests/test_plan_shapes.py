@@ -53,8 +53,11 @@ def test_plans_follow_the_batches_and_train_like_eager(capsys):
         masters = compiled.trainer().masters()
     finally:
         compiled.close()
-    notices = [line for line in capsys.readouterr().err.splitlines()
-               if line.startswith("rpcompile: planned for")]
+    err = capsys.readouterr().err
+    notices = [line for line in err.splitlines() if line.startswith("rpcompile: planned for")]
+    # The phases say what they do: the capture once, a search per plan made.
+    assert err.count("rpcompile: capturing Qwen3ForCausalLM") == 1
+    assert err.count("rpcompile: searching stage cuts") == 3
     assert compiled.plans_made == [(2, 10), (2, 16), (3, 16)]
     assert len(notices) == len(compiled.plans_made)
     assert "the first batch" in notices[0] and "larger than the plan's 2 x 10" in notices[1]
@@ -64,12 +67,13 @@ def test_plans_follow_the_batches_and_train_like_eager(capsys):
     assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
 
 
-def test_a_fixed_shape_refuses_a_larger_batch():
+def test_a_fixed_shape_refuses_a_larger_batch(capsys):
     model = hf_model("qwen3", seed=3)
     compiled = rpcompile.compile(model, gpus=2, device="virtual", microbatches=2,
-                                 optimizer=_sgd, dynamic=False)
+                                 optimizer=_sgd, dynamic=False, progress=False)
     try:
         compiled.step(sft_batch(4, 10, seed=1))
+        assert "rpcompile:" not in capsys.readouterr().err  # progress=False: silent
         compiled.step(sft_batch(4, 8, seed=2))  # smaller: runs on the plan
         with pytest.raises(ValueError, match="larger than the plan's shape"):
             compiled.step(sft_batch(4, 12, seed=3))
