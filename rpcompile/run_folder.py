@@ -28,10 +28,15 @@ __all__ = ["MAY_CHANGE", "RUN_FILE", "RunFolder", "file_sha256", "model_fingerpr
 RUN_FILE = "run.json"
 FORMAT = "rpcompile-run"
 VERSION = 1
-# What rpcompile writes into a run folder: a folder holding only these is a run's.
+# What rpcompile writes into a run folder: a folder holding only these is a run's (with
+# ``.final.*``, final/ being replaced).
 _RUN_ENTRIES = {RUN_FILE, "config.yaml", "checkpoints", "final", "base", "metrics.jsonl",
                 "tensorboard", "loss.png", "summary.json", "schedule.csv", "schedule.json",
-                "schedule.png", ".final.partial"}
+                "schedule.png"}
+
+
+def _ours(name: str) -> bool:
+    return name in _RUN_ENTRIES or name.startswith(".final.")
 
 # Options a resumed run may change: how long it runs, what it logs and saves, and where it
 # computes (a plan for other workers trains the same masters on the same batches, split the
@@ -114,7 +119,7 @@ class RunFolder:
             raise ValueError(f"--out {path} is a file, not a folder: give a folder for the run")
         held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
         if held:
-            foreign = [n for n in held if n not in _RUN_ENTRIES]
+            foreign = [n for n in held if not _ours(n)]
             if foreign:
                 raise ValueError(
                     f"--out {path} holds files that are not an rpcompile run's "
@@ -164,7 +169,7 @@ class RunFolder:
             return
         if self.path.is_dir():
             for child in self.path.iterdir():
-                if child.name in _RUN_ENTRIES:
+                if _ours(child.name):
                     if child.is_dir() and not child.is_symlink():
                         shutil.rmtree(child, ignore_errors=True)
                     else:
