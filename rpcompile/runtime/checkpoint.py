@@ -338,15 +338,11 @@ def write_shard(trainer: Any, tmp: Path, state: Mapping[str, Any],
 
     dp = trainer.dp
     tensors, manifest = _split_state(trainer, extra, state)
-    from safetensors import SafetensorError
-
     name = shard_file(dp.rank, dp.world)
-    try:
-        save_file(tensors, str(tmp / name))
-        size, digest = _fsync_and_hash(tmp / name)
-    except (OSError, SafetensorError) as exc:
-        raise _write_failed(tmp / name, exc, sum(t.numel() * t.element_size()
-                                                 for t in tensors.values())) from exc
+    # A refused write raises as it is: the ranks' agreement names the rank, its error and
+    # that the folder must be one every rank can write.
+    save_file(tensors, str(tmp / name))
+    size, digest = _fsync_and_hash(tmp / name)
     # This rank's RNG in its manifest (rank 0's becomes the checkpoint's), so that a rank
     # that loads reads the RNG without reading rank 0's file.
     manifest["rng"] = {key[len("rng/"):]: value.numpy().tobytes().hex()
