@@ -665,6 +665,7 @@ class _Job:
         self.manager: Any = None
         self.folder: Any = None
         self.committed = 0  # the last step the trainer and the job's bookkeeping both hold
+        self.writing: Path | None = None  # the output being written, for a refused write
 
     def run(self) -> int:
         from rpcompile.run_folder import RunFolder
@@ -965,6 +966,7 @@ class _Job:
 
     # -- training ---------------------------------------------------------------------------
     def _train(self) -> int:
+        from safetensors import SafetensorError
         from tqdm import tqdm
 
         opts, lead, compiled = self.opts, self.lead, self.compiled
@@ -1003,9 +1005,12 @@ class _Job:
                               compiled.trainer().schedule)
         except KeyboardInterrupt:
             return self._stop()
-        except OSError as err:
-            raise ValueError(self._failed(f"cannot write {err.filename or 'a file'}: "
-                                          f"{err.strerror or err}")) from None
+        except (OSError, SafetensorError) as err:
+            # safetensors reports a refused write (a full disk) as its own error, without
+            # the file's name.
+            what = getattr(err, "filename", None) or self.writing or "a file"
+            raise ValueError(self._failed(f"cannot write {what}: "
+                                          f"{getattr(err, 'strerror', None) or err}")) from None
         return 0
 
     def _step(self, step: int) -> None:
@@ -1112,13 +1117,20 @@ class _Job:
         from rpcompile.runtime.checkpoint import replace_folder
 
         partial = self.out / ".final.partial"
+        self.writing = self.out / "final"
         if self.lead:
             shutil.rmtree(partial, ignore_errors=True)
-        if self.lead or self.sharded:  # sharded: a collective (the masters gathered)
-            self.compiled.save_pretrained(partial, merge=self.opts["merge"])
-        if self.lead:
-            self.tokenizer.save_pretrained(partial)
-            replace_folder(partial, self.out / "final")
+        try:
+            if self.lead or self.sharded:  # sharded: a collective (the masters gathered)
+                self.compiled.save_pretrained(partial, merge=self.opts["merge"])
+            if self.lead:
+                self.tokenizer.save_pretrained(partial)
+                replace_folder(partial, self.out / "final")
+        except BaseException:
+            if self.lead:  # a final/ written in part is no model: leave none behind
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        self.writing = None
 
 
 def _check_rows(rows: Any, batch_size: int, prepared: Any, dropped: int, packed: bool,

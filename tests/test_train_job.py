@@ -384,6 +384,36 @@ def test_a_refused_checkpoint_write_stops_the_run_cleanly_and_it_resumes(files, 
     assert not (out / "final").exists()
 
 
+def test_a_refused_write_of_final_stops_cleanly_and_a_resume_writes_it(files, tmp_path,
+                                                                        monkeypatch):
+    """The disk fills while final/ is written (safetensors raises its own error, naming no
+    file): the run stops naming final/, the cause and the checkpoint of its last step, leaves
+    no final/ written in part, and a resume from that checkpoint writes final/."""
+    import transformers.modeling_utils
+    from safetensors import SafetensorError
+
+    def full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device "
+                              "(os error 28)")
+
+    monkeypatch.setattr(transformers.modeling_utils, "safe_save_file", full)
+    out = tmp_path / "run"
+    status, text = _train(*_common(files), "--data", files["pairs"], "--steps", "2",
+                          "--save-every", "2", "--eval-split", "0", "--out", out)
+    monkeypatch.undo()
+    assert status == 2, text[-2000:]
+    for words in (f"cannot write {out}/final", "No space left on device",
+                  "The run stopped after step 2",
+                  f"the latest checkpoint is {out}/checkpoints/step-00000002",
+                  f"rpcompile train --resume {out}"):
+        assert words in text, (words, text[-2000:])
+    assert "Traceback" not in text
+    assert not (out / "final").exists() and not (out / ".final.partial").exists()
+    status, text = _train("--resume", out)
+    assert status == 0, text[-2000:]
+    assert (out / "final" / "model.safetensors").is_file()
+
+
 def test_a_checkpoint_skipped_as_unreadable_is_named_with_the_reason(finished, tmp_path):
     out = _copy(finished, tmp_path)
     manifest = out / "checkpoints" / "step-00000030" / "manifest.json"
