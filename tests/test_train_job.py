@@ -501,6 +501,8 @@ _BAD = [
      ["--overwrite starts a new run", "give one of them"]),
     ("foreign folder", {"x.txt": "mine"}, ["--data", "{data}", "--out", "{ckpt}"],
      ["holds files that are not an rpcompile run's", "config.json"]),
+    ("unwritable out", {"x.txt": "mine"}, ["--data", "{data}", "--out", "{x.txt}/run"],
+     ["cannot write to --out {x.txt}/run", "give a folder this process can write"]),
 ]
 
 
