@@ -183,6 +183,22 @@ def test_a_copied_run_folder_resumes_in_itself_and_leaves_the_original_alone(fin
     assert _files(original) == before
 
 
+def test_resume_from_an_earlier_checkpoint_with_out_branches_into_a_new_folder(finished,
+                                                                              tmp_path):
+    """--resume RUN/checkpoints/step-20 --out NEW: the later step-30 beside it does not stop
+    a branch; NEW logs steps 21-30 bit for bit as the run did, and RUN is left as it was."""
+    run = _copy(finished, tmp_path)
+    before = _files(run)
+    new = tmp_path / "branch"
+    status, text = _train("--resume", run / "checkpoints" / "step-00000020", "--out", new)
+    assert status == 0, text[-2000:]
+    assert _files(run) == before
+    want = [r for r in _records(run) if r["step"] > 20]
+    _same_records(_records(new), want)
+    assert sorted(p.name for p in (new / "checkpoints").iterdir()) == ["step-00000030"]
+    assert (new / "final" / "model.safetensors").is_file()
+
+
 # -- 2. the model trains as the model says -------------------------------------------------
 
 
