@@ -171,7 +171,11 @@ def _parser() -> argparse.ArgumentParser:
                     "(from_pretrained), checkpoints, metrics.jsonl, TensorBoard events and "
                     "loss.png. With no arguments: build the tiny shipped Qwen3 (byte-level), "
                     "write it as a checkpoint folder and fine-tune it on the shipped text. "
-                    "Options come from the defaults, then --config run.yaml, then the flags.",
+                    "Options come from the defaults, then --config run.yaml, then the flags. "
+                    "--out holds one run (another run's folder is refused: --overwrite, "
+                    "--resume). Ctrl-C or SIGTERM stops after the step in flight (twice: at "
+                    "once), saves a checkpoint of the last finished step and exits 130 / 143; "
+                    "--resume goes on from it.",
     )
     from rpcompile.finetune import add_train_arguments
 

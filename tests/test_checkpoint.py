@@ -375,6 +375,70 @@ def test_manager_keeps_the_last_k_and_finds_the_latest(tmp_path):
     compiled.close()
 
 
+def test_manager_names_what_it_skips_and_never_prunes_the_checkpoint_it_wrote(tmp_path):
+    compiled = make()
+    try:
+        later = CheckpointManager(tmp_path / "ckpts", keep_last=1)
+        compiled.step(token_batch(6, seed=1))
+        later.save(compiled, 9)  # e.g. of another run: a higher step than the one written next
+        assert later.save(compiled, 2).is_dir()
+        manager = CheckpointManager(tmp_path / "cut", keep_last=3)
+        for step in (1, 2):
+            manager.save(compiled, step)
+        manifest = manager.path_for(2) / "manifest.json"
+        manifest.write_text(manifest.read_text()[:40])
+        assert manager.latest() == manager.path_for(1)
+        ((path, why),) = manager.skipped()
+        assert path == manager.path_for(2)
+        assert "manifest.json is unreadable or truncated" in why
+    finally:
+        compiled.close()
+
+
+def test_a_write_the_file_system_refuses_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A full disk mid-write (the tensor file half written, then ENOSPC): the error names the
+    folder, the bytes it needs and those free, no temporary folder is left, and the previous
+    checkpoint (and the one the failed write would have replaced) still load."""
+    import errno
+
+    import safetensors.torch
+
+    compiled = make()
+    manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)
+    try:
+        compiled.step(token_batch(6, seed=1))
+        manager.save(compiled, 1)
+        first = masters_of(compiled)
+        compiled.save_checkpoint(tmp_path / "same")
+        compiled.step(token_batch(6, seed=2))
+        write = safetensors.torch.save_file
+
+        def full_disk(tensors, filename, *args, **kwargs):
+            write(tensors, filename, *args, **kwargs)
+            with open(filename, "r+b") as fh:
+                fh.truncate(100)
+            raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+        monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+        for target in (manager.path_for(2), tmp_path / "same"):
+            with pytest.raises(CheckpointError) as info:
+                compiled.save_checkpoint(target)
+            text = str(info.value)
+            assert f"could not write the checkpoint {target}: No space left on device" in text
+            assert "bytes on the file system of" in text and "bytes are free there" in text
+            assert ("still holds the checkpoint it held before" in text) == (target.name ==
+                                                                             "same")
+        monkeypatch.undo()
+        assert not [p for p in tmp_path.rglob(".*tmp-*")]
+        assert not manager.path_for(2).exists()
+        assert manager.latest() == manager.path_for(1)
+        for saved in (manager.path_for(1), tmp_path / "same"):
+            compiled.load_checkpoint(saved)
+            assert_same_masters(masters_of(compiled), first)
+    finally:
+        compiled.close()
+
+
 def _start_child(root: Path, *args: str) -> subprocess.Popen:
     """tests/checkpoint_child.py in the background on one thread, its stderr in
     ``root/stderr.txt``."""
