@@ -116,14 +116,16 @@ def machine(stamp: dict[str, Any]) -> str:
 
 
 def provenance(r: Result) -> str:
+    """Where the figures come from: the command, the commit and the machine of the stamp."""
     if r.stamp is None:
-        return ("Unstamped: this script writes its figures without a stamp, so the commit and "
-                "the machine are not recorded.")
+        return (f"Unstamped: made by `benchmarks/{r.script}.py`, which writes its figures "
+                "without a stamp, so its options, the commit and the machine are not "
+                "recorded.")
     s = r.stamp
     code = (" with uncommitted code changes" if s.get("code_changed")
             else "" if s.get("code_changed") is False else " (code state unknown)")
     commit = f"`{s['commit'][:12]}`{code}" if s.get("commit") else "an unknown commit"
-    return f"Commit {commit}; {machine(s)}; {num(s['seconds'], 0)} s."
+    return f"`{s['command']}`\n\nCommit {commit}; {machine(s)}; {num(s['seconds'], 0)} s."
 
 
 # ---------------------------------------------------------------- renderers
@@ -534,9 +536,7 @@ def render_doc(results: list[Result]) -> str:
         for r in by_script[s]:
             if len(by_script[s]) > 1:
                 parts += [f"### `{r.path.name}`", ""]
-            made = (f"`{r.command}`" if r.command else
-                    f"Made by `benchmarks/{r.script}.py`; its options are not recorded.")
-            parts += [made, "", provenance(r), ""]
+            parts += [provenance(r), ""]
             render = section.render if section else _generic
             parts += [render(r), ""]
             picture = r.path.with_suffix(".png")
