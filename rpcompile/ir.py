@@ -101,6 +101,11 @@ class UnitProfile:
     # (rpcompile.workloads.paper), which then stands for ids and labels alone.
     buffers: tuple[tuple[str, int], ...] = ()
     batch_inputs: tuple[tuple[str, int], ...] = ()
+    # Frozen quantized weights (a QLoRA base, rpcompile.capture.quantized): their elements,
+    # counted in frozen_params too, and the bytes they are kept and uploaded as (packed codes
+    # plus quantization state). On the device each is dequantized to the compute dtype.
+    packed_params: int = 0
+    packed_bytes: int = 0
 
     @property
     def params(self) -> int:

@@ -27,3 +27,32 @@ def test_probe_measures_this_machine():
     for figure in (hw.matmul_tflops, hw.h2d_gbps, hw.d2h_gbps, hw.host_mem_gbps,
                    hw.optimizer_params_per_s):
         assert figure > 0
+
+
+def test_probe_is_measured_once_per_process():
+    first = probe("cpu", size=128, repeats=1, min_seconds=0.001)
+    assert probe("cpu", size=128, repeats=1, min_seconds=0.001) is first
+    assert probe("cpu", size=128, repeats=1, min_seconds=0.001, fresh=True) is not first
+
+
+def test_timing_windows_hold_enough_work_that_the_sync_does_not_count(monkeypatch):
+    # One call is 0.2 ms of work; the synchronize that closes a window costs 5 ms (on a fast
+    # GPU a synchronize costs about as much as a 2048^3 matmul). Timing one call between two
+    # synchronizes would report 5.2 ms. A simulated clock keeps the test exact on a busy CPU.
+    import types
+
+    from rpcompile import hardware
+
+    clock, calls = [0.0], [0]
+    monkeypatch.setattr(hardware, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def work():
+        calls[0] += 1
+        clock[0] += 2e-4
+
+    def sync():
+        clock[0] += 5e-3
+
+    per_call = hardware.seconds_per_call(work, sync, repeats=2, min_seconds=0.1)
+    assert 2e-4 < per_call < 1.05 * 2e-4, per_call
+    assert calls[0] >= 2 * 0.1 / 2e-4  # each window held enough calls to last 0.1 s

@@ -541,6 +541,34 @@ def test_compiled_kernels_on_cuda_match_torch(dtype):
     assert flag.item() == int(found)
 
 
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_kernels_launched_from_several_threads_at_once():
+    # Worker compute threads reach a specialization none has compiled yet at the same time:
+    # it compiles once and every thread's sums are right.
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    device = torch.device("cuda")
+    gate = threading.Barrier(4)
+
+    def job(seed):
+        sizes = [4097 + seed, 3, 10_000]  # unaligned offsets: a specialization of its own
+        grads = [_grad(n, torch.float16, seed * 10 + n, 0.0).to(device) for n in sizes]
+        accumulator = torch.randn(sum(sizes), generator=torch.Generator().manual_seed(seed))
+        expected, _ = _reference_accumulate([g.cpu() for g in grads], accumulator,
+                                            kernels.packed_offsets(grads))
+        accumulator = accumulator.to(device)
+        gate.wait()
+        kernels.accumulate_grads(grads, accumulator, backend="triton")
+        torch.cuda.synchronize()
+        assert_bits_equal(accumulator.cpu(), expected)
+        return True
+
+    with ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(job, range(4)))
+
+
 def test_interpreter_launches_from_worker_threads():
     # Virtual workers are threads. Triton's interpreter patches triton.language for the length
     # of a launch, so concurrent launches must not trip over each other.
@@ -567,6 +595,42 @@ def test_interpreter_launches_from_worker_threads():
 
     with ThreadPoolExecutor(4) as pool:
         assert all(pool.map(job, range(8)))
+
+
+def test_first_launch_of_a_specialization_runs_alone(monkeypatch):
+    # On CUDA the first launch of each specialization compiles: compute threads of several
+    # workers reaching it together must not each compile it. Later launches take no lock.
+    import threading
+    import time
+
+    monkeypatch.setattr(kernels, "_LAUNCHED", set())
+    spans: list[tuple[str, float, float]] = []
+    lock = threading.Lock()
+
+    def launch(key):
+        begin = time.perf_counter()
+        time.sleep(0.02)
+        with lock:
+            spans.append((key, begin, time.perf_counter()))
+
+    keys = ["a", "a", "a", "b", "b", "a", "b", "a"]
+    threads = [threading.Thread(target=kernels._first_launch_alone,
+                                args=(k, lambda k=k: launch(k))) for k in keys]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(k for k, _, _ in spans) == sorted(keys)  # every launch ran, once
+    spans.sort(key=lambda span: span[1])
+    first = {}
+    for span in spans:
+        first.setdefault(span[0], span)
+    for key, (_, begin, end) in first.items():
+        # No other launch of the same key, and no other first launch, overlaps it.
+        others = [s for s in spans if s[0] == key and s is not first[key]]
+        others += [f for f in first.values() if f is not first[key]]
+        assert all(e <= begin or b >= end for _, b, e in others), (key, spans)
+    assert kernels._LAUNCHED == {"a", "b"}
 
 
 @pytest.mark.parametrize(

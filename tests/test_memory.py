@@ -252,3 +252,144 @@ def test_pinned_buffers_are_registered_at_exact_size():
     n = store.master.numel()
     assert store.master.untyped_storage().nbytes() == 4 * n
     assert store.shadow.untyped_storage().nbytes() == 2 * n
+
+
+# --------------------------------------------------------------------------------------------
+# Registration with the CUDA driver, and its fallback (simulated here; on a GPU below)
+# --------------------------------------------------------------------------------------------
+
+
+class _FakeRuntime:
+    """The CUDA runtime as torch binds it: a failed cudaHostRegister returns its error and also
+    leaves it as the calling thread's last error, which the next kernel launch raises."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.local = threading.local()
+
+    def cudaHostRegister(self, pointer, nbytes, flags):
+        self.local.error = 712  # cudaErrorHostMemoryAlreadyRegistered
+        return 712
+
+    def cudaHostUnregister(self, pointer):
+        return 0
+
+    def launch(self) -> None:
+        error, self.local.error = getattr(self.local, "error", 0), 0
+        if error:
+            raise RuntimeError(f"CUDA error {error} (a stale error from an earlier call)")
+
+
+class _FakeDriver:
+    def __init__(self, failure: str | None) -> None:
+        self.failure = failure
+        self.registered: list[int] = []
+        self.unregistered: list[int] = []
+
+    def register(self, pointer, nbytes):
+        if self.failure is None:
+            self.registered.append(pointer)
+        return self.failure
+
+    def unregister(self, pointer):
+        self.unregistered.append(pointer)
+
+
+def _simulated_cuda(monkeypatch, driver):
+    """CUDA as far as the host memory code sees it, with no GPU: the caching allocator's
+    buffers are plain ones, recorded."""
+    import rpcompile.runtime.memory as memory
+
+    runtime, cached = _FakeRuntime(), []
+
+    def caching_pinned(numel, dtype):
+        cached.append(numel)
+        return torch.empty(numel, dtype=dtype)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: runtime)
+    monkeypatch.setattr(memory, "_driver", driver if callable(driver) else lambda: driver,
+                        raising=False)
+    monkeypatch.setattr(memory, "_caching_pinned", caching_pinned, raising=False)
+    return runtime, cached
+
+
+def test_a_failed_registration_falls_back_and_leaves_no_cuda_error_behind(monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rpcompile.runtime.memory import HostStaging
+
+    driver = _FakeDriver("cuMemHostRegister_v2 returned CUDA_ERROR_NOT_SUPPORTED (801)")
+    runtime, cached = _simulated_cuda(monkeypatch, driver)
+
+    def download_thread():
+        # A worker's download stream takes a staging buffer, then launches on the device.
+        with pytest.warns(RuntimeWarning) as warned:
+            buf = HostStaging(pin=True).take(1000)
+        runtime.launch()  # raises if the failed registration left an error on this thread
+        return buf, str(warned[0].message)
+
+    with ThreadPoolExecutor(1) as pool:
+        buf, message = pool.submit(download_thread).result()
+    assert buf.numel() == 1000
+    assert "CUDA_ERROR_NOT_SUPPORTED" in message and "caching pinned allocator" in message
+    assert cached == [1000] and driver.registered == []
+    with pytest.warns(RuntimeWarning, match="caching pinned allocator"):
+        store = HostStore.build(_stages(TiedLM()), pin=True)
+    assert store.pin == "caching allocator (may round up)"
+    runtime.launch()
+
+
+def test_an_unloadable_driver_library_falls_back_with_the_reason(monkeypatch):
+    def no_library():
+        raise OSError("libcuda.so.1: cannot open shared object file")
+
+    runtime, cached = _simulated_cuda(monkeypatch, no_library)
+    from rpcompile.runtime.memory import HostStaging
+
+    with pytest.warns(RuntimeWarning, match="driver library could not be loaded.*libcuda"):
+        HostStaging(pin=True).take(64)
+    assert cached == [64]
+    runtime.launch()
+
+
+def test_registered_buffers_are_unregistered_when_freed(monkeypatch):
+    import gc
+
+    from rpcompile.runtime.memory import HostStaging
+
+    driver = _FakeDriver(None)
+    _, cached = _simulated_cuda(monkeypatch, driver)
+    staging = HostStaging(pin=True)
+    buf = staging.take(4096)
+    address = buf.data_ptr()
+    assert driver.registered == [address] and cached == []
+    staging.give(buf)
+    del buf
+    staging.release()
+    gc.collect()
+    assert driver.unregistered == [address]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_driver_registration_on_a_gpu_fails_cleanly_on_any_thread():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from rpcompile.runtime import memory
+
+    def fresh_thread():
+        # A new thread has no current CUDA context: the driver calls bring their own.
+        flat, kind = memory._host_flat(1 << 20, torch.float32, pin=True)
+        assert kind == "registered" and flat.is_pinned()
+        again = memory._register(flat.data_ptr(), flat.nbytes)  # registered twice: refused
+        assert again is not None and "ALREADY_REGISTERED" in again, again
+        # No error was left behind: a launch on this thread runs.
+        device = torch.ones(1 << 20, device="cuda")
+        device.copy_(flat, non_blocking=True)
+        torch.cuda.synchronize()
+        return float(device.sum())
+
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(fresh_thread).result()

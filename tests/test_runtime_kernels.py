@@ -14,6 +14,7 @@ import torch
 
 import rpcompile
 from rpcompile.runtime.trainer import Trainer
+from rpcompile.runtime.workers import VirtualWorker
 from tests.test_executor import reference_training
 from tests.tiny_models import hf_model, token_batch
 
@@ -69,6 +70,47 @@ def test_triton_kernels_train_bit_identically_to_torch_and_reference(tiny, monke
     for name, want in ref_params.items():
         assert torch.equal(masters_t[name], masters_r[name]), name
         assert torch.equal(masters_t[name], want), name
+
+
+class _CudaKindWorker(VirtualWorker):
+    """A virtual worker that reports the CUDA kind: the host side of a CUDA run as the Trainer
+    sets it up, without a GPU (with pageable host memory nothing asks for pinning)."""
+
+    kind = "cuda"
+
+
+def test_host_side_of_a_cuda_run_never_runs_the_interpreter(tiny, monkeypatch):
+    # kernels="triton" means the compiled kernels on the GPU; the host's shadow refresh works
+    # on CPU tensors, where Triton could only run its interpreter (~1 ms per program).
+    from rpcompile.runtime import memory
+    from rpcompile.runtime import trainer as trainer_module
+
+    backends = []
+    real_cast_pack = memory.cast_pack
+
+    def spy(*args, backend, **kwargs):
+        backends.append(backend)
+        return real_cast_pack(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(memory, "cast_pack", spy)
+    monkeypatch.setattr(trainer_module, "make_workers",
+                        lambda n, *args, **kwargs: [_CudaKindWorker(i) for i in range(n)])
+    with Trainer(tiny, ADAMW, device="virtual", kernels="triton",
+                 host_memory="pageable") as trainer:
+        assert trainer.workers[0].kind == "cuda"
+        trainer.step(batches(1)[0])
+    assert backends and set(backends) == {"torch"}
+
+
+def test_host_backend_rule():
+    host_backend = kernels_module.host_backend
+    for kernels in ("auto", "torch", "triton"):
+        assert host_backend(kernels, "cuda") == "torch"
+        assert host_backend(kernels, "virtual") == kernels  # "triton": the interpreter
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        host_backend("cuda", "cuda")
+    with pytest.raises(ValueError, match="unknown worker kind"):
+        host_backend("auto", "tpu")
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])

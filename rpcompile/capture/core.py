@@ -6,6 +6,7 @@ The rest of the package, by concept:
   units      find the layer list, assign every node to prefix / a layer / tail
   replicate  export a few identical layers, copy their graph for the rest
   opaque     MoE and data-dependent modules become one `rpcompile::opaque` node
+  quantized  bitsandbytes 4-bit / 8-bit linears: packed weight + state + a dequantize node
   batch      binding, splitting and checking batches; dropout: seeded replay of random ops
 
 Why torch.export(strict=False): torch.fx.symbolic_trace fails on transformers 5 models, while
@@ -31,6 +32,7 @@ from rpcompile.capture.batch import NUM_ITEMS, RNG, is_causal_lm, normalize_batc
 from rpcompile.capture.dropout import RANDOM_OPS, draws_random, replay_random_ops
 from rpcompile.capture.dropout import dropout_seed as _dropout_seed
 from rpcompile.capture.opaque import _default_opaque, _opaque_patched, _OpaqueEntry, opaque_flops
+from rpcompile.capture.quantized import check_quantized, packed_weights, quantized_patched
 from rpcompile.capture.replicate import _NotRepeatable, _repeat_plan, _replicate, _truncated
 from rpcompile.capture.tracing import tracing
 from rpcompile.capture.types import (
@@ -162,11 +164,22 @@ def capture(
     ]
     for name in opaque_names:
         _check_module(model, name, "opaque")
+    quantized = check_quantized(model)
+    inside = [q for q in quantized for o in opaque_names if q.startswith(o + ".")]
+    if inside:
+        raise RefusedModel(
+            f"quantized linear {inside[0]} lies inside the opaque block "
+            f"{next(o for o in opaque_names if inside[0].startswith(o + '.'))}, where its "
+            "packed weight would be hidden from the cost model; keep that block unquantized "
+            "(BitsAndBytesConfig(llm_int8_skip_modules=[...]))"
+        )
 
     t0 = time.perf_counter()
     attempts: list[tuple[str, str]] = []
     ladder = [("export", True), ("export-static", False)]
-    repeat = _repeat_plan(model, layer_names) if replicate else None
+    # Each layer's quantization state is its own lifted constants, which a copied layer graph
+    # would share with its template: a quantized model is exported whole.
+    repeat = _repeat_plan(model, layer_names) if replicate and not quantized else None
     if repeat is not None:
         ladder.insert(0, ("export+replicate", True))
     seen: dict[str, tuple[tuple[int, ...], torch.dtype]] = {}  # module input shapes traced
@@ -178,10 +191,12 @@ def capture(
                 if strategy == "export+replicate":
                     with _truncated(model, repeat):
                         present = [n for n in opaque_names + extra if _has_module(model, n)]
-                        ep = _export(model, wrapper, batch, causal, present, dynamic, seen, keep)
+                        ep = _export(model, wrapper, batch, causal, present, dynamic, seen, keep,
+                                     quantized)
                 else:
                     ep = _export(
-                        model, wrapper, batch, causal, opaque_names + extra, dynamic, seen, keep
+                        model, wrapper, batch, causal, opaque_names + extra, dynamic, seen, keep,
+                        quantized,
                     )
             except _NotRepeatable as exc:
                 attempts.append((strategy, str(exc)))
@@ -229,7 +244,7 @@ _NO_LOSS_FN = (
 )
 
 
-def _export(model, wrapper, batch, causal, opaque_names, dynamic, seen, keep):
+def _export(model, wrapper, batch, causal, opaque_names, dynamic, seen, keep, quantized):
     args = tuple(batch.values())
     shapes = None
     if dynamic:
@@ -241,7 +256,8 @@ def _export(model, wrapper, batch, causal, opaque_names, dynamic, seen, keep):
         else:
             # _LossOf.forward takes *args: export sees them as one tuple argument.
             shapes = (tuple({0: bdim} if t.dim() else None for t in args),)
-    with _opaque_patched(model, opaque_names, seen, keep), _module_tracker(model) as tracker:
+    with _opaque_patched(model, opaque_names, seen, keep), quantized_patched(quantized), \
+            _module_tracker(model) as tracker:
         try:
             with tracing():  # no optimizer update runs meanwhile (rpcompile.capture.tracing)
                 return torch.export.export(wrapper, args, dynamic_shapes=shapes, strict=False)
@@ -314,13 +330,15 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
         attempts=tuple(attempts),
         dynamic=dyn if dynamic else (),
     )
-    return Captured(
+    captured = Captured(
         graph_module=gm, units=unit_names, params=params, buffers=buffers, constants=constants,
         inputs=inputs, input_keys=list(batch) + ([RNG] if seeded else []), trainable=trainable,
         subs=subs, report=report, example_batch=batch, model=model, loss_fn=loss_fn,
         loss_reduction="sum" if causal else "mean", dropout_seed=_dropout_seed() if seeded else 0,
         random_ops=tuple(seeded.meta["rp_random_ops"]) if seeded else (),
     )
+    captured.quantized = packed_weights(gm, params, captured.value_of)
+    return captured
 
 
 def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:

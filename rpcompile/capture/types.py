@@ -77,6 +77,9 @@ class Captured:
     dropout_seed: int = 0  # base of the step's dropout seeds (rpcompile.capture.dropout.step_seeds)
     random_ops: tuple[str, ...] = ()  # modules whose dropout is replayed from seeds
     loss_chunk_tokens: int | None = None  # set when the LM head + loss run chunked
+    # Frozen quantized weights by parameter name (rpcompile.capture.quantized.PackedWeight):
+    # each is read through one dequantize node of the graph.
+    quantized: dict = field(default_factory=dict)
 
     def parameter(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)

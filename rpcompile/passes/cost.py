@@ -17,6 +17,11 @@ Conventions (docs/cost.md explains them with examples):
     the weight is trainable.
   * Bytes are in the graph's dtype (the dtype the model was captured in). ``evaluate`` rescales
     the floating-point part to the compute dtype; integer and bool tensors keep their size.
+  * A frozen quantized weight (a ``rpcompile::dequantize_*`` node over a packed parameter and
+    its quantization state) counts as frozen parameters of its dequantized size and as
+    ``packed_bytes``, the packed codes plus the state: what the host holds and a job uploads.
+    The dequantized weight is a weight on the device, not an activation: the stage figures
+    add it to a job's working set (rpcompile.planner.partition).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import sympy
 import torch
 from torch import fx
 
+from rpcompile.capture.quantized import DEQUANTIZE_OPS, packed_record_bytes
 from rpcompile.capture.types import B, S
 from rpcompile.choices import RECOMPUTE_GRANULARITIES, check_choice
 from rpcompile.hardware import Hardware
@@ -113,6 +119,11 @@ class UnitCost:
     # bytes per microbatch (symbolic in b, s): UnitProfile.buffers / batch_inputs.
     buffers: tuple[tuple[str, int], ...] = ()
     batch_inputs: tuple[tuple[str, sympy.Expr], ...] = ()
+    # Frozen quantized weights first read here: their dequantized elements (also counted in
+    # frozen_params) and their packed bytes with the quantization state (frozen_param_bytes
+    # holds these bytes for them, not the dequantized ones).
+    packed_params: int = 0
+    packed_bytes: int = 0
     # output, shared, saved, transient, shared_grad with the floating element size left
     # symbolic (_E).
     symbolic_bytes: tuple[sympy.Expr, ...] = field(repr=False, compare=False, default=())
@@ -163,6 +174,8 @@ class UnitCost:
             batch_inputs=tuple((key, _to_int(e.xreplace({B: sympy.Integer(b), S: sympy.Integer(s)}),
                                              key, self.name))
                                for key, e in self.batch_inputs),
+            packed_params=self.packed_params,
+            packed_bytes=self.packed_bytes,
         )
 
 
@@ -192,6 +205,7 @@ class _UnitAcc:
         self.fwd: list[sympy.Expr] = []
         self.bwd: list[sympy.Expr] = []
         self.params = {True: [0, 0], False: [0, 0]}  # trainable -> [count, bytes]
+        self.packed = [0, 0]  # quantized weights: [dequantized elements, packed bytes]
         self.buffer_bytes = 0
         self.saved: dict[int, sympy.Expr] = {}  # storage key -> bytes
         self.saved_extra: list[sympy.Expr] = []  # scratch autograd keeps (log_softmax of CE, ...)
@@ -285,6 +299,10 @@ class _Walk:
         target = node.target
         arg_nodes = node.all_input_nodes
 
+        if target in DEQUANTIZE_OPS:
+            self._visit_dequantize(node, acc, val)
+            return
+
         # Parameters and buffers are charged to the unit that reads them first; every buffer
         # and batch input a unit reads also travels to each stage that holds it.
         for a in arg_nodes:
@@ -338,6 +356,26 @@ class _Walk:
         if allocated is not None:
             cand = allocated + self._input_bytes(node) + _scratch(node, self)
             acc.transient[cand] = None
+
+    def _visit_dequantize(self, node: fx.Node, acc: _UnitAcc, val: Any) -> None:
+        """A quantized weight: its packed parameter and state are charged once, as frozen
+        parameters of the dequantized size and as packed bytes; the dequantized value is a
+        weight (never saved or counted as an activation), with no FLOPs."""
+        packed = node.args[0]
+        if packed.name not in self.seen_weights:
+            inputs = node.all_input_nodes
+            self.seen_weights.update(a.name for a in inputs)
+            numel = _concrete_numel(val, node.name)
+            nbytes = packed_record_bytes(a.meta.get("val") for a in inputs)
+            acc.params[False][0] += numel
+            acc.params[False][1] += nbytes
+            acc.packed[0] += numel
+            acc.packed[1] += nbytes
+        self.rg[node] = False
+        keys = self.keys(val)
+        self.weight_storages.update(keys)
+        self.seen_storages.update(keys)
+        self._record(node, acc, sympy.Integer(0), sympy.Integer(0), val, fresh_ok=False)
 
     def _visit_hop(self, gm: fx.GraphModule, node: fx.Node, u: int, grad_enabled: bool) -> None:
         """wrap_with_set_grad_enabled / wrap_with_autocast: analyse the wrapped graph in place."""
@@ -578,6 +616,8 @@ class _Walk:
                 symbolic_bytes=symbolic,
                 buffers=tuple(acc.buffers.items()),
                 batch_inputs=tuple(acc.batch.items()),
+                packed_params=acc.packed[0],
+                packed_bytes=acc.packed[1],
             ))
         return out
 

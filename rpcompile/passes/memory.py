@@ -465,24 +465,29 @@ def host_ram_problem(host: HostMemory, ram: int, source: str, *,
 def _static_host(stages, units, optimizer, optimizer_bytes_per_param,
                  journal: bool = True) -> HostMemory:
     trainable = sum(u.trainable_params for u in units)
-    shadows = trainable_shadows = 0
+    shadows = trainable_shadows = packed = 0
     # The forward stages and the tail hold every unit once; a parameter a stage borrows
-    # (tied weights) lives in its owner's stage.
+    # (tied weights) lives in its owner's stage. Frozen quantized weights are held packed
+    # (UnitProfile.packed_bytes); the rest of a stage's weight bytes are in the compute dtype.
     for s in stages:
         if s.kind == "backward":
             continue
-        own = sum(units[u].params for u in s.units)
+        stage_packed = sum(units[u].packed_bytes for u in s.units)
+        packed += stage_packed
+        own = sum(units[u].params - units[u].packed_params for u in s.units)
         outside = {(o, n) for u in s.units for o, n, _t in units[u].borrowed if o not in s.units}
         held = own + sum(n for _o, n in outside)
         if held:
-            shadows += s.weight_bytes * own // held
-            trainable_shadows += s.weight_bytes * sum(
+            dense = s.weight_bytes - stage_packed
+            shadows += dense * own // held
+            trainable_shadows += dense * sum(
                 units[u].trainable_params for u in s.units) // held
     buffers = 2 if optimizer == "async" else 1  # async: the pending gradients too
     # The module keeps its trainable parameters in the compute dtype, the shadows' (every
     # parameter once).
-    params = sum(u.params for u in units)
+    params = sum(u.params - u.packed_params for u in units)
     model = trainable * shadows // params if params else 0
+    shadows += packed
     masters, state = 4 * trainable, optimizer_bytes_per_param * trainable
     return HostMemory(masters=masters, optimizer=state, gradients=4 * buffers * trainable,
                       shadows=shadows, model=model,

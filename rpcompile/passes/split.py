@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx as fx
 
+from rpcompile.capture.quantized import DEQUANTIZE_OPS
 from rpcompile.capture.types import Captured
 from rpcompile.capture.units import loss_node
 from rpcompile.ir import Plan
@@ -220,7 +221,11 @@ def _check_reads(placeholders: dict[str, fx.Node], st, program: StageProgram) ->
     built by hand, ``batch_inputs`` None, does not say.)"""
     if st.batch_inputs is None:
         return
-    extras = [i for i in program.inputs if i.kind in ("buffer", "constant")]
+    # A quantized weight's state travels with its packed codes (UnitProfile.packed_bytes).
+    state = {a.name for n in program.graph_module.graph.nodes if n.target in DEQUANTIZE_OPS
+             for a in n.all_input_nodes[1:]}
+    extras = [i for i in program.inputs if i.kind in ("buffer", "constant")
+              and i.name not in state]
     nbytes = sum(placeholders[i.name].meta["val"].nbytes for i in extras)
     keys = sorted({i.source for i in program.inputs if i.kind == "batch"})
     planned = sorted(k for k, _ in st.batch_inputs)

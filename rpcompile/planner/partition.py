@@ -1046,6 +1046,17 @@ def _stage_params(units, r: tuple[int, ...]) -> tuple[int, int]:
     return params, trainable
 
 
+def _stage_weight_bytes(units, r: tuple[int, ...], costing: StageCosting) -> tuple[int, int]:
+    """(uploaded, dequantized) weight bytes of a stage: every weight in the compute dtype but
+    the frozen quantized ones, which travel packed (UnitProfile.packed_bytes); those are
+    dequantized on the device, in the compute dtype, for the job's computes."""
+    params, _ = _stage_params(units, r)
+    packed = sum(units[u].packed_params for u in r)
+    dequantized = packed * costing.weight_dtype_bytes
+    return (params - packed) * costing.weight_dtype_bytes + sum(
+        units[u].packed_bytes for u in r), dequantized
+
+
 def _stage_reads(units, r: tuple[int, ...]) -> tuple[int, tuple[tuple[str, int], ...] | None]:
     """A stage's buffer bytes and batch inputs: the union over its units of what they read
     (UnitProfile.buffers, batch_inputs), each counted once. Batch inputs are None when no
@@ -1063,9 +1074,11 @@ def _stage_reads(units, r: tuple[int, ...]) -> tuple[int, tuple[tuple[str, int],
 def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -> int:
     """Device memory of one job: weights and buffers twice (the next job's prefetch shares
     the device), the fp32 gradient accumulator (not for forward stages), one microbatch's
-    working set."""
-    params, trainable = _stage_params(units, r)
-    weights = 2 * (params * costing.weight_dtype_bytes + _stage_reads(units, r)[0])
+    working set, and the dequantized copies of the stage's packed weights (held while a
+    compute runs)."""
+    _, trainable = _stage_params(units, r)
+    uploaded, dequantized = _stage_weight_bytes(units, r, costing)
+    weights = 2 * (uploaded + _stage_reads(units, r)[0])
     grads = 0 if kind == "forward" else trainable * costing.grad_dtype_bytes
     if kind == "forward":
         # No autograd: only the largest transient plus the values being sent out.
@@ -1073,7 +1086,8 @@ def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -
         working += max((units[u].working_bytes for u in r), default=0) // 4
     else:
         working = recompute_working_bytes(units, r, _recompute(kind, r, units, costing))
-    return int(weights + grads + working * costing.activation_scale)
+    # A quantized stage's dequantized weights are part of each compute's working set.
+    return int(weights + grads + working * costing.activation_scale + dequantized)
 
 
 def _recompute(kind: str, r: tuple[int, ...], units, costing: StageCosting) -> str:
@@ -1091,7 +1105,7 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         ms = sum(units[u].forward_ms for u in r)
     else:
         ms = recompute_ms(units, r, _recompute(kind, r, units, costing))
-    params, trainable = _stage_params(units, r)
+    _, trainable = _stage_params(units, r)
     buffer_bytes, batch_inputs = _stage_reads(units, r)
     first = r[0]
     incoming = units[first - 1].output_bytes if first > 0 else 0
@@ -1122,7 +1136,7 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         kind=kind,
         units=tuple(r),
         compute_ms=ms,
-        weight_bytes=params * costing.weight_dtype_bytes,
+        weight_bytes=_stage_weight_bytes(units, r, costing)[0],
         grad_bytes=0 if kind == "forward" else trainable * costing.grad_dtype_bytes,
         input_bytes=int(in_bytes * costing.activation_scale),
         output_bytes=int(out_bytes * costing.activation_scale),

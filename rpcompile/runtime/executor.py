@@ -103,7 +103,12 @@ from rpcompile.runtime.errors import (
 from rpcompile.runtime.loss_scale import DynamicLossScaler
 from rpcompile.runtime.memory import HostStaging, HostStore
 from rpcompile.runtime.optim import OptimizerDriver
-from rpcompile.runtime.reference import loss_divisor, run_backward_microbatch, stage_arguments
+from rpcompile.runtime.reference import (
+    loss_divisor,
+    run_backward_microbatch,
+    stage_arguments,
+    step_loss,
+)
 from rpcompile.runtime.workers import Event, Worker
 
 __all__ = ["RUNTIME_ACTIONS", "Executor", "StepAborted", "StepFailed", "StepResult",
@@ -814,7 +819,7 @@ class Executor:
         total = self.compiled.microbatches * self.compiled.rounds
         losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
                   for m in range(self.compiled.microbatches)]
-        run.loss = torch.stack(losses).sum() / loss_divisor(self.compiled.capture, total)
+        run.loss = step_loss(losses, loss_divisor(self.compiled.capture, total))
         run.found = bool(run.bad)
         if self.reducer is not None:
             run.loss, run.found = self.reducer.finish(run.loss, run.found, run.left())

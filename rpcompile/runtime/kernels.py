@@ -8,17 +8,25 @@ instead of one copy and one cast per parameter tensor:
   cast_flat            the reverse cast of a flat fp32 accumulator, for a low-precision download
   accumulate_grads     bf16/fp16/fp32 gradient tensors added into the flat fp32 accumulator,
                        with an optional fused inf/NaN check that sets a flag on the device
+  dequantize_4bit      a packed NF4/FP4 weight (absmax plain or double-quantized) -> the
+                       compute dtype, bit-identical to bitsandbytes' dequantize_4bit
+  dequantize_int8      an int8 weight and its row absmax -> the compute dtype, as bitsandbytes'
+                       int8 training matmul dequantizes it
+  dequantize_packed    either of the two for a captured PackedWeight
 
 Each takes ``backend``: ``"torch"`` (the reference, plain torch ops), ``"triton"`` (the Triton
 kernel: compiled on CUDA tensors, run by Triton's interpreter on CPU tensors) or ``"auto"``
-(Triton on CUDA, torch elsewhere). Both backends are bit-exact with torch for every finite and
-infinite value; a NaN stays a NaN, but its bits may differ (torch itself does not fix them:
-its vectorised CPU cast to bf16 writes 0xFFFF for every NaN, its scalar cast 0x7FC0).
+(Triton on CUDA, torch elsewhere). :func:`host_backend` is the rule for the host's own calls
+(the shadow refresh on CPU tensors): the interpreter runs there only beside virtual workers.
+Both backends are bit-exact with torch for every finite and infinite value; a NaN stays a NaN,
+but its bits may differ (torch itself does not fix them: its vectorised CPU cast to bf16
+writes 0xFFFF for every NaN, its scalar cast 0x7FC0).
 
 Sections, in reading order:
-  1. Public API: the three kernels, their validation and the torch reference
+  1. Public API: the transfer kernels, their validation and the torch reference
   2. Block tables: how many tensors become one launch
   3. Triton kernels (plain functions, wrapped lazily so importing this module imports no triton)
+  4. Dequantization of packed weights (their torch reference is rpcompile.capture.quantized's)
 
 See docs/kernels.md for the design, the bf16 rounding trick and the interpreter notes.
 """
@@ -45,6 +53,10 @@ __all__ = [
     "accumulate_grads",
     "cast_flat",
     "cast_pack",
+    "dequantize_4bit",
+    "dequantize_int8",
+    "dequantize_packed",
+    "host_backend",
     "nonfinite_flag",
     "packed_offsets",
     "resolve_backend",
@@ -67,6 +79,25 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if backend == "auto":
         return "triton" if device.type == "cuda" else "torch"
     return backend
+
+
+def host_backend(kernels: str, worker_kind: str) -> str:
+    """The backend of the host's own kernel calls (the shadow refresh, on CPU tensors) in a run
+    whose workers are of ``worker_kind`` and whose ``kernels`` option is ``kernels``.
+
+    Beside CUDA workers it is ``"torch"`` whatever ``kernels`` says: the compiled kernels need
+    CUDA tensors, and Triton's interpreter on the host would cost ~1 ms per program (seconds a
+    step for a large model), hold the GIL against the stream threads and patch
+    ``triton.language`` while a stream thread may be compiling. Beside virtual workers it is
+    ``kernels`` itself, so ``kernels="triton"`` runs the interpreter on the host too and the
+    CPU tests cover the kernel on both sides of the transfer.
+    """
+    check_option("kernels", kernels)
+    if worker_kind == "cuda":
+        return "torch"
+    if worker_kind == "virtual":
+        return kernels
+    raise ValueError(f"unknown worker kind {worker_kind!r}; expected 'cuda' or 'virtual'")
 
 
 def packed_offsets(tensors: Sequence[torch.Tensor], align: int = 1) -> list[int]:
@@ -363,7 +394,11 @@ def _launch(
         return  # nothing to move: no launch, and the flag stays as it was
     kernels = _triton_kernels(interpret=not out.is_cuda)
     if out.is_cuda:
-        _run(kernels, op, table, out, flag)
+        # What Triton specialises a launch on: the constexprs, the pointer dtypes and each
+        # pointer's 16-byte alignment (the table and the flag are fresh allocations, aligned).
+        key = (op, out.device, out.dtype, out.data_ptr() % 16 == 0, table.block,
+               table.aligned, table.mixed, table.source_dtype, flag is not None)
+        _first_launch_alone(key, lambda: _run(kernels, op, table, out, flag))
     else:
         # The interpreter patches triton.language module-wide for the length of a launch, so
         # launches from several threads (virtual workers) must take turns. It also emulates the
@@ -371,6 +406,26 @@ def _launch(
         # on a GPU (and in torch) that is silent and intended.
         with _INTERPRETER_LOCK, numpy.errstate(over="ignore", invalid="ignore"):
             _run(kernels, op, table, out, flag)
+
+
+def _first_launch_alone(key: tuple, launch: Any) -> None:
+    """Run ``launch``; the first launch of each specialization ``key`` runs alone.
+
+    The first launch compiles. Compute threads of several workers reach the same kernel at
+    about the same time, and without this each would compile it (seconds each, in the first
+    step) and race on Triton's cache. Later launches take no lock.
+    """
+    if key not in _LAUNCHED:
+        with _COMPILE_LOCK:
+            if key not in _LAUNCHED:
+                launch()
+                _LAUNCHED.add(key)
+                return
+    launch()
+
+
+_COMPILE_LOCK = threading.Lock()
+_LAUNCHED: set[tuple] = set()
 
 
 def _run(
@@ -416,6 +471,8 @@ _INTERPRETER_LOCK = threading.Lock()
 class _Kernels:
     cast: Any
     accumulate: Any
+    dequantize_4bit: Any
+    dequantize_int8: Any
     dtypes: dict[torch.dtype, Any]
 
 
@@ -442,6 +499,8 @@ def _triton_kernels(interpret: bool) -> _Kernels:
     return _Kernels(
         cast=wrap(_cast_pack_kernel),
         accumulate=wrap(_accumulate_kernel),
+        dequantize_4bit=wrap(_dequantize_4bit_kernel),
+        dequantize_int8=wrap(_dequantize_int8_kernel),
         dtypes={
             torch.bfloat16: language.bfloat16,
             torch.float16: language.float16,
@@ -542,3 +601,232 @@ def _accumulate_kernel(
         # only run when TRITON_INTERPRET was set before triton was first imported.
         bad = (total != total) | (tl.abs(total) == float("inf"))
         tl.store(flag_ptr + lanes * 0, tl.full([BLOCK], 1, tl.int32), mask=bad)
+
+
+# ============================================================================================
+# 4. Dequantization of packed weights
+# ============================================================================================
+# A frozen quantized weight (rpcompile.capture.quantized.PackedWeight) travels packed; the worker
+# rebuilds it in the compute dtype. One program writes BLOCK consecutive weight elements, so a
+# weight is one launch whatever its size. The torch backend is the graph op's own
+# implementation (rpcompile.capture.quantized), which tests/test_quantized.py holds bit-identical
+# to bitsandbytes.
+
+
+def dequantize_4bit(
+    packed: torch.Tensor,
+    code: torch.Tensor,
+    absmax: torch.Tensor,
+    *,
+    shape: Sequence[int],
+    blocksize: int,
+    dtype: torch.dtype,
+    absmax_code: torch.Tensor | None = None,
+    absmax_scale: torch.Tensor | None = None,
+    absmax_offset: torch.Tensor | None = None,
+    absmax_blocksize: int = 0,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Rebuild a packed 4-bit weight of logical ``shape`` in ``dtype`` (bf16, fp16 or fp32).
+
+    ``packed``: uint8, two codes a byte (the first in the high nibble); ``code``: the 16 fp32
+    values of the format (NF4 or FP4); ``absmax``: one scale per ``blocksize`` weights, fp32,
+    or uint8 when double-quantized, then decoded as ``absmax_code[a] * absmax_scale[i //
+    absmax_blocksize] + absmax_offset``. ``out`` (optional) is a contiguous tensor of
+    ``prod(shape)`` elements of ``dtype`` on the same device (a view into a stage's weight
+    buffer); it is returned, viewed as ``shape``.
+    """
+    n = _check_dequantize(packed, (torch.uint8,), shape, dtype, out, "packed")
+    if packed.numel() * 2 < n:
+        raise ValueError(f"packed holds {packed.numel() * 2} 4-bit codes, the shape {tuple(shape)} "
+                         f"needs {n}")
+    nested = absmax_code is not None
+    if nested != (absmax_scale is not None) or nested != (absmax_offset is not None):
+        raise ValueError("a double-quantized absmax needs absmax_code, absmax_scale and "
+                         "absmax_offset together")
+    if blocksize < 1 or (nested and absmax_blocksize < 1):
+        raise ValueError(f"blocksize ({blocksize}) and, when double-quantized, absmax_blocksize "
+                         f"({absmax_blocksize}) must be positive")
+    if absmax.dtype != (torch.uint8 if nested else torch.float32):
+        raise ValueError(f"absmax has dtype {absmax.dtype}; expected "
+                         f"{'uint8 (double-quantized)' if nested else 'float32'}")
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=packed.device)
+    if resolve_backend(backend, packed.device) == "torch":
+        from rpcompile.capture.quantized import dequantize_4bit_reference
+
+        with torch.no_grad():
+            out.view(-1).copy_(dequantize_4bit_reference(
+                packed, code, absmax, absmax_code, absmax_scale, absmax_offset, blocksize,
+                absmax_blocksize, list(shape), dtype).reshape(-1))
+        return out.view(*shape)
+    if n:
+        block = _dequantize_block(n, packed.device)
+        kernels = _triton_kernels(interpret=not packed.is_cuda)
+        args = (packed, code, absmax, absmax_code if nested else code,
+                absmax_scale if nested else code, absmax_offset if nested else code, out, n,
+                blocksize, max(absmax_blocksize, 1))
+        meta = dict(BLOCK=block, NESTED=nested, OUT_DTYPE=kernels.dtypes[dtype],
+                    OUT_IS_BF16=dtype == torch.bfloat16)
+        _dequantize_launch(kernels.dequantize_4bit, (_cdiv(n, block),), args, meta,
+                           ("dequantize_4bit", packed.device, dtype, block, nested))
+    return out.view(*shape)
+
+
+def dequantize_packed(weight: Any, dtype: torch.dtype, *, out: torch.Tensor | None = None,
+                      backend: str = "auto") -> torch.Tensor:
+    """Rebuild a :class:`rpcompile.capture.quantized.PackedWeight` (its tensors on one device,
+    e.g. uploaded) in ``dtype``: :func:`dequantize_4bit` or :func:`dequantize_int8`."""
+    state = dict(weight.state)
+    if weight.format == "int8":
+        return dequantize_int8(weight.packed, state["row_absmax"], dtype=dtype, out=out,
+                               backend=backend)
+    return dequantize_4bit(
+        weight.packed, state["code"], state["absmax"], shape=weight.shape,
+        blocksize=weight.blocksize, dtype=dtype, absmax_code=state.get("absmax_code"),
+        absmax_scale=state.get("absmax_scale"), absmax_offset=state.get("absmax_offset"),
+        absmax_blocksize=weight.absmax_blocksize, out=out, backend=backend)
+
+
+def dequantize_int8(
+    weight: torch.Tensor,
+    row_absmax: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Rebuild an int8 weight ``[rows, cols]`` in ``dtype``: ``weight * (row_absmax / 127)``,
+    per row, rounded once (bitsandbytes' int8 training matmul). ``out`` as for
+    :func:`dequantize_4bit`."""
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [rows, cols], got shape {tuple(weight.shape)}")
+    n = _check_dequantize(weight, (torch.int8,), weight.shape, dtype, out, "weight")
+    if row_absmax.dtype != torch.float32 or row_absmax.numel() != weight.shape[0]:
+        raise ValueError(f"row_absmax must hold {weight.shape[0]} float32 values, one per row; "
+                         f"got {row_absmax.numel()} of {row_absmax.dtype}")
+    if out is None:
+        out = torch.empty(n, dtype=dtype, device=weight.device)
+    if resolve_backend(backend, weight.device) == "torch":
+        from rpcompile.capture.quantized import dequantize_int8_reference
+
+        with torch.no_grad():
+            out.view(-1).copy_(dequantize_int8_reference(weight, row_absmax, dtype).reshape(-1))
+        return out.view(weight.shape)
+    if n:
+        block = _dequantize_block(n, weight.device)
+        kernels = _triton_kernels(interpret=not weight.is_cuda)
+        meta = dict(BLOCK=block, OUT_DTYPE=kernels.dtypes[dtype],
+                    OUT_IS_BF16=dtype == torch.bfloat16)
+        _dequantize_launch(kernels.dequantize_int8, (_cdiv(n, block),),
+                           (weight, row_absmax, out, n, weight.shape[1]), meta,
+                           ("dequantize_int8", weight.device, dtype, block))
+    return out.view(weight.shape)
+
+
+def _check_dequantize(source, dtypes, shape, dtype, out, name) -> int:
+    if source.dtype not in dtypes or not source.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {dtypes[0]} tensor; got {source.dtype}, "
+                         f"contiguous={source.is_contiguous()}")
+    if dtype not in _KIND:
+        raise ValueError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
+    n = 1
+    for d in shape:
+        n *= int(d)
+    if out is not None and (out.dtype != dtype or out.numel() != n or not out.is_contiguous()
+                            or out.device != source.device):
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of {n} elements on {source.device}; got "
+            f"{out.dtype}, {out.numel()} elements, contiguous={out.is_contiguous()}, on "
+            f"{out.device}")
+    return n
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _dequantize_block(n: int, device: torch.device) -> int:
+    if device.type == "cuda":
+        return _CUDA_BLOCK
+    low, high = _INTERPRETER_BLOCK_RANGE
+    return min(high, max(low, 1 << (n - 1).bit_length()))
+
+
+# No fused multiply-add: bitsandbytes decodes a double-quantized absmax with a multiply,
+# rounded, then a separate add; one fma would round once and differ.
+_DEQUANTIZE_OPTIONS = {"enable_fp_fusion": False}
+
+
+def _dequantize_launch(kernel, grid, args, meta, key) -> None:
+    if args[0].is_cuda:
+        _first_launch_alone(key, lambda: kernel[grid](*args, **meta, **_DEQUANTIZE_OPTIONS))
+    else:
+        with _INTERPRETER_LOCK, numpy.errstate(over="ignore", invalid="ignore"):
+            kernel[grid](*args, **meta)
+
+
+def _dequantize_4bit_kernel(
+    packed_ptr,
+    code_ptr,
+    absmax_ptr,
+    absmax_code_ptr,
+    absmax_scale_ptr,
+    absmax_offset_ptr,
+    out_ptr,
+    n,
+    blocksize,
+    absmax_blocksize,
+    BLOCK: tl.constexpr,
+    NESTED: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    OUT_IS_BF16: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < n
+    byte = tl.load(packed_ptr + index // 2, mask=inside, other=0)
+    nibble = tl.where(index % 2 == 0, byte >> 4, byte & 0xF).to(tl.int32)
+    value = tl.load(code_ptr + nibble, mask=inside, other=0.0)
+    block = index // blocksize
+    if NESTED:
+        coded = tl.load(absmax_ptr + block, mask=inside, other=0).to(tl.int32)
+        scale = tl.load(absmax_code_ptr + coded, mask=inside, other=0.0)
+        scale = scale * tl.load(absmax_scale_ptr + block // absmax_blocksize, mask=inside,
+                                other=0.0)
+        scale = scale + tl.load(absmax_offset_ptr)
+    else:
+        scale = tl.load(absmax_ptr + block, mask=inside, other=0.0)
+    x = value * scale
+    if OUT_IS_BF16:
+        # Round to nearest even by hand (see _cast_pack_kernel); a finite product cannot be NaN.
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        y = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(OUT_DTYPE)
+    tl.store(out_ptr + index, y, mask=inside)
+
+
+def _dequantize_int8_kernel(
+    weight_ptr,
+    row_absmax_ptr,
+    out_ptr,
+    n,
+    cols,
+    BLOCK: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    OUT_IS_BF16: tl.constexpr,
+):
+    index = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    inside = index < n
+    w = tl.load(weight_ptr + index, mask=inside, other=0).to(tl.float32)
+    scale = tl.load(row_absmax_ptr + index // cols, mask=inside, other=0.0)
+    x = w * (scale * (1.0 / 127.0))
+    if OUT_IS_BF16:
+        bits = x.to(tl.uint32, bitcast=True)
+        rounded = (bits + (((bits >> 16) & 1) + 0x7FFF)) >> 16
+        y = rounded.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        y = x.to(OUT_DTYPE)
+    tl.store(out_ptr + index, y, mask=inside)

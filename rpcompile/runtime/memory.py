@@ -21,8 +21,15 @@ contiguous *segment*. Stages may overlap (RoundPipe's forward and backward stage
 units cut differently): a parameter is stored once whichever stages use it, and the gradients
 of all its uses are summed into its one master gradient.
 
+A frozen quantized weight (a QLoRA base, :class:`rpcompile.capture.quantized.PackedWeight`)
+has no shadow: the host keeps it **packed**, its codes and quantization state as one record of
+a flat byte buffer (pinned or pageable like the others), laid out in stage order too; a job
+uploads its stage's packed records (:attr:`StageBuffers.packed`) and the worker rebuilds the
+weights in the compute dtype (:meth:`StageBuffers.packed_views`,
+:func:`rpcompile.runtime.kernels.dequantize_packed`).
+
 Sections, in reading order:
-  1. Layout values: ParamSlot, Segment, StageLayout, StageBuffers, MemoryReport
+  1. Layout values: ParamSlot, Segment, StageLayout, PackedLayout, StageBuffers, MemoryReport
   2. HostStore: build, shadow refresh, gradient accumulation, masters for the optimizer
   3. HostStaging: the transfers' host buffers, exact size, kept for reuse
   4. Helpers: exact-size (optionally pinned) flat buffers, contiguous runs, shard bounds
@@ -38,11 +45,16 @@ reduced to their owner.
 from __future__ import annotations
 
 import bisect
+import contextlib
+import ctypes
+import functools
+import sys
 import threading
 import warnings
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import ClassVar
 
 import torch
 
@@ -142,6 +154,27 @@ class StageLayout:
 
 
 @dataclass(frozen=True)
+class PackedLayout:
+    """Where a stage's frozen quantized weights live in the host's packed byte buffer.
+
+    The stage's device packed buffer is the concatenation of ``segments`` (byte ranges of the
+    host buffer, ``nbytes`` in all); ``parts[name]`` gives each tensor of a weight's record
+    (its name in :attr:`PackedWeight.state`, or ``"packed"``) as (byte offset in that device
+    buffer, dtype, shape).
+    """
+
+    stage: int
+    names: tuple[str, ...]
+    segments: tuple[Segment, ...]
+    parts: dict[str, tuple[tuple[str, int, torch.dtype, tuple[int, ...]], ...]] = field(
+        compare=False)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.numel for s in self.segments)
+
+
+@dataclass(frozen=True)
 class StageBuffers:
     """A stage's host buffers: one flat view per segment (what the transfers copy)."""
 
@@ -149,6 +182,28 @@ class StageBuffers:
     shadow: tuple[torch.Tensor, ...]  # compute dtype, one per shadow segment: upload these
     master: tuple[torch.Tensor, ...]  # fp32, one per grad segment
     grad: tuple[torch.Tensor, ...]  # fp32, one per grad segment
+    # uint8, one per packed segment (frozen quantized weights): upload these too
+    packed: tuple[torch.Tensor, ...] = ()
+    packed_layout: PackedLayout | None = None
+    formats: dict[str, object] = field(default_factory=dict, compare=False)  # name -> PackedWeight
+
+    def packed_views(self, data: torch.Tensor) -> dict[str, object]:
+        """The stage's quantized weights as PackedWeights whose tensors are views into
+        ``data``, the stage's packed bytes as uploaded (uint8, ``packed_layout.nbytes``, the
+        segments end to end): what the worker dequantizes."""
+        layout = self.packed_layout
+        if layout is None or data.dtype != torch.uint8 or data.numel() != layout.nbytes:
+            need = 0 if layout is None else layout.nbytes
+            raise ValueError(f"stage {self.layout.stage}: packed buffer of {data.numel()} "
+                             f"{data.dtype} elements, the layout needs {need} uint8")
+        out = {}
+        for name in layout.names:
+            views = {part: _byte_view(data, offset, dtype, shape)
+                     for part, offset, dtype, shape in layout.parts[name]}
+            weight = self.formats[name]
+            out[name] = replace(weight, packed=views["packed"],
+                                state=tuple((k, views[k]) for k, _ in weight.state))
+        return out
 
     def device_views(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of every parameter of the stage into its uploaded device weight buffer."""
@@ -283,19 +338,30 @@ class HostStore:
         master: torch.Tensor,
         grad: torch.Tensor,
         pin: str,
+        packed: torch.Tensor | None = None,
+        packed_layouts: tuple[PackedLayout, ...] = (),
+        packed_weights: dict | None = None,
     ) -> None:
         self.slots = slots
+        # Frozen quantized weights: one flat uint8 buffer of packed records, and each weight
+        # as a PackedWeight whose tensors are views into it.
+        self.packed = torch.empty(0, dtype=torch.uint8) if packed is None else packed
+        self.packed_weights = dict(packed_weights or {})
+        self._packed_layouts = packed_layouts or tuple(
+            PackedLayout(layout.stage, (), (), {}) for layout in layouts)
         self.shadow = shadow
         self.master = master
         self.grad = grad
         self.compute_dtype = shadow.dtype
         self.pin = pin
-        # Backend of the shadow refresh (rpcompile.runtime.kernels): "auto" is torch on this
-        # CPU host; "triton" runs the kernel in Triton's interpreter (for tests).
+        # Backend of the shadow refresh on these CPU tensors (rpcompile.runtime.kernels):
+        # "auto" is torch; "triton" runs Triton's interpreter, which only a run on virtual
+        # workers asks for (the Trainer sets it by kernels.host_backend).
         self.kernels = "auto"
         self._by_name = {name: slot for slot in slots for name in slot.names}
         self._lock = threading.Lock()
-        self.stages = tuple(self._stage_buffers(layout) for layout in layouts)
+        self.stages = tuple(self._stage_buffers(layout, packed_layout)
+                            for layout, packed_layout in zip(layouts, self._packed_layouts))
         self._masters: list[torch.nn.Parameter] | None = None
         # The master index range this store holds (all of it unless shard_masters ran).
         self.master_start = 0
@@ -317,6 +383,7 @@ class HostStore:
         pin: bool = False,
         grad_stages: Iterable[int] | None = None,
         share_frozen: bool = True,
+        packed: dict | None = None,
     ) -> HostStore:
         """Lay out and fill the host buffers from each stage's ``(fqn, tensor)`` list.
 
@@ -331,7 +398,23 @@ class HostStore:
         stride. A tensor is trainable when ``requires_grad`` is True. ``grad_stages`` are the
         stages that produce gradients (default: all); every trainable parameter must be in one.
         ``pin=True`` needs CUDA.
+
+        ``packed``: the frozen quantized weights by parameter name
+        (``Captured.quantized``, PackedWeights). Each is kept packed in :attr:`packed`, not in
+        the shadow; with ``share_frozen`` its tensors (the module's packed parameter and its
+        quantization state) become views of that record. Any other non-floating parameter is
+        refused: casting packed codes to the compute dtype would lose what they mean.
         """
+        packed = dict(packed or {})
+        stage_packed = [[(n, t) for n, t in params if n in packed] for params in stage_params]
+        stage_params = [[(n, t) for n, t in params if n not in packed]
+                        for params in stage_params]
+        for params in stage_params:
+            for name, tensor in params:
+                if not tensor.is_floating_point():
+                    raise ValueError(
+                        f"parameter {name!r} has dtype {tensor.dtype}: a quantized weight is kept "
+                        "packed only when given in packed= (its PackedWeight, Captured.quantized)")
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, not {compute_dtype}")
         grad_set = set(range(len(stage_params)) if grad_stages is None else grad_stages)
@@ -385,12 +468,14 @@ class HostStore:
             if trainable:
                 master_at += numel
 
-        pin_kind = "no"
-        buffers = []
+        buffers, pin_kinds = [], []
         for numel, dtype in ((shadow_at, compute_dtype), (master_at, torch.float32),
                              (master_at, torch.float32)):
-            flat, pin_kind = _host_flat(numel, dtype, pin)
+            flat, kind = _host_flat(numel, dtype, pin)
             buffers.append(flat)
+            pin_kinds.append(kind)
+        # A buffer whose registration fell back is the one the report names.
+        pin_kind = next((k for k in pin_kinds if k not in ("no", "registered")), pin_kinds[0])
         shadow, master, grad = buffers
         grad.zero_()
         with torch.no_grad():
@@ -422,14 +507,21 @@ class HostStore:
                 if index not in stage_slots:
                     stage_slots.append(index)
             layouts.append(_layout(stage, [n for n, _ in params], stage_slots, slots, seen_names))
-        return cls(tuple(slots), tuple(layouts), shadow, master, grad, pin_kind)
+        flat, packed_layouts, weights = _pack(stage_packed, packed, pin, share_frozen)
+        return cls(tuple(slots), tuple(layouts), shadow, master, grad, pin_kind, flat,
+                   packed_layouts, weights)
 
-    def _stage_buffers(self, layout: StageLayout) -> StageBuffers:
+    def _stage_buffers(self, layout: StageLayout,
+                       packed_layout: PackedLayout | None = None) -> StageBuffers:
+        packed_layout = packed_layout or PackedLayout(layout.stage, (), (), {})
         return StageBuffers(
             layout=layout,
             shadow=tuple(self.shadow[s.start : s.stop] for s in layout.shadow_segments),
             master=tuple(self.master[s.start : s.stop] for s in layout.grad_segments),
             grad=tuple(self.grad[s.start : s.stop] for s in layout.grad_segments),
+            packed=tuple(self.packed[s.start : s.stop] for s in packed_layout.segments),
+            packed_layout=packed_layout,
+            formats={n: self.packed_weights[n] for n in packed_layout.names},
         )
 
     def shard_masters(self, start: int, stop: int, rank: int, ranks: int) -> None:
@@ -451,14 +543,13 @@ class HostStore:
         if cut:
             raise ValueError(f"shard [{start}, {stop}) cuts parameters {cut[:3]}; shards hold "
                              "whole parameters (rpcompile.runtime.memory.shard_bounds)")
-        kept, _ = _host_flat(stop - start, torch.float32, self.pin == "registered")
+        kept, _ = _host_flat(stop - start, torch.float32, self.pin != "no")
         kept.copy_(self.master[start:stop])
         self.master = kept
         self.master_start, self.master_stop = start, stop
         self.rank, self.ranks = rank, ranks
         self._owned = owned
-        self.stages = tuple(StageBuffers(
-            layout=st.layout, shadow=st.shadow, master=(), grad=st.grad) for st in self.stages)
+        self.stages = tuple(replace(st, master=()) for st in self.stages)
 
     def _m(self, start: int, stop: int) -> torch.Tensor:
         """The master elements ``[start, stop)`` (global offsets) this store holds."""
@@ -551,7 +642,7 @@ class HostStore:
         memory per trainable parameter, pinned like the others."""
         if self.pending is None:
             self.pending, _ = _host_flat(self.grad.numel(), torch.float32,
-                                         self.pin == "registered")
+                                         self.pin != "no")
             self.pending.zero_()
 
     def swap_pending(self) -> None:
@@ -644,9 +735,11 @@ class HostStore:
     # -- accounting ----------------------------------------------------------------------
     def memory_report(self, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
         trainable = sum(s.numel for s in self.trainable_slots)
-        frozen = sum(s.numel for s in self.slots if not s.trainable)
+        frozen = sum(s.numel for s in self.slots if not s.trainable) + sum(
+            w.numel for w in self.packed_weights.values())
         itemsize = self.compute_dtype.itemsize
-        shadow_bytes = self.shadow.untyped_storage().nbytes()
+        # Frozen quantized weights count with the frozen shadows, at their packed bytes.
+        shadow_bytes = self.shadow.untyped_storage().nbytes() + self.packed.nbytes
         return MemoryReport(
             compute_dtype=str(self.compute_dtype).removeprefix("torch."),
             pin=self.pin,
@@ -658,7 +751,8 @@ class HostStore:
             grad_bytes=self.grad.untyped_storage().nbytes() + (
                 0 if self.pending is None else self.pending.untyped_storage().nbytes()),
             optimizer_state_bytes=0 if optimizer is None else _state_bytes(optimizer),
-            upload_bytes=tuple(st.layout.shadow_numel * itemsize for st in self.stages),
+            upload_bytes=tuple(st.layout.shadow_numel * itemsize + st.packed_layout.nbytes
+                               for st in self.stages),
             owned_params=sum(s.numel for s in self._owned),
             rank=self.rank,
             ranks=self.ranks,
@@ -841,6 +935,69 @@ def _identity(tensor: torch.Tensor) -> object:
     ) if tensor.numel() else ("empty", id(tensor))
 
 
+def _pack(stage_packed, weights: dict, pin: bool, share: bool):
+    """The packed byte buffer: each quantized weight once, in the order the stages first use
+    it, as one record (fp32 state first, then the codes and 8-bit state; the record in whole
+    PACKED_ALIGN words); each stage's byte segments and part offsets; the weights re-pointed
+    at their records."""
+    from rpcompile.capture.quantized import PACKED_ALIGN
+
+    records: dict[str, tuple[int, int, list]] = {}  # name -> (start, stop, parts)
+    at = 0
+    for params in stage_packed:
+        for name, tensor in params:
+            if name in records:
+                continue
+            weight = weights[name]
+            if weight.packed is not tensor:
+                raise ValueError(f"packed[{name!r}] holds another tensor than the stage's "
+                                 "parameter of that name")
+            tensors = [("packed", weight.packed), *weight.state]
+            tensors.sort(key=lambda kv: kv[1].element_size() != 4)
+            parts, start = [], at
+            for part, t in tensors:
+                parts.append((part, at - start, t))
+                at += t.nbytes
+            at = -(-at // PACKED_ALIGN) * PACKED_ALIGN
+            records[name] = (start, at, parts)
+    flat, _ = _host_flat(at, torch.uint8, pin)
+    moved = {}
+    with torch.no_grad():
+        for name, (start, _, parts) in records.items():
+            views = {}
+            for part, offset, t in parts:
+                view = _byte_view(flat, start + offset, t.dtype, tuple(t.shape))
+                view.copy_(t)
+                views[part] = view
+                if share and t.device.type == "cpu":
+                    t.data = view  # the module's tensor and the record are one copy
+            weight = weights[name]
+            moved[name] = replace(weight, packed=views["packed"],
+                                  state=tuple((k, views[k]) for k, _ in weight.state))
+    layouts = []
+    for stage, params in enumerate(stage_packed):
+        # In host order, so the device buffer is the segments end to end.
+        names = tuple(sorted(dict.fromkeys(n for n, _ in params), key=lambda n: records[n][0]))
+        spans, parts, device_at = [], {}, 0
+        for name in names:
+            start, stop, record = records[name]
+            parts[name] = tuple((part, device_at + offset, t.dtype, tuple(t.shape))
+                                for part, offset, t in record)
+            spans.append((start, stop - start))
+            device_at += stop - start
+        layouts.append(PackedLayout(stage, names, tuple(_segments(spans)), parts))
+    return flat, tuple(layouts), moved
+
+
+def _byte_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    """``shape`` elements of ``dtype`` at byte ``offset`` of the uint8 buffer ``flat``."""
+    size = torch.empty((), dtype=dtype).element_size()
+    count = 1
+    for d in shape:
+        count *= d
+    return flat[offset : offset + count * size].view(dtype).view(shape)
+
+
 def _layout(
     stage: int,
     names: list[str],
@@ -938,7 +1095,9 @@ def pin_host_memory(host_memory: str, device_kind: str) -> bool:
 
 
 def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor, str]:
-    """An exact-size flat host buffer, pinned by registering it with the CUDA driver."""
+    """An exact-size flat host buffer, pinned by registering it with the CUDA driver; where
+    the registration fails, a warning that says why and a buffer of torch's caching pinned
+    allocator instead (pinned all the same, its size maybe rounded up)."""
     flat = torch.empty(numel, dtype=dtype)
     if not pin:
         return flat, "no"
@@ -946,26 +1105,110 @@ def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor,
         raise ValueError("pin=True needs CUDA (torch.cuda.is_available() is False); use pin=False")
     if numel == 0:
         return flat, "registered"
-    cudart = torch.cuda.cudart()
-    try:
-        # Portable: every GPU's context reads these buffers, not only the current device's.
-        torch.cuda.check_error(cudart.cudaHostRegister(flat.data_ptr(), flat.nbytes,
-                                                       _HOST_REGISTER_PORTABLE))
-    except RuntimeError as exc:
+    failure = _register(flat.data_ptr(), flat.nbytes)
+    if failure is not None:
         warnings.warn(
-            f"cudaHostRegister of {format_bytes(flat.nbytes)} failed ({exc}); using the caching "
-            "pinned allocator, which may round the buffer up to a power of two",
+            f"registering {format_bytes(flat.nbytes)} of host memory with the CUDA driver "
+            f"failed ({failure}); using torch's caching pinned allocator instead, which may "
+            "round the buffer up to a power of two",
             RuntimeWarning,
             stacklevel=3,
         )
-        return torch.empty(numel, dtype=dtype, pin_memory=True), "caching allocator (may round up)"
+        return _caching_pinned(numel, dtype), "caching allocator (may round up)"
     # Unregister before the memory goes back to the CPU allocator.
     weakref.finalize(flat, _unregister, flat.data_ptr())
     return flat, "registered"
 
 
-_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+def _caching_pinned(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, pin_memory=True)
+
+
+# [Note: registration through the driver API]
+# torch's binding of cudaHostRegister (torch.cuda.cudart()) returns the error of a failed call
+# but leaves it as the CUDA runtime's last error of the calling thread, and torch offers no
+# cudaGetLastError to clear it. The next kernel launch on that thread (a worker's stream thread,
+# for the staging buffers) then raises it at an unrelated op, failing the step instead of
+# falling back. The driver API keeps no such state: a call returns its error and that is all.
+# Driver calls act on the thread's current context, which a fresh stream thread may not have
+# yet, so each call runs inside the device's primary context (the one torch's runtime uses).
+
+
+def _register(pointer: int, nbytes: int) -> str | None:
+    """Register ``nbytes`` at ``pointer`` as pinned memory every GPU can read; None when it is
+    done, else what failed."""
+    try:
+        driver = _driver()
+    except OSError as exc:
+        return f"the CUDA driver library could not be loaded: {exc}"
+    return driver.register(pointer, nbytes)
 
 
 def _unregister(pointer: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(pointer)
+    # A finalizer: it may run at exit, with CUDA shut down, where a failure changes nothing.
+    with contextlib.suppress(OSError, RuntimeError):
+        _driver().unregister(pointer)
+
+
+@functools.cache
+def _driver() -> _Driver:
+    return _Driver(ctypes.CDLL("nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"))
+
+
+class _Driver:
+    """The few CUDA driver API calls that host registration needs, through ctypes."""
+
+    _SIGNATURES: ClassVar[dict[str, list]] = {
+        "cuInit": [ctypes.c_uint],
+        "cuDeviceGet": [ctypes.POINTER(ctypes.c_int), ctypes.c_int],
+        "cuDevicePrimaryCtxRetain": [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int],
+        "cuDevicePrimaryCtxRelease_v2": [ctypes.c_int],
+        "cuCtxPushCurrent_v2": [ctypes.c_void_p],
+        "cuCtxPopCurrent_v2": [ctypes.POINTER(ctypes.c_void_p)],
+        "cuMemHostRegister_v2": [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint],
+        "cuMemHostUnregister": [ctypes.c_void_p],
+        "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    }
+    _PORTABLE = 1  # CU_MEMHOSTREGISTER_PORTABLE: every context sees the memory as pinned
+
+    def __init__(self, library: ctypes.CDLL) -> None:
+        self._functions = {}
+        for name, arguments in self._SIGNATURES.items():
+            function = getattr(library, name)
+            function.argtypes, function.restype = arguments, ctypes.c_int
+            self._functions[name] = function
+
+    def register(self, pointer: int, nbytes: int) -> str | None:
+        return self._in_primary_context(
+            lambda: self._call("cuMemHostRegister_v2", pointer, nbytes, self._PORTABLE))
+
+    def unregister(self, pointer: int) -> str | None:
+        return self._in_primary_context(lambda: self._call("cuMemHostUnregister", pointer))
+
+    def _call(self, name: str, *arguments: object) -> str | None:
+        result = self._functions[name](*arguments)
+        if result == 0:  # CUDA_SUCCESS
+            return None
+        text = ctypes.c_char_p()
+        self._functions["cuGetErrorName"](result, ctypes.byref(text))
+        return f"{name} returned {(text.value or b'').decode() or 'CUresult'} ({result})"
+
+    def _in_primary_context(self, call: Callable[[], str | None]) -> str | None:
+        # The device of torch's current device (portable memory: any device would do).
+        ordinal = torch.cuda.current_device()
+        device, context = ctypes.c_int(), ctypes.c_void_p()
+        failure = (self._call("cuInit", 0)
+                   or self._call("cuDeviceGet", ctypes.byref(device), ordinal)
+                   or self._call("cuDevicePrimaryCtxRetain", ctypes.byref(context), device))
+        if failure:
+            return failure
+        try:
+            failure = self._call("cuCtxPushCurrent_v2", context)
+            if failure:
+                return failure
+            try:
+                return call()
+            finally:
+                self._call("cuCtxPopCurrent_v2", ctypes.byref(ctypes.c_void_p()))
+        finally:
+            self._call("cuDevicePrimaryCtxRelease_v2", device)

@@ -17,7 +17,14 @@ from rpcompile.capture.batch import split_batch
 from rpcompile.capture.types import Captured
 from rpcompile.passes.split import StageProgram, unit_segments
 
-__all__ = ["forward_loss", "loss_divisor", "reference_step", "split_batch", "stage_arguments"]
+__all__ = [
+    "forward_loss",
+    "loss_divisor",
+    "reference_step",
+    "split_batch",
+    "stage_arguments",
+    "step_loss",
+]
 
 
 def stage_arguments(
@@ -59,7 +66,8 @@ def reference_step(
     summed, and so are their gradients. A ``loss_fn`` model's losses are means: each is divided
     by ``microbatches * rounds`` before backward, and the step's loss is their mean.
     ``device``: run there (params, batch, buffers copied over, each stage's graph retargeted
-    with :meth:`StageProgram.on_device`), as a worker on that device would; results stay on it.
+    with :meth:`StageProgram.on_device`), as a worker on that device would; the gradients stay
+    on it, the loss is reduced on the host (:func:`step_loss`), as the runtime reduces it.
     """
     graphs = {p.index: p.graph_module for p in programs}
     if device is not None:
@@ -99,8 +107,18 @@ def reference_step(
                     grads[name] += g
                 else:
                     grads[name] = g.clone()
-    loss = torch.stack(losses).sum() / scale
-    return loss, grads
+    return step_loss(losses, scale), grads
+
+
+def step_loss(losses: Sequence[torch.Tensor], divisor: int) -> torch.Tensor:
+    """The step's loss from its microbatch losses, given in (round, microbatch) order: brought
+    to the host, summed there, divided by ``divisor`` (:func:`loss_divisor`).
+
+    The one reduction of the runtime, the reference and :func:`forward_loss`. A sum on a GPU
+    may add in another order than the CPU does, so reducing where the losses happen to be would
+    let two runs of the same losses differ in the last bit.
+    """
+    return torch.stack([loss.detach().cpu() for loss in losses]).sum() / divisor
 
 
 def loss_divisor(captured: Captured, microbatches: int) -> int:
@@ -137,11 +155,11 @@ def forward_loss(
             for m, mb in enumerate(mbs):
                 outs = graph(*stage_arguments(prog, moved, params, mb, values[m]))
                 if prog.kind == "tail":
-                    losses.append(outs[0].float().cpu())
+                    losses.append(outs[0].float())
                 else:
                     values[m].update(zip(prog.outputs, outs))
             del params
-    return torch.stack(losses).sum() / loss_divisor(captured, parts)
+    return step_loss(losses, loss_divisor(captured, parts))
 
 
 class _Moved:

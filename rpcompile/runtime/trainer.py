@@ -44,6 +44,7 @@ from rpcompile.passes.lower import (
 from rpcompile.passes.memory import HostMemory, HostMemoryError, host_memory, host_ram_problem
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
+from rpcompile.runtime.kernels import host_backend
 from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 from rpcompile.runtime.memory import HostStore, MemoryReport, pin_host_memory
 from rpcompile.runtime.optim import OptimizerDriver
@@ -297,7 +298,7 @@ class Trainer:
             # one the CUDA workers' staging reads too).
             self.pin_host = pin_host_memory(options.host_memory, self.workers[0].kind)
             self.store = self._build_store(compiled, pin=self.pin_host)
-            self.store.kernels = kernels
+            self.store.kernels = host_backend(kernels, self.workers[0].kind)
             # PEFT layers that can merge their adapters into the base weights in place: the
             # frozen base is shared with the store's shadows, which the workers upload.
             self._mergeable = tuple(m for m in compiled.model.modules()

@@ -50,6 +50,10 @@ class PaperModel:
     width ``ffn`` each, and a linear router. ``lora_rank`` > 0 means LoRA adapters on every
     linear layer of the decoder (attention, every expert's three matrices, the router; not the
     LM head, as PEFT's ``all-linear``): trainable parameters are the adapters only.
+    ``base="nf4"`` (LoRA only): the frozen decoder linears (attention and every expert's or
+    the MLP's matrices; not the router, the embedding or the LM head) are bitsandbytes NF4
+    with double-quantized absmax (:func:`nf4_bytes`), kept and uploaded packed and dequantized
+    to bf16 on the GPU (UnitProfile.packed_params, packed_bytes).
     Times (ms) are per layer for one microbatch of 4 x 2048 tokens on one RTX 4090;
     ``backward_ms`` excludes the recompute of the forward.
     """
@@ -73,6 +77,15 @@ class PaperModel:
     qk_norm: bool = False
     attention_bias: bool = False  # GPT-OSS: biases on q, k, v, o and on the experts
     lora_rank: int = 0
+    base: str = "bf16"  # "bf16" | "nf4": how the frozen base's decoder linears are kept
+
+    def __post_init__(self) -> None:
+        if self.base not in BASES:
+            raise ValueError(f"base must be one of {BASES}, got {self.base!r}")
+        if self.base != "bf16" and not self.lora_rank:
+            raise ValueError(f"{self.name}: a {self.base} base is frozen, so it needs LoRA "
+                             "adapters (lora_rank > 0); full fine-tuning of a quantized base "
+                             "is not supported")
 
     # -- parameters ----------------------------------------------------------------------
     def _linears(self, part: str = "layer") -> list[tuple[int, int, int]]:
@@ -104,6 +117,14 @@ class PaperModel:
         elif self.attention_bias:
             total += self.experts * (2 * self.ffn + self.hidden) + self.experts  # expert, router biases
         return total
+
+    def layer_packed(self, part: str = "layer") -> tuple[int, int]:
+        """(elements, bytes) of one layer's (or block's) quantized weights: (0, 0) for a bf16
+        base. The router stays bf16, as bitsandbytes leaves small linears the config skips."""
+        if self.base == "bf16":
+            return 0, 0
+        weights = [(i * o, n) for i, o, n in self._linears(part) if o != self.experts]
+        return (sum(e * n for e, n in weights), sum(nf4_bytes(e) * n for e, n in weights))
 
     def layer_lora_params(self, part: str = "layer") -> int:
         """LoRA adapter parameters of one decoder layer or block (0 without LoRA)."""
@@ -209,12 +230,14 @@ class PaperModel:
         for i in range(self.layers):
             for part, suffix in parts:
                 base, adapters = self.layer_params(part), self.layer_lora_params(part)
+                packed_params, packed_bytes = self.layer_packed(part)
                 layer_units.append(UnitProfile(
                     name=f"layers.{i}{suffix}", forward_ms=self.forward_ms * scale * share[part],
                     backward_ms=self.backward_ms * scale * share[part],
                     trainable_params=adapters if lora else base, frozen_params=base if lora else 0,
                     output_bytes=act, working_bytes=self._layer_working_bytes(itokens, part),
                     group=f"layers.{i}" if split_layers else "",
+                    packed_params=packed_params, packed_bytes=packed_bytes,
                 ))
         # The tail's own parameters: the final norm, and the LM head unless it is the
         # embedding. A tied head borrows the prefix's matrix (unit 0), as the capture marks a
@@ -243,6 +266,21 @@ class PaperModel:
             working_bytes=logits_bytes + 2 * act, borrowed=borrowed,
         )
         return (prefix, *layer_units, tail)
+
+
+BASES = ("bf16", "nf4")
+
+
+def nf4_bytes(elements: int, blocksize: int = 64, absmax_blocksize: int = 256) -> int:
+    """Host and upload bytes of one NF4 weight of ``elements`` with double-quantized absmax,
+    as bitsandbytes stores it (rpcompile.capture.quantized.PackedWeight): two codes a byte, one
+    uint8 absmax per ``blocksize`` weights, one fp32 scale per ``absmax_blocksize`` absmax,
+    the 16-value code table, the 256-value absmax table and the fp32 offset, in whole 4-byte
+    words."""
+    blocks = -(-elements // blocksize)
+    raw = (-(-elements // 2) + blocks + 4 * -(-blocks // absmax_blocksize) + 4 * 16
+           + 4 * 256 + 4)
+    return -(-raw // 4) * 4
 
 
 # --------------------------------------------------------------------------------------------
