@@ -424,6 +424,26 @@ def _transfer_kernels(r: Result) -> str:
             + table(["kernel", "backend", "ms", "GB/s", "of a copy"], rows))
 
 
+def _qlora(r: Result) -> str:
+    f = r.figures
+    rows = []
+    for name, bases in f["models"].items():
+        for base, x in bases.items():
+            found = x.get("longest")
+            rows.append([
+                name, base,
+                f"{num(x['host_gib'])}" + ("" if x["host_fits"] else " (over the RAM)"),
+                num(x["tokens_per_s"]), f"{num(x['proven_gib'], 2)} of {num(x['usable_gib'], 2)}",
+                num(x["upload_gib_per_step"]), x["stages"],
+                "-" if found is None else num(found["longest"]) if found["longest"] else "none",
+                "-" if found is None else found["limit"]])
+    return (f"{f['hardware']}, LoRA r={f['lora_rank']}, host RAM {num(f['host_ram_gib'])} GiB; "
+            f"partition search capped at {f['max_simulations']} replays, refine "
+            f"{f['refine']}.\n\n"
+            + table(["model", "base", "host GiB", "tokens/s", "proven GiB per GPU",
+                     "uploads GiB/step", "stages", "longest sequence", "its limit"], rows))
+
+
 def _generic(r: Result) -> str:
     f = r.figures
     if isinstance(f, dict):
@@ -497,6 +517,10 @@ SECTIONS: dict[str, Section] = {
     "transfer_kernels": Section(
         "Transfer kernels", "Effective bandwidth of the transfer-path kernels against a plain "
         "copy of the same traffic.", _transfer_kernels),
+    "qlora": Section(
+        "QLoRA bases", "The paper's LoRA workloads on 8x RTX 4090 with the frozen base in "
+        "bf16 and in NF4 (double-quantized absmax), by the simulator and the memory proof: "
+        "host memory, tokens/s, the device peak and the longest sequence that fits.", _qlora),
 }
 
 
