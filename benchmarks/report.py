@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import re
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -424,6 +425,24 @@ def _transfer_kernels(r: Result) -> str:
             + table(["kernel", "backend", "ms", "GB/s", "of a copy"], rows))
 
 
+def _qlora_limit(found: dict[str, Any] | None) -> str:
+    """What stops the longest-sequence search, in a few words (the JSON has the whole reason)."""
+    if found is None:
+        return "-"
+    why = found["limit"]
+    what = ("host RAM" if "host RAM" in why else "device memory" if "usable" in why
+            else why.split(":")[1].strip() if ":" in why else why)
+    return what if found["longest"] else f"{what}, at any length"
+
+
+def _qlora_search(note: str) -> str:
+    """The partition search's end: proven fastest, or the most a candidate left could gain."""
+    if not note or "NOT proven" not in note:
+        return "fastest, proven"
+    gap = re.search(r"at most ([\d.]+ ?%)", note)
+    return f"capped, within {gap.group(1)}" if gap else "capped"
+
+
 def _qlora(r: Result) -> str:
     f = r.figures
     rows = []
@@ -434,14 +453,16 @@ def _qlora(r: Result) -> str:
                 name, base,
                 f"{num(x['host_gib'])}" + ("" if x["host_fits"] else " (over the RAM)"),
                 num(x["tokens_per_s"]), f"{num(x['proven_gib'], 2)} of {num(x['usable_gib'], 2)}",
-                num(x["upload_gib_per_step"]), x["stages"],
+                num(x["upload_gib_per_step"]), x["stages"], _qlora_search(x["search"]),
                 "-" if found is None else num(found["longest"]) if found["longest"] else "none",
-                "-" if found is None else found["limit"]])
+                _qlora_limit(found)])
     return (f"{f['hardware']}, LoRA r={f['lora_rank']}, host RAM {num(f['host_ram_gib'])} GiB; "
             f"partition search capped at {f['max_simulations']} replays, refine "
-            f"{f['refine']}.\n\n"
+            f"{f['refine']}. The JSON holds each plan's host memory by part and the whole "
+            "reason each longest-sequence search stopped.\n\n"
             + table(["model", "base", "host GiB", "tokens/s", "proven GiB per GPU",
-                     "uploads GiB/step", "stages", "longest sequence", "its limit"], rows))
+                     "uploads GiB/step", "stages", "search", "longest sequence", "limited by"],
+                    rows))
 
 
 def _generic(r: Result) -> str:
@@ -630,6 +651,14 @@ def headline_rows(results: list[Result]) -> list[list[str]]:
 
     add("scaling", "data-parallel scaling efficiency, 4 servers on 100 Gbit/s (simulated)",
         scaling)
+
+    def qlora(f):
+        m = f["models"].get("qwen3-235b-a22b", {})
+        return (f"{m['bf16']['host_gib']:,.1f} / {m['nf4']['host_gib']:,.1f} GiB"
+                if "bf16" in m and "nf4" in m else "-")
+
+    add("qlora", "host memory of Qwen3-235B-A22B LoRA on 8x4090, bf16 / NF4 base "
+        "(simulated plan; a 512 GB server holds 476.8 GiB)", qlora)
     return rows
 
 
