@@ -7,8 +7,9 @@ A result file is ``{"stamp": {...}, "figures": ...}``. The stamp holds the scrip
 command line, the commit (``git rev-parse HEAD``) and whether the code that runs
 (``rpcompile/``, ``benchmarks/`` but its results, ``tests/``, ``pyproject.toml``) differed
 from that commit, the machine (CPU, cores, RAM, GPUs, Python and torch versions), the UTC
-time the run started and its wall time. The stamp is taken when this module is imported,
-which is when the script starts: what ran is the code of that moment."""
+time the run started and its wall time. The commit, the code check and the start time are
+taken when this module is imported, which is when the script starts: what ran is the code of
+that moment, whatever is committed while it runs."""
 
 from __future__ import annotations
 
@@ -26,9 +27,6 @@ RESULTS = Path(__file__).resolve().parent / "results"
 ROOT = RESULTS.parent.parent
 # The paths whose content decides a figure (docs and results do not).
 CODE_PATHS = ("rpcompile", "benchmarks", "tests", "pyproject.toml")
-
-_STARTED = time.perf_counter()
-_STARTED_AT = datetime.datetime.now(datetime.timezone.utc)
 
 
 def _git(*args: str) -> str | None:
@@ -48,6 +46,13 @@ def source() -> dict[str, Any]:
     status = _git("status", "--porcelain", "--", *CODE_PATHS, ":(exclude)benchmarks/results")
     return {"commit": sha.strip() if sha else None,
             "code_changed": None if status is None else bool(status.strip())}
+
+
+# The stamp's time and source are taken here, when the script starts: a commit made while a
+# long benchmark runs must not be credited with figures the older code produced.
+_STARTED = time.perf_counter()
+_STARTED_AT = datetime.datetime.now(datetime.timezone.utc)
+_SOURCE = source()
 
 
 def _cpu_model() -> str:
@@ -95,7 +100,7 @@ def _command() -> str:
 
 def stamp() -> dict[str, Any]:
     """The stamp of this run (see the module docstring)."""
-    return {"script": Path(sys.argv[0]).name, "command": _command(), **source(),
+    return {"script": Path(sys.argv[0]).name, "command": _command(), **_SOURCE,
             "machine": machine(),
             "started_utc": _STARTED_AT.isoformat(timespec="seconds"),
             "seconds": round(time.perf_counter() - _STARTED, 1)}

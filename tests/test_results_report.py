@@ -20,6 +20,26 @@ def _report():
     return module
 
 
+def _results_helper():
+    spec = importlib.util.spec_from_file_location("rp_results",
+                                                  ROOT / "benchmarks" / "_results.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_result_is_stamped_with_the_code_its_script_started_on(tmp_path, monkeypatch):
+    helper = _results_helper()  # the script starts: its commit is read now
+    started = helper.source()
+    # A commit and an edit made while the benchmark runs.
+    monkeypatch.setattr(helper, "_git",
+                        lambda *args: "f" * 40 if args[0] == "rev-parse" else " M x.py")
+    data = json.loads(helper.write_result(tmp_path / "made.json", {"answer": 42}).read_text())
+    assert data["figures"] == {"answer": 42}
+    assert {k: data["stamp"][k] for k in started} == started
+    assert data["stamp"]["commit"] != "f" * 40
+
+
 def test_the_results_page_and_the_readme_table_are_current(capsys):
     assert _report().main(["--check"]) == 0, capsys.readouterr().err
 
