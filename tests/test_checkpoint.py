@@ -75,12 +75,12 @@ def test_round_trip_continues_bit_identically(tmp_path, mode):
 
 
 def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeypatch):
-    """The round trip above used to fail now and then: torch.export sets process-global flags
-    (torch.compiler.is_compiling()) that torch.optim reads (AdamW's bias corrections are then
-    fp32 tensor math, not Python floats), and the last update of one trainer ran on its
-    optimizer thread while the next model compiled. Here that overlap is forced. (Updates now
-    run inside their step, as the schedule's OPT actions on the host queue: the overlap is a
-    step running on one thread while a model compiles on another.)"""
+    """torch.export sets process-global flags (torch.compiler.is_compiling()) that torch.optim
+    reads (AdamW's bias corrections are then fp32 tensor math, not Python floats), so an update
+    running while another model compiles changes in the last bits unless the capture and the
+    updates exclude each other (rpcompile/capture/tracing.py). Here that overlap is forced:
+    updates run inside their step, as the schedule's OPT actions on the host queue, so the
+    overlap is a step running on one thread while a model compiles on another."""
     data = [token_batch(6, seed=k) for k in range(2)]
     quiet = make("async")
     for batch in data:

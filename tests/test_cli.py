@@ -61,7 +61,7 @@ def test_plan_baselines(tmp_path, capsys, schedule):
 def test_plan_reports_user_errors(capsys):
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
-    # An uneven split is planned (issue 10); a batch that cannot fill the microbatches is not.
+    # An uneven split is planned; a batch that cannot fill the microbatches is not.
     assert main(["plan", "--model", "qwen3-1.7b", "--batch", "2", "--microbatches", "3"]) == 2
     assert "every microbatch needs a sequence" in capsys.readouterr().err
 

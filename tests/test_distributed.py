@@ -668,7 +668,7 @@ ANNOUNCED_S = 10.0  # far under GROUP_TIMEOUT_S and the step deadline: the other
 
 
 def _announce_rank(rank: int, world: int, port: int, out: str) -> None:
-    """Five failures on rank 1 that used to leave rank 0 waiting for the group's timeout (or
+    """Five failures on rank 1 that must not leave rank 0 waiting for the group's timeout (or
     the step's deadline), each on its own process group (a failure leaves a group's
     collectives out of step): rank 1's data-parallel state broken by a failed step before a
     save; a KeyboardInterrupt in rank 1's load and in its per-rank write; rank 1's REDUCE
