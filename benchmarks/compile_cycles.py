@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import threading
@@ -23,6 +22,8 @@ import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _results import RESULTS, write_result  # beside this script
 
 
 def rss_mb() -> float:
@@ -56,7 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cycles", type=int, default=50, help="measured cycles (default 50)")
     ap.add_argument("--warmup", type=int, default=5, help="cycles before measuring (default 5)")
-    ap.add_argument("--json", default="benchmarks/results/compile_cycles.json",
+    ap.add_argument("--json", type=Path, default=RESULTS / "compile_cycles.json",
                     help="where to write the figures")
     args = ap.parse_args()
     warnings.simplefilter("ignore")
@@ -91,9 +92,7 @@ def main() -> None:
         "rss_growth_mb_per_cycle_first_to_last": (rss[-1] - rss[0]) / args.cycles,
         "seconds": time.perf_counter() - start,
     }
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out = write_result(args.json, result)
     print(f"{args.cycles} compile/step/close cycles: threads {threads_start} at start, "
           f"{threads[-1]} at end (max {max(threads)}); RSS {rss[0]:.1f} -> {rss[-1]:.1f} MB, "
           f"growth {per_cycle:.3f} MB/cycle (slope), "

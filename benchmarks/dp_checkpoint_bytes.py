@@ -4,10 +4,9 @@ this machine (gloo, virtual workers, fp32, AdamW, one step so the optimizer stat
 Every rank calls ``save_checkpoint``; rank 0 writes. Measured per rank as the peak resident
 set during the save above the resident set before it (Linux: the peak is reset through
 ``/proc/self/clear_refs`` just before the save and read from ``VmHWM`` after it), and printed
-per trainable parameter. Rank 0 takes its state and serializes it; before this session's
-change the other ranks took a full copy of their state too (masters and AdamW's two moments,
-about 12 bytes per parameter) only to agree on the outcome. Run it against a tree with
-``PYTHONPATH`` to compare trees:
+per trainable parameter. Rank 0 takes its state and serializes it; the other ranks take no
+copy of theirs (a copy of masters and AdamW's two moments would be about 12 bytes per
+parameter), they only agree on the outcome. ``PYTHONPATH`` picks the tree it measures:
 
     PYTHONPATH=. python benchmarks/dp_checkpoint_bytes.py [--hidden 512] [--layers 4]
                                                          [--json benchmarks/results/dp_checkpoint_bytes.json]
@@ -26,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 from _models import qwen3  # benchmarks/_models.py, beside this script
+from _results import RESULTS, write_result
 from _setup import adamw, token_batches
 
 
@@ -75,7 +75,7 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--json", type=Path,
-                    default=Path("benchmarks/results/dp_checkpoint_bytes.json"))
+                    default=RESULTS / "dp_checkpoint_bytes.json")
     args = ap.parse_args()
     import rpcompile
 
@@ -91,10 +91,8 @@ def main() -> None:
     for r in ranks:
         print(f"  rank {r['rank']}: peak host bytes during the save {r['save_peak_bytes']:>13,} "
               f"({r['bytes_per_param']:.2f} per trainable parameter)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"tree": str(Path(rpcompile.__file__).parent),
-                                     "hidden": args.hidden, "layers": args.layers,
-                                     "ranks": ranks}, indent=1))
+    write_result(args.json, {"tree": str(Path(rpcompile.__file__).parent),
+                             "hidden": args.hidden, "layers": args.layers, "ranks": ranks})
 
 
 if __name__ == "__main__":

@@ -61,10 +61,11 @@ transfer staging is that of replays at the profile's pageable bandwidth.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from _results import RESULTS, write_result  # beside this script
 
 from rpcompile.hardware import get_hardware
 from rpcompile.options import PlanOptions
@@ -75,7 +76,6 @@ from rpcompile.sim import simulate_roundpipe
 from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS, Workload
 
 HARDWARE = "rtx4090x8"
-RESULTS = Path(__file__).resolve().parent / "results"
 START, STEP, LIMIT = 2048, 1024, 1 << 20
 TAILS = (("unchunked", None), ("chunked", 4096))
 
@@ -221,8 +221,7 @@ def main() -> None:
                                     not args.no_undo_journal, args.microbatches)
         print(f"  host memory of the workload: {row['host']['text']}", flush=True)
         result[name] = row
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, result)
 
     def fig(m: str, t: str) -> str:
         got = result[m][t]

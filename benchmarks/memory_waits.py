@@ -19,10 +19,11 @@ range over the workers: how tight the proof is, and what each set costs in time.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from _results import RESULTS, write_result  # beside this script
 
 from rpcompile.hardware import get_hardware
 from rpcompile.passes.lower import BOUNDED_WAITS, TIGHTEST_WAITS
@@ -32,7 +33,6 @@ from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate
 from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 
-RESULTS = Path(__file__).resolve().parent / "results"
 SETS = ((), ("window", "sent"), BOUNDED_WAITS, TIGHTEST_WAITS)
 GIB = 2**30
 
@@ -74,8 +74,7 @@ def main() -> None:
                   f"  proven {s['proven_gib']:6.2f} GiB  simulated {s['simulated_gib']:6.2f} GiB"
                   f"  simulated/proven per worker {s['ratio_min']:.3f}-{s['ratio_max']:.3f}",
                   flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=1))
+    write_result(args.json, rows)
     bounded = [s for r in rows for s in r["sets"] if s["waits"] == "+".join(BOUNDED_WAITS)]
     cost = max(s["step_ms"] / r["sets"][0]["step_ms"] - 1 for r in rows for s in r["sets"]
                if s["waits"] == "+".join(BOUNDED_WAITS))

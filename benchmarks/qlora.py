@@ -34,11 +34,11 @@ proof).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
 
+from _results import RESULTS, write_result  # beside this script
 from _search import capped_partition, search_note  # benchmarks/_search.py, beside this
 
 from rpcompile.hardware import get_hardware, host_ram
@@ -51,7 +51,6 @@ from rpcompile.workloads.paper import MODELS, WORKLOADS
 HARDWARE = "rtx4090x8"
 LORA_RANK = 32
 CHOICES = ("qwen3-235b-a22b", "qwen3-32b")
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def variant(name: str, base: str):
@@ -144,8 +143,7 @@ def main() -> None:
         bf16, nf4 = (results["models"][name][b] for b in ("bf16", "nf4"))
         print(f"  nf4/bf16: host x{nf4['host_gib'] / bf16['host_gib']:.2f}, tokens/s "
               f"x{nf4['tokens_per_s'] / max(1, bf16['tokens_per_s']):.2f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=1) + "\n")
+    write_result(args.json, results)
     print(f"\nwrote {args.json}")
 
 

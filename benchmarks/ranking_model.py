@@ -8,23 +8,23 @@ figure (optimality proven) or ``max_simulations`` replays are spent (the plan's 
 gap). This script partitions each model and reports: the candidates, the simulations run,
 whether optimality was proven (and the gap when not), the chosen figure, the planning time,
 and how far the bound sits below the simulated figure of the candidates that were simulated
-(simulated / bound, min-max). (An older tree also ranked by a dispatch model of its own, which
-this script no longer reports.)
+(simulated / bound, min-max).
 
     python benchmarks/ranking_model.py [--models qwen3-1.7b llama3.1-8b] [--modes sync async]
                                        [--json PATH]
 
-Run against an older tree (``PYTHONPATH=<tree>``) it reports what that tree's partitioner did:
-one without the best-first search has no candidate count or proof (``null``).
+Run against another tree (``PYTHONPATH=<tree>``) it reports what that tree's partitioner
+did: one without ``rpcompile.planner.bound`` has no candidate count or proof (``null``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import time
 from pathlib import Path
+
+from _results import RESULTS, write_result  # beside this script
 
 from rpcompile.hardware import get_hardware
 from rpcompile.planner import partition as partition_module
@@ -39,7 +39,7 @@ def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
     hw = get_hardware(hardware)
     try:
         from rpcompile.planner.bound import simulated_lower_bound
-    except ImportError:  # a tree from before the best-first search
+    except ImportError:  # a tree without the best-first search
         simulated_lower_bound = None
     runs: list[tuple[float, float | None]] = []  # (simulated, bound)
     candidates: list[int] = []
@@ -63,7 +63,7 @@ def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
     try:
         t0 = time.perf_counter()
         # The loose keywords, not options=PlanOptions(...): the script also runs against
-        # older trees (the module doc).
+        # other trees (the module doc).
         plan = partition_module.partition(get_model(name).units(4, 2048), hw, 8, 16,
                                           optimizer=mode, refine=0)
         seconds = time.perf_counter() - t0
@@ -92,7 +92,7 @@ def main() -> None:
                                  formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--models", nargs="+", default=MODELS)
     ap.add_argument("--modes", nargs="+", default=["sync", "async"], choices=["sync", "async"])
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/ranking_model.json"))
+    ap.add_argument("--json", type=Path, default=RESULTS / "ranking_model.json")
     args = ap.parse_args()
     rows = []
     for name in args.models:
@@ -106,8 +106,7 @@ def main() -> None:
                   f"{row['simulations']} simulated, {proof}, chosen {row['chosen_ms']:.1f} ms, "
                   f"{row['partition_s']:.1f} s; simulated/bound "
                   f"{'-' if bound is None else f'{bound[0]:.3f}-{bound[1]:.3f}'}", flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(rows, indent=2))
+    write_result(args.json, rows)
     print(f"ranking_model: {len(rows)} runs, optimality proven in "
           f"{sum(bool(r['proven_optimal']) for r in rows)} -> {args.json}")
 

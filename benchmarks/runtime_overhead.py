@@ -22,13 +22,13 @@ one step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 from _models import qwen3  # benchmarks/_models.py, beside this script
+from _results import RESULTS, write_result
 
 
 def main() -> None:
@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/runtime_overhead.json"))
+    ap.add_argument("--json", type=Path, default=RESULTS / "runtime_overhead.json")
     args = ap.parse_args()
 
     import rpcompile
@@ -109,8 +109,7 @@ def main() -> None:
         "executor_us_per_action": per_action_us,
         "torch_threads": torch.get_num_threads(),
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     print("median step: " + ", ".join(f"{k} {v:.1f} ms" for k, v in med.items()))
     print(f"runtime_overhead: runtime / eager-with-recompute = {ratio:.3f} (target <= 1.10); "
           f"executor {per_action_us:.0f} us per action over {actions} actions/step -> {args.json}")

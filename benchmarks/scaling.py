@@ -30,11 +30,11 @@ The JSON is {model: {variant: {link: {nodes: figures}}}}.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
-from _search import add_search_caps, capped_partition, search_note  # beside this script
+from _results import RESULTS, write_result  # beside this script
+from _search import add_search_caps, capped_partition, search_note
 
 from rpcompile.hardware import get_hardware
 from rpcompile.sim import simulate_roundpipe, steady_steps
@@ -44,7 +44,6 @@ from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 HARDWARE = "rtx4090x8"
 # variant -> (optimizer, sharded)
 VARIANTS = {"async": ("async", False), "sync": ("sync", False), "sharded": ("sync", True)}
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def main() -> None:
@@ -97,8 +96,7 @@ def main() -> None:
                     if n > 1:
                         worst = min(worst, (s.efficiency, f"{name} {variant} on {n} x {link}"))
             result[name][variant] = row
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, result)
     best = {link: min(result[m][v][link][str(max(args.nodes))]["efficiency"]
                       for m in args.models for v in args.variants)
             for link in args.links}

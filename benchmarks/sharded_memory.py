@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import socket
 from pathlib import Path
@@ -23,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 from _models import qwen3  # benchmarks/_models.py, beside this script
+from _results import RESULTS, write_result
 
 
 def _measure(trainer) -> dict:
@@ -86,7 +86,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 3])
-    parser.add_argument("--json", default="benchmarks/results/sharded_memory.json")
+    parser.add_argument("--json", type=Path, default=RESULTS / "sharded_memory.json")
     args = parser.parse_args()
     import tempfile
 
@@ -107,9 +107,8 @@ def main() -> None:
               f"{row['rank']:>4} {row['owned_params'] / row['trainable_params']:>8.3f} "
               f"{row['master']:>7.2f} {row['optimizer']:>7.2f} {row['shadow']:>7.2f} "
               f"{row['grad']:>7.2f} {total:>7.2f} {row['report_total']:>7.2f}")
-    path = Path(args.json)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    path = write_result(args.json, {"args": {k: str(v) if isinstance(v, Path) else v
+                                             for k, v in vars(args).items()}, "rows": rows})
     print(f"wrote {path}")
 
 

@@ -10,12 +10,13 @@ batches), and writes them as JSON.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import asdict
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _results import RESULTS, write_result  # beside this script
 
 
 def main() -> None:
@@ -25,7 +26,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="seed of the run choices (default 0)")
     ap.add_argument("--fault-rate", type=float, default=0.4,
                     help="chance that a step gets a fault (default 0.4)")
-    ap.add_argument("--json", default="benchmarks/results/soak.json",
+    ap.add_argument("--json", type=Path, default=RESULTS / "soak.json",
                     help="where to write the figures")
     args = ap.parse_args()
     import torch
@@ -34,9 +35,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     result = soak(args.runs, args.steps, args.seed, args.fault_rate)
-    out = Path(args.json)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(asdict(result), indent=1))
+    out = write_result(args.json, asdict(result))
     for line in result.divergences:
         print("DIVERGED:", line)
     print(f"soak: {result.runs} runs, {result.steps} steps, faults {result.faults_injected} "

@@ -1,6 +1,6 @@
 """Sync-mode update order on virtual workers: ``overlap`` (each stage's update runs as soon as
 its gradients are home, while later backward jobs compute) against ``deferred`` (every
-update after the step's last gradient, the order sync steps ran in before issue 11), timed in
+update after the step's last gradient, the order clipping and loss scaling need), timed in
 one process, interleaved, with the simulator's prediction of the same two schedules beside it.
 
 For each order: the median wall time of a step (``trainer.step`` returns once the step's
@@ -20,13 +20,13 @@ compares with this CPU.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
 from pathlib import Path
 
 import torch
 from _models import qwen3  # benchmarks/_models.py, beside this script
+from _results import RESULTS, write_result
 
 
 def _journal_bytes(journal) -> int:
@@ -49,7 +49,7 @@ def main() -> None:
     ap.add_argument("--gpus", type=int, default=3)
     ap.add_argument("--microbatches", type=int, default=3)
     ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--json", type=Path, default=Path("benchmarks/results/sync_updates.json"))
+    ap.add_argument("--json", type=Path, default=RESULTS / "sync_updates.json")
     args = ap.parse_args()
 
     import rpcompile
@@ -133,8 +133,7 @@ def main() -> None:
               f"({compiled.hardware.name})")
     print(f"overlap / deferred: measured {result['ratio_overlap_over_deferred']:.3f}, "
           f"simulated {result['simulated_ratio']:.3f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     print(f"wrote {args.json}")
 
 

@@ -16,7 +16,6 @@ interpreter, not the kernels, and must not be compared with GPU numbers.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -26,11 +25,12 @@ from functools import partial
 from pathlib import Path
 
 import torch
+from _results import RESULTS, write_result  # beside this script
 
 from rpcompile.runtime import kernels
 
 TARGET_FRACTION = 0.8
-DEFAULT_JSON = Path(__file__).resolve().parent / "results" / "kernels.json"
+DEFAULT_JSON = RESULTS / "transfer_kernels.json"
 
 
 @dataclass(frozen=True)
@@ -209,7 +209,6 @@ def main(argv: list[str] | None = None) -> int:
         f"({copy_gbps:.1f} GB/s); {verdict}"
     )
 
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "mode": mode,
         "device": name,
@@ -220,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         "torch": torch.__version__,
         "results": [asdict(m) for m in results],
     }
-    args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_result(args.json, report)
     print(f"wrote {args.json}")
     return 0
 

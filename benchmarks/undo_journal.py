@@ -15,10 +15,11 @@ state, gradients, shadows, the module's copy, the journal, transfer staging; pin
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 from pathlib import Path
+
+from _results import RESULTS, write_result  # beside this script
 
 from rpcompile.hardware import get_hardware
 from rpcompile.passes.memory import host_memory
@@ -26,7 +27,6 @@ from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps
 from rpcompile.workloads.paper import MODELS, WORKLOADS
 
-RESULTS = Path(__file__).resolve().parent / "results"
 GIB = 2**30
 
 
@@ -82,8 +82,7 @@ def main() -> None:
               f"tokens/s), OPT busy {f['async_opt_busy_ms']:.1f} ms; host {f['host_sync_gib']:.1f}"
               f" GiB sync, {f['host_async_gib']:.1f} GiB async (journal {f['journal_gib']:.1f},"
               f" pinned {f['pinned_gib']:.1f})")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(r, indent=2))
+    write_result(args.json, r)
     on, off = r["on"], r["off"]
     print(f"undo_journal: {args.model} on {args.hardware}, off/on sync step "
           f"{off['sync_step_ms'] / on['sync_step_ms']:.4f}, async "

@@ -126,6 +126,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="cap the partitioner's simulator replays per search (default: its "
                            "own, 1024 sync, 32 async); a search stopped before its proof "
                            "says so, with the most a plan it did not replay could be faster")
+    plan.add_argument("--plan-cache", default=None, metavar="DIR|off",
+                      help="where searched plans are kept and found again (default: "
+                           "$RPCOMPILE_CACHE_DIR, else ~/.cache/rpcompile/plans); off: search "
+                           "every time")
+    plan.add_argument("--quiet", action="store_true",
+                      help="no progress lines from the compile (capture, searches, cache)")
     plan.add_argument("--no-fit-search", action="store_true",
                       help="skip the search for the longest sequence that fits")
     plan.add_argument("--longest", action="store_true",
@@ -171,7 +177,11 @@ def _parser() -> argparse.ArgumentParser:
                     "(from_pretrained), checkpoints, metrics.jsonl, TensorBoard events and "
                     "loss.png. With no arguments: build the tiny shipped Qwen3 (byte-level), "
                     "write it as a checkpoint folder and fine-tune it on the shipped text. "
-                    "Options come from the defaults, then --config run.yaml, then the flags.",
+                    "Options come from the defaults, then --config run.yaml, then the flags. "
+                    "--out holds one run (another run's folder is refused: --overwrite, "
+                    "--resume). Ctrl-C or SIGTERM stops after the step in flight (twice: at "
+                    "once), saves a checkpoint of the last finished step and exits 130 / 143; "
+                    "--resume goes on from it.",
     )
     from rpcompile.finetune import add_train_arguments
 
@@ -180,6 +190,13 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("models", help="list the shipped model configs")
     sub.add_parser("hardware", help="list the hardware profiles and the inter-server links")
     return ap
+
+
+def _plan_cache(value: str | None) -> bool | Path:
+    """``--plan-cache``: the default place (None), off, or a folder."""
+    if value is None:
+        return True
+    return False if value.lower() in ("off", "0", "false", "no") else Path(value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -274,7 +291,8 @@ def _plan(args: argparse.Namespace) -> int:
                 rounds=args.rounds, mode=args.optimizer, device="virtual",
                 recompute=args.recompute, shard_optimizer=args.shard_optimizer,
                 max_simulations=max_simulations, undo_journal=hw.undo_journal,
-                host_memory=hw.host_memory,
+                host_memory=hw.host_memory, progress=False if args.quiet else None,
+                plan_cache=_plan_cache(args.plan_cache),
                 host_ram_bytes=None if args.host_ram is None else host_ram(args.host_ram, hw)[0])
 
     choice = None

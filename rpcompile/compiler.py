@@ -94,15 +94,100 @@ class Compiled:
     # and the RAM compile() checked it against with where that figure came from.
     host: HostMemory | None = None
     host_ram: tuple[int, str] = (0, "")
+    # The per-microbatch shapes (sequences, tokens) this object was planned for, in order:
+    # one entry per plan made (at compile time with example_inputs, else at the first batch,
+    # then once per larger batch; PlanOptions.dynamic).
+    plans_made: list[tuple[int, int]] = field(default_factory=list)
     _trainer: Any = field(default=None, repr=False)
     _closed: bool = field(default=False, repr=False)
+    # The capture as compile() made it, before any planning pass rewrote a copy of it: every
+    # plan (each loss-chunk variant, each shape) plans a fork of it.
+    _source: Any = field(default=None, repr=False)
     # Ids of the generated fx sources this compile made (released at close()).
     _fx_sources: tuple[int, int] | None = field(default=None, repr=False)
+
+    # -- planning at the data's shape -----------------------------------------------------
+    @property
+    def planned(self) -> bool:
+        """Whether a plan exists: at compile time with ``example_inputs``, else from the first
+        batch (``step``, ``evaluate``, ``plan_for``) or a loaded checkpoint on."""
+        return self.plan is not None
+
+    def plan_for(self, batch: Any, *, agree: bool = False) -> bool:
+        """Make sure the plan holds ``batch``: plan for its shape when there is no plan yet,
+        or (``PlanOptions.dynamic``) plan anew when it is larger than the proven shape, for
+        the larger of the two in each dimension, so every batch that fitted still fits. The
+        trained state carries over to the new plan's trainer. Returns whether a plan was
+        made. A larger batch under ``dynamic=False`` is left to the step, which refuses it.
+        ``agree`` (what :meth:`step` does): data parallel, the ranks agree on the largest
+        shape first, a collective, so that every rank keeps the same plan."""
+        from rpcompile.capture.batch import largest_microbatch, normalize_batch
+
+        normal = normalize_batch(self.model, batch, self.capture.loss_fn,
+                                 causal=self.capture.loss_reduction == "sum")
+        shape = _batch_shape(normal)
+        group = self.options.train.process_group
+        if agree:
+            shape = _agreed_shape(shape, group)
+        elif self.plan is None and _data_parallel(group):
+            raise RuntimeError(
+                "data parallel: the ranks agree on the plan's shape at a step (a collective), "
+                "and this model has no plan yet: train a step first, or compile with "
+                "example_inputs")
+        sequences, seq = shape
+        parts = self.microbatches * self.rounds
+        want = (largest_microbatch(sequences, parts), seq)
+        if self.plan is not None:
+            have = _shape_of(self)
+            if (want[0] <= have[0] and want[1] <= have[1]) or not self.options.plan.dynamic:
+                return False
+            want = (max(want[0], have[0]), max(want[1], have[1]))
+        self._plan_shape(want, why="the first batch" if self.plan is None else
+                         f"a batch larger than the plan's {_shape_text(_shape_of(self))}")
+        return True
+
+    def _plan_shape(self, shape: tuple[int, int], why: str) -> None:
+        """Plan for microbatches of ``shape`` (sequences, tokens), adopt the plan, and move a
+        running trainer's state over to a trainer of it."""
+        import time
+
+        t0 = time.perf_counter()
+        parts = self.microbatches * self.rounds
+        # Planned from compile()'s capture, with the running capture's dropout seed (a
+        # loaded checkpoint sets it), so the mask stream goes on unchanged under the new plan.
+        source = replace(self._source, dropout_seed=self.capture.dropout_seed)
+        base = [r for r in self.history if r.name == "capture"][:1]
+        new = _plan_captured(self.model, source, base, self.options,
+                             (shape[0] * parts, shape[1]))
+        state = None
+        if self._trainer is not None:
+            state = self._trainer.state_dict()
+            state.pop("plan", None)  # the new plan's; the state is per parameter
+            self._trainer.close()
+            self._trainer = None
+            _OPEN.pop(id(self), None)
+        for name in ("capture", "unit_costs", "profiles", "plan", "stages", "hardware",
+                     "history", "schedule", "memory", "host", "host_ram"):
+            setattr(self, name, getattr(new, name))
+        self.plans_made.append(shape)
+        if state is not None:
+            self.trainer().load_state_dict(state)
+        _notice(self.options.plan, f"rpcompile: planned for microbatches of "
+                f"{_shape_text(shape)} ({why}) in {time.perf_counter() - t0:.1f} s; "
+                f"predicted step {self.plan.predicted_step_ms:,.1f} ms")
+
+    def _need_plan(self, what: str) -> None:
+        if self.plan is None:
+            raise RuntimeError(
+                f"{what} needs a plan, and this model has none yet: compile() without "
+                "example_inputs plans at the first batch it trains on; call step(batch) or "
+                "plan_for(batch) first, or compile with example_inputs")
 
     # -- training (the runtime starts on the first step) ----------------------------------
     def trainer(self) -> Any:
         """The :class:`rpcompile.runtime.trainer.Trainer` that runs this plan (created on first use
         with the options given to :func:`compile`)."""
+        self._need_plan("the trainer")
         if self._closed:
             raise RuntimeError(
                 "this compiled model was closed: its workers are stopped. Its trained weights "
@@ -119,13 +204,31 @@ class Compiled:
         return self._trainer
 
     def step(self, batch: Any) -> torch.Tensor:
-        """One optimizer step over ``batch`` on the workers; returns the mean loss."""
+        """One optimizer step over ``batch`` on the workers; returns the mean loss. The first
+        batch makes the plan when compile() had no ``example_inputs``; a larger one makes a
+        new plan (:meth:`plan_for`)."""
+        if not self._closed:
+            self.plan_for(batch, agree=True)
         return self.trainer().step(batch)
 
     def fit(self, batches: Iterable[Any], steps: int | None = None, *,
             scheduler: Any = None) -> Iterator[Any]:
         """Train on ``batches`` as a stream of steps, step k+1 running while step k drains:
-        an iterator of each committed step's ``StepResult`` (see ``Trainer.fit``)."""
+        an iterator of each committed step's ``StepResult`` (see ``Trainer.fit``). Without a
+        plan yet, the plan is made for the first batch (taken from ``batches`` now); a batch
+        larger than the plan's shape later in the stream is refused as ``step`` would refuse
+        it under ``dynamic=False``: plan for the largest first (``plan_for``), or ``step``."""
+        import itertools
+
+        if self.plan is None and not self._closed:
+            it = iter(batches)
+            try:
+                first = next(it)
+            except StopIteration:
+                first = None
+            if first is not None:
+                self.plan_for(first, agree=True)
+                batches = itertools.chain([first], it)
         return self.trainer().fit(batches, steps, scheduler=scheduler)
 
     def _finished_trainer(self) -> Any:
@@ -134,12 +237,23 @@ class Compiled:
 
     def state_dict(self) -> dict[str, Any]:
         """Masters, optimizer state, step counter and a plan summary."""
+        self._need_plan("state_dict()")
         return self._finished_trainer().state_dict()
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
                         allow_nonfinite: bool = False) -> None:
-        """Restore :meth:`state_dict` (validated first: a bad state changes nothing)."""
+        """Restore :meth:`state_dict` (validated first: a bad state changes nothing). Before
+        any plan, the plan is made for the shape the state was trained at."""
+        self._plan_saved_shape(state.get("plan"))
         self.trainer().load_state_dict(state, strict=strict, allow_nonfinite=allow_nonfinite)
+
+    def _plan_saved_shape(self, summary: dict[str, Any] | None) -> None:
+        if self.plan is not None or self._closed:
+            return
+        if not summary or "microbatch_size" not in summary:
+            self._need_plan("loading a state without a plan summary")
+        self._plan_shape((int(summary["microbatch_size"]), int(summary["seq_len"])),
+                         "the shape the loaded state was trained at")
 
     def save_checkpoint(self, path: Any, *, extra: dict[str, Any] | None = None,
                         per_rank: bool = False) -> Any:
@@ -148,18 +262,28 @@ class Compiled:
         atomically, in safetensors + a JSON manifest (:mod:`rpcompile.runtime.checkpoint`).
         Returns the folder's path. ``per_rank=True`` (sharded data parallel): one file per
         rank plus a manifest (``Trainer.save_checkpoint``)."""
+        self._need_plan("save_checkpoint()")
         return self._finished_trainer().save_checkpoint(path, extra=extra, per_rank=per_rank)
 
     def load_checkpoint(self, path: Any, *, strict: bool = True,
                         allow_nonfinite: bool = False) -> dict[str, Any]:
         """Restore a checkpoint written by :meth:`save_checkpoint`, after checking all of it
         (a corrupt, truncated or mismatched one is refused naming the key, changing nothing);
-        returns the ``extra`` dict it stored ({} when none)."""
+        returns the ``extra`` dict it stored ({} when none). Before any plan, the plan is
+        made for the shape the checkpoint was trained at."""
+        if self.plan is None and not self._closed:
+            from rpcompile.runtime.checkpoint import read_manifest
+
+            manifest = read_manifest(path)
+            self._plan_saved_shape(manifest.get("plan"))
         return self.trainer().load_checkpoint(path, strict=strict,
                                               allow_nonfinite=allow_nonfinite)
 
     def sync_to_model(self) -> None:
-        """Write the trained masters back into the original module (then save_pretrained)."""
+        """Write the trained masters back into the original module (then save_pretrained).
+        Before any plan nothing was trained: the module holds its own weights already."""
+        if self.plan is None:
+            return
         self._finished_trainer().sync_to_model()
 
     @property
@@ -187,6 +311,8 @@ class Compiled:
         from rpcompile.runtime.reference import forward_loss
         from rpcompile.runtime.trainer import check_plan_shape
 
+        if self.plan is None:
+            self.plan_for(batch)
         trainer = self.trainer()
         bound = bind_batch(self.capture, batch, step=trainer.steps_done)
         check_plan_shape(self, bound)
@@ -265,6 +391,7 @@ class Compiled:
 
     def memory_report(self) -> Any:
         """Host bytes per trainable parameter: masters, shadow, gradients, optimizer state."""
+        self._need_plan("memory_report()")
         return self._finished_trainer().memory_report()
 
     def close(self) -> None:
@@ -289,6 +416,9 @@ class Compiled:
         """Per stage: units, parameters, FLOPs at the planned size, predicted ms, memory;
         above them which host memory (pinned or pageable) the transfers are timed for, and
         the host bytes (``Compiled.host``)."""
+        if self.plan is None:
+            return (f"{type(self.model).__name__}: captured ({len(self.capture.units)} units), "
+                    f"not planned yet: the plan is made for the first batch it trains on")
         b, s = self.plan.microbatch_size, self.plan.seq_len
         rows = [("stage", "kind", "units", "params", "fwd GFLOP", "bwd GFLOP", "ms/mb",
                  "peak mem")]
@@ -335,16 +465,20 @@ class Compiled:
         rounds: int | None = None,
     ) -> Compiled:
         """The same captured model planned for another worker count or machine, without
-        capturing or costing it again."""
+        capturing or costing it again, for the same global batch shape."""
+        self._need_plan("replan()")
         plan = replace(self.options.plan, gpus=gpus, microbatches=microbatches,
                        hardware=hardware or self.hardware,
                        rounds=self.rounds if rounds is None else rounds)
         compiled = _plan_and_split(
             self.model, self.capture, self.unit_costs, self.compute_dtype,
             self._front_history(), replace(self.options, plan=plan),
+            (self.plan.microbatch_size * self.microbatches * self.rounds, self.plan.seq_len),
         )
         check_memory(compiled)
         check_host_memory(compiled)
+        compiled._source = self._source
+        compiled.plans_made.append(_shape_of(compiled))
         return compiled
 
     # -- reference semantics -----------------------------------------------------------
@@ -357,6 +491,8 @@ class Compiled:
         optimizer step whose dropout masks to draw (the runtime's step ``k`` draws step ``k``'s)."""
         from rpcompile.capture.batch import bind_batch
 
+        if self.plan is None:
+            self.plan_for(batch)
         batch = bind_batch(self.capture, batch, step=step)
         params = params if params is not None else dict(self.model.named_parameters())
         return reference_step(
@@ -400,6 +536,9 @@ def compile(
     link: Any = UNSET,
     shard_optimizer: bool = UNSET,
     max_simulations: int | None = UNSET,
+    dynamic: bool = UNSET,
+    plan_cache: Any = UNSET,
+    progress: bool | None = UNSET,
     optimizer: Callable | None = UNSET,
     device: str = UNSET,
     chaos: int | None = UNSET,
@@ -421,7 +560,7 @@ def compile(
     ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
     ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
     ``schedule_steps``, ``updates``, ``recompute``, ``ranks``, ``link``,
-    ``shard_optimizer``, ``max_simulations``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``shard_optimizer``, ``max_simulations``, ``dynamic``, ``plan_cache``, ``progress``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
     ``max_grad_norm``, ``timeout_s``, ``process_group``, ``host_ram_bytes``,
     ``undo_journal``, ``host_memory``). Every option is also a keyword of this function; an
@@ -442,9 +581,12 @@ def compile(
     The main ones: ``gpus``: workers to plan for (default 8). ``microbatches``: per round
     (default ``gpus + 1``). ``hardware``: a profile name or :class:`Hardware` (default: a
     probe of the GPU when CUDA is present, else ``"cpu"``, the virtual workers' profile).
-    ``example_inputs``: one global batch; for a Hugging Face causal LM it may be omitted
-    (token ids are synthesized from the config). The plan is made for the example batch's
-    size: ``len(batch) / (microbatches * rounds)`` sequences per microbatch. ``mode``:
+    ``example_inputs``: one global batch; the plan is made now, for its size
+    (``len(batch) / (microbatches * rounds)`` sequences per microbatch). For a Hugging Face
+    causal LM it may be omitted: the model is captured now and planned at the first batch it
+    meets, and again for a larger batch (``dynamic``; docs/compiler.md, "When the plan is
+    made"). ``plan_cache``: searched plans are kept on disk and reused (``False``: off).
+    ``progress``: show what planning does (``None``: on a terminal). ``mode``:
     ``"sync"`` (ordinary training, the default) or ``"async"`` (the update of step k
     overlaps step k+1, one step stale). ``device``: ``"auto"`` (CUDA when present, else
     virtual CPU workers, with a warning), ``"cuda"`` or ``"virtual"``. ``timeout_s`` is the
@@ -469,8 +611,8 @@ def compile(
     ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
     padding); its step loss is Hugging Face's token mean over the whole global batch. A batch
     that does not divide into ``microbatches x rounds`` is split as evenly as possible. The
-    plan (and its memory proof) is made for the example batch's shape: later batches may be
-    smaller (fewer sequences, shorter), never larger.
+    plan (and its memory proof) is made for one shape: smaller batches (fewer sequences,
+    shorter) run on it; a larger one makes a new plan, or with ``dynamic=False`` is refused.
     """
     flat = {k: v for k, v in dict(
         gpus=gpus, microbatches=microbatches, hardware=hardware, rounds=rounds, loss_fn=loss_fn,
@@ -481,7 +623,8 @@ def compile(
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
         process_group=process_group, shard_optimizer=shard_optimizer,
-        max_simulations=max_simulations, host_ram_bytes=host_ram_bytes,
+        max_simulations=max_simulations, dynamic=dynamic, plan_cache=plan_cache,
+        progress=progress, host_ram_bytes=host_ram_bytes,
         undo_journal=undo_journal, host_memory=host_memory,
     ).items() if v is not UNSET}
     options = resolve({"capture": capture_options, "plan": plan_options,
@@ -495,16 +638,23 @@ def compile(
     history: list[PassRecord] = []
     fx_start = fx_source_mark()  # the generated fx sources from here on are this compile's
     parts = po.microbatches_per_round * po.rounds
-    if example_inputs is None and co.loss_fn is None and is_causal_lm(model):
+    # Without an example batch a causal LM is captured now, with symbolic batch and sequence
+    # sizes, from a small synthesized batch (with a padding mask, so padded batches bind),
+    # and planned at the first batch it trains on, for that batch's shape.
+    lazy = example_inputs is None and co.loss_fn is None and is_causal_lm(model)
+    if lazy:
         from rpcompile.capture.core import example_batch_for
 
-        example_inputs = example_batch_for(model, batch=parts, seq=16)
+        example_inputs = example_batch_for(model, batch=parts, seq=16, mask=True)
+    _notice(po, f"rpcompile: capturing {type(model).__name__} as a graph ...")
     captured = run_pass(
         history, "capture",
         lambda: capture(model, example_inputs, loss_fn=co.loss_fn, units=co.units,
                         opaque=co.opaque),
         check_captured,
     )
+    _notice(po, f"rpcompile: captured {captured.report.node_count:,} nodes in "
+                f"{len(captured.units)} units in {history[-1].elapsed_ms / 1e3:.1f} s")
     dtype = _floating_dtype(model)
     if co.compute_dtype is not None and co.compute_dtype != dtype:
         raise ValueError(
@@ -512,20 +662,43 @@ def compile(
             f"the graph is captured in the model's dtype, so convert the model first "
             f"(model.to({co.compute_dtype})): rpcompile keeps fp32 masters on the host either way"
         )
+    if lazy:  # costed and planned at the first batch (Compiled.plan_for), for its shape
+        compiled = Compiled(
+            model=model, capture=captured, unit_costs=[], profiles=[], plan=None,
+            stages=[], hardware=planning_hardware(options), workers=po.gpus,
+            microbatches=po.microbatches_per_round, rounds=po.rounds, history=history,
+            compute_dtype=dtype, options=options)
+    else:
+        compiled = _plan_captured(model, captured, history, options,
+                                  _batch_shape(captured.example_batch), stacklevel=3)
+        compiled.plans_made.append(_shape_of(compiled))
+    compiled._source = captured
+    compiled._fx_sources = (fx_start, fx_source_mark())
+    return compiled
+
+
+
+def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord],
+                   options: Options, shape: tuple[int, int], *,
+                   stacklevel: int = 2) -> Compiled:
+    """Plan ``source`` for global batches of ``shape`` (sequences, tokens per sequence):
+    each loss-chunk variant (:func:`_loss_chunks`) costed, partitioned, split and lowered on
+    its own fork of ``source`` (which stays as captured), the fastest that fits kept, its
+    memory checked. ``history`` holds the records up to capture."""
+    co = options.capture
+    parts = options.plan.microbatches_per_round * options.plan.rounds
+    dtype = _floating_dtype(model)
     capacity = options.train.capacity_bytes
     base = list(history)
     tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
-    for chunk in _loss_chunks(captured, co.loss_chunk_tokens, parts):
+    for chunk in _loss_chunks(source, co.loss_chunk_tokens, parts, shape):
         if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
             if all(isinstance(c, Compiled) and _fits(c, capacity) for _, c in tried) \
-                    and not _large_logits(captured, parts):
+                    and not _large_logits(source, parts, shape):
                 break
             continue
         run = list(base)
-        if tried:  # each variant rewrites its own capture of the model
-            captured = run_pass(run, "capture", partial(
-                capture, model, example_inputs, loss_fn=co.loss_fn, units=co.units,
-                opaque=co.opaque), check_captured)
+        captured = source.fork()  # each variant rewrites its own copy of the graph
         if chunk is not None:
             from rpcompile.passes.chunked_loss import chunk_lm_loss
 
@@ -541,20 +714,65 @@ def compile(
                               partial(check_costs, captured=captured))
         try:
             tried.append((chunk, _plan_and_split(model, captured, unit_costs, dtype, run,
-                                                 options)))
+                                                 options, shape)))
         except PartitionError as exc:
             tried.append((chunk, exc))
     compiled = _choose_loss_chunk(tried, capacity)
     check_memory(compiled)
-    check_host_memory(compiled)
+    check_host_memory(compiled, stacklevel=stacklevel + 1)
     fallback = memory_first_note(compiled.plan)
     if fallback is not None:  # fits, but slow: say so where a script would not look
         warnings.warn(f"rpcompile.compile: the plan is the {fallback}; it fits, one unit per "
                       f"stage, but runs slower than a searched plan would: a shorter sequence, "
                       f"a smaller microbatch or more workers give the search room",
-                      RuntimeWarning, stacklevel=2)
-    compiled._fx_sources = (fx_start, fx_source_mark())
+                      RuntimeWarning, stacklevel=stacklevel)
     return compiled
+
+
+def _batch_shape(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
+    """(sequences, tokens per sequence) of a normalized batch; a batch without ``input_ids``
+    (a model with its own ``loss_fn``) has no token axis the plan follows: 1."""
+    first = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
+    return first.shape[0], (first.shape[1] if "input_ids" in batch else 1)
+
+
+def _shape_text(shape: tuple[int, int]) -> str:
+    return f"{shape[0]} x {shape[1]} tokens"
+
+
+def _data_parallel(process_group: Any) -> bool:
+    from rpcompile.runtime.distributed import resolve_group
+
+    return resolve_group(process_group) is not None
+
+
+def _agreed_shape(shape: tuple[int, int], process_group: Any) -> tuple[int, int]:
+    """``shape`` as every data-parallel rank will plan for it: the largest over the ranks in
+    each dimension (a collective: every rank calls it at the same step, before the step's
+    own collectives; bounded by the process group's timeout, as the step's first all-reduce
+    is), so all ranks keep the same plan; ``shape`` itself on one process."""
+    from rpcompile.runtime.distributed import resolve_group
+
+    group = resolve_group(process_group)
+    if group is None:
+        return shape
+    import torch.distributed as dist
+
+    both = torch.tensor(shape, dtype=torch.int64)
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+    return int(both[0]), int(both[1])
+
+
+def _notice(po: PlanOptions, message: str) -> None:
+    """One line about what planning did, on standard error, unless progress is off."""
+    from rpcompile.progress import notice
+
+    notice(message, po.progress)
+
+
+def _shape_of(compiled: Compiled) -> tuple[int, int]:
+    """The per-microbatch shape a compiled plan was proven for."""
+    return compiled.plan.microbatch_size, compiled.plan.seq_len
 
 
 AUTO_CHUNK_TOKENS = (4096, 1024)  # the chunk sizes "auto" considers besides the whole logits
@@ -562,7 +780,8 @@ AUTO_CHUNK_ABOVE_BYTES = 1 << 30
 AGAIN = object()  # in _loss_chunks: the chunked variants follow only when they may be needed
 
 
-def _loss_chunks(captured: Captured, option: int | str | None, parts: int) -> list:
+def _loss_chunks(captured: Captured, option: int | str | None, parts: int,
+                 shape: tuple[int, int]) -> list:
     """The loss-chunk variants to plan, in order of preference: the option itself (checked
     by :class:`CaptureOptions`), or for ``"auto"`` the whole logits, then (when the
     microbatch's fp32 logits exceed 1 GiB or the whole-logits plan does not fit) those of
@@ -570,20 +789,20 @@ def _loss_chunks(captured: Captured, option: int | str | None, parts: int) -> li
     if option is None or captured.loss_reduction != "sum":
         return [None]
     if option == "auto":  # a chunk as long as the microbatch saves nothing
-        tokens = _microbatch_tokens(captured, parts)
+        tokens = _microbatch_tokens(parts, shape)
         return [None, AGAIN, *(c for c in AUTO_CHUNK_TOKENS if c < tokens)]
     return [option]
 
 
-def _microbatch_tokens(captured: Captured, parts: int) -> int:
-    ids = captured.example_batch["input_ids"]
-    return largest_microbatch(ids.shape[0], parts) * ids.shape[1]
+def _microbatch_tokens(parts: int, shape: tuple[int, int]) -> int:
+    sequences, seq = shape
+    return largest_microbatch(sequences, parts) * seq
 
 
-def _large_logits(captured: Captured, parts: int) -> bool:
+def _large_logits(captured: Captured, parts: int, shape: tuple[int, int]) -> bool:
     from rpcompile.passes.chunked_loss import logits_bytes
 
-    return logits_bytes(captured, _microbatch_tokens(captured, parts)) > AUTO_CHUNK_ABOVE_BYTES
+    return logits_bytes(captured, _microbatch_tokens(parts, shape)) > AUTO_CHUNK_ABOVE_BYTES
 
 
 def _fits(compiled: Compiled, capacity_bytes: int | None) -> bool:
@@ -617,24 +836,24 @@ def _choose_loss_chunk(tried: list, capacity_bytes: int | None) -> Compiled:
     return best
 
 
-def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options) -> Compiled:
+def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options,
+                    shape: tuple[int, int] | None = None) -> Compiled:
     po = options.plan
     gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
     hw = planning_hardware(options)
     ranks = po.ranks or 1
     order = po.updates or ("deferred" if mode == "sync" and ranks > 1 else
                            update_order(mode, options.train))
-    example = next(iter(captured.example_batch.values()))
-    if example.shape[0] < microbatches * rounds:
+    sequences, seq = shape or _batch_shape(captured.example_batch)
+    if sequences < microbatches * rounds:
         raise ValueError(
-            f"the example batch has {example.shape[0]} sequences, too few to fill "
+            f"the example batch has {sequences} sequences, too few to fill "
             f"{microbatches} microbatches x {rounds} rounds; pass at least "
             f"{microbatches * rounds} sequences or lower microbatches/rounds"
         )
     # An uneven split (torch.tensor_split) gives some microbatches one sequence more: the plan
     # and its memory figures are made for the largest.
-    mb_size = largest_microbatch(example.shape[0], microbatches * rounds)
-    seq = example.shape[1] if "input_ids" in captured.example_batch else 1
+    mb_size = largest_microbatch(sequences, microbatches * rounds)
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
@@ -643,11 +862,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     run = replace(po, updates=order)
     plan = run_pass(
         history, "partition",
-        lambda: partition(profiles, hw, microbatch_size=mb_size, seq_len=seq, costing=costing,
-                          options=run, capacity_bytes=options.train.capacity_bytes,
-                          grad_check_passes=grad_check_passes(
-                              max_grad_norm=options.train.max_grad_norm,
-                              loss_scale=options.train.loss_scale)),
+        lambda: _searched_plan(profiles, hw, mb_size, seq, costing, run, options,
+                               _head_text(captured.loss_chunk_tokens)),
         lambda p: check_plan(p, len(captured.units)),
     )
 
@@ -687,6 +903,69 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         history=history, compute_dtype=dtype, schedule=lowered, memory=memory,
         options=options,
     )
+
+
+def _head_text(chunk: int | None) -> str:
+    return "whole logits" if chunk is None else f"the LM head + loss in {chunk:,}-token chunks"
+
+
+def _searched_plan(profiles: list[UnitProfile], hw: Hardware, mb_size: int, seq: int,
+                   costing: StageCosting, run: PlanOptions, options: Options,
+                   head: str = "") -> Plan:
+    """The partition search's plan, from the plan cache when it holds this search
+    (:mod:`rpcompile.planner.cache`). Data parallel, rank 0 alone searches (or reads the
+    cache) and sends the plan to the others, so every rank runs the same plan."""
+    from rpcompile.planner.cache import cache_folder, cached_plan, plan_key
+    from rpcompile.runtime.distributed import resolve_group
+
+    train = options.train
+    checks = grad_check_passes(max_grad_norm=train.max_grad_norm, loss_scale=train.loss_scale)
+
+    def search() -> Plan:
+        import time
+
+        _notice(run, f"rpcompile: searching stage cuts of {len(profiles)} units for "
+                     f"{run.gpus} workers, microbatches of {mb_size} x {seq} tokens"
+                     f"{', ' + head if head else ''} ...")
+        t0 = time.perf_counter()
+        try:
+            plan = partition(profiles, hw, microbatch_size=mb_size, seq_len=seq,
+                             costing=costing, options=run, capacity_bytes=train.capacity_bytes,
+                             grad_check_passes=checks)
+        except PartitionError:
+            _notice(run, f"rpcompile: searched in {time.perf_counter() - t0:.1f} s: "
+                         f"no plan fits")
+            raise
+        _notice(run, f"rpcompile: searched in {time.perf_counter() - t0:.1f} s: "
+                     f"predicted step {plan.predicted_step_ms:,.1f} ms")
+        return plan
+
+    def local() -> Plan:
+        key, inputs = plan_key(profiles, hw, mb_size, seq, costing, run, train.capacity_bytes,
+                               checks)
+        plan, _ = cached_plan(search, key, inputs, profiles, cache_folder(run.plan_cache),
+                              partial(_notice, run))
+        return plan
+
+    group = resolve_group(train.process_group)
+    if group is None:
+        return local()
+    import torch.distributed as dist
+
+    from rpcompile.planner.cache import plan_from_dict, plan_to_dict
+
+    # Rank 0's search (or its failure, re-raised on every rank) reaches every rank.
+    box: list[Any] = [None]
+    if dist.get_rank(group) == 0:
+        try:
+            box[0] = ("plan", plan_to_dict(local()))
+        except Exception as exc:
+            box[0] = ("error", exc)
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    kind, payload = box[0]
+    if kind == "error":
+        raise payload
+    return plan_from_dict(payload)
 
 
 def planning_hardware(options: Options) -> Hardware:

@@ -9,8 +9,11 @@ Sections, in reading order:
 2. model and tokenizer: a local folder (``AutoModelForCausalLM`` / ``AutoTokenizer``), a name in
    the local Hugging Face cache, or a shipped config (built with random weights and a byte-level
    tokenizer, written to ``OUT/base/`` and loaded from there like any folder); optional LoRA.
-3. the run: data (rpcompile.data), ``rpcompile.compile``, an LR scheduler on
-   ``compiled.optimizer``, the step loop with eval, checkpoints and logs, then ``OUT/final/``.
+3. the run (:class:`_Job`): the run folder it owns (rpcompile.run_folder; a resume is checked
+   against the run's identity), data (rpcompile.data), the model in training mode,
+   ``rpcompile.compile``, an LR scheduler on ``compiled.optimizer``, the step loop with eval,
+   checkpoints and logs, then ``OUT/final/`` (written whole, then moved into place). SIGINT and
+   SIGTERM stop it at a step boundary with a checkpoint (rpcompile.interrupts).
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ import functools
 import json
 import math
 import re
+import shutil
 import sys
 import time
+import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -63,8 +68,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("data", None, "JSONL, JSON, CSV, Parquet or .txt file of records {text}, "
            "{prompt, completion} or {messages}; none: the shipped text"),
     Option("eval_data", None, "a separate eval file (instead of --eval-split)"),
-    Option("out", "runs/train", "output folder: final/, checkpoints/, metrics.jsonl, "
-           "tensorboard/, loss.png, config.yaml, summary.json, schedule.*"),
+    Option("out", "runs/train", "output folder of one run: final/, checkpoints/, "
+           "metrics.jsonl, tensorboard/, loss.png, config.yaml, run.json, summary.json, "
+           "schedule.*; a folder holding another run is refused (see --overwrite, --resume)"),
     Option("lora", 0, "LoRA rank on every linear layer but the LM head (0: full fine-tune)", int),
     Option("lora_alpha", None, "LoRA alpha (none: 2 x rank)", float),
     Option("lora_dropout", 0.0, "dropout on the LoRA adapters' input", float),
@@ -143,8 +149,16 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path, default=None,
                         help="YAML file with any of these options (flags override it)")
     parser.add_argument("--resume", type=Path, default=None,
-                        help="continue a run: its output folder (latest checkpoint) or one "
-                             "checkpoint folder; options default to the run's config.yaml")
+                        help="continue a run in its own folder (wherever it now is; --out "
+                             "NEW branches it into a new folder instead): the folder (latest "
+                             "checkpoint) or one checkpoint folder; options come from the "
+                             "run's config.yaml, and only those that do not change the "
+                             "training (steps, epochs, eval and save cadence, workers, "
+                             "device, ...; docs/finetune.md) may be given anew")
+    parser.add_argument("--overwrite", action="store_true", default=False,
+                        help="start a new run in --out even if it holds another run: that "
+                             "run's files are deleted first (without it such a folder is "
+                             "refused)")
     for o in OPTIONS:
         flag = "--" + o.name.replace("_", "-")
         shown = "none" if o.default is None else o.default
@@ -161,21 +175,36 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _load_yaml(path: Path) -> dict[str, Any]:
+    """The options of a YAML file, each checked against its type and choices; every refusal
+    names the file, the key, the value and what the key takes. A key set to null is left out
+    (the option keeps its value from the layers below)."""
     import yaml
 
     if not path.is_file():
         raise ValueError(f"config file {path} does not exist")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"{path} is not valid YAML{at}: {problem}; write one "
+                         "'option: value' per line") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a mapping of option: value")
+        raise ValueError(f"{path} must hold a mapping of option: value, not a "
+                         f"{type(data).__name__}")
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
         if name not in _BY_NAME:
             raise ValueError(f"{path}: unknown option {key!r}; known: {', '.join(_BY_NAME)}")
+        if value is None:
+            continue
         option = _BY_NAME[name]
-        if value is not None and option.type in (int, float) and not isinstance(value, bool):
-            value = option.type(value)
+        try:
+            value = _coerce(option, value)
+        except ValueError as err:
+            raise ValueError(f"{path}: {key}: {err}") from None
         if option.choices:
             try:  # an option of compile's by its one rule, the others in the same words
                 if name in CHOICES:
@@ -188,11 +217,45 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     return out
 
 
+_TYPE_WORDS = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+
+
+def _coerce(option: Option, value: Any) -> Any:
+    """``value`` as ``option``'s type: an int option takes an integer (or its digits as a
+    string), a float option a number (``3e-4``, which YAML reads as a string, included), a
+    bool option true or false, a string option a string or a number (a folder named 2024)."""
+    kind = option.type
+    wrong = ValueError(f"{value!r} is not {_TYPE_WORDS[kind]}"
+                       + (" (YAML reads yes, no, on, off, true and false as booleans)"
+                          if isinstance(value, bool) else "")
+                       + f": {option.help}")
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise wrong
+        return value
+    if isinstance(value, (bool, list, dict)):
+        raise wrong
+    if kind is str:
+        return str(value)
+    try:
+        number = float(value) if kind is float else int(str(value).strip())
+    except ValueError:
+        if kind is int and isinstance(value, float) and value.is_integer():
+            return int(value)
+        raise wrong from None
+    if kind is float and not math.isfinite(number):
+        raise wrong
+    return number
+
+
 def resolve_options(args: argparse.Namespace) -> tuple[dict[str, Any], Path | None]:
-    """The run's options (see the module doc for precedence) and the checkpoint to resume."""
+    """The run's options (see the module doc for precedence) and the checkpoint to resume.
+    A resumed run goes on in the run folder it is resumed from, wherever that now is, unless
+    ``--out`` names another folder: the run then branches into that one (a new run folder)."""
     flags = {o.name: getattr(args, o.name) for o in OPTIONS
              if getattr(args, o.name, None) is not None}
     from_file = _load_yaml(args.config) if args.config else {}
+    overwrite = bool(getattr(args, "overwrite", False))
     checkpoint = None
     resumed: dict[str, Any] = {}
     if args.resume is not None:
@@ -200,13 +263,24 @@ def resolve_options(args: argparse.Namespace) -> tuple[dict[str, Any], Path | No
         saved = run_dir / "config.yaml"
         if saved.is_file():
             resumed = _load_yaml(saved)
-        resumed.setdefault("out", str(run_dir))
+        given = flags.get("out", from_file.get("out"))
+        branch = given is not None and Path(given).resolve() != run_dir.resolve()
+        if not branch:
+            if overwrite:
+                raise ValueError(f"--overwrite starts a new run; --resume {args.resume} goes "
+                                 f"on with one in {run_dir}: give one of them (or --out NEW "
+                                 "to branch the run into another folder)")
+            _refuse_later_checkpoints(checkpoint)
+        resumed["out"] = str(given) if branch else str(run_dir)
     opts = {o.name: o.default for o in OPTIONS}
     if "model" not in {**resumed, **from_file, **flags}:
         opts.update(DEMO)
     opts.update(resumed)
     opts.update(from_file)
     opts.update(flags)
+    if args.resume is not None:
+        opts["out"] = resumed["out"]
+    opts["overwrite"] = overwrite
     return opts, checkpoint
 
 
@@ -215,16 +289,36 @@ def _find_checkpoint(path: Path) -> tuple[Path, Path]:
     from rpcompile.runtime.checkpoint import CheckpointManager
 
     if (path / "checkpoints").is_dir():
-        latest = CheckpointManager(path / "checkpoints").latest()
+        manager = CheckpointManager(path / "checkpoints")
+        latest = manager.latest()
         if latest is None:
-            raise ValueError(f"{path}/checkpoints holds no checkpoint to resume from")
+            skipped = "".join(f"; {p.name} is skipped: {why}" for p, why in manager.skipped())
+            raise ValueError(f"{path}/checkpoints holds no checkpoint to resume from{skipped}")
         return Path(latest), path
     if path.is_dir() and path.parent.name == "checkpoints":
         return path, path.parent.parent
     raise ValueError(
         f"--resume {path}: give a run's output folder (with checkpoints/) or one of its "
-        "checkpoint folders; runs save checkpoints with --save-every N"
+        "checkpoint folders; runs save checkpoints with --save-every N, and when stopped "
+        "with Ctrl-C or SIGTERM"
     )
+
+
+def _refuse_later_checkpoints(checkpoint: Path) -> None:
+    """A run that goes on in its own folder from a checkpoint with later ones beside it would
+    save beside checkpoints of the trajectory it leaves (and --keep-last would keep those)."""
+    from rpcompile.runtime.checkpoint import CheckpointManager
+
+    later = [p for p in CheckpointManager(checkpoint.parent).checkpoints()
+             if p.name > checkpoint.name]
+    if later:
+        raise ValueError(
+            f"--resume {checkpoint}: {checkpoint.parent} also holds later checkpoints "
+            f"({', '.join(p.name for p in later)}) of the run that went on from it, and a "
+            f"resumed run goes on in the same folder: delete those to go on from "
+            f"{checkpoint.name} instead (rm -r {' '.join(str(p) for p in later)}), give "
+            f"--out NEW to branch into a new folder, or resume {checkpoint.parent.parent} to "
+            "go on from the latest")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,17 +354,40 @@ def _write_shipped(name: str, folder: Path, seed: int) -> Path:
     return folder
 
 
+def model_folder(spec: str, out: Path) -> Path | None:
+    """The folder ``--model spec`` is loaded from: ``spec`` itself, ``OUT/base`` for a shipped
+    config (built there by a new run), or the snapshot in the local Hugging Face cache; None
+    when there is none yet (a shipped config not built yet, an id not in the cache)."""
+    from rpcompile.workloads.models import list_models
+
+    path = Path(spec)
+    if path.is_dir():
+        return path
+    if spec in list_models():
+        return out / "base" if (out / "base" / "config.json").is_file() else None
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception:  # not in the cache, or not a repository id: load_model says which
+        return None
+
+
 def load_model(spec: str, out: Path, dtype: Any, seed: int) -> tuple[Any, Any, str]:
-    """(model, tokenizer, folder it was loaded from)."""
+    """(model, tokenizer, folder it was loaded from). A shipped config is built into
+    ``OUT/base`` once (a new run) and loaded from there (a resumed one)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rpcompile.workloads.models import list_models
 
     path = Path(spec)
     if not path.is_dir() and spec in list_models():
-        path = _write_shipped(spec, out / "base", seed)
-        print(f"train: built {spec} with random weights (seed {seed}) into {path}/",
-              file=sys.stderr)
+        if (out / "base" / "config.json").is_file():
+            path = out / "base"
+        else:
+            path = _write_shipped(spec, out / "base", seed)
+            print(f"train: built {spec} with random weights (seed {seed}) into {path}/",
+                  file=sys.stderr)
     local = path.is_dir()
     source = str(path) if local else spec
     try:
@@ -356,15 +473,29 @@ def option_origin(args: argparse.Namespace, name: str) -> str:
 def _check(opts: dict[str, Any], origin: Any = None) -> None:
     """Refuse options that cannot run together; ``origin(name)`` says where an option's
     value came from (:func:`option_origin`) when the message should say it."""
+
+    def refuse(name: str, rule: str) -> None:
+        flag = "--" + name.replace("_", "-")
+        source = flag if origin is None else origin(name)
+        where = "" if source == flag else f" (from {source})"
+        raise ValueError(f"{flag} {rule}, got {opts[name]!r}{where}")
+
     for name in ("rounds", "buckets", "keep_last"):
         if opts[name] < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {opts[name]}")
+            refuse(name, "must be at least 1")
     for name in ("steps", "batch", "microbatches", "workers", "seq", "lora"):
         if opts[name] is not None and opts[name] < (0 if name == "lora" else 1):
-            raise ValueError(f"--{name} must be positive, got {opts[name]}")
-    for name in ("eval_every", "save_every", "warmup_steps"):
+            refuse(name, "must be positive" if name != "lora" else
+                   "must be a rank >= 1, or 0 for a full fine-tune")
+    for name in ("eval_every", "save_every", "warmup_steps", "weight_decay", "max_grad_norm"):
         if opts[name] is not None and opts[name] < 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {opts[name]}")
+            refuse(name, "must be >= 0")
+    for name in ("eval_split", "lora_dropout"):
+        if not 0 <= opts[name] < 1:
+            refuse(name, "must be a fraction in [0, 1)")
+    for name in ("lr", "epochs", "lora_alpha"):
+        if opts[name] is not None and not opts[name] > 0:
+            refuse(name, "must be positive")
     if opts["merge"] and not opts["lora"]:
         raise ValueError("--merge merges LoRA adapters; it needs --lora R")
     if opts["checkpoint_per_rank"] and not opts["shard_optimizer"]:
@@ -471,15 +602,23 @@ def _evaluate(compiled: Any, batches: list[dict[str, Any]],
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run ``rpcompile train`` (see the module doc); returns the exit status."""
+    """Run ``rpcompile train`` (see the module doc); returns the exit status: 0, or 130 / 143
+    when SIGINT / SIGTERM stopped it (rpcompile.interrupts)."""
     from transformers.utils import logging as hf_logging
 
+    from rpcompile.interrupts import Interrupts
+
     opts, checkpoint = resolve_options(args)
-    _check(opts, functools.partial(option_origin, args))
+    origin = functools.partial(option_origin, args)
+    _check(opts, origin)
     hf_logging.disable_progress_bar()  # one bar: ours
     rank, world, started = _join_ranks()
+    stop = Interrupts()
     try:
-        return _run(opts, checkpoint, rank, world)
+        # Data parallel: a signal stops every rank at once (torchrun forwards it to each); the
+        # ranks would not stop after the same step, so no checkpoint is written then.
+        with stop.installed(world == 1):
+            return _Job(opts, checkpoint, rank, world, origin, stop).run()
     finally:
         if started:
             import torch.distributed as dist
@@ -503,202 +642,529 @@ def _join_ranks() -> tuple[int, int, bool]:
     return dist.get_rank(), dist.get_world_size(), True
 
 
-def _run(opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int) -> int:
-    import torch
-    from tqdm import tqdm
+def _dtype_name(name: str, device: str) -> str:
+    return {"auto": "bf16" if device == "cuda" else "fp32"}.get(name, name)
 
-    import rpcompile
-    from rpcompile import data as rpdata
 
-    lead = rank == 0  # only rank 0 writes: metrics, checkpoints, final/, the report
-    out = Path(opts["out"])
-    if lead:
-        out.mkdir(parents=True, exist_ok=True)
-    device = opts["device"]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "virtual"
-        if device == "virtual" and lead:
-            print("train: no CUDA device; running on virtual CPU workers", file=sys.stderr)
-    workers = opts["workers"] or (torch.cuda.device_count() if device == "cuda" else 4)
-    dtype = _torch_dtype(opts["dtype"], device)
-    seed = opts["seed"]
+class _Job:
+    """One ``rpcompile train``: set up (the run folder, model, data, compile, resume), train,
+    then write ``final/`` and the report; a signal ends it with a checkpoint (:meth:`_stop`).
+    A new run that fails or is stopped before its first step leaves no folder behind."""
 
-    if world > 1:
-        import torch.distributed as dist
+    def __init__(self, opts: dict[str, Any], checkpoint: Path | None, rank: int, world: int,
+                 origin: Any, stop: Any) -> None:
+        self.opts, self.checkpoint, self.rank, self.world = opts, checkpoint, rank, world
+        self.lead = rank == 0  # only rank 0 writes: metrics, checkpoints, final/, the report
+        self.origin, self.stop = origin, stop
+        self.out = Path(opts["out"])
+        # The run resumed: its folder, which the job goes on in unless --out branches it.
+        self.source = checkpoint.parent.parent if checkpoint is not None else self.out
+        self.branch = self.source.resolve() != self.out.resolve()
+        self.compiled: Any = None
+        self.log: _Log | None = None
+        self.manager: Any = None
+        self.folder: Any = None
+        self.committed = 0  # the last step the trainer and the job's bookkeeping both hold
+        self.writing: Path | None = None  # the output being written, for a refused write
 
-        spec = opts["model"]
-        if not lead:
-            dist.barrier()  # rank 0 writes a shipped model's folder first; the others read it
-            from rpcompile.workloads.models import list_models
+    def run(self) -> int:
+        from rpcompile.run_folder import RunFolder
 
-            if spec in list_models() and not Path(spec).is_dir():
-                spec = str(out / "base")
-        model, tokenizer, source = load_model(spec, out, dtype, seed)
+        resuming = self.checkpoint is not None
+        self.folder = (RunFolder.resume(self.out) if resuming and not self.branch else
+                       RunFolder.start(self.out, overwrite=self.opts["overwrite"],
+                                       lead=self.lead))
+        try:
+            try:
+                self._setup()
+            except KeyboardInterrupt:
+                if self.lead:
+                    self.folder.abandon()
+                    print(f"train: {self.stop.name} before the first step: stopped, nothing "
+                          "saved" + (f"; the run can still be resumed from {self.checkpoint}"
+                                     if resuming else ""), file=sys.stderr)
+                return self.stop.status
+            except BaseException:
+                if self.lead:
+                    self.folder.abandon()
+                raise
+            try:
+                return self._train()
+            except KeyboardInterrupt:  # again, while the checkpoint of a stop was written
+                latest = self._checkpoints().latest() if self.lead else None
+                print(f"train: {self.stop.name} while saving: the latest checkpoint is "
+                      f"{latest}" + (f"; go on with: rpcompile train --resume {self.out}"
+                                     if latest is not None else ""), file=sys.stderr)
+                return self.stop.status
+        finally:
+            if self.log is not None:
+                self.log.close()
+            if self.compiled is not None:
+                self.compiled.close()
+
+    # -- set up ---------------------------------------------------------------------------
+    def _setup(self) -> None:
+        import torch
+
+        import rpcompile
+        from rpcompile import data as rpdata
+
+        opts, out, lead, world = self.opts, self.out, self.lead, self.world
+        device = opts["device"]
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "virtual"
+            if device == "virtual" and lead:
+                print("train: no CUDA device; running on virtual CPU workers", file=sys.stderr)
+        workers = opts["workers"] or (torch.cuda.device_count() if device == "cuda" else 4)
+        dtype = _torch_dtype(opts["dtype"], device)
+        seed = opts["seed"]
+        opts["data"] = opts["data"] or str(rpdata.shipped_corpus())
+        dtype_name = _dtype_name(opts["dtype"], device)
+        identity = None
+        if lead and self.checkpoint is not None:  # refused before anything is loaded
+            identity = self._identity(dtype_name, self.source)
+            self._check_same_run(identity)
+            base = self.source / "base"
+            if self.branch and model_folder(opts["model"], self.source) == base:
+                shutil.copytree(base, out / "base")  # a shipped config's built weights
+        model, tokenizer = self._load_model(dtype, seed)
+        if lead and identity is None:  # a shipped config's folder is there now
+            identity = self._identity(dtype_name, out)
+        self.tokenizer = tokenizer
+        data_path = opts["data"]
+        prepared = rpdata.prepare(
+            data_path, tokenizer, completion_only=opts["completion_only"],
+            eval_split=0.0 if opts["eval_data"] else opts["eval_split"],
+            eval_path=opts["eval_data"], seed=seed,
+        )
+        limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
+        seq = opts["seq"] = opts["seq"] or min(2048, limit, -(-prepared.longest() // 64) * 64)
+        packed = opts["packing"] == "on" or (opts["packing"] == "auto"
+                                             and prepared.format == "text")
+        pad_id = tokenizer.pad_token_id
+        dropped = 0
+        if packed:
+            rows = rpdata.pack(prepared.train, seq, pad_id, seed)
+            note = f"packed into {len(rows.rows)} rows of {seq}"
+        else:
+            rows, truncated, dropped = rpdata.pad_rows(prepared.train, seq, pad_id)
+            note = f"one per row, padded to {rpdata.bucket_lengths(seq, opts['buckets'])}"
+            if truncated:
+                note += f"; {truncated} truncated to {seq} tokens"
+            if dropped:
+                note += f"; {dropped} dropped (nothing left to predict after truncation)"
+        micro = opts["microbatches"] = opts["microbatches"] or workers + 1
+        batch_size = opts["batch"] = opts["batch"] or micro * opts["rounds"] * world
+        if batch_size < micro * opts["rounds"] * world:
+            # An uneven split is fine (the loss is the global token mean either way); an
+            # empty microbatch is not.
+            raise ValueError(f"--batch {batch_size} is smaller than microbatches x rounds"
+                             + (" x ranks" if world > 1 else "")
+                             + f" = {micro} x {opts['rounds']}"
+                             + (f" x {world}" if world > 1 else "")
+                             + ": every microbatch needs a sequence")
+        _check_rows(rows, batch_size, prepared, dropped, packed, opts, data_path)
+        self.iterator = rpdata.BatchIterator(rows, batch_size, seed, buckets=opts["buckets"])
+        self.total = opts["steps"] or max(
+            1, math.ceil(opts["epochs"] * self.iterator.batches_per_epoch))
+        # Every rank draws the same global batches (same seed) and trains on its share of
+        # each; the plan is for the largest share, and rank 0 alone evaluates, in batches of
+        # that size.
+        share = -(-batch_size // world)
+        self.eval_sets = rpdata.eval_batches(prepared.eval, seq, pad_id, share)
         if lead:
-            dist.barrier()
-    else:
-        model, tokenizer, source = load_model(opts["model"], out, dtype, seed)
-    opts["model"] = source  # a built shipped model is resumed from its folder
-    data_path = opts["data"] = opts["data"] or str(rpdata.shipped_corpus())
-    prepared = rpdata.prepare(
-        data_path, tokenizer, completion_only=opts["completion_only"],
-        eval_split=0.0 if opts["eval_data"] else opts["eval_split"],
-        eval_path=opts["eval_data"], seed=seed,
-    )
-    limit = getattr(model.config, "max_position_embeddings", None) or 1 << 20
-    seq = opts["seq"] or min(2048, limit, -(-prepared.longest() // 64) * 64)
-    packed = opts["packing"] == "on" or (opts["packing"] == "auto" and prepared.format == "text")
-    pad_id = tokenizer.pad_token_id
-    if packed:
-        rows = rpdata.pack(prepared.train, seq, pad_id, seed)
-        note = f"packed into {len(rows.rows)} rows of {seq}"
-    else:
-        rows, truncated, dropped = rpdata.pad_rows(prepared.train, seq, pad_id)
-        note = f"one per row, padded to {rpdata.bucket_lengths(seq, opts['buckets'])}"
-        if truncated:
-            note += f"; {truncated} truncated to {seq} tokens"
-        if dropped:
-            note += f"; {dropped} dropped (nothing left to predict after truncation)"
-    micro = opts["microbatches"] or workers + 1
-    batch_size = opts["batch"] or micro * opts["rounds"] * world
-    if batch_size < micro * opts["rounds"] * world:
-        # An uneven split is fine (the loss is the global token mean either way); an empty
-        # microbatch is not.
-        raise ValueError(f"--batch {batch_size} is smaller than microbatches x rounds"
-                         + (" x ranks" if world > 1 else "") + f" = {micro} x {opts['rounds']}"
-                         + (f" x {world}" if world > 1 else "")
-                         + ": every microbatch needs a sequence")
-    iterator = rpdata.BatchIterator(rows, batch_size, seed, buckets=opts["buckets"])
-    total = opts["steps"] or max(1, math.ceil(opts["epochs"] * iterator.batches_per_epoch))
-    # Every rank draws the same global batches (same seed) and trains on its share of each;
-    # the plan is for the largest share, and rank 0 alone evaluates, in batches of that size.
-    share = -(-batch_size // world)
-    eval_sets = rpdata.eval_batches(prepared.eval, seq, pad_id, share)
-    if lead:
-        print(f"train: {data_path}: {len(prepared.train)} {prepared.format} examples ({note}), "
-              f"{len(prepared.eval)} eval; {total} steps of {batch_size} x {seq} tokens, "
-              f"{iterator.batches_per_epoch} per epoch"
-              + (f", each of {world} ranks training on its share" if world > 1 else ""),
-              file=sys.stderr)
+            print(f"train: {data_path}: {len(prepared.train)} {prepared.format} examples "
+                  f"({note}), {len(prepared.eval)} eval; {self.total} steps of {batch_size} x "
+                  f"{seq} tokens, {self.iterator.batches_per_epoch} per epoch"
+                  + (f", each of {world} ranks training on its share" if world > 1 else ""),
+                  file=sys.stderr)
 
-    if opts["lora"]:
-        model = add_lora(model, opts["lora"], opts["lora_alpha"], opts["lora_dropout"], seed)
-    lr = opts["lr"] or (2e-4 if opts["lora"] else 2e-5)
-    example = {"input_ids": torch.zeros(share, seq, dtype=torch.long)}
-    example["labels"] = example["input_ids"].clone()
-    manager = None
-    # Data parallel: a checkpoint save is a collective (every rank takes part, rank 0 writes).
-    if opts["save_every"]:
-        from rpcompile.runtime.checkpoint import CheckpointManager
-
-        manager = CheckpointManager(out / "checkpoints", keep_last=opts["keep_last"])
-    compiled = rpcompile.compile(
-        model, gpus=workers, microbatches=micro, rounds=opts["rounds"], example_inputs=example,
-        device=device, mode=opts["mode"], chaos=opts["chaos"], kernels=opts["kernels"],
-        recompute=opts["recompute"], loss_scale=True if dtype == torch.float16 else None,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=opts["weight_decay"],
-                                              fused=True),
-        max_grad_norm=opts["max_grad_norm"] or None, shard_optimizer=opts["shard_optimizer"],
-        undo_journal=opts["undo_journal"], host_memory=opts["host_memory"],
-    )
-    sharded = compiled.trainer().sharded
-    if lead:
-        print(compiled.plan, file=sys.stderr)
-        print(f"train: transfers: "
-              f"{compiled.hardware.describe_host_memory('--host-memory pageable')}",
-              file=sys.stderr)
-    log = None
-    try:
-        warmup = opts["warmup_steps"] if opts["warmup_steps"] is not None else round(0.03 * total)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            compiled.optimizer, lr_lambda(opts["schedule"], warmup, total))
-        start = 0
-        if checkpoint is not None:
-            extra = compiled.load_checkpoint(checkpoint) or {}
-            start = int(extra["step"])
-            iterator.load_state(extra["data"])
-            scheduler.load_state_dict(extra["scheduler"])
-            # The optimizer's param_groups come back with the checkpoint; set the scheduler's lr
-            # explicitly so the next update uses the saved schedule position either way.
-            for group, value in zip(compiled.optimizer.param_groups, scheduler.get_last_lr()):
-                group["lr"] = value
-            if lead:
-                print(f"train: resumed from {checkpoint} at step {start}", file=sys.stderr)
+        if opts["lora"]:
+            model = add_lora(model, opts["lora"], opts["lora_alpha"], opts["lora_dropout"],
+                             seed)
+        # from_pretrained returns the model in eval mode: train it as its config says (dropout
+        # on, replayed exactly in recompute).
+        model.train()
+        lr = opts["lr"] or (2e-4 if opts["lora"] else 2e-5)
+        example = {"input_ids": torch.zeros(share, seq, dtype=torch.long)}
+        example["labels"] = example["input_ids"].clone()
+        if lead:
+            sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
+            print(f"train: compiling {type(model).__name__} ({sum(n for n, _ in sizes):,} "
+                  f"parameters, {sum(n for n, t in sizes if t):,} trainable) for {workers} "
+                  f"{device} workers, a step of {share} x {seq} tokens in {micro} "
+                  f"microbatches x {opts['rounds']} rounds (capture, cost model, partition "
+                  "search)", file=sys.stderr)
+        began = time.perf_counter()
+        self.compiled = compiled = rpcompile.compile(
+            model, gpus=workers, microbatches=micro, rounds=opts["rounds"],
+            example_inputs=example, device=device, mode=opts["mode"], chaos=opts["chaos"],
+            kernels=opts["kernels"], recompute=opts["recompute"],
+            loss_scale=True if dtype == torch.float16 else None,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=opts["weight_decay"],
+                                                  fused=True),
+            max_grad_norm=opts["max_grad_norm"] or None,
+            shard_optimizer=opts["shard_optimizer"], undo_journal=opts["undo_journal"],
+            host_memory=opts["host_memory"],
+        )
+        self.sharded = compiled.trainer().sharded
+        if lead:
+            print(f"train: compiled in {time.perf_counter() - began:.1f}s", file=sys.stderr)
+            print(compiled.plan, file=sys.stderr)
+            print(f"train: transfers: "
+                  f"{compiled.hardware.describe_host_memory('--host-memory pageable')}",
+                  file=sys.stderr)
+        warmup = opts["warmup_steps"] if opts["warmup_steps"] is not None \
+            else round(0.03 * self.total)
+        self.factor = lr_lambda(opts["schedule"], warmup, self.total)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(compiled.optimizer, self.factor)
+        self.start = 0
+        if opts["save_every"]:
+            self.manager = self._checkpoints()
+        if self.checkpoint is not None:
+            self._resume()
+        self.committed = self.start
         if lead:
             (out / "config.yaml").write_text(_dump_yaml(opts))
+            self.folder.record(identity)
+            self.log = _Log(out, self.start, opts["tensorboard"])
 
-        log = _Log(out, start, opts["tensorboard"]) if lead else None
-        t0 = time.perf_counter()
-        done_tokens, step_seconds = 0, 0.0
+    def _checkpoints(self) -> Any:
+        from rpcompile.runtime.checkpoint import CheckpointManager
 
-        def evaluate(step: int) -> None:
-            if not eval_sets:
-                return
-            # Sharded: every rank takes part in gathering the masters; rank 0 evaluates.
-            masters = compiled.trainer().gather_masters() if sharded else None
+        # Data parallel: a checkpoint save is a collective (every rank takes part, rank 0
+        # writes).
+        return CheckpointManager(self.out / "checkpoints", keep_last=self.opts["keep_last"])
+
+    def _load_model(self, dtype: Any, seed: int) -> tuple[Any, Any]:
+        spec = self.opts["model"]
+        if self.world > 1:
+            import torch.distributed as dist
+
+            if not self.lead:
+                dist.barrier()  # rank 0 writes a shipped model's folder first; the others read
+                from rpcompile.workloads.models import list_models
+
+                if spec in list_models() and not Path(spec).is_dir():
+                    spec = str(self.out / "base")
+            model, tokenizer, _ = load_model(spec, self.out, dtype, seed)
+            if self.lead:
+                dist.barrier()
+            return model, tokenizer
+        model, tokenizer, _ = load_model(spec, self.out, dtype, seed)
+        return model, tokenizer
+
+    # -- the run's identity (rpcompile.run_folder) ---------------------------------------------
+    def _identity(self, dtype: str, root: Path) -> dict[str, Any] | None:
+        """What run.json records: the model's fingerprint, the data files' sha256 and the
+        compute dtype. A new run of a shipped config has no model folder yet (it is built
+        into OUT/base): its fingerprint is taken once it is written (:meth:`_resume` never
+        sees that case)."""
+        from rpcompile.run_folder import file_sha256, model_fingerprint
+
+        opts = self.opts
+        files = {}
+        for key in ("data", "eval_data"):
+            path = opts[key]
+            if path is None:
+                files[key] = None
+            elif not Path(path).is_file():
+                raise ValueError(f"data file {path} does not exist")
+            else:
+                files[key] = {"path": str(path), "sha256": file_sha256(path)}
+        folder = model_folder(opts["model"], root)
+        return {"model": {"name": opts["model"],
+                          "fingerprint": None if folder is None else model_fingerprint(folder)},
+                **files, "dtype": dtype}
+
+    def _check_same_run(self, identity: dict[str, Any]) -> None:
+        """A resume goes on only with the run's model, data and trajectory options; each
+        refusal names the option, where its value came from and the run's own value."""
+        from rpcompile.run_folder import MAY_CHANGE, RUN_FILE, read_identity
+
+        run_dir = self.source
+        config = run_dir / "config.yaml"
+        saved = _load_yaml(config) if config.is_file() else {}
+
+        def given(name: str) -> str:
+            source = self.origin(name)
+            return source if source.startswith("--") else f"{name} (from {source})"
+
+        for option in OPTIONS:
+            name = option.name
+            if name in MAY_CHANGE or name in ("model", "data", "eval_data", "out") \
+                    or name not in saved or self.opts[name] == saved[name]:
+                continue
+            raise ValueError(
+                f"{given(name)} is {self.opts[name]!r}, but the run in {run_dir} trained with "
+                f"{saved[name]!r} ({config}): it changes the training, so a resumed run keeps "
+                f"the run's value. Leave it out to go on with {saved[name]!r}, or start a new "
+                "run with it (a new --out, or --overwrite)")
+        recorded = read_identity(run_dir)
+        if recorded is None or "model" not in recorded:
+            print(f"train: {run_dir} has no {RUN_FILE} with the run's model and data: they "
+                  "are not checked against the run's", file=sys.stderr)
+            return
+        for key in ("data", "eval_data"):
+            theirs, ours = recorded.get(key), identity[key]
+            if (theirs is None) != (ours is None) or (theirs and theirs["sha256"] !=
+                                                      ours["sha256"]):
+                flag = "--" + key.replace("_", "-")
+                was = "none" if theirs is None else f"{theirs['path']} (sha256 " \
+                    f"{theirs['sha256'][:12]}...)"
+                now = "none" if ours is None else f"{ours['path']} (sha256 " \
+                    f"{ours['sha256'][:12]}...)"
+                raise ValueError(
+                    f"{given(key)}: the run in {run_dir} trained on {was}, this resume would "
+                    f"train on {now}: a resumed run goes on with the same data. Give {flag} "
+                    "the run's file (moved files are found by content), or start a new run "
+                    "(a new --out, or --overwrite)")
+        theirs, ours = recorded["model"], identity["model"]
+        if ours["fingerprint"] is None:
+            raise ValueError(
+                f"the model of the run in {run_dir} ({theirs['name']}) is not there "
+                + (f"(its {run_dir}/base/ is missing)" if theirs["name"] == ours["name"] and
+                   not Path(ours["name"]).is_dir() else "(moved or deleted?)")
+                + ": give --model the folder it moved to")
+        if ours["fingerprint"] != theirs["fingerprint"]:
+            raise ValueError(
+                f"{given('model')}: {ours['name']} is not the model the run in {run_dir} "
+                f"started from ({theirs['name']}: another config, tokenizer or set of weight "
+                "files); give --model that model's folder, or start a new run (a new --out, "
+                "or --overwrite)")
+        if identity["dtype"] != recorded["dtype"]:
+            raise ValueError(
+                f"the run in {run_dir} computed in {recorded['dtype']}; --dtype "
+                f"{self.opts['dtype']} on {self.opts['device']} workers computes in "
+                f"{identity['dtype']}, which changes the training: pass --dtype "
+                f"{recorded['dtype']}")
+
+    def _resume(self) -> None:
+        from rpcompile.runtime.checkpoint import CheckpointManager
+
+        if self.lead:
+            for path, why in CheckpointManager(self.source / "checkpoints").skipped():
+                print(f"train: skipped {path}: {why}", file=sys.stderr)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always", RuntimeWarning)
+            extra = self.compiled.load_checkpoint(self.checkpoint) or {}
+        for warning in said:  # e.g. saved under another plan (other --workers): one line
+            if self.lead:
+                print(f"train: {warning.message}", file=sys.stderr)
+        self.start = int(extra["step"])
+        self.iterator.load_state(extra["data"])
+        self.scheduler.load_state_dict(extra["scheduler"])
+        # The learning rate of the next update is the schedule's at the step reached, for
+        # this run's total: the saved rate itself when the total is the run's, the schedule
+        # of a run of the new total when --steps extends it (never the 0 a finished cosine
+        # or linear schedule ends at).
+        for group, base in zip(self.compiled.optimizer.param_groups, self.scheduler.base_lrs):
+            group["lr"] = base * self.factor(self.scheduler.last_epoch)
+        if self.lead:
+            print(f"train: resumed from {self.checkpoint} at step {self.start}",
+                  file=sys.stderr)
+
+    # -- training ---------------------------------------------------------------------------
+    def _train(self) -> int:
+        from safetensors import SafetensorError
+        from tqdm import tqdm
+
+        opts, lead, compiled = self.opts, self.lead, self.compiled
+        self.began = time.perf_counter()
+        self.tokens, self.seconds = 0, 0.0
+        self.stop.graceful = True
+        try:
+            if self.start == 0:
+                self._evaluate(0)
+            with tqdm(total=self.total, initial=self.start, desc="train", unit="step",
+                      disable=not lead) as bar:
+                self.bar = bar
+                for step in range(self.start + 1, self.total + 1):
+                    if self.stop.requested:
+                        break
+                    self._step(step)
+                    if self.stop.requested:
+                        break
+                    if opts["eval_every"] and step % opts["eval_every"] == 0 \
+                            and step != self.total:
+                        self._evaluate(step)
+                    if self.manager is not None and (step % opts["save_every"] == 0
+                                                     or step == self.total):
+                        self._save(step)
+            if self.stop.requested:
+                return self._stop()
+            # Every step is done: a signal now stops at once (with a checkpoint of the last
+            # step, from which a resume writes final/).
+            self.stop.graceful = False
+            self._evaluate(self.total)
+            self._write_final()
             if lead:
-                value = _evaluate(compiled, eval_sets, masters)
-                log.write({"step": step, "eval_loss": value})
-                tqdm.write(f"step {step}: eval loss {value:.4f}", file=sys.stderr)
-
-        if start == 0:
-            evaluate(0)
-        with tqdm(total=total, initial=start, desc="train", unit="step", disable=not lead) as bar:
-            for step in range(start + 1, total + 1):
-                batch = next(iterator)
-                step_lr = compiled.optimizer.param_groups[0]["lr"]
-                t_step = time.perf_counter()
-                mine = batch if world == 1 else {
-                    k: v.tensor_split(world)[rank] for k, v in batch.items()}
-                loss = float(compiled.step(mine))  # the global batch's loss on every rank
-                scheduler.step()
-                step_seconds += time.perf_counter() - t_step
-                done_tokens += batch["input_ids"].numel()
-                rate = done_tokens / step_seconds  # training steps only, not eval or saving
-                norm = getattr(compiled.trainer().last, "grad_norm", None)
-                norm = None if norm is None else float(norm)
-                record = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm,
-                          "tokens": batch["input_ids"].numel(),
-                          "target_tokens": int((batch["labels"][:, 1:] != -100).sum()),
-                          "tokens_per_s": rate, "epoch": iterator.epoch}
-                if log is not None:
-                    log.write(record)
-                shown = {"loss": f"{loss:.3f}", "tok_s": f"{rate:,.0f}", "lr": f"{step_lr:.2e}"}
-                if norm is not None:
-                    shown["gnorm"] = f"{norm:.2f}"
-                bar.set_postfix(shown)
-                bar.update()
-                if opts["eval_every"] and step % opts["eval_every"] == 0 and step != total:
-                    evaluate(step)
-                if manager is not None and (step % opts["save_every"] == 0 or step == total):
-                    manager.save(compiled, step, extra={
-                        "step": step, "data": iterator.state(),
-                        "scheduler": scheduler.state_dict(), "epoch": iterator.epoch,
-                    }, per_rank=sharded and opts["checkpoint_per_rank"])
-        evaluate(total)
-        final = out / "final"
-        if lead or sharded:  # sharded: a collective (the masters gathered), rank 0 writes
-            compiled.save_pretrained(final, merge=opts["merge"])
-        if lead:
-            tokenizer.save_pretrained(final)
-        trainer = compiled.trainer()
-        sched = trainer.schedule
-    finally:
-        if log is not None:
-            log.close()
-        compiled.close()
-    elapsed = time.perf_counter() - t0
-    if not lead:
+                _write_report(self.out, self.log.records, opts,
+                              time.perf_counter() - self.began,
+                              self.tokens / max(self.seconds, 1e-9), compiled,
+                              compiled.trainer().schedule)
+        except KeyboardInterrupt:
+            return self._stop()
+        except (OSError, SafetensorError) as err:
+            # safetensors reports a refused write (a full disk) as its own error, without
+            # the file's name.
+            what = getattr(err, "filename", None) or self.writing or "a file"
+            raise ValueError(self._failed(f"cannot write {what}: "
+                                          f"{getattr(err, 'strerror', None) or err}")) from None
         return 0
-    _write_report(out, log.records, opts, elapsed, done_tokens / max(step_seconds, 1e-9),
-                  compiled, sched)
-    return 0
+
+    def _step(self, step: int) -> None:
+        compiled, world = self.compiled, self.world
+        position = self.iterator.state()
+        batch = next(self.iterator)
+        step_lr = compiled.optimizer.param_groups[0]["lr"]
+        began = time.perf_counter()
+        mine = batch if world == 1 else {k: v.tensor_split(world)[self.rank]
+                                         for k, v in batch.items()}
+        loss = None
+        try:
+            loss = float(compiled.step(mine))  # the global batch's loss on every rank
+        except KeyboardInterrupt:
+            if compiled.trainer().steps_done < step:
+                # The trainer discarded the step: its batch is drawn again on resume.
+                self.iterator.load_state(position)
+                raise
+            # Committed as the interrupt came: book it (its loss was not returned), then stop.
+        with self.stop.deferred():
+            self.scheduler.step()
+            self.committed = step
+            self.seconds += time.perf_counter() - began
+            self.tokens += batch["input_ids"].numel()
+            if loss is None:
+                print(f"train: step {step} was interrupted as it ended; its loss is not "
+                      "logged", file=sys.stderr)
+                raise KeyboardInterrupt
+            rate = self.tokens / self.seconds  # training steps only, not eval or saving
+            norm = getattr(compiled.trainer().last, "grad_norm", None)
+            norm = None if norm is None else float(norm)
+            record = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm,
+                      "tokens": batch["input_ids"].numel(),
+                      "target_tokens": int((batch["labels"][:, 1:] != -100).sum()),
+                      "tokens_per_s": rate, "epoch": self.iterator.epoch}
+            if self.log is not None:
+                self.log.write(record)
+            shown = {"loss": f"{loss:.3f}", "tok_s": f"{rate:,.0f}", "lr": f"{step_lr:.2e}"}
+            if norm is not None:
+                shown["gnorm"] = f"{norm:.2f}"
+            self.bar.set_postfix(shown)
+            self.bar.update()
+
+    def _evaluate(self, step: int) -> None:
+        from tqdm import tqdm
+
+        if not self.eval_sets:
+            return
+        # Sharded: every rank takes part in gathering the masters; rank 0 evaluates.
+        masters = self.compiled.trainer().gather_masters() if self.sharded else None
+        if self.lead:
+            value = _evaluate(self.compiled, self.eval_sets, masters)
+            self.log.write({"step": step, "eval_loss": value})
+            tqdm.write(f"step {step}: eval loss {value:.4f}", file=sys.stderr)
+
+    def _save(self, step: int) -> Path:
+        from rpcompile.runtime.checkpoint import CheckpointError
+
+        if self.manager is None:
+            self.manager = self._checkpoints()
+        try:
+            return self.manager.save(self.compiled, step, extra={
+                "step": step, "data": self.iterator.state(),
+                "scheduler": self.scheduler.state_dict(), "epoch": self.iterator.epoch,
+            }, per_rank=self.sharded and self.opts["checkpoint_per_rank"])
+        except CheckpointError as err:
+            raise ValueError(self._failed(str(err))) from None
+
+    def _failed(self, what: str) -> str:
+        """The message of a run stopped by a failed write: what failed, the checkpoint a
+        resume goes on from, and the command."""
+        latest = self._checkpoints().latest() if self.lead else None
+        where = (f"the latest checkpoint is {latest}: make room (or make {self.out} "
+                 f"writable) and go on with: rpcompile train --resume {self.out}"
+                 if latest is not None else "no checkpoint of it was written")
+        return f"{what}. The run stopped after step {self.committed}; {where}"
+
+    def _stop(self) -> int:
+        """A signal stopped the loop: checkpoint the last committed step (one process) and say
+        how to go on."""
+        step, out = self.committed, self.out
+        if self.world > 1:
+            print(f"train: {self.stop.name} after step {step}: every rank stops; go on from "
+                  f"the latest checkpoint with: rpcompile train --resume {out}",
+                  file=sys.stderr)
+            return self.stop.status
+        if step == 0:
+            self.folder.abandon()
+            print(f"train: {self.stop.name} before the first step ended: stopped, nothing "
+                  "saved", file=sys.stderr)
+            return self.stop.status
+        existing = self._checkpoints().latest()
+        if existing is not None and existing.name == self._checkpoints().path_for(step).name:
+            saved = existing
+        else:
+            saved = self._save(step)
+        print(f"train: {self.stop.name}: stopped after step {step} of {self.total}, saved "
+              f"{saved}; go on with: rpcompile train --resume {out}", file=sys.stderr)
+        return self.stop.status
+
+    def _write_final(self) -> None:
+        """``final/``, written whole into a fresh folder and then moved into place, so that
+        it never holds files of an earlier write (an adapter beside full weights)."""
+        from rpcompile.runtime.checkpoint import replace_folder
+
+        partial = self.out / ".final.partial"
+        self.writing = self.out / "final"
+        if self.lead:
+            shutil.rmtree(partial, ignore_errors=True)
+        try:
+            if self.lead or self.sharded:  # sharded: a collective (the masters gathered)
+                self.compiled.save_pretrained(partial, merge=self.opts["merge"])
+            if self.lead:
+                self.tokenizer.save_pretrained(partial)
+                replace_folder(partial, self.out / "final")
+        except BaseException:
+            if self.lead:  # a final/ written in part is no model: leave none behind
+                shutil.rmtree(partial, ignore_errors=True)
+            raise
+        self.writing = None
+
+
+def _check_rows(rows: Any, batch_size: int, prepared: Any, dropped: int, packed: bool,
+                opts: dict[str, Any], data_path: str) -> None:
+    """Refuse data that gives fewer rows than one batch, naming the cause: examples that
+    --seq truncated to nothing to predict, an eval split that took most of the data, or
+    simply too little data for --batch."""
+    n = len(rows.rows)
+    if n >= batch_size:
+        return
+    train, held = len(prepared.train), len(prepared.eval)
+    causes = []
+    if dropped:
+        longest = max(len(e) for e in prepared.train)
+        causes.append(f"{dropped} of the {train} training examples keep no token to predict "
+                      f"once truncated to --seq {rows.seq_len} (their prompts are longer; the "
+                      f"longest example has {longest} tokens): use a larger --seq, or "
+                      "--no-completion-only")
+    if held and not opts["eval_data"] and held >= train:
+        causes.append(f"--eval-split {opts['eval_split']} holds out {held} of the "
+                      f"{train + held} examples for eval, leaving {train} to train on: use a "
+                      "smaller --eval-split, or give --eval-data FILE")
+    if not causes:
+        made = f"packed into {n} rows of --seq {rows.seq_len}" if packed else f"{n} rows"
+        causes.append(f"{train} training examples make {made}: use a smaller --batch"
+                      + (" or --seq" if packed else "") + ", or more data")
+    raise ValueError(f"{data_path} gives {n} training rows, fewer than one batch of --batch "
+                     f"{batch_size}: " + "; ".join(causes))
 
 
 def _dump_yaml(opts: dict[str, Any]) -> str:
     import yaml
 
-    return yaml.safe_dump({k: v for k, v in opts.items()}, sort_keys=False)
+    return yaml.safe_dump({o.name: opts[o.name] for o in OPTIONS}, sort_keys=False)
 
 
 def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any],
@@ -708,11 +1174,13 @@ def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any]
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
     evals = [(r["step"], r["eval_loss"]) for r in records if r.get("eval_loss") is not None]
     values = [v for _, v in losses]
-    first = sum(values[:10]) / max(1, min(10, len(values)))
-    last = sum(values[-10:]) / max(1, min(10, len(values)))
+    # The first and last n steps, n up to 10 and never overlapping (one step: its loss).
+    n = max(1, min(10, len(values) // 2))
+    first = sum(values[:n]) / max(1, len(values[:n]))
+    last = sum(values[-n:]) / max(1, len(values[-n:]))
     summary = {"model": opts["model"], "data": opts["data"], "steps": len(values),
                "seconds": elapsed, "tokens_per_s": tokens_per_s,
-               "loss_first10": first, "loss_last10": last,
+               "loss_first": first, "loss_last": last, "loss_steps_averaged": n,
                "eval_loss_first": evals[0][1] if evals else None,
                "eval_loss_last": evals[-1][1] if evals else None}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -733,8 +1201,10 @@ def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any]
             sim.dump(out / f"schedule.{ext}")
     eval_text = (f", eval loss {evals[0][1]:.3f} -> {evals[-1][1]:.3f}" if evals else "")
     print(f"train: {len(values)} steps in {elapsed:.1f}s with eval and saving "
-          f"({tokens_per_s:,.0f} tokens/s in the steps), loss {first:.3f} -> {last:.3f} (mean of first/last 10 steps)"
-          f"{eval_text}; wrote {out}/final/ (from_pretrained), metrics.jsonl, loss.png, "
+          f"({tokens_per_s:,.0f} tokens/s in the steps), loss {first:.3f} -> {last:.3f} "
+          + ("(one step)" if len(values) < 2 else "(first/last step)" if n == 1
+             else f"(mean of first/last {n} steps)")
+          + f"{eval_text}; wrote {out}/final/ (from_pretrained), metrics.jsonl, loss.png, "
           f"summary.json, config.yaml, {wrote}"
           + (", tensorboard/" if opts["tensorboard"] else ""))
 

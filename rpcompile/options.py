@@ -24,6 +24,7 @@ against the flat form, every option as a plain keyword too; the two are merged b
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -179,7 +180,16 @@ class PlanOptions:
     simulator times those collectives; on one process it changes nothing (the one shard is
     everything). ``max_simulations``: the partitioner's cap on simulator replays per search
     (``None``: its own, rpcompile.planner.partition.SIMULATION_CAPS); a search stopped there
-    says so in the plan's notes, with the proven gap."""
+    says so in the plan's notes, with the proven gap.
+
+    ``dynamic``: the plan follows the data. A batch larger than the proven shape (more
+    sequences per microbatch, or longer) is planned for anew (for the larger of the two shapes
+    in each dimension, so every earlier batch still fits), with a one-line notice; ``False``
+    refuses it instead. ``plan_cache``: where searched plans are kept on disk, keyed by
+    everything a plan depends on (``True``: ``$RPCOMPILE_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/rpcompile/plans``, else ``~/.cache/rpcompile/plans``; a path: that
+    folder; ``False``: no cache). ``progress``: show what planning is doing (a progress bar
+    during the search, a line per plan made); ``None``: when standard error is a terminal."""
 
     gpus: int = 8
     microbatches: int | None = None
@@ -194,9 +204,21 @@ class PlanOptions:
     link: Any = None
     shard_optimizer: bool = False
     max_simulations: int | None = None
+    dynamic: bool = True
+    plan_cache: Any = True
+    progress: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)
+        for name in ("dynamic",):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.progress is not None and not isinstance(self.progress, bool):
+            raise ValueError(f"progress must be True, False or None (on a terminal), got "
+                             f"{self.progress!r}")
+        if not isinstance(self.plan_cache, (bool, str, os.PathLike)):
+            raise ValueError(f"plan_cache must be True (the user's cache folder), False (off) "
+                             f"or a folder, got {self.plan_cache!r}")
         _positive_int("microbatches", self.microbatches, optional=True)
         _positive_int("rounds", self.rounds)
         check_option("mode", self.mode)

@@ -12,6 +12,9 @@ processes that share this environment, so no test compares runs on different thr
 import os
 
 os.environ.setdefault("RPCOMPILE_DEBUG", "1")
+# Every test searches its plans: a plan from the user's cache would skip what a test checks
+# (tests of the cache name their own folder).
+os.environ.setdefault("RPCOMPILE_PLAN_CACHE", "0")
 
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")

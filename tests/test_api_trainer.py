@@ -33,8 +33,8 @@ def _eager_clipped_step(model, batch, max_norm):
 
 def test_a_hand_built_trainer_clips_as_the_compile_asked():
     # compile(..., max_grad_norm=...) then Trainer(compiled, device=...): the step is the
-    # eager clipped step, not an unclipped one (the keywords used to replace every
-    # training option with its default, dropping the clipping silently).
+    # eager clipped step, not an unclipped one (a keyword that replaced every training
+    # option with its default would drop the clipping silently).
     batch = sft_batch(4, 12, seed=3)
     model = hf_model("qwen3", layers=2)
     eager = copy.deepcopy(model)

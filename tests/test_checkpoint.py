@@ -75,12 +75,12 @@ def test_round_trip_continues_bit_identically(tmp_path, mode):
 
 
 def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeypatch):
-    """The round trip above used to fail now and then: torch.export sets process-global flags
-    (torch.compiler.is_compiling()) that torch.optim reads (AdamW's bias corrections are then
-    fp32 tensor math, not Python floats), and the last update of one trainer ran on its
-    optimizer thread while the next model compiled. Here that overlap is forced. (Updates now
-    run inside their step, as the schedule's OPT actions on the host queue: the overlap is a
-    step running on one thread while a model compiles on another.)"""
+    """torch.export sets process-global flags (torch.compiler.is_compiling()) that torch.optim
+    reads (AdamW's bias corrections are then fp32 tensor math, not Python floats), so an update
+    running while another model compiles changes in the last bits unless the capture and the
+    updates exclude each other (rpcompile/capture/tracing.py). Here that overlap is forced:
+    updates run inside their step, as the schedule's OPT actions on the host queue, so the
+    overlap is a step running on one thread while a model compiles on another."""
     data = [token_batch(6, seed=k) for k in range(2)]
     quiet = make("async")
     for batch in data:
@@ -373,6 +373,70 @@ def test_manager_keeps_the_last_k_and_finds_the_latest(tmp_path):
     assert manager.latest().name == "step-00000004"
     assert not (tmp_path / "ckpts" / ".step-00000009.tmp-1-abcd").exists()
     compiled.close()
+
+
+def test_manager_names_what_it_skips_and_never_prunes_the_checkpoint_it_wrote(tmp_path):
+    compiled = make()
+    try:
+        later = CheckpointManager(tmp_path / "ckpts", keep_last=1)
+        compiled.step(token_batch(6, seed=1))
+        later.save(compiled, 9)  # e.g. of another run: a higher step than the one written next
+        assert later.save(compiled, 2).is_dir()
+        manager = CheckpointManager(tmp_path / "cut", keep_last=3)
+        for step in (1, 2):
+            manager.save(compiled, step)
+        manifest = manager.path_for(2) / "manifest.json"
+        manifest.write_text(manifest.read_text()[:40])
+        assert manager.latest() == manager.path_for(1)
+        ((path, why),) = manager.skipped()
+        assert path == manager.path_for(2)
+        assert "manifest.json is unreadable or truncated" in why
+    finally:
+        compiled.close()
+
+
+def test_a_write_the_file_system_refuses_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+    """A full disk mid-write (the tensor file half written, then ENOSPC): the error names the
+    folder, the bytes it needs and those free, no temporary folder is left, and the previous
+    checkpoint (and the one the failed write would have replaced) still load."""
+    import errno
+
+    import safetensors.torch
+
+    compiled = make()
+    manager = CheckpointManager(tmp_path / "ckpts", keep_last=2)
+    try:
+        compiled.step(token_batch(6, seed=1))
+        manager.save(compiled, 1)
+        first = masters_of(compiled)
+        compiled.save_checkpoint(tmp_path / "same")
+        compiled.step(token_batch(6, seed=2))
+        write = safetensors.torch.save_file
+
+        def full_disk(tensors, filename, *args, **kwargs):
+            write(tensors, filename, *args, **kwargs)
+            with open(filename, "r+b") as fh:
+                fh.truncate(100)
+            raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+        monkeypatch.setattr(safetensors.torch, "save_file", full_disk)
+        for target in (manager.path_for(2), tmp_path / "same"):
+            with pytest.raises(CheckpointError) as info:
+                compiled.save_checkpoint(target)
+            text = str(info.value)
+            assert f"could not write the checkpoint {target}: No space left on device" in text
+            assert "bytes on the file system of" in text and "bytes are free there" in text
+            assert ("still holds the checkpoint it held before" in text) == (target.name ==
+                                                                             "same")
+        monkeypatch.undo()
+        assert not [p for p in tmp_path.rglob(".*tmp-*")]
+        assert not manager.path_for(2).exists()
+        assert manager.latest() == manager.path_for(1)
+        for saved in (manager.path_for(1), tmp_path / "same"):
+            compiled.load_checkpoint(saved)
+            assert_same_masters(masters_of(compiled), first)
+    finally:
+        compiled.close()
 
 
 def _start_child(root: Path, *args: str) -> subprocess.Popen:

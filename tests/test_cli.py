@@ -61,7 +61,7 @@ def test_plan_baselines(tmp_path, capsys, schedule):
 def test_plan_reports_user_errors(capsys):
     assert main(["plan", "--model", "no-such-model"]) == 2
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
-    # An uneven split is planned (issue 10); a batch that cannot fill the microbatches is not.
+    # An uneven split is planned; a batch that cannot fill the microbatches is not.
     assert main(["plan", "--model", "qwen3-1.7b", "--batch", "2", "--microbatches", "3"]) == 2
     assert "every microbatch needs a sequence" in capsys.readouterr().err
 
@@ -304,3 +304,26 @@ def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
     assert summary["steady_step_ms"] == whole.makespan_ms / 4
     assert "predicted, one isolated step: " in text
     assert "4 steps of one dealing period, its steps meeting at the step barrier" in text
+
+
+def test_plan_cache_flag_and_quiet(tmp_path, capsys, monkeypatch):
+    # A second plan of the same job reads the searched plan from --plan-cache DIR and says so;
+    # --quiet silences the compile's lines; --plan-cache off searches again, writing nothing.
+    import sys
+
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)  # progress shows on a terminal
+    common = ["plan", "--model", "qwen3-tiny", "--seq", "128", "--gpus", "2", "--batch", "3",
+              "--no-fit-search", "--plan-cache", str(tmp_path / "plans")]
+    assert main(common) == 0
+    first = capsys.readouterr()
+    assert "rpcompile: searching stage cuts" in first.err
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 1
+    assert main(common) == 0
+    second = capsys.readouterr()
+    assert "plan from the cache" in second.err and "searching stage cuts" not in second.err
+    assert main([*common, "--quiet"]) == 0
+    assert "rpcompile:" not in capsys.readouterr().err
+    off = [*common[:-1], "off"]
+    assert main([*off, "--out", str(tmp_path / "off")]) == 0
+    assert "searching stage cuts" in capsys.readouterr().err
+    assert len(list((tmp_path / "plans").glob("*.json"))) == 1

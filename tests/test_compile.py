@@ -299,6 +299,29 @@ def test_replicated_capture_equals_full_export(arch):
             b.forward_flops, b.backward_flops, b.saved_bytes, b.output_bytes)
 
 
+def test_a_fork_is_rewritten_without_touching_its_source():
+    # Each plan (loss-chunk variant, shape) rewrites a fork of compile()'s capture; the
+    # capture itself must come out of that unchanged, and both must still compute the loss.
+    from rpcompile.passes.chunked_loss import chunk_lm_loss
+
+    model = hf_model("qwen3", layers=10)
+    ids = token_batch(4, 12)
+    source = capture(model, ids)
+    nodes = [(n.name, n.target) for n in source.graph_module.graph.nodes]
+    fork = source.fork()
+    assert chunk_lm_loss(fork.graph_module, 8) == 1
+    fork.inputs.append("extra")
+    assert [(n.name, n.target) for n in source.graph_module.graph.nodes] == nodes
+    assert "extra" not in source.inputs
+    assert [(n.name, n.target) for n in fork.graph_module.graph.nodes] != nodes
+    fork.inputs.pop()
+    loss_a, grads_a = _run_whole_graph(source, ids)
+    loss_b, grads_b = _run_whole_graph(fork, ids)
+    torch.testing.assert_close(loss_a, loss_b)
+    for name, g in grads_a.items():
+        torch.testing.assert_close(grads_b[name], g, msg=name)
+
+
 def test_stage_programs_retarget_to_another_device():
     # Export records the device it traced on (factory ops, metadata checks). A stage run on a
     # worker of another device must not mix devices: on "meta" every op would fail against a

@@ -10,6 +10,7 @@ import torch
 from rpcompile.data import (
     IGNORE_INDEX,
     BatchIterator,
+    DataError,
     Example,
     byte_tokenizer,
     encode_record,
@@ -76,6 +77,48 @@ def test_unknown_columns_name_the_formats(tmp_path, tok):
     path.write_text('{"question": "x"}\n')
     with pytest.raises(ValueError, match="'prompt' and 'completion'"):
         prepare(path, tok)
+
+
+_PAIR = json.dumps({"prompt": "q", "completion": "a"})
+_CHAT = {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}
+
+
+@pytest.mark.parametrize(("name", "text", "words"), [
+    ("empty.jsonl", "\n", ["empty.jsonl is empty", "no records"]),
+    ("cut.jsonl", f'{_PAIR}\n\n{{"prompt": "q", "completion" "a"}}\n',
+     ["cut.jsonl line 3", "not valid JSON", "one JSON object"]),
+    ("list.jsonl", f"{_PAIR}\n[1, 2]\n", ["list.jsonl line 2", "not an object"]),
+    ("arr.json", '[{"prompt": "q",\n  "completion": }]', ["arr.json line 2", "not valid JSON"]),
+    ("missing.jsonl", f'{_PAIR}\n{_PAIR}\n{{"prompt": "q"}}\n',
+     ["missing.jsonl line 3", "no 'completion' field", "it has prompt",
+      "needs 'prompt' and 'completion'"]),
+    ("typo.jsonl", f'{_PAIR}\n{{"prompt": "q", "completoin": "a"}}\n',
+     ["typo.jsonl line 2", "no 'completion' field", "it has prompt, completoin"]),
+    ("types.jsonl", f'{_PAIR}\n{{"prompt": "q", "completion": ["a"]}}\n',
+     ["types.jsonl line 2", "must both be strings or both lists", "a str and a list"]),
+    ("roles.jsonl", json.dumps({"messages": [{"role": "human", "content": "q"},
+                                             {"role": "gpt", "content": "a"}]}) + "\n",
+     ["roles.jsonl line 1", "'gpt', 'human'", "rename 'gpt' to 'assistant', 'human' to 'user'"]),
+    ("sharegpt.jsonl", json.dumps({"messages": [{"from": "human", "value": "q"}]}) + "\n",
+     ["sharegpt.jsonl line 1", "message 1", "rename 'from' to 'role' and 'value' to 'content'"]),
+    ("noreply.jsonl", json.dumps({"messages": list(_CHAT)}) + "\n"
+     + json.dumps({"messages": [_CHAT[0]]}) + "\n",
+     ["noreply.jsonl line 2", "no 'assistant' message", "roles: user"]),
+    ("rows.csv", "prompt,completion\nq,a\nq,\n", ["rows.csv row 2", "no 'completion' field"]),
+])
+def test_a_bad_data_file_is_refused_naming_the_file_record_and_field(tmp_path, tok, name,
+                                                                     text, words):
+    """Each message names the file, the record (its line in a JSON Lines file, counting the
+    blank lines it skips) and the field, and says what the file needs."""
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(DataError) as info:
+        prepare(path, tok)
+    message = str(info.value)
+    assert message.startswith(str(path)), message
+    for word in words:
+        assert word in message, (word, message)
+    assert "Traceback" not in message and "position" not in message
 
 
 def test_chat_data_needs_a_chat_template(tok):

@@ -48,7 +48,9 @@ CASES = {
         ("zero1", "qwen3", {"shard_optimizer": True, "optimizer": _adamw}),
         # Tied embedding and LM head: one parameter in three stages, updated at the last of
         # its two gradient stages, after an earlier stage's SHADOW has already run.
-        ("zero1_tied", "qwen3_tied", {"shard_optimizer": True, "optimizer": _adamw})],
+        ("zero1_tied", "qwen3_tied", {"shard_optimizer": True, "optimizer": _adamw}),
+        # No example batch: the ranks agree on the first step's shape and plan for it.
+        ("lazy", "qwen3", {"lazy": True})],
     3: [("clip", "qwen3", {"max_grad_norm": 0.5}),
         ("zero1_clip", "qwen3", {"shard_optimizer": True, "optimizer": _adamw,
                                  "max_grad_norm": 0.5})],
@@ -69,6 +71,8 @@ def _model(model: str, seed: int):
 
 
 def _compile(model_name: str, seed: int, example, parts: int = 2, **options):
+    if options.pop("lazy", False):
+        example = None  # planned at the first step
     extra = {"loss_fn": torch.nn.functional.cross_entropy} if model_name == "skipnet" else {}
     options.setdefault("optimizer", _sgd)
     return rpcompile.compile(_model(model_name, seed), gpus=2, microbatches=parts,
@@ -94,19 +98,28 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     result: dict = {}
+    searches = [0]  # the partition searches this rank ran (rank 0 searches for every rank)
+    partition = rpcompile.compiler.partition
+
+    def counted(*args, **kwargs):
+        searches[0] += 1
+        return partition(*args, **kwargs)
+
+    rpcompile.compiler.partition = counted
     try:
         if scenario == "train":
             for name, model_name, case_options in CASES[world]:
                 # Rank 0's weights are the run's: the other ranks start elsewhere on purpose,
                 # and the trainer's broadcast must bring them to rank 0's.
                 batches = [_share(b, rank, world) for b in _batches(model_name)]
+                searches[0] = 0
                 compiled = _compile(model_name, rank, batches[0], chaos=rank + 1,
                                     **case_options)
-                trainer = compiled.trainer()
                 sharded = case_options.get("shard_optimizer", False)
                 losses, norms = [], []
                 for k, b in enumerate(batches):
                     losses.append(float(compiled.step(b)))
+                    trainer = compiled.trainer()
                     norms.append(trainer.last.grad_norm)
                     if sharded and k == STEPS - 2:  # every rank saves; rank 0 writes
                         saved = trainer.save_checkpoint(os.path.join(out, f"{name}-step2"))
@@ -114,6 +127,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
                             os.path.join(out, f"{name}-step2-per-rank"), per_rank=True)
                 result[name] = {
                     "losses": losses, "norms": norms, "reductions": trainer.dp.reductions,
+                    "searches": searches[0], "plans_made": list(compiled.plans_made),
                     "masters": trainer.gather_masters(), "shadow": trainer.store.shadow.clone()}
                 if sharded:
                     result[name]["saved"] = str(saved)
@@ -185,6 +199,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
             compiled.close()
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
+        rpcompile.compiler.partition = partition
         if scenario == "train":
             dist.destroy_process_group()
 
@@ -351,6 +366,9 @@ def test_ranks_train_like_one_process_and_eager_on_the_global_batch(tmp_path, wo
             # ... and uploads the same weights next step: the shadows match too.
             assert torch.equal(r[name]["shadow"], first["shadow"]), name
         assert first["reductions"] >= 2, name  # one per gradient stage at least, not one at the end
+        # Rank 0 alone searched; every rank runs the plan it sent.
+        assert first["searches"] >= 1 and all(r[name]["searches"] == 0 for r in ranks[1:]), name
+        assert all(r[name]["plans_made"] == first["plans_made"] for r in ranks), name
         (single_losses, single), memory, eager = references[name]
         assert first["losses"] == pytest.approx(single_losses, abs=1e-6), name
         assert _max_diff(first["masters"], single) < 1e-6, name
@@ -650,7 +668,7 @@ ANNOUNCED_S = 10.0  # far under GROUP_TIMEOUT_S and the step deadline: the other
 
 
 def _announce_rank(rank: int, world: int, port: int, out: str) -> None:
-    """Five failures on rank 1 that used to leave rank 0 waiting for the group's timeout (or
+    """Five failures on rank 1 that must not leave rank 0 waiting for the group's timeout (or
     the step's deadline), each on its own process group (a failure leaves a group's
     collectives out of step): rank 1's data-parallel state broken by a failed step before a
     save; a KeyboardInterrupt in rank 1's load and in its per-rank write; rank 1's REDUCE

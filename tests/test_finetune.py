@@ -205,6 +205,8 @@ def test_help_lists_every_option_with_its_default(capsys):
     for option in OPTIONS:
         assert "--" + option.name.replace("_", "-") in text
     assert "(default: cosine)" in text and "(default: 0.1)" in text
+    assert "--overwrite" in text and "--out NEW branches it into a new folder" in text
+    assert "saves a checkpoint of the last finished step and exits 130 / 143" in text
 
 
 # -- the Python API -------------------------------------------------------------------------

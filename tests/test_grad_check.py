@@ -38,7 +38,7 @@ def _step_ms(compiled) -> float:
 def test_the_predicted_step_is_of_the_schedule_that_runs(clip):
     # Clipping needs every gradient before any update, so the run defers its updates and
     # passes over the gradients in CHECK: the plan's predicted step must be that schedule's,
-    # not the overlapping one's (it was, before the partitioner replayed in the run's order).
+    # not the overlapping one's (the partitioner replays each candidate in the run's order).
     compiled = _compile(hf_model("qwen3"), max_grad_norm=clip)
     try:
         assert compiled.plan.updates == ("overlap" if clip is None else "deferred")

@@ -9,7 +9,8 @@ and no module reaches itself through its imports.
     runtime   runtime/                          (workers, executor, optimizer, trainer, reference)
     outer     workloads/, data/, viz            (shipped models, data files, pictures)
     compiler  compiler, rpcompile/__init__      (the flow)
-    apps      finetune, cli, __main__, trl      (jobs, the command line, the TRL front end)
+    apps      finetune, run_folder, interrupts, cli, __main__, trl  (jobs, the command line,
+              the TRL front end)
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ LAYERS = [
     ("runtime", ["rpcompile.runtime"]),
     ("outer", ["rpcompile.workloads", "rpcompile.data", "rpcompile.viz"]),
     ("compiler", ["rpcompile.compiler", "rpcompile"]),
-    ("apps", ["rpcompile.finetune", "rpcompile.cli", "rpcompile.__main__", "rpcompile.trl"]),
+    ("apps", ["rpcompile.finetune", "rpcompile.run_folder", "rpcompile.interrupts",
+              "rpcompile.cli", "rpcompile.__main__", "rpcompile.trl"]),
 ]
 
 

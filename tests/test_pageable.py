@@ -1,4 +1,4 @@
-"""Pinned or pageable host memory (TrainOptions.host_memory, issue 14 item 4): one bandwidth
+"""Pinned or pageable host memory (TrainOptions.host_memory): one bandwidth
 for the simulator and the partitioner's bounds, a clear refusal where the profile has no
 pageable figures, the plan saying which it assumes, and the runtime's pin decision."""
 

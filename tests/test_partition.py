@@ -110,7 +110,7 @@ def test_block_plan_is_no_slower_than_the_layer_plan_and_refinement_only_helps()
 
 def test_cuts_always_include_every_grid_piece_its_own_stage():
     # A span of stage counts that stops short of the finest cut still returns it: the cut a
-    # search on that grid alone ends at when its coarser cuts do not fit (issue 14).
+    # search on that grid alone ends at when its coarser cuts do not fit.
     cost = [float(c) for c in (3, 1, 4, 1, 5, 9, 2, 6, 5, 3)]
     for grid, cuts in _cuts_on_each_grid(cost, span=2):
         assert set(cuts) == {1, 2, len(grid)}
@@ -121,7 +121,7 @@ def test_cuts_always_include_every_grid_piece_its_own_stage():
 
 
 def test_block_search_is_no_slower_than_the_whole_layer_search():
-    # Issue 14: Qwen3-235B-A22B cut to 48 layers, 4 GPUs, 8 microbatches, sync, capped at 4
+    # Qwen3-235B-A22B cut to 48 layers, 4 GPUs, 8 microbatches, sync, capped at 4
     # replays per grid. The whole-layer search's coarse candidates do not fit over the whole
     # schedule, so it cuts again under lower stage limits and returns one layer per stage;
     # the block search's fine candidates fit, and its whole-layer grid never reached that

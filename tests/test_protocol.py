@@ -390,8 +390,8 @@ def test_async_updates_run_in_the_next_step_and_a_flush_changes_nothing(qwen3): 
 def test_a_flush_and_a_step_from_two_threads_never_apply_the_gradients_twice(qwen3):  # noqa: F811
     """Async: a flush (reading the masters) and another thread's step both apply the pending
     gradients; whichever comes second while the first runs is refused at once, and the run
-    ends with the masters of a run without the attempt (found by review: a step opened while
-    a flush was applying the groups applied them a second time)."""
+    ends with the masters of a run without the attempt (a step opened while a flush is
+    applying the groups must not apply them a second time)."""
     import threading
 
     data = batches(3, 6)

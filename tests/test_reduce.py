@@ -267,8 +267,8 @@ def _sim_plan():
     # Host memory far faster than any link: with a link without latency a REDUCE then takes
     # exactly its ring time, 2 (N-1)/N x bytes / bandwidth, unless a host memory pass shares
     # the bus with it (_check_reduction_times bounds that share). One sync step of 27 layers
-    # of Qwen3-1.7B on 4 workers (the search's plan: 8 gradient stages before this session's
-    # tighter bound, 14 after; the test reads the count from the plan).
+    # of Qwen3-1.7B on 4 workers (the search's plan; the test reads its gradient stage count
+    # from the plan).
     hw = replace(get_hardware("rtx4090x8").with_gpus(4), host_mem_gbps=1e6)
     units = MODELS["qwen3-1.7b"].units(2, 1024)
     units = units[:29] + units[-1:]

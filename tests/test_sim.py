@@ -439,9 +439,9 @@ def test_roundpipe_own_plan_against_the_artifact():
 
 def test_paused_gc_from_many_threads_leaves_the_collector_as_it_found_it():
     """The simulator pauses Python's cyclic GC during a replay; blocks entered and left from
-    several threads at once must not leave it off for the process (found by review: each
-    block restored what it alone had seen, so one that saw another's pause never turned the
-    collector back on)."""
+    several threads at once must not leave it off for the process (a block that restored only
+    what it alone had seen, having seen another's pause, would never turn the collector back
+    on)."""
     import gc
     import sys
     import threading

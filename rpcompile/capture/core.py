@@ -104,12 +104,17 @@ class _LossOf(nn.Module):
         return self.loss_fn(model(*args[:-1]), args[-1])
 
 
-def example_batch_for(model: nn.Module, batch: int = 2, seq: int = 16) -> dict[str, torch.Tensor]:
-    """A batch synthesized from a causal LM's config (random token ids, labels = ids)."""
+def example_batch_for(model: nn.Module, batch: int = 2, seq: int = 16,
+                      mask: bool = False) -> dict[str, torch.Tensor]:
+    """A batch synthesized from a causal LM's config (random token ids, labels = ids; with
+    ``mask``, an all-ones ``attention_mask`` too, so the graph takes padded batches)."""
     device = _model_device(model)
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch, seq), device="cpu").to(device)
-    return {"input_ids": ids, "labels": ids.clone()}
+    out = {"input_ids": ids, "labels": ids.clone()}
+    if mask:
+        out["attention_mask"] = torch.ones_like(ids)
+    return out
 
 
 def capture(
@@ -287,6 +292,7 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
         name: p.requires_grad for name, p in model.named_parameters(remove_duplicate=False)
     }
 
+    _refuse_buffer_updates(gm, buffers, model)
     if repeat is not None:
         _assign_units(gm, layer_names[: repeat.exported])
         gm = _replicate(gm, params, model, repeat)
@@ -369,6 +375,80 @@ def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
             "F.dropout and scaled_dot_product_attention(dropout_p=...) only), so the gradients "
             f"would not match the loss: {fix}"
         )
+
+
+# Composite ops whose schema marks no write but which update running statistics in place:
+# op -> (index of the "use batch statistics" flag, indexes of the statistics).
+_STATS_OPS = {
+    torch.ops.aten.batch_norm.default: (5, (3, 4)),
+    torch.ops.aten.native_batch_norm.default: (5, (3, 4)),
+    torch.ops.aten.instance_norm.default: (5, (3, 4)),
+}
+
+
+def _written(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes ``node`` writes in place: the arguments its schema marks as written, and a
+    normalization's running statistics when it uses batch statistics."""
+    target = node.target
+    if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload):
+        return []
+    out = []
+    if target in _STATS_OPS:
+        flag, stats = _STATS_OPS[target]
+        if len(node.args) > flag and node.args[flag] is True:
+            out += [node.args[i] for i in stats if isinstance(node.args[i], torch.fx.Node)]
+    for i, arg in enumerate(target._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+            if isinstance(value, torch.fx.Node):
+                out.append(value)
+    return out
+
+
+def _base_of(node: torch.fx.Node) -> torch.fx.Node:
+    """The tensor ``node`` is a view of (through view ops), or ``node`` itself."""
+    while node.op == "call_function" and isinstance(node.target, torch._ops.OpOverload):
+        returns = node.target._schema.returns
+        if not returns or returns[0].alias_info is None or not node.args \
+                or not isinstance(node.args[0], torch.fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+def _refuse_buffer_updates(gm: torch.fx.GraphModule, buffers: dict[str, str],
+                           model: nn.Module) -> None:
+    """Refuse a forward that updates buffers (BatchNorm's running statistics and counter in
+    training mode, any in-place write to a buffer): each microbatch's forward would update
+    them in turn where eager training updates them once from the whole batch, recompute
+    would update them again, and a batch-statistics normalization sees a microbatch's
+    statistics, not the batch's, so the step could not equal eager training (and the
+    workers' copies of the buffers would be thrown away). Name them and the fix."""
+    names = sorted({buffers[b.name] for n in gm.graph.nodes for b in map(_base_of, _written(n))
+                    if b.op == "placeholder" and b.name in buffers})
+    if not names:
+        return
+    prefix = _WRAPPED + "."
+    owners = {n.removeprefix(prefix).rpartition(".")[0] for n in names}
+    kinds = {type(model.get_submodule(o)) for o in owners if o}
+    # Replicated layers were exported once: name every module of those kinds in training.
+    modules = sorted({o for o in owners if o} | {
+        name for name, m in model.named_modules() if type(m) in kinds and m.training})
+    shown = [n.removeprefix(prefix) for n in names]
+    listed = ", ".join(shown[:4]) + (f" and {len(shown) - 4} more" if len(shown) > 4 else "")
+    kind = ", ".join(sorted(k.__name__ for k in kinds)) or "the model"
+    where = ", ".join(modules[:4]) + (f" and {len(modules) - 4} more" if len(modules) > 4 else "")
+    raise RefusedModel(
+        f"{type(model).__name__}'s forward updates buffers in place ({listed}; {kind} "
+        f"modules: {where or 'the model itself'}). rpcompile runs each step as microbatches "
+        "and recomputes forwards, so a batch-statistics layer would see a microbatch's "
+        "statistics instead of the batch's, the buffers would be updated once per microbatch "
+        "and again in recompute, and the step could not equal eager training: put those "
+        "modules in eval mode before compile (e.g. "
+        f"model.get_submodule({(modules or [''])[0]!r}).eval(), which normalizes with the "
+        "running statistics and leaves them unchanged), or replace a layer that must "
+        "train with batch statistics (by LayerNorm or GroupNorm, which keep none)"
+    )
 
 
 def _symbol_map(gm: torch.fx.GraphModule, inputs: list[str], causal: bool) -> dict:

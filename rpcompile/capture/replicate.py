@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils.flop_counter
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from rpcompile.capture.types import _WRAPPED
 
@@ -196,18 +197,23 @@ def _renamed_meta(meta: dict, old: str, new: str) -> dict:
 
 
 def _fresh_like(val, storages: dict[int, torch.Tensor]):
-    """A new fake value like ``val`` on new storage; views of one storage stay views of one."""
+    """A new value like ``val`` on new storage; views of one storage stay views of one.
+
+    A fake value is built on the meta device and wrapped as a fake tensor of ``val``'s mode,
+    outside the mode's dispatch: with symbolic sizes that is about ten times faster than
+    allocating through the mode, and replication makes thousands of these.
+    """
     if isinstance(val, (tuple, list)):
         return type(val)(_fresh_like(v, storages) for v in val)
     if not isinstance(val, torch.Tensor):
         return val
     mode = getattr(val, "fake_mode", None)
-    ctx = mode if mode is not None else contextlib.nullcontext()
-    with ctx:
-        key = val.untyped_storage()._cdata
-        base = storages.get(key)
-        if base is None or base.dtype != val.dtype:
-            nbytes = val.untyped_storage().nbytes()
-            base = torch.empty(nbytes // val.element_size(), dtype=val.dtype, device=val.device)
-            storages[key] = base
-        return base.as_strided(val.shape, val.stride(), val.storage_offset())
+    key = val.untyped_storage()._cdata
+    base = storages.get(key)
+    if base is None or base.dtype != val.dtype:
+        nbytes = val.untyped_storage().nbytes()
+        base = torch.empty(nbytes // val.element_size(), dtype=val.dtype,
+                           device="meta" if mode is not None else val.device)
+        storages[key] = base
+    view = base.as_strided(val.shape, val.stride(), val.storage_offset())
+    return view if mode is None else FakeTensor(mode, view, val.device)

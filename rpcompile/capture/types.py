@@ -3,8 +3,9 @@ the errors."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import sympy
 import torch
@@ -83,6 +84,20 @@ class Captured:
 
     def parameter(self, name: str) -> torch.Tensor:
         return self.model.get_parameter(name)
+
+    def fork(self) -> Captured:
+        """A copy whose graph the planning passes may rewrite (the loss-chunk rewrite, the
+        cost annotations) without touching this one: a copy of every node, with a copy of its
+        ``meta`` dict whose values (the fake tensors above all) are shared, since no pass
+        changes a value in place. Planning one capture for several loss-chunk variants and
+        shapes this way costs milliseconds, where capturing again costs seconds."""
+        graph = copy.deepcopy(self.graph_module.graph)  # fx copies nodes, meta dicts shallowly
+        return replace(
+            self, graph_module=torch.fx.GraphModule(self.graph_module, graph),
+            units=list(self.units), params=dict(self.params), buffers=dict(self.buffers),
+            constants=dict(self.constants), inputs=list(self.inputs),
+            input_keys=list(self.input_keys), subs=dict(self.subs),
+            opaque_entries=list(self.opaque_entries), quantized=dict(self.quantized))
 
     def value_of(self, placeholder: str) -> torch.Tensor:
         """The tensor the user's model holds for a parameter/buffer/constant placeholder."""

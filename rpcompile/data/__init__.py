@@ -21,12 +21,21 @@ from rpcompile.data.batches import (
     pad_rows,
     split_eval,
 )
-from rpcompile.data.formats import IGNORE_INDEX, Example, detect_format, encode_record, read_records
+from rpcompile.data.formats import (
+    IGNORE_INDEX,
+    DataError,
+    Example,
+    detect_format,
+    encode_record,
+    read_records,
+    record_location,
+)
 from rpcompile.data.tokenizer import byte_tokenizer
 
 __all__ = [
     "IGNORE_INDEX",
     "BatchIterator",
+    "DataError",
     "Example",
     "Prepared",
     "Rows",
@@ -40,6 +49,7 @@ __all__ = [
     "pad_rows",
     "prepare",
     "read_records",
+    "record_location",
     "shipped_corpus",
     "split_eval",
 ]
@@ -67,16 +77,27 @@ def prepare(
     eval_path: str | Path | None = None, seed: int = 0,
 ) -> Prepared:
     """Read and encode ``path``; hold out ``eval_split`` of it (seeded), or read the eval
-    examples from ``eval_path``."""
-    records = read_records(path)
-    if not records:
-        raise ValueError(f"{path} holds no records")
-    fmt = detect_format(records[0])
-    examples = [encode_record(r, tokenizer, fmt, completion_only) for r in records]
+    examples from ``eval_path``. Raises :class:`DataError` naming the file, the record and
+    the field of the first record that cannot be used."""
+    fmt, examples = _encode_file(path, tokenizer, completion_only)
     if eval_path is not None:
-        eval_records = read_records(eval_path)
-        eval_fmt = detect_format(eval_records[0]) if eval_records else fmt
-        held = [encode_record(r, tokenizer, eval_fmt, completion_only) for r in eval_records]
+        held = _encode_file(eval_path, tokenizer, completion_only)[1]
         return Prepared(fmt, tuple(examples), tuple(held))
     train, held = split_eval(examples, eval_split, seed)
     return Prepared(fmt, tuple(train), tuple(held))
+
+
+def _encode_file(path: str | Path, tokenizer: Any, completion_only: bool
+                 ) -> tuple[str, list[Example]]:
+    records = read_records(path)
+    try:
+        fmt = detect_format(records[0])
+    except ValueError as err:
+        raise DataError(f"{path}: {err}") from None
+    examples = []
+    for index, record in enumerate(records):
+        try:
+            examples.append(encode_record(record, tokenizer, fmt, completion_only))
+        except ValueError as err:
+            raise DataError(f"{record_location(path, index)}: {err}") from None
+    return fmt, examples

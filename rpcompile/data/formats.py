@@ -17,18 +17,28 @@ text, and a token merged across a prompt/completion boundary belongs to the side
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["IGNORE_INDEX", "Example", "detect_format", "encode_record", "read_records"]
+__all__ = ["IGNORE_INDEX", "DataError", "Example", "detect_format", "encode_record",
+           "read_records", "record_location"]
 
 IGNORE_INDEX = -100  # Hugging Face's cross-entropy skips this label
 
 _LOADERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet",
             ".txt": "text"}
 FORMATS = ("text", "prompt-completion", "messages")
+# Chat roles of the ShareGPT layout, and the keys of its turns, with their names here.
+_SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
+_SHAREGPT_KEYS = {"from": "role", "value": "content"}
+
+
+class DataError(ValueError):
+    """A data file or one of its records cannot be used; the message names the file, the
+    record (its line in a JSON Lines file) and the field."""
 
 
 @dataclass(frozen=True)
@@ -48,19 +58,84 @@ class Example:
 
 
 def read_records(path: str | Path) -> list[dict[str, Any]]:
-    """The records of a JSONL, JSON, CSV, Parquet or text file, read with ``datasets``."""
+    """The records of a JSONL, JSON, CSV, Parquet or text file, read with ``datasets``.
+    Raises :class:`DataError` for a missing, empty or unreadable file (a malformed JSON line
+    is named by its line number)."""
     import datasets
 
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"data file {path} does not exist")
+        raise DataError(f"data file {path} does not exist")
     kind = _LOADERS.get(path.suffix.lower())
     if kind is None:
-        raise ValueError(f"cannot read {path}: use a .jsonl, .json, .csv, .parquet or .txt file")
+        raise DataError(f"cannot read {path}: use a .jsonl, .json, .csv, .parquet or .txt file")
+    if kind != "parquet" and not path.read_bytes().strip():
+        raise DataError(f"{path} is empty: it holds no records")
     extra = {"sample_by": "paragraph"} if kind == "text" else {}
     datasets.disable_progress_bars()
-    dataset = datasets.load_dataset(kind, data_files=str(path), split="train", **extra)
-    return list(dataset)
+    try:
+        dataset = datasets.load_dataset(kind, data_files=str(path), split="train", **extra)
+    except Exception as exc:  # datasets and pyarrow raise many types; each is reported
+        if kind == "json":
+            _raise_json_error(path)
+        cause = exc.__cause__ or exc
+        raise DataError(
+            f"cannot read {path}: {type(cause).__name__}: {cause}. Every record must hold "
+            "the same fields, each of one type in every record"
+        ) from None
+    records = list(dataset)
+    if not records:
+        raise DataError(f"{path} holds no records")
+    return records
+
+
+def _json_lines(path: Path) -> list[int]:
+    """The line number (from 1) of each record of a JSON Lines file: its non-blank lines."""
+    return [n for n, line in enumerate(path.read_text().splitlines(), 1) if line.strip()]
+
+
+def _is_json_lines(path: Path) -> bool:
+    head = path.read_text().lstrip()[:1]
+    return path.suffix.lower() == ".jsonl" or head not in ("[", "")
+
+
+def _raise_json_error(path: Path) -> None:
+    """Name the first malformed line of a JSON or JSON Lines file (``datasets`` reports a
+    position in a block of rows instead)."""
+    text = path.read_text()
+    if _is_json_lines(path):
+        lines = text.splitlines()
+        for number in _json_lines(path):
+            try:
+                value = json.loads(lines[number - 1])
+            except json.JSONDecodeError as err:
+                raise DataError(f"{path} line {number}: not valid JSON ({err.msg} at column "
+                                f"{err.colno}): each line must be one JSON object") from None
+            if not isinstance(value, dict):
+                raise DataError(f"{path} line {number}: a JSON {type(value).__name__}, not an "
+                                "object: each line must be one record {field: value}")
+    else:
+        try:
+            json.loads(text)
+        except json.JSONDecodeError as err:
+            raise DataError(f"{path} line {err.lineno}: not valid JSON ({err.msg} at column "
+                            f"{err.colno})") from None
+    raise DataError(f"cannot read {path}: its records differ in their fields' types (a field "
+                    "that is a string in one record and a number or list in another); give "
+                    "each field one type in every record")
+
+
+def record_location(path: str | Path, index: int) -> str:
+    """Where record ``index`` (from 0) of ``path`` is, for an error message: ``FILE line N``
+    for JSON Lines, ``FILE record N`` / ``row N`` / ``paragraph N`` (from 1) otherwise."""
+    path = Path(path)
+    kind = _LOADERS.get(path.suffix.lower())
+    if kind == "json" and _is_json_lines(path):
+        lines = _json_lines(path)
+        if index < len(lines):
+            return f"{path} line {lines[index]}"
+    unit = {"csv": "row", "parquet": "row", "text": "paragraph"}.get(kind or "", "record")
+    return f"{path} {unit} {index + 1}"
 
 
 def detect_format(columns: Iterable[str]) -> str:
@@ -85,13 +160,14 @@ def encode_record(
     records end with the tokenizer's end-of-text token, which is a target; chat records end as
     their template ends them."""
     if fmt == "text":
-        text, spans = _as_text(record["text"]), None
+        text, spans = _as_text(_field(record, "text", fmt)), None
         eos = True
     elif fmt == "prompt-completion":
-        text, start, eos = _prompt_completion(record["prompt"], record["completion"], tokenizer)
+        text, start, eos = _prompt_completion(_field(record, "prompt", fmt),
+                                              _field(record, "completion", fmt), tokenizer)
         spans = [(start, len(text))]
     elif fmt == "messages":
-        text, spans = _conversation(record["messages"], tokenizer)
+        text, spans = _conversation(_field(record, "messages", fmt), tokenizer)
         eos = False
     else:
         raise ValueError(f"unknown format {fmt!r}; one of {FORMATS}")
@@ -112,9 +188,25 @@ def encode_record(
     return Example(tuple(ids), tuple(labels))
 
 
+_NEEDS = {"text": "'text'", "prompt-completion": "'prompt' and 'completion'",
+          "messages": "'messages'"}
+
+
+def _field(record: dict[str, Any], name: str, fmt: str) -> Any:
+    """``record[name]``; a record without it (a JSON file's records are read with the union of
+    their fields, a missing one as None) is refused, listing the fields it has."""
+    value = record.get(name)
+    if value is None:
+        present = [k for k, v in record.items() if v is not None]
+        raise ValueError(f"the record has no {name!r} field (it has "
+                         f"{', '.join(present) or 'none'}): every record of a {fmt} file "
+                         f"needs {_NEEDS[fmt]} (the format is read from the first record)")
+    return value
+
+
 def _as_text(value: Any) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"a 'text' field must be a string, got {type(value).__name__}")
+        raise ValueError(f"'text' must be a string, got {type(value).__name__}")
     return value
 
 
@@ -133,18 +225,43 @@ def _prompt_completion(prompt: Any, completion: Any, tokenizer: Any) -> tuple[st
     if isinstance(prompt, str) and isinstance(completion, str):
         return prompt + completion, len(prompt), True
     if isinstance(prompt, list) and isinstance(completion, list):
+        _check_messages(prompt, "prompt")
+        _check_messages(completion, "completion")
         head = _render(tokenizer, prompt, generation_prompt=True)
         whole = _render(tokenizer, prompt + completion, generation_prompt=False)
         _check_prefix(head, whole)
         return whole, len(head), False
-    raise ValueError("'prompt' and 'completion' must both be strings or both lists of messages")
+    raise ValueError(f"'prompt' and 'completion' must both be strings or both lists of "
+                     f"messages, got a {type(prompt).__name__} and a "
+                     f"{type(completion).__name__}")
+
+
+def _check_messages(messages: Any, field: str) -> None:
+    """A list of ``{"role", "content"}`` dicts with the roles chat templates know; ShareGPT's
+    layout (``from``/``value``, roles ``human``/``gpt``) is named with its renaming."""
+    if not isinstance(messages, list):
+        raise ValueError(f"{field!r} must be a list of {{'role': ..., 'content': ...}} dicts, "
+                         f"got {type(messages).__name__}")
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") is None \
+                or message.get("content") is None:
+            keys = sorted(k for k, v in message.items() if v is not None) \
+                if isinstance(message, dict) else []
+            hint = ""
+            if set(_SHAREGPT_KEYS) <= set(keys):
+                hint = " (ShareGPT's layout: rename 'from' to 'role' and 'value' to 'content')"
+            raise ValueError(f"{field!r} message {i + 1} is not a {{'role', 'content'}} dict "
+                             f"(it has {', '.join(keys) or type(message).__name__}){hint}")
+    odd = sorted({m["role"] for m in messages} & set(_SHAREGPT_ROLES))
+    if odd:
+        renames = ", ".join(f"{r!r} to {_SHAREGPT_ROLES[r]!r}" for r in odd)
+        raise ValueError(f"{field!r} has the role(s) {', '.join(map(repr, odd))} (ShareGPT's "
+                         f"names): rename {renames}; chat templates and the completion-only "
+                         "loss know 'system', 'user' and 'assistant'")
 
 
 def _conversation(messages: Any, tokenizer: Any) -> tuple[str, list[tuple[int, int]]]:
-    if not isinstance(messages, list) or not all(
-        isinstance(m, dict) and "role" in m and "content" in m for m in messages
-    ):
-        raise ValueError("'messages' must be a list of {'role': ..., 'content': ...} dicts")
+    _check_messages(messages, "messages")
     whole = _render(tokenizer, messages, generation_prompt=False)
     spans = []
     for i, message in enumerate(messages):
@@ -158,7 +275,9 @@ def _conversation(messages: Any, tokenizer: Any) -> tuple[str, list[tuple[int, i
         _check_prefix(upto, whole)
         spans.append((len(head), len(upto)))
     if not spans:
-        raise ValueError("a conversation has no assistant message: nothing to learn from it")
+        roles = ", ".join(sorted({str(m["role"]) for m in messages}))
+        raise ValueError(f"the conversation has no 'assistant' message (its roles: {roles}): "
+                         "nothing to learn from it")
     return whole, spans
 
 

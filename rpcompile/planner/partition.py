@@ -415,7 +415,8 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
                 pools[g] += _search(start, make, limit, search, random.Random(0),
                                     grid=grid or range(n))
     # Each grid's finest plan of lowest bound is replayed whatever the cap: it is where a
-    # search on that grid alone ends when its coarser cuts do not fit (issue 14).
+    # search on that grid alone ends when its coarser cuts do not fit, so a capped search on
+    # a finer grid must not miss it.
     firsts = []
     for g, pool in enumerate(pools):
         keys = {(tuple(f), tuple(b), t) for f, b, t in finest[g]}

@@ -48,7 +48,10 @@ fsyncs them and the folder, renames the folder to the target name and fsyncs the
 manifest, which ``load`` reads first, is written last. A process killed at any moment leaves
 either no folder of the target name (only a ``.<name>.tmp-*`` one, which the manager sweeps)
 or a complete checkpoint. Overwriting an existing folder moves it aside first (two renames);
-:class:`CheckpointManager` never overwrites: each step gets its own folder.
+:class:`CheckpointManager` never overwrites: each step gets its own folder. A write the file
+system refuses (read-only, full, over quota) removes its temporary folder and raises a
+:class:`CheckpointError` that names the folder, the bytes it needs and those free: the target
+folder and every other checkpoint are as they were.
 
 **Loading** (:func:`prepare`, then :func:`apply`) verifies the manifest, the tensor file's
 size and checksum, rebuilds the state and hands it to ``Trainer.prepare_state``, which
@@ -89,6 +92,7 @@ __all__ = [
     "optimizer_param_names",
     "prepare",
     "read_manifest",
+    "replace_folder",
     "save",
     "validate_state",
 ]
@@ -242,20 +246,47 @@ def save(trainer: Any, path: str | os.PathLike, *, extra: Mapping[str, Any] | No
     """Write ``trainer``'s state (or ``state``, a ``Trainer.state_dict()`` already taken) to
     the folder ``path`` atomically (see the module doc). One process: data parallel goes
     through ``Trainer.save_checkpoint``, where the ranks agree on the outcome."""
+    from safetensors import SafetensorError
     from safetensors.torch import save_file
 
     final = Path(path)
     tensors, manifest = _split_state(trainer, extra, state)
-    tmp = begin_folder(final)
+    tmp = None
     try:
+        tmp = begin_folder(final)
         save_file(tensors, str(tmp / TENSORS))
         size, digest = _fsync_and_hash(tmp / TENSORS)
         manifest["files"] = {TENSORS: {"bytes": size, "sha256": digest}}
         _commit(tmp, final, manifest)
+    except (OSError, SafetensorError) as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise _write_failed(final, exc, sum(t.numel() * t.element_size()
+                                            for t in tensors.values())) from exc
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     return final
+
+
+def _write_failed(final: Path, exc: BaseException, needed: int) -> CheckpointError:
+    """A checkpoint write that the file system refused (read-only, full, quota): what it
+    needed, what is free, and that nothing of it was kept."""
+    where = final.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = f"{shutil.disk_usage(where).free:,} bytes are free there"
+    except OSError:
+        free = "the free space there is unknown"
+    why = getattr(exc, "strerror", None) or str(exc)
+    kept = (f"{final} still holds the checkpoint it held before" if final.exists()
+            else f"{final} was not created")
+    return CheckpointError(
+        f"could not write the checkpoint {final}: {why}. It needs about {needed:,} bytes on "
+        f"the file system of {where} ({free}). Nothing of it was kept: {kept}, and every "
+        "other checkpoint is untouched", str(final))
 
 
 def begin_folder(final: Path) -> Path:
@@ -269,11 +300,18 @@ def begin_folder(final: Path) -> Path:
 
 def _commit(tmp: Path, final: Path, manifest: Mapping[str, Any]) -> None:
     """Write the manifest last, fsync, and rename ``tmp`` into place (see the module doc)."""
-    parent = final.parent
     with open(tmp / MANIFEST, "w") as fh:
         json.dump(manifest, fh, indent=1, sort_keys=True)
         fh.flush()
         os.fsync(fh.fileno())
+    replace_folder(tmp, final)
+
+
+def replace_folder(tmp: Path, final: Path) -> None:
+    """Put the complete folder ``tmp`` in the place of ``final`` (fsynced): a folder of that
+    name is moved aside first and deleted after, so at any moment ``final`` is either the old
+    folder or the new one, never a mix of both."""
+    parent = final.parent
     _fsync_dir(tmp)
     if final.exists():
         old = parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
@@ -301,6 +339,8 @@ def write_shard(trainer: Any, tmp: Path, state: Mapping[str, Any],
     dp = trainer.dp
     tensors, manifest = _split_state(trainer, extra, state)
     name = shard_file(dp.rank, dp.world)
+    # A refused write raises as it is: the ranks' agreement names the rank, its error and
+    # that the folder must be one every rank can write.
     save_file(tensors, str(tmp / name))
     size, digest = _fsync_and_hash(tmp / name)
     # This rank's RNG in its manifest (rank 0's becomes the checkpoint's), so that a rank
@@ -913,8 +953,10 @@ class CheckpointManager:
     """Checkpoints ``root/step-NNNNNNNN``, keeping the last ``keep_last`` complete ones.
 
     ``save(compiled, step, extra=None)`` writes the step's folder atomically and only then
-    prunes older ones (and temporary folders left by a killed write), so a kill at any moment
-    leaves the previous checkpoints readable. ``latest()`` is the newest complete one."""
+    prunes older ones (never the one just written; and temporary folders left by a killed
+    write), so a kill at any moment leaves the previous checkpoints readable. ``latest()`` is
+    the newest complete one; ``skipped()`` names the step folders passed over as unreadable,
+    each with the reason."""
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 3) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
@@ -931,32 +973,42 @@ class CheckpointManager:
                                         **({"per_rank": True} if per_rank else {}))
         dp = getattr(getattr(compiled, "_trainer", compiled), "dp", None)
         if dp is None or dp.rank == 0:  # data parallel: rank 0 alone writes and prunes
-            self._prune()
+            self._prune(Path(path))
         return Path(path)
 
-    def checkpoints(self) -> list[Path]:
-        """Complete checkpoints (a readable manifest), oldest first."""
+    def _scan(self) -> tuple[list[Path], list[tuple[Path, str]]]:
+        """(complete checkpoints oldest first, [(step folder, why it is unreadable)])."""
         if not self.root.is_dir():
-            return []
-        found = []
+            return [], []
+        found, skipped = [], []
         for child in self.root.iterdir():
             match = _STEP_DIR.match(child.name)
             if match is None or not child.is_dir():
                 continue
             try:
                 read_manifest(child)
-            except CheckpointError:
+            except CheckpointError as exc:
+                skipped.append((child, str(exc)))
                 continue
             found.append((int(match.group(1)), child))
-        return [p for _, p in sorted(found)]
+        return [p for _, p in sorted(found)], sorted(skipped)
+
+    def checkpoints(self) -> list[Path]:
+        """Complete checkpoints (a readable manifest), oldest first."""
+        return self._scan()[0]
+
+    def skipped(self) -> list[tuple[Path, str]]:
+        """Step folders that are not complete checkpoints, with the reason (an unreadable or
+        truncated manifest, say); :meth:`latest` passes over them."""
+        return self._scan()[1]
 
     def latest(self) -> Path | None:
         done = self.checkpoints()
         return done[-1] if done else None
 
-    def _prune(self) -> None:
-        done = self.checkpoints()
-        for old in done[:-self.keep_last]:
+    def _prune(self, keep: Path) -> None:
+        done = [p for p in self.checkpoints() if p != keep]
+        for old in done[:max(0, len(done) + 1 - self.keep_last)]:
             shutil.rmtree(old, ignore_errors=True)
         mine = f"-{os.getpid()}-"
         for child in self.root.iterdir():

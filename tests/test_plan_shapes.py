@@ -1,0 +1,191 @@
+"""Plans that follow the data, and plans remembered on disk.
+
+``compile(model, gpus=N)`` without an example batch plans at the first batch, for its shape,
+and again for a larger one; the training is checked against eager Hugging Face training of the
+same batches, which shares nothing with the planning. The plan cache is checked by what it
+skips (the partition search) and by what it must never do (serve a corrupt or foreign entry).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+import rpcompile
+import rpcompile.compiler as compiler_module
+from rpcompile.planner import cache as cache_module
+from tests.tiny_models import hf_model, sft_batch
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1)
+
+
+def _eager(model, batches):
+    opt = _sgd(list(model.parameters()))
+    losses = []
+    for b in batches:
+        opt.zero_grad(set_to_none=True)
+        loss = model(**b, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+def test_plans_follow_the_batches_and_train_like_eager(capsys):
+    model = hf_model("qwen3", seed=3)
+    reference = copy.deepcopy(model)
+    # Three shapes: the second is longer than the first (a new plan), the third shorter and
+    # with fewer sequences (fits the second plan), the fourth has more sequences (a new plan,
+    # for the longer of the two lengths).
+    batches = [sft_batch(6, 10, seed=1), sft_batch(6, 16, left=True, seed=2),
+               sft_batch(4, 8, seed=3), sft_batch(9, 12, seed=4)]
+    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3,
+                                 optimizer=_sgd, chaos=5, progress=True)
+    try:
+        assert not compiled.planned
+        assert "not planned yet" in compiled.explain()
+        losses = [float(compiled.step(b)) for b in batches]
+        masters = compiled.trainer().masters()
+    finally:
+        compiled.close()
+    err = capsys.readouterr().err
+    notices = [line for line in err.splitlines() if line.startswith("rpcompile: planned for")]
+    # The phases say what they do: the capture once, a search per plan made.
+    assert err.count("rpcompile: capturing Qwen3ForCausalLM") == 1
+    assert err.count("rpcompile: searching stage cuts") == 3
+    assert compiled.plans_made == [(2, 10), (2, 16), (3, 16)]
+    assert len(notices) == len(compiled.plans_made)
+    assert "the first batch" in notices[0] and "larger than the plan's 2 x 10" in notices[1]
+    assert (compiled.plan.microbatch_size, compiled.plan.seq_len) == (3, 16)
+    eager_losses, eager = _eager(reference, batches)
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+
+
+def test_a_fixed_shape_refuses_a_larger_batch(capsys):
+    model = hf_model("qwen3", seed=3)
+    compiled = rpcompile.compile(model, gpus=2, device="virtual", microbatches=2,
+                                 optimizer=_sgd, dynamic=False, progress=False)
+    try:
+        compiled.step(sft_batch(4, 10, seed=1))
+        assert "rpcompile:" not in capsys.readouterr().err  # progress=False: silent
+        compiled.step(sft_batch(4, 8, seed=2))  # smaller: runs on the plan
+        with pytest.raises(ValueError, match="larger than the plan's shape"):
+            compiled.step(sft_batch(4, 12, seed=3))
+        assert compiled.plans_made == [(2, 10)]
+    finally:
+        compiled.close()
+
+
+def test_an_unplanned_model_names_what_to_do_and_loads_a_checkpoint_at_its_shape(tmp_path):
+    batch = sft_batch(4, 10, seed=1)
+    trained = rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, device="virtual",
+                                microbatches=2, optimizer=_sgd)
+    fresh = rpcompile.compile(hf_model("qwen3", seed=4), gpus=2, device="virtual",
+                              microbatches=2, optimizer=_sgd)
+    try:
+        with pytest.raises(RuntimeError, match="step\\(batch\\) or plan_for"):
+            trained.save_checkpoint(tmp_path / "nothing")
+        trained.step(batch)
+        saved = trained.save_checkpoint(tmp_path / "ckpt")
+        fresh.load_checkpoint(saved)  # plans for the checkpoint's shape, then loads
+        assert fresh.plans_made == [(2, 10)]
+        ref, got = trained.trainer().masters(), fresh.trainer().masters()
+        assert all(torch.equal(ref[n], got[n]) for n in ref)
+    finally:
+        trained.close()
+        fresh.close()
+
+
+def _compile_planned(tmp_path, **options):
+    return rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, microbatches=2,
+                             example_inputs=sft_batch(4, 10, seed=1), plan_cache=tmp_path,
+                             progress=True, **options)
+
+
+def test_a_cached_plan_skips_the_search_and_a_bad_entry_is_never_used(tmp_path, monkeypatch,
+                                                                      capsys):
+    searches = []
+    search = compiler_module.partition
+
+    def counted(*args, **kwargs):
+        searches.append(1)
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(compiler_module, "partition", counted)
+    first = _compile_planned(tmp_path)
+    assert len(searches) == 1
+    entries = list(tmp_path.glob("*.json"))
+    assert len(entries) == 1
+    capsys.readouterr()
+
+    second = _compile_planned(tmp_path)
+    assert len(searches) == 1  # the search was skipped
+    assert "plan from the cache" in capsys.readouterr().err
+    assert second.plan == first.plan
+
+    # Another option that changes the plan is another entry.
+    _compile_planned(tmp_path, mode="async")
+    assert len(searches) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+
+    # A corrupt entry is ignored with a warning and searched again (and rewritten).
+    entries[0].write_text(entries[0].read_text()[:100])
+    with pytest.warns(RuntimeWarning, match="ignoring the cached plan"):
+        third = _compile_planned(tmp_path)
+    assert len(searches) == 3 and third.plan == first.plan
+    # An entry whose plan is not the search's (edited by hand, or for other units) too.
+    doc = json.loads(entries[0].read_text())
+    doc["plan"]["units"] = doc["plan"]["units"][:-1]
+    entries[0].write_text(json.dumps(doc))
+    with pytest.warns(RuntimeWarning, match="ignoring the cached plan"):
+        _compile_planned(tmp_path)
+    assert len(searches) == 4
+
+    # Changed search code makes every entry stale.
+    monkeypatch.setattr(cache_module, "_source_digest", lambda: "other source")
+    _compile_planned(tmp_path)
+    assert len(searches) == 5
+
+    # plan_cache=False: no cache at all.
+    rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, microbatches=2,
+                      example_inputs=sft_batch(4, 10, seed=1), plan_cache=False)
+    assert len(searches) == 6
+
+
+def test_the_plan_round_trips_through_its_json_form():
+    compiled = rpcompile.compile(hf_model("qwen3_tied", seed=3), gpus=3, microbatches=3,
+                                 example_inputs=sft_batch(6, 10, seed=1), plan_cache=False)
+    data = json.loads(json.dumps(cache_module.plan_to_dict(compiled.plan)))
+    assert cache_module.plan_from_dict(data) == compiled.plan
+
+
+def test_an_unwritable_cache_warns_and_the_plan_is_still_made(tmp_path):
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    with pytest.warns(RuntimeWarning, match="could not write the plan cache"):
+        compiled = rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, microbatches=2,
+                                     example_inputs=sft_batch(4, 10, seed=1),
+                                     plan_cache=blocked)
+    assert compiled.planned
+
+
+def test_fit_plans_at_its_first_batch_and_trains_like_eager():
+    model = hf_model("qwen3", seed=3)
+    reference = copy.deepcopy(model)
+    batches = [sft_batch(6, 10, seed=s) for s in range(4)]
+    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3,
+                                 optimizer=_sgd, chaos=5)
+    try:
+        losses = [float(r.loss) for r in compiled.fit(batches)]
+        assert compiled.plans_made == [(2, 10)]
+        masters = compiled.trainer().masters()
+    finally:
+        compiled.close()
+    eager_losses, eager = _eager(reference, batches)
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
