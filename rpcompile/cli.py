@@ -4,9 +4,9 @@
 
 ``rpcompile plan`` builds a shipped model from its config on the ``meta`` device (no weights are
 allocated), compiles it for a hardware profile, replays the compile's own lowered schedule
-(``Compiled.schedule``, the one the runtime runs: one dealing period of steps meeting at the
-step barrier), prints the stage table, predicted tokens/s and the bubble split of one isolated
-step (the schedule's first step, which the barrier leaves as it would run alone), peak device memory
+(``Compiled.schedule``, the one the runtime runs, its steps overlapping), prints the stage
+table, predicted tokens/s and the bubble split of one isolated step (the plan lowered for one
+step) and the steady state of overlapping steps, peak device memory
 (simulated and proven over the schedule, and whether the schedule needs the memory-bounding
 waits), how the partition search ended (the simulator's fastest of all candidates, proven
 by lower bounds, or the most a candidate it did not replay could be faster), the LM head's
@@ -319,14 +319,18 @@ def _plan(args: argparse.Namespace) -> int:
     plan = compiled.plan
     whole = None  # the replay of the runtime's schedule (RoundPipe)
     if args.schedule == "roundpipe":
-        # The compile's own lowered schedule, the one the runtime runs: one dealing period of
-        # steps (step k of a run runs schedule step k mod its steps), replayed once. The step
-        # barrier makes its first step an isolated step, action for action; the mean of its
-        # steps is a long run's step.
+        # The compile's own lowered schedule, the one the runtime runs (its steps overlapping
+        # as far as their edges let them), replayed once for the steady state; the same plan
+        # lowered for one step alone gives the isolated step.
+        from dataclasses import replace
+
+        from rpcompile.passes.lower import runtime_schedule
+
         lowered = compiled.schedule
         history = tuple(r for r in compiled.history if r.name in LOWERING_PASSES)
         whole = simulate(lowered, plan, hw)
-        sim = whole.step(0)
+        sim = simulate(runtime_schedule(plan, replace(compiled.options.plan, schedule_steps=1),
+                                        updates=plan.updates), plan, hw)
     else:
         # Weight-bound baselines: one stage per GPU (two per GPU for the interleaved and
         # looped schedules), cut from the same unit costs.
@@ -360,19 +364,20 @@ def _plan(args: argparse.Namespace) -> int:
           f"(fill {summary['bubble_fill_pct']:.2f}%, steady {summary['bubble_steady_pct']:.2f}%, "
           f"drain {summary['bubble_drain_pct']:.2f}%)")
     if whole is not None:
-        # A training run of many steps: each step runs a step of the schedule, one at a time
-        # (the step barrier), so a long run's step is the mean of the schedule's steps.
+        # A training run of many steps, overlapping as the runtime runs them: the steady
+        # state of the runtime's schedule (its repeated dealing period).
+        from rpcompile.sim import steady_step_ms, steady_utilization
+
         steps = lowered.steps
         summary["schedule_steps"] = steps
-        summary["steady_step_ms"] = whole.makespan_ms / steps
-        summary["steady_tokens_per_s"] = whole.tokens_per_s
-        summary["steady_bubble_pct"] = 100 * whole.bubble
-        if args.optimizer == "async" or steps > 1:
-            print(f"predicted, steady state ({args.optimizer}; the runtime's schedule, "
-                  f"{steps} step{'s' if steps > 1 else ''} of one dealing period, its steps "
-                  f"meeting at the step barrier): {summary['steady_step_ms']:.1f} ms per step, "
-                  f"{summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
-                  f"{summary['steady_bubble_pct']:.2f}%")
+        summary["steady_step_ms"] = steady_step_ms(whole)
+        summary["steady_tokens_per_s"] = tokens / (summary["steady_step_ms"] / 1e3)
+        summary["steady_bubble_pct"] = 100 * (1 - steady_utilization(whole))
+        print(f"predicted, steady state ({args.optimizer}; the runtime's schedule, "
+              f"{steps} steps overlapping as their edges let them): "
+              f"{summary['steady_step_ms']:.1f} ms per step, "
+              f"{summary['steady_tokens_per_s']:,.0f} tokens/s; bubble "
+              f"{summary['steady_bubble_pct']:.2f}%")
     if whole is not None and args.nodes > 1:
         from rpcompile.sim.scaling import simulate_nodes
 

@@ -186,7 +186,7 @@ def test_plan_max_simulations_reaches_the_partitioner(monkeypatch, capsys):
     assert seen and set(seen) == {1}
     assert "max_simulations=1" in text or "1 simulated" in text
     # The steady state is of steps meeting at the barrier; each pass is listed once.
-    assert "steps meeting at the step barrier" in text and "overlapping" not in text
+    assert "steps overlapping as their edges let them" in text
     passes = next(t for t in text.splitlines() if t.startswith("passes: "))
     assert passes.count(" upload ") == 1 and passes.count(" events ") == 1
 
@@ -220,20 +220,14 @@ def test_plan_longest_reports_the_limit(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_a_schedules_first_step_is_an_isolated_step_and_its_mean_the_steady_state(mode):
-    """What ``plan`` reads off the runtime's schedule (SimResult.step, step_spans_ms): its
-    first step's figures are those of the same plan lowered and replayed for one step, bit
-    for bit; the steps' spans tile the run; and its mean step (and bubble) is the simulator's
-    steady state of a long run, replayed here from its own 11-step schedule."""
+def test_the_runtimes_schedule_overlaps_its_steps_and_gives_the_steady_state(mode):
+    """What ``plan`` reads off the runtime's schedule: its steady state (steady_step_ms over
+    the repeated dealing period) is the simulator's steady state of a long run of the same
+    plan; async steps overlap (a step's first action starts before the one before it has
+    ended), and no async steady step is slower than an isolated one."""
     from rpcompile.passes.lower import runtime_schedule
     from rpcompile.planner.partition import build_plan
-    from rpcompile.sim import (
-        simulate,
-        simulate_roundpipe,
-        steady_step_ms,
-        steady_steps,
-        steady_utilization,
-    )
+    from rpcompile.sim import simulate, simulate_roundpipe, steady_step_ms, steady_steps
     from rpcompile.workloads.paper import get_model
 
     units = get_model("qwen3-1.7b").units(4, 2048)
@@ -241,28 +235,20 @@ def test_a_schedules_first_step_is_an_isolated_step_and_its_mean_the_steady_stat
                       optimizer=mode)  # 9 jobs on 8 workers: a period of 8 steps
     whole = simulate(runtime_schedule(plan, 8, 9, 1, mode), plan, "rtx4090x8")
     one = simulate(runtime_schedule(plan, 8, 9, 1, mode, steps=1), plan, "rtx4090x8")
-    assert whole.schedule.steps == 8
-    first = whole.step(0)
-    for name in ("makespan_ms", "tokens", "tokens_per_s", "busy_ms", "bubble", "bubble_fill",
-                 "bubble_drain", "bubble_steady"):
-        assert getattr(first, name) == getattr(one, name), name
+    assert whole.schedule.steps > 8  # the steps an edge reaches back, then the period
     spans = whole.step_spans_ms
-    assert spans[0][0] == 0.0 and spans[-1][1] == whole.makespan_ms
-    assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-    # Steps on other workers take other times, and no step outlasts its span.
-    assert len({round(whole.step(k).makespan_ms, 6) for k in range(8)}) > 1
-    for a, (s, e) in whole.timeline.items():
-        assert spans[a.step][0] <= s and e <= spans[a.step][1]
-    with pytest.raises(ValueError, match=r"step must be in 0\.\.7"):
-        whole.step(8)
+    overlapping = sum(1 for a, b in itertools.pairwise(spans) if b[0] < a[1])
+    if mode == "async":
+        assert overlapping > 0
+        assert steady_step_ms(whole) <= one.makespan_ms
     run = simulate_roundpipe(plan, "rtx4090x8", steps=steady_steps(plan), optimizer=mode)
-    assert whole.makespan_ms / 8 == pytest.approx(steady_step_ms(run), rel=1e-9)
-    assert whole.bubble == pytest.approx(1 - steady_utilization(run), rel=1e-9)
+    assert steady_step_ms(whole) == pytest.approx(steady_step_ms(run), rel=0.02)
 
 
 def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
-    """``plan`` replays ``Compiled.schedule`` (a fixed cut of 3 jobs on 4 workers: 4 steps) and
-    no other schedule, and reports its first step and the mean of its steps."""
+    """``plan`` replays ``Compiled.schedule`` (a fixed cut of 3 jobs on 4 workers) for the
+    steady state of overlapping steps, and the same plan lowered for one step alone for the
+    isolated step; no other schedule."""
     import rpcompile
     import rpcompile.compiler
     import rpcompile.sim
@@ -292,18 +278,18 @@ def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
                  "--no-fit-search", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out
     (c,) = compiled
-    assert c.schedule.steps == 4
-    # compile() replays it too, for its host-memory figure (transfer staging); every replay
-    # is of the compile's own schedule, the CLI's last.
-    assert replayed and all(r.schedule == c.schedule for r in replayed)
-    whole = replayed[-1]
+    # compile() replays its own schedule too, for its host-memory figure (transfer staging);
+    # the CLI replays it, then the plan lowered for one step.
+    *runs, whole, one = replayed
+    assert whole.schedule == c.schedule and all(r.schedule == c.schedule for r in runs)
+    assert one.schedule.steps == 1 and one.schedule.stage_names == c.schedule.stage_names
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["schedule_steps"] == 4
-    assert summary["makespan_ms"] == whole.step(0).makespan_ms
-    assert summary["bubble_fill_pct"] == 100 * whole.step(0).bubble_fill
-    assert summary["steady_step_ms"] == whole.makespan_ms / 4
+    assert summary["schedule_steps"] == c.schedule.steps
+    assert summary["makespan_ms"] == one.makespan_ms
+    assert summary["bubble_fill_pct"] == 100 * one.bubble_fill
+    assert summary["steady_step_ms"] == rpcompile.sim.steady_step_ms(whole)
     assert "predicted, one isolated step: " in text
-    assert "4 steps of one dealing period, its steps meeting at the step barrier" in text
+    assert f"{c.schedule.steps} steps overlapping as their edges let them" in text
 
 
 def test_plan_cache_flag_and_quiet(tmp_path, capsys, monkeypatch):
