@@ -86,10 +86,10 @@ OPTIONS: tuple[Option, ...] = (
            "(none: microbatches x rounds)", int),
     Option("microbatches", None, "microbatches per round (none: workers + 1)", int),
     Option("rounds", 1, "rounds per step (gradient accumulation)", int),
-    Option("seq", None, "sequence length in tokens; longer examples are truncated (padding) or "
-           "continue in the next row (packing) (none: the longest example, rounded up to 64, "
-           "at most 2048)", int),
-    Option("packing", "auto", "pack rows end to end (on) or one example per padded row (off); "
+    Option("seq", None, "sequence length in tokens; longer examples are truncated "
+           "(none: the longest example, rounded up to 64, at most 2048)", int),
+    Option("packing", "auto", "whole examples side by side in a row, each attending only to "
+           "itself (on), or one example per padded row (off); "
            "auto: pack {text} data, pad prompt/completion and chat data", str,
            ("auto", "on", "off")),
     Option("buckets", 4, "padding: pad each batch to the smallest of N lengths up to --seq "
@@ -708,6 +708,7 @@ class _Job:
 
         import rpcompile
         from rpcompile import data as rpdata
+        from rpcompile.capture.batch import masks_documents
 
         opts, out, lead, world = self.opts, self.out, self.lead, self.world
         device = opts["device"]
@@ -744,15 +745,15 @@ class _Job:
         pad_id = tokenizer.pad_token_id
         dropped = 0
         if packed:
-            rows = rpdata.pack(prepared.train, seq, pad_id, seed)
-            note = f"packed into {len(rows.rows)} rows of {seq}"
+            rows, truncated, dropped = rpdata.pack(prepared.train, seq, pad_id, seed)
+            note = f"packed into {len(rows.rows)} rows of {seq}, attention per document"
         else:
             rows, truncated, dropped = rpdata.pad_rows(prepared.train, seq, pad_id)
             note = f"one per row, padded to {rpdata.bucket_lengths(seq, opts['buckets'])}"
-            if truncated:
-                note += f"; {truncated} truncated to {seq} tokens"
-            if dropped:
-                note += f"; {dropped} dropped (nothing left to predict after truncation)"
+        if truncated:
+            note += f"; {truncated} truncated to {seq} tokens"
+        if dropped:
+            note += f"; {dropped} dropped (nothing left to predict after truncation)"
         micro = opts["microbatches"] = opts["microbatches"] or workers + 1
         batch_size = opts["batch"] = opts["batch"] or micro * opts["rounds"] * world
         if batch_size < micro * opts["rounds"] * world:
@@ -788,6 +789,8 @@ class _Job:
         lr = opts["lr"] or (2e-4 if opts["lora"] else 2e-5)
         example = {"input_ids": torch.zeros(share, seq, dtype=torch.long)}
         example["labels"] = example["input_ids"].clone()
+        if packed:
+            example["position_ids"] = torch.arange(seq).expand(share, seq).clone()
         if lead:
             sizes = [(p.numel(), p.requires_grad) for p in model.parameters()]
             print(f"train: compiling {type(model).__name__} ({sum(n for n, _ in sizes):,} "
@@ -807,6 +810,14 @@ class _Job:
             shard_optimizer=opts["shard_optimizer"], undo_journal=opts["undo_journal"],
             host_memory=opts["host_memory"],
         )
+        if packed and not masks_documents(compiled.capture):
+            compiled.close()
+            raise ValueError(
+                f"--packing on needs attention confined to each document, and "
+                f"{type(model).__name__}'s captured graph builds no attention mask from "
+                "position_ids (its attention ignores where a packed document starts), so a token "
+                "would attend to the earlier documents of its row: train it with --packing off"
+            )
         self.sharded = compiled.trainer().sharded
         if lead:
             print(f"train: compiled in {time.perf_counter() - began:.1f}s", file=sys.stderr)

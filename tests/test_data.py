@@ -138,12 +138,31 @@ def _examples(n: int, seed: int = 0) -> list[Example]:
     return out
 
 
-def test_packing_fills_rows_and_keeps_every_token():
+def test_packing_keeps_documents_whole_with_positions_restarting_at_each():
     examples = _examples(30)
-    rows = pack(examples, 16, pad_id=0, seed=1)
-    assert all(len(r) == 16 for r in rows.rows[:-1])
-    packed = [t for r in rows.rows for t in r.input_ids]
-    assert sorted(packed) == sorted(t for e in examples for t in e.input_ids)
+    rows, truncated, dropped = pack(examples, 16, pad_id=0, seed=1)
+    assert (truncated, dropped) == (sum(len(e) > 16 for e in examples), 0) > (0, 0)
+    kept = sorted(e.input_ids[:16] for e in examples)
+    found = []
+    for row, lengths in zip(rows.rows, rows.documents):
+        assert sum(lengths) == len(row) <= 16
+        start = 0
+        for n in lengths:
+            found.append(row.input_ids[start:start + n])
+            # A document's first label is never scored, so no earlier document predicts it.
+            assert row.labels[start] == IGNORE_INDEX
+            start += n
+    assert sorted(found) == kept
+    # The labelled tokens are those of the documents trained one per row.
+    assert sum(r.targets for r in rows.rows) == sum(
+        Example(e.input_ids[:16], e.labels[:16]).targets for e in examples)
+    batch = next(BatchIterator(rows, 4, seed=0))
+    assert batch["input_ids"].shape == batch["position_ids"].shape == (4, 16)
+    for r in range(4):
+        positions = batch["position_ids"][r].tolist()
+        starts = [i for i, p in enumerate(positions) if p == 0]
+        assert all(positions[i] == positions[i - 1] + 1 for i in range(16) if i not in starts)
+        assert (batch["labels"][r, starts] == IGNORE_INDEX).all()
 
 
 def test_padding_truncates_drops_and_masks_padding():

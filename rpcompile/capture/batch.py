@@ -5,9 +5,11 @@ Sections, in reading order:
   2. bind_batch(): that dict -> exactly the captured graph's batch inputs, by name
   3. split_batch(): cut a step's batch into microbatches (as evenly as possible)
 
-A causal LM's batch carries ``input_ids``, optionally ``labels`` (``-100`` = not scored) and
-``attention_mask`` (1 = real token, 0 = padding, right or left). Two inputs are added here, never
-by the user: ``num_items_in_batch``, the number of labelled tokens of the *whole* step (every
+A causal LM's batch carries ``input_ids``, optionally ``labels`` (``-100`` = not scored),
+``attention_mask`` (1 = real token, 0 = padding, right or left) and ``position_ids`` (packed
+documents: positions restart at 0 at each document; without an attention mask Hugging Face then
+confines attention to each document, and the captured graph builds that mask). Two inputs are
+added here, never by the user: ``num_items_in_batch``, the number of labelled tokens of the *whole* step (every
 microbatch of every round), which the model's own loss divides its token-loss sum by, so that the
 microbatch losses add up to Hugging Face's token mean over the whole batch; and, when the
 captured graph holds dropout, ``rp_rng``, one seed per sequence from which every dropout mask of
@@ -28,6 +30,7 @@ __all__ = [
     "bind_batch",
     "count_labelled",
     "largest_microbatch",
+    "masks_documents",
     "normalize_batch",
     "split_batch",
 ]
@@ -35,7 +38,7 @@ __all__ = [
 NUM_ITEMS = "num_items_in_batch"
 RNG = "rp_rng"
 IGNORE_INDEX = -100
-_CAUSAL_KEYS = ("input_ids", "labels", "attention_mask")
+_CAUSAL_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -102,9 +105,8 @@ def _causal_batch(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     unknown = sorted(set(batch) - set(_CAUSAL_KEYS))
     if unknown:
         raise ValueError(
-            f"unsupported batch keys {unknown}: rpcompile trains on 'input_ids', 'labels' and "
-            "'attention_mask' (position ids follow from the sequence, as in the eager model "
-            "without them); drop the other keys"
+            f"unsupported batch keys {unknown}: rpcompile trains on 'input_ids', 'labels', "
+            "'attention_mask' and 'position_ids'; drop the other keys"
         )
     if "labels" in batch and batch["labels"] is None:
         raise ValueError(
@@ -132,6 +134,12 @@ def _causal_batch(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         if not mask.is_meta and bool(((mask != 0) & (mask != 1)).any()):
             raise ValueError("attention_mask must hold 1 (real token) and 0 (padding) only")
         mask = mask.long()
+    positions = batch.get("position_ids")
+    if positions is not None:
+        positions = _token_tensor(positions, "position_ids")
+        if positions.shape != ids.shape:
+            raise ValueError(f"position_ids shape {tuple(positions.shape)} must equal input_ids "
+                             f"shape {tuple(ids.shape)}")
     if "labels" in batch:
         labels = _token_tensor(batch["labels"], "labels")
         if labels.shape != ids.shape:
@@ -150,6 +158,8 @@ def _causal_batch(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     out = {"input_ids": ids.clone(), "labels": labels.clone()}
     if mask is not None:
         out["attention_mask"] = mask.clone()
+    if positions is not None:
+        out["position_ids"] = positions.clone()
     out[NUM_ITEMS] = count_labelled(out["labels"])
     if not ids.is_meta and int(out[NUM_ITEMS]) == 0:
         raise ValueError(
@@ -187,7 +197,8 @@ def _token_tensor(t: Any, name: str, allow_bool: bool = False) -> torch.Tensor:
 def bind_batch(captured: Any, batch: Any, *, step: int = 0) -> dict[str, torch.Tensor]:
     """``batch`` as the captured graph's batch inputs, keyed and ordered by
     ``captured.input_keys``: a mask the graph does not take is dropped when it masks nothing
-    (else refused), a mask it takes is filled with ones when absent, ``rp_rng`` holds the
+    (else refused), a mask it takes is filled with ones when absent; ``position_ids`` likewise
+    (dropped when they count 0..seq-1 in every row, filled so when absent); ``rp_rng`` holds the
     dropout seeds of optimizer step ``step``."""
     from rpcompile.capture.dropout import step_seeds
 
@@ -204,6 +215,16 @@ def bind_batch(captured: Any, batch: Any, *, step: int = 0) -> dict[str, torch.T
         del normal["attention_mask"]
     if "attention_mask" in keys and "attention_mask" not in normal:
         normal["attention_mask"] = torch.ones_like(normal["input_ids"])
+    if "position_ids" in normal and "position_ids" not in keys:
+        if not torch.equal(normal["position_ids"], _counting(normal["input_ids"])):
+            raise ValueError(
+                "this batch restarts position_ids (packed documents) but the model was compiled "
+                "with an example batch without position_ids, so its graph has no per-document "
+                "attention mask: compile with an example batch that carries position_ids"
+            )
+        del normal["position_ids"]
+    if "position_ids" in keys and "position_ids" not in normal:
+        normal["position_ids"] = _counting(normal["input_ids"])
     if RNG in keys:
         first = next(iter(normal.values()))
         normal[RNG] = step_seeds(captured.dropout_seed, step, first.shape[0])
@@ -211,6 +232,49 @@ def bind_batch(captured: Any, batch: Any, *, step: int = 0) -> dict[str, torch.T
     if missing:
         raise ValueError(f"the batch lacks {missing}, which the compiled graph reads")
     return {k: normal[k] for k in keys}
+
+
+def masks_documents(captured: Any) -> bool:
+    """Whether every layer of the captured graph reads an attention mask built from
+    ``position_ids``: a value computed from them and from no weight or token, whose last two
+    dimensions are both the sequence (Hugging Face's block-diagonal causal mask for packed
+    documents). A model whose attention ignores the positions, or builds its mask from the
+    sequence alone, lets a packed token attend to the earlier documents of its row."""
+    if "position_ids" not in captured.input_keys:
+        return False
+    graph = captured.graph_module.graph
+    by_name = {n.name: n for n in graph.find_nodes(op="placeholder")}
+    keys = captured.input_keys
+    start = by_name[captured.inputs[keys.index("position_ids")]]
+    tokens = by_name[captured.inputs[keys.index("input_ids")]]
+    seq = tokens.meta["val"].shape[1]
+    # Attention scores also depend on the positions (through rotary tables), but through the
+    # weights too: only what the positions alone determine can be the mask.
+    weighted = {by_name[n] for n in (*captured.params, *captured.buffers) if n in by_name}
+    weighted.add(tokens)
+    derived, masks = {start}, set()
+    for node in graph.nodes:  # topological order: one pass finds every descendant
+        # Values flow through tensors only: a shape read from a tensor (the batch size of the
+        # embeddings or of the positions) carries none of its values.
+        inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+        if any(a in weighted for a in inputs):
+            weighted.add(node)
+            continue
+        if node is start or not any(a in derived for a in inputs):
+            continue
+        derived.add(node)
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor) and val.dim() >= 2 \
+                and str(val.shape[-1]) == str(seq) and str(val.shape[-2]) == str(seq):
+            masks.add(node)
+    layers = range(1, len(captured.units) - 1)
+    readers = {n.meta.get("rp_unit") for m in masks for n in m.users}
+    return bool(masks) and all(unit in readers for unit in layers)
+
+
+def _counting(ids: torch.Tensor) -> torch.Tensor:
+    """The positions of one document per row, 0..seq-1 (the model's default)."""
+    return torch.arange(ids.shape[1], device=ids.device).expand_as(ids).clone()
 
 
 # ---------------------------------------------------------------------------------------------

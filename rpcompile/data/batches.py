@@ -8,12 +8,14 @@ batch is padded only to the smallest of ``buckets`` lengths (evenly spaced up to
 that holds its longest example, and examples are grouped by length within windows of 64 batches
 before the batches are shuffled, so little of a batch is padding.
 
-**Packing** (rows filled end to end): examples, each ending with the end-of-text token, are
-concatenated in a seeded order and cut into rows of exactly ``seq_len`` tokens; a long example
-continues in the next row. No token is padding. The batch carries no per-document attention
-mask, so a token attends to the earlier documents of its row (as in GPT-style pre-training and
-TRL's ``ConstantLengthDataset``); each document still starts after an end-of-text token. Use
-padding where that matters (chat and prompt/completion data, the default for them).
+**Packing** (whole documents side by side): examples are taken in a seeded order and each is
+put in the current row while it fits, else in a new one; an example longer than ``seq_len`` is
+truncated like a padded one. A row's batch carries ``position_ids`` that restart at 0 at each
+document (and at the padding that ends the row), and no attention mask: Hugging Face then builds a
+block-diagonal causal mask from the restarts, so a token attends only to its own document. The
+first label of each document is ``IGNORE_INDEX``, so the previous document's last token predicts
+nothing: every token's loss, and the count of labelled tokens, equal those of the documents
+trained one per row.
 
 **Order**: epoch ``e`` permutes the rows with a generator seeded by ``(seed, e)``; the iterator's
 ``state()`` is ``{"epoch", "batch", "seed"}`` and ``load_state`` resumes from exactly that batch.
@@ -55,29 +57,52 @@ def split_eval(
 
 @dataclass(frozen=True)
 class Rows:
-    """Training rows before batching: each an ``Example`` no longer than ``seq_len``."""
+    """Training rows before batching: each an ``Example`` no longer than ``seq_len``; packed
+    rows also give the lengths of the documents side by side in each row."""
 
     rows: tuple[Example, ...]
     seq_len: int
     pad_id: int
     packed: bool
+    documents: tuple[tuple[int, ...], ...] = ()
 
 
-def pack(examples: Sequence[Example], seq_len: int, pad_id: int, seed: int) -> Rows:
-    """Concatenate the examples in a seeded order and cut rows of exactly ``seq_len`` tokens
-    (the tail shorter than a row is padded, so no example is lost)."""
+def pack(examples: Sequence[Example], seq_len: int, pad_id: int,
+         seed: int) -> tuple[Rows, int, int]:
+    """Whole examples side by side in rows of up to ``seq_len`` tokens, in a seeded order (see
+    the module doc); returns (rows, truncated, dropped) as :func:`pad_rows`."""
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    rows: list[Example] = []
+    documents: list[tuple[int, ...]] = []
     ids: list[int] = []
     labels: list[int] = []
+    lengths: list[int] = []
+    truncated = dropped = 0
+
+    def close_row() -> None:
+        if lengths:
+            rows.append(Example(tuple(ids), tuple(labels)))
+            documents.append(tuple(lengths))
+            ids.clear(), labels.clear(), lengths.clear()
+
     for i in order:
-        ids.extend(examples[i].input_ids)
-        labels.extend(examples[i].labels)
-    rows = []
-    for start in range(0, len(ids), seq_len):
-        row = Example(tuple(ids[start:start + seq_len]), tuple(labels[start:start + seq_len]))
-        if row.targets:
-            rows.append(row)
-    return Rows(tuple(rows), seq_len, pad_id, packed=True)
+        ex = examples[i]
+        if len(ex) > seq_len:
+            truncated += 1
+            ex = Example(ex.input_ids[:seq_len], ex.labels[:seq_len])
+        if ex.targets == 0:
+            dropped += 1
+            continue
+        if len(ids) + len(ex) > seq_len:
+            close_row()
+        ids.extend(ex.input_ids)
+        # Nothing precedes a document's first token in its own row: no earlier token of the
+        # packed row may predict it.
+        labels.extend((IGNORE_INDEX, *ex.labels[1:]))
+        lengths.append(len(ex))
+    close_row()
+    return Rows(tuple(rows), seq_len, pad_id, packed=True, documents=tuple(documents)), \
+        truncated, dropped
 
 
 def pad_rows(examples: Sequence[Example], seq_len: int, pad_id: int) -> tuple[Rows, int, int]:
@@ -105,15 +130,25 @@ def bucket_lengths(seq_len: int, buckets: int) -> list[int]:
     return sorted(lengths)
 
 
-def collate(rows: Sequence[Example], length: int, pad_id: int) -> dict[str, torch.Tensor]:
-    """``input_ids`` and ``labels`` ``[len(rows), length]``, right-padded."""
+def collate(rows: Sequence[Example], length: int, pad_id: int,
+            documents: Sequence[Sequence[int]] | None = None) -> dict[str, torch.Tensor]:
+    """``input_ids`` and ``labels`` ``[len(rows), length]``, right-padded; with ``documents``
+    (each row's document lengths) also ``position_ids`` restarting at 0 at each document and at
+    the row's padding."""
     ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
     for r, row in enumerate(rows):
         n = min(len(row), length)
         ids[r, :n] = torch.tensor(row.input_ids[:n])
         labels[r, :n] = torch.tensor(row.labels[:n])
-    return {"input_ids": ids, "labels": labels}
+    batch = {"input_ids": ids, "labels": labels}
+    if documents is not None:
+        positions = torch.empty((len(rows), length), dtype=torch.long)
+        for r, lengths in enumerate(documents):
+            parts = [n for n in lengths if n] + [length - sum(lengths)]
+            positions[r] = torch.cat([torch.arange(n) for n in parts if n])
+        batch["position_ids"] = positions
+    return batch
 
 
 class BatchIterator:
@@ -173,13 +208,15 @@ class BatchIterator:
     def __next__(self) -> dict[str, torch.Tensor]:
         if self._order is None:
             self._order = self._epoch_order(self.epoch)
-        rows = [self.rows.rows[i] for i in self._order[self.batch]]
+        chosen = self._order[self.batch]
+        rows = [self.rows.rows[i] for i in chosen]
+        documents = [self.rows.documents[i] for i in chosen] if self.rows.packed else None
         longest = max(len(r) for r in rows)
         length = next(n for n in self.lengths if n >= longest)
         self.batch += 1
         if self.batch == len(self._order):
             self.epoch, self.batch, self._order = self.epoch + 1, 0, None
-        return collate(rows, length, self.rows.pad_id)
+        return collate(rows, length, self.rows.pad_id, documents)
 
 
 def eval_batches(
