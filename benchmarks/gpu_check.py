@@ -175,7 +175,7 @@ def check_finetune(trainer_device: str, workers: int) -> dict:
                   "--out", str(out), "--steps", "40", "--batch", str(2 * (workers + 1)),
                   "--workers", str(workers), "--device", trainer_device, "--dtype", dtype,
                   "--lr", "1e-3", "--eval-every", "20", "--save-every", "0",
-                  "--no-tensorboard"])
+                  "--report-to", "none"])
         if rc != 0:
             return {"error": f"rpcompile train exited {rc}"}
         summary = json.loads((out / "summary.json").read_text())

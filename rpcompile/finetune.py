@@ -133,7 +133,8 @@ OPTIONS: tuple[Option, ...] = (
            str, KERNELS),
     Option("chaos", None, "seed for random delays on virtual workers (tests the protocol)", int),
     Option("seed", 0, "seed of the weights built, LoRA init, eval split and data order", int),
-    Option("tensorboard", True, "write TensorBoard event files into OUT/tensorboard", bool),
+    Option("report_to", "tensorboard", "where to log metrics besides metrics.jsonl: a comma-"
+           "separated list of tensorboard, wandb, mlflow, trackio, or none", str),
 )
 _BY_NAME = {o.name: o for o in OPTIONS}
 
@@ -480,6 +481,9 @@ def _check(opts: dict[str, Any], origin: Any = None) -> None:
         where = "" if source == flag else f" (from {source})"
         raise ValueError(f"{flag} {rule}, got {opts[name]!r}{where}")
 
+    from rpcompile.loggers import parse_report_to, require
+
+    require(parse_report_to(opts["report_to"]))
     for name in ("rounds", "buckets", "keep_last"):
         if opts[name] < 1:
             refuse(name, "must be at least 1")
@@ -553,10 +557,13 @@ def _cli_words(message: str) -> str:
 
 
 class _Log:
-    """metrics.jsonl (one JSON object per line) and TensorBoard, from ``start`` on: lines of a
-    resumed run's later steps (written before it was stopped) are dropped first."""
+    """metrics.jsonl (one JSON object per line) and the ``--report-to`` reporters, from
+    ``start`` on: lines of a resumed run's later steps (written before it was stopped) are
+    dropped first."""
 
-    def __init__(self, out: Path, start: int, tensorboard: bool) -> None:
+    def __init__(self, out: Path, start: int, report_to: str, config: dict[str, Any]) -> None:
+        from rpcompile.loggers import open_reporters, parse_report_to
+
         self.path = out / "metrics.jsonl"
         kept = []
         if start and self.path.is_file():
@@ -564,26 +571,24 @@ class _Log:
                     if line.strip() and json.loads(line)["step"] <= start]
         self.path.write_text("".join(line + "\n" for line in kept))
         self.records = [json.loads(line) for line in kept]
-        self.writer = None
-        if tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(str(out / "tensorboard"),
-                                        purge_step=start + 1 if start else None)
+        self.reporters = open_reporters(parse_report_to(report_to), out, config, start)
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
-        if self.writer is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)) and value is not None:
-                    group = "eval" if key.startswith("eval") else "train"
-                    self.writer.add_scalar(f"{group}/{key}", value, record["step"])
+        metrics = {k: v for k, v in record.items() if k != "step" and v is not None}
+        for reporter in self.reporters:
+            reporter.log(metrics, record["step"])
+
+    def summary(self, metrics: dict[str, Any]) -> None:
+        for reporter in self.reporters:
+            reporter.summary({k: v for k, v in metrics.items() if v is not None})
 
     def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+        for reporter in self.reporters:
+            reporter.close()
+        self.reporters = []
 
 
 def _evaluate(compiled: Any, batches: list[dict[str, Any]],
@@ -819,6 +824,11 @@ class _Job:
                 "would attend to the earlier documents of its row: train it with --packing off"
             )
         self.sharded = compiled.trainer().sharded
+        self.predicted = _predicted_step_seconds(compiled)
+        # The cost model's FLOPs of one step (forward and backward of every unit, recompute
+        # not counted) over the whole global batch: the numerator of the MFU.
+        self.flops_per_step = batch_size * sum(sum(u.flops_at(1, seq))
+                                               for u in compiled.unit_costs)
         if lead:
             print(f"train: compiled in {time.perf_counter() - began:.1f}s", file=sys.stderr)
             print(compiled.plan, file=sys.stderr)
@@ -838,7 +848,7 @@ class _Job:
         if lead:
             (out / "config.yaml").write_text(_dump_yaml(opts))
             self.folder.record(identity)
-            self.log = _Log(out, self.start, opts["tensorboard"])
+            self.log = _Log(out, self.start, opts["report_to"], opts)
 
     def _checkpoints(self) -> Any:
         from rpcompile.runtime.checkpoint import CheckpointManager
@@ -1010,10 +1020,11 @@ class _Job:
             self._evaluate(self.total)
             self._write_final()
             if lead:
-                _write_report(self.out, self.log.records, opts,
-                              time.perf_counter() - self.began,
-                              self.tokens / max(self.seconds, 1e-9), compiled,
-                              compiled.trainer().schedule)
+                summary = _write_report(self.out, self.log.records, opts,
+                                        time.perf_counter() - self.began,
+                                        self.tokens / max(self.seconds, 1e-9), compiled,
+                                        compiled.trainer().schedule, self._mfu())
+                self.log.summary(summary)
         except KeyboardInterrupt:
             return self._stop()
         except (OSError, SafetensorError) as err:
@@ -1023,6 +1034,17 @@ class _Job:
             raise ValueError(self._failed(f"cannot write {what}: "
                                           f"{getattr(err, 'strerror', None) or err}")) from None
         return 0
+
+    def _mfu(self) -> dict[str, float | None]:
+        """Model FLOPs utilization of the training steps: the cost model's FLOPs per step times
+        the steps, over their measured seconds and the peak of every worker of every rank."""
+        hardware = self.compiled.hardware
+        steps = self.committed - self.start
+        peak = hardware.matmul_tflops * 1e12 * self.compiled.workers * self.world
+        achieved = self.flops_per_step * steps / self.seconds if self.seconds > 0 else None
+        return {"flops_per_step": float(self.flops_per_step),
+                "peak_flops_per_s": peak,
+                "mfu": None if achieved is None else achieved / peak}
 
     def _step(self, step: int) -> None:
         compiled, world = self.compiled, self.world
@@ -1056,7 +1078,9 @@ class _Job:
             record = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm,
                       "tokens": batch["input_ids"].numel(),
                       "target_tokens": int((batch["labels"][:, 1:] != -100).sum()),
-                      "tokens_per_s": rate, "epoch": self.iterator.epoch}
+                      "tokens_per_s": rate, "epoch": self.iterator.epoch,
+                      "step_seconds": time.perf_counter() - began,
+                      "predicted_step_seconds": self.predicted}
             if self.log is not None:
                 self.log.write(record)
             shown = {"loss": f"{loss:.3f}", "tok_s": f"{rate:,.0f}", "lr": f"{step_lr:.2e}"}
@@ -1178,8 +1202,22 @@ def _dump_yaml(opts: dict[str, Any]) -> str:
     return yaml.safe_dump({o.name: opts[o.name] for o in OPTIONS}, sort_keys=False)
 
 
+def _predicted_step_seconds(compiled: Any) -> float | None:
+    """The simulator's time per step of the schedule the workers run, on the compile's
+    hardware profile (None when a multi-rank schedule has no link to time its reductions)."""
+    from rpcompile.sim import simulate
+
+    sched = compiled.trainer().schedule
+    if sched.ranks > 1 and compiled.hardware.link is None:
+        return None
+    return simulate(sched, compiled.plan, compiled.hardware).makespan_ms / sched.steps / 1e3
+
+
 def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any],
-                  elapsed: float, tokens_per_s: float, compiled: Any, sched: Any) -> None:
+                  elapsed: float, tokens_per_s: float, compiled: Any, sched: Any,
+                  mfu: dict[str, float | None]) -> dict[str, Any]:
+    """Write summary.json, loss.png and the schedule files; returns the summary."""
+    from rpcompile.loggers import parse_report_to
     from rpcompile.sim import simulate
 
     losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
@@ -1193,7 +1231,8 @@ def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any]
                "seconds": elapsed, "tokens_per_s": tokens_per_s,
                "loss_first": first, "loss_last": last, "loss_steps_averaged": n,
                "eval_loss_first": evals[0][1] if evals else None,
-               "eval_loss_last": evals[-1][1] if evals else None}
+               "eval_loss_last": evals[-1][1] if evals else None,
+               "hardware": compiled.hardware.name, **mfu}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot_loss(losses, evals, out / "loss.png")
     sched.dump(out / "schedule.csv")
@@ -1217,7 +1256,8 @@ def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any]
              else f"(mean of first/last {n} steps)")
           + f"{eval_text}; wrote {out}/final/ (from_pretrained), metrics.jsonl, loss.png, "
           f"summary.json, config.yaml, {wrote}"
-          + (", tensorboard/" if opts["tensorboard"] else ""))
+          + "".join(f", {name}" for name in parse_report_to(opts["report_to"])))
+    return summary
 
 
 def plot_loss(losses: list[tuple[int, float]], evals: list[tuple[int, float]], path: Path) -> None:

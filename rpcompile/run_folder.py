@@ -31,8 +31,8 @@ VERSION = 1
 # What rpcompile writes into a run folder: a folder holding only these is a run's (with
 # ``.final.*``, final/ being replaced).
 _RUN_ENTRIES = {RUN_FILE, "config.yaml", "checkpoints", "final", "base", "metrics.jsonl",
-                "tensorboard", "loss.png", "summary.json", "schedule.csv", "schedule.json",
-                "schedule.png"}
+                "tensorboard", "wandb", "mlflow.db", "loss.png", "summary.json", "schedule.csv",
+                "schedule.json", "schedule.png"}
 
 
 def _ours(name: str) -> bool:
@@ -43,7 +43,7 @@ def _ours(name: str) -> bool:
 # same way: --microbatches is the run's). Every other option is part of the trajectory.
 MAY_CHANGE = ("steps", "epochs", "eval_every", "save_every", "keep_last", "workers", "device",
               "kernels", "chaos", "recompute", "host_memory", "undo_journal", "shard_optimizer",
-              "checkpoint_per_rank", "tensorboard", "merge")
+              "checkpoint_per_rank", "report_to", "merge")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -151,7 +151,7 @@ def test_frozen_parameters_get_no_gradient():
         (dict(gpus=2, example_inputs=torch.randn(2, 8)), "input_ids must hold integers"),
         (dict(gpus=2, example_inputs=torch.full((2, 8), 500)), "vocab_size"),
         (dict(gpus=2, example_inputs={"input_ids": torch.zeros(2, 8, dtype=torch.long),
-                                      "position_ids": torch.ones(2, 8)}), "unsupported batch keys"),
+                                      "token_type_ids": torch.ones(2, 8)}), "unsupported batch keys"),
     ],
 )
 def test_bad_arguments_say_what_to_change(kwargs, match):

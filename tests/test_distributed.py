@@ -1065,7 +1065,7 @@ def _train_args(tmp_path, lr: str = "3e-3") -> tuple[list[str], dict]:
     env = {**os.environ, "PYTHONPATH": str(root), "OMP_NUM_THREADS": "1"}
     args = ["train", "--model", str(ckpt), "--data", str(data), "--steps", "4", "--workers",
             "2", "--microbatches", "2", "--batch", "8", "--lr", lr, "--eval-every", "0",
-            "--save-every", "2", "--keep-last", "2", "--no-tensorboard"]
+            "--save-every", "2", "--keep-last", "2", "--report-to", "none"]
     return args, env
 
 

@@ -132,7 +132,7 @@ def test_yaml_config_and_flags_override_it(tmp_path, files):
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {files['ckpt']}\ndata: {files['pairs']}\nsteps: 4\n"
                       "workers: 2\nbatch: 6\nschedule: linear\n"
-                      "eval_split: 0\nsave_every: 0\ntensorboard: false\n")
+                      "eval_split: 0\nsave_every: 0\nreport_to: none\n")
     out = tmp_path / "run"
     assert main(["train", "--config", str(config), "--steps", "3", "--out", str(out)]) == 0
     records = _records(out)
@@ -268,7 +268,7 @@ def test_sigkill_then_resume_logs_the_same_losses(tmp_path, files):
     args = ["--model", str(files["ckpt"]), "--data", str(files["pairs"]), "--steps", "40",
             "--workers", "2", "--batch", "6", "--lr", "3e-3",
             "--eval-every", "10", "--save-every", "4", "--keep-last", "2",
-            "--no-tensorboard"]
+            "--report-to", "none"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "rpcompile.cli", "train"]
     # The uninterrupted run goes on in its own process while the other is killed and resumed

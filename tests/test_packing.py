@@ -114,3 +114,33 @@ def test_a_graph_whose_mask_ignores_positions_is_refused_for_packing(monkeypatch
     monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
     captured = rpcompile.capture(hf_model("qwen3", layers=2), packed)
     assert "position_ids" in captured.input_keys and not masks_documents(captured)
+
+
+def test_restarting_positions_on_a_graph_without_them_are_refused():
+    packed, _ = _packed_steps(1)[0]
+    plain = {k: v for k, v in packed.items() if k != "position_ids"}
+    compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=3,
+                                 example_inputs=plain)
+    with pytest.raises(ValueError, match="compile with an example batch that carries "
+                                         "position_ids"):
+        compiled.reference_step(packed)
+    counting = dict(plain, position_ids=torch.arange(SEQ).expand(ROWS, SEQ))
+    loss, _ = compiled.reference_step(counting)  # positions 0..seq-1: the model's own
+    torch.testing.assert_close(loss, compiled.reference_step(plain)[0])
+
+
+def test_train_refuses_packing_for_a_model_whose_mask_ignores_positions(tmp_path, monkeypatch,
+                                                                       capsys):
+    import transformers.masking_utils as masking
+
+    from rpcompile.cli import main
+    from tests.test_finetune import _tiny_checkpoint
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(f'{{"text": "document {i} " }}\n' for i in range(40)))
+    monkeypatch.setattr(masking, "find_packed_sequence_indices", lambda position_ids: None)
+    assert main(["train", "--model", str(_tiny_checkpoint(tmp_path / "ckpt")),
+                 "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1",
+                 "--workers", "2", "--packing", "on", "--report-to", "none"]) == 2
+    err = capsys.readouterr().err
+    assert "Qwen3ForCausalLM" in err and "--packing off" in err

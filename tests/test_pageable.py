@@ -171,7 +171,7 @@ def test_the_option_reaches_the_pin_decision_from_compile_and_the_trainer(monkey
 def test_the_option_reaches_the_pin_decision_from_the_train_cli(monkeypatch, tmp_path, capsys):
     seen = _spy(monkeypatch)
     assert main(["train", "--steps", "1", "--workers", "2", "--seq", "32", "--batch", "6",
-                 "--eval-every", "0", "--save-every", "0", "--no-tensorboard",
+                 "--eval-every", "0", "--save-every", "0", "--report-to", "none",
                  "--host-memory", "pageable", "--out", str(tmp_path)]) == 0
     assert seen and all(h == "pageable" for h, _kind in seen)
     assert "transfers: pageable host memory" in capsys.readouterr().err

@@ -80,7 +80,7 @@ def files(tmp_path_factory):
 
 def _common(files) -> list[str]:
     return ["--model", files["ckpt"], "--workers", "2", "--batch", "6", "--lr", "1e-2",
-            "--no-tensorboard"]
+            "--report-to", "none"]
 
 
 # The run the copying tests start from, and the interrupted runs are compared with.
@@ -232,7 +232,7 @@ def test_the_job_trains_with_the_dropout_of_the_checkpoints_config(files, tmp_pa
         status, text = _train("--model", ckpt, "--data", files["pairs"], "--workers", "2",
                               "--batch", "6", "--steps", "2", "--lr", "1e-2", "--eval-split",
                               "0", "--schedule", "constant", "--warmup-steps", "0",
-                              "--no-tensorboard", "--out", out)
+                              "--report-to", "none", "--out", out)
     assert status == 0, text
     (job,) = compiled
     assert job.capture.random_ops  # dropout is in the graph: the model was in train mode
