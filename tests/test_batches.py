@@ -144,8 +144,9 @@ def test_int32_token_ids_train_as_int64():
 def test_batches_smaller_than_the_plan_run_and_larger_ones_are_refused():
     model = hf_model("qwen3")
     eager = copy.deepcopy(model)
+    # dynamic=False: a larger batch is refused, not planned for anew (tests/test_plan_shapes.py)
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=sft_batch(6, 12),
-                                 optimizer=_adamw, device="virtual")
+                                 optimizer=_adamw, device="virtual", dynamic=False)
     try:
         with pytest.raises(ValueError, match=r"longer|larger than the plan's shape.*12 tokens"):
             compiled.step(sft_batch(6, 16))

@@ -26,7 +26,10 @@ def test_every_pass_is_recorded_in_order_with_its_artifact(monkeypatch):
     c = _compile()
     assert [r.name for r in c.history] == PASSES
     by = {r.name: r.artifact for r in c.history}
-    assert by["capture"] is c.capture
+    # The plan was made on a fork of the capture (Captured.fork): same nodes, own graph.
+    assert by["capture"] is c._source and c.capture is not c._source
+    assert [n.name for n in c.capture.graph_module.graph.nodes] == [
+        n.name for n in by["capture"].graph_module.graph.nodes]
     assert by["cost"] is c.unit_costs
     assert by["partition"] is c.plan and isinstance(c.plan, Plan)
     assert by["split"] is c.stages
