@@ -748,8 +748,10 @@ def _announce_rank(rank: int, world: int, port: int, out: str) -> None:
         compiled.trainer().dp.stage_done = failing_reduce
     result["reduce"] = _outcome(compiled.step, batches[1])
     compiled.close()
-    # 5. rank 1's batch is refused before the step starts (longer than the plan's shape).
-    compiled = _compile("qwen3", rank, batches[0], process_group=groups[4], timeout_s=60)
+    # 5. rank 1's batch is refused before the step starts (longer than the plan's shape, which
+    # dynamic=False keeps: by default the ranks would agree on a new plan for it).
+    compiled = _compile("qwen3", rank, batches[0], process_group=groups[4], timeout_s=60,
+                        dynamic=False)
     compiled.step(batches[0])
     bad = {k: torch.cat([v, v], dim=1) for k, v in batches[1].items()} if rank == 1 else \
         batches[1]
