@@ -77,7 +77,6 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int,
     ids: list[int] = []
     labels: list[int] = []
     lengths: list[int] = []
-    truncated = dropped = 0
 
     def close_row() -> None:
         if lengths:
@@ -85,14 +84,8 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int,
             documents.append(tuple(lengths))
             ids.clear(), labels.clear(), lengths.clear()
 
-    for i in order:
-        ex = examples[i]
-        if len(ex) > seq_len:
-            truncated += 1
-            ex = Example(ex.input_ids[:seq_len], ex.labels[:seq_len])
-        if ex.targets == 0:
-            dropped += 1
-            continue
+    kept, truncated, dropped = _cut([examples[i] for i in order], seq_len)
+    for ex in kept:
         if len(ids) + len(ex) > seq_len:
             close_row()
         ids.extend(ex.input_ids)
@@ -108,7 +101,14 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int,
 def pad_rows(examples: Sequence[Example], seq_len: int, pad_id: int) -> tuple[Rows, int, int]:
     """One row per example, cut at ``seq_len``; returns (rows, truncated, dropped): examples
     longer than ``seq_len`` are truncated, and dropped when nothing to predict is left."""
-    rows, truncated, dropped = [], 0, 0
+    rows, truncated, dropped = _cut(examples, seq_len)
+    return Rows(tuple(rows), seq_len, pad_id, packed=False), truncated, dropped
+
+
+def _cut(examples: Sequence[Example], seq_len: int) -> tuple[list[Example], int, int]:
+    """The examples cut at ``seq_len``, without those left with nothing to predict; with how
+    many were truncated and how many dropped."""
+    kept, truncated, dropped = [], 0, 0
     for ex in examples:
         if len(ex) > seq_len:
             truncated += 1
@@ -116,8 +116,8 @@ def pad_rows(examples: Sequence[Example], seq_len: int, pad_id: int) -> tuple[Ro
         if ex.targets == 0:
             dropped += 1
             continue
-        rows.append(ex)
-    return Rows(tuple(rows), seq_len, pad_id, packed=False), truncated, dropped
+        kept.append(ex)
+    return kept, truncated, dropped
 
 
 def bucket_lengths(seq_len: int, buckets: int) -> list[int]:
