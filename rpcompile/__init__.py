@@ -14,6 +14,7 @@ from rpcompile.capture.types import (
     RefusedModel,
 )
 from rpcompile.compiler import Compiled, MemoryPlanError, compile
+from rpcompile.errors import RPCompileError
 from rpcompile.hardware import Hardware, get_hardware, list_hardware
 from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage, UnitProfile
 from rpcompile.options import CaptureOptions, LossScaleConfig, Options, PlanOptions, TrainOptions
@@ -59,6 +60,7 @@ __all__ = [
     "PassInvariantError",
     "Plan",
     "PlanOptions",
+    "RPCompileError",
     "RankFailed",
     "RefusedModel",
     "RuntimeFault",

@@ -23,6 +23,7 @@ from rpcompile.capture.tracing import (
     release_fx_sources,
     release_shape_env_caches,
 )
+from rpcompile.errors import RPCompileError
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.options import (
@@ -983,7 +984,7 @@ def planning_hardware(options: Options) -> Hardware:
     return hw
 
 
-class MemoryPlanError(ValueError):
+class MemoryPlanError(RPCompileError, ValueError):
     """A plan's proven per-worker peak exceeds what a worker has (refused at compile time)."""
 
 

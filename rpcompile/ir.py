@@ -22,6 +22,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from rpcompile.errors import RPCompileError
+
 __all__ = [
     "ACTION_KINDS",
     "ACTION_SPECS",
@@ -1036,5 +1038,5 @@ class Schedule:
                 f" edges; {lowered})")
 
 
-class ScheduleError(ValueError):
+class ScheduleError(RPCompileError, ValueError):
     """A schedule broke an invariant; the message names the pass and shows the marked grid."""

@@ -12,6 +12,8 @@ import torch
 import torch.utils.flop_counter
 from torch import nn
 
+from rpcompile.errors import RPCompileError
+
 # ---------------------------------------------------------------------------------------------
 # 1. Public types
 # ---------------------------------------------------------------------------------------------
@@ -22,7 +24,7 @@ S = sympy.Symbol("s", positive=True, integer=True)  # sequence length
 _WRAPPED = "inner"  # attribute under which the wrapper holds the user's model
 
 
-class CaptureError(RuntimeError):
+class CaptureError(RPCompileError, RuntimeError):
     """Every capture strategy failed; the message names the module, the strategies and a fix."""
 
 
@@ -108,7 +110,7 @@ class Captured:
         return self.constants[placeholder]
 
 
-class RefusedModel(ValueError):
+class RefusedModel(RPCompileError, ValueError):
     """A model rpcompile cannot train exactly: raised through every capture strategy (no
     other strategy would change the answer)."""
 

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rpcompile.errors import RPCompileError
+
 __all__ = ["IGNORE_INDEX", "DataError", "Example", "detect_format", "encode_record",
            "read_records", "record_location"]
 
@@ -36,7 +38,7 @@ _SHAREGPT_ROLES = {"human": "user", "gpt": "assistant"}
 _SHAREGPT_KEYS = {"from": "role", "value": "content"}
 
 
-class DataError(ValueError):
+class DataError(RPCompileError, ValueError):
     """A data file or one of its records cannot be used; the message names the file, the
     record (its line in a JSON Lines file) and the field."""
 

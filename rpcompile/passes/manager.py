@@ -20,6 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
+from rpcompile.errors import RPCompileError
 from rpcompile.ir import ScheduleError
 
 __all__ = ["PassInvariantError", "PassManager", "PassRecord", "ScheduleInvariantError",
@@ -39,7 +40,7 @@ class PassRecord(Generic[T]):
     artifact: T
 
 
-class PassInvariantError(AssertionError):
+class PassInvariantError(RPCompileError, AssertionError):
     """A pass produced an artifact that breaks one of its invariants; the message names the
     pass (checked under ``RPCOMPILE_DEBUG=1``, and always for a lowered schedule)."""
 

@@ -48,6 +48,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from rpcompile.errors import RPCompileError
 from rpcompile.ir import Action, Plan, Schedule, Stage
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "WorkerPeak", "format_bytes",
@@ -424,7 +425,7 @@ def host_static_bytes(stages: Sequence[Stage], units: Sequence, optimizer: str,
     return _static_host(stages, units, optimizer, optimizer_bytes_per_param, journal).total
 
 
-class HostMemoryError(ValueError):
+class HostMemoryError(RPCompileError, ValueError):
     """A run's host state exceeds the host's RAM (refused before the host store is built)."""
 
 

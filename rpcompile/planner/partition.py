@@ -30,6 +30,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from functools import cache
 
+from rpcompile.errors import RPCompileError
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, Stage, UnitProfile
 from rpcompile.options import PlanOptions, check_update_order, entry_plan_options
@@ -65,7 +66,7 @@ __all__ = [
 SIMULATION_CAPS = {"sync": 1024, "async": 32}
 
 
-class PartitionError(ValueError):
+class PartitionError(RPCompileError, ValueError):
     """No plan fits the hardware; the message names the unit and the memory it needs."""
 
 

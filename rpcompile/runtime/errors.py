@@ -6,6 +6,8 @@ executor can re-raise it in the caller without losing that context.
 
 from __future__ import annotations
 
+from rpcompile.errors import RPCompileError
+
 __all__ = [
     "EventTimeout",
     "OptimizerError",
@@ -18,7 +20,7 @@ __all__ = [
 ]
 
 
-class RuntimeFault(RuntimeError):
+class RuntimeFault(RPCompileError, RuntimeError):
     """Base class of every error the rpcompile runtime raises on purpose."""
 
 

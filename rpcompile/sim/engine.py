@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
+from rpcompile.errors import RPCompileError
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import (
     ACTION_SPECS,
@@ -88,7 +89,7 @@ GLOO_BROADCAST_HOST_BYTES_PER_BYTE = 2
 _TIME_EPS = 1e-9  # ms; two events closer than this happen together
 
 
-class SimulationError(RuntimeError):
+class SimulationError(RPCompileError, RuntimeError):
     """The replay cannot go on (a deadlock): the message lists the blocked stream heads."""
 
 
