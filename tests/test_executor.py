@@ -384,7 +384,11 @@ def test_peak_memory_within_the_planners_prediction_with_many_microbatches():
     model = hf_model("qwen3", layers=2)
     compiled = rpcompile.compile(model, gpus=1, microbatches=8, example_inputs=token_batch(8))
     trainer = assert_trains_like_reference(compiled, batches(2, 8), SGD)
-    assert trainer.peak_bytes()[0] > max(s.weight_bytes for s in compiled.plan.stages)
+    measured, proven = trainer.peak_bytes(), trainer.predicted_peak_bytes()
+    assert proven == tuple(p.peak_bytes for p in compiled.memory)
+    assert all(m <= p for m, p in zip(measured, proven, strict=True)), (measured, proven)
+    # ... and the measurement saw the held activations, not one stage's weights alone.
+    assert measured[0] > max(s.weight_bytes for s in compiled.plan.stages)
 
 
 def test_executor_refuses_a_schedule_it_cannot_run(qwen3):
