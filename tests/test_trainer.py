@@ -1,18 +1,24 @@
-"""The training API: a Trainer over a compiled model trains like eager PyTorch (same torch
-optimizer, same gradient accumulation), checkpoints and restores exactly, writes its weights
-back into the user's module, and handles frozen parameters and a bf16 model."""
+"""The training API against eager PyTorch: a Trainer over a compiled model, and the same
+through ``Compiled`` (step, state_dict, sync_to_model, memory_report), trains like eager
+training (same torch optimizer, same gradient accumulation), checkpoints and restores exactly,
+writes its weights back into the user's module, handles frozen parameters, LoRA and a bf16
+model; a Trainer built by hand keeps the compile's training options, its keywords overriding
+them one by one."""
 
 from __future__ import annotations
 
 import copy
+import math
+from dataclasses import fields, replace
 
 import pytest
 import torch
 
 import rpcompile
+from rpcompile import TrainOptions
 from rpcompile.runtime.trainer import Trainer, plan_summary
 from tests.test_executor import ADAMW, SGD, assert_trains_like_reference, batches
-from tests.tiny_models import eager_grads, hf_model, token_batch
+from tests.tiny_models import eager_grads, hf_model, sft_batch, token_batch
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +118,7 @@ def test_bf16_model_trains_like_eager_mixed_precision():
     # same by hand: bf16 copies of fp32 masters for the forward/backward, SGD on the masters.
     model = hf_model("qwen3", layers=2).to(torch.bfloat16)
     compiled = rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=token_batch(6))
+    assert compiled.compute_dtype == torch.bfloat16
     eager = copy.deepcopy(model)
     masters = {n: p.detach().float().clone() for n, p in eager.named_parameters()}
     optimizer = torch.optim.SGD(list(masters.values()), lr=0.1)
@@ -142,25 +149,6 @@ def test_device_choice(qwen3):
             assert all(w.kind == "virtual" for w in trainer.workers)
         with pytest.raises(RuntimeError, match="virtual"):
             Trainer(qwen3, SGD, device="cuda")
-
-
-def test_peft_lora_trains_only_the_adapters():
-    peft = pytest.importorskip("peft")
-    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
-    model = peft.get_peft_model(hf_model("qwen3", layers=2), lora)
-    before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=token_batch(6))
-    with assert_trains_like_reference(compiled, batches(2, 6), ADAMW, chaos=2) as trainer:
-        adapters = {n for n, p in model.named_parameters() if p.requires_grad}
-        assert set(trainer.masters()) == adapters and all("lora_" in n for n in adapters)
-        opt_params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
-        assert len(opt_params) == len(adapters)
-        trainer.sync_to_model()
-    for name, p in model.named_parameters():
-        if name in adapters:
-            assert not torch.equal(p, before[name]), f"adapter {name} did not train"
-        else:
-            assert torch.equal(p, before[name]), f"base weight {name} changed"
 
 
 def test_loss_falls_on_a_repeated_batch(qwen3):
@@ -216,3 +204,223 @@ def test_a_step_with_adapters_merged_into_the_shared_base_is_refused():
             trainer.step(token_batch(4, seed=2))
         model.unmerge_adapter()
         trainer.step(token_batch(4, seed=2))
+
+
+# Compiled's training API
+
+
+def _adamw(lr=1e-2):
+    return lambda params: torch.optim.AdamW(params, lr=lr, fused=True)
+
+
+def _eager_train(model, batches, parts, lr=1e-2, dtype=None):
+    """Ordinary training: fp32 masters, optional low-precision compute copy, AdamW."""
+    masters = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(masters, lr=lr, fused=True)
+    work = copy.deepcopy(model).to(dtype) if dtype is not None else model
+    losses = []
+    for ids in batches:
+        if dtype is not None:
+            with torch.no_grad():
+                for w, m in zip(work.parameters(), model.parameters()):
+                    w.copy_(m)
+        total = 0.0
+        for chunk in ids.chunk(parts):
+            loss = work(input_ids=chunk, labels=chunk).loss
+            (loss / parts).backward()
+            total += float(loss.detach())
+        if dtype is not None:
+            for w, m in zip(work.parameters(), model.parameters()):
+                if m.requires_grad:
+                    m.grad = w.grad.float()
+                w.grad = None
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(total / parts)
+    return losses
+
+
+def test_lora_trains_only_the_adapters():
+    peft = pytest.importorskip("peft")
+    model = hf_model("qwen3")
+    model = peft.get_peft_model(model, peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"], lora_dropout=0.0))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # nonzero, so every adapter gets a gradient from step 1
+            torch.nn.init.normal_(p, std=0.02)
+    reference = copy.deepcopy(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    batches = [token_batch(6, seed=s) for s in range(3)]
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batches[0],
+                                 device="virtual", optimizer=_adamw())
+    try:
+        losses = [float(compiled.step(b)) for b in batches]
+        trainer = compiled.trainer()
+        assert set(trainer.masters()) == {n for n, p in model.named_parameters() if p.requires_grad}
+        assert sum(len(g["params"]) for g in trainer.optimizer.param_groups) == len(
+            trainer.masters())
+        compiled.sync_to_model()
+        report = compiled.memory_report()
+    finally:
+        compiled.close()
+    eager = _eager_train(reference, batches, 3)
+    assert losses == pytest.approx(eager, rel=1e-5)
+    adapters = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert adapters and all("lora_" in n for n in adapters)
+    for name, p in model.named_parameters():
+        if name in adapters:
+            assert not torch.equal(p, before[name]), name
+            torch.testing.assert_close(p, reference.get_parameter(name), rtol=1e-5, atol=1e-6)
+        else:
+            assert torch.equal(p, before[name]), name  # base weights bit-identical
+    # Frozen bases get a shadow for upload but no master, gradient or optimizer state.
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert report.trainable_params == trainable
+
+
+def test_state_dict_resumes_bit_identically():
+    batches = [token_batch(6, seed=s) for s in range(4)]
+    first = rpcompile.compile(hf_model("llama", layers=2), gpus=2, microbatches=3,
+                              example_inputs=batches[0], device="virtual", optimizer=_adamw())
+    second = rpcompile.compile(hf_model("llama", layers=2, seed=5), gpus=2, microbatches=3,
+                               example_inputs=batches[0], device="virtual", optimizer=_adamw())
+    try:
+        for b in batches[:2]:
+            first.step(b)
+        second.load_state_dict(first.state_dict())
+        a = [float(first.step(b)) for b in batches[2:]]
+        b_ = [float(second.step(b)) for b in batches[2:]]
+        assert a == b_
+        ma, mb = first.trainer().masters(), second.trainer().masters()
+        assert all(torch.equal(ma[k], mb[k]) for k in ma)
+    finally:
+        first.close()
+        second.close()
+
+
+def test_memory_report_is_the_sum_of_what_is_kept():
+    model = hf_model("qwen3_tied", layers=2).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="convert the model first"):
+        rpcompile.compile(hf_model("qwen3", layers=1), gpus=2, compute_dtype=torch.bfloat16)
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                                 device="virtual", optimizer=_adamw())
+    try:
+        compiled.step(token_batch(4))
+        report = compiled.memory_report()
+    finally:
+        compiled.close()
+    params = sum(p.numel() for p in compiled.model.parameters())  # tied weight counted once
+    assert report.trainable_params == params
+    # 4 master + 2 shadow + 4 gradient + 8 AdamW state bytes per parameter, within 5%.
+    assert report.bytes_per_trainable_param == pytest.approx(18.0, rel=0.05)
+
+
+def test_close_keeps_the_trained_state_and_refuses_more_steps():
+    model = hf_model("qwen3", layers=1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
+                                 device="virtual", optimizer=_adamw())
+    compiled.step(token_batch(4))
+    state = compiled.state_dict()
+    compiled.close()
+    with pytest.raises(RuntimeError, match="was closed"):
+        compiled.step(token_batch(4))
+    compiled.sync_to_model()  # the trained weights, not the initial ones
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert compiled.state_dict()["step"] == state["step"]
+
+
+# A Trainer built by hand from a compiled model
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _eager_clipped_step(model, batch, max_norm):
+    """One eager HF step: backward of the batch's loss, clip_grad_norm_, SGD step; returns
+    the pre-clip norm."""
+    opt = _sgd(list(model.parameters()))
+    model.zero_grad(set_to_none=True)
+    model(**batch, use_cache=False).loss.backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    opt.step()
+    return norm
+
+
+def test_a_hand_built_trainer_clips_as_the_compile_asked():
+    # compile(..., max_grad_norm=...) then Trainer(compiled, device=...): the step is the
+    # eager clipped step, not an unclipped one (a keyword that replaced every training
+    # option with its default would drop the clipping silently).
+    batch = sft_batch(4, 12, seed=3)
+    model = hf_model("qwen3", layers=2)
+    eager = copy.deepcopy(model)
+    unclipped = copy.deepcopy(model)
+    free_norm = _eager_clipped_step(unclipped, batch, math.inf)
+    max_norm = free_norm / 4  # clipping changes this step a lot
+    compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=batch,
+                                 optimizer=_sgd, max_grad_norm=max_norm, device="auto")
+    with Trainer(compiled, device="virtual", timeout_s=60) as trainer:
+        assert trainer.options == replace(compiled.options.train, device="virtual",
+                                          timeout_s=60)
+        trainer.step(batch)
+        norm = trainer.last.grad_norm
+        masters = trainer.masters()
+    expected = _eager_clipped_step(eager, batch, max_norm)
+    assert norm == pytest.approx(expected, rel=1e-5)
+    moved = 0.0
+    for name, p in eager.named_parameters():
+        torch.testing.assert_close(masters[name], p.detach(), rtol=0, atol=1e-6, msg=name)
+        moved = max(moved, float((p.detach() - unclipped.get_parameter(name).detach()).abs().max()))
+    assert moved > 1e-4  # the unclipped step is another one: the comparison can tell
+
+
+def test_the_trainer_keywords_override_the_compiled_options_one_by_one():
+    options = dict(device="virtual", chaos=7, capacity_bytes=1 << 40, kernels="torch",
+                   skip_nonfinite=True, loss_scale=True, max_grad_norm=2.0, timeout_s=90.0,
+                   host_ram_bytes=1 << 50, undo_journal=True, optimizer=_sgd,
+                   host_memory="pageable")
+    # Every training option but the process group is set away from its default here, so a
+    # keyword that resets the others would show.
+    assert set(options) == {f.name for f in fields(TrainOptions)} - {"process_group"}
+    assert all(getattr(TrainOptions(), k) != v for k, v in options.items()
+               if k != "undo_journal")
+    compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
+                                 example_inputs=token_batch(4), **options)
+
+    def adamw(params):
+        return torch.optim.AdamW(params, lr=1e-3)
+
+    with Trainer(compiled, adamw, kernels="auto") as trainer:
+        assert trainer.options == replace(compiled.options.train, optimizer=adamw,
+                                          kernels="auto")
+        assert trainer.loss_scaler is not None and trainer.timeout_s == 90.0
+        assert trainer.executor.max_grad_norm == 2.0
+    with Trainer(compiled) as trainer:  # no keyword: the compile's options, as they are
+        assert trainer.options == compiled.options.train
+    # A keyword can still turn an option back to its default (None is a value here).
+    with Trainer(compiled, max_grad_norm=None, loss_scale=None, skip_nonfinite=False) as t:
+        assert t.options.max_grad_norm is None and t.loss_scaler is None
+    # The merged options are checked like any other.
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        Trainer(compiled, kernels="cuda")
+
+
+@pytest.mark.parametrize("compiled_journal", [True, False])
+def test_the_undo_journal_keyword_is_applied_to_all_the_trainer_reads(compiled_journal):
+    # undo_journal is a host-side choice: the schedule's actions do not depend on it (only
+    # the simulated OPT time and the host figure do), so a Trainer keyword that differs from
+    # the compile's is applied to everything the Trainer reads: its driver's rollback and
+    # its host figure; the compile's setting holds when the keyword is not given.
+    compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
+                                 example_inputs=token_batch(4), device="virtual",
+                                 undo_journal=compiled_journal)
+    assert compiled.hardware.undo_journal is compiled_journal
+    for keyword in ({}, {"undo_journal": not compiled_journal}):
+        journal = keyword.get("undo_journal", compiled_journal)
+        with Trainer(compiled, _sgd, **keyword) as trainer:
+            assert trainer.options.undo_journal is journal
+            assert trainer.driver.rollback is journal
+            assert (trainer.host_memory.journal > 0) is journal
+            assert trainer.schedule == compiled.schedule  # the same actions either way
+            trainer.step(token_batch(4))
