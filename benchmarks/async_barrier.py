@@ -21,10 +21,10 @@ Run it from the tree to measure (``PYTHONPATH=<tree> python3 benchmarks/async_ba
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
+from _results import write_result
 from paper_bubbles import MICROBATCH_SIZE, MICROBATCHES, SEQ, WORKERS, paper_hardware
 
 from rpcompile.planner.partition import fit_memory_waits, partition
@@ -80,8 +80,7 @@ def main() -> None:
                   f"{row['sync_steady_bubble_pct']:6.2f} %  async / sync "
                   f"{row['async_over_sync']:.3f}  ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    write_result(args.json, out)
     print(f"wrote {args.json}")
 
 

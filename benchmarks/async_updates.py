@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import statistics
 import time
 from pathlib import Path
 
 from _models import qwen3  # benchmarks/_models.py, beside this script
+from _results import write_result
 from _setup import adamw, token_batches
 
 
@@ -84,8 +84,7 @@ def main() -> None:
               + ", ".join(f"{k} {v:.2f}" for k, v in host[m].items() if k != "total") + ")")
     print(f"async / sync: measured {result['ratio_async_over_sync']:.3f}, "
           f"simulated {result['simulated_ratio']:.3f}")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=2))
+    write_result(args.json, result)
     print(f"wrote {args.json}")
 
 

@@ -29,7 +29,6 @@ over all runs. Host memory too: what the run's transfer staging pool holds after
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -37,6 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests/
+from _results import write_result
+
 from tests.tiny_models import hf_model, token_batch  # the models the CPU tests use
 
 CASES = [("qwen3", 1, 3), ("qwen3", 2, 3), ("qwen3", 3, 4), ("qwen3", 4, 8), ("llama", 3, 6)]
@@ -121,9 +122,7 @@ def main() -> None:
     hi = max(r["measured_max"] / r["held"] for r in rows)
     sim_lo = min(r["simulated"] / r["peak"] for r in rows)
     within = sum(r["measured_min"] >= 0.95 * r["held"] for r in rows)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({"runs": args.runs, "steps": args.steps, "rows": rows,
-                                     "host": hosts}, indent=1))
+    write_result(args.json, {"runs": args.runs, "steps": args.steps, "rows": rows, "host": hosts})
     host_lo = min(min(h["staging_held"]) / h["staging_figure"] for h in hosts)
     host_hi = max(max(h["staging_held"]) / h["staging_figure"] for h in hosts)
     print(f"memory_agreement: {len(rows)} workers x {args.runs} runs: measured {lo:.3f}-"
