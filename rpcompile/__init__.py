@@ -14,7 +14,8 @@ from rpcompile.capture.types import (
     RefusedModel,
 )
 from rpcompile.compiler import Compiled, MemoryPlanError, compile
-from rpcompile.errors import RPCompileError
+from rpcompile.data.formats import DataError
+from rpcompile.errors import InvalidInput, InvalidType, MissingKey, RPCompileError, StateError
 from rpcompile.hardware import Hardware, get_hardware, list_hardware
 from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage, UnitProfile
 from rpcompile.options import CaptureOptions, LossScaleConfig, Options, PlanOptions, TrainOptions
@@ -47,12 +48,16 @@ __all__ = [
     "CheckpointFailed",
     "CheckpointManager",
     "Compiled",
+    "DataError",
     "EventTimeout",
     "Hardware",
     "HostMemoryError",
     "HostMemoryWarning",
+    "InvalidInput",
+    "InvalidType",
     "LossScaleConfig",
     "MemoryPlanError",
+    "MissingKey",
     "NoLossError",
     "OptimizerError",
     "Options",
@@ -69,6 +74,7 @@ __all__ = [
     "ScheduleInvariantError",
     "SimulationError",
     "Stage",
+    "StateError",
     "StepAborted",
     "StepFailed",
     "StepTimeout",

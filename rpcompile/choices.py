@@ -20,6 +20,8 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from rpcompile.errors import InvalidInput
+
 __all__ = [
     "CHOICES",
     "DEVICES",
@@ -69,7 +71,7 @@ def check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
     (for the choices of an option of :data:`CHOICES`) what they mean."""
     if value not in choices:
         hint = _HINTS.get(choices)
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, choices))}, got "
+        raise InvalidInput(f"{name} must be one of {', '.join(map(repr, choices))}, got "
                          f"{value!r}" + (f" ({hint})" if hint else ""))
 
 

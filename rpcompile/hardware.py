@@ -19,6 +19,7 @@ from functools import cache
 from importlib import resources
 
 from rpcompile.choices import check_option
+from rpcompile.errors import InvalidInput
 
 __all__ = [
     "Hardware",
@@ -123,7 +124,7 @@ class Hardware:
         figures."""
         check_option("host_memory", kind)
         if kind == "pageable" and not (self.pageable_h2d_gbps > 0 and self.pageable_d2h_gbps > 0):
-            raise ValueError(
+            raise InvalidInput(
                 f"host_memory='pageable' needs the pageable-memory bandwidth of the "
                 f"{self.name!r} profile, which has none (pageable_h2d_gbps="
                 f"{self.pageable_h2d_gbps:g}, pageable_d2h_gbps={self.pageable_d2h_gbps:g}): "
@@ -224,7 +225,7 @@ def get_link(name: str | Link) -> Link:
         return name
     links = _file()["links"]
     if not isinstance(name, str) or name not in links:
-        raise ValueError(f"unknown link {name!r}; known: {', '.join(sorted(links))}")
+        raise InvalidInput(f"unknown link {name!r}; known: {', '.join(sorted(links))}")
     return Link(key=name, **links[name])
 
 
@@ -238,7 +239,7 @@ def get_hardware(name: str | Hardware) -> Hardware:
         return name
     table = _table()
     if name not in table:
-        raise ValueError(f"unknown hardware profile {name!r}; known: {', '.join(sorted(table))}")
+        raise InvalidInput(f"unknown hardware profile {name!r}; known: {', '.join(sorted(table))}")
     row = dict(table[name])
     if "link" in row:
         row["link"] = get_link(row["link"])
@@ -267,7 +268,7 @@ def probe(device: str = "auto", size: int | None = None, repeats: int = 3,
         device = "cuda" if torch.cuda.is_available() else "cpu"
     cuda = device == "cuda"
     if cuda and not torch.cuda.is_available():
-        raise ValueError("probe(device='cuda') needs a CUDA device; use device='cpu'")
+        raise InvalidInput("probe(device='cuda') needs a CUDA device; use device='cpu'")
     key = (device, size, repeats, min_seconds)
     if fresh or key not in _PROBED:
         _PROBED[key] = _probe(cuda, size or (4096 if cuda else 2048), repeats, min_seconds)

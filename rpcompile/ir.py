@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from rpcompile.errors import RPCompileError
+from rpcompile.errors import InvalidInput, InvalidType, RPCompileError
 
 __all__ = [
     "ACTION_KINDS",
@@ -179,7 +179,7 @@ class Stage:
         if self.kind == "tail":
             return "B1"
         if num_forward is None:
-            raise ValueError(f"the label of backward stage {self.index} needs num_forward "
+            raise InvalidInput(f"the label of backward stage {self.index} needs num_forward "
                              "(use plan.stage_name(index))")
         return f"B{self.index - num_forward + 1}"
 
@@ -269,32 +269,32 @@ class Plan:
         fwd = self.forward_stages
         tails = [s for s in self.stages if s.kind == "tail"]
         if len(tails) != 1:
-            raise ValueError(f"a plan needs exactly one tail stage, found {len(tails)}")
+            raise InvalidInput(f"a plan needs exactly one tail stage, found {len(tails)}")
         for i, s in enumerate(self.stages):
             if s.index != i:
-                raise ValueError(f"stage at position {i} has index {s.index}")
+                raise InvalidInput(f"stage at position {i} has index {s.index}")
             if not s.units:
-                raise ValueError(f"stage {s.label(self.num_forward)} has no units")
+                raise InvalidInput(f"stage {s.label(self.num_forward)} has no units")
             if list(s.units) != list(range(s.units[0], s.units[-1] + 1)):
-                raise ValueError(f"stage {s.label(self.num_forward)} units are not contiguous")
+                raise InvalidInput(f"stage {s.label(self.num_forward)} units are not contiguous")
             if s.recompute not in ("stage", "layer") or (
                     s.recompute == "layer" and s.kind != "backward"):
-                raise ValueError(f"stage {s.label(self.num_forward)} ({s.kind}) cannot "
+                raise InvalidInput(f"stage {s.label(self.num_forward)} ({s.kind}) cannot "
                                  f"recompute by {s.recompute!r}: only a backward stage "
                                  "recomputes, by 'stage' or 'layer'")
         order = [s.kind for s in self.stages]
         p = len(fwd)
         if order[:p] != ["forward"] * p or order[p] != "tail":
-            raise ValueError(f"stage kinds out of order: {order}")
+            raise InvalidInput(f"stage kinds out of order: {order}")
         covered = [u for s in fwd for u in s.units]
         t = tails[0].units[0]
         if covered != list(range(t)):
-            raise ValueError(f"forward stages cover {covered}, expected units 0..{t - 1}")
+            raise InvalidInput(f"forward stages cover {covered}, expected units 0..{t - 1}")
         if tails[0].units[-1] != n - 1:
-            raise ValueError("the tail must end at the last unit")
+            raise InvalidInput("the tail must end at the last unit")
         back = [u for s in self.stages[p + 1 :] for u in reversed(s.units)]
         if back != list(range(t - 1, -1, -1)):
-            raise ValueError(f"backward stages cover {back}, expected units {t - 1}..0")
+            raise InvalidInput(f"backward stages cover {back}, expected units {t - 1}..0")
 
     # -- printing ------------------------------------------------------------------------
     def table(self) -> str:
@@ -428,7 +428,7 @@ def check_registry(table: Mapping[Any, Any], interpreter: str) -> None:
     keys = {ActionKind(k) for k in table}
     missing = [k.value for k in ActionKind if k not in keys]
     if missing or len(keys) != len(table):
-        raise TypeError(f"{interpreter} has no implementation of action kinds {missing}: every "
+        raise InvalidType(f"{interpreter} has no implementation of action kinds {missing}: every "
                         "ActionKind needs one in each interpreter (runtime and simulator)")
 
 
@@ -511,21 +511,21 @@ class Action:
         if isinstance(self.kind, ActionKind):  # kept as the plain string: cheap to hash
             object.__setattr__(self, "kind", self.kind.value)
         if self.kind not in ACTION_KINDS:
-            raise ValueError(f"unknown action kind {self.kind!r}; expected one of {ACTION_KINDS}")
+            raise InvalidInput(f"unknown action kind {self.kind!r}; expected one of {ACTION_KINDS}")
         if (self.worker is None) != (self.kind in HOST_KINDS):
-            raise ValueError(f"{self.kind} actions run on {'the host' if self.kind in HOST_KINDS else 'a worker'}")
+            raise InvalidInput(f"{self.kind} actions run on {'the host' if self.kind in HOST_KINDS else 'a worker'}")
         if self.kind == "UP" and self.what is None:
             object.__setattr__(self, "what", "weights")
         allowed = ACTION_SPECS[self.kind].payloads  # type: ignore[index]
         if allowed:
             if self.what not in allowed:
-                raise ValueError(f"{self.kind} carries one of {allowed}, not {self.what!r}")
+                raise InvalidInput(f"{self.kind} carries one of {allowed}, not {self.what!r}")
         elif self.what is not None:
-            raise ValueError(f"{self.kind} actions carry no payload (what={self.what!r})")
+            raise InvalidInput(f"{self.kind} actions carry no payload (what={self.what!r})")
         if self.value is not None and not _VALUE_RE.fullmatch(self.value):
-            raise ValueError(f"value name {self.value!r} must match {_VALUE_RE.pattern}")
+            raise InvalidInput(f"value name {self.value!r} must match {_VALUE_RE.pattern}")
         if self.chunks < 1 or self.bytes < 0:
-            raise ValueError("chunks must be >= 1 and bytes >= 0")
+            raise InvalidInput("chunks must be >= 1 and bytes >= 0")
         # Lowering, memory proofs and the replay key dicts by Action: the hash is computed once,
         # the same value dataclass's own __hash__ gives (so set and dict orders are unchanged).
         object.__setattr__(self, "_hash", hash(self._fields()))
@@ -586,25 +586,25 @@ class Action:
     def parse(cls, text: str) -> Action:
         tokens = text.split()
         if len(tokens) < 3:
-            raise ValueError(f"cannot parse action {text!r}: expected '<worker> <KIND> ... s<stage>'")
+            raise InvalidInput(f"cannot parse action {text!r}: expected '<worker> <KIND> ... s<stage>'")
         head, kind, rest = tokens[0], tokens[1], tokens[2:]
         if head == "host":
             worker = None
         elif head.startswith("w") and head[1:].isdigit():
             worker = int(head[1:])
         else:
-            raise ValueError(f"cannot parse action {text!r}: worker must be 'w<N>' or 'host'")
+            raise InvalidInput(f"cannot parse action {text!r}: worker must be 'w<N>' or 'host'")
         fields: dict = {"what": None}
         if kind in ("H2D", "D2H") and rest:
             fields["what"], rest = rest[0], rest[1:]
         for tok in rest:
             m = _TOKEN_RE.fullmatch(tok)
             if m is None:
-                raise ValueError(f"cannot parse action {text!r}: bad token {tok!r}")
+                raise InvalidInput(f"cannot parse action {text!r}: bad token {tok!r}")
             key = m.lastgroup
             fields[key] = tok[1:] if key == "value" else int(m.group(key))
         if "stage" not in fields:
-            raise ValueError(f"cannot parse action {text!r}: missing s<stage>")
+            raise InvalidInput(f"cannot parse action {text!r}: missing s<stage>")
         return cls(worker=worker, kind=kind, **fields)
 
 
@@ -619,7 +619,7 @@ _TOKEN_RE = re.compile(
 if tuple(f.name for f in dataclasses.fields(Action)) != ("worker", "kind", "stage", "microbatch",
                                                         "round", "step", "what", "value",
                                                         "bytes", "chunks"):
-    raise TypeError("Action._fields must list Action's fields in order (its cached hash)")
+    raise InvalidType("Action._fields must list Action's fields in order (its cached hash)")
 
 
 @dataclass(frozen=True)
@@ -656,7 +656,7 @@ class Edge:
 
     def __post_init__(self) -> None:
         if self.kind not in EDGE_KINDS:
-            raise ValueError(f"unknown edge kind {self.kind!r}; expected one of {EDGE_KINDS}")
+            raise InvalidInput(f"unknown edge kind {self.kind!r}; expected one of {EDGE_KINDS}")
 
 
 @dataclass(frozen=True)
@@ -713,9 +713,9 @@ class Schedule:
 
     def __post_init__(self) -> None:
         if self.sharded and self.ranks < 2:
-            raise ValueError("a sharded schedule is data parallel: it needs ranks > 1")
+            raise InvalidInput("a sharded schedule is data parallel: it needs ranks > 1")
         if not 0 <= self.repeat_from < self.run_steps <= self.steps:
-            raise ValueError(f"the schedule's repeated steps {self.repeat_from}.."
+            raise InvalidInput(f"the schedule's repeated steps {self.repeat_from}.."
                              f"{self.run_steps - 1} must lie within its {self.steps} steps")
         # Edges are kept in one canonical order (by the waiting action's place in the lists,
         # then as given) so that equal schedules compare equal after a CSV or JSON round trip.
@@ -953,7 +953,7 @@ class Schedule:
         if isinstance(doc, str):
             doc = json.loads(doc)
         if "rpcompile" not in doc:
-            raise ValueError("this JSON trace holds no schedule (no 'rpcompile' key); only "
+            raise InvalidInput("this JSON trace holds no schedule (no 'rpcompile' key); only "
                              "traces written by Schedule.dump / to_json load back")
         body = doc["rpcompile"]
         per_worker = [[Action.parse(s) for s in lst] for lst in body["actions"]]
@@ -980,7 +980,7 @@ class Schedule:
             draw_timeline(self, p, timeline, STREAMS)
             return
         else:
-            raise ValueError(f"cannot dump a schedule to {p!r}: use .csv, .json, .txt or .png")
+            raise InvalidInput(f"cannot dump a schedule to {p!r}: use .csv, .json, .txt or .png")
         with open(p, "w") as f:
             f.write(text)
 
@@ -993,7 +993,7 @@ class Schedule:
             return cls.from_csv(text)
         if p.lower().endswith(".json"):
             return cls.from_json(text)
-        raise ValueError(f"cannot load a schedule from {p!r}: use .csv or .json")
+        raise InvalidInput(f"cannot load a schedule from {p!r}: use .csv or .json")
 
     # -- helpers -------------------------------------------------------------------------
     def _meta(self) -> dict:

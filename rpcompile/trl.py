@@ -44,6 +44,7 @@ from datasets import Dataset
 from transformers.trainer import SCHEDULER_NAME
 
 import rpcompile
+from rpcompile.errors import InvalidInput, InvalidType, StateError
 
 __all__ = ["RPCOMPILE_STATE", "SFTTrainer"]
 
@@ -186,7 +187,7 @@ class SFTTrainer(trl.SFTTrainer):
 
     def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        raise RuntimeError(
+        raise StateError(
             "rpcompile.trl.SFTTrainer computes each step's loss on the workers "
             "(training_step); an eager compute_loss on the host model would be another "
             "training path. Evaluate with trainer.evaluate()")
@@ -248,7 +249,7 @@ class SFTTrainer(trl.SFTTrainer):
         scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
         if not os.path.isdir(state):
             if os.path.isfile(scheduler):
-                raise ValueError(
+                raise InvalidInput(
                     f"{checkpoint} holds an optimizer state but no {RPCOMPILE_STATE}/ folder: "
                     "it was not written by rpcompile.trl.SFTTrainer, whose host optimizer it "
                     "cannot restore; resume it with the trainer that wrote it, or start from "
@@ -284,7 +285,7 @@ class SFTTrainer(trl.SFTTrainer):
         decay, and none for biases and norms), over the fp32 masters."""
         names = master_names(self._compiled)
         if [tuple(p.shape) for p in masters] != [s for _, s in names]:
-            raise RuntimeError(
+            raise StateError(
                 "the host masters do not follow the stage programs' parameter order that "
                 "rpcompile.trl assumes; this trainer needs updating for this rpcompile")
         by_name = {name: p for (name, _), p in zip(names, masters)}
@@ -304,7 +305,7 @@ class SFTTrainer(trl.SFTTrainer):
         held = [s.name for s in store.owned_slots]
         assumed = [n for n, _ in master_names(self.compiled)]
         if held != assumed:
-            raise RuntimeError(
+            raise StateError(
                 "the host store's parameter order differs from the one the optimizer groups "
                 f"were built for ({held[:3]} vs {assumed[:3]}); this trainer needs updating "
                 "for this rpcompile")
@@ -362,7 +363,7 @@ def _refuse_fields(config: Any) -> None:
         if value is not None and asks(value):
             problems.append(f"{name}={value!r}: {why} ({fix})")
     if problems:
-        raise ValueError("rpcompile.trl.SFTTrainer cannot apply these SFTConfig fields: "
+        raise InvalidInput("rpcompile.trl.SFTTrainer cannot apply these SFTConfig fields: "
                          + "; ".join(problems))
 
 
@@ -379,27 +380,27 @@ def _refuse_arguments(given: Mapping[str, Any]) -> None:
     problems = [f"{name}: {why}" for name, why in reasons.items()
                 if given.get(name) is not None and given.get(name) != unset.get(name)]
     if problems:
-        raise ValueError("rpcompile.trl.SFTTrainer cannot take " + "; ".join(problems))
+        raise InvalidInput("rpcompile.trl.SFTTrainer cannot take " + "; ".join(problems))
 
 
 def _refuse_model(model: torch.nn.Module, config: Any, aux_loss: bool) -> None:
     dtype = model.dtype
     for flag, wanted in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
         if getattr(config, flag) and dtype != wanted:
-            raise ValueError(
+            raise InvalidInput(
                 f"SFTConfig({flag}=True) asks for {wanted} compute, but the model's weights are "
                 f"{dtype}: rpcompile computes in the model's dtype and keeps fp32 masters on "
                 f"the host. Load the model in {wanted} (model.to({wanted}), or "
                 f"model_init_kwargs={{'dtype': {wanted}}}) to train in it, or set "
                 f"{flag}=False to train in {dtype}")
     if aux_loss:
-        raise ValueError(
+        raise InvalidInput(
             "the model adds a router auxiliary loss (SFTConfig.router_aux_loss_coef, or its "
             "config's), a per-batch statistic that does not split into microbatches: set "
             "router_aux_loss_coef=0.0")
     devices = {p.device.type for p in model.parameters()}
     if devices != {"cpu"}:
-        raise ValueError(
+        raise InvalidInput(
             f"the model's parameters are on {sorted(devices)}: rpcompile keeps the model on "
             "the host (CPU) and uploads each stage's weights to the workers; load it on the CPU "
             "(for a model TRL loads: model_init_kwargs={'device_map': 'cpu'})")
@@ -407,7 +408,7 @@ def _refuse_model(model: torch.nn.Module, config: Any, aux_loss: bool) -> None:
 
 def _refuse_world(config: Any) -> None:
     if config.world_size > 1:
-        raise ValueError(
+        raise InvalidInput(
             f"{config.world_size} processes were launched (torchrun / accelerate launch): "
             "rpcompile.trl.SFTTrainer trains in one process, whose workers are every GPU of the "
             "server; launch it with python")
@@ -417,7 +418,7 @@ def _refuse_optimizer(config: Any, optimizer_cls: Any, kwargs: Mapping[str, Any]
     takes_model = {"params", "model", "optimizer_dict"} & set(kwargs)
     if not (isinstance(optimizer_cls, type) and issubclass(optimizer_cls, torch.optim.Optimizer)) \
             or takes_model:
-        raise ValueError(
+        raise InvalidInput(
             f"SFTConfig(optim={config.optim!r}) builds its optimizer from the model "
             f"({sorted(takes_model) or type(optimizer_cls).__name__}), not as a torch optimizer "
             "over parameters; rpcompile runs the optimizer over its host masters: choose a "
@@ -431,11 +432,11 @@ def _compile_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     known = set(inspect.signature(rpcompile.compile).parameters) - {"model"}
     owned = sorted(set(options) & set(_SET_BY_TRAINER))
     if owned:
-        raise ValueError("rpcompile={...} cannot set " + "; ".join(
+        raise InvalidInput("rpcompile={...} cannot set " + "; ".join(
             f"{k} ({_SET_BY_TRAINER[k]})" for k in owned))
     unknown = sorted(set(options) - known)
     if unknown:
-        raise TypeError(f"rpcompile={{...}} got unknown option(s) {', '.join(unknown)}; the "
+        raise InvalidType(f"rpcompile={{...}} got unknown option(s) {', '.join(unknown)}; the "
                         "options are rpcompile.compile's: "
                         + ", ".join(sorted(known - set(_SET_BY_TRAINER))))
     if options.get("gpus") is None:
@@ -451,7 +452,7 @@ def _plan_rows(config: Any, options: Mapping[str, Any]) -> int:
     rows = config.per_device_train_batch_size * config.gradient_accumulation_steps
     parts = (options.get("microbatches") or 1) * options["rounds"]
     if rows < parts:
-        raise ValueError(
+        raise InvalidInput(
             f"a step's global batch is per_device_train_batch_size x "
             f"gradient_accumulation_steps = {rows} sequences, fewer than the {parts} "
             f"microbatches x rounds of rpcompile={{...}}: every microbatch needs a sequence")
@@ -471,7 +472,7 @@ def model_inputs(batch: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     assistant-only masks are folded in there), so nothing else may remain."""
     other = sorted(set(batch) - set(_MODEL_KEYS))
     if other:
-        raise ValueError(
+        raise InvalidInput(
             f"the batch carries {other}, which the workers do not take (they compute positions "
             "from the sequence and the loss from labels, -100 where not scored): use TRL's "
             "collator without packing or padding_free, or fold masks into 'labels'")
@@ -528,7 +529,7 @@ def _example_batch(trainer: SFTTrainer, rows: int) -> dict[str, torch.Tensor]:
             lengths = pyarrow.compute.list_value_length(data.data.column("input_ids"))
             longest = max(longest, pyarrow.compute.max(lengths).as_py() or 0)
         elif trainer.args.max_length is None:
-            raise ValueError(
+            raise InvalidInput(
                 "the training data has no length to plan for (an IterableDataset): set "
                 "SFTConfig(max_length=...), the longest sequence a batch may hold")
         else:

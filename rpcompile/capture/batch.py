@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from rpcompile.errors import InvalidInput
+
 __all__ = [
     "NUM_ITEMS",
     "RNG",
@@ -73,22 +75,22 @@ def normalize_batch(
     if isinstance(batch, torch.Tensor):
         batch = (batch,)
     if isinstance(batch, Mapping):
-        raise ValueError("a non-HF model's batch must be a tuple of tensors, not a dict")
+        raise InvalidInput("a non-HF model's batch must be a tuple of tensors, not a dict")
     if not isinstance(batch, (tuple, list)) or not all(isinstance(t, torch.Tensor) for t in batch):
-        raise ValueError(
+        raise InvalidInput(
             "a model's batch must be a tensor or a tuple of tensors (model inputs, then the "
             "target when loss_fn is given); got " + describe(batch)
         )
     if loss_fn is not None and len(batch) < 2:
-        raise ValueError("with loss_fn, the batch must be (inputs..., target)")
+        raise InvalidInput("with loss_fn, the batch must be (inputs..., target)")
     sizes = {t.shape[0] if t.dim() else None for t in batch}
     if len(sizes) != 1 or None in sizes:
-        raise ValueError(
+        raise InvalidInput(
             "every batch tensor needs the same leading batch dimension; got shapes "
             + ", ".join(str(tuple(t.shape)) for t in batch)
         )
     if 0 in sizes:
-        raise ValueError("the batch is empty (0 samples): there is nothing to train on")
+        raise InvalidInput("the batch is empty (0 samples): there is nothing to train on")
     # Copies, as for a causal LM's batch: a view (a share of a larger batch, with a storage
     # offset) would give export a size symbol of its own that no batch dimension names.
     return {f"arg{i}": t.clone() for i, t in enumerate(batch)}
@@ -98,30 +100,30 @@ def _causal_batch(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     if isinstance(batch, torch.Tensor):
         batch = {"input_ids": batch}
     if not isinstance(batch, Mapping) or "input_ids" not in batch:
-        raise ValueError(
+        raise InvalidInput(
             "a causal LM batch must be a LongTensor of token ids [batch, seq] or a dict with "
             "'input_ids' (and optionally 'labels', 'attention_mask'); got " + describe(batch)
         )
     unknown = sorted(set(batch) - set(_CAUSAL_KEYS))
     if unknown:
-        raise ValueError(
+        raise InvalidInput(
             f"unsupported batch keys {unknown}: rpcompile trains on 'input_ids', 'labels', "
             "'attention_mask' and 'position_ids'; drop the other keys"
         )
     if "labels" in batch and batch["labels"] is None:
-        raise ValueError(
+        raise InvalidInput(
             "labels=None: a training step needs labels. Omit the key to train on the inputs "
             "themselves (padding excluded), or pass a tensor with -100 at the tokens that must "
             "not be scored"
         )
     ids = _token_tensor(batch["input_ids"], "input_ids")
     if ids.shape[0] == 0:
-        raise ValueError("the batch is empty (0 sequences): there is nothing to train on")
+        raise InvalidInput("the batch is empty (0 sequences): there is nothing to train on")
     if ids.shape[1] < 2:
-        raise ValueError("sequences must have at least 2 tokens to have a next-token loss")
+        raise InvalidInput("sequences must have at least 2 tokens to have a next-token loss")
     vocab = model.config.vocab_size
     if not ids.is_meta and (int(ids.max()) >= vocab or int(ids.min()) < 0):
-        raise ValueError(
+        raise InvalidInput(
             f"token ids must lie in [0, {vocab}) (the model's vocab_size); found "
             f"{int(ids.min())}..{int(ids.max())}"
         )
@@ -129,27 +131,27 @@ def _causal_batch(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
     if mask is not None:
         mask = _token_tensor(mask, "attention_mask", allow_bool=True)
         if mask.shape != ids.shape:
-            raise ValueError(f"attention_mask shape {tuple(mask.shape)} must equal input_ids "
+            raise InvalidInput(f"attention_mask shape {tuple(mask.shape)} must equal input_ids "
                              f"shape {tuple(ids.shape)}")
         if not mask.is_meta and bool(((mask != 0) & (mask != 1)).any()):
-            raise ValueError("attention_mask must hold 1 (real token) and 0 (padding) only")
+            raise InvalidInput("attention_mask must hold 1 (real token) and 0 (padding) only")
         mask = mask.long()
     positions = batch.get("position_ids")
     if positions is not None:
         positions = _token_tensor(positions, "position_ids")
         if positions.shape != ids.shape:
-            raise ValueError(f"position_ids shape {tuple(positions.shape)} must equal input_ids "
+            raise InvalidInput(f"position_ids shape {tuple(positions.shape)} must equal input_ids "
                              f"shape {tuple(ids.shape)}")
     if "labels" in batch:
         labels = _token_tensor(batch["labels"], "labels")
         if labels.shape != ids.shape:
-            raise ValueError(
+            raise InvalidInput(
                 f"labels shape {tuple(labels.shape)} must equal input_ids shape {tuple(ids.shape)}"
             )
         if not labels.is_meta:
             bad = (labels != IGNORE_INDEX) & ((labels < 0) | (labels >= vocab))
             if bool(bad.any()):
-                raise ValueError(f"labels must lie in [0, {vocab}) or be -100 (not scored); "
+                raise InvalidInput(f"labels must lie in [0, {vocab}) or be -100 (not scored); "
                                  f"found {int(labels[bad][0])}")
     else:
         labels = ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
@@ -162,7 +164,7 @@ def _causal_batch(model: nn.Module, batch: Any) -> dict[str, torch.Tensor]:
         out["position_ids"] = positions.clone()
     out[NUM_ITEMS] = count_labelled(out["labels"])
     if not ids.is_meta and int(out[NUM_ITEMS]) == 0:
-        raise ValueError(
+        raise InvalidInput(
             "no token of this batch is labelled (every label after the first position is "
             "-100), so its loss is undefined: check the labels (prompt masking, padding side)"
         )
@@ -176,14 +178,14 @@ def count_labelled(labels: torch.Tensor) -> torch.Tensor:
 
 def _token_tensor(t: Any, name: str, allow_bool: bool = False) -> torch.Tensor:
     if not isinstance(t, torch.Tensor) or t.dim() != 2:
-        raise ValueError(f"{name} must be a tensor of shape [batch, seq]; got " + describe(t))
+        raise InvalidInput(f"{name} must be a tensor of shape [batch, seq]; got " + describe(t))
     if t.dtype in (torch.int64,) or (allow_bool and t.dtype == torch.bool):
         return t
     if allow_bool and t.is_floating_point():
         return t  # a 0./1. mask; its values are checked by the caller
     if t.dtype in (torch.int32, torch.int16, torch.int8, torch.uint8):
         return t.long()  # lossless: the same values as the int64 the embedding expects
-    raise ValueError(
+    raise InvalidInput(
         f"{name} must hold integers (int64, or int32 which is widened); got {t.dtype}: "
         f"convert with {name}.long()"
     )
@@ -207,7 +209,7 @@ def bind_batch(captured: Any, batch: Any, *, step: int = 0) -> dict[str, torch.T
     keys = captured.input_keys
     if "attention_mask" in normal and "attention_mask" not in keys:
         if bool((normal["attention_mask"] == 0).any()):
-            raise ValueError(
+            raise InvalidInput(
                 "this batch pads (attention_mask has zeros) but the model was compiled with an "
                 "example batch without attention_mask, so its graph has no padding mask: "
                 "compile with an example batch that carries attention_mask"
@@ -217,7 +219,7 @@ def bind_batch(captured: Any, batch: Any, *, step: int = 0) -> dict[str, torch.T
         normal["attention_mask"] = torch.ones_like(normal["input_ids"])
     if "position_ids" in normal and "position_ids" not in keys:
         if not torch.equal(normal["position_ids"], _counting(normal["input_ids"])):
-            raise ValueError(
+            raise InvalidInput(
                 "this batch restarts position_ids (packed documents) but the model was compiled "
                 "with an example batch without position_ids, so its graph has no per-document "
                 "attention mask: compile with an example batch that carries position_ids"
@@ -230,7 +232,7 @@ def bind_batch(captured: Any, batch: Any, *, step: int = 0) -> dict[str, torch.T
         normal[RNG] = step_seeds(captured.dropout_seed, step, first.shape[0])
     missing = [k for k in keys if k not in normal]
     if missing:
-        raise ValueError(f"the batch lacks {missing}, which the compiled graph reads")
+        raise InvalidInput(f"the batch lacks {missing}, which the compiled graph reads")
     return {k: normal[k] for k in keys}
 
 
@@ -287,10 +289,10 @@ def split_batch(batch: Mapping[str, torch.Tensor], parts: int) -> list[dict[str,
     (``torch.tensor_split``: the first ``size % parts`` get one sequence more); 0-dim tensors
     (``num_items_in_batch``) go to every microbatch whole."""
     if parts < 1:
-        raise ValueError(f"cannot split a batch into {parts} microbatches")
+        raise InvalidInput(f"cannot split a batch into {parts} microbatches")
     size = next(t for t in batch.values() if t.dim()).shape[0]
     if size < parts:
-        raise ValueError(
+        raise InvalidInput(
             f"a batch of {size} sequences cannot fill {parts} microbatches (microbatches x "
             f"rounds); pass at least {parts} sequences, or lower microbatches/rounds"
         )

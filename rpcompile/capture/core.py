@@ -52,6 +52,7 @@ from rpcompile.capture.units import (
     _has_module,
     loss_node,
 )
+from rpcompile.errors import InvalidInput
 
 __all__ = [
     "B",
@@ -139,23 +140,23 @@ def capture(
     and capture falls back to a full export when layers differ.
     """
     if not isinstance(model, nn.Module):
-        raise ValueError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+        raise InvalidInput(f"model must be a torch.nn.Module, got {type(model).__name__}")
     if not any(True for _ in model.parameters()):
-        raise ValueError(
+        raise InvalidInput(
             f"{type(model).__name__} has no parameters: there is nothing to train; pass the "
             "model whose weights you want to fine-tune"
         )
     causal = loss_fn is None and is_causal_lm(model)
     if example_inputs is None:
         if not causal:
-            raise ValueError(
+            raise InvalidInput(
                 f"{type(model).__name__} is not a Hugging Face causal LM, so rpcompile cannot "
                 "synthesize its inputs: pass example_inputs=(inputs..., target)"
             )
         example_inputs = example_batch_for(model)
     batch = normalize_batch(model, example_inputs, loss_fn, causal=causal)
     if causal and getattr(model.config, "output_router_logits", False):
-        raise ValueError(
+        raise InvalidInput(
             f"{type(model).__name__} adds a router auxiliary loss (config.output_router_logits"
             "=True), a per-batch statistic that does not split into microbatches, so the step "
             "could not equal eager training on the whole batch: set "
@@ -300,13 +301,13 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
     if isinstance(out_val, torch.Tensor) and out_val.dim() != 0:
         what = _NO_LOSS_FN.format(type(model).__name__) if loss_fn is None and not causal else (
             "loss_fn must return a scalar (reduce over the microbatch)")
-        raise ValueError(f"the captured loss has shape {tuple(out_val.shape)}, not a scalar: "
+        raise InvalidInput(f"the captured loss has shape {tuple(out_val.shape)}, not a scalar: "
                          f"{what}")
     if causal:
         counted = next(n for n in gm.graph.find_nodes(op="placeholder")
                        if n.name == inputs[list(batch).index(NUM_ITEMS)])
         if not counted.users:
-            raise ValueError(
+            raise InvalidInput(
                 f"{type(model).__name__}'s loss ignores num_items_in_batch, so rpcompile cannot "
                 "make the microbatch losses add up to the token mean of the whole batch: give "
                 "compile() a loss_fn(outputs, target) and pass (inputs..., target) (each "
@@ -369,7 +370,7 @@ def _refuse_random_ops(gm: torch.fx.GraphModule) -> None:
                    "its config's dropout fields (e.g. attention_dropout = 0.0)")
         else:
             fix = "remove the random call from the model's forward"
-        raise ValueError(
+        raise InvalidInput(
             f"{module} draws random numbers in training ({node.target}), which rpcompile cannot "
             "replay when a backward stage recomputes that forward (it replays nn.Dropout, "
             "F.dropout and scaled_dot_product_attention(dropout_p=...) only), so the gradients "

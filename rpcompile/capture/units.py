@@ -10,6 +10,7 @@ import torch.utils.flop_counter
 from torch import nn
 
 from rpcompile.capture.types import _WRAPPED
+from rpcompile.errors import InvalidInput
 
 # ---------------------------------------------------------------------------------------------
 # 3. Units
@@ -28,7 +29,7 @@ def _check_module(model: nn.Module, name: str, what: str) -> None:
     try:
         model.get_submodule(name)
     except AttributeError:
-        raise ValueError(
+        raise InvalidInput(
             f"{what}=[...] names {name!r}, which is not a submodule of {type(model).__name__}; "
             "use names from model.named_modules()"
         ) from None

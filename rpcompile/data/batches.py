@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from rpcompile.data.formats import IGNORE_INDEX, Example
+from rpcompile.errors import InvalidInput
 
 __all__ = [
     "BatchIterator", "Rows", "bucket_lengths", "collate", "eval_batches", "pack", "pad_rows",
@@ -45,7 +46,7 @@ def split_eval(
 ) -> tuple[list[Any], list[Any]]:
     """(train, eval): a seeded ``fraction`` of the examples (at least one) held out."""
     if not 0 <= fraction < 1:
-        raise ValueError(f"the eval split must be a fraction in [0, 1), got {fraction}")
+        raise InvalidInput(f"the eval split must be a fraction in [0, 1), got {fraction}")
     if fraction == 0 or len(examples) < 2:
         return list(examples), []
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
@@ -123,7 +124,7 @@ def _cut(examples: Sequence[Example], seq_len: int) -> tuple[list[Example], int,
 def bucket_lengths(seq_len: int, buckets: int) -> list[int]:
     """``buckets`` row lengths evenly spaced up to ``seq_len`` (multiples of 8 but the last)."""
     if buckets < 1:
-        raise ValueError(f"buckets must be at least 1, got {buckets}")
+        raise InvalidInput(f"buckets must be at least 1, got {buckets}")
     lengths = {seq_len}
     for k in range(1, buckets):
         lengths.add(min(seq_len, -(-seq_len * k // buckets // 8) * 8 or 8))
@@ -156,9 +157,9 @@ class BatchIterator:
 
     def __init__(self, rows: Rows, batch_size: int, seed: int, buckets: int = 1) -> None:
         if batch_size < 1:
-            raise ValueError(f"the batch size must be at least 1, got {batch_size}")
+            raise InvalidInput(f"the batch size must be at least 1, got {batch_size}")
         if len(rows.rows) < batch_size:
-            raise ValueError(
+            raise InvalidInput(
                 f"the data gives {len(rows.rows)} training rows, fewer than one batch of "
                 f"{batch_size}: use a smaller --batch or more data"
             )
@@ -180,7 +181,7 @@ class BatchIterator:
 
     def load_state(self, state: dict[str, Any]) -> None:
         if int(state["seed"]) != self.seed:
-            raise ValueError(
+            raise InvalidInput(
                 f"the checkpoint's data order was shuffled with seed {state['seed']}, this run "
                 f"uses {self.seed}; resume with --seed {state['seed']}"
             )

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rpcompile.errors import RPCompileError
+from rpcompile.errors import InvalidInput, RPCompileError
 
 __all__ = ["IGNORE_INDEX", "DataError", "Example", "detect_format", "encode_record",
            "read_records", "record_location"]
@@ -149,7 +149,7 @@ def detect_format(columns: Iterable[str]) -> str:
         return "prompt-completion"
     if "text" in cols:
         return "text"
-    raise ValueError(
+    raise InvalidInput(
         f"records with columns {sorted(cols)} are in no known format: give each record "
         "'text', or 'prompt' and 'completion', or 'messages' (a list of {'role', 'content'})"
     )
@@ -172,7 +172,7 @@ def encode_record(
         text, spans = _conversation(_field(record, "messages", fmt), tokenizer)
         eos = False
     else:
-        raise ValueError(f"unknown format {fmt!r}; one of {FORMATS}")
+        raise InvalidInput(f"unknown format {fmt!r}; one of {FORMATS}")
     if not completion_only:
         spans = None
     enc = tokenizer(text, add_special_tokens=fmt != "messages", return_offsets_mapping=True)
@@ -200,7 +200,7 @@ def _field(record: dict[str, Any], name: str, fmt: str) -> Any:
     value = record.get(name)
     if value is None:
         present = [k for k, v in record.items() if v is not None]
-        raise ValueError(f"the record has no {name!r} field (it has "
+        raise InvalidInput(f"the record has no {name!r} field (it has "
                          f"{', '.join(present) or 'none'}): every record of a {fmt} file "
                          f"needs {_NEEDS[fmt]} (the format is read from the first record)")
     return value
@@ -208,13 +208,13 @@ def _field(record: dict[str, Any], name: str, fmt: str) -> Any:
 
 def _as_text(value: Any) -> str:
     if not isinstance(value, str):
-        raise ValueError(f"'text' must be a string, got {type(value).__name__}")
+        raise InvalidInput(f"'text' must be a string, got {type(value).__name__}")
     return value
 
 
 def _render(tokenizer: Any, messages: list[dict[str, Any]], generation_prompt: bool) -> str:
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
+        raise InvalidInput(
             "the data holds chat messages but the tokenizer has no chat template; give the "
             "model folder a tokenizer with one (tokenizer_config.json 'chat_template' or "
             "chat_template.jinja), or convert the data to prompt/completion strings"
@@ -233,7 +233,7 @@ def _prompt_completion(prompt: Any, completion: Any, tokenizer: Any) -> tuple[st
         whole = _render(tokenizer, prompt + completion, generation_prompt=False)
         _check_prefix(head, whole)
         return whole, len(head), False
-    raise ValueError(f"'prompt' and 'completion' must both be strings or both lists of "
+    raise InvalidInput(f"'prompt' and 'completion' must both be strings or both lists of "
                      f"messages, got a {type(prompt).__name__} and a "
                      f"{type(completion).__name__}")
 
@@ -242,7 +242,7 @@ def _check_messages(messages: Any, field: str) -> None:
     """A list of ``{"role", "content"}`` dicts with the roles chat templates know; ShareGPT's
     layout (``from``/``value``, roles ``human``/``gpt``) is named with its renaming."""
     if not isinstance(messages, list):
-        raise ValueError(f"{field!r} must be a list of {{'role': ..., 'content': ...}} dicts, "
+        raise InvalidInput(f"{field!r} must be a list of {{'role': ..., 'content': ...}} dicts, "
                          f"got {type(messages).__name__}")
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") is None \
@@ -252,12 +252,12 @@ def _check_messages(messages: Any, field: str) -> None:
             hint = ""
             if set(_SHAREGPT_KEYS) <= set(keys):
                 hint = " (ShareGPT's layout: rename 'from' to 'role' and 'value' to 'content')"
-            raise ValueError(f"{field!r} message {i + 1} is not a {{'role', 'content'}} dict "
+            raise InvalidInput(f"{field!r} message {i + 1} is not a {{'role', 'content'}} dict "
                              f"(it has {', '.join(keys) or type(message).__name__}){hint}")
     odd = sorted({m["role"] for m in messages} & set(_SHAREGPT_ROLES))
     if odd:
         renames = ", ".join(f"{r!r} to {_SHAREGPT_ROLES[r]!r}" for r in odd)
-        raise ValueError(f"{field!r} has the role(s) {', '.join(map(repr, odd))} (ShareGPT's "
+        raise InvalidInput(f"{field!r} has the role(s) {', '.join(map(repr, odd))} (ShareGPT's "
                          f"names): rename {renames}; chat templates and the completion-only "
                          "loss know 'system', 'user' and 'assistant'")
 
@@ -278,14 +278,14 @@ def _conversation(messages: Any, tokenizer: Any) -> tuple[str, list[tuple[int, i
         spans.append((len(head), len(upto)))
     if not spans:
         roles = ", ".join(sorted({str(m["role"]) for m in messages}))
-        raise ValueError(f"the conversation has no 'assistant' message (its roles: {roles}): "
+        raise InvalidInput(f"the conversation has no 'assistant' message (its roles: {roles}): "
                          "nothing to learn from it")
     return whole, spans
 
 
 def _check_prefix(head: str, whole: str) -> None:
     if not whole.startswith(head):
-        raise ValueError(
+        raise InvalidInput(
             "the tokenizer's chat template renders the start of a conversation differently "
             "from the whole conversation (some templates rewrite earlier turns), so the "
             "assistant tokens cannot be located; pass --no-completion-only to train on every "

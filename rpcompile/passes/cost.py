@@ -39,6 +39,7 @@ from torch import fx
 from rpcompile.capture.quantized import DEQUANTIZE_OPS, packed_record_bytes
 from rpcompile.capture.types import B, S
 from rpcompile.choices import RECOMPUTE_GRANULARITIES, check_choice
+from rpcompile.errors import InvalidInput
 from rpcompile.hardware import Hardware
 from rpcompile.ir import UnitProfile
 
@@ -157,7 +158,7 @@ class UnitCost:
     def evaluate(self, b: int, s: int, hardware: Hardware, dtype_bytes: int = 2) -> UnitProfile:
         """Numbers for one microbatch of ``b`` sequences of ``s`` tokens on ``hardware``."""
         if b < 1 or s < 1:
-            raise ValueError(f"evaluate() needs b >= 1 and s >= 1, got b={b}, s={s}")
+            raise InvalidInput(f"evaluate() needs b >= 1 and s >= 1, got b={b}, s={s}")
         fwd, bwd = self.flops_at(b, s)
         sizes = self.bytes_at(b, s, dtype_bytes)
         return UnitProfile(
@@ -233,7 +234,7 @@ class _Walk:
             if node.name in self.params:
                 fqn = self.params[node.name]
                 if fqn not in self.trainable:
-                    raise ValueError(
+                    raise InvalidInput(
                         f"captured.trainable has no entry for parameter {fqn!r}; capture must "
                         "record requires_grad for every parameter"
                     )
@@ -282,7 +283,7 @@ class _Walk:
             if node.op == "call_function":
                 u = unit if unit is not None else node.meta.get("rp_unit")
                 if u is None or not 0 <= u < self.num_units:
-                    raise ValueError(
+                    raise InvalidInput(
                         f"node {node.name} ({node.target}) has rp_unit={u!r}; capture must "
                         f"assign every call_function node a unit in 0..{self.num_units - 1}"
                     )
@@ -384,7 +385,7 @@ class _Walk:
             (i for i, a in enumerate(args) if isinstance(a, fx.Node) and a.op == "get_attr"), None
         )
         if sub_index is None:
-            raise ValueError(
+            raise InvalidInput(
                 f"higher-order op {node.target} at {node.name} has no graph argument; the cost "
                 "pass only understands wrapped graphs (no_grad / autocast regions)"
             )
@@ -445,7 +446,7 @@ class _Walk:
             return fwd.xreplace(self.subs), (bwd.xreplace(self.subs) if out_rg else sympy.Integer(0))
         packet = _packet(node.target)
         if packet in _OPAQUE_PACKETS:
-            raise ValueError(
+            raise InvalidInput(
                 f"opaque node {node.name} ({node.target}) carries no node.meta['rp_flops']; "
                 "capture must set (forward_flops, backward_flops) on every opaque node"
             )
@@ -667,7 +668,7 @@ def _einsum(shapes, consts, out, node):
     lhs, _, rhs = equation.partition("->")
     terms = lhs.split(",")
     if len(terms) != 2 or "." in equation:
-        raise ValueError(
+        raise InvalidInput(
             f"cost pass: einsum {equation!r} at {node.name} is not a two-operand einsum without "
             "ellipsis; rewrite it as matmul or add its formula to rpcompile/passes/cost.py"
         )
@@ -1004,11 +1005,11 @@ def _raw_key(t: torch.Tensor) -> int:
 
 def _concrete_numel(val: Any, name: str) -> int:
     if not isinstance(val, torch.Tensor):
-        raise ValueError(f"placeholder {name} has no tensor in node.meta['val']")
+        raise InvalidInput(f"placeholder {name} has no tensor in node.meta['val']")
     try:
         return math.prod(int(d) for d in val.shape)
     except (TypeError, RuntimeError) as exc:
-        raise ValueError(f"parameter/buffer {name} has a symbolic shape {tuple(val.shape)}") from exc
+        raise InvalidInput(f"parameter/buffer {name} has a symbolic shape {tuple(val.shape)}") from exc
 
 
 def _concrete_nbytes(val: Any, name: str) -> int:
@@ -1089,7 +1090,7 @@ def _subs_in_max(expr: sympy.Expr, subs: dict) -> sympy.Expr:
 
 def _to_int(value: sympy.Expr, what: str, unit: str) -> int:
     if not value.is_number:
-        raise ValueError(
+        raise InvalidInput(
             f"{what} of unit {unit!r} still has free symbols {sorted(map(str, value.free_symbols))} "
             "after substituting b and s; capture's subs must map every shape symbol to B or S"
         )

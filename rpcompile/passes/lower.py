@@ -34,6 +34,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rpcompile.errors import InvalidInput, InvalidType
 from rpcompile.ir import (  # the default and the tightest memory waits are the plan's data
     BOUNDED_WAITS,
     ORDERED_STREAMS,
@@ -151,13 +152,13 @@ def _stages(plan: Plan | Sequence[Stage]) -> tuple[Stage, ...]:
 
 def _once(sched: Schedule, name: str) -> None:
     if name in sched.passes:
-        raise ValueError(f"pass {name!r} already ran on this schedule (passes: {sched.passes})")
+        raise InvalidInput(f"pass {name!r} already ran on this schedule (passes: {sched.passes})")
 
 
 def _require_roundpipe(sched: Schedule, name: str) -> None:
     _once(sched, name)
     if sched.stage_workers is not None:
-        raise ValueError(f"pass {name!r} applies to RoundPipe schedules; in the {sched.kind} "
+        raise InvalidInput(f"pass {name!r} applies to RoundPipe schedules; in the {sched.kind} "
                          "baseline weights, gradients and optimizer stay on the bound workers")
 
 
@@ -329,7 +330,7 @@ def add_gradient_downloads(sched: Schedule, plan: Plan | Sequence[Stage],
     the schedule, whatever the downloads' speed.
     """
     if grad_slots not in (0, 1, 2):
-        raise ValueError(f"grad_slots must be 0, 1 or 2, got {grad_slots!r}")
+        raise InvalidInput(f"grad_slots must be 0, 1 or 2, got {grad_slots!r}")
     _require_roundpipe(sched, "grads")
     stages = _stages(plan)
     after: dict[Action, list[Action]] = {}
@@ -488,7 +489,7 @@ def opt_bytes(plan: Plan | Sequence[Stage], order: Sequence[int]) -> dict[int, i
         for s in members[:-1]:  # updated at the last one's OPT
             out[s] -= nbytes
             if out[s] < 0:
-                raise ValueError(
+                raise InvalidInput(
                     f"stage {s}: its gradient bytes ({stages[s].grad_bytes}) are fewer than "
                     f"those of the parameters it shares with stages {sorted(group)}; the "
                     "plan's stage figures and its units disagree")
@@ -660,7 +661,7 @@ def trainable_parameters(plan: Plan) -> dict[tuple, tuple[int, frozenset[int]]]:
     for u, unit in enumerate(plan.units):
         own = unit.trainable_params - shared.get(u, 0)
         if own < 0:
-            raise ValueError(f"unit {unit.name} lends more trainable elements than it has")
+            raise InvalidInput(f"unit {unit.name} lends more trainable elements than it has")
         if own:
             params[("own", u)] = (own, frozenset({owner[u]}))
     return params
@@ -696,16 +697,16 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
     and clips by the global norm) waits for every REDUCE of its step (``reduced``)."""
     _require_roundpipe(sched, "reduce")
     if "optimizer" not in sched.passes:
-        raise ValueError("pass 'reduce' needs the optimizer pass first (its OPT actions read "
+        raise InvalidInput("pass 'reduce' needs the optimizer pass first (its OPT actions read "
                          "the reduced gradients)")
     if isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 2:
-        raise ValueError(f"pass 'reduce' is for data parallel over 2 or more ranks, got "
+        raise InvalidInput(f"pass 'reduce' is for data parallel over 2 or more ranks, got "
                          f"ranks={ranks!r}")
     if not isinstance(plan, Plan):
-        raise ValueError("pass 'reduce' needs the Plan (its units say which parameters "
+        raise InvalidInput("pass 'reduce' needs the Plan (its units say which parameters "
                          "stages share), not a bare stage list")
     if sched.optimizer == "sync" and not updates_deferred(sched):
-        raise ValueError("data parallel needs the sync updates deferred (an update reads the "
+        raise InvalidInput("data parallel needs the sync updates deferred (an update reads the "
                          "gradients summed over every rank): lower with updates='deferred'")
     groups = gradient_groups(plan)
     host = list(sched.host)
@@ -737,7 +738,7 @@ def add_reductions(sched: Schedule, plan: Plan, ranks: int) -> Schedule:
             edges.append(Edge(red, checks[k], "reduced"))
     for k, left in pending.items():
         if left:
-            raise ValueError(f"step {k}: the gradients of stages {sorted(map(sorted, left))} "
+            raise InvalidInput(f"step {k}: the gradients of stages {sorted(map(sorted, left))} "
                              "are never all home, so they would never be reduced")
     return sched.replace(host=tuple(host), network=tuple(network), edges=tuple(edges),
                          ranks=ranks, passes=(*sched.passes, "reduce"))
@@ -901,7 +902,7 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     waits added are ``plan.memory_waits`` (:data:`BOUNDED_WAITS` for a bare stage list).
     Returns the lowered schedule and one record per pass."""
     if ranks > 1 and schedule.stage_workers is not None:
-        raise ValueError(f"data parallel (ranks={ranks}) lowers RoundPipe schedules; the "
+        raise InvalidInput(f"data parallel (ranks={ranks}) lowers RoundPipe schedules; the "
                          f"{schedule.kind} baseline keeps its gradients on the bound workers")
     if updates is None:  # the plan's own order (Plan.updates); data parallel sync defers
         updates = "overlap" if schedule.optimizer != "sync" else (
@@ -912,7 +913,7 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     waits = plan.memory_waits if isinstance(plan, Plan) else BOUNDED_WAITS
     unknown = [w for w in waits if w not in MEMORY_WAITS]
     if unknown:
-        raise ValueError(f"unknown memory waits {unknown}; known: {list(MEMORY_WAITS)}")
+        raise InvalidInput(f"unknown memory waits {unknown}; known: {list(MEMORY_WAITS)}")
     table = {
         "upload": lambda s: add_weight_uploads(s, plan, chunk_bytes),
         "transfers": lambda s: add_activation_transfers(s, waits),
@@ -925,7 +926,7 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     }
     unknown = [p for p in passes if p not in table]
     if unknown:
-        raise ValueError(f"unknown lowering passes {unknown}; known: {list(table)}")
+        raise InvalidInput(f"unknown lowering passes {unknown}; known: {list(table)}")
     if validate:
         check(schedule, "dispatch")
     # The compile's one pass mechanism (run_pass): each lowering pass recorded like the
@@ -968,12 +969,12 @@ def runtime_schedule(plan: Plan, options: PlanOptions | int, microbatches: int |
                                        chunk_bytes=chunk_bytes, steps=steps,
                                        ranks=ranks).items() if v is not None}
         if loose:
-            raise TypeError(f"runtime_schedule takes PlanOptions or loose arguments, not both: "
+            raise InvalidType(f"runtime_schedule takes PlanOptions or loose arguments, not both: "
                             f"{', '.join(sorted(loose))} given beside the options; set them in "
                             f"the PlanOptions (steps is schedule_steps)")
     else:
         if microbatches is None or rounds is None or mode is None:
-            raise TypeError("runtime_schedule(plan, workers, microbatches, rounds, mode) needs "
+            raise InvalidType("runtime_schedule(plan, workers, microbatches, rounds, mode) needs "
                             "all four, or runtime_schedule(plan, PlanOptions(...))")
         options = PlanOptions(gpus=options, microbatches=microbatches, rounds=rounds,
                               mode=mode, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,

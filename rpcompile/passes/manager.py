@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-from rpcompile.errors import RPCompileError
+from rpcompile.errors import InvalidInput, RPCompileError
 from rpcompile.ir import ScheduleError
 
 __all__ = ["PassInvariantError", "PassManager", "PassRecord", "ScheduleInvariantError",
@@ -91,7 +91,7 @@ class PassManager(Generic[T]):
                  always: bool = False) -> None:
         names = [n for n, _ in passes]
         if len(set(names)) != len(names):
-            raise ValueError(f"pass names must be unique, got {names}")
+            raise InvalidInput(f"pass names must be unique, got {names}")
         self.passes = tuple(passes)
         self.check = check
         self.always = always

@@ -48,7 +48,7 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from rpcompile.errors import RPCompileError
+from rpcompile.errors import InvalidInput, RPCompileError
 from rpcompile.ir import Action, Plan, Schedule, Stage
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "WorkerPeak", "format_bytes",
@@ -119,10 +119,10 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
     weight-bound baseline: their memory is not bounded by the schedule's order.
     """
     if sched.stage_workers is not None:
-        raise ValueError("worker_peaks applies to RoundPipe schedules (a baseline's weights "
+        raise InvalidInput("worker_peaks applies to RoundPipe schedules (a baseline's weights "
                          "stay on their workers all along)")
     if "upload" not in sched.passes:
-        raise ValueError("worker_peaks needs a lowered schedule (rpcompile.passes.lower)")
+        raise InvalidInput("worker_peaks needs a lowered schedule (rpcompile.passes.lower)")
     stages = tuple(plan.stages if isinstance(plan, Plan) else plan)
     flows_from: dict[tuple[str, int], dict[str, int]] = {}
     readers: dict[tuple[int, str], str] = {}
@@ -183,7 +183,7 @@ def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, li
             if indegree[b] == 0:
                 ready.append(b)
     if len(topo) != len(indegree):
-        raise ValueError("the schedule's order has a cycle (it would deadlock)")
+        raise InvalidInput("the schedule's order has a cycle (it would deadlock)")
     latest = {a: [-1] * workers for a in topo}
     for a in topo:
         mine = latest[a]

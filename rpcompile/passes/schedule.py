@@ -16,6 +16,7 @@ import itertools
 import math
 from collections.abc import Iterator, Sequence
 
+from rpcompile.errors import InvalidInput, InvalidType
 from rpcompile.ir import Action, Edge, Flow, Plan, Schedule, Stage
 from rpcompile.options import MODES, check_choice
 
@@ -54,15 +55,15 @@ def build_schedule(
     (:func:`~rpcompile.options.check_choice`); the lowering passes read it unchecked.
     """
     if kind not in SCHEDULE_KINDS:
-        raise ValueError(f"unknown schedule kind {kind!r}; expected one of {SCHEDULE_KINDS}")
+        raise InvalidInput(f"unknown schedule kind {kind!r}; expected one of {SCHEDULE_KINDS}")
     check_choice("optimizer", optimizer, MODES)
     for name, v in (("workers", workers), ("microbatches", microbatches), ("rounds", rounds),
                     ("steps", steps)):
         if v < 1:
-            raise ValueError(f"{name} must be >= 1, got {v}")
+            raise InvalidInput(f"{name} must be >= 1, got {v}")
     if kind == "roundpipe":
         if not isinstance(plan, Plan):
-            raise TypeError("a roundpipe schedule needs a Plan (forward stages, tail, backward)")
+            raise InvalidType("a roundpipe schedule needs a Plan (forward stages, tail, backward)")
         plan.validate()
         return _roundpipe(plan, workers, microbatches, rounds, steps, optimizer)
     stages = tuple(plan.stages if isinstance(plan, Plan) else plan)
@@ -108,7 +109,7 @@ def dispatch_period(jobs_per_step: int, workers: int) -> int:
     is periodic over this many steps, not necessarily over one.
     """
     if jobs_per_step < 1 or workers < 1:
-        raise ValueError("jobs_per_step and workers must be >= 1")
+        raise InvalidInput("jobs_per_step and workers must be >= 1")
     return workers // math.gcd(jobs_per_step, workers)
 
 
@@ -207,13 +208,13 @@ def _baseline(kind: str, stages: tuple[Stage, ...], workers: int, microbatches: 
               rounds: int, steps: int, optimizer: str, tokens_per_microbatch: int) -> Schedule:
     n = len(stages)
     if kind in ("gpipe", "1f1b") and n != workers:
-        raise ValueError(f"{kind} needs one stage per worker: got {n} stages for {workers} workers")
+        raise InvalidInput(f"{kind} needs one stage per worker: got {n} stages for {workers} workers")
     if n % workers or n == 0:
-        raise ValueError(f"{kind} needs a multiple of {workers} stages (one chunk per worker "
+        raise InvalidInput(f"{kind} needs a multiple of {workers} stages (one chunk per worker "
                          f"and loop), got {n}")
     chunks = n // workers
     if kind == "interleaved" and microbatches % workers:
-        raise ValueError(f"interleaved 1F1B needs microbatches divisible by workers "
+        raise InvalidInput(f"interleaved 1F1B needs microbatches divisible by workers "
                          f"({microbatches} % {workers} != 0); choose M = a multiple of {workers}")
     order_fn = {"gpipe": _gpipe_order, "1f1b": _1f1b_order, "interleaved": _interleaved_order,
                 "looped-bfs": _looped_bfs_order}[kind]

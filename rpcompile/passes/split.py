@@ -27,6 +27,7 @@ import torch.fx as fx
 from rpcompile.capture.quantized import DEQUANTIZE_OPS
 from rpcompile.capture.types import Captured
 from rpcompile.capture.units import loss_node
+from rpcompile.errors import InvalidInput
 from rpcompile.ir import Plan
 
 __all__ = ["LayerRecompute", "StageInput", "StageProgram", "UnitSegment", "retarget", "split",
@@ -159,7 +160,7 @@ def split(captured: Captured, plan: Plan) -> list[StageProgram]:
     nodes = list(gm.graph.nodes)
     unit_count = len(captured.units)
     if len(plan.units) != unit_count:
-        raise ValueError(
+        raise InvalidInput(
             f"plan has {len(plan.units)} units but the captured graph has {unit_count}"
         )
     fwd_of = [-1] * unit_count  # forward-side stage of each unit (the tail counts as one)
@@ -388,7 +389,7 @@ def unit_segments(program: StageProgram, graph_module: fx.GraphModule | None = N
     nodes = list(gm.graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     if len(placeholders) != len(program.inputs):
-        raise ValueError(f"stage {program.name}: its graph has {len(placeholders)} placeholders "
+        raise InvalidInput(f"stage {program.name}: its graph has {len(placeholders)} placeholders "
                          f"for {len(program.inputs)} inputs")
     rg: dict[fx.Node, bool] = {
         ph: inp.requires_grad and inp.kind in ("param", "value")
@@ -398,7 +399,7 @@ def unit_segments(program: StageProgram, graph_module: fx.GraphModule | None = N
         if n.op != "call_function" or n.target in MARKERS:
             continue
         if "rp_unit" not in n.meta:
-            raise ValueError(f"stage {program.name}: node {n.name} has no unit")
+            raise InvalidInput(f"stage {program.name}: node {n.name} has no unit")
         unit_of[n] = n.meta["rp_unit"]
         rg[n] = _is_float(n.meta.get("val")) and any(rg.get(a, False) for a in n.all_input_nodes)
     units = sorted(set(unit_of.values()))
@@ -415,7 +416,7 @@ def unit_segments(program: StageProgram, graph_module: fx.GraphModule | None = N
                 if a in member_set or a in inputs:
                     continue
                 if unit_of.get(a, -1) > u:
-                    raise ValueError(
+                    raise InvalidInput(
                         f"stage {program.name}: node {n.name} of unit {u} reads {a.name} of "
                         f"the later unit {unit_of[a]}; recompute this stage by stage")
                 inputs.append(a)
@@ -436,7 +437,7 @@ def unit_segments(program: StageProgram, graph_module: fx.GraphModule | None = N
         graph.output(tuple(env[n] for n in exported))
         for n in exported:
             if rg[n] and not isinstance(n.meta.get("val"), torch.Tensor):
-                raise ValueError(
+                raise InvalidInput(
                     f"stage {program.name}: unit {u} passes {n.name}, which carries a gradient "
                     "but is not one tensor, to a later unit; recompute this stage by stage")
         segments.append(UnitSegment(

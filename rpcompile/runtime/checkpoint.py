@@ -76,6 +76,7 @@ from typing import Any
 
 import torch
 
+from rpcompile.errors import InvalidInput
 from rpcompile.runtime.errors import RuntimeFault
 
 __all__ = [
@@ -960,7 +961,7 @@ class CheckpointManager:
 
     def __init__(self, root: str | os.PathLike, keep_last: int = 3) -> None:
         if not isinstance(keep_last, int) or keep_last < 1:
-            raise ValueError(f"keep_last must be a positive integer, got {keep_last!r}")
+            raise InvalidInput(f"keep_last must be a positive integer, got {keep_last!r}")
         self.root = Path(root)
         self.keep_last = keep_last
 

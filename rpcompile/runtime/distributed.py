@@ -86,6 +86,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rpcompile.errors import InvalidInput, StateError
 from rpcompile.runtime.checkpoint import merge_shards
 from rpcompile.runtime.executor import StepFailed, clip_grad_norm
 from rpcompile.runtime.memory import HostStore, _runs, shard_bounds
@@ -161,7 +162,7 @@ class DataParallel:
         self.world = dist.get_world_size(group)
         backend = str(dist.get_backend(group))
         if backend != "gloo":
-            raise ValueError(
+            raise InvalidInput(
                 f"data parallel reduces the host's fp32 gradients, which needs a group with "
                 f"the gloo backend; this one is {backend!r}: "
                 "torch.distributed.init_process_group('gloo') (or new_group(backend='gloo'))"
@@ -178,7 +179,7 @@ class DataParallel:
         # Shard r: the master index range [start, stop) rank r owns (sharded), else None.
         self.bounds = shard_bounds(store.trainable_slots, self.world) if shard else None
         if self.bounds is not None and any(b0 == b1 for b0, b1 in self.bounds):
-            raise ValueError(
+            raise InvalidInput(
                 f"shard_optimizer=True on {self.world} ranks leaves a rank no parameter to "
                 f"own: the model has {len(store.trainable_slots)} trainable parameters (shards "
                 "hold whole parameters); use fewer ranks or shard_optimizer=False")
@@ -237,7 +238,7 @@ class DataParallel:
         collectives are out of step). The failure was announced when it happened, so the
         other ranks, waiting for this one, stop at their next poll."""
         if self._broken:
-            raise RuntimeError(
+            raise StateError(
                 f"rank {self.rank}: no more data-parallel steps or checkpoints after a failed "
                 f"collective ({self._broken}): the ranks' collectives are out of step. Restart "
                 "every rank and resume from the last checkpoint."
@@ -298,7 +299,7 @@ class DataParallel:
         averaged for a mean loss) and whether any rank found a non-finite gradient."""
         if self._pending:
             names = [s.name for s in self._pending[:3]]
-            raise RuntimeError(f"rank {self.rank}: gradients of {names} were never reduced "
+            raise StateError(f"rank {self.rank}: gradients of {names} were never reduced "
                                "(their stages never reported done)")
         if timeout_s is not None and not math.isinf(timeout_s):
             self._deadline = time.monotonic() + timeout_s

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from rpcompile.errors import InvalidInput
 from rpcompile.options import LossScaleConfig  # the option value; defined with the options
 
 __all__ = [
@@ -143,7 +144,7 @@ class DynamicLossScaler:
         state = {k: fields.pop(k) for k in list(fields) if k in state_names}
         unknown = set(fields) - set(LossScaleConfig.__dataclass_fields__)
         if unknown:
-            raise ValueError(f"unknown loss scaler state_dict keys: {sorted(unknown)}")
+            raise InvalidInput(f"unknown loss scaler state_dict keys: {sorted(unknown)}")
         self.config = LossScaleConfig(**fields)  # type: ignore[arg-type]
         self.state = LossScaleState(**state)  # type: ignore[arg-type]
         self._last_step_scale = last

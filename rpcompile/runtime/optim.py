@@ -72,6 +72,7 @@ from typing import Any
 import torch
 
 from rpcompile.capture.tracing import outside_tracing
+from rpcompile.errors import InvalidInput, InvalidType, StateError
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.memory import HostStore, MemoryReport
 
@@ -155,7 +156,7 @@ class OptimizerDriver:
         masters = store.masters()
         built = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer(masters)
         if not isinstance(built, torch.optim.Optimizer):
-            raise TypeError(f"the optimizer factory returned {type(built).__name__}, not a torch optimizer")
+            raise InvalidType(f"the optimizer factory returned {type(built).__name__}, not a torch optimizer")
         self.optimizer = built
         self._check_params(masters)
         self.per_parameter = self._check_kind(per_parameter)
@@ -180,7 +181,7 @@ class OptimizerDriver:
         used = [p for g in self.optimizer.param_groups for p in g["params"]]
         foreign = [p for p in used if id(p) not in known]
         if foreign:
-            raise ValueError(
+            raise InvalidInput(
                 f"the optimizer holds {len(foreign)} tensors that are not the store's masters; "
                 "build it over store.masters() (pass a factory: lambda params: ...)"
             )
@@ -195,7 +196,7 @@ class OptimizerDriver:
 
     def _check_kind(self, per_parameter: bool | None) -> bool:
         if isinstance(self.optimizer, torch.optim.LBFGS):
-            raise ValueError(
+            raise InvalidInput(
                 "LBFGS couples all parameters (one line search over all of them) and needs a "
                 "closure that re-runs the model; rpcompile cannot drive it. Use a per-parameter "
                 "optimizer such as AdamW or SGD."
@@ -233,7 +234,7 @@ class OptimizerDriver:
     def begin_step(self) -> int:
         """Open the next step (its hyperparameters snapshotted); returns its index."""
         if self._open is not None:
-            raise RuntimeError(f"step {self._open.step} is still open; close it with "
+            raise StateError(f"step {self._open.step} is still open; close it with "
                                "commit_step() or discard_step()")
         self._open = _StepState(self.step, len(self.groups), self._snapshot_hyperparams())
         return self.step
@@ -244,7 +245,7 @@ class OptimizerDriver:
         trainable parameter) from step k-1's commit until they are applied (a later step's
         OPTs, or :meth:`flush`). A failed or skipped step leaves them pending."""
         if self.mode != "async":
-            raise ValueError("pending gradients are async mode's (sync updates apply the "
+            raise InvalidInput("pending gradients are async mode's (sync updates apply the "
                              "step's own gradients)")
         self.store.add_pending()
         self.shifted = True
@@ -261,7 +262,7 @@ class OptimizerDriver:
         if not self._is_grad_stage(stage):
             return
         if not self.shifted and stage in state.opt_stages:
-            raise RuntimeError(
+            raise StateError(
                 f"step {state.step}: a gradient of stage {stage} arrived after its OPT, whose "
                 "update has already consumed the stage's gradients (an ACC after its OPT: the "
                 "schedule orders every ACC of a stage before its OPT)")
@@ -282,7 +283,7 @@ class OptimizerDriver:
         must have called :meth:`use_pending` first: without it this would apply the step's
         own gradients (sync semantics), so it is refused."""
         if self.mode == "async" and not self.shifted:
-            raise RuntimeError(
+            raise StateError(
                 "OptimizerDriver.update() in async mode applies the previous step's gradients, "
                 "which needs driver.use_pending() once before the first step (the executor "
                 "calls it for an async schedule); without it the update would apply this "
@@ -344,10 +345,10 @@ class OptimizerDriver:
         state = self._require_open()
         missing = self._grad_stages - state.opt_stages
         if missing:
-            raise RuntimeError(f"step {state.step}: the schedule ran no OPT of gradient stages "
+            raise StateError(f"step {state.step}: the schedule ran no OPT of gradient stages "
                                f"{sorted(missing)}")
         if skipped and not self.shifted:
-            raise ValueError("commit_step(skipped=True) is async mode's; a skipped sync step "
+            raise InvalidInput("commit_step(skipped=True) is async mode's; a skipped sync step "
                              "is discarded (discard_step)")
         with _interrupts_held():  # no Ctrl-C between the swap and its record
             if skipped:
@@ -377,7 +378,7 @@ class OptimizerDriver:
         self._open = None
         if state.applied and not undone:
             updated = [g.label for g in self.groups if state.due[g.index]]
-            raise RuntimeError(
+            raise StateError(
                 f"step {state.step} was discarded, but groups {updated} had already been "
                 "updated without a journal (rollback=False); the masters are not at their "
                 "pre-step values")
@@ -393,7 +394,7 @@ class OptimizerDriver:
         if pending is None:
             return False
         if self._open is not None:
-            raise RuntimeError(f"flush() inside the open step {self._open.step}")
+            raise StateError(f"flush() inside the open step {self._open.step}")
         state = _StepState(pending.step, len(self.groups), pending.hyperparams)
         try:
             for group in self.groups:
@@ -419,7 +420,7 @@ class OptimizerDriver:
             return True
         if self.store.stages[stage].layout.grad_numel == 0:
             return False
-        raise ValueError(
+        raise InvalidInput(
             f"stage {stage} has trainable parameters but is not a gradient stage of the store; "
             "build the store with grad_stages including it"
         )
@@ -427,7 +428,7 @@ class OptimizerDriver:
     def _require_open(self) -> _StepState:
         state = self._open
         if state is None:
-            raise RuntimeError("no step is open; call begin_step() first")
+            raise StateError("no step is open; call begin_step() first")
         return state
 
     def _apply(self, group: UpdateGroup, state: _StepState, hyperparams: list[dict[str, Any]],
@@ -498,9 +499,9 @@ class OptimizerDriver:
         mode also the trainable shadows: the next step computes with them (``w_k``), not with
         the masters (``w_{k+1}``)."""
         if self._open is not None:
-            raise RuntimeError("state_dict() inside an open step; call it between steps")
+            raise StateError("state_dict() inside an open step; call it between steps")
         if self._pending is not None:
-            raise RuntimeError(f"the gradients of step {self._pending.step} are pending; "
+            raise StateError(f"the gradients of step {self._pending.step} are pending; "
                                "flush() them first (Trainer.state_dict does)")
         state: dict[str, Any] = {
             "masters": self.store.state_dict(),
@@ -517,9 +518,9 @@ class OptimizerDriver:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`: masters (and their shadows), optimizer state, step."""
         if state["mode"] != self.mode:
-            raise ValueError(f"state was saved in {state['mode']} mode, this driver is {self.mode}")
+            raise InvalidInput(f"state was saved in {state['mode']} mode, this driver is {self.mode}")
         if self._open is not None:
-            raise RuntimeError("load_state_dict() inside an open step")
+            raise StateError("load_state_dict() inside an open step")
         # The optimizer first: torch checks its groups before it changes anything, so a bad
         # state fails before the masters are touched.
         self.optimizer.load_state_dict(state["optimizer"])

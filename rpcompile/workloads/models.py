@@ -11,6 +11,8 @@ from importlib import resources
 import torch
 from torch import nn
 
+from rpcompile.errors import InvalidInput
+
 __all__ = ["build_model", "list_models", "model_config"]
 
 _CLASSES = {
@@ -37,7 +39,7 @@ def list_models() -> list[str]:
 def model_config(name: str) -> dict:
     table = _configs()
     if name not in table:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(table))}")
+        raise InvalidInput(f"unknown model {name!r}; known: {', '.join(sorted(table))}")
     return dict(table[name])
 
 

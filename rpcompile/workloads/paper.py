@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from rpcompile.errors import InvalidInput
 from rpcompile.ir import UnitProfile
 from rpcompile.passes.chunked_loss import chunk_element_bytes
 
@@ -81,9 +82,9 @@ class PaperModel:
 
     def __post_init__(self) -> None:
         if self.base not in BASES:
-            raise ValueError(f"base must be one of {BASES}, got {self.base!r}")
+            raise InvalidInput(f"base must be one of {BASES}, got {self.base!r}")
         if self.base != "bf16" and not self.lora_rank:
-            raise ValueError(f"{self.name}: a {self.base} base is frozen, so it needs LoRA "
+            raise InvalidInput(f"{self.name}: a {self.base} base is frozen, so it needs LoRA "
                              "adapters (lora_rank > 0); full fine-tuning of a quantized base "
                              "is not supported")
 
@@ -313,7 +314,7 @@ PAPER_MODELS: tuple[str, ...] = tuple(MODELS)
 
 def get_model(name: str) -> PaperModel:
     if name not in MODELS:
-        raise ValueError(f"unknown paper model {name!r}; known: {', '.join(PAPER_MODELS)}")
+        raise InvalidInput(f"unknown paper model {name!r}; known: {', '.join(PAPER_MODELS)}")
     return MODELS[name]
 
 
