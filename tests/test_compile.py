@@ -191,7 +191,7 @@ def test_unreplayable_random_ops_are_refused_naming_the_module():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), _Noisy(), torch.nn.Linear(8, 2))
     x, y = torch.randn(4, 8), torch.randint(0, 2, (4,))
-    with pytest.raises(ValueError, match=r"^1 draws random numbers.*randn_like.*replays nn\.Dropout"):
+    with pytest.raises(ValueError, match=r"randn_like.*nn\.Dropout"):
         rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=(x, y),
                           loss_fn=torch.nn.functional.cross_entropy)
 
@@ -217,7 +217,7 @@ def test_hf_model_with_loss_fn_is_a_generic_model():
 def test_batch_too_small_for_the_microbatches_is_rejected():
     compiled = rpcompile.compile(hf_model("qwen3", layers=1), gpus=2, microbatches=3,
                                  example_inputs=token_batch(6))
-    with pytest.raises(ValueError, match="a batch of 2 sequences cannot fill 3 microbatches"):
+    with pytest.raises(ValueError, match=r"2 sequences.*3 microbatches"):
         compiled.reference_step(token_batch(batch=2))
 
 

@@ -79,10 +79,10 @@ def test_plan_options_reach_the_runtime_schedule():
 
 
 def test_an_option_given_twice_is_refused():
-    with pytest.raises(ValueError, match="mode given both as a keyword and in plan_options"):
+    with pytest.raises(ValueError, match=r"mode.*both.*plan_options"):
         rpcompile.compile(hf_model("qwen3", layers=1), mode="sync",
                           plan_options=PlanOptions(gpus=2, mode="async"))
-    with pytest.raises(ValueError, match=r"train_options must be an rpcompile\.TrainOptions"):
+    with pytest.raises(ValueError, match=r"train_options.*TrainOptions"):
         rpcompile.compile(hf_model("qwen3", layers=1), train_options={"device": "virtual"})
 
 

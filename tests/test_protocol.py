@@ -275,8 +275,7 @@ def test_an_overlapping_order_is_refused_by_one_rule_wherever_options_meet(qwen3
         Trainer(qwen3, ADAMW, device="virtual", updates="overlap", skip_nonfinite=True)
     with Trainer(qwen3, ADAMW, device="virtual", updates="overlap") as trainer:
         assert not updates_deferred(trainer.schedule)
-        with pytest.raises(ValueError, match=r"^max_grad_norm, skip_nonfinite must see every "
-                                             r"gradient.*lowered with updates='deferred'"):
+        with pytest.raises(ValueError, match=r"max_grad_norm, skip_nonfinite.*updates='deferred'"):
             Executor(qwen3, trainer.workers, trainer.schedule, trainer.store, trainer.driver,
                      max_grad_norm=1.0, skip_nonfinite=True)
 
