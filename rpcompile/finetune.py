@@ -755,6 +755,8 @@ class _Job:
         else:
             rows, truncated, dropped = rpdata.pad_rows(prepared.train, seq, pad_id)
             note = f"one per row, padded to {rpdata.bucket_lengths(seq, opts['buckets'])}"
+        if rows.split:
+            note += f"; {rows.split} long texts split into pieces of {seq} tokens"
         if truncated:
             note += f"; {truncated} truncated to {seq} tokens"
         if dropped:

@@ -165,6 +165,23 @@ def test_packing_keeps_documents_whole_with_positions_restarting_at_each():
         assert (batch["labels"][r, starts] == IGNORE_INDEX).all()
 
 
+def test_packing_splits_a_long_text_into_pieces_and_truncates_a_prompted_example():
+    text = Example(tuple(range(40)), tuple(range(40)))  # every token a target
+    prompted = Example(tuple(range(100, 140)), (IGNORE_INDEX,) * 5 + tuple(range(105, 140)))
+    rows, truncated, dropped = pack([text, prompted], 16, pad_id=0, seed=0)
+    assert (rows.split, truncated, dropped) == (1, 1, 0)
+    docs = []
+    for row, lengths in zip(rows.rows, rows.documents):
+        start = 0
+        for n in lengths:
+            docs.append(row.input_ids[start:start + n])
+            assert row.labels[start] == IGNORE_INDEX  # each piece starts a document
+            start += n
+    # The text trains whole, in pieces of 16, 16 and 8 tokens; the prompted example is cut.
+    assert sorted(docs) == sorted([tuple(range(0, 16)), tuple(range(16, 32)),
+                                   tuple(range(32, 40)), tuple(range(100, 116))])
+
+
 def test_padding_truncates_drops_and_masks_padding():
     long = Example(tuple(range(40)), tuple(range(40)))
     prompt_only = Example(tuple(range(40)), (IGNORE_INDEX,) * 30 + tuple(range(30, 40)))

@@ -341,3 +341,15 @@ def test_lr_schedule_warms_up_then_decays_to_zero():
     linear = lr_lambda("linear", warmup=0, total=10)
     assert [linear(k) for k in (0, 5, 10)] == [1.0, 0.5, 0.0]
     assert lr_lambda("constant", warmup=2, total=10)(7) == 1.0
+
+
+def test_the_readme_demo_runs_with_its_own_data_and_shape(tmp_path, capsys):
+    # README's first command is `rpcompile train --out DIR`: the shipped corpus, --batch 20 and
+    # --seq 128 must give whole batches (its paragraphs are longer than a row, so packing
+    # splits them into pieces rather than keeping one truncated row each).
+    out = tmp_path / "demo"
+    assert main(["train", "--out", str(out), "--steps", "2", "--eval-every", "0"]) == 0
+    err = capsys.readouterr().err
+    assert "long texts split into pieces of 128 tokens" in err
+    steps = [r for r in _records(out) if "loss" in r]
+    assert len(steps) == 2 and all(r["tokens"] > 0 for r in steps)

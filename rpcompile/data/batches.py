@@ -9,8 +9,10 @@ that holds its longest example, and examples are grouped by length within window
 before the batches are shuffled, so little of a batch is padding.
 
 **Packing** (whole documents side by side): examples are taken in a seeded order and each is
-put in the current row while it fits, else in a new one; an example longer than ``seq_len`` is
-truncated like a padded one. A row's batch carries ``position_ids`` that restart at 0 at each
+put in the current row while it fits, else in a new one. A text example (every token a target)
+longer than ``seq_len`` is split into pieces of ``seq_len`` tokens, each a document of its own,
+so a long text trains whole; an example with a prompt is truncated like a padded one (a later
+piece of its completion would lack the prompt). A row's batch carries ``position_ids`` that restart at 0 at each
 document (and at the padding that ends the row), and no attention mask: Hugging Face then builds a
 block-diagonal causal mask from the restarts, so a token attends only to its own document. The
 first label of each document is ``IGNORE_INDEX``, so the previous document's last token predicts
@@ -59,20 +61,34 @@ def split_eval(
 @dataclass(frozen=True)
 class Rows:
     """Training rows before batching: each an ``Example`` no longer than ``seq_len``; packed
-    rows also give the lengths of the documents side by side in each row."""
+    rows also give the lengths of the documents side by side in each row, and how many long
+    texts were split into pieces."""
 
     rows: tuple[Example, ...]
     seq_len: int
     pad_id: int
     packed: bool
     documents: tuple[tuple[int, ...], ...] = ()
+    split: int = 0
 
 
 def pack(examples: Sequence[Example], seq_len: int, pad_id: int,
          seed: int) -> tuple[Rows, int, int]:
-    """Whole examples side by side in rows of up to ``seq_len`` tokens, in a seeded order (see
-    the module doc); returns (rows, truncated, dropped) as :func:`pad_rows`."""
+    """Whole examples side by side in rows of up to ``seq_len`` tokens, in a seeded order, long
+    texts split into pieces (see the module doc); returns (rows, truncated, dropped) as
+    :func:`pad_rows`, and ``rows.split`` says how many texts were split."""
     order = torch.randperm(len(examples), generator=torch.Generator().manual_seed(seed)).tolist()
+    pieces: list[Example] = []
+    split = 0
+    for i in order:
+        ex = examples[i]
+        if len(ex) <= seq_len or ex.targets < len(ex) - 1:  # short, or has a prompt: whole/cut
+            pieces.append(ex)
+            continue
+        split += 1
+        for start in range(0, len(ex), seq_len):
+            pieces.append(Example(ex.input_ids[start:start + seq_len],
+                                  ex.labels[start:start + seq_len]))
     rows: list[Example] = []
     documents: list[tuple[int, ...]] = []
     ids: list[int] = []
@@ -85,7 +101,7 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int,
             documents.append(tuple(lengths))
             ids.clear(), labels.clear(), lengths.clear()
 
-    kept, truncated, dropped = _cut([examples[i] for i in order], seq_len)
+    kept, truncated, dropped = _cut(pieces, seq_len)
     for ex in kept:
         if len(ids) + len(ex) > seq_len:
             close_row()
@@ -95,8 +111,8 @@ def pack(examples: Sequence[Example], seq_len: int, pad_id: int,
         labels.extend((IGNORE_INDEX, *ex.labels[1:]))
         lengths.append(len(ex))
     close_row()
-    return Rows(tuple(rows), seq_len, pad_id, packed=True, documents=tuple(documents)), \
-        truncated, dropped
+    return Rows(tuple(rows), seq_len, pad_id, packed=True, documents=tuple(documents),
+                split=split), truncated, dropped
 
 
 def pad_rows(examples: Sequence[Example], seq_len: int, pad_id: int) -> tuple[Rows, int, int]:
