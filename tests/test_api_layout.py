@@ -1,11 +1,8 @@
-"""The README's layout block names every module and folder of the package as it is, and the
-package's modules import each other without a circle."""
+"""The README's layout block names every module and folder of the package as it is."""
 
 from __future__ import annotations
 
-import ast
 import re
-from graphlib import CycleError, TopologicalSorter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,40 +30,3 @@ def test_the_readme_layout_names_every_module():
     missing += [str(p.relative_to(ROOT)) for p in sorted(pkg.rglob("configs/*.json"))
                 if "configs/" not in block]
     assert not missing, f"README.md's layout block does not name: {missing}"
-
-
-def _imports(path: Path, modules: set[str]) -> set[str]:
-    """The package modules ``path`` imports, at module level or inside a function (a lazy
-    import is still a dependency); imports only for type checkers are not."""
-
-    def owner(name: str) -> str | None:
-        while name and name not in modules:
-            name = name.rpartition(".")[0]
-        return name or None
-
-    found = set()
-
-    def visit(node: ast.AST) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
-                continue
-            if isinstance(child, ast.Import):
-                found.update(owner(a.name) for a in child.names)
-            elif isinstance(child, ast.ImportFrom) and child.level == 0 and child.module:
-                found.update(owner(f"{child.module}.{a.name}") for a in child.names)
-            visit(child)
-
-    visit(ast.parse(path.read_text()))
-    return found
-
-
-def test_the_package_imports_without_a_circle():
-    pkg = ROOT / "rpcompile"
-    files = {".".join(p.relative_to(ROOT).with_suffix("").parts): p for p in pkg.rglob("*.py")
-             if p.name != "__init__.py"}  # a package's __init__ re-exports; it is no layer
-    graph = {name: _imports(path, set(files)) - {None, name} for name, path in files.items()}
-    assert sum(map(len, graph.values())) > 100  # the walk sees the package's imports
-    try:
-        tuple(TopologicalSorter(graph).static_order())
-    except CycleError as e:
-        raise AssertionError(f"modules importing each other: {' -> '.join(e.args[1])}") from e
