@@ -175,10 +175,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=kind, choices=o.choices, default=None, help=text)
 
 
-def _load_yaml(path: Path) -> dict[str, Any]:
+# Keys a run folder's config.yaml may hold that an option has replaced: key -> (the option,
+# the option's value for each value of the key). A run folder keeps its config.yaml for good,
+# so its resume reads them; a --config file names the option instead (refused with its name).
+_REPLACED = {"tensorboard": ("report_to", {True: "tensorboard", False: "none"})}
+
+
+def _load_yaml(path: Path, run: bool = False, notices: list[str] | None = None,
+               ) -> dict[str, Any]:
     """The options of a YAML file, each checked against its type and choices; every refusal
     names the file, the key, the value and what the key takes. A key set to null is left out
-    (the option keeps its value from the layers below)."""
+    (the option keeps its value from the layers below). ``run``: the file is a run folder's
+    own config.yaml, whose replaced keys (:data:`_REPLACED`) are read as the option that
+    replaced them, a line saying so appended to ``notices``."""
     import yaml
 
     if not path.is_file():
@@ -197,6 +206,16 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in _REPLACED and name not in _BY_NAME:
+            option, values = _REPLACED[name]
+            if not run or value not in values or option in data:
+                raise ValueError(
+                    f"{path}: {key}: {option} replaces it: write {option}: "
+                    + " or ".join(f"{v}" for v in values.values()))
+            if notices is not None:
+                notices.append(f"{path} says {key}: {str(value).lower()}, which {option} "
+                               f"replaces: the run goes on with {option}: {values[value]}")
+            key, name, value = option, option, values[value]
         if name not in _BY_NAME:
             raise ValueError(f"{path}: unknown option {key!r}; known: {', '.join(_BY_NAME)}")
         if value is None:
@@ -263,7 +282,10 @@ def resolve_options(args: argparse.Namespace) -> tuple[dict[str, Any], Path | No
         checkpoint, run_dir = _find_checkpoint(args.resume)
         saved = run_dir / "config.yaml"
         if saved.is_file():
-            resumed = _load_yaml(saved)
+            notices: list[str] = []
+            resumed = _load_yaml(saved, run=True, notices=notices)
+            for line in notices:
+                print(f"train: {line}", file=sys.stderr)
         given = flags.get("out", from_file.get("out"))
         branch = given is not None and Path(given).resolve() != run_dir.resolve()
         if not branch:
@@ -466,7 +488,7 @@ def option_origin(args: argparse.Namespace, name: str) -> str:
         return f"{args.config} (--config)"
     if args.resume is not None:
         saved = _find_checkpoint(args.resume)[1] / "config.yaml"
-        if saved.is_file() and name in _load_yaml(saved):
+        if saved.is_file() and name in _load_yaml(saved, run=True):
             return f"the resumed run's {saved}"
     return "the default"
 
@@ -905,7 +927,7 @@ class _Job:
 
         run_dir = self.source
         config = run_dir / "config.yaml"
-        saved = _load_yaml(config) if config.is_file() else {}
+        saved = _load_yaml(config, run=True) if config.is_file() else {}
 
         def given(name: str) -> str:
             source = self.origin(name)
