@@ -1022,12 +1022,11 @@ class _Job:
             with tqdm(total=self.total, initial=self.start, desc="train", unit="step",
                       disable=not lead) as bar:
                 self.bar = bar
-                for step in range(self.start + 1, self.total + 1):
+                while self.committed < self.total and not self.stop.requested:
+                    self._steps(self._next_stop(self.committed))
                     if self.stop.requested:
                         break
-                    self._step(step)
-                    if self.stop.requested:
-                        break
+                    step = self.committed
                     if opts["eval_every"] and step % opts["eval_every"] == 0 \
                             and step != self.total:
                         self._evaluate(step)
@@ -1057,6 +1056,14 @@ class _Job:
                                           f"{getattr(err, 'strerror', None) or err}")) from None
         return 0
 
+    def _next_stop(self, step: int) -> int:
+        """The first step after ``step`` at which the loop evaluates or saves, or the last."""
+        ends = [self.total]
+        for every in (self.opts["eval_every"], self.opts["save_every"] if self.manager else 0):
+            if every:
+                ends.append((step // every + 1) * every)
+        return min(ends)
+
     def _mfu(self) -> dict[str, float | None]:
         """Model FLOPs utilization of the training steps: the cost model's FLOPs per step times
         the steps, over their measured seconds and the peak of every worker of every rank."""
@@ -1068,40 +1075,74 @@ class _Job:
                 "peak_flops_per_s": peak,
                 "mfu": None if achieved is None else achieved / peak}
 
-    def _step(self, step: int) -> None:
-        compiled, world = self.compiled, self.world
-        position = self.iterator.state()
-        batch = next(self.iterator)
-        step_lr = compiled.optimizer.param_groups[0]["lr"]
-        began = time.perf_counter()
-        mine = batch if world == 1 else {k: v.tensor_split(world)[self.rank]
-                                         for k, v in batch.items()}
-        loss = None
+    def _steps(self, until: int) -> None:
+        """Train steps ``committed + 1 .. until`` as one stream (``Compiled.fit``): each batch
+        is drawn and bound while the steps before it run, the learning-rate scheduler steps as
+        each step commits, and the loop books each result as it comes. The stream ends drained
+        at ``until`` (the loop evaluates or saves there). A first signal stops the drawing: the
+        steps in flight commit and are booked, and the loop stops. A second one discards them
+        (``KeyboardInterrupt``): the job then holds the steps that committed, and the data
+        position is rewound to the batch of the first step not committed."""
+        first = self.committed + 1
+        # Per step from ``first``, made as its batch is drawn: the data position before its
+        # batch, then its tokens and target tokens over the whole global batch and the epoch
+        # the data is in once it is drawn. Its learning rate: noted as the step before it
+        # committed.
+        drawn: dict[int, list[Any]] = {}
+        rates = {first: self.compiled.optimizer.param_groups[0]["lr"]}
+        hooked = [first - 1]  # the steps the scheduler has stepped for (on the host queue)
+
+        def batches() -> Any:
+            step = first
+            while True:
+                drawn[step] = [self.iterator.state()]
+                batch = next(self.iterator)
+                drawn[step] += [batch["input_ids"].numel(),
+                                int((batch["labels"][:, 1:] != -100).sum()),
+                                self.iterator.epoch]
+                step += 1
+                yield batch if self.world == 1 else {
+                    k: v.tensor_split(self.world)[self.rank] for k, v in batch.items()}
+
+        class Scheduler:  # steps the job's scheduler as each step commits, noting the next rate
+            @staticmethod
+            def step() -> None:
+                self.scheduler.step()
+                hooked[0] += 1
+                rates[hooked[0] + 1] = self.compiled.optimizer.param_groups[0]["lr"]
+
+        stream = self.compiled.fit(batches(), steps=until - self.committed, scheduler=Scheduler)
         try:
-            loss = float(compiled.step(mine))  # the global batch's loss on every rank
+            for result in stream:
+                self._book(result, self.committed + 1, drawn, rates)
+                if self.stop.requested:
+                    stream.end()  # no batch drawn after this; the steps in flight go on
         except KeyboardInterrupt:
-            if compiled.trainer().steps_done < step:
-                # The trainer discarded the step: its batch is drawn again on resume.
-                self.iterator.load_state(position)
-                raise
-            # Committed as the interrupt came: book it (its loss was not returned), then stop.
+            done = hooked[0]  # committed, booked or not
+            if done > self.committed:
+                print(f"train: steps {self.committed + 1}..{done} committed as the run was "
+                      "interrupted; their losses are not logged", file=sys.stderr)
+                self.committed = done
+            if done + 1 in drawn:  # the discarded steps' batches are drawn again on resume
+                self.iterator.load_state(drawn[done + 1][0])
+            raise
+
+    def _book(self, result: Any, step: int, drawn: dict[int, Any],
+              rates: dict[int, float]) -> None:
+        """Log step ``step``'s result (its loss is the global batch's on every rank)."""
         with self.stop.deferred():
-            self.scheduler.step()
+            _position, tokens, target, epoch = drawn.pop(step)
+            step_lr = rates.pop(step)
+            loss = float(result.loss)
             self.committed = step
-            self.seconds += time.perf_counter() - began
-            self.tokens += batch["input_ids"].numel()
-            if loss is None:
-                print(f"train: step {step} was interrupted as it ended; its loss is not "
-                      "logged", file=sys.stderr)
-                raise KeyboardInterrupt
+            self.seconds += result.seconds
+            self.tokens += tokens
             rate = self.tokens / self.seconds  # training steps only, not eval or saving
-            norm = getattr(compiled.trainer().last, "grad_norm", None)
-            norm = None if norm is None else float(norm)
+            norm = None if result.grad_norm is None else float(result.grad_norm)
             record = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm,
-                      "tokens": batch["input_ids"].numel(),
-                      "target_tokens": int((batch["labels"][:, 1:] != -100).sum()),
-                      "tokens_per_s": rate, "epoch": self.iterator.epoch,
-                      "step_seconds": time.perf_counter() - began,
+                      "tokens": tokens, "target_tokens": target,
+                      "tokens_per_s": rate, "epoch": epoch,
+                      "step_seconds": result.seconds,
                       "predicted_step_seconds": self.predicted}
             if self.log is not None:
                 self.log.write(record)

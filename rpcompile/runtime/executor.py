@@ -521,6 +521,12 @@ class Executor(Actions):
         result = state.result
         if not flight.steps and not self._unreported:  # the workers are idle: the run ends
             result = _with_left_over(result, self._close(flight))
+            if interrupts:  # the step committed as the interrupt came: it stands
+                raise interrupts[0]
+        elif interrupts:  # the steps after it abort, and the next finish() raises it
+            with flight.lock:
+                if flight.root is None:
+                    flight.root = ("the caller", interrupts[0])
         return result
 
     def _drain(self) -> None:
