@@ -1139,8 +1139,12 @@ class _Job:
             self.tokens += tokens
             rate = self.tokens / self.seconds  # training steps only, not eval or saving
             norm = None if result.grad_norm is None else float(result.grad_norm)
+            # The fraction of the target tokens (those the loss averages over) whose argmax
+            # logit is their label, counted where the tail computes the loss.
+            correct = result.correct_tokens
+            accuracy = None if correct is None or not target else correct / target
             record = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm,
-                      "tokens": tokens, "target_tokens": target,
+                      "token_accuracy": accuracy, "tokens": tokens, "target_tokens": target,
                       "tokens_per_s": rate, "epoch": epoch,
                       "step_seconds": result.seconds,
                       "predicted_step_seconds": self.predicted}
@@ -1149,6 +1153,8 @@ class _Job:
             shown = {"loss": f"{loss:.3f}", "tok_s": f"{rate:,.0f}", "lr": f"{step_lr:.2e}"}
             if norm is not None:
                 shown["gnorm"] = f"{norm:.2f}"
+            if accuracy is not None:
+                shown["acc"] = f"{accuracy:.3f}"
             self.bar.set_postfix(shown)
             self.bar.update()
 

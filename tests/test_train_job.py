@@ -203,9 +203,10 @@ def test_resume_from_an_earlier_checkpoint_with_out_branches_into_a_new_folder(f
 
 
 def test_the_job_trains_with_the_dropout_of_the_checkpoints_config(files, tmp_path, monkeypatch):
-    """A checkpoint with attention_dropout 0.5: the job's losses and weights are those of eager
-    Hugging Face training in train mode with the masks the runtime drew (AdamW, clipping at
-    1.0, the logged learning rates), and differ from training without dropout."""
+    """A checkpoint with attention_dropout 0.5: the job's losses, token accuracies and weights
+    are those of eager Hugging Face training in train mode with the masks the runtime drew
+    (AdamW, clipping at 1.0, the logged learning rates), and differ from training without
+    dropout."""
     from transformers import AutoModelForCausalLM
 
     import rpcompile
@@ -245,8 +246,12 @@ def test_the_job_trains_with_the_dropout_of_the_checkpoints_config(files, tmp_pa
     for step, (batch, record) in enumerate(zip(fed, records)):
         masks, _ = _full_masks(job, batch, drawn, step=step)
         with _eager_dropout_uses(masks):
-            loss = eager(**batch).loss
+            out = eager(**batch)
+        loss, target = out.loss, batch["labels"][:, 1:]
         assert record["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6), step
+        # Token accuracy: eager HF's argmax hits on the labelled tokens, counted exactly.
+        hits = int(((out.logits[:, :-1].argmax(-1) == target) & (target != -100)).sum())
+        assert record["token_accuracy"] == hits / record["target_tokens"], step
         loss.backward()
         torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
         optimizer.param_groups[0]["lr"] = record["lr"]
@@ -301,6 +306,7 @@ def test_the_job_runs_a_stream_of_steps_and_trains_as_one_step_at_a_time(files, 
     norms and eval losses and the final weights are bit for bit those of the same job run one
     ``step()`` at a time (the scheduler stepped after each), evaluating at step 3 of 6."""
     from rpcompile.compiler import Compiled
+    from rpcompile.finetune import lr_lambda
     from rpcompile.runtime.executor import Executor
 
     in_flight: list[int] = []
@@ -322,8 +328,8 @@ def test_the_job_runs_a_stream_of_steps_and_trains_as_one_step_at_a_time(files, 
         batches = iter(batches)
         for _ in range(steps):
             self.step(next(batches))
+            yield self.trainer().last  # booked before the scheduler steps
             scheduler.step()
-            yield self.trainer().last
 
     monkeypatch.setattr(Compiled, "fit", one_at_a_time)
     status, text = _train(*args, "--out", tmp_path / "steps")
@@ -335,7 +341,8 @@ def test_the_job_runs_a_stream_of_steps_and_trains_as_one_step_at_a_time(files, 
     for a, b in zip(got, want):
         for key in ("loss", "lr", "grad_norm", "eval_loss", "tokens", "target_tokens", "epoch"):
             assert a.get(key) == b.get(key), (key, a, b)
-    assert len({r["lr"] for r in got if "lr" in r}) > 2  # warmup, then decay
+    factor = lr_lambda("cosine", 2, 6)  # warmup over 2 steps, then decay
+    assert [r["lr"] for r in got if "lr" in r] == [1e-2 * factor(k) for k in range(6)]
     assert _files(tmp_path / "stream" / "final") == _files(tmp_path / "steps" / "final")
 
 

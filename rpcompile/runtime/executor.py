@@ -478,7 +478,8 @@ class Executor(Actions):
             state.loss, state.plan.step, now - max(state.submitted, self._last_commit), peaks,
             timeline=dict(state.timeline), found_nonfinite=state.found,
             nonfinite_jobs=state.bad, skipped=state.skipped, grad_norm=state.grad_norm,
-            idle_updates=tuple(state.idle_updates), step=state.k)
+            idle_updates=tuple(state.idle_updates), step=state.k,
+            correct_tokens=state.correct)
         self._last_commit = now
         self.steps_run = state.k + 1
         flight.committed(state.k)
