@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 import time
+import types
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -1104,14 +1105,13 @@ class _Job:
                 yield batch if self.world == 1 else {
                     k: v.tensor_split(self.world)[self.rank] for k, v in batch.items()}
 
-        class Scheduler:  # steps the job's scheduler as each step commits, noting the next rate
-            @staticmethod
-            def step() -> None:
-                self.scheduler.step()
-                hooked[0] += 1
-                rates[hooked[0] + 1] = self.compiled.optimizer.param_groups[0]["lr"]
+        def stepped() -> None:  # on the host queue, as each step commits
+            self.scheduler.step()
+            hooked[0] += 1
+            rates[hooked[0] + 1] = self.compiled.optimizer.param_groups[0]["lr"]
 
-        stream = self.compiled.fit(batches(), steps=until - self.committed, scheduler=Scheduler)
+        stream = self.compiled.fit(batches(), steps=until - self.committed,
+                                   scheduler=types.SimpleNamespace(step=stepped))
         try:
             for result in stream:
                 self._book(result, self.committed + 1, drawn, rates)

@@ -246,11 +246,11 @@ def test_the_job_trains_with_the_dropout_of_the_checkpoints_config(files, tmp_pa
     for step, (batch, record) in enumerate(zip(fed, records)):
         masks, _ = _full_masks(job, batch, drawn, step=step)
         with _eager_dropout_uses(masks):
-            out = eager(**batch)
-        loss, target = out.loss, batch["labels"][:, 1:]
+            output = eager(**batch)
+        loss, target = output.loss, batch["labels"][:, 1:]
         assert record["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6), step
         # Token accuracy: eager HF's argmax hits on the labelled tokens, counted exactly.
-        hits = int(((out.logits[:, :-1].argmax(-1) == target) & (target != -100)).sum())
+        hits = int(((output.logits[:, :-1].argmax(-1) == target) & (target != -100)).sum())
         assert record["token_accuracy"] == hits / record["target_tokens"], step
         loss.backward()
         torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
