@@ -454,7 +454,7 @@ class Compiled:
 
     def _front_history(self) -> list[PassRecord]:
         """The records of the passes a replan keeps: those up to and including ``cost``
-        (capture, chunk-loss when it ran, cost)."""
+        (capture, chunk-loss when it ran, token-hits for a causal LM, cost)."""
         names = [r.name for r in self.history]
         return list(self.history[:names.index("cost") + 1])
 
@@ -711,6 +711,14 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
             run_pass(run, "chunk-loss", chunk_loss, check_captured)
             if captured.loss_chunk_tokens != chunk:
                 continue  # no head + loss the rewrite matches: the captured form only
+        if captured.loss_reduction == "sum":  # a causal LM: its step counts its token hits
+            from rpcompile.passes.chunked_loss import count_token_hits
+
+            def token_hits(captured: Captured = captured) -> Captured:
+                count_token_hits(captured.graph_module)
+                return captured
+
+            run_pass(run, "token-hits", token_hits, check_captured)
         unit_costs = run_pass(run, "cost", partial(annotate_costs, captured),
                               partial(check_costs, captured=captured))
         try:

@@ -26,6 +26,7 @@ import re
 import shutil
 import sys
 import time
+import types
 import warnings
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -175,10 +176,19 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             parser.add_argument(flag, type=kind, choices=o.choices, default=None, help=text)
 
 
-def _load_yaml(path: Path) -> dict[str, Any]:
+# Keys a run folder's config.yaml may hold that an option has replaced: key -> (the option,
+# the option's value for each value of the key). A run folder keeps its config.yaml for good,
+# so its resume reads them; a --config file names the option instead (refused with its name).
+_REPLACED = {"tensorboard": ("report_to", {True: "tensorboard", False: "none"})}
+
+
+def _load_yaml(path: Path, run: bool = False, notices: list[str] | None = None,
+               ) -> dict[str, Any]:
     """The options of a YAML file, each checked against its type and choices; every refusal
     names the file, the key, the value and what the key takes. A key set to null is left out
-    (the option keeps its value from the layers below)."""
+    (the option keeps its value from the layers below). ``run``: the file is a run folder's
+    own config.yaml, whose replaced keys (:data:`_REPLACED`) are read as the option that
+    replaced them, a line saying so appended to ``notices``."""
     import yaml
 
     if not path.is_file():
@@ -197,6 +207,16 @@ def _load_yaml(path: Path) -> dict[str, Any]:
     out = {}
     for key, value in data.items():
         name = str(key).replace("-", "_")
+        if name in _REPLACED and name not in _BY_NAME:
+            option, values = _REPLACED[name]
+            if not run or value not in values or option in data:
+                raise ValueError(
+                    f"{path}: {key}: {option} replaces it: write {option}: "
+                    + " or ".join(f"{v}" for v in values.values()))
+            if notices is not None:
+                notices.append(f"{path} says {key}: {str(value).lower()}, which {option} "
+                               f"replaces: the run goes on with {option}: {values[value]}")
+            key, name, value = option, option, values[value]
         if name not in _BY_NAME:
             raise ValueError(f"{path}: unknown option {key!r}; known: {', '.join(_BY_NAME)}")
         if value is None:
@@ -263,7 +283,10 @@ def resolve_options(args: argparse.Namespace) -> tuple[dict[str, Any], Path | No
         checkpoint, run_dir = _find_checkpoint(args.resume)
         saved = run_dir / "config.yaml"
         if saved.is_file():
-            resumed = _load_yaml(saved)
+            notices: list[str] = []
+            resumed = _load_yaml(saved, run=True, notices=notices)
+            for line in notices:
+                print(f"train: {line}", file=sys.stderr)
         given = flags.get("out", from_file.get("out"))
         branch = given is not None and Path(given).resolve() != run_dir.resolve()
         if not branch:
@@ -466,7 +489,7 @@ def option_origin(args: argparse.Namespace, name: str) -> str:
         return f"{args.config} (--config)"
     if args.resume is not None:
         saved = _find_checkpoint(args.resume)[1] / "config.yaml"
-        if saved.is_file() and name in _load_yaml(saved):
+        if saved.is_file() and name in _load_yaml(saved, run=True):
             return f"the resumed run's {saved}"
     return "the default"
 
@@ -907,7 +930,7 @@ class _Job:
 
         run_dir = self.source
         config = run_dir / "config.yaml"
-        saved = _load_yaml(config) if config.is_file() else {}
+        saved = _load_yaml(config, run=True) if config.is_file() else {}
 
         def given(name: str) -> str:
             source = self.origin(name)
@@ -1002,12 +1025,11 @@ class _Job:
             with tqdm(total=self.total, initial=self.start, desc="train", unit="step",
                       disable=not lead) as bar:
                 self.bar = bar
-                for step in range(self.start + 1, self.total + 1):
+                while self.committed < self.total and not self.stop.requested:
+                    self._steps(self._next_stop(self.committed))
                     if self.stop.requested:
                         break
-                    self._step(step)
-                    if self.stop.requested:
-                        break
+                    step = self.committed
                     if opts["eval_every"] and step % opts["eval_every"] == 0 \
                             and step != self.total:
                         self._evaluate(step)
@@ -1037,6 +1059,14 @@ class _Job:
                                           f"{getattr(err, 'strerror', None) or err}")) from None
         return 0
 
+    def _next_stop(self, step: int) -> int:
+        """The first step after ``step`` at which the loop evaluates or saves, or the last."""
+        ends = [self.total]
+        for every in (self.opts["eval_every"], self.opts["save_every"] if self.manager else 0):
+            if every:
+                ends.append((step // every + 1) * every)
+        return min(ends)
+
     def _mfu(self) -> dict[str, float | None]:
         """Model FLOPs utilization of the training steps: the cost model's FLOPs per step times
         the steps, over their measured seconds and the peak of every worker of every rank."""
@@ -1048,46 +1078,85 @@ class _Job:
                 "peak_flops_per_s": peak,
                 "mfu": None if achieved is None else achieved / peak}
 
-    def _step(self, step: int) -> None:
-        compiled, world = self.compiled, self.world
-        position = self.iterator.state()
-        batch = next(self.iterator)
-        step_lr = compiled.optimizer.param_groups[0]["lr"]
-        began = time.perf_counter()
-        mine = batch if world == 1 else {k: v.tensor_split(world)[self.rank]
-                                         for k, v in batch.items()}
-        loss = None
-        try:
-            loss = float(compiled.step(mine))  # the global batch's loss on every rank
-        except KeyboardInterrupt:
-            if compiled.trainer().steps_done < step:
-                # The trainer discarded the step: its batch is drawn again on resume.
-                self.iterator.load_state(position)
-                raise
-            # Committed as the interrupt came: book it (its loss was not returned), then stop.
-        with self.stop.deferred():
+    def _steps(self, until: int) -> None:
+        """Train steps ``committed + 1 .. until`` as one stream (``Compiled.fit``): each batch
+        is drawn and bound while the steps before it run, the learning-rate scheduler steps as
+        each step commits, and the loop books each result as it comes. The stream ends drained
+        at ``until`` (the loop evaluates or saves there). A first signal stops the drawing: the
+        steps in flight commit and are booked, and the loop stops. A second one discards them
+        (``KeyboardInterrupt``): the job then holds the steps that committed, and the data
+        position is rewound to the batch of the first step not committed."""
+        first = self.committed + 1
+        # Per step from ``first``, made as its batch is drawn: the data position before its
+        # batch, then its tokens and target tokens over the whole global batch and the epoch
+        # the data is in once it is drawn. Its learning rate: noted as the step before it
+        # committed.
+        drawn: dict[int, list[Any]] = {}
+        rates = {first: self.compiled.optimizer.param_groups[0]["lr"]}
+        hooked = [first - 1]  # the steps the scheduler has stepped for (on the host queue)
+
+        def batches() -> Any:
+            step = first
+            while True:
+                drawn[step] = [self.iterator.state()]
+                batch = next(self.iterator)
+                drawn[step] += [batch["input_ids"].numel(),
+                                int((batch["labels"][:, 1:] != -100).sum()),
+                                self.iterator.epoch]
+                step += 1
+                yield batch if self.world == 1 else {
+                    k: v.tensor_split(self.world)[self.rank] for k, v in batch.items()}
+
+        def stepped() -> None:  # on the host queue, as each step commits
             self.scheduler.step()
+            hooked[0] += 1
+            rates[hooked[0] + 1] = self.compiled.optimizer.param_groups[0]["lr"]
+
+        stream = self.compiled.fit(batches(), steps=until - self.committed,
+                                   scheduler=types.SimpleNamespace(step=stepped))
+        try:
+            for result in stream:
+                self._book(result, self.committed + 1, drawn, rates)
+                if self.stop.requested:
+                    stream.end()  # no batch drawn after this; the steps in flight go on
+        except KeyboardInterrupt:
+            done = hooked[0]  # committed, booked or not
+            if done > self.committed:
+                print(f"train: steps {self.committed + 1}..{done} committed as the run was "
+                      "interrupted; their losses are not logged", file=sys.stderr)
+                self.committed = done
+            if done + 1 in drawn:  # the discarded steps' batches are drawn again on resume
+                self.iterator.load_state(drawn[done + 1][0])
+            raise
+
+    def _book(self, result: Any, step: int, drawn: dict[int, Any],
+              rates: dict[int, float]) -> None:
+        """Log step ``step``'s result (its loss is the global batch's on every rank)."""
+        with self.stop.deferred():
+            _position, tokens, target, epoch = drawn.pop(step)
+            step_lr = rates.pop(step)
+            loss = float(result.loss)
             self.committed = step
-            self.seconds += time.perf_counter() - began
-            self.tokens += batch["input_ids"].numel()
-            if loss is None:
-                print(f"train: step {step} was interrupted as it ended; its loss is not "
-                      "logged", file=sys.stderr)
-                raise KeyboardInterrupt
+            self.seconds += result.seconds
+            self.tokens += tokens
             rate = self.tokens / self.seconds  # training steps only, not eval or saving
-            norm = getattr(compiled.trainer().last, "grad_norm", None)
-            norm = None if norm is None else float(norm)
+            norm = None if result.grad_norm is None else float(result.grad_norm)
+            # The fraction of the target tokens (those the loss averages over) whose argmax
+            # logit is their label, counted where the tail computes the loss.
+            correct = result.correct_tokens
+            accuracy = None if correct is None or not target else correct / target
             record = {"step": step, "loss": loss, "lr": step_lr, "grad_norm": norm,
-                      "tokens": batch["input_ids"].numel(),
-                      "target_tokens": int((batch["labels"][:, 1:] != -100).sum()),
-                      "tokens_per_s": rate, "epoch": self.iterator.epoch,
-                      "step_seconds": time.perf_counter() - began,
+                      "token_accuracy": accuracy, "tokens": tokens, "target_tokens": target,
+                      "tokens_per_s": rate, "epoch": epoch,
+                      "step_seconds": result.seconds,
                       "predicted_step_seconds": self.predicted}
             if self.log is not None:
                 self.log.write(record)
             shown = {"loss": f"{loss:.3f}", "tok_s": f"{rate:,.0f}", "lr": f"{step_lr:.2e}"}
             if norm is not None:
                 shown["gnorm"] = f"{norm:.2f}"
+            if accuracy is not None:
+                shown["acc"] = f"{accuracy:.3f}"
             self.bar.set_postfix(shown)
             self.bar.update()
 

@@ -167,7 +167,15 @@ class SFTTrainer(trl.SFTTrainer):
         # The one call per optimizer step; a streaming step API (several steps in flight)
         # would take the group here and hand back the loss of the step it completes.
         loss = compiled.step(batch)
-        self._grad_norm = compiled.trainer().last.grad_norm
+        last = compiled.trainer().last
+        self._grad_norm = last.grad_norm
+        # TRL's mean_token_accuracy, counted in the workers' loss over the whole group (TRL
+        # averages it over the group's batches: the same figure without accumulation).
+        target = batch["labels"][:, 1:]
+        labelled = int((target != -100).sum())
+        if last.correct_tokens is not None:
+            self._metrics["train"]["mean_token_accuracy"].append(
+                last.correct_tokens / labelled if labelled else 0.0)
         return loss.detach().to(self.args.device)
 
     def train(self, *args: Any, **kwargs: Any) -> Any:

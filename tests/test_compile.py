@@ -108,7 +108,7 @@ def test_stage_code_shows_boundaries():
     for st in compiled.stages:
         assert st.name in text
     assert [r.name for r in compiled.history] == [
-        "capture", "cost", "partition", "split", "dispatch",
+        "capture", "token-hits", "cost", "partition", "split", "dispatch",
         "upload", "transfers", "grads", "optimizer", "commit", "events"]
     assert compiled.schedule is compiled.history[-1].artifact  # the lowered schedule
 

@@ -903,7 +903,7 @@ def test_the_end_of_a_step_waits_for_its_reductions_within_one_deadline(monkeypa
     clock[0] = 0.0
     dp._broken = ""
     dp._works = [("the first reduction", Late(0.5)), ("the second reduction", Late(1.0))]
-    loss, nonfinite = dp.finish(torch.tensor(1.0), False, 1.5)
+    loss, nonfinite, _ = dp.finish(torch.tensor(1.0), False, 1.5)
     assert float(loss) == 1.0 and not nonfinite
 
 

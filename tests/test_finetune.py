@@ -178,6 +178,38 @@ def test_a_resumed_per_rank_run_without_sharding_names_where_per_rank_came_from(
         check("--no-shard-optimizer", "--checkpoint-per-rank")
 
 
+@pytest.mark.parametrize("logged", [True, False])
+def test_a_run_folder_whose_config_says_tensorboard_resumes_with_report_to(tmp_path, capsys,
+                                                                           logged):
+    """A run folder's config.yaml with ``tensorboard: true|false`` (the key --report-to
+    replaced) resumes: read as report_to tensorboard|none with a one-line notice, the
+    same-run check passes it; a --config file with the key is refused, naming report_to."""
+    import argparse
+
+    from rpcompile.finetune import _Job, add_train_arguments, resolve_options
+
+    run = tmp_path / "run"
+    step = run / "checkpoints" / "step-00000002"
+    step.mkdir(parents=True)
+    config = run / "config.yaml"
+    config.write_text(f"model: m\nlr: 0.003\ntensorboard: {str(logged).lower()}\n")
+    parser = argparse.ArgumentParser()
+    add_train_arguments(parser)
+    opts, checkpoint = resolve_options(parser.parse_args(["--resume", str(step)]))
+    assert checkpoint == step and opts["lr"] == 0.003
+    assert opts["report_to"] == ("tensorboard" if logged else "none")
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert f"{config} says tensorboard: {str(logged).lower()}, which report_to replaces" in err
+    job = _Job(opts, checkpoint, 0, 1, lambda name: "the default", None)
+    job._check_same_run({"data": None, "eval_data": None})  # no refusal of the key
+    user = tmp_path / "mine.yaml"
+    user.write_text("tensorboard: true\n")
+    with pytest.raises(ValueError, match=r"tensorboard: report_to replaces it: write "
+                                         r"report_to: tensorboard or none"):
+        resolve_options(parser.parse_args(["--config", str(user)]))
+
+
 def test_shard_optimizer_with_async_mode_is_refused_in_the_command_lines_words(capsys):
     """`rpcompile train --shard-optimizer --mode async`: refused by PlanOptions' own rule (not
     a copy in finetune) before any model is loaded, its message naming the flags to change,

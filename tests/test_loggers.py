@@ -12,7 +12,8 @@ import pytest
 from rpcompile.cli import main
 from tests.test_finetune import WORDS, _records, _tiny_checkpoint
 
-STEP_KEYS = ("loss", "lr", "grad_norm", "tokens_per_s", "step_seconds", "predicted_step_seconds")
+STEP_KEYS = ("loss", "lr", "grad_norm", "token_accuracy", "tokens_per_s", "step_seconds",
+             "predicted_step_seconds")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from rpcompile.passes.manager import (
 )
 from tests.tiny_models import hf_model, token_batch
 
-FRONT = ["capture", "cost", "partition", "split", "dispatch"]
+FRONT = ["capture", "token-hits", "cost", "partition", "split", "dispatch"]
 
 
 def _compile(**options):
@@ -45,12 +45,13 @@ def test_the_history_lists_every_pass_in_order_with_time_and_artifact(monkeypatc
 def test_a_replan_keeps_the_front_passes_and_records_its_own(monkeypatch):
     monkeypatch.setenv("RPCOMPILE_DEBUG", "0")
     c = _compile(loss_chunk_tokens=8)
-    assert [r.name for r in c.history][:3] == ["capture", "chunk-loss", "cost"]
+    assert [r.name for r in c.history][:4] == ["capture", "chunk-loss", "token-hits", "cost"]
     again = c.replan(gpus=3)
-    # capture, chunk-loss and cost are kept (not re-run); the planning passes are new.
+    # capture, chunk-loss, token-hits and cost are kept (not re-run); the planning passes are
+    # new.
     assert [r.name for r in again.history] == ["capture", "chunk-loss", *FRONT[1:],
                                                *LOWERING_PASSES]
-    assert again.history[2] is c.history[2]
+    assert again.history[3] is c.history[3]
     assert again.history[-1].artifact == again.schedule
 
 

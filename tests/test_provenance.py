@@ -12,7 +12,7 @@ from rpcompile.ir import Plan, Schedule
 from rpcompile.passes.manager import PassInvariantError
 from tests.tiny_models import hf_model, token_batch
 
-PASSES = ["capture", "cost", "partition", "split", "dispatch",
+PASSES = ["capture", "token-hits", "cost", "partition", "split", "dispatch",
           "upload", "transfers", "grads", "optimizer", "commit", "events"]
 
 
@@ -26,10 +26,15 @@ def test_every_pass_is_recorded_in_order_with_its_artifact(monkeypatch):
     c = _compile()
     assert [r.name for r in c.history] == PASSES
     by = {r.name: r.artifact for r in c.history}
-    # The plan was made on a fork of the capture (Captured.fork): same nodes, own graph.
+    # The plan was made on a fork of the capture (Captured.fork): the same nodes, in its own
+    # graph, which the token-hits pass gave the count of the tail's token hits.
     assert by["capture"] is c._source and c.capture is not c._source
-    assert [n.name for n in c.capture.graph_module.graph.nodes] == [
-        n.name for n in by["capture"].graph_module.graph.nodes]
+    assert by["token-hits"] is c.capture
+    source = [n.name for n in by["capture"].graph_module.graph.nodes]
+    planned = [n.name for n in c.capture.graph_module.graph.nodes]
+    assert [n for n in planned if n in set(source)] == source
+    assert {n for n in planned if n not in set(source)} == {
+        "argmax_default", "eq_tensor", "ne_scalar", "logical_and_default", "sum_default"}
     assert by["cost"] is c.unit_costs
     assert by["partition"] is c.plan and isinstance(c.plan, Plan)
     assert by["split"] is c.stages

@@ -207,3 +207,62 @@ def test_a_scheduler_given_to_fit_steps_as_in_a_step_loop(qwen3, mode):  # noqa:
         assert torch.equal(a, b)
     for name, value in masters.items():
         assert torch.equal(got_masters[name], value), name
+
+
+def test_an_interrupt_as_the_oldest_step_commits_stands_it_and_stops_the_next(
+        qwen3, monkeypatch):  # noqa: F811
+    # Ctrl-C reaches the loop while it waits for step 0, just as step 0 commits: step 0
+    # stands and its result comes back; step 1, in flight, is discarded and the next next()
+    # raises the KeyboardInterrupt itself (not a failure without a cause). The same stream
+    # then runs step 1's batch again and goes on, bit for bit.
+    from rpcompile.runtime.step_state import StepState
+
+    data = batches(3, 6)
+    _states, losses, masters = _straight(qwen3, data, "async")
+    real_init = StepState.__init__
+
+    class InterruptedAsItCommits(threading.Event):
+        def wait(self, timeout=None):
+            done = super().wait(timeout)
+            if done:
+                self.wait = super().wait  # once
+                raise KeyboardInterrupt
+            return done
+
+    def init(self, k, *args, **kwargs):
+        real_init(self, k, *args, **kwargs)
+        if k == 0:
+            self.committed = InterruptedAsItCommits()
+
+    monkeypatch.setattr(StepState, "__init__", init)
+    with Trainer(qwen3, ADAMW, device="virtual", mode="async", chaos=3) as trainer:
+        stream = trainer.fit(data)
+        first = next(stream)
+        assert first.step == 0 and torch.equal(first.loss, losses[0])
+        with pytest.raises(KeyboardInterrupt):
+            next(stream)
+        assert trainer.steps_done == stream.committed == 1
+        rest = list(stream)
+        assert [r.step for r in rest] == [1, 2]
+        for r, want in zip(rest, losses[1:]):
+            assert torch.equal(r.loss, want)
+        for name, value in trainer.masters().items():
+            assert torch.equal(value, masters[name]), name
+
+
+def test_ending_a_stream_commits_the_steps_in_flight_and_takes_no_more(qwen3):  # noqa: F811
+    data = batches(5, 6)
+    taken = []
+
+    def source():
+        for batch in data:
+            taken.append(batch)
+            yield batch
+
+    with Trainer(qwen3, ADAMW, device="virtual", mode="async") as trainer:
+        stream = trainer.fit(source())
+        results = [next(stream)]
+        stream.end()
+        results += list(stream)
+        assert len(taken) == len(results) == trainer.steps_done < len(data)
+        assert [r.step for r in results] == list(range(len(results)))

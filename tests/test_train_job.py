@@ -203,9 +203,10 @@ def test_resume_from_an_earlier_checkpoint_with_out_branches_into_a_new_folder(f
 
 
 def test_the_job_trains_with_the_dropout_of_the_checkpoints_config(files, tmp_path, monkeypatch):
-    """A checkpoint with attention_dropout 0.5: the job's losses and weights are those of eager
-    Hugging Face training in train mode with the masks the runtime drew (AdamW, clipping at
-    1.0, the logged learning rates), and differ from training without dropout."""
+    """A checkpoint with attention_dropout 0.5: the job's losses, token accuracies and weights
+    are those of eager Hugging Face training in train mode with the masks the runtime drew
+    (AdamW, clipping at 1.0, the logged learning rates), and differ from training without
+    dropout."""
     from transformers import AutoModelForCausalLM
 
     import rpcompile
@@ -215,18 +216,21 @@ def test_the_job_trains_with_the_dropout_of_the_checkpoints_config(files, tmp_pa
 
     ckpt = _tiny_checkpoint(tmp_path / "dropout", attention_dropout=0.5)
     compiled, fed = [], []
-    real_compile, real_step = rpcompile.compile, Compiled.step
+    real_compile, real_fit = rpcompile.compile, Compiled.fit
 
     def compiling(*args, **kwargs):
         compiled.append(real_compile(*args, **kwargs))
         return compiled[-1]
 
-    def stepping(self, batch):
-        fed.append({k: v.clone() for k, v in batch.items()})
-        return real_step(self, batch)
+    def fitting(self, batches, steps=None, **kwargs):  # the batches in the order drawn
+        def seen():
+            for batch in batches:
+                fed.append({k: v.clone() for k, v in batch.items()})
+                yield batch
+        return real_fit(self, seen(), steps, **kwargs)
 
     monkeypatch.setattr(rpcompile, "compile", compiling)
-    monkeypatch.setattr(Compiled, "step", stepping)
+    monkeypatch.setattr(Compiled, "fit", fitting)
     out = tmp_path / "run"
     with record_masks() as drawn:
         status, text = _train("--model", ckpt, "--data", files["pairs"], "--workers", "2",
@@ -242,8 +246,12 @@ def test_the_job_trains_with_the_dropout_of_the_checkpoints_config(files, tmp_pa
     for step, (batch, record) in enumerate(zip(fed, records)):
         masks, _ = _full_masks(job, batch, drawn, step=step)
         with _eager_dropout_uses(masks):
-            loss = eager(**batch).loss
+            output = eager(**batch)
+        loss, target = output.loss, batch["labels"][:, 1:]
         assert record["loss"] == pytest.approx(loss.item(), rel=1e-5, abs=1e-6), step
+        # Token accuracy: eager HF's argmax hits on the labelled tokens, counted exactly.
+        hits = int(((output.logits[:, :-1].argmax(-1) == target) & (target != -100)).sum())
+        assert record["token_accuracy"] == hits / record["target_tokens"], step
         loss.backward()
         torch.nn.utils.clip_grad_norm_(eager.parameters(), 1.0)
         optimizer.param_groups[0]["lr"] = record["lr"]
@@ -288,6 +296,54 @@ def _same_records(got: list[dict], want: list[dict]) -> None:
     for a, b in zip(got, want):
         for key in ("loss", "lr", "eval_loss"):
             assert a.get(key) == b.get(key), (key, a, b)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_job_runs_a_stream_of_steps_and_trains_as_one_step_at_a_time(files, tmp_path,
+                                                                          monkeypatch, mode):
+    """`rpcompile train` runs its steps as a stream (Compiled.fit): a step is submitted while
+    the one before it is still in flight, and the logged losses, learning rates, gradient
+    norms and eval losses and the final weights are bit for bit those of the same job run one
+    ``step()`` at a time (the scheduler stepped after each), evaluating at step 3 of 6."""
+    from rpcompile.compiler import Compiled
+    from rpcompile.finetune import lr_lambda
+    from rpcompile.runtime.executor import Executor
+
+    in_flight: list[int] = []
+    real_start = Executor.start
+
+    def start(self, batch, after_commit=None):
+        k = real_start(self, batch, after_commit)
+        in_flight.append(self.in_flight)
+        return k
+
+    monkeypatch.setattr(Executor, "start", start)
+    args = [*_common(files), "--data", files["pairs"], "--steps", "6", "--eval-every", "3",
+            "--save-every", "0", "--mode", mode, "--warmup-steps", "2"]
+    status, text = _train(*args, "--out", tmp_path / "stream")
+    assert status == 0, text
+    assert len(in_flight) == 6 and max(in_flight) >= 2, in_flight
+
+    def one_at_a_time(self, batches, steps=None, *, scheduler=None):
+        batches = iter(batches)
+        for _ in range(steps):
+            self.step(next(batches))
+            yield self.trainer().last  # booked before the scheduler steps
+            scheduler.step()
+
+    monkeypatch.setattr(Compiled, "fit", one_at_a_time)
+    status, text = _train(*args, "--out", tmp_path / "steps")
+    assert status == 0, text
+    assert len(in_flight) == 6  # step() runs alone, never through start()
+    got, want = _records(tmp_path / "stream"), _records(tmp_path / "steps")
+    assert [(r["step"], "loss" in r) for r in got] == [(r["step"], "loss" in r) for r in want]
+    assert sum("eval_loss" in r for r in got) == 3  # steps 0, 3 and 6
+    for a, b in zip(got, want):
+        for key in ("loss", "lr", "grad_norm", "eval_loss", "tokens", "target_tokens", "epoch"):
+            assert a.get(key) == b.get(key), (key, a, b)
+    factor = lr_lambda("cosine", 2, 6)  # warmup over 2 steps, then decay
+    assert [r["lr"] for r in got if "lr" in r] == [1e-2 * factor(k) for k in range(6)]
+    assert _files(tmp_path / "stream" / "final") == _files(tmp_path / "steps" / "final")
 
 
 def test_ctrl_c_saves_the_last_committed_step_and_resume_is_bit_exact(files, finished,

@@ -138,6 +138,9 @@ def test_messages_assistant_only_adamw_cosine_equals_trl(tmp_path):
     try:
         _assert_same_run(reference, ours)
         assert len(set(_logged(ours, "learning_rate"))) == 3
+        accuracy = _logged(ours, "mean_token_accuracy")
+        assert len(accuracy) == 3
+        assert accuracy == pytest.approx(_logged(reference, "mean_token_accuracy"), rel=1e-6)
     finally:
         ours.compiled.close()
 

@@ -15,17 +15,27 @@ The rewrite only matches the plain pattern (no bias, no logit soft-capping or sc
 the head and the loss, no label smoothing, no class weights); anything else stays as captured.
 The result equals the unchunked loss up to floating-point summation order (tests hold it within
 1e-6 in fp32), so it is used only where the memory is needed (``compile(loss_chunk_tokens=)``).
+
+**Token hits.** :func:`count_token_hits` gives the graph a second output beside the loss: how
+many labelled tokens (target != ignore_index) have their label as the argmax of their logits,
+the numerator of the token accuracy a step logs. It is counted where the logits are: over the
+whole logits the captured loss holds, or chunk by chunk inside :func:`linear_cross_entropy`
+(``count_hits=True``), so the logits never exist whole for it either. The count reads the
+logits and changes nothing the loss computes; its tensors are a token-long integer vector or
+less, per chunk in the chunked form.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 import torch.fx as fx
 
 from rpcompile.capture.dropout import emit_like
 
-__all__ = ["SOFTMAX_BYTES", "chunk_element_bytes", "chunk_lm_loss", "linear_cross_entropy",
-           "logits_bytes"]
+__all__ = ["SOFTMAX_BYTES", "TOKEN_HITS", "chunk_element_bytes", "chunk_lm_loss",
+           "count_token_hits", "linear_cross_entropy", "logits_bytes"]
 
 _CE = torch.ops.aten.cross_entropy_loss.default
 _LINEAR = torch.ops.aten.linear.default
@@ -34,6 +44,8 @@ _PASS_THROUGH = {torch.ops.aten.view.default, torch.ops.aten.reshape.default,
                  torch.ops.aten._to_copy.default, torch.ops.aten.contiguous.default,
                  torch.ops.aten.alias.default}
 _CHECK = torch.ops.aten._assert_tensor_metadata.default
+# The name of the graph's second output (the tail stage's, rpcompile.passes.split).
+TOKEN_HITS = "correct_tokens"
 
 
 # Bytes the kernel holds per chunk x vocabulary element, besides its inputs, saved values and
@@ -56,15 +68,18 @@ def chunk_element_bytes(elem: int) -> int:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, target, ignore_index, chunk, mean):
+    def forward(ctx, x, weight, target, ignore_index, chunk, mean, count_hits):
         valid = target != ignore_index
         safe = torch.where(valid, target, 0).unsqueeze(1)  # any in-range index for ignored rows
         lse = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
         total = torch.zeros((), dtype=torch.float32, device=x.device)
+        hits = torch.zeros((), dtype=torch.int64, device=x.device)
         for start in range(0, x.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = _fp32_logits(x[rows], weight)
             picked = logits.gather(1, safe[rows]).squeeze(1)
+            if count_hits:  # before the softmax below works in place on the logits
+                hits += ((logits.argmax(dim=1) == target[rows]) & valid[rows]).sum()
             top = logits.amax(dim=1, keepdim=True)
             top.masked_fill_(top.isinf(), 0.0)  # a row of -inf logits: as torch.logsumexp
             lse_rows = lse[rows]
@@ -75,10 +90,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
         count = valid.sum()
         ctx.save_for_backward(x, weight, target, lse, count)
         ctx.chunk, ctx.mean, ctx.ignore_index = chunk, mean, ignore_index
-        return total / count if mean else total
+        ctx.mark_non_differentiable(hits)
+        return total / count if mean else total, hits
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, _hits):
         x, weight, target, lse, count = ctx.saved_tensors
         scale = grad / count if ctx.mean else grad
         valid = target != ctx.ignore_index
@@ -114,7 +130,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     for v in range(0, gw.shape[0], block):
                         gw[v:v + block] += g[:, v:v + block].t() @ xr
             del g  # (no view of it may outlive the chunk: it would keep the buffer)
-        return gx, None if gw is None else gw.to(weight.dtype), None, None, None, None
+        return gx, None if gw is None else gw.to(weight.dtype), None, None, None, None, None
 
 
 def _fp32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -124,10 +140,15 @@ def _fp32_logits(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                         ignore_index: int, chunk: int, reduction: int) -> torch.Tensor:
+                         ignore_index: int, chunk: int, reduction: int,
+                         count_hits: bool = False) -> torch.Tensor | tuple[torch.Tensor, ...]:
     """``cross_entropy((x @ weight.T).float(), target, reduction=...)`` computed ``chunk`` rows
-    at a time (``reduction``: aten's enum, 1 mean, 2 sum). ``x``: ``[tokens, hidden]``."""
-    return _LinearCrossEntropy.apply(x, weight, target, ignore_index, chunk, reduction == 1)
+    at a time (``reduction``: aten's enum, 1 mean, 2 sum). ``x``: ``[tokens, hidden]``.
+    ``count_hits``: return ``(loss, hits)``, hits the int64 count of tokens with a target
+    (not ``ignore_index``) whose logits' argmax is that target."""
+    loss, hits = _LinearCrossEntropy.apply(x, weight, target, ignore_index, chunk,
+                                           reduction == 1, count_hits)
+    return (loss, hits) if count_hits else loss
 
 
 def logits_bytes(captured, tokens: int) -> int:
@@ -169,6 +190,52 @@ def chunk_lm_loss(gm: fx.GraphModule, chunk: int) -> int:
         gm.graph.lint()
         gm.recompile()
     return done
+
+
+def count_token_hits(gm: fx.GraphModule) -> bool:
+    """Add the token hits of the graph's one cross-entropy loss (the module doc) as the
+    graph's second output, after the loss: over the logits the captured loss reads when they
+    are whole (argmax, compared with the target where it is not ignored, summed), inside the
+    chunked loss otherwise. Returns False, the graph unchanged, when the graph has no such
+    loss (none, several, or logits that are not ``[tokens, vocabulary]``)."""
+    losses = [n for n in gm.graph.nodes if n.op == "call_function"
+              and (n.target is _CE or n.target is linear_cross_entropy)]
+    if len(losses) != 1:
+        return False
+    ce = losses[0]
+    output = next(iter(gm.graph.find_nodes(op="output")))
+    outs = output.args[0]
+    outs = tuple(outs) if isinstance(outs, (tuple, list)) else (outs,)
+    if len(outs) != 1:
+        return False
+    aten = torch.ops.aten
+    with gm.graph.inserting_before(ce.next):
+        if ce.target is linear_cross_entropy:
+            new = gm.graph.call_function(linear_cross_entropy, (*ce.args[:6], True))
+            new.meta.update({k: v for k, v in ce.meta.items() if k != "val"})
+            with ce.meta["val"].fake_mode:
+                count = torch.zeros((), dtype=torch.int64, device=ce.meta["val"].device)
+            new.meta["val"] = (ce.meta["val"], count)
+            loss = emit_like(gm, ce, operator.getitem, (new, 0))
+            hits = emit_like(gm, ce, operator.getitem, (new, 1))
+            ce.replace_all_uses_with(loss)
+            gm.graph.erase_node(ce)
+        else:
+            logits, target = ce.args[0], ce.args[1]
+            if logits.meta["val"].dim() != 2:
+                return False
+            ignore = ce.args[4] if len(ce.args) > 4 else ce.kwargs.get("ignore_index", -100)
+            top = emit_like(gm, ce, aten.argmax.default, (logits, 1))
+            right = emit_like(gm, ce, aten.eq.Tensor, (top, target))
+            labelled = emit_like(gm, ce, aten.ne.Scalar, (target, ignore))
+            both = emit_like(gm, ce, aten.logical_and.default, (right, labelled))
+            hits = emit_like(gm, ce, aten.sum.default, (both,))
+    # An output is computed in the loss's unit, as the loss is (rpcompile.capture.units).
+    hits.meta["rp_unit"] = outs[0].meta.get("rp_unit", hits.meta.get("rp_unit"))
+    output.args = ((outs[0], hits),)
+    gm.graph.lint()
+    gm.recompile()
+    return True
 
 
 def _match(ce: fx.Node) -> tuple[fx.Node, list[fx.Node]] | None:

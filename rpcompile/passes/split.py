@@ -26,9 +26,9 @@ import torch.fx as fx
 
 from rpcompile.capture.quantized import DEQUANTIZE_OPS
 from rpcompile.capture.types import Captured
-from rpcompile.capture.units import loss_node
 from rpcompile.errors import InvalidInput
 from rpcompile.ir import Plan
+from rpcompile.passes.chunked_loss import TOKEN_HITS
 
 __all__ = ["LayerRecompute", "StageInput", "StageProgram", "UnitSegment", "retarget", "split",
            "unit_segments"]
@@ -84,6 +84,11 @@ class StageInput:
     requires_grad: bool  # a gradient flows back through it (trainable param or activation)
 
 
+# The tail's outputs, in the captured graph's output order: the microbatch loss, then the
+# count of its labelled tokens predicted right when the graph counts them.
+TAIL_OUTPUTS = ("loss", TOKEN_HITS)
+
+
 @dataclass(frozen=True)
 class StageProgram:
     """One stage's program: ``graph_module(*inputs) -> outputs`` (forward values or the loss).
@@ -102,7 +107,7 @@ class StageProgram:
     unit_names: tuple[str, ...]
     graph_module: fx.GraphModule = field(repr=False, compare=False)
     inputs: tuple[StageInput, ...]
-    outputs: tuple[str, ...]  # value names; the tail's single output is "loss"
+    outputs: tuple[str, ...]  # value names; the tail's: "loss" (then "correct_tokens")
     grad_outputs: tuple[str, ...] = ()  # outputs whose gradients this stage receives
     grad_inputs: tuple[str, ...] = ()  # value inputs whose gradients this stage sends on
     recompute: str = "stage"
@@ -199,7 +204,7 @@ def split(captured: Captured, plan: Plan) -> list[StageProgram]:
         if st.kind == "forward":
             outs = [n for n in members if n in crossing]
         elif st.kind == "tail":
-            outs = [loss_node(gm)]
+            outs = _graph_outputs(gm)
         else:
             # Outputs of a recomputed forward whose gradients come from earlier backward jobs.
             outs = [
@@ -213,6 +218,17 @@ def split(captured: Captured, plan: Plan) -> list[StageProgram]:
             unit_segments(program)  # checked (and cached) now: a bad cut fails at compile time
         programs.append(program)
     return programs
+
+
+def _graph_outputs(gm: fx.GraphModule) -> list[fx.Node]:
+    """The captured graph's outputs, the tail's: the loss, then (a causal LM) its token hits
+    (rpcompile.passes.chunked_loss.count_token_hits)."""
+    outs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
+    outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    if not 1 <= len(outs) <= len(TAIL_OUTPUTS):
+        raise ValueError(f"the captured graph has {len(outs)} outputs; the tail returns "
+                         f"{' and '.join(TAIL_OUTPUTS)}")
+    return outs
 
 
 def _check_reads(placeholders: dict[str, fx.Node], st, program: StageProgram) -> None:
@@ -318,7 +334,7 @@ def _build(captured, plan, st, members, outs, placeholders, requires_grad) -> St
         i.name for i in inputs if i.kind == "value" and i.requires_grad
     ) if st.kind != "forward" else ()
     grad_outputs = tuple(n.name for n in outs) if st.kind == "backward" else ()
-    out_names = ("loss",) if st.kind == "tail" else tuple(n.name for n in outs)
+    out_names = TAIL_OUTPUTS[:len(outs)] if st.kind == "tail" else tuple(n.name for n in outs)
     return StageProgram(
         index=st.index,
         name=name,

@@ -42,6 +42,7 @@ import torch
 from torch import fx
 
 from rpcompile.ir import Action, ActionKind, check_registry
+from rpcompile.passes.chunked_loss import TOKEN_HITS
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.memory import HostStore
 from rpcompile.runtime.reference import (
@@ -352,15 +353,21 @@ class Actions:
             _accumulate(grads, pairs, self.kernels)
 
         total = self.compiled.microbatches * self.compiled.rounds
+        outputs: dict[str, torch.Tensor] = {}
         loss = run_backward_microbatch(prog, extras, params, batch, values, value_grads,
                                        {}, scale=loss_divisor(self.compiled.capture, total),
                                        accumulate=accumulate,
                                        graph_module=self._graph(a),
-                                       loss_scale=self._loss_scale(run))
+                                       loss_scale=self._loss_scale(run), outputs=outputs)
         if loss is not None:
             host = worker.host_empty(loss.shape, loss.dtype)
             worker.copy_(host, loss)
             run.losses[(a.round, a.microbatch)] = host
+        hits = outputs.get(TOKEN_HITS)
+        if hits is not None:  # brought home with the loss, a scalar
+            host = worker.host_empty(hits.shape, hits.dtype)
+            worker.copy_(host, hits)
+            run.hits[(a.round, a.microbatch)] = host
         self._finish_compute(run, a, values, value_grads)
 
     # -- host --------------------------------------------------------------------------------
@@ -414,9 +421,13 @@ class Actions:
         losses = [run.losses[(r, m)] for r in range(self.compiled.rounds)
                   for m in range(self.compiled.microbatches)]
         run.loss = step_loss(losses, loss_divisor(self.compiled.capture, total))
+        # An integer sum: exact in any order (every microbatch's count, or none).
+        run.correct = sum(int(h) for h in run.hits.values()) \
+            if len(run.hits) == len(losses) else None
         run.found = bool(run.bad)
         if self.reducer is not None:
-            run.loss, run.found = self.reducer.finish(run.loss, run.found, run.left())
+            run.loss, run.found, run.correct = self.reducer.finish(
+                run.loss, run.found, run.left(), correct=run.correct)
         run.skipped = run.found and (self.skip_nonfinite or self.loss_scaler is not None)
         if not run.skipped:
             if self.loss_scaler is not None:

@@ -293,10 +293,12 @@ class DataParallel:
         for what, work in works:
             self._wait(what, work, timeout_s)
 
-    def finish(self, loss: torch.Tensor, nonfinite: bool,
-               timeout_s: float | None) -> tuple[torch.Tensor, bool]:
+    def finish(self, loss: torch.Tensor, nonfinite: bool, timeout_s: float | None,
+               correct: int | None = None) -> tuple[torch.Tensor, bool, int | None]:
         """Wait for the step's gradient reductions, then agree on the step's loss (summed, or
-        averaged for a mean loss) and whether any rank found a non-finite gradient."""
+        averaged for a mean loss), whether any rank found a non-finite gradient, and the sum
+        of the ranks' counts of labelled tokens predicted right (``correct``; None stays
+        None)."""
         if self._pending:
             names = [s.name for s in self._pending[:3]]
             raise StateError(f"rank {self.rank}: gradients of {names} were never reduced "
@@ -315,12 +317,15 @@ class DataParallel:
                 self.store.grad[stop:].zero_()
         if self.mean_loss:
             self.store.grad.mul_(1.0 / self.world)
+        # One reduction; float64 holds a token count exactly (below 2**53).
         both = torch.stack([loss.detach().double().reshape(()),
-                            torch.tensor(float(nonfinite), dtype=torch.float64)])
+                            torch.tensor(float(nonfinite), dtype=torch.float64),
+                            torch.tensor(float(correct or 0), dtype=torch.float64)])
         self._wait("the step's loss and non-finite flag", dist.all_reduce(
             both, group=self.group, async_op=True), self._left())
         total = both[0] / self.world if self.mean_loss else both[0]
-        return total.to(loss.dtype), bool(both[1] > 0)
+        return (total.to(loss.dtype), bool(both[1] > 0),
+                None if correct is None else int(both[2]))
 
     def clip_grad_norm(self, store: HostStore, model: torch.nn.Module, max_norm: float) -> float:
         """Clip the reduced gradients by their global norm; returns the norm before clipping.

@@ -478,7 +478,8 @@ class Executor(Actions):
             state.loss, state.plan.step, now - max(state.submitted, self._last_commit), peaks,
             timeline=dict(state.timeline), found_nonfinite=state.found,
             nonfinite_jobs=state.bad, skipped=state.skipped, grad_norm=state.grad_norm,
-            idle_updates=tuple(state.idle_updates), step=state.k)
+            idle_updates=tuple(state.idle_updates), step=state.k,
+            correct_tokens=state.correct)
         self._last_commit = now
         self.steps_run = state.k + 1
         flight.committed(state.k)
@@ -521,6 +522,12 @@ class Executor(Actions):
         result = state.result
         if not flight.steps and not self._unreported:  # the workers are idle: the run ends
             result = _with_left_over(result, self._close(flight))
+            if interrupts:  # the step committed as the interrupt came: it stands
+                raise interrupts[0]
+        elif interrupts:  # the steps after it abort, and the next finish() raises it
+            with flight.lock:
+                if flight.root is None:
+                    flight.root = ("the caller", interrupts[0])
         return result
 
     def _drain(self) -> None:

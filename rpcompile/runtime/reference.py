@@ -192,6 +192,7 @@ def run_backward_microbatch(
     accumulate: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None,
     graph_module: torch.fx.GraphModule | None = None,
     loss_scale: float = 1.0,
+    outputs: dict[str, torch.Tensor] | None = None,
 ) -> torch.Tensor | None:
     """Recompute (or, for the tail, compute) one microbatch's forward, then its backward.
 
@@ -204,7 +205,8 @@ def run_backward_microbatch(
     sum). ``graph_module``: the stage's graph to run instead of ``prog.graph_module`` (its
     copy for another device, :meth:`StageProgram.on_device`). ``loss_scale``: the tail's
     backward starts from ``loss / scale * loss_scale`` (fp16 loss scaling; the gradients are
-    then scaled by it and the caller divides it out).
+    then scaled by it and the caller divides it out). ``outputs``: the tail's outputs after
+    the loss (its token hits, ``prog.outputs``) are put there by name, detached.
 
     A backward stage with ``recompute="layer"`` runs unit by unit (:func:`_layer_by_layer`):
     the same gradients, summed in another order, with one unit's activations held at a time.
@@ -233,6 +235,8 @@ def run_backward_microbatch(
             outs = gm(*args)
         if prog.kind == "tail":
             loss = outs[0]
+            if outputs is not None:
+                outputs.update((n, o.detach()) for n, o in zip(prog.outputs[1:], outs[1:]))
             root = loss / scale
             roots, seeds = [root if loss_scale == 1.0 else root * loss_scale], [None]
         else:

@@ -131,3 +131,8 @@ class StepResult:
     idle_updates: tuple[Action, ...] = ()
     # The run step (the executor's count of steps, which the round-robin dealing follows).
     step: int = 0
+    # A causal LM: how many labelled tokens of the global batch (label != -100 after the
+    # one-token shift, the tokens the loss averages over) have their label as the argmax of
+    # their logits, counted in the tail where the loss is computed (data parallel: over every
+    # rank's batch). None for a model whose graph does not count them (a loss_fn model).
+    correct_tokens: int | None = None

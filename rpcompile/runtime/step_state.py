@@ -134,6 +134,8 @@ class StepState:
         # (the executor's HostStaging), given back once read
         self.host_bufs: dict[tuple, torch.Tensor] = {}
         self.losses: dict[tuple[int, int], torch.Tensor] = {}
+        # (round, microbatch) -> the tail's count of labelled tokens predicted right, on the host
+        self.hits: dict[tuple[int, int], torch.Tensor] = {}
         self.timeline: dict[Action, tuple[float, float]] = {}
         self.loss_scale: float | None = None  # the tail's backward starts from loss * this
         # The step's gradient check, made by its CHECK action once every gradient is home
@@ -144,6 +146,7 @@ class StepState:
         self.grad_norm: float | None = None
         self.idle_updates: list[Action] = []  # async OPTs with nothing pending (StepResult)
         self.loss: torch.Tensor | None = None  # the step's loss (data parallel: every rank's)
+        self.correct: int | None = None  # its labelled tokens predicted right (every rank's)
         self.found = False  # a non-finite gradient on this rank (data parallel: on any rank)
         self.opened = False  # the optimizer driver opened this step (its first host action)
         self.scaler_before: dict[str, Any] | None = None  # the loss scaler before its check

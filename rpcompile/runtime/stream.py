@@ -48,6 +48,13 @@ class StepStream(Iterator[StepResult]):
     def in_flight(self) -> int:
         return len(self._ahead) + len(self._retry)
 
+    def end(self) -> None:
+        """Take no more batches from the source: the steps in flight (and a discarded step's
+        batch, run again) still commit, and ``next()`` hands their results back, then ends.
+        A training loop that must stop (a signal) ends its stream this way, with every step
+        it drew committed."""
+        self._left = 0
+
     def __iter__(self) -> StepStream:
         return self
 
