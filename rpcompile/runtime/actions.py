@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
+from rpcompile.capture.quantized import dequantize_sites, without_dequantize
 from rpcompile.ir import Action, ActionKind, check_registry
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.memory import HostStore
@@ -57,7 +58,21 @@ from rpcompile.runtime.workers import Worker
 if TYPE_CHECKING:
     from rpcompile.runtime.executor import Executor
 
-__all__ = ["ACTION_OF", "RUNTIME_ACTIONS", "Actions", "clip_grad_norm"]
+__all__ = ["ACTION_OF", "RUNTIME_ACTIONS", "Actions", "JobWeights", "clip_grad_norm"]
+
+
+@dataclasses.dataclass
+class JobWeights:
+    """A job's weights on its worker, from its UP to its EVICT: each parameter's view into the
+    uploaded buffer (a quantized one: its rebuilt weight, once the job's first compute has
+    rebuilt it), the buffers and lifted constants the stage reads (a quantized weight's state:
+    views into its uploaded packed record), what is still to rebuild (name, PackedWeight on
+    the device, dtype), and every allocation EVICT gives back."""
+
+    views: dict[str, torch.Tensor]
+    extras: dict[str, torch.Tensor]
+    allocated: list[torch.Tensor]
+    packed: list[tuple[str, Any, torch.dtype]] = dataclasses.field(default_factory=list)
 
 
 class Actions:
@@ -68,28 +83,54 @@ class Actions:
     def _do_UP(self, run: StepState, a: Action) -> None:
         worker = self.workers[a.worker]
         stage = self.store.stages[a.stage]
-        name = self.programs[a.stage].name
+        prog = self.programs[a.stage]
+        name = prog.name
         flat = worker.alloc(shape=(stage.layout.shadow_numel,), dtype=self.store.compute_dtype,
                             tag=f"{name} weights")
+        allocated = [flat]
         # One copy per contiguous host piece (one for a stage of contiguous units), cut into
-        # the action's chunks; async, of the shadow copy this step reads.
+        # the action's chunks by bytes; async, of the shadow copy this step reads. Frozen
+        # quantized weights travel packed: the stage's records end to end, their state with
+        # their codes (PackedLayout), so the bytes moved are the bytes the plan counts.
         version = run.k % 2 if self.paired else 0
-        pieces = [(flat[offset:offset + host.numel()], host)
+        flat_bytes = flat.view(torch.uint8)
+        size = flat.element_size()
+        pieces = [(flat_bytes[offset * size:(offset + host.numel()) * size], host.view(torch.uint8))
                   for offset, host in self.store.upload_pieces(a.stage, version)]
+        packed = None
+        if stage.packed_layout.nbytes:
+            packed = worker.alloc(stage.packed_layout.nbytes, tag=f"{name} packed weights")
+            allocated.append(packed)
+            at = 0
+            for host in stage.packed:
+                pieces.append((packed[at:at + host.numel()], host))
+                at += host.numel()
         _chunked_copy(worker, pieces, a.chunks)
+        sites = dequantize_sites(prog.graph_module)
+        state = {const for site in sites for _, const in site.state}
         extras = {}
         for key, value in self._extras[a.stage].items():
+            if key in state:
+                continue  # uploaded in its weight's packed record
             extras[key] = worker.alloc(shape=value.shape, dtype=value.dtype,
                                        tag=f"{name} buffer {key}")
+            allocated.append(extras[key])
             worker.copy_(extras[key], value)
         worker.complete_copies()
-        run.weights[(a.worker, a.stage, a.round)] = (flat, stage.device_views(flat), extras)
+        job = JobWeights(stage.device_views(flat), extras, allocated)
+        if packed is not None:
+            weights = stage.packed_views(packed)
+            source = {i.name: i.source for i in prog.inputs if i.kind == "param"}
+            for site in sites:
+                weight = weights[source[site.packed]]
+                parts = dict(weight.state)
+                extras.update((const, parts[part]) for part, const in site.state)
+                job.packed.append((source[site.packed], weight, site.dtype))
+        run.weights[(a.worker, a.stage, a.round)] = job
 
     def _do_EVICT(self, run: StepState, a: Action) -> None:
         worker = self.workers[a.worker]
-        flat, _, extras = run.weights.pop((a.worker, a.stage, a.round))
-        worker.free(flat)
-        for t in extras.values():
+        for t in run.weights.pop((a.worker, a.stage, a.round)).allocated:
             worker.free(t)
 
     # -- activations -------------------------------------------------------------------------
@@ -287,19 +328,43 @@ class Actions:
             self._release_value(run, vkey)
 
     def _job(self, run: StepState, a: Action) -> tuple[dict[str, torch.Tensor], Buffers]:
-        _, views, extras = run.weights[(a.worker, a.stage, a.round)]
-        return views, Buffers(extras)
+        job = run.weights[(a.worker, a.stage, a.round)]
+        if job.packed:
+            self._dequantize(job, a)
+        return job.views, Buffers(job.extras)
+
+    def _dequantize(self, job: JobWeights, a: Action) -> None:
+        """The job's first compute rebuilds its stage's packed weights in the dtype its graph
+        computes them in, with the fused kernel, into one buffer per dtype that lives until
+        the job's EVICT: the memory proof holds them in each compute's working set
+        (rpcompile.planner.partition), as they are here from the job's first compute to its
+        last, never beside another job's."""
+        worker = self.workers[a.worker]
+        name = self.programs[a.stage].name
+        for dtype in dict.fromkeys(d for _, _, d in job.packed):
+            weights = [(n, w) for n, w, d in job.packed if d == dtype]
+            flat = worker.alloc(shape=(sum(w.numel for _, w in weights),), dtype=dtype,
+                                tag=f"{name} dequantized weights")
+            job.allocated.append(flat)
+            at = 0
+            for source, weight in weights:
+                job.views[source] = _kernels.dequantize_packed(
+                    weight, dtype, out=flat[at:at + weight.numel], backend=self.kernels)
+                at += weight.numel
+        job.packed.clear()
 
     def _graph(self, a: Action) -> fx.GraphModule:
-        """The stage's graph for the action's worker device (the captured one when equal)."""
+        """The stage's graph for the action's worker device (the captured one when equal),
+        reading the job's rebuilt weights where it rebuilds quantized ones
+        (rpcompile.capture.quantized.without_dequantize)."""
         prog = self.programs[a.stage]
         device = torch.device(self.workers[a.worker].device)
-        if _same_device(device, self._capture_device):
-            return prog.graph_module
         key = (a.stage, device)
         with self._graphs_lock:
             if key not in self._graphs:
-                self._graphs[key] = prog.on_device(device)
+                same = _same_device(device, self._capture_device)
+                self._graphs[key] = without_dequantize(
+                    prog.graph_module if same else prog.on_device(device))
             return self._graphs[key]
 
     def _do_F(self, run: StepState, a: Action) -> None:

@@ -118,8 +118,8 @@ class StepState:
         self.deadline: float | None = None  # time.monotonic() the watchdog fires at
         self.device_readers = dict(plan.device_readers)
         self.host_readers = dict(plan.host_readers)
-        # (worker, stage, round) -> (flat weights, parameter views, buffers)
-        self.weights: dict[tuple[int, int, int], tuple[torch.Tensor, dict, dict]] = {}
+        # (worker, stage, round) -> the job's weights (rpcompile.runtime.actions.JobWeights)
+        self.weights: dict[tuple[int, int, int], Any] = {}
         # (worker, stage, round) -> the job's flat fp32 gradients and where they go
         self.grads: dict[tuple[int, int, int], JobGrads] = {}
         # (stage, round) -> the job's non-finite flag, downloaded with its gradients
