@@ -18,6 +18,7 @@ import torch
 
 import rpcompile
 from rpcompile.capture.dropout import record_masks
+from rpcompile.runtime.trainer import Trainer
 from tests.test_dropout import _eager_dropout_uses, _full_masks
 from tests.tiny_models import hf_model, sft_batch
 
@@ -127,3 +128,33 @@ def test_qlora_trains_like_eager_peft_bitsandbytes(tmp_path_factory, tmp_path, a
                                            msg=name)
     finally:
         resumed.close()
+
+
+def test_rebuilt_weights_stay_within_the_proven_peak(tmp_path_factory):
+    # Each worker is given exactly its proven peak. The rebuilt weights are accounted (the
+    # worker allocates them), from a job's first compute to its EVICT: a worker's measured
+    # peak passes the proof without working sets (held) by at most one stage's rebuilt
+    # weights, and never the proven peak, over steps that overlap as a stream runs them.
+    root = _checkpoint(tmp_path_factory, "qwen3")
+    model = _qlora(root, "nf4-double")
+    batches = [sft_batch(8, 12, seed=s) for s in range(4)]
+    compiled = rpcompile.compile(model, gpus=3, microbatches=4, example_inputs=batches[0],
+                                 optimizer=_sgd, device="virtual")
+    proven = compiled.memory
+    capacity = max(p.peak_bytes for p in proven)
+    trainer = Trainer(compiled, _sgd, device="virtual", chaos=5,
+                                                capacity_bytes=capacity)
+    try:
+        results = list(trainer.fit(batches))
+        assert len(results) == 4
+        store = trainer.store
+        rebuilt = max(sum(w.dequantized_bytes(torch.float32) for w in st.formats.values())
+                      for st in store.stages)
+        assert rebuilt > 0
+        measured = trainer.peak_bytes()
+        held = trainer.predicted_peak_bytes(held=True)
+        for w, got in enumerate(measured):
+            assert held[w] < got <= held[w] + rebuilt, (w, got, held[w], rebuilt)
+            assert got <= trainer.predicted_peak_bytes()[w]
+    finally:
+        trainer.close()

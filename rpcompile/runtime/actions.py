@@ -67,12 +67,15 @@ class JobWeights:
     uploaded buffer (a quantized one: its rebuilt weight, once the job's first compute has
     rebuilt it), the buffers and lifted constants the stage reads (a quantized weight's state:
     views into its uploaded packed record), what is still to rebuild (name, PackedWeight on
-    the device, dtype), and every allocation EVICT gives back."""
+    the device, dtype), every allocation EVICT gives back, and the rebuilt weights' buffers,
+    given back when the job's last compute ends."""
 
     views: dict[str, torch.Tensor]
     extras: dict[str, torch.Tensor]
     allocated: list[torch.Tensor]
     packed: list[tuple[str, Any, torch.dtype]] = dataclasses.field(default_factory=list)
+    rebuilt: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    rebuilt_names: list[str] = dataclasses.field(default_factory=list)
 
 
 class Actions:
@@ -130,7 +133,8 @@ class Actions:
 
     def _do_EVICT(self, run: StepState, a: Action) -> None:
         worker = self.workers[a.worker]
-        for t in run.weights.pop((a.worker, a.stage, a.round)).allocated:
+        job = run.weights.pop((a.worker, a.stage, a.round))
+        for t in job.allocated + job.rebuilt:
             worker.free(t)
 
     # -- activations -------------------------------------------------------------------------
@@ -336,22 +340,36 @@ class Actions:
     def _dequantize(self, job: JobWeights, a: Action) -> None:
         """The job's first compute rebuilds its stage's packed weights in the dtype its graph
         computes them in, with the fused kernel, into one buffer per dtype that lives until
-        the job's EVICT: the memory proof holds them in each compute's working set
-        (rpcompile.planner.partition), as they are here from the job's first compute to its
-        last, never beside another job's."""
+        the job's last compute ends (:meth:`_drop_rebuilt`): the memory proof holds them in
+        each compute's working set (rpcompile.planner.partition), and here they live from
+        the job's first compute to its last, never beside another job's."""
         worker = self.workers[a.worker]
         name = self.programs[a.stage].name
         for dtype in dict.fromkeys(d for _, _, d in job.packed):
             weights = [(n, w) for n, w, d in job.packed if d == dtype]
             flat = worker.alloc(shape=(sum(w.numel for _, w in weights),), dtype=dtype,
                                 tag=f"{name} dequantized weights")
-            job.allocated.append(flat)
+            job.rebuilt.append(flat)
             at = 0
             for source, weight in weights:
                 job.views[source] = _kernels.dequantize_packed(
                     weight, dtype, out=flat[at:at + weight.numel], backend=self.kernels)
+                job.rebuilt_names.append(source)
                 at += weight.numel
         job.packed.clear()
+
+    def _drop_rebuilt(self, run: StepState, a: Action) -> None:
+        """After the job's last compute: give back its rebuilt weights (before its EVICT, so
+        that the next job's prefetched upload never shares the worker with them)."""
+        if a not in run.plan.job_last:
+            return
+        job = run.weights[(a.worker, a.stage, a.round)]
+        for name in job.rebuilt_names:
+            del job.views[name]  # no reference left: the memory is free once given back
+        for t in job.rebuilt:
+            self.workers[a.worker].free(t)
+        job.rebuilt.clear()
+        job.rebuilt_names.clear()
 
     def _graph(self, a: Action) -> fx.GraphModule:
         """The stage's graph for the action's worker device (the captured one when equal),
@@ -377,6 +395,7 @@ class Actions:
         available = dict(values)
         available.update(zip(prog.outputs, outs))
         self._finish_compute(run, a, available, {})
+        self._drop_rebuilt(run, a)
 
     def _do_T(self, run: StepState, a: Action) -> None:
         self._backward(run, a)
@@ -427,6 +446,7 @@ class Actions:
             worker.copy_(host, loss)
             run.losses[(a.round, a.microbatch)] = host
         self._finish_compute(run, a, values, value_grads)
+        self._drop_rebuilt(run, a)
 
     # -- host --------------------------------------------------------------------------------
     def _do_ACC(self, run: StepState, a: Action) -> None:

@@ -83,6 +83,7 @@ class StepPlan:
         self.releases = {d: (c.step - step, c) for d, c in schedule.releases().items()
                          if d in here}
         self.job_first: set[Action] = set()  # first compute of each job
+        self.job_last: set[Action] = set()  # last compute of each job
         for (_, stream), lst in self.queues.items():
             if stream != "compute":
                 continue
@@ -92,7 +93,11 @@ class StepPlan:
                     continue
                 if previous is None or (previous.stage, previous.round) != (a.stage, a.round):
                     self.job_first.add(a)
+                    if previous is not None:
+                        self.job_last.add(previous)
                 previous = a
+            if previous is not None:
+                self.job_last.add(previous)
         self.last_host = self.queues[(None, "host")][-1] if (None, "host") in self.queues \
             else None
 
