@@ -63,3 +63,30 @@ def test_train_quantize_nf4_writes_an_adapter_for_the_4bit_base(tmp_path, files,
 def test_quantize_without_lora_or_with_merge_is_refused(capsys, flags, message):
     assert main(["train", *flags]) == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_quantize_nf4_plans_the_paper_model_with_an_nf4_base(monkeypatch, capsys):
+    from rpcompile.workloads import paper
+
+    planned = []
+    units = paper.PaperModel.units
+
+    def recording(self, *args, **kwargs):
+        planned.append((self.name, self.base, self.lora_rank))
+        return units(self, *args, **kwargs)
+
+    monkeypatch.setattr(paper.PaperModel, "units", recording)
+    assert main(["plan", "--model", "qwen3-1.7b", "--lora", "8", "--quantize", "nf4",
+                 "--gpus", "2", "--batch", "6", "--microbatches", "3",
+                 "--max-simulations", "4", "--no-fit-search"]) == 0
+    out = capsys.readouterr().out
+    assert set(planned) == {("qwen3-1.7b", "nf4", 8)}
+    for line in ("predicted, steady state (sync):", "proven peak over the schedule:",
+                 "host memory:"):
+        assert line in out
+    # Without adapters there is no frozen base to quantize; the paper path plans one server.
+    assert main(["plan", "--model", "qwen3-1.7b", "--quantize", "nf4"]) == 2
+    assert "pass --lora R" in capsys.readouterr().err
+    assert main(["plan", "--model", "qwen3-1.7b", "--lora", "8", "--quantize", "nf4",
+                 "--nodes", "2"]) == 2
+    assert "--nodes is not supported" in capsys.readouterr().err
