@@ -23,13 +23,20 @@ weights and of activations run on different stream threads, so a weight upload n
 an activation on a virtual worker. This is the only transfer path, and the chunk size is set
 once, by the lowering (``rpcompile.passes.lower.DEFAULT_CHUNK_BYTES``).
 
-**Device memory** accounted on each worker: the weight slots, the buffers uploaded with them
-and each job's fp32 gradient buffer (``Worker.alloc``), plus every activation or value
-gradient held between actions, once per storage (rpcompile.runtime.values.Holds). What a D2H
-sends home is given back as the compute its ``sent`` or gradient-slot edge names starts
-(``Schedule.releases``; in the same step or, steps overlapping, a later one), else once
-downloaded: what a worker holds follows the schedule. Transients inside one compute
-(autograd's saved tensors) are not accounted; they are freed when the compute returns.
+**Quantized weights** (a QLoRA base) travel packed with the job's UP; its first compute
+rebuilds them in the compute dtype with the fused kernel and runs a copy of the stage's graph
+that reads them (rpcompile.capture.quantized.without_dequantize); its last compute gives them
+back (:class:`JobWeights`).
+
+**Device memory** accounted on each worker: the weight slots (with a quantized stage's packed
+bytes, and its rebuilt weights from the job's first compute to its last), the buffers
+uploaded with them and each job's fp32 gradient buffer (``Worker.alloc``), plus every
+activation or value gradient held between actions, once per storage
+(rpcompile.runtime.values.Holds). What a D2H sends home is given back as the compute its
+``sent`` or gradient-slot edge names starts (``Schedule.releases``; in the same step or,
+steps overlapping, a later one), else once downloaded: what a worker holds follows the
+schedule. Transients inside one compute (autograd's saved tensors) are not accounted; they
+are freed when the compute returns.
 """
 
 from __future__ import annotations
