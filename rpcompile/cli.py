@@ -111,6 +111,21 @@ def _parser() -> argparse.ArgumentParser:
                       help="exact updates (sync, as `rpcompile train` and compile() default "
                            "to) or one step stale, overlapping the next step (async; also "
                            "simulates a steady state of several steps)")
+    plan.add_argument("--lora", type=int, default=None, metavar="R",
+                      help="LoRA adapters of rank R on every linear layer but the LM head, "
+                           "the base frozen (default: the model config's: qwen3-235b-a22b "
+                           "has r=32; 0: full fine-tuning)")
+    plan.add_argument("--quantize", default="none", choices=("none", "nf4"),
+                      help="with LoRA: the frozen base's decoder linears in bitsandbytes NF4 "
+                           "(double-quantized absmax), kept and uploaded packed. A model "
+                           "built on the meta device has no quantized weights to capture, "
+                           "so nf4 plans the paper model's unit profiles "
+                           "(rpcompile.workloads.paper, base nf4: the paper's per-layer "
+                           "times, packed bytes as bitsandbytes stores them) at the paper "
+                           "workload's batch, microbatches and rounds unless --batch / "
+                           "--microbatches are given, and prints host memory, tokens/s, the "
+                           "proven device peak and the longest sequence that fits (searches "
+                           "capped at --max-simulations, default 24 replays)")
     plan.add_argument("--layers", type=int, default=None,
                       help="override the model depth (quick experiments; default: the config's)")
     plan.add_argument("--out", type=Path, default=None,
@@ -273,8 +288,12 @@ def _plan(args: argparse.Namespace) -> int:
             "every microbatch needs a sequence"
         )
     model_config(args.model)  # unknown names fail here with the list of known ones
+    if args.lora is not None and args.lora < 0:
+        raise ValueError(f"--lora must be a rank >= 1, or 0 for full fine-tuning, got {args.lora}")
+    if args.quantize != "none":
+        return _plan_quantized(args, hw)
     print(f"building {args.model} on the meta device ...", file=sys.stderr)
-    model = build_model(args.model, device="meta", layers=args.layers)
+    model = build_model(args.model, device="meta", layers=args.layers, lora=args.lora)
 
     def compile_for(batch: int, max_simulations: int | None):
         import warnings
@@ -479,6 +498,81 @@ def _plan(args: argparse.Namespace) -> int:
             {k: v for k, v in summary.items() if not k.startswith("_")}, indent=2))
         print(f"wrote {args.out}/schedule.csv, schedule.json (open in ui.perfetto.dev), "
               "schedule.png, plan.txt, summary.json")
+    return 0
+
+
+def _plan_quantized(args: argparse.Namespace, hw) -> int:
+    """``rpcompile plan --quantize nf4``: the paper model's unit profiles with its frozen base
+    in NF4 (rpcompile.workloads.paper.PaperModel, ``base="nf4"``), planned, replayed by the
+    simulator and proven; what ``benchmarks/qlora.py`` measures for one model and base."""
+    from dataclasses import replace
+
+    from rpcompile.options import PlanOptions
+    from rpcompile.passes.memory import host_memory, host_ram_problem, worker_peaks
+    from rpcompile.planner import longest
+    from rpcompile.planner.partition import partition
+    from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps
+    from rpcompile.workloads.paper import MODELS, WORKLOADS
+
+    if args.model not in MODELS:
+        raise ValueError(f"--quantize {args.quantize} plans the paper models' unit profiles: "
+                         f"{', '.join(MODELS)}; {args.model} is not one")
+    ignored = [flag for flag, given in (
+        ("--schedule", args.schedule != "roundpipe"), ("--nodes", args.nodes > 1),
+        ("--shard-optimizer", args.shard_optimizer), ("--layers", args.layers is not None),
+        ("--out", args.out is not None), ("--longest", args.longest)) if given]
+    if ignored:
+        raise ValueError(f"--quantize {args.quantize} plans RoundPipe on one server from the "
+                         f"paper model's unit profiles; {', '.join(ignored)} is not supported "
+                         "with it")
+    paper = MODELS[args.model]
+    rank = paper.lora_rank if args.lora is None else args.lora
+    if not rank:
+        raise ValueError(f"--quantize {args.quantize} quantizes the frozen base under LoRA "
+                         f"adapters; {args.model} has none: pass --lora R")
+    model = replace(paper, lora_rank=rank, base=args.quantize)
+    work = WORKLOADS[args.model]
+    gpus = args.gpus or hw.gpus
+    micro = args.microbatches or work.microbatches
+    rounds = args.rounds if args.batch else work.rounds
+    batch = args.batch or work.global_batch
+    size = batch / (micro * rounds)
+    if size < 1:
+        raise ValueError(f"--batch {batch} is smaller than microbatches x rounds = "
+                         f"{micro * rounds}: every microbatch needs a sequence")
+    cap = args.max_simulations or 24
+    options = PlanOptions(gpus=gpus, microbatches=micro, rounds=rounds, mode=args.optimizer,
+                          recompute=args.recompute, max_simulations=cap)
+    print(f"planning {args.model} (paper unit profiles), LoRA r={rank}, {args.quantize} base: "
+          f"{batch} x {args.seq} tokens a step, {micro} microbatches x {rounds} rounds, "
+          f"{gpus} GPUs (search capped at {cap} replays) ...", file=sys.stderr)
+    plan = partition(model.units(size, args.seq), hw, microbatch_size=max(1, round(size)),
+                     seq_len=args.seq, options=options)
+    run = simulate_roundpipe(plan, hw, steps=steady_steps(plan, rounds=rounds),
+                             optimizer=args.optimizer, rounds=rounds)
+    print(plan)
+    print()
+    tokens = batch * args.seq
+    print(f"predicted, steady state ({args.optimizer}): {steady_step_ms(run):.1f} ms per step, "
+          f"{tokens / (steady_step_ms(run) / 1e3):,.0f} tokens/s")
+    peak = max(worker_peaks(run.schedule, plan), key=lambda p: p.peak_bytes)
+    print(f"proven peak over the schedule: {peak.describe(plan.stage_name)}; "
+          f"{hw.usable_memory_bytes / 2**30:.2f} GiB usable")
+    host = host_memory(plan, args.optimizer, run.peak_host_bytes, journal=hw.undo_journal,
+                       pageable=hw.host_memory == "pageable")
+    ram, source = host_ram(args.host_ram, hw)
+    print(f"host memory: {host.describe()}; {ram / 2**30:.2f} GiB RAM ({source})")
+    problem = host_ram_problem(host, ram, source, ram_option="--host-ram",
+                               journal_option="--no-undo-journal", parts=False)
+    if problem is not None:
+        print(f"warning: {problem}")
+    if not args.no_fit_search:
+        found = longest.longest_sequence(
+            lambda s: model.units(1, s), hw, microbatch_size=1, start=args.seq, step=1024,
+            limit=1 << 18, host_ram_bytes=ram, host_ram_source=source,
+            options=replace(options, rounds=1))
+        print(f"longest sequence that fits the GPUs and the host RAM (microbatch of 1 "
+              f"sequence, {micro} microbatches): {found.describe()}; {found.host_line()}")
     return 0
 
 

@@ -76,6 +76,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("lora_alpha", None, "LoRA alpha (none: 2 x rank)", float),
     Option("lora_dropout", 0.0, "dropout on the LoRA adapters' input", float),
     Option("merge", False, "with --lora: write final/ as merged full weights, not an adapter", bool),
+    Option("quantize", "none", "with --lora: load the frozen base quantized by bitsandbytes "
+           "(QLoRA): nf4 (4-bit NormalFloat, double-quantized absmax) or int8, kept packed on "
+           "the host and uploaded packed; final/ is an adapter for that quantized base", str,
+           ("none", "nf4", "int8")),
     Option("lr", None, "peak learning rate of AdamW (none: 2e-5, or 2e-4 with --lora)", float),
     Option("weight_decay", 0.0, "AdamW weight decay", float),
     Option("schedule", "cosine", "learning-rate schedule after the warmup", str,
@@ -397,9 +401,12 @@ def model_folder(spec: str, out: Path) -> Path | None:
         return None
 
 
-def load_model(spec: str, out: Path, dtype: Any, seed: int) -> tuple[Any, Any, str]:
+def load_model(spec: str, out: Path, dtype: Any, seed: int,
+               quantize: str = "none") -> tuple[Any, Any, str]:
     """(model, tokenizer, folder it was loaded from). A shipped config is built into
-    ``OUT/base`` once (a new run) and loaded from there (a resumed one)."""
+    ``OUT/base`` once (a new run) and loaded from there (a resumed one). ``quantize``
+    (``"nf4"``, ``"int8"``): the linears but the LM head loaded quantized by bitsandbytes
+    (:func:`quantization_config`), on the host."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rpcompile.workloads.models import list_models
@@ -416,7 +423,10 @@ def load_model(spec: str, out: Path, dtype: Any, seed: int) -> tuple[Any, Any, s
     source = str(path) if local else spec
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True)
+        quantized = {} if quantize == "none" else dict(
+            quantization_config=quantization_config(quantize, dtype), device_map={"": "cpu"})
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=True,
+                                                     **quantized)
     except (OSError, ValueError) as err:
         if not local and "/" not in spec:
             raise ValueError(
@@ -439,6 +449,25 @@ def load_model(spec: str, out: Path, dtype: Any, seed: int) -> tuple[Any, Any, s
         )
     model.config.use_cache = False
     return model, tokenizer, source
+
+
+def quantization_config(quantize: str, dtype: Any) -> Any:
+    """The ``BitsAndBytesConfig`` of ``--quantize``: QLoRA's NF4 with double-quantized absmax,
+    computing in ``dtype``; or LLM.int8() weights (``has_fp16_weights=False``). bitsandbytes
+    keeps the LM head in full precision (transformers leaves it out)."""
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ImportError(f"--quantize {quantize} needs bitsandbytes: "
+                          "pip install 'rpcompile[qlora]'") from exc
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "nf4":
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                                  bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
+    if quantize == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    raise ValueError(f"--quantize must be none, nf4 or int8, got {quantize!r}")
 
 
 def add_lora(model: Any, rank: int, alpha: float | None, dropout: float, seed: int) -> Any:
@@ -525,6 +554,17 @@ def _check(opts: dict[str, Any], origin: Any = None) -> None:
             refuse(name, "must be positive")
     if opts["merge"] and not opts["lora"]:
         raise ValueError("--merge merges LoRA adapters; it needs --lora R")
+    if opts["quantize"] != "none" and not opts["lora"]:
+        raise ValueError(
+            f"--quantize {opts['quantize']} quantizes the frozen base under LoRA adapters; it "
+            "needs --lora R (full fine-tuning of a quantized base is not supported: its "
+            "weights cannot be trained). Pass --lora R, or leave out --quantize")
+    if opts["quantize"] != "none" and opts["merge"]:
+        raise ValueError(
+            f"--merge with --quantize {opts['quantize']}: merging the adapters into a "
+            "quantized base rounds them away into its codes. Leave out --merge: final/ is "
+            "then the adapter, which PEFT loads onto the same quantized base (or merges into "
+            "the full-precision checkpoint)")
     if opts["checkpoint_per_rank"] and not opts["shard_optimizer"]:
         # Writing needs sharding; reading does not (a resume reads a per-rank checkpoint on
         # any ranks, sharded or not), so a resumed run may leave it out: refused, not dropped
@@ -893,11 +933,12 @@ class _Job:
 
                 if spec in list_models() and not Path(spec).is_dir():
                     spec = str(self.out / "base")
-            model, tokenizer, _ = load_model(spec, self.out, dtype, seed)
+            model, tokenizer, _ = load_model(spec, self.out, dtype, seed,
+                                             self.opts["quantize"])
             if self.lead:
                 dist.barrier()
             return model, tokenizer
-        model, tokenizer, _ = load_model(spec, self.out, dtype, seed)
+        model, tokenizer, _ = load_model(spec, self.out, dtype, seed, self.opts["quantize"])
         return model, tokenizer
 
     # -- the run's identity (rpcompile.run_folder) ---------------------------------------------

@@ -14,6 +14,7 @@ Sections, in reading order:
   1. PackedWeight: one quantized weight's tensors and sizes (what the host store keeps)
   2. The dequantize ops and their torch implementation (the reference the kernels match)
   3. Capture: which modules are quantized, what is refused, the forward used while exporting
+  4. Stage graphs as a worker runs them: each weight rebuilt once per job, not per call
 
 Anything else quantized (GPTQ, AWQ and other methods, a quantized trainable weight, full
 fine-tuning of a quantized model) is refused with :class:`RefusedModel` before export.
@@ -23,6 +24,8 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -34,11 +37,14 @@ from rpcompile.capture.types import RefusedModel
 
 __all__ = [
     "FORMATS",
+    "DequantizeSite",
     "PackedWeight",
     "dequantize_4bit_reference",
     "dequantize_int8_reference",
+    "dequantize_sites",
     "packed_weights",
     "state_4bit",
+    "without_dequantize",
 ]
 
 FORMATS = ("nf4", "fp4", "int8")
@@ -432,3 +438,77 @@ def packed_weights(gm: torch.fx.GraphModule, params: dict[str, str],
                                 packed=value_of(node.args[0].name), state=state,
                                 blocksize=int(blocksize), absmax_blocksize=int(absmax_blocksize))
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Stage graphs as a worker runs them
+# ---------------------------------------------------------------------------------------------
+# A job uploads its stage's packed weights once and runs the stage's graph once per microbatch
+# (twice for a recomputed backward). The worker rebuilds each weight once per job, with the
+# fused kernel (rpcompile.runtime.kernels.dequantize_packed), and runs a copy of the graph
+# whose dequantize nodes are gone: each linear reads the packed weight's placeholder, which
+# the job binds to the rebuilt weight. The kernel is bit-identical to the op, so both graphs
+# compute the same values.
+
+_STATE_ARGS = {
+    DEQUANTIZE_OPS[0]: ("code", "absmax", "absmax_code", "absmax_scale", "absmax_offset"),
+    DEQUANTIZE_OPS[1]: ("row_absmax",),
+}
+
+
+@dataclass(frozen=True)
+class DequantizeSite:
+    """One quantized weight of a stage graph: the placeholder of its packed codes, the dtype
+    the graph rebuilds it in, and the placeholders of its state by
+    :attr:`PackedWeight.state` name."""
+
+    packed: str
+    dtype: torch.dtype
+    state: tuple[tuple[str, str], ...]
+
+
+_SITES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_SITES_LOCK = threading.Lock()
+
+
+def dequantize_sites(gm: torch.fx.GraphModule) -> tuple[DequantizeSite, ...]:
+    """The quantized weights ``gm`` rebuilds, in graph order (cached per graph)."""
+    with _SITES_LOCK:
+        cached = _SITES.get(gm)
+    if cached is not None:
+        return cached
+    sites: dict[str, DequantizeSite] = {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in DEQUANTIZE_OPS:
+            continue
+        packed = node.args[0]
+        if packed.op != "placeholder":
+            raise ValueError(f"{node.name} rebuilds {packed.name}, which is not a graph input")
+        names = _STATE_ARGS[node.target]
+        state = tuple((part, arg.name) for part, arg in zip(names, node.args[1:])
+                      if arg is not None)
+        site = DequantizeSite(packed.name, node.meta["val"].dtype, state)
+        if sites.setdefault(packed.name, site) != site:
+            raise ValueError(f"{packed.name} is rebuilt twice in one stage graph, as "
+                             f"{sites[packed.name].dtype} and {site.dtype}")
+    result = tuple(sites.values())
+    with _SITES_LOCK:
+        _SITES[gm] = result
+    return result
+
+
+def without_dequantize(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` itself when it rebuilds no quantized weight; else a copy in which what read
+    each rebuilt weight reads its packed placeholder, to be bound to the weight the job
+    rebuilt (:func:`dequantize_sites`). Every placeholder stays, so the copy takes the same
+    arguments."""
+    if not dequantize_sites(gm):
+        return gm
+    graph = torch.fx.Graph()
+    env: dict[torch.fx.Node, torch.fx.Node] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in DEQUANTIZE_OPS:
+            env[node] = env[node.args[0]]
+        else:
+            env[node] = graph.node_copy(node, lambda a: env[a])
+    return torch.fx.GraphModule(gm, graph, class_name=type(gm).__name__)

@@ -23,13 +23,20 @@ weights and of activations run on different stream threads, so a weight upload n
 an activation on a virtual worker. This is the only transfer path, and the chunk size is set
 once, by the lowering (``rpcompile.passes.lower.DEFAULT_CHUNK_BYTES``).
 
-**Device memory** accounted on each worker: the weight slots, the buffers uploaded with them
-and each job's fp32 gradient buffer (``Worker.alloc``), plus every activation or value
-gradient held between actions, once per storage (rpcompile.runtime.values.Holds). What a D2H
-sends home is given back as the compute its ``sent`` or gradient-slot edge names starts
-(``Schedule.releases``; in the same step or, steps overlapping, a later one), else once
-downloaded: what a worker holds follows the schedule. Transients inside one compute
-(autograd's saved tensors) are not accounted; they are freed when the compute returns.
+**Quantized weights** (a QLoRA base) travel packed with the job's UP; its first compute
+rebuilds them in the compute dtype with the fused kernel and runs a copy of the stage's graph
+that reads them (rpcompile.capture.quantized.without_dequantize); its last compute gives them
+back (:class:`JobWeights`).
+
+**Device memory** accounted on each worker: the weight slots (with a quantized stage's packed
+bytes, and its rebuilt weights from the job's first compute to its last), the buffers
+uploaded with them and each job's fp32 gradient buffer (``Worker.alloc``), plus every
+activation or value gradient held between actions, once per storage
+(rpcompile.runtime.values.Holds). What a D2H sends home is given back as the compute its
+``sent`` or gradient-slot edge names starts (``Schedule.releases``; in the same step or,
+steps overlapping, a later one), else once downloaded: what a worker holds follows the
+schedule. Transients inside one compute (autograd's saved tensors) are not accounted; they
+are freed when the compute returns.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import fx
 
+from rpcompile.capture.quantized import dequantize_sites, without_dequantize
 from rpcompile.ir import Action, ActionKind, check_registry
 from rpcompile.passes.chunked_loss import TOKEN_HITS
 from rpcompile.runtime import kernels as _kernels
@@ -58,7 +66,24 @@ from rpcompile.runtime.workers import Worker
 if TYPE_CHECKING:
     from rpcompile.runtime.executor import Executor
 
-__all__ = ["ACTION_OF", "RUNTIME_ACTIONS", "Actions", "clip_grad_norm"]
+__all__ = ["ACTION_OF", "RUNTIME_ACTIONS", "Actions", "JobWeights", "clip_grad_norm"]
+
+
+@dataclasses.dataclass
+class JobWeights:
+    """A job's weights on its worker, from its UP to its EVICT: each parameter's view into the
+    uploaded buffer (a quantized one: its rebuilt weight, once the job's first compute has
+    rebuilt it), the buffers and lifted constants the stage reads (a quantized weight's state:
+    views into its uploaded packed record), what is still to rebuild (name, PackedWeight on
+    the device, dtype), every allocation EVICT gives back, and the rebuilt weights' buffers,
+    given back when the job's last compute ends."""
+
+    views: dict[str, torch.Tensor]
+    extras: dict[str, torch.Tensor]
+    allocated: list[torch.Tensor]
+    packed: list[tuple[str, Any, torch.dtype]] = dataclasses.field(default_factory=list)
+    rebuilt: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    rebuilt_names: list[str] = dataclasses.field(default_factory=list)
 
 
 class Actions:
@@ -69,28 +94,55 @@ class Actions:
     def _do_UP(self, run: StepState, a: Action) -> None:
         worker = self.workers[a.worker]
         stage = self.store.stages[a.stage]
-        name = self.programs[a.stage].name
+        prog = self.programs[a.stage]
+        name = prog.name
         flat = worker.alloc(shape=(stage.layout.shadow_numel,), dtype=self.store.compute_dtype,
                             tag=f"{name} weights")
+        allocated = [flat]
         # One copy per contiguous host piece (one for a stage of contiguous units), cut into
-        # the action's chunks; async, of the shadow copy this step reads.
+        # the action's chunks by bytes; async, of the shadow copy this step reads. Frozen
+        # quantized weights travel packed: the stage's records end to end, their state with
+        # their codes (PackedLayout), so the bytes moved are the bytes the plan counts.
         version = run.k % 2 if self.paired else 0
-        pieces = [(flat[offset:offset + host.numel()], host)
+        flat_bytes = flat.view(torch.uint8)
+        size = flat.element_size()
+        pieces = [(flat_bytes[offset * size:(offset + host.numel()) * size], host.view(torch.uint8))
                   for offset, host in self.store.upload_pieces(a.stage, version)]
+        packed = None
+        if stage.packed_layout.nbytes:
+            packed = worker.alloc(stage.packed_layout.nbytes, tag=f"{name} packed weights")
+            allocated.append(packed)
+            at = 0
+            for host in stage.packed:
+                pieces.append((packed[at:at + host.numel()], host))
+                at += host.numel()
         _chunked_copy(worker, pieces, a.chunks)
+        sites = dequantize_sites(prog.graph_module)
+        state = {const for site in sites for _, const in site.state}
         extras = {}
         for key, value in self._extras[a.stage].items():
+            if key in state:
+                continue  # uploaded in its weight's packed record
             extras[key] = worker.alloc(shape=value.shape, dtype=value.dtype,
                                        tag=f"{name} buffer {key}")
+            allocated.append(extras[key])
             worker.copy_(extras[key], value)
         worker.complete_copies()
-        run.weights[(a.worker, a.stage, a.round)] = (flat, stage.device_views(flat), extras)
+        job = JobWeights(stage.device_views(flat), extras, allocated)
+        if packed is not None:
+            weights = stage.packed_views(packed)
+            source = {i.name: i.source for i in prog.inputs if i.kind == "param"}
+            for site in sites:
+                weight = weights[source[site.packed]]
+                parts = dict(weight.state)
+                extras.update((const, parts[part]) for part, const in site.state)
+                job.packed.append((source[site.packed], weight, site.dtype))
+        run.weights[(a.worker, a.stage, a.round)] = job
 
     def _do_EVICT(self, run: StepState, a: Action) -> None:
         worker = self.workers[a.worker]
-        flat, _, extras = run.weights.pop((a.worker, a.stage, a.round))
-        worker.free(flat)
-        for t in extras.values():
+        job = run.weights.pop((a.worker, a.stage, a.round))
+        for t in job.allocated + job.rebuilt:
             worker.free(t)
 
     # -- activations -------------------------------------------------------------------------
@@ -288,19 +340,57 @@ class Actions:
             self._release_value(run, vkey)
 
     def _job(self, run: StepState, a: Action) -> tuple[dict[str, torch.Tensor], Buffers]:
-        _, views, extras = run.weights[(a.worker, a.stage, a.round)]
-        return views, Buffers(extras)
+        job = run.weights[(a.worker, a.stage, a.round)]
+        if job.packed:
+            self._dequantize(job, a)
+        return job.views, Buffers(job.extras)
+
+    def _dequantize(self, job: JobWeights, a: Action) -> None:
+        """The job's first compute rebuilds its stage's packed weights in the dtype its graph
+        computes them in, with the fused kernel, into one buffer per dtype that lives until
+        the job's last compute ends (:meth:`_drop_rebuilt`): the memory proof holds them in
+        each compute's working set (rpcompile.planner.partition), and here they live from
+        the job's first compute to its last, never beside another job's."""
+        worker = self.workers[a.worker]
+        name = self.programs[a.stage].name
+        for dtype in dict.fromkeys(d for _, _, d in job.packed):
+            weights = [(n, w) for n, w, d in job.packed if d == dtype]
+            flat = worker.alloc(shape=(sum(w.numel for _, w in weights),), dtype=dtype,
+                                tag=f"{name} dequantized weights")
+            job.rebuilt.append(flat)
+            at = 0
+            for source, weight in weights:
+                job.views[source] = _kernels.dequantize_packed(
+                    weight, dtype, out=flat[at:at + weight.numel], backend=self.kernels)
+                job.rebuilt_names.append(source)
+                at += weight.numel
+        job.packed.clear()
+
+    def _drop_rebuilt(self, run: StepState, a: Action) -> None:
+        """After the job's last compute: give back its rebuilt weights (before its EVICT, so
+        that the next job's prefetched upload never shares the worker with them)."""
+        if a not in run.plan.job_last:
+            return
+        job = run.weights[(a.worker, a.stage, a.round)]
+        for name in job.rebuilt_names:
+            del job.views[name]  # no reference left: the memory is free once given back
+        for t in job.rebuilt:
+            self.workers[a.worker].free(t)
+        job.rebuilt.clear()
+        job.rebuilt_names.clear()
 
     def _graph(self, a: Action) -> fx.GraphModule:
-        """The stage's graph for the action's worker device (the captured one when equal)."""
+        """The stage's graph for the action's worker device (the captured one when equal),
+        reading the job's rebuilt weights where it rebuilds quantized ones
+        (rpcompile.capture.quantized.without_dequantize)."""
         prog = self.programs[a.stage]
         device = torch.device(self.workers[a.worker].device)
-        if _same_device(device, self._capture_device):
-            return prog.graph_module
         key = (a.stage, device)
         with self._graphs_lock:
             if key not in self._graphs:
-                self._graphs[key] = prog.on_device(device)
+                same = _same_device(device, self._capture_device)
+                self._graphs[key] = without_dequantize(
+                    prog.graph_module if same else prog.on_device(device))
             return self._graphs[key]
 
     def _do_F(self, run: StepState, a: Action) -> None:
@@ -313,6 +403,7 @@ class Actions:
         available = dict(values)
         available.update(zip(prog.outputs, outs))
         self._finish_compute(run, a, available, {})
+        self._drop_rebuilt(run, a)
 
     def _do_T(self, run: StepState, a: Action) -> None:
         self._backward(run, a)
@@ -369,6 +460,7 @@ class Actions:
             worker.copy_(host, hits)
             run.hits[(a.round, a.microbatch)] = host
         self._finish_compute(run, a, values, value_grads)
+        self._drop_rebuilt(run, a)
 
     # -- host --------------------------------------------------------------------------------
     def _do_ACC(self, run: StepState, a: Action) -> None:

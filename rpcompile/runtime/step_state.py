@@ -83,6 +83,7 @@ class StepPlan:
         self.releases = {d: (c.step - step, c) for d, c in schedule.releases().items()
                          if d in here}
         self.job_first: set[Action] = set()  # first compute of each job
+        self.job_last: set[Action] = set()  # last compute of each job
         for (_, stream), lst in self.queues.items():
             if stream != "compute":
                 continue
@@ -92,7 +93,11 @@ class StepPlan:
                     continue
                 if previous is None or (previous.stage, previous.round) != (a.stage, a.round):
                     self.job_first.add(a)
+                    if previous is not None:
+                        self.job_last.add(previous)
                 previous = a
+            if previous is not None:
+                self.job_last.add(previous)
         self.last_host = self.queues[(None, "host")][-1] if (None, "host") in self.queues \
             else None
 
@@ -118,8 +123,8 @@ class StepState:
         self.deadline: float | None = None  # time.monotonic() the watchdog fires at
         self.device_readers = dict(plan.device_readers)
         self.host_readers = dict(plan.host_readers)
-        # (worker, stage, round) -> (flat weights, parameter views, buffers)
-        self.weights: dict[tuple[int, int, int], tuple[torch.Tensor, dict, dict]] = {}
+        # (worker, stage, round) -> the job's weights (rpcompile.runtime.actions.JobWeights)
+        self.weights: dict[tuple[int, int, int], Any] = {}
         # (worker, stage, round) -> the job's flat fp32 gradients and where they go
         self.grads: dict[tuple[int, int, int], JobGrads] = {}
         # (stage, round) -> the job's non-finite flag, downloaded with its gradients

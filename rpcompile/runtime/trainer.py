@@ -388,8 +388,9 @@ class Trainer:
             for p in compiled.stages
         ]
         grad_stages = [p.index for p in compiled.stages if p.kind != "forward"]
+        # Frozen quantized weights stay packed on the host; the workers rebuild them.
         return HostStore.build(stage_params, compute_dtype=compiled.compute_dtype, pin=pin,
-                               grad_stages=grad_stages)
+                               grad_stages=grad_stages, packed=compiled.capture.quantized)
 
     def _data_parallel(self, compiled: Any, process_group: Any, shard: bool) -> Any:
         from rpcompile.runtime.distributed import DataParallel, resolve_group

@@ -48,12 +48,13 @@ def build_model(
     device: str | torch.device = "meta",
     layers: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
-    lora: bool | None = None,
+    lora: bool | int | None = None,
 ) -> nn.Module:
     """Build a shipped model from its config.
 
     ``layers`` overrides the depth (for quick tests). ``lora``: wrap with PEFT LoRA adapters
-    on every linear layer when the config asks for it (``rpcompile_lora``) or when True.
+    on every linear layer when the config asks for it (``rpcompile_lora``) or when True; an
+    int is the rank (alpha twice it; 0: none).
     """
     import transformers
 
@@ -70,6 +71,8 @@ def build_model(
     config = config_cls(**cfg, use_cache=False, attn_implementation=attn)
     with torch.device(device):
         model = model_cls(config).to(dtype)
+    if not isinstance(lora, bool) and isinstance(lora, int) and lora > 0:
+        lora_cfg = {"r": lora, "alpha": 2 * lora}
     if lora or (lora is None and lora_cfg):
         lora_cfg = lora_cfg or {"r": 16, "alpha": 32}
         try:
