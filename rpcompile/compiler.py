@@ -40,7 +40,7 @@ from rpcompile.passes.invariants import (
     check_plan,
     check_stages,
 )
-from rpcompile.passes.lower import TIGHTEST_WAITS, runtime_peaks, runtime_schedule
+from rpcompile.passes.lower import TIGHTEST_WAITS, runtime_schedule
 from rpcompile.passes.manager import PassRecord, run_pass
 from rpcompile.passes.memory import (
     HostMemory,
@@ -48,6 +48,7 @@ from rpcompile.passes.memory import (
     format_bytes,
     host_memory,
     host_ram_problem,
+    worker_peaks,
 )
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
@@ -56,6 +57,7 @@ from rpcompile.planner.partition import (
     memory_first_note,
     partition,
     retimed,
+    tail_memory_bound,
 )
 from rpcompile.runtime.reference import reference_step
 from rpcompile.runtime.trainer import planned_ranks, update_order
@@ -691,6 +693,7 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
     capacity = options.train.capacity_bytes
     base = list(history)
     tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
+    skipped: list[tuple[int, Plan]] = []  # (loss chunk, the variant's plan it would repeat)
     for chunk in _loss_chunks(source, co.loss_chunk_tokens, parts, shape):
         if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
             if all(isinstance(c, Compiled) and _fits(c, capacity) for _, c in tried) \
@@ -712,12 +715,18 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
                 continue  # no head + loss the rewrite matches: the captured form only
         unit_costs = run_pass(run, "cost", partial(annotate_costs, captured),
                               partial(check_costs, captured=captured))
+        # A smaller chunk only shrinks the tail's working set: after a variant whose search
+        # no tail memory limited, it can only find the same plan, so it is not searched.
+        unlimited = next((c for _, c in tried if isinstance(c, Compiled) and _fits(c, capacity)
+                          and not _memory_limited(c.plan)), None)
         try:
             tried.append((chunk, _plan_and_split(model, captured, unit_costs, dtype, run,
-                                                 options, shape)))
+                                                 options, shape, same_unless=unlimited)))
         except PartitionError as exc:
             tried.append((chunk, exc))
-    compiled = _choose_loss_chunk(tried, capacity)
+        except _SameSearch as same:
+            skipped.append((chunk, same.plan))
+    compiled = _choose_loss_chunk(tried, capacity, skipped)
     check_memory(compiled)
     check_host_memory(compiled, stacklevel=stacklevel + 1)
     fallback = memory_first_note(compiled.plan)
@@ -812,17 +821,19 @@ def _fits(compiled: Compiled, capacity_bytes: int | None) -> bool:
     return max(p.peak_bytes for p in compiled.memory) <= limit
 
 
-def _choose_loss_chunk(tried: list, capacity_bytes: int | None) -> Compiled:
+def _choose_loss_chunk(tried: list, capacity_bytes: int | None,
+                       skipped: Sequence[tuple[int, Plan]] = ()) -> Compiled:
     """The planned variant with the shortest predicted step among those whose schedule fits
     (ties: the earlier, so the whole logits before chunks and larger chunks before smaller);
     when none fits, the first planned (compile() then refuses it, naming the worker), else
-    the first variant's PartitionError."""
+    the first variant's PartitionError. ``skipped``: smaller chunks not searched, each with
+    the plan of the variant whose search it would repeat."""
     planned = [(chunk, c) for chunk, c in tried if isinstance(c, Compiled)]
     if not planned:
         raise tried[0][1]
     fitting = [(chunk, c) for chunk, c in planned if _fits(c, capacity_bytes)]
     chunk, best = min(fitting or planned[:1], key=lambda t: round(t[1].plan.predicted_step_ms, 6))
-    if len(tried) > 1:
+    if len(tried) + len(skipped) > 1:
         def label(k):
             return "whole logits" if k is None else f"{k:,}-token chunks"
         considered = ", ".join(
@@ -830,14 +841,52 @@ def _choose_loss_chunk(tried: list, capacity_bytes: int | None) -> Compiled:
                 c, capacity_bytes) else " (does not fit)") if isinstance(c, Compiled)
                                else "no plan fits")
             for k, c in tried)
+        considered += "".join(
+            f", {label(k)}: not searched (only the tail's working set is smaller, and no "
+            f"tail memory limited the {plan.predicted_step_ms:.1f} ms plan's search)"
+            for k, plan in skipped)
         best.plan = replace(best.plan, notes=(
             *best.plan.notes, f"LM head + loss: {label(chunk)}, the fastest plan that fits "
             f"({considered})"))
     return best
 
 
+class _SameSearch(Exception):
+    """A loss-chunk variant whose search would only repeat ``plan``'s (_plan_and_split)."""
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        self.plan = plan
+
+
+def _memory_limited(plan: Plan) -> bool:
+    """Whether memory may have limited ``plan`` in a way a smaller tail working set would
+    lift: its search says so (:func:`~rpcompile.planner.partition.tail_memory_bound`), or the
+    compile moved it to one gradient slot for the runtime's schedule."""
+    return tail_memory_bound(plan) or any(n.startswith(_ONE_SLOT_NOTE) for n in plan.notes)
+
+
+_ONE_SLOT_NOTE = "memory: one gradient slot per worker"
+
+
+def _only_tail_smaller(profiles: Sequence[UnitProfile], other: Sequence[UnitProfile]) -> bool:
+    """Whether ``profiles`` equal ``other`` in everything but the tail's (the last unit's)
+    working set, which is no larger: the partitioner's inputs then differ only where memory
+    is checked."""
+    if len(profiles) != len(other) or tuple(profiles[:-1]) != tuple(other[:-1]):
+        return False
+    tail, theirs = profiles[-1], other[-1]
+    return (tail.working_bytes <= theirs.working_bytes
+            and replace(tail, working_bytes=theirs.working_bytes) == theirs)
+
+
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options,
-                    shape: tuple[int, int] | None = None) -> Compiled:
+                    shape: tuple[int, int] | None = None, *,
+                    same_unless: Compiled | None = None) -> Compiled:
+    """Cost, partition, split and lower ``captured`` for global batches of ``shape``.
+    ``same_unless``: a planned variant that no memory limited; when this one's unit profiles
+    differ from its only by a smaller tail working set, its search would find the same plan:
+    :class:`_SameSearch` is raised instead."""
     po = options.plan
     gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
     hw = planning_hardware(options)
@@ -856,6 +905,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     mb_size = largest_microbatch(sequences, microbatches * rounds)
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
+    if same_unless is not None and _only_tail_smaller(profiles, same_unless.profiles):
+        raise _SameSearch(same_unless.plan)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
     # The plan options of the run (the update order its training options need): the
     # partitioner lowers, replays and proves each candidate as the run will be.
@@ -875,7 +926,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         # the lowering's passes go through the same run_pass (a PassManager), their records
         # into the same history; each lowered schedule is validated always.
         lowered = runtime_schedule(plan, run, trail=trail, validate=True)
-        return lowered, trail, runtime_peaks(plan, run)
+        # runtime_peaks(plan, run), from the schedule lowered here rather than again
+        return lowered, trail, worker_peaks(lowered, plan, steps=lowered.run_steps)
 
     lowered, trail, memory = schedule_of(plan)
     fit = hw.usable_memory_bytes
@@ -889,9 +941,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         lowered, trail, memory = schedule_of(plan)
         plan = replace(retimed(plan, hw, rounds, mode),
                        worker_peak_bytes=tuple(p.peak_bytes for p in memory),
-                       notes=(*plan.notes, "memory: one gradient slot per worker (the "
-                              "runtime's schedule does not fit with two); predicted step "
-                              "replayed with it"))
+                       notes=(*plan.notes, f"{_ONE_SLOT_NOTE} (the runtime's schedule "
+                              "does not fit with two); predicted step replayed with it"))
     stages = run_pass(history, "split", lambda: split(captured, plan),
                       lambda progs: check_stages(progs, plan))
     # The schedule lowered and proven above is the one kept: compile lowers it once (twice
