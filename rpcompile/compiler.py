@@ -538,6 +538,7 @@ def compile(
     link: Any = UNSET,
     shard_optimizer: bool = UNSET,
     max_simulations: int | None = UNSET,
+    search_effort: str = UNSET,
     dynamic: bool = UNSET,
     plan_cache: Any = UNSET,
     progress: bool | None = UNSET,
@@ -562,7 +563,9 @@ def compile(
     ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
     ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
     ``schedule_steps``, ``updates``, ``recompute``, ``ranks``, ``link``,
-    ``shard_optimizer``, ``max_simulations``, ``dynamic``, ``plan_cache``, ``progress``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``shard_optimizer``, ``max_simulations``, ``search_effort``, ``dynamic``,
+    ``plan_cache``, ``progress``) and ``train_options=TrainOptions(...)`` (``optimizer``,
+    ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
     ``max_grad_norm``, ``timeout_s``, ``process_group``, ``host_ram_bytes``,
     ``undo_journal``, ``host_memory``). Every option is also a keyword of this function; an
@@ -588,7 +591,9 @@ def compile(
     causal LM it may be omitted: the model is captured now and planned at the first batch it
     meets, and again for a larger batch (``dynamic``; docs/compiler.md, "When the plan is
     made"). ``plan_cache``: searched plans are kept on disk and reused (``False``: off).
-    ``progress``: show what planning does (``None``: on a terminal). ``mode``:
+    ``progress``: show what planning does (``None``: on a terminal). ``search_effort``:
+    what the partition search spends, ``"normal"`` (seconds), ``"high"`` or
+    ``"exhaustive"`` (until its plan is proven the fastest). ``mode``:
     ``"sync"`` (ordinary training, the default) or ``"async"`` (the update of step k
     overlaps step k+1, one step stale). ``device``: ``"auto"`` (CUDA when present, else
     virtual CPU workers, with a warning), ``"cuda"`` or ``"virtual"``. ``timeout_s`` is the
@@ -625,7 +630,8 @@ def compile(
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
         process_group=process_group, shard_optimizer=shard_optimizer,
-        max_simulations=max_simulations, dynamic=dynamic, plan_cache=plan_cache,
+        max_simulations=max_simulations, search_effort=search_effort, dynamic=dynamic,
+        plan_cache=plan_cache,
         progress=progress, host_ram_bytes=host_ram_bytes,
         undo_journal=undo_journal, host_memory=host_memory,
     ).items() if v is not UNSET}
@@ -717,8 +723,8 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
                               partial(check_costs, captured=captured))
         # A smaller chunk only shrinks the tail's working set: after a variant whose search
         # no tail memory limited, it can only find the same plan, so it is not searched.
-        unlimited = next((c for _, c in tried if isinstance(c, Compiled) and _fits(c, capacity)
-                          and not _memory_limited(c.plan)), None)
+        unlimited = [c for _, c in tried if isinstance(c, Compiled) and _fits(c, capacity)
+                     and not _memory_limited(c.plan)]
         try:
             tried.append((chunk, _plan_and_split(model, captured, unit_costs, dtype, run,
                                                  options, shape, same_unless=unlimited)))
@@ -882,11 +888,11 @@ def _only_tail_smaller(profiles: Sequence[UnitProfile], other: Sequence[UnitProf
 
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options,
                     shape: tuple[int, int] | None = None, *,
-                    same_unless: Compiled | None = None) -> Compiled:
+                    same_unless: Sequence[Compiled] = ()) -> Compiled:
     """Cost, partition, split and lower ``captured`` for global batches of ``shape``.
-    ``same_unless``: a planned variant that no memory limited; when this one's unit profiles
-    differ from its only by a smaller tail working set, its search would find the same plan:
-    :class:`_SameSearch` is raised instead."""
+    ``same_unless``: planned variants that no memory limited; when this one's unit profiles
+    differ from one's only by a smaller tail working set, its search would find that one's
+    plan: :class:`_SameSearch` is raised instead."""
     po = options.plan
     gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
     hw = planning_hardware(options)
@@ -905,8 +911,9 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     mb_size = largest_microbatch(sequences, microbatches * rounds)
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
-    if same_unless is not None and _only_tail_smaller(profiles, same_unless.profiles):
-        raise _SameSearch(same_unless.plan)
+    for other in same_unless:
+        if _only_tail_smaller(profiles, other.profiles):
+            raise _SameSearch(other.plan)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
     # The plan options of the run (the update order its training options need): the
     # partitioner lowers, replays and proves each candidate as the run will be.

@@ -49,6 +49,8 @@ class StatusLine:
         if self._bar is not None:
             self._bar.set_postfix_str(status, refresh=False)
             self._bar.update(count)
+            if self._bar.n == count:  # the first status shows at once, the rest as tqdm paces
+                self._bar.refresh()
 
     def close(self) -> None:
         if self._bar is not None:

@@ -44,9 +44,10 @@ from rpcompile.progress import StatusLine
 
 __all__ = [
     "MEMORY_FIRST_NOTE",
-    "SIMULATION_CAPS",
+    "SEARCH_BUDGETS",
     "TAIL_MEMORY_NOTE",
     "PartitionError",
+    "SearchBudget",
     "StageCosting",
     "build_plan",
     "fit_memory_waits",
@@ -61,13 +62,28 @@ __all__ = [
 ]
 
 
-# Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
-# replay is one step and its lower bound is within a few percent, so a search usually ends
-# proven well before the cap. An async replay is a dozen overlapping steps, 10-20 times a
-# sync one; its bound is one step's compute over the workers, within the steady bubble (a
-# few percent) of the replay, and the golden models have dozens of candidates within that of
-# the best, so the search usually stops at its cap and the plan's notes give the (proven) gap.
-SIMULATION_CAPS = {"sync": 1024, "async": 32}
+@dataclass(frozen=True)
+class SearchBudget:
+    """What one partition search may spend: simulator replays per grid in each mode (None:
+    no cap, the search runs until its plan is proven), and plans the local search scores
+    per grid."""
+
+    replays: dict[str, int | None]
+    local_search: int
+
+
+# What each search effort spends (PlanOptions.search_effort). A sync replay is one step; an
+# async replay a dozen overlapping steps, 10-20 times a sync one. The replays go in the order
+# of their lower bounds, and the bound sits a near-constant 1-5 % below the replay, so the
+# fastest candidate comes among the first few: "normal" stops there (seconds for the paper
+# workloads, within 1 % of an exhaustive search's plan on them, benchmarks/compile_time.py),
+# and the plan's notes give the proven gap to any candidate left. "exhaustive" runs until
+# every candidate left is proven no faster.
+SEARCH_BUDGETS: dict[str, SearchBudget] = {
+    "normal": SearchBudget({"sync": 8, "async": 8}, 400),
+    "high": SearchBudget({"sync": 1024, "async": 32}, 2000),
+    "exhaustive": SearchBudget({"sync": None, "async": None}, 2000),
+}
 
 
 class PartitionError(ValueError):
@@ -106,7 +122,7 @@ def partition(
     optimizer: str | None = None,
     refine: int = 16,
     target_bubble: float = 0.01,
-    search: int = 2000,
+    search: int | None = None,
     recompute: str | None = None,
     capacity_bytes: int | None = None,
     updates: str | None = None,
@@ -118,7 +134,8 @@ def partition(
 
     **Options.** The plan options come as the group, ``options=PlanOptions(...)`` (what
     :func:`rpcompile.compile` passes: ``gpus`` are the workers, ``microbatches_per_round``,
-    ``rounds``, ``mode`` the optimizer, ``recompute``, ``updates``, ``max_simulations``;
+    ``rounds``, ``mode`` the optimizer, ``recompute``, ``updates``, ``max_simulations``,
+    ``search_effort``, ``progress``;
     ``hardware`` is not read from it: the ``hardware`` argument is the profile the plan is
     timed on, for ``compile`` its planning hardware), or, as scripts written before the group
     do, as loose keywords: ``workers`` and ``microbatches`` (then required), ``rounds``
@@ -134,13 +151,16 @@ def partition(
     up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are
     cut exactly (min-max per stage count; all of them, or per grid the ``shortlist`` first by a
     cheap pre-order), joined by a local search scored by the simulator's lower bound
-    (:func:`~rpcompile.planner.bound.simulated_lower_bound`, ``search`` plans per grid), and
+    (:func:`~rpcompile.planner.bound.simulated_lower_bound`, ``search`` plans per grid,
+    default the effort's :data:`SEARCH_BUDGETS`), and
     replayed in the simulator best first: each candidate has a
     proven lower bound on its simulated figure (rpcompile.planner.bound), and the search stops
     once every candidate not replayed has a bound at least the best simulated figure, so the
     plan is the simulator's fastest of all candidates. At most ``max_simulations`` replays
-    (default :data:`SIMULATION_CAPS` of the mode); a search stopped there says so in the plan's
-    notes, with the proven gap. With ``optimizer="async"`` the plan
+    per grid (default: the ``search_effort``'s, :data:`SEARCH_BUDGETS`); a search stopped
+    there says so in the plan's notes, with the proven gap. While it runs, a status line
+    (rpcompile.progress, on a terminal unless ``progress=False``) counts the replays and shows
+    the best figure and the next bound. With ``optimizer="async"`` the plan
     minimises the steady-state time per step; with ``"sync"`` it minimises one step's
     makespan (fill and drain included). When units are blocks of layers (``UnitProfile.group``)
     candidates are cut both between any units and between whole layers only. In async mode
@@ -184,7 +204,9 @@ def partition(
     updates = po.updates or ("deferred" if optimizer == "sync" and (
         grad_check_passes or (po.ranks or 1) > 1) else "overlap")
     check_update_order(optimizer, updates, ())  # async has one order
-    max_simulations = po.max_simulations or SIMULATION_CAPS[optimizer]
+    budget = SEARCH_BUDGETS[po.search_effort]
+    max_simulations = po.max_simulations or budget.replays[optimizer] or _NO_CAP
+    search = budget.local_search if search is None else search
     # Every candidate is lowered, replayed and proven as the run will be.
     lowering = {"updates": updates, "grad_check_passes": grad_check_passes}
     hw = get_hardware(hardware)
@@ -360,6 +382,9 @@ def _first_misfit(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
     peaks = _runtime_peaks(plan, hw, rounds, optimizer, capacity)
     top = max(peaks, key=lambda p: p.peak_bytes)
     return f"its schedule peaks at {top.describe(plan.stage_name)}"
+
+
+_NO_CAP = 1 << 62  # replays per grid of an uncapped search
 
 
 class _SearchLog:
