@@ -73,12 +73,14 @@ def test_the_search_effort_sets_the_searchs_budget(monkeypatch):
         seen.clear()
         partition(_units(GIB), hw, options=PlanOptions(gpus=3, microbatches=4,
                                                        search_effort=effort))
-        cap = budget.replays["sync"] or partition_module._NO_CAP
-        assert seen == [("local", budget.local_search), ("replays", cap)], effort
+        assert len(seen) == 2 and seen[0] == ("local", budget.local_search), effort
+        cap = seen[1][1]
+        assert (cap.replays, cap.computes) == (budget.replays["sync"] or partition_module._NO_CAP,
+                                               budget.replay_computes), effort
     seen.clear()
     partition(_units(GIB), hw, options=PlanOptions(gpus=3, microbatches=4, max_simulations=3,
                                                    search_effort="high"))
-    assert ("replays", 3) in seen
+    assert (seen[1][1].replays, seen[1][1].computes) == (3, 0)  # the explicit cap alone
     assert SEARCH_BUDGETS["normal"].local_search < SEARCH_BUDGETS["high"].local_search
     with pytest.raises(ValueError, match="search_effort must be one of 'normal', 'high', "
                                          "'exhaustive'"):

@@ -64,26 +64,46 @@ __all__ = [
 
 @dataclass(frozen=True)
 class SearchBudget:
-    """What one partition search may spend: simulator replays per grid in each mode (None:
-    no cap, the search runs until its plan is proven), and plans the local search scores
-    per grid."""
+    """What one partition search may spend per grid: simulator replays in each mode (None:
+    no cap, the search runs until its plan is proven), and beyond them more replays while
+    the computes replayed (a candidate's jobs x microbatches x steps replayed) stay under
+    ``replay_computes``, so a small model, whose replays are cheap, is searched further; and
+    plans the local search scores."""
 
     replays: dict[str, int | None]
+    replay_computes: int
     local_search: int
 
 
 # What each search effort spends (PlanOptions.search_effort). A sync replay is one step; an
 # async replay a dozen overlapping steps, 10-20 times a sync one. The replays go in the order
-# of their lower bounds, and the bound sits a near-constant 1-5 % below the replay, so the
-# fastest candidate comes among the first few: "normal" stops there (seconds for the paper
-# workloads, within 1 % of an exhaustive search's plan on them, benchmarks/compile_time.py),
-# and the plan's notes give the proven gap to any candidate left. "exhaustive" runs until
-# every candidate left is proven no faster.
+# of their lower bounds, and on the paper workloads the bound sits a near-constant 1-5 %
+# below the replay, so the fastest candidate comes among the first few: "normal" stops there
+# (seconds, within 1 % of an exhaustive search's plan on them, benchmarks/compile_time.py),
+# and the plan's notes give the proven gap to any candidate left. A tiny model's bound is
+# looser, but its replays cost next to nothing: the compute budget lets its search go on,
+# usually to its proof. "exhaustive" runs until every candidate left is proven no faster.
 SEARCH_BUDGETS: dict[str, SearchBudget] = {
-    "normal": SearchBudget({"sync": 8, "async": 8}, 400),
-    "high": SearchBudget({"sync": 1024, "async": 32}, 2000),
-    "exhaustive": SearchBudget({"sync": None, "async": None}, 2000),
+    "normal": SearchBudget({"sync": 8, "async": 8}, 12_000, 400),
+    "high": SearchBudget({"sync": 1024, "async": 32}, 0, 2000),
+    "exhaustive": SearchBudget({"sync": None, "async": None}, 0, 2000),
 }
+
+
+@dataclass(frozen=True)
+class _ReplayCap:
+    """A search's replays per grid: at least ``replays``, then more while fewer than
+    ``computes`` computes were replayed; ``said``: how the plan's notes name the cap."""
+
+    replays: int
+    computes: int = 0
+    said: str = ""
+
+    def reached(self, replays: int, computes: int) -> bool:
+        return replays >= self.replays and computes >= self.computes
+
+    def __str__(self) -> str:
+        return self.said or f"max_simulations={self.replays}"
 
 
 class PartitionError(ValueError):
@@ -205,7 +225,14 @@ def partition(
         grad_check_passes or (po.ranks or 1) > 1) else "overlap")
     check_update_order(optimizer, updates, ())  # async has one order
     budget = SEARCH_BUDGETS[po.search_effort]
-    max_simulations = po.max_simulations or budget.replays[optimizer] or _NO_CAP
+    if po.max_simulations is not None:
+        max_simulations = _ReplayCap(po.max_simulations)
+    else:
+        max_simulations = _ReplayCap(
+            budget.replays[optimizer] or _NO_CAP, budget.replay_computes,
+            f"search_effort={po.search_effort!r}: {budget.replays[optimizer]} replays"
+            + (f", then more up to {budget.replay_computes:,} computes replayed"
+               if budget.replay_computes else ""))
     search = budget.local_search if search is None else search
     # Every candidate is lowered, replayed and proven as the run will be.
     lowering = {"updates": updates, "grad_check_passes": grad_check_passes}
@@ -528,7 +555,7 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
 
 
 def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
-                    optimizer: str, capacity: int, max_simulations: int,
+                    optimizer: str, capacity: int, max_simulations: int | _ReplayCap,
                     firsts: Sequence[Sequence[Plan]] = (),
                     ) -> tuple[Plan, str, float]:
     """(the plan with the shortest simulated figure among the candidates of ``pools`` whose
@@ -542,7 +569,8 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
     overlapping steady states far better than their bound does); a candidate already
     simulated, or whose bound is at least the best figure so far (of any pool), is skipped.
     When every candidate left has such a bound, the plan is the simulator's argmin over all
-    candidates. A pool stops after ``max_simulations`` replays of its own (so a coarser
+    candidates. A pool stops after ``max_simulations`` replays of its own (or once a
+    :class:`_ReplayCap` is reached) (so a coarser
     grid's candidates are replayed as far as they would be alone), and the note then gives
     the proven gap: no candidate left can be faster than the smallest bound among them.
     ``predicted_step_ms`` of the plan returned is its simulated figure. Raises
@@ -585,7 +613,15 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
     misfit: tuple[int, object] | None = None  # (overshoot, worst peak) of the closest misfit
     simulated: set[int] = set()
     stopped: set[int] = set()  # candidates a pool's cap stopped before
-    orders, forced, spent = [], [], [0] * len(members)
+    orders, forced, spent, work = [], [], [0] * len(members), [0] * len(members)
+    cap = max_simulations if isinstance(max_simulations, _ReplayCap) else \
+        _ReplayCap(max_simulations)
+
+    def computes(plan: Plan) -> int:  # what a replay of ``plan`` runs
+        from rpcompile.sim import steady_steps
+
+        steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
+        return len(plan.stages) * rounds * plan.microbatches * steps
     for g, mine in enumerate(members):
         forced.append([index[_bounds(p)] for p in (firsts[g] if g < len(firsts) else ())])
         orders.append(forced[g] + sorted(mine, key=first))
@@ -604,13 +640,15 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
             for n, i in enumerate(order):
                 if i in simulated or bounds[i] >= floor():
                     continue  # replayed already, or proven no faster than the best so far
-                if n >= len(forced[g]) and spent[g] >= max_simulations:
+                if n >= len(forced[g]) and cap.reached(spent[g], work[g]):
                     stopped.add(i)
                     continue
                 (ms, bubble, peaks), ran = _simulated_ms(plans[i], hw, rounds, optimizer,
                                                          capacity)
                 simulated.add(i)
-                spent[g] += n >= len(forced[g])
+                if n >= len(forced[g]):
+                    spent[g] += 1
+                    work[g] += computes(plans[i])
                 top = max(peaks, key=lambda p: p.peak_bytes)
                 if top.peak_bytes > capacity:
                     closest(top)
@@ -646,7 +684,7 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
     else:
         floor_ms = min(left)
         note = (f"search: NOT proven the fastest of {len(plans)} candidates: it stopped at "
-                f"max_simulations={max_simulations} (per grid) after {len(simulated)} "
+                f"{cap} (per grid) after {len(simulated)} "
                 f"simulations, with {len(left)} candidates left whose lower bounds are below "
                 f"this plan's {ms:.1f} ms; none of them can be faster than {floor_ms:.1f} ms (a "
                 f"gap of at most {(ms - floor_ms) / ms:.2%})")
