@@ -702,8 +702,8 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
     skipped: list[tuple[int, Plan]] = []  # (loss chunk, the variant's plan it would repeat)
     for chunk in _loss_chunks(source, co.loss_chunk_tokens, parts, shape):
         if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
-            if all(isinstance(c, Compiled) and _fits(c, capacity) for _, c in tried) \
-                    and not _large_logits(source, parts, shape):
+            if all(isinstance(c, _Searched) and _fits(c.finished(), capacity)
+                   for _, c in tried) and not _large_logits(source, parts, shape):
                 break
             continue
         run = list(base)
@@ -723,8 +723,9 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
                               partial(check_costs, captured=captured))
         # A smaller chunk only shrinks the tail's working set: after a variant whose search
         # no tail memory limited, it can only find the same plan, so it is not searched.
-        unlimited = [c for _, c in tried if isinstance(c, Compiled) and _fits(c, capacity)
-                     and not _memory_limited(c.plan)]
+        unlimited = [c.finished() for _, c in tried if isinstance(c, _Searched)
+                     and not tail_memory_bound(c.plan) and _fits(c.finished(), capacity)
+                     and not _memory_limited(c.finished().plan)]
         try:
             tried.append((chunk, _plan_and_split(model, captured, unit_costs, dtype, run,
                                                  options, shape, same_unless=unlimited)))
@@ -833,20 +834,41 @@ def _choose_loss_chunk(tried: list, capacity_bytes: int | None,
     (ties: the earlier, so the whole logits before chunks and larger chunks before smaller);
     when none fits, the first planned (compile() then refuses it, naming the worker), else
     the first variant's PartitionError. ``skipped``: smaller chunks not searched, each with
-    the plan of the variant whose search it would repeat."""
-    planned = [(chunk, c) for chunk, c in tried if isinstance(c, Compiled)]
+    the plan of the variant whose search it would repeat.
+
+    A variant is split and its runtime schedule lowered and proven only when it may win:
+    best first by its searched figure, which finishing can only keep or slow (one gradient
+    slot), so the variants never finished could not have won."""
+    planned = [(chunk, c) for chunk, c in tried if isinstance(c, _Searched)]
     if not planned:
         raise tried[0][1]
-    fitting = [(chunk, c) for chunk, c in planned if _fits(c, capacity_bytes)]
-    chunk, best = min(fitting or planned[:1], key=lambda t: round(t[1].plan.predicted_step_ms, 6))
+
+    def figure(c: _Searched) -> float:
+        return round((c.compiled.plan if c.compiled is not None else c.plan).predicted_step_ms, 6)
+
+    while True:
+        open_ = [(k, c) for k, c in planned
+                 if c.compiled is None or _fits(c.compiled, capacity_bytes)]
+        if not open_:  # none fits: the first, which compile() refuses naming the worker
+            chunk, best = planned[0][0], planned[0][1].finished()
+            break
+        chunk, lead = min(open_, key=lambda t: figure(t[1]))
+        if lead.compiled is not None:
+            best = lead.compiled
+            break
+        lead.finished()
     if len(tried) + len(skipped) > 1:
         def label(k):
             return "whole logits" if k is None else f"{k:,}-token chunks"
-        considered = ", ".join(
-            f"{label(k)}: " + (f"{c.plan.predicted_step_ms:.1f} ms" + ("" if _fits(
-                c, capacity_bytes) else " (does not fit)") if isinstance(c, Compiled)
-                               else "no plan fits")
-            for k, c in tried)
+
+        def said(c) -> str:
+            if not isinstance(c, _Searched):
+                return "no plan fits"
+            if c.compiled is None:
+                return f"{c.plan.predicted_step_ms:.1f} ms"
+            return f"{c.compiled.plan.predicted_step_ms:.1f} ms" + (
+                "" if _fits(c.compiled, capacity_bytes) else " (does not fit)")
+        considered = ", ".join(f"{label(k)}: {said(c)}" for k, c in tried)
         considered += "".join(
             f", {label(k)}: not searched (only the tail's working set is smaller, and no "
             f"tail memory limited the {plan.predicted_step_ms:.1f} ms plan's search)"
@@ -855,6 +877,21 @@ def _choose_loss_chunk(tried: list, capacity_bytes: int | None,
             *best.plan.notes, f"LM head + loss: {label(chunk)}, the fastest plan that fits "
             f"({considered})"))
     return best
+
+
+class _Searched:
+    """A loss-chunk variant searched (its unit profiles and plan), finished on demand:
+    split into stage programs, its runtime schedule lowered and proven (``finished()``)."""
+
+    def __init__(self, profiles: list[UnitProfile], plan: Plan,
+                 finish: Callable[[], Compiled]) -> None:
+        self.profiles, self.plan, self._finish = profiles, plan, finish
+        self.compiled: Compiled | None = None
+
+    def finished(self) -> Compiled:
+        if self.compiled is None:
+            self.compiled = self._finish()
+        return self.compiled
 
 
 class _SameSearch(Exception):
@@ -888,13 +925,14 @@ def _only_tail_smaller(profiles: Sequence[UnitProfile], other: Sequence[UnitProf
 
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options,
                     shape: tuple[int, int] | None = None, *,
-                    same_unless: Sequence[Compiled] = ()) -> Compiled:
-    """Cost, partition, split and lower ``captured`` for global batches of ``shape``.
+                    same_unless: Sequence[Compiled] = ()) -> _Searched:
+    """Partition ``captured`` for global batches of ``shape``; split and lower it when the
+    result's ``finished()`` is asked for.
     ``same_unless``: planned variants that no memory limited; when this one's unit profiles
     differ from one's only by a smaller tail working set, its search would find that one's
     plan: :class:`_SameSearch` is raised instead."""
     po = options.plan
-    gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
+    microbatches, rounds, mode = po.microbatches_per_round, po.rounds, po.mode
     hw = planning_hardware(options)
     ranks = po.ranks or 1
     order = po.updates or ("deferred" if mode == "sync" and ranks > 1 else
@@ -924,6 +962,17 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
                                _head_text(captured.loss_chunk_tokens)),
         lambda p: check_plan(p, len(captured.units)),
     )
+
+    return _Searched(profiles, plan, partial(
+        _finish, model, captured, unit_costs, dtype, history, options, hw, run, profiles, plan))
+
+
+def _finish(model, captured, unit_costs, dtype, history, options: Options, hw: Hardware,
+            run: PlanOptions, profiles: list[UnitProfile], plan: Plan) -> Compiled:
+    """Lower and prove the runtime schedule of ``plan`` (moving it to one gradient slot when
+    the schedule needs it), and split ``captured`` into its stage programs."""
+    gpus, microbatches, rounds, mode = (run.gpus, run.microbatches_per_round, run.rounds,
+                                        run.mode)
 
     def schedule_of(plan: Plan) -> tuple[Schedule, list, tuple]:
         """The schedule the runtime runs for ``plan`` (its cycle of steps, the run's update
