@@ -1,8 +1,8 @@
 """The partitioner's search caps as benchmark flags, shared by ``paper_throughput.py`` and
 ``scaling.py``. Not a benchmark itself.
 
-``--max-simulations N`` caps the partitioner's replays per search (default: its own cap,
-rpcompile.planner.partition.SIMULATION_CAPS): a capped search that stops before its proof
+``--max-simulations N`` caps the partitioner's replays per search (default: the normal
+search effort's, rpcompile.planner.partition.SEARCH_BUDGETS): a capped search that stops before its proof
 says so in the plan's notes, with the most a candidate it did not replay could be faster.
 ``--refine N`` caps the async boundary refinement's replays (default 16; 0 turns it off)."""
 

@@ -51,11 +51,11 @@ each of our plans prints its search note (proven, or the gap a capped search lef
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
+from _results import RESULTS, write_result  # beside this script
 from _search import add_search_caps, capped_partition, search_note  # beside this script
 
 from rpcompile.hardware import Hardware
@@ -85,7 +85,6 @@ REFERENCE = {
     "1f1b": (35.19, 42.08, 41.73, 34.88, 31.21),
 }
 WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ = 8, 16, 4, 2048
-RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def paper_hardware(model: PaperModel) -> Hardware:
@@ -230,9 +229,8 @@ def main() -> None:
     worst = max((abs(result[s][m] - REFERENCE[s][PAPER_MODELS.index(m)])
                  for s in REFERENCE if s in result for m in args.models), default=0.0)
 
-    args.json.parent.mkdir(parents=True, exist_ok=True)
     result["roundpipe-own-plan-qwen3-1.7b"] = {k: round(v, 2) for k, v in own.items()}
-    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    write_result(args.json, result)
     if args.png and all(s in result for s in SCHEDULES):  # "": no chart; only for all rows
         from rpcompile.viz import bar_chart
 

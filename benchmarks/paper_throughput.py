@@ -51,11 +51,11 @@ half the pinned 25), the partitioner searching on the same figures. The output a
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import time
 from pathlib import Path
 
+from _results import RESULTS, write_result  # beside this script
 from _search import add_search_caps, capped_partition  # benchmarks/_search.py, beside this
 
 from rpcompile.hardware import get_hardware, host_ram
@@ -66,7 +66,6 @@ from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
 
 HARDWARE = "rtx4090x8"
 CONFIGS = ("rpcompile", "roundpipe-partition", "1f1b", "gpipe")
-RESULTS = Path(__file__).resolve().parent / "results"
 CALIBRATION_TOKENS_PER_S = 8900.0
 # RoundPipe's measured async / sync throughput on 8x RTX 4090 (the paper), per workload.
 ROUNDPIPE_ASYNC_OVER_SYNC = dict(zip(PAPER_MODELS, (1.16, 1.29, 1.44, 1.32, 1.14)))
@@ -207,11 +206,10 @@ def main() -> None:
     print(f"calibration: RoundPipe partition on 1 RTX 4090, Qwen3-1.7B: {calib:,.0f} tokens/s "
           f"(paper: about {CALIBRATION_TOKENS_PER_S:,.0f})")
 
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
+    write_result(args.json, {
         **result, "ratios": ratios, "host-gib": host_gib, "host-ram-gib": round(ram[0] / 2**30, 1),
         "host-ram-source": ram[1], "over-host-ram": over, "host-memory": hw.host_memory,
-        "link-gbps": {"h2d": hw.link_h2d_gbps, "d2h": hw.link_d2h_gbps}}, indent=2) + "\n")
+        "link-gbps": {"h2d": hw.link_h2d_gbps, "d2h": hw.link_d2h_gbps}})
     if args.png:  # "" skips the chart (Path("") would be ".")
         from rpcompile.viz import bar_chart
 

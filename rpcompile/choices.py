@@ -30,6 +30,7 @@ __all__ = [
     "MODES",
     "RECOMPUTE_GRANULARITIES",
     "RECOMPUTE_MODES",
+    "SEARCH_EFFORTS",
     "UPDATE_ORDERS",
     "check_choice",
     "check_option",
@@ -49,6 +50,8 @@ RECOMPUTE_MODES = ("auto", "stage", "layer")
 # What a backward stage does once the planner has resolved "auto" (rpcompile.passes.cost's
 # figures, ``Stage.recompute``): a value, not an option, checked by the same rule.
 RECOMPUTE_GRANULARITIES = tuple(m for m in RECOMPUTE_MODES if m != "auto")
+# How much the partition search spends (rpcompile.planner.partition.SEARCH_BUDGETS).
+SEARCH_EFFORTS = ("normal", "high", "exhaustive")
 
 # option -> (its choices, what they mean: said after the choices when a value is refused)
 CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
@@ -60,6 +63,9 @@ CHOICES: dict[str, tuple[tuple[str, ...], str]] = {
     "device": (DEVICES, "'auto': CUDA when present, else virtual CPU workers"),
     "kernels": (KERNELS, "'auto': Triton on CUDA, the torch reference elsewhere"),
     "host_memory": (HOST_MEMORY, "the host memory transfers copy from and to"),
+    "search_effort": (SEARCH_EFFORTS, "what the partition search spends: 'normal' stops at "
+                                      "a few replays, 'high' at many, 'exhaustive' only "
+                                      "once its plan is proven the fastest"),
 }
 _HINTS = {choices: hint for choices, hint in CHOICES.values()}
 _HINTS[RECOMPUTE_GRANULARITIES] = ("a backward stage's recompute, resolved: 'auto' is the "

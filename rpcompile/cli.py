@@ -69,7 +69,7 @@ class _DefaultsFormatter(argparse.HelpFormatter):
 
 
 def _parser() -> argparse.ArgumentParser:
-    from rpcompile.choices import HOST_MEMORY, MODES, RECOMPUTE_MODES, flag_type
+    from rpcompile.choices import HOST_MEMORY, MODES, RECOMPUTE_MODES, SEARCH_EFFORTS, flag_type
 
     ap = argparse.ArgumentParser(
         prog="rpcompile",
@@ -137,10 +137,15 @@ def _parser() -> argparse.ArgumentParser:
                            "activations for one backward), layer (one layer at a time, one "
                            "more forward) or auto (stage unless that plan does not fit, "
                            "then the faster plan that fits, cut again by stage or by layer)")
+    plan.add_argument("--search-effort", default="normal", type=flag_type("search_effort"),
+                      choices=SEARCH_EFFORTS,
+                      help="what the partition search spends: normal (a few simulator "
+                           "replays, seconds), high (up to 1024 sync, 32 async) or exhaustive "
+                           "(until its plan is proven the fastest of its candidates)")
     plan.add_argument("--max-simulations", type=int, default=None, metavar="N",
-                      help="cap the partitioner's simulator replays per search (default: its "
-                           "own, 1024 sync, 32 async); a search stopped before its proof "
-                           "says so, with the most a plan it did not replay could be faster")
+                      help="cap the partitioner's simulator replays per search instead of "
+                           "the effort's; a search stopped before its proof says so, with "
+                           "the most a plan it did not replay could be faster")
     plan.add_argument("--plan-cache", default=None, metavar="DIR|off",
                       help="where searched plans are kept and found again (default: "
                            "$RPCOMPILE_CACHE_DIR, else ~/.cache/rpcompile/plans); off: search "
@@ -207,13 +212,6 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
-def _plan_cache(value: str | None) -> bool | Path:
-    """``--plan-cache``: the default place (None), off, or a folder."""
-    if value is None:
-        return True
-    return False if value.lower() in ("off", "0", "false", "no") else Path(value)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -253,6 +251,7 @@ def _plan(args: argparse.Namespace) -> int:
     import torch
 
     import rpcompile
+    from rpcompile.finetune import plan_cache_option
     from rpcompile.hardware import get_hardware
     from rpcompile.passes.lower import LOWERING_PASSES
     from rpcompile.planner.partition import memory_first_note
@@ -311,7 +310,8 @@ def _plan(args: argparse.Namespace) -> int:
                 recompute=args.recompute, shard_optimizer=args.shard_optimizer,
                 max_simulations=max_simulations, undo_journal=hw.undo_journal,
                 host_memory=hw.host_memory, progress=False if args.quiet else None,
-                plan_cache=_plan_cache(args.plan_cache),
+                plan_cache=plan_cache_option(args.plan_cache),
+                search_effort=args.search_effort,
                 host_ram_bytes=None if args.host_ram is None else host_ram(args.host_ram, hw)[0])
 
     choice = None

@@ -41,7 +41,7 @@ from rpcompile.passes.invariants import (
     check_plan,
     check_stages,
 )
-from rpcompile.passes.lower import TIGHTEST_WAITS, runtime_peaks, runtime_schedule
+from rpcompile.passes.lower import TIGHTEST_WAITS, runtime_schedule
 from rpcompile.passes.manager import PassRecord, run_pass
 from rpcompile.passes.memory import (
     HostMemory,
@@ -49,6 +49,7 @@ from rpcompile.passes.memory import (
     format_bytes,
     host_memory,
     host_ram_problem,
+    worker_peaks,
 )
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
@@ -57,6 +58,7 @@ from rpcompile.planner.partition import (
     memory_first_note,
     partition,
     retimed,
+    tail_memory_bound,
 )
 from rpcompile.runtime.reference import reference_step
 from rpcompile.runtime.trainer import planned_ranks, update_order
@@ -537,6 +539,7 @@ def compile(
     link: Any = UNSET,
     shard_optimizer: bool = UNSET,
     max_simulations: int | None = UNSET,
+    search_effort: str = UNSET,
     dynamic: bool = UNSET,
     plan_cache: Any = UNSET,
     progress: bool | None = UNSET,
@@ -561,7 +564,9 @@ def compile(
     ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
     ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
     ``schedule_steps``, ``updates``, ``recompute``, ``ranks``, ``link``,
-    ``shard_optimizer``, ``max_simulations``, ``dynamic``, ``plan_cache``, ``progress``) and ``train_options=TrainOptions(...)`` (``optimizer``, ``device``,
+    ``shard_optimizer``, ``max_simulations``, ``search_effort``, ``dynamic``,
+    ``plan_cache``, ``progress``) and ``train_options=TrainOptions(...)`` (``optimizer``,
+    ``device``,
     ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
     ``max_grad_norm``, ``timeout_s``, ``process_group``, ``host_ram_bytes``,
     ``undo_journal``, ``host_memory``). Every option is also a keyword of this function; an
@@ -587,7 +592,9 @@ def compile(
     causal LM it may be omitted: the model is captured now and planned at the first batch it
     meets, and again for a larger batch (``dynamic``; docs/compiler.md, "When the plan is
     made"). ``plan_cache``: searched plans are kept on disk and reused (``False``: off).
-    ``progress``: show what planning does (``None``: on a terminal). ``mode``:
+    ``progress``: show what planning does (``None``: on a terminal). ``search_effort``:
+    what the partition search spends, ``"normal"`` (seconds), ``"high"`` or
+    ``"exhaustive"`` (until its plan is proven the fastest). ``mode``:
     ``"sync"`` (ordinary training, the default) or ``"async"`` (the update of step k
     overlaps step k+1, one step stale). ``device``: ``"auto"`` (CUDA when present, else
     virtual CPU workers, with a warning), ``"cuda"`` or ``"virtual"``. ``timeout_s`` is the
@@ -624,7 +631,8 @@ def compile(
         capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
         loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
         process_group=process_group, shard_optimizer=shard_optimizer,
-        max_simulations=max_simulations, dynamic=dynamic, plan_cache=plan_cache,
+        max_simulations=max_simulations, search_effort=search_effort, dynamic=dynamic,
+        plan_cache=plan_cache,
         progress=progress, host_ram_bytes=host_ram_bytes,
         undo_journal=undo_journal, host_memory=host_memory,
     ).items() if v is not UNSET}
@@ -692,10 +700,11 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
     capacity = options.train.capacity_bytes
     base = list(history)
     tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
+    skipped: list[tuple[int, Plan]] = []  # (loss chunk, the variant's plan it would repeat)
     for chunk in _loss_chunks(source, co.loss_chunk_tokens, parts, shape):
         if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
-            if all(isinstance(c, Compiled) and _fits(c, capacity) for _, c in tried) \
-                    and not _large_logits(source, parts, shape):
+            if all(isinstance(c, _Searched) and _fits(c.finished(), capacity)
+                   for _, c in tried) and not _large_logits(source, parts, shape):
                 break
             continue
         run = list(base)
@@ -721,12 +730,19 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
             run_pass(run, "token-hits", token_hits, check_captured)
         unit_costs = run_pass(run, "cost", partial(annotate_costs, captured),
                               partial(check_costs, captured=captured))
+        # A smaller chunk only shrinks the tail's working set: after a variant whose search
+        # no tail memory limited, it can only find the same plan, so it is not searched.
+        unlimited = [c.finished() for _, c in tried if isinstance(c, _Searched)
+                     and not tail_memory_bound(c.plan) and _fits(c.finished(), capacity)
+                     and not _memory_limited(c.finished().plan)]
         try:
             tried.append((chunk, _plan_and_split(model, captured, unit_costs, dtype, run,
-                                                 options, shape)))
+                                                 options, shape, same_unless=unlimited)))
         except PartitionError as exc:
             tried.append((chunk, exc))
-    compiled = _choose_loss_chunk(tried, capacity)
+        except _SameSearch as same:
+            skipped.append((chunk, same.plan))
+    compiled = _choose_loss_chunk(tried, capacity, skipped)
     check_memory(compiled)
     check_host_memory(compiled, stacklevel=stacklevel + 1)
     fallback = memory_first_note(compiled.plan)
@@ -821,34 +837,111 @@ def _fits(compiled: Compiled, capacity_bytes: int | None) -> bool:
     return max(p.peak_bytes for p in compiled.memory) <= limit
 
 
-def _choose_loss_chunk(tried: list, capacity_bytes: int | None) -> Compiled:
+def _choose_loss_chunk(tried: list, capacity_bytes: int | None,
+                       skipped: Sequence[tuple[int, Plan]] = ()) -> Compiled:
     """The planned variant with the shortest predicted step among those whose schedule fits
     (ties: the earlier, so the whole logits before chunks and larger chunks before smaller);
     when none fits, the first planned (compile() then refuses it, naming the worker), else
-    the first variant's PartitionError."""
-    planned = [(chunk, c) for chunk, c in tried if isinstance(c, Compiled)]
+    the first variant's PartitionError. ``skipped``: smaller chunks not searched, each with
+    the plan of the variant whose search it would repeat.
+
+    A variant is split and its runtime schedule lowered and proven only when it may win:
+    best first by its searched figure, which finishing can only keep or slow (one gradient
+    slot), so the variants never finished could not have won."""
+    planned = [(chunk, c) for chunk, c in tried if isinstance(c, _Searched)]
     if not planned:
         raise tried[0][1]
-    fitting = [(chunk, c) for chunk, c in planned if _fits(c, capacity_bytes)]
-    chunk, best = min(fitting or planned[:1], key=lambda t: round(t[1].plan.predicted_step_ms, 6))
-    if len(tried) > 1:
+
+    def figure(c: _Searched) -> float:
+        return round((c.compiled.plan if c.compiled is not None else c.plan).predicted_step_ms, 6)
+
+    while True:
+        open_ = [(k, c) for k, c in planned
+                 if c.compiled is None or _fits(c.compiled, capacity_bytes)]
+        if not open_:  # none fits: the first, which compile() refuses naming the worker
+            chunk, best = planned[0][0], planned[0][1].finished()
+            break
+        chunk, lead = min(open_, key=lambda t: figure(t[1]))
+        if lead.compiled is not None:
+            best = lead.compiled
+            break
+        lead.finished()
+    if len(tried) + len(skipped) > 1:
         def label(k):
             return "whole logits" if k is None else f"{k:,}-token chunks"
-        considered = ", ".join(
-            f"{label(k)}: " + (f"{c.plan.predicted_step_ms:.1f} ms" + ("" if _fits(
-                c, capacity_bytes) else " (does not fit)") if isinstance(c, Compiled)
-                               else "no plan fits")
-            for k, c in tried)
+
+        def said(c) -> str:
+            if not isinstance(c, _Searched):
+                return "no plan fits"
+            if c.compiled is None:
+                return f"{c.plan.predicted_step_ms:.1f} ms"
+            return f"{c.compiled.plan.predicted_step_ms:.1f} ms" + (
+                "" if _fits(c.compiled, capacity_bytes) else " (does not fit)")
+        considered = ", ".join(f"{label(k)}: {said(c)}" for k, c in tried)
+        considered += "".join(
+            f", {label(k)}: not searched (only the tail's working set is smaller, and no "
+            f"tail memory limited the {plan.predicted_step_ms:.1f} ms plan's search)"
+            for k, plan in skipped)
         best.plan = replace(best.plan, notes=(
             *best.plan.notes, f"LM head + loss: {label(chunk)}, the fastest plan that fits "
             f"({considered})"))
     return best
 
 
+class _Searched:
+    """A loss-chunk variant searched (its unit profiles and plan), finished on demand:
+    split into stage programs, its runtime schedule lowered and proven (``finished()``)."""
+
+    def __init__(self, profiles: list[UnitProfile], plan: Plan,
+                 finish: Callable[[], Compiled]) -> None:
+        self.profiles, self.plan, self._finish = profiles, plan, finish
+        self.compiled: Compiled | None = None
+
+    def finished(self) -> Compiled:
+        if self.compiled is None:
+            self.compiled = self._finish()
+        return self.compiled
+
+
+class _SameSearch(Exception):
+    """A loss-chunk variant whose search would only repeat ``plan``'s (_plan_and_split)."""
+
+    def __init__(self, plan: Plan) -> None:
+        super().__init__(plan)
+        self.plan = plan
+
+
+def _memory_limited(plan: Plan) -> bool:
+    """Whether memory may have limited ``plan`` in a way a smaller tail working set would
+    lift: its search says so (:func:`~rpcompile.planner.partition.tail_memory_bound`), or the
+    compile moved it to one gradient slot for the runtime's schedule."""
+    return tail_memory_bound(plan) or any(n.startswith(_ONE_SLOT_NOTE) for n in plan.notes)
+
+
+_ONE_SLOT_NOTE = "memory: one gradient slot per worker"
+
+
+def _only_tail_smaller(profiles: Sequence[UnitProfile], other: Sequence[UnitProfile]) -> bool:
+    """Whether ``profiles`` equal ``other`` in everything but the tail's (the last unit's)
+    working set, which is no larger: the partitioner's inputs then differ only where memory
+    is checked."""
+    if len(profiles) != len(other) or tuple(profiles[:-1]) != tuple(other[:-1]):
+        return False
+    tail, theirs = profiles[-1], other[-1]
+    return (tail.working_bytes <= theirs.working_bytes
+            and replace(tail, working_bytes=theirs.working_bytes) == theirs)
+
+
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options,
-                    shape: tuple[int, int] | None = None) -> Compiled:
+                    shape: tuple[int, int] | None = None, *,
+                    same_unless: Sequence[Compiled] = ()) -> _Searched:
+    """Partition ``captured`` for global batches of ``shape``; split and lower it when the
+    result's ``finished()`` is asked for.
+    ``same_unless``: planned variants that no memory limited; when this one's unit profiles
+    differ from one's only by a smaller tail working set, its search would find that one's
+    plan: :class:`_SameSearch` is raised instead."""
     po = options.plan
-    gpus, microbatches, rounds, mode = po.gpus, po.microbatches_per_round, po.rounds, po.mode
+    microbatches, rounds, mode = po.microbatches_per_round, po.rounds, po.mode
     hw = planning_hardware(options)
     ranks = po.ranks or 1
     order = po.updates or ("deferred" if mode == "sync" and ranks > 1 else
@@ -865,6 +958,9 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     mb_size = largest_microbatch(sequences, microbatches * rounds)
     dtype_bytes = dtype.itemsize
     profiles = unit_profiles(captured, unit_costs, mb_size, seq, hw, dtype_bytes)
+    for other in same_unless:
+        if _only_tail_smaller(profiles, other.profiles):
+            raise _SameSearch(other.plan)
     costing = StageCosting(weight_dtype_bytes=dtype_bytes, act_dtype_bytes=dtype_bytes)
     # The plan options of the run (the update order its training options need): the
     # partitioner lowers, replays and proves each candidate as the run will be.
@@ -876,6 +972,17 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         lambda p: check_plan(p, len(captured.units)),
     )
 
+    return _Searched(profiles, plan, partial(
+        _finish, model, captured, unit_costs, dtype, history, options, hw, run, profiles, plan))
+
+
+def _finish(model, captured, unit_costs, dtype, history, options: Options, hw: Hardware,
+            run: PlanOptions, profiles: list[UnitProfile], plan: Plan) -> Compiled:
+    """Lower and prove the runtime schedule of ``plan`` (moving it to one gradient slot when
+    the schedule needs it), and split ``captured`` into its stage programs."""
+    gpus, microbatches, rounds, mode = (run.gpus, run.microbatches_per_round, run.rounds,
+                                        run.mode)
+
     def schedule_of(plan: Plan) -> tuple[Schedule, list, tuple]:
         """The schedule the runtime runs for ``plan`` (its cycle of steps, the run's update
         order), its pass records, and its proven peaks."""
@@ -884,7 +991,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         # the lowering's passes go through the same run_pass (a PassManager), their records
         # into the same history; each lowered schedule is validated always.
         lowered = runtime_schedule(plan, run, trail=trail, validate=True)
-        return lowered, trail, runtime_peaks(plan, run)
+        # runtime_peaks(plan, run), from the schedule lowered here rather than again
+        return lowered, trail, worker_peaks(lowered, plan, steps=lowered.run_steps)
 
     lowered, trail, memory = schedule_of(plan)
     fit = hw.usable_memory_bytes
@@ -898,9 +1006,8 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
         lowered, trail, memory = schedule_of(plan)
         plan = replace(retimed(plan, hw, rounds, mode),
                        worker_peak_bytes=tuple(p.peak_bytes for p in memory),
-                       notes=(*plan.notes, "memory: one gradient slot per worker (the "
-                              "runtime's schedule does not fit with two); predicted step "
-                              "replayed with it"))
+                       notes=(*plan.notes, f"{_ONE_SLOT_NOTE} (the runtime's schedule "
+                              "does not fit with two); predicted step replayed with it"))
     stages = run_pass(history, "split", lambda: split(captured, plan),
                       lambda progs: check_stages(progs, plan))
     # The schedule lowered and proven above is the one kept: compile lowers it once (twice

@@ -39,13 +39,15 @@ from rpcompile.choices import (
     KERNELS,
     MODES,
     RECOMPUTE_MODES,
+    SEARCH_EFFORTS,
     check_choice,
     check_option,
     flag_type,
 )
 from rpcompile.options import FLAT, PlanOptions
 
-__all__ = ["DEMO", "OPTIONS", "add_train_arguments", "resolve_options", "run"]
+__all__ = ["DEMO", "OPTIONS", "add_train_arguments", "plan_cache_option", "resolve_options",
+           "run"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -136,6 +138,11 @@ OPTIONS: tuple[Option, ...] = (
            str, DEVICES),
     Option("kernels", "auto", "transfer-path kernels: auto (Triton on CUDA only), torch, triton",
            str, KERNELS),
+    Option("search_effort", "normal", "what the partition search spends: normal (seconds), "
+           "high or exhaustive (until its plan is proven the fastest)", str, SEARCH_EFFORTS),
+    Option("plan_cache", None, "folder where searched plans are kept and found again (none: "
+           "$RPCOMPILE_CACHE_DIR, else ~/.cache/rpcompile/plans; off: search every time)"),
+    Option("quiet", False, "no progress lines from the compile (capture, search, cache)", bool),
     Option("chaos", None, "seed for random delays on virtual workers (tests the protocol)", int),
     Option("seed", 0, "seed of the weights built, LoRA init, eval split and data order", int),
     Option("report_to", "tensorboard", "where to log metrics besides metrics.jsonl: a comma-"
@@ -178,6 +185,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
             # An option's own choices (compile's too) are checked by its one rule.
             kind = flag_type(o.name) if o.name in CHOICES else o.type
             parser.add_argument(flag, type=kind, choices=o.choices, default=None, help=text)
+
+
+def plan_cache_option(value: str | None) -> bool | Path:
+    """``--plan-cache`` (``rpcompile train`` and ``plan``): the default folder (None), off, or
+    a folder (``PlanOptions.plan_cache``)."""
+    if value is None:
+        return True
+    return False if value.lower() in ("off", "0", "false", "no") else Path(value)
 
 
 # Keys a run folder's config.yaml may hold that an option has replaced: key -> (the option,
@@ -878,7 +893,9 @@ class _Job:
                                                   fused=True),
             max_grad_norm=opts["max_grad_norm"] or None,
             shard_optimizer=opts["shard_optimizer"], undo_journal=opts["undo_journal"],
-            host_memory=opts["host_memory"],
+            host_memory=opts["host_memory"], search_effort=opts["search_effort"],
+            plan_cache=plan_cache_option(opts["plan_cache"]),
+            progress=False if opts["quiet"] else None,
         )
         if packed and not masks_documents(compiled.capture):
             compiled.close()

@@ -178,9 +178,12 @@ class PlanOptions:
     trainable parameters (ZeRO-1 style: gradients reduced to their owners, updated shadows
     broadcast back by them); the lowered schedule says so (``Schedule.sharded``), so the
     simulator times those collectives; on one process it changes nothing (the one shard is
-    everything). ``max_simulations``: the partitioner's cap on simulator replays per search
-    (``None``: its own, rpcompile.planner.partition.SIMULATION_CAPS); a search stopped there
-    says so in the plan's notes, with the proven gap.
+    everything). ``search_effort``: what the partition search spends
+    (rpcompile.planner.partition.SEARCH_BUDGETS): ``"normal"`` (a few simulator replays and
+    a short local search: seconds), ``"high"`` (many) or ``"exhaustive"`` (no cap on replays:
+    the search ends only once its plan is proven the simulator's fastest of its candidates).
+    ``max_simulations``: a cap on simulator replays per search instead of the effort's; a
+    search stopped at its cap says so in the plan's notes, with the proven gap.
 
     ``dynamic``: the plan follows the data. A batch larger than the proven shape (more
     sequences per microbatch, or longer) is planned for anew (for the larger of the two shapes
@@ -204,6 +207,7 @@ class PlanOptions:
     link: Any = None
     shard_optimizer: bool = False
     max_simulations: int | None = None
+    search_effort: str = "normal"
     dynamic: bool = True
     plan_cache: Any = True
     progress: bool | None = None
@@ -224,6 +228,7 @@ class PlanOptions:
         check_option("mode", self.mode)
         _positive_int("chunk_bytes", self.chunk_bytes)
         _positive_int("max_simulations", self.max_simulations, optional=True)
+        check_option("search_effort", self.search_effort)
         _positive_int("schedule_steps", self.schedule_steps, optional=True)
         if self.updates is not None:
             check_option("updates", self.updates)

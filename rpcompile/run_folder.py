@@ -43,7 +43,8 @@ def _ours(name: str) -> bool:
 # same way: --microbatches is the run's). Every other option is part of the trajectory.
 MAY_CHANGE = ("steps", "epochs", "eval_every", "save_every", "keep_last", "workers", "device",
               "kernels", "chaos", "recompute", "host_memory", "undo_journal", "shard_optimizer",
-              "checkpoint_per_rank", "report_to", "merge")
+              "checkpoint_per_rank", "report_to", "merge", "search_effort", "plan_cache",
+              "quiet")
 
 
 # ---------------------------------------------------------------------------------------------

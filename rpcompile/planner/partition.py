@@ -22,11 +22,13 @@ side is cut by an exact min-max dynamic programme for every stage count.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import random
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from functools import cache
 
@@ -39,11 +41,14 @@ from rpcompile.passes.lower import BOUNDED_WAITS, TIGHTEST_WAITS
 from rpcompile.passes.memory import WorkerPeak, format_bytes, worker_peaks
 from rpcompile.passes.schedule import dispatch_period, runtime_cycle
 from rpcompile.planner.bound import simulated_lower_bound, steady_estimate
+from rpcompile.progress import StatusLine
 
 __all__ = [
     "MEMORY_FIRST_NOTE",
-    "SIMULATION_CAPS",
+    "SEARCH_BUDGETS",
+    "TAIL_MEMORY_NOTE",
     "PartitionError",
+    "SearchBudget",
     "StageCosting",
     "build_plan",
     "fit_memory_waits",
@@ -54,16 +59,52 @@ __all__ = [
     "proof_steps",
     "proven_peaks",
     "retimed",
+    "tail_memory_bound",
 ]
 
 
-# Default caps on simulator replays per search (``partition(max_simulations=None)``). A sync
-# replay is one step and its lower bound is within a few percent, so a search usually ends
-# proven well before the cap. An async replay is a dozen overlapping steps, 10-20 times a
-# sync one; its bound is one step's compute over the workers, within the steady bubble (a
-# few percent) of the replay, and the golden models have dozens of candidates within that of
-# the best, so the search usually stops at its cap and the plan's notes give the (proven) gap.
-SIMULATION_CAPS = {"sync": 1024, "async": 32}
+@dataclass(frozen=True)
+class SearchBudget:
+    """What one partition search may spend per grid: simulator replays in each mode (None:
+    no cap, the search runs until its plan is proven), and beyond them more replays while
+    the computes replayed (a candidate's jobs x microbatches x steps replayed) stay under
+    ``replay_computes``, so a small model, whose replays are cheap, is searched further; and
+    plans the local search scores."""
+
+    replays: dict[str, int | None]
+    replay_computes: int
+    local_search: int
+
+
+# What each search effort spends (PlanOptions.search_effort). A sync replay is one step; an
+# async replay a dozen overlapping steps, 10-20 times a sync one. The replays go in the order
+# of their lower bounds, and on the paper workloads the bound sits a near-constant 1-5 %
+# below the replay, so the fastest candidate comes among the first few: "normal" stops there
+# (seconds, within 1 % of an exhaustive search's plan on them, benchmarks/compile_time.py),
+# and the plan's notes give the proven gap to any candidate left. A tiny model's bound is
+# looser, but its replays cost next to nothing: the compute budget lets its search go on,
+# usually to its proof. "exhaustive" runs until every candidate left is proven no faster.
+SEARCH_BUDGETS: dict[str, SearchBudget] = {
+    "normal": SearchBudget({"sync": 8, "async": 8}, 12_000, 400),
+    "high": SearchBudget({"sync": 1024, "async": 32}, 0, 2000),
+    "exhaustive": SearchBudget({"sync": None, "async": None}, 0, 2000),
+}
+
+
+@dataclass(frozen=True)
+class _ReplayCap:
+    """A search's replays per grid: at least ``replays``, then more while fewer than
+    ``computes`` computes were replayed; ``said``: how the plan's notes name the cap."""
+
+    replays: int
+    computes: int = 0
+    said: str = ""
+
+    def reached(self, replays: int, computes: int) -> bool:
+        return replays >= self.replays and computes >= self.computes
+
+    def __str__(self) -> str:
+        return self.said or f"max_simulations={self.replays}"
 
 
 class PartitionError(RPCompileError, ValueError):
@@ -102,7 +143,7 @@ def partition(
     optimizer: str | None = None,
     refine: int = 16,
     target_bubble: float = 0.01,
-    search: int = 2000,
+    search: int | None = None,
     recompute: str | None = None,
     capacity_bytes: int | None = None,
     updates: str | None = None,
@@ -114,7 +155,8 @@ def partition(
 
     **Options.** The plan options come as the group, ``options=PlanOptions(...)`` (what
     :func:`rpcompile.compile` passes: ``gpus`` are the workers, ``microbatches_per_round``,
-    ``rounds``, ``mode`` the optimizer, ``recompute``, ``updates``, ``max_simulations``;
+    ``rounds``, ``mode`` the optimizer, ``recompute``, ``updates``, ``max_simulations``,
+    ``search_effort``, ``progress``;
     ``hardware`` is not read from it: the ``hardware`` argument is the profile the plan is
     timed on, for ``compile`` its planning hardware), or, as scripts written before the group
     do, as loose keywords: ``workers`` and ``microbatches`` (then required), ``rounds``
@@ -130,13 +172,16 @@ def partition(
     up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are
     cut exactly (min-max per stage count; all of them, or per grid the ``shortlist`` first by a
     cheap pre-order), joined by a local search scored by the simulator's lower bound
-    (:func:`~rpcompile.planner.bound.simulated_lower_bound`, ``search`` plans per grid), and
+    (:func:`~rpcompile.planner.bound.simulated_lower_bound`, ``search`` plans per grid,
+    default the effort's :data:`SEARCH_BUDGETS`), and
     replayed in the simulator best first: each candidate has a
     proven lower bound on its simulated figure (rpcompile.planner.bound), and the search stops
     once every candidate not replayed has a bound at least the best simulated figure, so the
     plan is the simulator's fastest of all candidates. At most ``max_simulations`` replays
-    (default :data:`SIMULATION_CAPS` of the mode); a search stopped there says so in the plan's
-    notes, with the proven gap. With ``optimizer="async"`` the plan
+    per grid (default: the ``search_effort``'s, :data:`SEARCH_BUDGETS`); a search stopped
+    there says so in the plan's notes, with the proven gap. While it runs, a status line
+    (rpcompile.progress, on a terminal unless ``progress=False``) counts the replays and shows
+    the best figure and the next bound. With ``optimizer="async"`` the plan
     minimises the steady-state time per step; with ``"sync"`` it minimises one step's
     makespan (fill and drain included). When units are blocks of layers (``UnitProfile.group``)
     candidates are cut both between any units and between whole layers only. In async mode
@@ -180,7 +225,16 @@ def partition(
     updates = po.updates or ("deferred" if optimizer == "sync" and (
         grad_check_passes or (po.ranks or 1) > 1) else "overlap")
     check_update_order(optimizer, updates, ())  # async has one order
-    max_simulations = po.max_simulations or SIMULATION_CAPS[optimizer]
+    budget = SEARCH_BUDGETS[po.search_effort]
+    if po.max_simulations is not None:
+        max_simulations = _ReplayCap(po.max_simulations)
+    else:
+        max_simulations = _ReplayCap(
+            budget.replays[optimizer] or _NO_CAP, budget.replay_computes,
+            f"search_effort={po.search_effort!r}: {budget.replays[optimizer]} replays"
+            + (f", then more up to {budget.replay_computes:,} computes replayed"
+               if budget.replay_computes else ""))
+    search = budget.local_search if search is None else search
     # Every candidate is lowered, replayed and proven as the run will be.
     lowering = {"updates": updates, "grad_check_passes": grad_check_passes}
     hw = get_hardware(hardware)
@@ -193,6 +247,40 @@ def partition(
     fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
     args = (units, hw, workers, microbatches, microbatch_size, seq_len, rounds, max_tail_layers,
             shortlist, max_simulations, optimizer, refine, target_bubble, search, lowering)
+    log = _SearchLog(StatusLine("rpcompile: search", po.progress, unit=" replays"))
+    token = _SEARCH_LOG.set(log)
+    try:
+        plan = _recompute_choice(args, costing, recompute, capacity, fit)
+    finally:
+        _SEARCH_LOG.reset(token)
+        log.status.close()
+    if log.tail_memory:
+        plan = replace(plan, notes=(*plan.notes, TAIL_MEMORY_NOTE))
+    return plan
+
+
+# The note of a plan whose search had a candidate ruled out or slowed by the fused tail's
+# working set (the LM head and loss, what a smaller loss chunk shrinks); without it, a
+# variant of the units that differs only by a smaller tail working set has the same plan.
+TAIL_MEMORY_NOTE = ("memory: the tail's working set ruled out or slowed candidates (a "
+                    "smaller loss chunk may give a faster plan)")
+
+
+def tail_memory_bound(plan: Plan) -> bool:
+    """Whether ``plan``'s search was limited by the fused tail's working set anywhere
+    (:data:`TAIL_MEMORY_NOTE`), or by memory in a way it does not track per unit (a
+    memory-first fallback, a recompute granularity chosen for memory): then a smaller tail
+    working set may give a faster plan."""
+    return any(n == TAIL_MEMORY_NOTE or n.startswith((MEMORY_FIRST_NOTE, "recompute:"))
+               for n in plan.notes)
+
+
+def _recompute_choice(args, costing: StageCosting, recompute: str, capacity: int,
+                      fit: int) -> Plan:
+    """The plan of the recompute granularity asked for, or (``"auto"``) the stage-recompute
+    plan when it fits ``fit``, else the faster of the plans cut again by stage and by layer
+    under ``fit``."""
+    hw, rounds, optimizer = args[1], args[6], args[10]
     if recompute != "auto":
         return _fitting_plan(*args, replace(costing, recompute=recompute), capacity)
     try:
@@ -324,6 +412,38 @@ def _first_misfit(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
     return f"its schedule peaks at {top.describe(plan.stage_name)}"
 
 
+_NO_CAP = 1 << 62  # replays per grid of an uncapped search
+
+
+class _SearchLog:
+    """What one partition search did, beyond its plan: whether the tail's working set (the
+    LM head and loss: what a smaller loss chunk shrinks) ruled out or slowed a candidate, and
+    a status line of its replays (rpcompile.progress)."""
+
+    def __init__(self, status: StatusLine | None = None) -> None:
+        self.tail_memory = False
+        self.status = status
+        self.replays = 0
+
+    def replayed(self, best: float, bound: float) -> None:
+        self.replays += 1
+        if self.status is not None:
+            shown = f"best {best:,.1f} ms, " if best < float("inf") else ""
+            self.status.update(f"{self.replays} candidates replayed, {shown}"
+                               f"next bound {bound:,.1f} ms")
+
+
+# The search under way in this thread (its _SearchLog), read where a finding is made.
+_SEARCH_LOG: ContextVar[_SearchLog | None] = ContextVar("rpcompile_search_log", default=None)
+
+
+def _tail_at_peak(peaks: Sequence[WorkerPeak], capacity: int) -> bool:
+    """Whether a worker over ``capacity`` peaks during a tail compute (the fused tail's
+    working set is then part of the peak, and a smaller loss chunk lowers it)."""
+    return any(p.peak_bytes > capacity and p.action is not None and p.action.kind == "T"
+               for p in peaks)
+
+
 class _NoPlanFits(Exception):
     def __init__(self, overshoot: int, peak) -> None:
         super().__init__(overshoot)
@@ -352,6 +472,8 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
         starts = None if grid is None else [i for i in grid if i < t]
         tail_mem = _stage_memory(units, tuple(range(t, n)), "tail", costing)
         if tail_mem > limit:
+            if (log := _SEARCH_LOG.get()) is not None:
+                log.tail_memory = True
             continue
         fwd_cost = [u.forward_ms for u in units[:t]]
         # By layer, every unit but a stage's last runs forward once more (the cut's cost here
@@ -387,10 +509,12 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
             f"must fit in {format_bytes(limit)}; lower the microbatch size or sequence length"
         )
 
+    figures = _StageFigures(units, costing)
+
     def make(f_bounds, b_bounds, t, notes=()) -> Plan:  # timed by the bound of ``optimizer``
-        return replace(build_plan(units, f_bounds, b_bounds, t, hw, workers, microbatches,
-                                  microbatch_size, seq_len, rounds, costing, notes=notes,
-                                  optimizer=optimizer), **lowering)
+        return replace(figures.plan(f_bounds, b_bounds, t, hw, workers, microbatches,
+                                    microbatch_size, seq_len, rounds, notes, optimizer),
+                       **lowering)
 
     def predicted(plan: Plan) -> float:
         return round(plan.predicted_step_ms, 6)
@@ -432,7 +556,7 @@ def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, round
 
 
 def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
-                    optimizer: str, capacity: int, max_simulations: int,
+                    optimizer: str, capacity: int, max_simulations: int | _ReplayCap,
                     firsts: Sequence[Sequence[Plan]] = (),
                     ) -> tuple[Plan, str, float]:
     """(the plan with the shortest simulated figure among the candidates of ``pools`` whose
@@ -444,14 +568,20 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
     bounds another run). Each pool (a grid's candidates) is walked in increasing order of that
     bound (async: of :func:`~rpcompile.planner.bound.steady_estimate`, which ranks
     overlapping steady states far better than their bound does); a candidate already
-    simulated, or whose bound is at least the best simulated figure so far (of any pool), is
-    skipped. When every
-    candidate left has such a bound, the plan is the simulator's argmin over all candidates.
-    A pool stops after ``max_simulations`` replays of its own (so a coarser grid's candidates
-    are replayed as far as they would be alone), and the note then gives the proven gap: no
-    candidate left can be faster than the smallest bound among them. ``predicted_step_ms``
-    of the plan returned is its simulated figure. Raises :class:`_NoPlanFits` when no
-    simulated candidate fits.
+    simulated, or whose bound is at least the best figure so far (of any pool), is skipped.
+    When every candidate left has such a bound, the plan is the simulator's argmin over all
+    candidates. A pool stops after ``max_simulations`` replays of its own (or once a
+    :class:`_ReplayCap` is reached) (so a coarser
+    grid's candidates are replayed as far as they would be alone), and the note then gives
+    the proven gap: no candidate left can be faster than the smallest bound among them.
+    ``predicted_step_ms`` of the plan returned is its simulated figure. Raises
+    :class:`_NoPlanFits` when no simulated candidate fits.
+
+    A sync candidate is timed and screened on one step; its proof over the runtime's steps
+    (:func:`_sync_period_proof`), which may only slow it (one gradient slot) or rule it out,
+    is the costly part, so it waits until the candidate is the best of all screened ones.
+    The walk meanwhile prunes by the best screened figure; when a proof slows or rules out
+    that candidate, the walk goes again from the next best, so no candidate is lost.
 
     ``firsts`` (per pool, candidates of that pool) are replayed before the pool's walk and
     outside its cap, unless a bound already rules them out: the partitioner gives each
@@ -478,36 +608,69 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
     def first(i: int) -> tuple:
         return round(keys[i], 6), i
 
-    best: tuple[float, float, tuple, Plan] | None = None  # (ms, bubble, peaks, plan)
+    log = _SEARCH_LOG.get()
+    best: tuple[float, float, tuple, Plan] | None = None  # proven: (ms, bubble, peaks, plan)
+    screened: list[tuple[float, int, tuple]] = []  # sync, not yet proven: a heap by figure
     misfit: tuple[int, object] | None = None  # (overshoot, worst peak) of the closest misfit
     simulated: set[int] = set()
-    stopped: set[int] = set()  # candidates a pool stopped before (neither simulated nor pruned)
+    stopped: set[int] = set()  # candidates a pool's cap stopped before
+    orders, forced, spent, work = [], [], [0] * len(members), [0] * len(members)
+    cap = max_simulations if isinstance(max_simulations, _ReplayCap) else \
+        _ReplayCap(max_simulations)
+
+    def computes(plan: Plan) -> int:  # what a replay of ``plan`` runs
+        from rpcompile.sim import steady_steps
+
+        steps = 1 if optimizer == "sync" else steady_steps(plan, rounds=rounds)
+        return len(plan.stages) * rounds * plan.microbatches * steps
     for g, mine in enumerate(members):
-        forced = [index[_bounds(p)] for p in (firsts[g] if g < len(firsts) else ())]
-        order = forced + sorted(mine, key=first)
-        spent = 0
-        for n, i in enumerate(order):
-            if i in simulated or (best is not None and bounds[i] >= best[0]):
-                continue  # replayed already, or proven no faster than the best so far
-            if n >= len(forced) and spent >= max_simulations:
-                stopped.update(order[n:])
-                break
-            (ms, bubble, peaks), ran = _simulated_ms(plans[i], hw, rounds, optimizer, capacity)
-            simulated.add(i)
-            spent += n >= len(forced)
-            top = max(peaks, key=lambda p: p.peak_bytes)
-            if top.peak_bytes <= capacity and optimizer == "sync" and (
-                    best is None or round(ms, 6) < round(best[0], 6)):
-                # It would be kept: prove it over the runtime's steps (one was screened).
-                (ms, bubble, peaks), ran = _sync_period_proof(ms, bubble, ran, hw, rounds,
-                                                              capacity)
+        forced.append([index[_bounds(p)] for p in (firsts[g] if g < len(firsts) else ())])
+        orders.append(forced[g] + sorted(mine, key=first))
+
+    def floor() -> float:  # the figure a candidate must beat to be worth a replay
+        ms = best[0] if best is not None else float("inf")
+        return min(ms, screened[0][0]) if screened else ms
+
+    def closest(top) -> None:
+        nonlocal misfit
+        if misfit is None or top.peak_bytes - capacity < misfit[0]:
+            misfit = (top.peak_bytes - capacity, top)
+
+    while True:
+        for g, order in enumerate(orders):
+            for n, i in enumerate(order):
+                if i in simulated or bounds[i] >= floor():
+                    continue  # replayed already, or proven no faster than the best so far
+                if n >= len(forced[g]) and cap.reached(spent[g], work[g]):
+                    stopped.add(i)
+                    continue
+                (ms, bubble, peaks), ran = _simulated_ms(plans[i], hw, rounds, optimizer,
+                                                         capacity)
+                simulated.add(i)
+                if n >= len(forced[g]):
+                    spent[g] += 1
+                    work[g] += computes(plans[i])
                 top = max(peaks, key=lambda p: p.peak_bytes)
-            if top.peak_bytes > capacity:
-                if misfit is None or top.peak_bytes - capacity < misfit[0]:
-                    misfit = (top.peak_bytes - capacity, top)
-                continue
-            if best is None or round(ms, 6) < round(best[0], 6):
-                best = (ms, bubble, peaks, ran)
+                if top.peak_bytes > capacity:
+                    closest(top)
+                elif optimizer == "sync":
+                    heapq.heappush(screened, (round(ms, 6), len(simulated),
+                                              ((ms, bubble, peaks), ran)))
+                elif best is None or round(ms, 6) < round(best[0], 6):
+                    best = (ms, bubble, peaks, ran)
+                if log is not None:
+                    log.replayed(floor(), min(bounds[j] for j in order[n:]))
+        if not screened or (best is not None and screened[0][0] >= round(best[0], 6)):
+            break
+        # The best screened sync candidate: prove it over the runtime's steps (one step was
+        # screened), then walk again, in case the proof slowed it or ruled it out.
+        _key, i, ((ms, bubble, _peaks), ran) = heapq.heappop(screened)
+        (ms, bubble, peaks), ran = _sync_period_proof(ms, bubble, ran, hw, rounds, capacity)
+        top = max(peaks, key=lambda p: p.peak_bytes)
+        if top.peak_bytes > capacity:
+            closest(top)
+        elif best is None or round(ms, 6) < round(best[0], 6):
+            best = (ms, bubble, peaks, ran)
     if best is None:
         if misfit is None:  # cannot happen: at least one candidate is simulated
             raise PartitionError("no candidate plan to simulate")
@@ -520,12 +683,12 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
                 f"{len(simulated)} simulated, the other {len(plans) - len(simulated)} proven no "
                 "faster by their lower bounds")
     else:
-        floor = min(left)
+        floor_ms = min(left)
         note = (f"search: NOT proven the fastest of {len(plans)} candidates: it stopped at "
-                f"max_simulations={max_simulations} (per grid) after {len(simulated)} "
+                f"{cap} (per grid) after {len(simulated)} "
                 f"simulations, with {len(left)} candidates left whose lower bounds are below "
-                f"this plan's {ms:.1f} ms; none of them can be faster than {floor:.1f} ms (a "
-                f"gap of at most {(ms - floor) / ms:.2%})")
+                f"this plan's {ms:.1f} ms; none of them can be faster than {floor_ms:.1f} ms (a "
+                f"gap of at most {(ms - floor_ms) / ms:.2%})")
     plan = replace(plan, predicted_step_ms=ms, worker_peak_bytes=tuple(p.peak_bytes for p in peaks))
     return plan, note, bubble
 
@@ -663,6 +826,7 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
         steps = (proof_steps(plan, rounds) if optimizer == "sync"
                  else steady_steps(plan, rounds=rounds))
     period = dispatch_period(len(plan.stages) * rounds, plan.workers)
+    log = _SEARCH_LOG.get()
     for waits in WAIT_SETS:
         plan = replace(plan, memory_waits=waits)
         lowered = proof_schedule(plan, rounds, optimizer, steps)
@@ -676,6 +840,8 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
             peaks = proven_peaks(plan, rounds, optimizer)
         if max(p.peak_bytes for p in peaks) <= capacity:
             break
+        if log is not None and _tail_at_peak(peaks, capacity):
+            log.tail_memory = True
     return plan, lowered, peaks
 
 
@@ -696,19 +862,30 @@ def _simulated_ms(plan: Plan, hw: Hardware, rounds: int, optimizer: str, capacit
         hit = _REPLAYS.get(key)
         if hit is not None:
             _REPLAYS.move_to_end(key)
+    log = _SEARCH_LOG.get()
     if hit is None:
-        with paused_gc():  # the lowering allocates as much as the replay (rpcompile.sim.engine)
-            # sync: one step, timed, and its proof (the search's check; see _runtime_peaks)
-            ran, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity,
-                                                   steps=1 if optimizer == "sync" else None)
-            # sync: one step's makespan; async: the steady-state step (and their bubbles)
-            ms, bubble = search_figures(lowered, ran, hw)
-        hit = ((ms, bubble, peaks), ran.memory_waits)
+        token = _SEARCH_LOG.set(_SearchLog())  # this replay's own finding, kept with it
+        try:
+            with paused_gc():  # the lowering allocates as much as the replay (sim.engine)
+                # sync: one step, timed, and its proof (the search's check; _runtime_peaks)
+                ran, lowered, peaks = fit_memory_waits(plan, hw, rounds, optimizer, capacity,
+                                                       steps=1 if optimizer == "sync" else None)
+                # sync: one step's makespan; async: the steady-state step (and their
+                # bubbles). A plan that does not fit is ruled out whatever its figure.
+                ms, bubble = (search_figures(lowered, ran, hw)
+                              if max(p.peak_bytes for p in peaks) <= capacity
+                              else (float("inf"), 1.0))
+            tail_memory = _SEARCH_LOG.get().tail_memory
+        finally:
+            _SEARCH_LOG.reset(token)
+        hit = ((ms, bubble, peaks), ran.memory_waits, tail_memory)
         with _REPLAYS_LOCK:
             _REPLAYS[key] = hit
             while len(_REPLAYS) > _REPLAYS_KEPT:
                 _REPLAYS.popitem(last=False)
-    figures, waits = hit
+    figures, waits, tail_memory = hit
+    if log is not None and tail_memory:
+        log.tail_memory = True
     return figures, replace(plan, memory_waits=waits)
 
 
@@ -722,12 +899,17 @@ def _sync_period_proof(ms: float, bubble: float, ran: Plan, hw: Hardware, rounds
     peaks = _runtime_peaks(ran, hw, rounds, "sync", capacity)
     later = WAIT_SETS[WAIT_SETS.index(ran.memory_waits) + 1:] \
         if ran.memory_waits in WAIT_SETS else ()
+    log = _SEARCH_LOG.get()
     for waits in later:
         if max(p.peak_bytes for p in peaks) <= capacity:
             break
+        if log is not None and _tail_at_peak(peaks, capacity):
+            log.tail_memory = True
         ran = replace(ran, memory_waits=waits)
         ms, bubble = _replayed(ran, hw, rounds, "sync")
         peaks = _runtime_peaks(ran, hw, rounds, "sync", capacity)
+    if log is not None and _tail_at_peak(peaks, capacity):
+        log.tail_memory = True
     return (ms, bubble, peaks), ran
 
 
@@ -933,17 +1115,49 @@ def build_plan(
     replay either way: the partitioner writes in the simulated figure of the plan it
     returns."""
     hw = get_hardware(hardware)
-    costing = costing or StageCosting()
-    units = tuple(units)
-    n = len(units)
-    fwd_ranges = _ranges(forward_bounds, tail_start)
-    bwd_ranges = list(reversed(_ranges(backward_bounds, tail_start)))
-    specs = [("forward", r) for r in fwd_ranges] + [("tail", tuple(range(tail_start, n)))]
-    specs += [("backward", r) for r in bwd_ranges]
-    stages = tuple(
-        _make_stage(i, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges)
-        for i, (kind, r) in enumerate(specs)
-    )
+    return _StageFigures(units, costing or StageCosting()).plan(
+        forward_bounds, backward_bounds, tail_start, hw, workers, microbatches,
+        microbatch_size, seq_len, rounds, notes, optimizer)
+
+
+class _StageFigures:
+    """Stage figures of one model's units under one costing, each worked out once: the
+    search builds thousands of plans from a few hundred distinct stages. A stage is the same
+    whatever plan holds it, but for its index and, for a forward stage, the backward
+    boundaries inside it (the recompute inputs it saves)."""
+
+    def __init__(self, units: Sequence[UnitProfile], costing: StageCosting) -> None:
+        self.units, self.costing = tuple(units), costing
+        self._stages: dict[tuple, Stage] = {}
+
+    def stage(self, index: int, kind: str, r: tuple[int, ...], tail_start: int,
+              bwd_ranges: Sequence[tuple[int, ...]]) -> Stage:
+        saved = tuple(b[0] for b in bwd_ranges if r[0] < b[0] <= r[-1]) \
+            if kind == "forward" else ()
+        key = (kind, r[0], r[-1], saved)
+        made = self._stages.get(key)
+        if made is None:
+            made = _make_stage(0, kind, r, self.units, self.costing, tail_start, (),
+                               [(b,) for b in saved])
+            self._stages[key] = made
+        return made if index == 0 else replace(made, index=index)
+
+    def plan(self, forward_bounds, backward_bounds, tail_start, hw, workers, microbatches,
+             microbatch_size, seq_len, rounds, notes, optimizer) -> Plan:
+        units = self.units
+        n = len(units)
+        fwd_ranges = _ranges(forward_bounds, tail_start)
+        bwd_ranges = list(reversed(_ranges(backward_bounds, tail_start)))
+        specs = [("forward", r) for r in fwd_ranges] + [("tail", tuple(range(tail_start, n)))]
+        specs += [("backward", r) for r in bwd_ranges]
+        stages = tuple(self.stage(i, kind, r, tail_start, bwd_ranges)
+                       for i, (kind, r) in enumerate(specs))
+        return _timed_plan(units, stages, hw, workers, microbatches, microbatch_size,
+                           seq_len, rounds, notes, optimizer)
+
+
+def _timed_plan(units, stages, hw, workers, microbatches, microbatch_size, seq_len, rounds,
+                notes, optimizer) -> Plan:
     plan = Plan(
         units=units, stages=stages, workers=workers, microbatches=microbatches,
         microbatch_size=microbatch_size, seq_len=seq_len, hardware=hw.name,
