@@ -1,7 +1,7 @@
 """The folders show the flow: every import (function-level ones included) runs down the layers,
 and no module reaches itself through its imports.
 
-    base      ir, choices, options, hardware, _draw   (the data everyone reads)
+    base      ir, errors, choices, options, hardware, _draw   (the data everyone reads)
     capture   capture/                          (model + batch -> loss graph)
     passes    passes/                           (pure graph and schedule passes)
     sim       sim/                              (times a lowered schedule)
@@ -21,8 +21,8 @@ from pathlib import Path
 PKG = Path(__file__).resolve().parent.parent / "rpcompile"
 
 LAYERS = [
-    ("base", ["rpcompile.ir", "rpcompile.choices", "rpcompile.options", "rpcompile.hardware",
-              "rpcompile._draw"]),
+    ("base", ["rpcompile.ir", "rpcompile.errors", "rpcompile.choices", "rpcompile.options",
+              "rpcompile.hardware", "rpcompile._draw"]),
     ("capture", ["rpcompile.capture"]),
     ("passes", ["rpcompile.passes"]),
     ("sim", ["rpcompile.sim"]),
