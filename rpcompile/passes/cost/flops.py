@@ -1,5 +1,8 @@
 """FLOP formulas of the matmul-class ops (what FlopCounterMode counts), per op: the forward
-and each argument's own gradient, and the ops autograd never differentiates."""
+and each argument's own gradient, and the ops autograd never differentiates.
+
+Each formula: (arg shapes, non-tensor args, out shape, node) -> (forward, [grad per arg]).
+"""
 
 from __future__ import annotations
 
