@@ -18,8 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import rpcompile
-from rpcompile.runtime import checkpoint
-from rpcompile.runtime.checkpoint import CheckpointManager
+from rpcompile.runtime.checkpoint import CheckpointManager, writing
 from tests.tiny_models import hf_model, token_batch
 
 
@@ -48,14 +47,14 @@ def main() -> None:
         if latest is not None:
             start = compiled.load_checkpoint(latest)["next_step"]
     if args.kill_in_write >= 0:
-        original = checkpoint._fsync_and_hash
+        original = writing._fsync_and_hash
 
         def killing(path):
             if compiled.trainer().steps_done == args.kill_in_write:
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(path)
 
-        checkpoint._fsync_and_hash = killing
+        writing._fsync_and_hash = killing
     with open(root / "losses.txt", "a") as log:
         for step in range(start, args.steps):
             loss = compiled.step(token_batch(6, seed=100 + step))

@@ -307,13 +307,13 @@ def test_a_partial_per_rank_load_checks_the_masters_of_the_files_it_skips(monkey
     """A sharded rank reads only the files holding its own parameters, but the masters every
     file lists are checked against the model first: a parameter this model lacks is refused
     (strict) and a trainable parameter no file holds always is, before any file is read."""
-    from rpcompile.runtime import checkpoint
+    from rpcompile.runtime.checkpoint import reading
     from rpcompile.runtime.memory import HostStore
 
     a, b, c = (torch.nn.Parameter(torch.randn(n)) for n in (6, 2, 4))
     store = HostStore.build([[("a", a), ("b", b)], [("c", c)]])
     read: list = []
-    monkeypatch.setattr(checkpoint, "_read_tensors",
+    monkeypatch.setattr(reading, "_read_tensors",
                         lambda folder, manifest, name: read.append(name) or {})
 
     def manifest(*lists):
@@ -322,12 +322,12 @@ def test_a_partial_per_rank_load_checks_the_masters_of_the_files_it_skips(monkey
                            for r, m in enumerate(lists)]}
 
     with pytest.raises(CheckpointError, match=r"\(\['z'\]\): pass strict=False") as info:
-        checkpoint._rebuild_shards(tmp_path, manifest(["a"], ["b", "c", "z"]), store, {"a"})
+        reading._rebuild_shards(tmp_path, manifest(["a"], ["b", "c", "z"]), store, {"a"})
     assert info.value.key == "masters" and read == []
     for strict in (True, False):
         with pytest.raises(CheckpointError, match=r"lacks the masters of 1 .*\['c'\]"):
-            checkpoint._rebuild_shards(tmp_path, manifest(["a"], ["b"]), store, {"a"},
-                                       strict=strict)
+            reading._rebuild_shards(tmp_path, manifest(["a"], ["b"]), store, {"a"},
+                                    strict=strict)
         assert read == []
 
 

@@ -208,22 +208,22 @@ class _files_read:
     """The per-rank checkpoint files read (and checked) inside the block, by file name."""
 
     def __enter__(self) -> list:
-        from rpcompile.runtime import checkpoint
+        from rpcompile.runtime.checkpoint import reading
 
-        self.original = checkpoint._read_tensors
+        self.original = reading._read_tensors
         self.names: list = []
 
-        def reading(folder, manifest, name=checkpoint.TENSORS):
+        def recorded(folder, manifest, name=reading.TENSORS):
             self.names.append(name)
             return self.original(folder, manifest, name)
 
-        checkpoint._read_tensors = reading
+        reading._read_tensors = recorded
         return self.names
 
     def __exit__(self, *exc) -> None:
-        from rpcompile.runtime import checkpoint
+        from rpcompile.runtime.checkpoint import reading
 
-        checkpoint._read_tensors = self.original
+        reading._read_tensors = self.original
 
 
 def _held_bytes(trainer) -> dict:
@@ -536,7 +536,7 @@ def _checkpoint_case(name: str, options: dict, rank: int, root, batches) -> dict
 
     import torch.distributed as dist
 
-    from rpcompile.runtime import checkpoint
+    from rpcompile.runtime.checkpoint import reading, writing
 
     compiled = _compile("qwen3", rank, batches[0], **options)
     trainer = compiled.trainer()
@@ -548,13 +548,13 @@ def _checkpoint_case(name: str, options: dict, rank: int, root, batches) -> dict
 
     step1 = owned()
     # Rank 0's write fails (after every rank's state was taken and, sharded, gathered).
-    original = checkpoint._fsync_and_hash
+    original = writing._fsync_and_hash
     if rank == 0:
         def full_disk(path):
             raise OSError(28, "injected: no space left on device")
-        checkpoint._fsync_and_hash = full_disk
+        writing._fsync_and_hash = full_disk
     r["write"] = _outcome(trainer.save_checkpoint, root / f"{name}-failed")
-    checkpoint._fsync_and_hash = original
+    writing._fsync_and_hash = original
     good = trainer.save_checkpoint(root / f"{name}-good")
     per_rank = root / f"{name}-per-rank"
     if trainer.sharded:
@@ -562,10 +562,10 @@ def _checkpoint_case(name: str, options: dict, rank: int, root, batches) -> dict
         if rank == 1:
             def full_disk_on_one(path):
                 raise OSError(28, "injected: no space left on rank 1's disk")
-            checkpoint._fsync_and_hash = full_disk_on_one
+            writing._fsync_and_hash = full_disk_on_one
         r["per_rank_write"] = _outcome(functools.partial(
             trainer.save_checkpoint, root / f"{name}-per-rank-failed", per_rank=True))
-        checkpoint._fsync_and_hash = original
+        writing._fsync_and_hash = original
         trainer.save_checkpoint(per_rank, per_rank=True)
         r["step1_all"] = trainer.gather_masters()
     else:
@@ -584,13 +584,13 @@ def _checkpoint_case(name: str, options: dict, rank: int, root, batches) -> dict
     # Rank 1 reads the corrupt copy (a CheckpointError there), rank 0 the good one.
     r["corrupt"] = _outcome(trainer.load_checkpoint, good if rank == 0 else corrupt)
     # Rank 0 fails with an error that is not a ValueError, before any agreement.
-    original_read = checkpoint.read_manifest
+    original_read = reading.read_manifest
     if rank == 0:
         def unreadable(path):
             raise PermissionError(13, "injected: permission denied", str(path))
-        checkpoint.read_manifest = unreadable
+        reading.read_manifest = unreadable
     r["unreadable"] = _outcome(trainer.load_checkpoint, good)
-    checkpoint.read_manifest = original_read
+    reading.read_manifest = original_read
     # Two valid checkpoints, one on each rank: the digests differ.
     r["different"] = _outcome(trainer.load_checkpoint, good if rank == 0 else later)
     r["unchanged"] = _max_diff(owned(), step2)
@@ -679,6 +679,7 @@ def _announce_rank(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from rpcompile.runtime import checkpoint
+    from rpcompile.runtime.checkpoint import reading
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
@@ -718,13 +719,13 @@ def _announce_rank(rank: int, world: int, port: int, out: str) -> None:
     compiled.close()
     # 2. replicated: a KeyboardInterrupt in rank 1's reading of a checkpoint.
     compiled = _compile("qwen3", rank, batches[0], process_group=groups[1], timeout_s=60)
-    prepare = checkpoint.prepare
+    prepare = reading.prepare
     if rank == 1:
         def interrupted(*args, **kwargs):
             raise KeyboardInterrupt
-        checkpoint.prepare = interrupted
+        reading.prepare = interrupted
     result["interrupted_load"] = caught(compiled.load_checkpoint, root / "replicated")
-    checkpoint.prepare = prepare
+    reading.prepare = prepare
     compiled.close()
     # 3. sharded: a KeyboardInterrupt in rank 1's write of its own file.
     compiled = _compile("qwen3", rank, batches[0], process_group=groups[2], timeout_s=60,
@@ -789,7 +790,7 @@ def test_a_rank_that_cannot_take_part_makes_the_others_fail_at_once(tmp_path):
     finally:
         resumed.close()
     assert first["step"]["error"] is None and second["step"]["error"] == "StepFailed"
-    assert second["broken_save"]["error"] == "RuntimeError"
+    assert second["broken_save"]["error"] == "StateError"  # a RuntimeError
     assert "out of step" in second["broken_save"]["message"]
     assert second["interrupted_load"]["error"] == "KeyboardInterrupt"
     assert second["interrupted_write"]["error"] == "KeyboardInterrupt"

@@ -484,7 +484,7 @@ def test_any_plan_lowers_to_a_valid_schedule(plan, workers, microbatches, rounds
 
 def _lowered_without_landed(sched: Schedule, plan) -> Schedule:
     """``sched`` lowered as :func:`lower` does, but with no ``landed`` edge."""
-    import rpcompile.passes.lower as lowering
+    import rpcompile.passes.lower.pipeline as lowering
 
     plain = lowering.add_weight_uploads
 

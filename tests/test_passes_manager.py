@@ -60,7 +60,7 @@ def test_a_broken_lowering_pass_is_named(monkeypatch, debug):
     # A lowering pass that loses the weights' edges: the schedule's validation, always on,
     # names the pass, as a PassInvariantError and a ScheduleError (the grid).
     monkeypatch.setenv("RPCOMPILE_DEBUG", debug)
-    import rpcompile.passes.lower as lower_mod
+    import rpcompile.passes.lower.pipeline as lower_mod
 
     real = lower_mod.add_events
 
@@ -78,7 +78,7 @@ def test_a_broken_dispatch_is_named_under_debug(monkeypatch):
     monkeypatch.setenv("RPCOMPILE_DEBUG", "1")
     # The runtime schedule's one builder (rpcompile.passes.lower.runtime_schedule, which
     # compile() calls) dispatches with the build_schedule it imported.
-    import rpcompile.passes.lower as lower_mod
+    import rpcompile.passes.lower.pipeline as lower_mod
 
     real = lower_mod.build_schedule
 

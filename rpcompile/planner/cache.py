@@ -61,9 +61,9 @@ def cache_folder(option: Any) -> Path | None:
 def _source_digest() -> str:
     """A hash of the source the search reads: any edit to it makes every entry stale."""
     root = Path(__file__).resolve().parent.parent
-    files = [root / name for name in ("ir.py", "hardware.py", "options.py", "choices.py")]
-    for package in ("planner", "passes", "sim"):
-        files += sorted((root / package).glob("*.py"))
+    files = [root / name for name in ("hardware.py", "options.py", "choices.py")]
+    for package in ("ir", "planner", "passes", "sim"):
+        files += sorted((root / package).rglob("*.py"))
     h = hashlib.sha256()
     for path in files:
         h.update(path.relative_to(root).as_posix().encode())

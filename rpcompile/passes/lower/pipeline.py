@@ -1,0 +1,172 @@
+"""The lowering as one call: lower() runs the passes in order under the pass manager, and
+the runtime's schedule (runtime_schedule) and its proven per-worker peaks (runtime_peaks) are
+built with it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from rpcompile.errors import InvalidInput, InvalidType
+from rpcompile.ir import BOUNDED_WAITS, Plan, Schedule, Stage
+from rpcompile.options import DEFAULT_CHUNK_BYTES, PlanOptions
+from rpcompile.passes.invariants import check_dispatch
+from rpcompile.passes.lower.common import MEMORY_WAITS
+from rpcompile.passes.lower.optimizer import add_optimizer
+from rpcompile.passes.lower.ordering import add_commit, add_events, add_step_barrier
+from rpcompile.passes.lower.reduce import add_reductions
+from rpcompile.passes.lower.transfers import (
+    add_activation_transfers,
+    add_gradient_downloads,
+    add_weight_uploads,
+    grad_slots,
+)
+from rpcompile.passes.manager import PassManager, PassRecord, debug_checks, run_pass
+from rpcompile.passes.memory import WorkerPeak, worker_peaks
+from rpcompile.passes.schedule import build_schedule, runtime_cycle
+from rpcompile.passes.validate import validate as check
+
+__all__ = [
+    "DATA_PARALLEL_PASSES",
+    "LOWERING_PASSES",
+    "lower",
+    "runtime_peaks",
+    "runtime_schedule",
+]
+
+
+LOWERING_PASSES = ("upload", "transfers", "grads", "optimizer", "commit", "events")
+# Data parallel over more than one rank adds the cross-rank reduction (pass 4b).
+DATA_PARALLEL_PASSES = ("upload", "transfers", "grads", "optimizer", "reduce", "commit",
+                        "barrier", "events")
+_BASELINE_PASSES = ("transfers", "events")  # weights and optimizer stay on the bound workers
+
+
+# --------------------------------------------------------------------------------------------
+# lower
+# --------------------------------------------------------------------------------------------
+
+
+def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
+          chunk_bytes: int = DEFAULT_CHUNK_BYTES, passes: Sequence[str] | None = None,
+          validate: bool = True, updates: str | None = None, ranks: int = 1,
+          ) -> tuple[Schedule, tuple[PassRecord[Schedule], ...]]:
+    """Run the lowering passes (default: all of :data:`LOWERING_PASSES` for RoundPipe, or of
+    :data:`DATA_PARALLEL_PASSES` when ``ranks`` > 1; only ``transfers`` and ``events`` for the
+    weight-bound baselines) through a :class:`~rpcompile.passes.manager.PassManager`, the
+    compile's one pass mechanism, that validates the input (as pass ``dispatch``) and the
+    output of each pass when ``validate`` (whatever ``RPCOMPILE_DEBUG`` says; a broken
+    schedule raises :class:`~rpcompile.passes.manager.ScheduleInvariantError` naming the pass). ``updates`` is the sync update order
+    (:func:`add_optimizer`; ``None``: ``deferred`` for data parallel, else the plan's own,
+    ``Plan.updates``; a bare stage list, ``overlap``).
+    ``ranks``: processes training data parallel (:func:`add_reductions`). The memory-bounding
+    waits added are ``plan.memory_waits`` (:data:`BOUNDED_WAITS` for a bare stage list).
+    Returns the lowered schedule and one record per pass."""
+    if ranks > 1 and schedule.stage_workers is not None:
+        raise InvalidInput(f"data parallel (ranks={ranks}) lowers RoundPipe schedules; the "
+                         f"{schedule.kind} baseline keeps its gradients on the bound workers")
+    if updates is None:  # the plan's own order (Plan.updates); data parallel sync defers
+        updates = "overlap" if schedule.optimizer != "sync" else (
+            "deferred" if ranks > 1 else plan.updates if isinstance(plan, Plan) else "overlap")
+    if passes is None:
+        passes = (LOWERING_PASSES if ranks == 1 else DATA_PARALLEL_PASSES) \
+            if schedule.stage_workers is None else _BASELINE_PASSES
+    waits = plan.memory_waits if isinstance(plan, Plan) else BOUNDED_WAITS
+    unknown = [w for w in waits if w not in MEMORY_WAITS]
+    if unknown:
+        raise InvalidInput(f"unknown memory waits {unknown}; known: {list(MEMORY_WAITS)}")
+    table = {
+        "upload": lambda s: add_weight_uploads(s, plan, chunk_bytes),
+        "transfers": lambda s: add_activation_transfers(s, waits),
+        "grads": lambda s: add_gradient_downloads(s, plan, chunk_bytes, grad_slots(waits)),
+        "optimizer": lambda s: add_optimizer(s, plan, updates),
+        "reduce": lambda s: add_reductions(s, plan, ranks),
+        "commit": add_commit,
+        "barrier": add_step_barrier,
+        "events": add_events,
+    }
+    unknown = [p for p in passes if p not in table]
+    if unknown:
+        raise InvalidInput(f"unknown lowering passes {unknown}; known: {list(table)}")
+    if validate:
+        check(schedule, "dispatch")
+    # The compile's one pass mechanism (run_pass): each lowering pass recorded like the
+    # compile's, its schedule validated always when ``validate`` (it guards the runtime),
+    # a broken one raising ScheduleInvariantError (a PassInvariantError and a ScheduleError)
+    # naming the pass.
+    manager = PassManager([(p, table[p]) for p in passes],
+                          check=check if validate else None, always=True)
+    return manager.run(schedule)
+
+
+def runtime_schedule(plan: Plan, options: PlanOptions | int, microbatches: int | None = None,
+                     rounds: int | None = None, mode: str | None = None,
+                     chunk_bytes: int | None = None, *, steps: int | None = None,
+                     updates: str | None = None, ranks: int | None = None,
+                     trail: list | None = None, validate: bool | None = None) -> Schedule:
+    """The lowered schedule the runtime runs, for the plan options ``options``
+    (:class:`~rpcompile.options.PlanOptions`: ``gpus`` workers, ``microbatches_per_round``,
+    ``rounds``, ``mode``, ``chunk_bytes``, ``schedule_steps``, ``ranks``, ``shard_optimizer``)
+    as :func:`rpcompile.compile` resolved them (``Compiled.options.plan``): the steps of
+    :func:`~rpcompile.passes.schedule.runtime_cycle` (``schedule_steps``, or the fewest: as
+    many steps as an edge reaches back, then one dispatch period, which a run repeats
+    (``Schedule.step_of``), then one more, the context of the last), marked ``sharded`` for
+    sharded data parallel.
+    ``updates``: the sync update order the run needs, when the options leave it to the
+    training options (``PlanOptions.updates`` ``None``: the compile and the Trainer pass
+    the order their training options need; else :func:`lower`'s default, the plan's own).
+
+    The one builder of it: :func:`rpcompile.compile` keeps it as ``Compiled.schedule``
+    (passing ``trail``, a list the dispatch's and each lowering pass's records are appended
+    to, and ``validate=True``); a Trainer given other options (mode, ``schedule_steps``,
+    ``chunk_bytes``) builds its own with this. ``validate`` (default: ``RPCOMPILE_DEBUG=1``)
+    checks the dispatch and every lowering pass's schedule.
+
+    The loose form ``runtime_schedule(plan, workers, microbatches, rounds, mode,
+    chunk_bytes=None, steps=..., updates=..., ranks=...)`` (scripts, tests, benchmarks)
+    builds those options from its arguments, checked by PlanOptions like any others."""
+    if isinstance(options, PlanOptions):
+        loose = {k: v for k, v in dict(microbatches=microbatches, rounds=rounds, mode=mode,
+                                       chunk_bytes=chunk_bytes, steps=steps,
+                                       ranks=ranks).items() if v is not None}
+        if loose:
+            raise InvalidType(f"runtime_schedule takes PlanOptions or loose arguments, not both: "
+                            f"{', '.join(sorted(loose))} given beside the options; set them in "
+                            f"the PlanOptions (steps is schedule_steps)")
+    else:
+        if microbatches is None or rounds is None or mode is None:
+            raise InvalidType("runtime_schedule(plan, workers, microbatches, rounds, mode) needs "
+                            "all four, or runtime_schedule(plan, PlanOptions(...))")
+        options = PlanOptions(gpus=options, microbatches=microbatches, rounds=rounds,
+                              mode=mode, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
+                              schedule_steps=steps, ranks=ranks)
+    workers, rounds = options.gpus, options.rounds
+    ranks = options.ranks or 1
+    steps, repeat_from, repeat_until = runtime_cycle(plan.stages, workers, rounds,
+                                                     options.schedule_steps)
+    updates = updates or options.updates
+    validate = debug_checks() if validate is None else validate
+    records: list = [] if trail is None else trail
+    # The cycle is the dispatch's: every pass carries it, so each record's artifact is the
+    # schedule as the run reads it.
+    compute = run_pass(records, "dispatch", lambda: build_schedule(
+        plan, workers=workers, microbatches=options.microbatches_per_round, rounds=rounds,
+        steps=steps, kind="roundpipe", optimizer=options.mode,
+    ).replace(repeat_from=repeat_from, repeat_until=repeat_until),
+        check_dispatch if validate else None)
+    lowered, lowering = lower(compute, plan, chunk_bytes=options.chunk_bytes,
+                              validate=validate, updates=updates, ranks=ranks)
+    records.extend(lowering)
+    if options.shard_optimizer and ranks > 1:  # what its REDUCE and SHADOW actions move
+        lowered = lowered.replace(sharded=True)
+    return lowered
+
+
+def runtime_peaks(plan: Plan, options: PlanOptions, *, updates: str | None = None,
+                  ) -> tuple[WorkerPeak, ...]:
+    """The proven peak of every worker over the runtime's schedule,
+    ``runtime_schedule(plan, options, updates=updates)``: over the steps a run executes
+    (``Schedule.run_steps``), the period lowered after them their context
+    (``worker_peaks(steps=)``), so the last repeated steps are proven as a long run, which
+    repeats them, runs them: before the steps after them."""
+    sched = runtime_schedule(plan, options, updates=updates, validate=False)
+    return worker_peaks(sched, plan, steps=sched.run_steps)
