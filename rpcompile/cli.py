@@ -54,6 +54,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rpcompile.errors import InvalidInput
+
 __all__ = ["main"]
 
 
@@ -263,32 +265,32 @@ def _plan(args: argparse.Namespace) -> int:
     hw = get_hardware(args.hardware).with_undo_journal(not args.no_undo_journal)
     hw = hw.with_host_memory(args.host_memory)  # pageable without its figures: refused here
     if args.nodes < 1:
-        raise ValueError(f"--nodes must be at least 1, got {args.nodes}")
+        raise InvalidInput(f"--nodes must be at least 1, got {args.nodes}")
     if args.shard_optimizer and args.nodes == 1:
-        raise ValueError("--shard-optimizer shards the host state across servers, so it "
+        raise InvalidInput("--shard-optimizer shards the host state across servers, so it "
                          "changes nothing on one: add --nodes N (N > 1) to simulate N "
                          "servers, or leave --shard-optimizer out")
     if args.nodes > 1 and args.schedule != "roundpipe":
-        raise ValueError("--nodes simulates RoundPipe pipelines; drop --schedule")
+        raise InvalidInput("--nodes simulates RoundPipe pipelines; drop --schedule")
     from rpcompile.hardware import get_link
 
     get_link(args.link)  # an unknown name fails here, with the known ones
     gpus = args.gpus or hw.gpus
     micro = args.microbatches or gpus + 1
     if args.schedule == "interleaved" and micro % gpus:
-        raise ValueError(
+        raise InvalidInput(
             f"interleaved 1F1B needs microbatches divisible by the GPUs ({gpus}); pass "
             f"--microbatches {gpus * max(1, micro // gpus)} (or another multiple of {gpus})"
         )
     batch = args.batch or micro * args.rounds
     if batch < micro * args.rounds:
-        raise ValueError(
+        raise InvalidInput(
             f"--batch {batch} is smaller than microbatches x rounds = {micro * args.rounds}: "
             "every microbatch needs a sequence"
         )
     model_config(args.model)  # unknown names fail here with the list of known ones
     if args.lora is not None and args.lora < 0:
-        raise ValueError(f"--lora must be a rank >= 1, or 0 for full fine-tuning, got {args.lora}")
+        raise InvalidInput(f"--lora must be a rank >= 1, or 0 for full fine-tuning, got {args.lora}")
     if args.quantize != "none":
         return _plan_quantized(args, hw)
     print(f"building {args.model} on the meta device ...", file=sys.stderr)
@@ -515,20 +517,20 @@ def _plan_quantized(args: argparse.Namespace, hw) -> int:
     from rpcompile.workloads.paper import MODELS, WORKLOADS
 
     if args.model not in MODELS:
-        raise ValueError(f"--quantize {args.quantize} plans the paper models' unit profiles: "
+        raise InvalidInput(f"--quantize {args.quantize} plans the paper models' unit profiles: "
                          f"{', '.join(MODELS)}; {args.model} is not one")
     ignored = [flag for flag, given in (
         ("--schedule", args.schedule != "roundpipe"), ("--nodes", args.nodes > 1),
         ("--shard-optimizer", args.shard_optimizer), ("--layers", args.layers is not None),
         ("--out", args.out is not None), ("--longest", args.longest)) if given]
     if ignored:
-        raise ValueError(f"--quantize {args.quantize} plans RoundPipe on one server from the "
+        raise InvalidInput(f"--quantize {args.quantize} plans RoundPipe on one server from the "
                          f"paper model's unit profiles; {', '.join(ignored)} is not supported "
                          "with it")
     paper = MODELS[args.model]
     rank = paper.lora_rank if args.lora is None else args.lora
     if not rank:
-        raise ValueError(f"--quantize {args.quantize} quantizes the frozen base under LoRA "
+        raise InvalidInput(f"--quantize {args.quantize} quantizes the frozen base under LoRA "
                          f"adapters; {args.model} has none: pass --lora R")
     model = replace(paper, lora_rank=rank, base=args.quantize)
     work = WORKLOADS[args.model]
@@ -538,7 +540,7 @@ def _plan_quantized(args: argparse.Namespace, hw) -> int:
     batch = args.batch or work.global_batch
     size = batch / (micro * rounds)
     if size < 1:
-        raise ValueError(f"--batch {batch} is smaller than microbatches x rounds = "
+        raise InvalidInput(f"--batch {batch} is smaller than microbatches x rounds = "
                          f"{micro * rounds}: every microbatch needs a sequence")
     cap = args.max_simulations or 24
     options = PlanOptions(gpus=gpus, microbatches=micro, rounds=rounds, mode=args.optimizer,

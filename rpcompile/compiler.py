@@ -23,7 +23,7 @@ from rpcompile.capture.tracing import (
     release_fx_sources,
     release_shape_env_caches,
 )
-from rpcompile.errors import RPCompileError
+from rpcompile.errors import InvalidInput, RPCompileError, StateError
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.options import (
@@ -133,7 +133,7 @@ class Compiled:
         if agree:
             shape = _agreed_shape(shape, group)
         elif self.plan is None and _data_parallel(group):
-            raise RuntimeError(
+            raise StateError(
                 "data parallel: the ranks agree on the plan's shape at a step (a collective), "
                 "and this model has no plan yet: train a step first, or compile with "
                 "example_inputs")
@@ -181,7 +181,7 @@ class Compiled:
 
     def _need_plan(self, what: str) -> None:
         if self.plan is None:
-            raise RuntimeError(
+            raise StateError(
                 f"{what} needs a plan, and this model has none yet: compile() without "
                 "example_inputs plans at the first batch it trains on; call step(batch) or "
                 "plan_for(batch) first, or compile with example_inputs")
@@ -192,7 +192,7 @@ class Compiled:
         with the options given to :func:`compile`)."""
         self._need_plan("the trainer")
         if self._closed:
-            raise RuntimeError(
+            raise StateError(
                 "this compiled model was closed: its workers are stopped. Its trained weights "
                 "are still available (sync_to_model(), state_dict()); to train on, compile "
                 "again and load_state_dict() the saved state"
@@ -324,7 +324,7 @@ class Compiled:
         else:
             missing = [s.name for s in trainer.store.trainable_slots if s.name not in masters]
             if missing:
-                raise ValueError(f"evaluate(masters=...) lacks {len(missing)} trainable "
+                raise InvalidInput(f"evaluate(masters=...) lacks {len(missing)} trainable "
                                  f"parameters ({missing[:3]}): pass them all "
                                  "(trainer().gather_masters())")
         dtype = self.compute_dtype
@@ -383,10 +383,10 @@ class Compiled:
         model = self.model
         if merge:
             if not hasattr(model, "merge_and_unload"):
-                raise ValueError("merge=True merges LoRA adapters; this model is not a PEFT model")
+                raise InvalidInput("merge=True merges LoRA adapters; this model is not a PEFT model")
             model = copy.deepcopy(model).merge_and_unload()
         if not hasattr(model, "save_pretrained"):
-            raise ValueError(
+            raise InvalidInput(
                 f"{type(model).__name__} has no save_pretrained (not a Hugging Face model); "
                 "save compiled.model.state_dict() after sync_to_model() instead"
             )
@@ -666,7 +666,7 @@ def compile(
                 f"{len(captured.units)} units in {history[-1].elapsed_ms / 1e3:.1f} s")
     dtype = _floating_dtype(model)
     if co.compute_dtype is not None and co.compute_dtype != dtype:
-        raise ValueError(
+        raise InvalidInput(
             f"compute_dtype={co.compute_dtype} differs from the model's parameters ({dtype}); "
             f"the graph is captured in the model's dtype, so convert the model first "
             f"(model.to({co.compute_dtype})): rpcompile keeps fp32 masters on the host either way"
@@ -948,7 +948,7 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
                            update_order(mode, options.train))
     sequences, seq = shape or _batch_shape(captured.example_batch)
     if sequences < microbatches * rounds:
-        raise ValueError(
+        raise InvalidInput(
             f"the example batch has {sequences} sequences, too few to fill "
             f"{microbatches} microbatches x {rounds} rounds; pass at least "
             f"{microbatches * rounds} sequences or lower microbatches/rounds"

@@ -44,6 +44,7 @@ from rpcompile.choices import (
     check_option,
     flag_type,
 )
+from rpcompile.errors import InvalidInput
 from rpcompile.options import FLAT, PlanOptions
 
 __all__ = ["DEMO", "OPTIONS", "add_train_arguments", "plan_cache_option", "resolve_options",
@@ -211,17 +212,17 @@ def _load_yaml(path: Path, run: bool = False, notices: list[str] | None = None,
     import yaml
 
     if not path.is_file():
-        raise ValueError(f"config file {path} does not exist")
+        raise InvalidInput(f"config file {path} does not exist")
     try:
         data = yaml.safe_load(path.read_text()) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ValueError(f"{path} is not valid YAML{at}: {problem}; write one "
+        raise InvalidInput(f"{path} is not valid YAML{at}: {problem}; write one "
                          "'option: value' per line") from None
     if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a mapping of option: value, not a "
+        raise InvalidInput(f"{path} must hold a mapping of option: value, not a "
                          f"{type(data).__name__}")
     out = {}
     for key, value in data.items():
@@ -229,7 +230,7 @@ def _load_yaml(path: Path, run: bool = False, notices: list[str] | None = None,
         if name in _REPLACED and name not in _BY_NAME:
             option, values = _REPLACED[name]
             if not run or value not in values or option in data:
-                raise ValueError(
+                raise InvalidInput(
                     f"{path}: {key}: {option} replaces it: write {option}: "
                     + " or ".join(f"{v}" for v in values.values()))
             if notices is not None:
@@ -237,14 +238,14 @@ def _load_yaml(path: Path, run: bool = False, notices: list[str] | None = None,
                                f"replaces: the run goes on with {option}: {values[value]}")
             key, name, value = option, option, values[value]
         if name not in _BY_NAME:
-            raise ValueError(f"{path}: unknown option {key!r}; known: {', '.join(_BY_NAME)}")
+            raise InvalidInput(f"{path}: unknown option {key!r}; known: {', '.join(_BY_NAME)}")
         if value is None:
             continue
         option = _BY_NAME[name]
         try:
             value = _coerce(option, value)
         except ValueError as err:
-            raise ValueError(f"{path}: {key}: {err}") from None
+            raise InvalidInput(f"{path}: {key}: {err}") from None
         if option.choices:
             try:  # an option of compile's by its one rule, the others in the same words
                 if name in CHOICES:
@@ -252,7 +253,7 @@ def _load_yaml(path: Path, run: bool = False, notices: list[str] | None = None,
                 else:
                     check_choice(name, value, option.choices)
             except ValueError as err:
-                raise ValueError(f"{path}: {_cli_words(str(err))}") from None
+                raise InvalidInput(f"{path}: {_cli_words(str(err))}") from None
         out[name] = value
     return out
 
@@ -310,7 +311,7 @@ def resolve_options(args: argparse.Namespace) -> tuple[dict[str, Any], Path | No
         branch = given is not None and Path(given).resolve() != run_dir.resolve()
         if not branch:
             if overwrite:
-                raise ValueError(f"--overwrite starts a new run; --resume {args.resume} goes "
+                raise InvalidInput(f"--overwrite starts a new run; --resume {args.resume} goes "
                                  f"on with one in {run_dir}: give one of them (or --out NEW "
                                  "to branch the run into another folder)")
             _refuse_later_checkpoints(checkpoint)
@@ -336,11 +337,11 @@ def _find_checkpoint(path: Path) -> tuple[Path, Path]:
         latest = manager.latest()
         if latest is None:
             skipped = "".join(f"; {p.name} is skipped: {why}" for p, why in manager.skipped())
-            raise ValueError(f"{path}/checkpoints holds no checkpoint to resume from{skipped}")
+            raise InvalidInput(f"{path}/checkpoints holds no checkpoint to resume from{skipped}")
         return Path(latest), path
     if path.is_dir() and path.parent.name == "checkpoints":
         return path, path.parent.parent
-    raise ValueError(
+    raise InvalidInput(
         f"--resume {path}: give a run's output folder (with checkpoints/) or one of its "
         "checkpoint folders; runs save checkpoints with --save-every N, and when stopped "
         "with Ctrl-C or SIGTERM"
@@ -355,7 +356,7 @@ def _refuse_later_checkpoints(checkpoint: Path) -> None:
     later = [p for p in CheckpointManager(checkpoint.parent).checkpoints()
              if p.name > checkpoint.name]
     if later:
-        raise ValueError(
+        raise InvalidInput(
             f"--resume {checkpoint}: {checkpoint.parent} also holds later checkpoints "
             f"({', '.join(p.name for p in later)}) of the run that went on from it, and a "
             f"resumed run goes on in the same folder: delete those to go on from "
@@ -444,21 +445,21 @@ def load_model(spec: str, out: Path, dtype: Any, seed: int,
                                                      **quantized)
     except (OSError, ValueError) as err:
         if not local and "/" not in spec:
-            raise ValueError(
+            raise InvalidInput(
                 f"--model {spec!r} is not a folder, not a shipped config "
                 f"({', '.join(list_models())}) and not in the local Hugging Face cache"
             ) from err
-        raise ValueError(
+        raise InvalidInput(
             f"cannot load --model {spec}: {err}. A model folder needs config.json, the weights "
             "(safetensors) and a tokenizer (tokenizer.json / tokenizer_config.json); nothing is "
             "downloaded"
         ) from err
     if tokenizer.pad_token_id is None:
         if tokenizer.eos_token_id is None:
-            raise ValueError(f"the tokenizer of {spec} has neither a pad nor an eos token")
+            raise InvalidInput(f"the tokenizer of {spec} has neither a pad nor an eos token")
         tokenizer.pad_token = tokenizer.eos_token
     if len(tokenizer) > model.config.vocab_size:
-        raise ValueError(
+        raise InvalidInput(
             f"the tokenizer of {spec} has {len(tokenizer)} tokens, more than the model's "
             f"vocab_size {model.config.vocab_size}"
         )
@@ -482,7 +483,7 @@ def quantization_config(quantize: str, dtype: Any) -> Any:
                                   bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype)
     if quantize == "int8":
         return BitsAndBytesConfig(load_in_8bit=True)
-    raise ValueError(f"--quantize must be none, nf4 or int8, got {quantize!r}")
+    raise InvalidInput(f"--quantize must be none, nf4 or int8, got {quantize!r}")
 
 
 def add_lora(model: Any, rank: int, alpha: float | None, dropout: float, seed: int) -> Any:
@@ -546,7 +547,7 @@ def _check(opts: dict[str, Any], origin: Any = None) -> None:
         flag = "--" + name.replace("_", "-")
         source = flag if origin is None else origin(name)
         where = "" if source == flag else f" (from {source})"
-        raise ValueError(f"{flag} {rule}, got {opts[name]!r}{where}")
+        raise InvalidInput(f"{flag} {rule}, got {opts[name]!r}{where}")
 
     from rpcompile.loggers import parse_report_to, require
 
@@ -568,14 +569,14 @@ def _check(opts: dict[str, Any], origin: Any = None) -> None:
         if opts[name] is not None and not opts[name] > 0:
             refuse(name, "must be positive")
     if opts["merge"] and not opts["lora"]:
-        raise ValueError("--merge merges LoRA adapters; it needs --lora R")
+        raise InvalidInput("--merge merges LoRA adapters; it needs --lora R")
     if opts["quantize"] != "none" and not opts["lora"]:
-        raise ValueError(
+        raise InvalidInput(
             f"--quantize {opts['quantize']} quantizes the frozen base under LoRA adapters; it "
             "needs --lora R (full fine-tuning of a quantized base is not supported: its "
             "weights cannot be trained). Pass --lora R, or leave out --quantize")
     if opts["quantize"] != "none" and opts["merge"]:
-        raise ValueError(
+        raise InvalidInput(
             f"--merge with --quantize {opts['quantize']}: merging the adapters into a "
             "quantized base rounds them away into its codes. Leave out --merge: final/ is "
             "then the adapter, which PEFT loads onto the same quantized base (or merges into "
@@ -587,7 +588,7 @@ def _check(opts: dict[str, Any], origin: Any = None) -> None:
         source = "--checkpoint-per-rank" if origin is None else origin("checkpoint_per_rank")
         where = source if source == "--checkpoint-per-rank" else \
             f"checkpoint_per_rank: true (from {source})"
-        raise ValueError(f"{where} writes each rank's shard of a sharded state: it needs "
+        raise InvalidInput(f"{where} writes each rank's shard of a sharded state: it needs "
                          "--shard-optimizer (without it every rank holds the whole state and "
                          "rank 0 writes it); or pass --no-checkpoint-per-rank to write whole "
                          "checkpoints (resuming from per-rank files needs no sharding)")
@@ -609,7 +610,7 @@ def _check_plan_options(opts: dict[str, Any]) -> None:
     try:
         PlanOptions(**{name: opts[name] for name in _PLAN_OPTIONS})
     except ValueError as err:
-        raise ValueError(_cli_words(str(err))) from None
+        raise InvalidInput(_cli_words(str(err))) from None
 
 
 def _cli_words(message: str) -> str:
@@ -844,7 +845,7 @@ class _Job:
         if batch_size < micro * opts["rounds"] * world:
             # An uneven split is fine (the loss is the global token mean either way); an
             # empty microbatch is not.
-            raise ValueError(f"--batch {batch_size} is smaller than microbatches x rounds"
+            raise InvalidInput(f"--batch {batch_size} is smaller than microbatches x rounds"
                              + (" x ranks" if world > 1 else "")
                              + f" = {micro} x {opts['rounds']}"
                              + (f" x {world}" if world > 1 else "")
@@ -899,7 +900,7 @@ class _Job:
         )
         if packed and not masks_documents(compiled.capture):
             compiled.close()
-            raise ValueError(
+            raise InvalidInput(
                 f"--packing on needs attention confined to each document, and "
                 f"{type(model).__name__}'s captured graph builds no attention mask from "
                 "position_ids (its attention ignores where a packed document starts), so a token "
@@ -973,7 +974,7 @@ class _Job:
             if path is None:
                 files[key] = None
             elif not Path(path).is_file():
-                raise ValueError(f"data file {path} does not exist")
+                raise InvalidInput(f"data file {path} does not exist")
             else:
                 files[key] = {"path": str(path), "sha256": file_sha256(path)}
         folder = model_folder(opts["model"], root)
@@ -999,7 +1000,7 @@ class _Job:
             if name in MAY_CHANGE or name in ("model", "data", "eval_data", "out") \
                     or name not in saved or self.opts[name] == saved[name]:
                 continue
-            raise ValueError(
+            raise InvalidInput(
                 f"{given(name)} is {self.opts[name]!r}, but the run in {run_dir} trained with "
                 f"{saved[name]!r} ({config}): it changes the training, so a resumed run keeps "
                 f"the run's value. Leave it out to go on with {saved[name]!r}, or start a new "
@@ -1018,26 +1019,26 @@ class _Job:
                     f"{theirs['sha256'][:12]}...)"
                 now = "none" if ours is None else f"{ours['path']} (sha256 " \
                     f"{ours['sha256'][:12]}...)"
-                raise ValueError(
+                raise InvalidInput(
                     f"{given(key)}: the run in {run_dir} trained on {was}, this resume would "
                     f"train on {now}: a resumed run goes on with the same data. Give {flag} "
                     "the run's file (moved files are found by content), or start a new run "
                     "(a new --out, or --overwrite)")
         theirs, ours = recorded["model"], identity["model"]
         if ours["fingerprint"] is None:
-            raise ValueError(
+            raise InvalidInput(
                 f"the model of the run in {run_dir} ({theirs['name']}) is not there "
                 + (f"(its {run_dir}/base/ is missing)" if theirs["name"] == ours["name"] and
                    not Path(ours["name"]).is_dir() else "(moved or deleted?)")
                 + ": give --model the folder it moved to")
         if ours["fingerprint"] != theirs["fingerprint"]:
-            raise ValueError(
+            raise InvalidInput(
                 f"{given('model')}: {ours['name']} is not the model the run in {run_dir} "
                 f"started from ({theirs['name']}: another config, tokenizer or set of weight "
                 "files); give --model that model's folder, or start a new run (a new --out, "
                 "or --overwrite)")
         if identity["dtype"] != recorded["dtype"]:
-            raise ValueError(
+            raise InvalidInput(
                 f"the run in {run_dir} computed in {recorded['dtype']}; --dtype "
                 f"{self.opts['dtype']} on {self.opts['device']} workers computes in "
                 f"{identity['dtype']}, which changes the training: pass --dtype "
@@ -1113,7 +1114,7 @@ class _Job:
             # safetensors reports a refused write (a full disk) as its own error, without
             # the file's name.
             what = getattr(err, "filename", None) or self.writing or "a file"
-            raise ValueError(self._failed(f"cannot write {what}: "
+            raise InvalidInput(self._failed(f"cannot write {what}: "
                                           f"{getattr(err, 'strerror', None) or err}")) from None
         return 0
 
@@ -1241,7 +1242,7 @@ class _Job:
                 "scheduler": self.scheduler.state_dict(), "epoch": self.iterator.epoch,
             }, per_rank=self.sharded and self.opts["checkpoint_per_rank"])
         except CheckpointError as err:
-            raise ValueError(self._failed(str(err))) from None
+            raise InvalidInput(self._failed(str(err))) from None
 
     def _failed(self, what: str) -> str:
         """The message of a run stopped by a failed write: what failed, the checkpoint a
@@ -1321,7 +1322,7 @@ def _check_rows(rows: Any, batch_size: int, prepared: Any, dropped: int, packed:
         made = f"packed into {n} rows of --seq {rows.seq_len}" if packed else f"{n} rows"
         causes.append(f"{train} training examples make {made}: use a smaller --batch"
                       + (" or --seq" if packed else "") + ", or more data")
-    raise ValueError(f"{data_path} gives {n} training rows, fewer than one batch of --batch "
+    raise InvalidInput(f"{data_path} gives {n} training rows, fewer than one batch of --batch "
                      f"{batch_size}: " + "; ".join(causes))
 
 

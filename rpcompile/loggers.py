@@ -21,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from rpcompile.errors import InvalidInput
+
 __all__ = ["REPORTERS", "Reporter", "open_reporters", "parse_report_to", "require"]
 
 REPORTERS = ("tensorboard", "wandb", "mlflow", "trackio")
@@ -36,7 +38,7 @@ def parse_report_to(value: str | Sequence[str]) -> tuple[str, ...]:
         return ()
     unknown = [n for n in names if n not in REPORTERS]
     if unknown or "none" in names:
-        raise ValueError(f"--report-to {','.join(names)}: unknown {unknown or ['none']}; give "
+        raise InvalidInput(f"--report-to {','.join(names)}: unknown {unknown or ['none']}; give "
                          f"a comma-separated list of {', '.join(REPORTERS)}, or none")
     return tuple(dict.fromkeys(names))
 
@@ -50,7 +52,7 @@ def require(names: Sequence[str]) -> None:
         # (tensorboard is a dependency of rpcompile itself).
         if importlib.util.find_spec(name) is None:
             install = "tensorboard" if name == "tensorboard" else f"'rpcompile[{name}]'"
-            raise ValueError(f"--report-to {name} needs the {name} package: pip install "
+            raise InvalidInput(f"--report-to {name} needs the {name} package: pip install "
                              f"{install} (or leave {name} out of --report-to)")
 
 

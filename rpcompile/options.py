@@ -43,6 +43,7 @@ from rpcompile.choices import (
     check_choice,
     check_option,
 )
+from rpcompile.errors import InvalidInput, InvalidType
 
 __all__ = [
     "CHOICES",
@@ -77,7 +78,7 @@ def _positive_int(name: str, value: Any, *, optional: bool = False) -> None:
     if optional and value is None:
         return
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        raise InvalidInput(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,7 @@ class LossScaleConfig:
                 f"{self.min_scale}, {self.init_scale}, {self.max_scale}"
             )
         if problems:
-            raise ValueError("invalid loss scale config: " + "; ".join(problems))
+            raise InvalidInput("invalid loss scale config: " + "; ".join(problems))
 
 
 @dataclass(frozen=True)
@@ -128,19 +129,19 @@ class CaptureOptions:
 
     def __post_init__(self) -> None:
         if self.loss_fn is not None and not callable(self.loss_fn):
-            raise ValueError(f"loss_fn must be callable, got {self.loss_fn!r}")
+            raise InvalidInput(f"loss_fn must be callable, got {self.loss_fn!r}")
         for name in ("units", "opaque"):
             v = getattr(self, name)
             if v is not None:
                 if isinstance(v, str) or not all(isinstance(x, str) for x in v):
-                    raise ValueError(f"{name} must be a list of module names, got {v!r}")
+                    raise InvalidInput(f"{name} must be a list of module names, got {v!r}")
                 object.__setattr__(self, name, tuple(v))
         if self.compute_dtype is not None and not isinstance(self.compute_dtype, torch.dtype):
-            raise ValueError(f"compute_dtype must be a torch.dtype, got {self.compute_dtype!r}")
+            raise InvalidInput(f"compute_dtype must be a torch.dtype, got {self.compute_dtype!r}")
         c = self.loss_chunk_tokens
         if c is not None and c != "auto" and (isinstance(c, bool) or not isinstance(c, int)
                                               or c < 1):
-            raise ValueError(f"loss_chunk_tokens must be a positive number of tokens, 'auto' "
+            raise InvalidInput(f"loss_chunk_tokens must be a positive number of tokens, 'auto' "
                              f"or None, got {c!r}")
 
 
@@ -216,12 +217,12 @@ class PlanOptions:
         _positive_int("gpus", self.gpus)
         for name in ("dynamic",):
             if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+                raise InvalidInput(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.progress is not None and not isinstance(self.progress, bool):
-            raise ValueError(f"progress must be True, False or None (on a terminal), got "
+            raise InvalidInput(f"progress must be True, False or None (on a terminal), got "
                              f"{self.progress!r}")
         if not isinstance(self.plan_cache, (bool, str, os.PathLike)):
-            raise ValueError(f"plan_cache must be True (the user's cache folder), False (off) "
+            raise InvalidInput(f"plan_cache must be True (the user's cache folder), False (off) "
                              f"or a folder, got {self.plan_cache!r}")
         _positive_int("microbatches", self.microbatches, optional=True)
         _positive_int("rounds", self.rounds)
@@ -235,10 +236,10 @@ class PlanOptions:
         check_option("recompute", self.recompute)
         _positive_int("ranks", self.ranks, optional=True)
         if not isinstance(self.shard_optimizer, bool):
-            raise ValueError(f"shard_optimizer must be True or False, got "
+            raise InvalidInput(f"shard_optimizer must be True or False, got "
                              f"{self.shard_optimizer!r}")
         if self.shard_optimizer and self.mode != "sync":
-            raise ValueError("shard_optimizer needs mode='sync': the sharded update and its "
+            raise InvalidInput("shard_optimizer needs mode='sync': the sharded update and its "
                              "shadow gathering are built and tested for the sync schedule only "
                              "(an async step applies the previous step's gradients, which the "
                              "owner-reduce does not follow); use mode='sync', or "
@@ -251,7 +252,7 @@ class PlanOptions:
             from rpcompile.hardware import Hardware
 
             if not isinstance(self.hardware, Hardware):
-                raise ValueError(f"hardware must be a profile name or a Hardware, got "
+                raise InvalidInput(f"hardware must be a profile name or a Hardware, got "
                                  f"{self.hardware!r} (see `rpcompile hardware`)")
 
     @property
@@ -279,11 +280,11 @@ def entry_plan_options(options: PlanOptions | None, entry: str, *,
     given = {k: v for k, v in loose.items() if v is not None}
     if options is not None:
         if not isinstance(options, PlanOptions):
-            raise TypeError(f"{entry}'s options must be an rpcompile.PlanOptions, got "
+            raise InvalidType(f"{entry}'s options must be an rpcompile.PlanOptions, got "
                             f"{type(options).__name__}")
         if given:
             renamed = ", ".join(sorted(f"{names[k]} is {k}" for k in given if k in names))
-            raise TypeError(f"{entry} takes PlanOptions or loose keywords, not both: "
+            raise InvalidType(f"{entry} takes PlanOptions or loose keywords, not both: "
                             f"{', '.join(sorted(names.get(k, k) for k in given))} given beside "
                             f"options=; set them in the PlanOptions"
                             + (f" ({renamed})" if renamed else ""))
@@ -292,7 +293,7 @@ def entry_plan_options(options: PlanOptions | None, entry: str, *,
         return PlanOptions(**{**(defaults or {}), **given})
     except ValueError as err:  # each field's message starts with the field's name
         head, space, rest = str(err).partition(" ")
-        raise ValueError(names.get(head, head) + space + rest) from None
+        raise InvalidInput(names.get(head, head) + space + rest) from None
 
 
 @dataclass(frozen=True)
@@ -349,33 +350,33 @@ class TrainOptions:
     def __post_init__(self) -> None:
         if self.optimizer is not None and not (callable(self.optimizer) or isinstance(
                 self.optimizer, torch.optim.Optimizer)):
-            raise ValueError(f"optimizer must be a factory params -> torch.optim.Optimizer, "
+            raise InvalidInput(f"optimizer must be a factory params -> torch.optim.Optimizer, "
                              f"got {self.optimizer!r}")
         check_option("device", self.device)
         check_option("kernels", self.kernels)
         check_option("host_memory", self.host_memory)
         if self.chaos is not None and (isinstance(self.chaos, bool)
                                        or not isinstance(self.chaos, int)):
-            raise ValueError(f"chaos must be an integer seed (or None), got {self.chaos!r}")
+            raise InvalidInput(f"chaos must be an integer seed (or None), got {self.chaos!r}")
         _positive_int("capacity_bytes", self.capacity_bytes, optional=True)
         _positive_int("host_ram_bytes", self.host_ram_bytes, optional=True)
         if not isinstance(self.undo_journal, bool):
-            raise ValueError(f"undo_journal must be True or False, got {self.undo_journal!r}")
+            raise InvalidInput(f"undo_journal must be True or False, got {self.undo_journal!r}")
         if not isinstance(self.skip_nonfinite, bool):
-            raise ValueError(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}")
+            raise InvalidInput(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}")
         g = self.max_grad_norm
         if g is not None and (isinstance(g, bool) or not isinstance(g, (int, float))
                               or not g > 0 or math.isinf(g)):
-            raise ValueError(f"max_grad_norm must be a positive number (or None: no "
+            raise InvalidInput(f"max_grad_norm must be a positive number (or None: no "
                              f"clipping), got {g!r}")
         t = self.timeout_s
         if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float))
                               or not t > 0):
-            raise ValueError(f"timeout_s must be positive (math.inf: no watchdog), got {t!r}")
+            raise InvalidInput(f"timeout_s must be positive (math.inf: no watchdog), got {t!r}")
         if self.loss_scale is not None and self.loss_scale is not False and \
                 self.loss_scale is not True:
             if not isinstance(self.loss_scale, LossScaleConfig):
-                raise ValueError(f"loss_scale must be True, a LossScaleConfig or None, got "
+                raise InvalidInput(f"loss_scale must be True, a LossScaleConfig or None, got "
                                  f"{self.loss_scale!r}")
 
 
@@ -437,12 +438,12 @@ def check_update_order(mode: str, updates: str | None, reasons: Sequence[str],
     lowering refuses ``deferred`` there)."""
     if mode == "async":
         if updates == "deferred":
-            raise ValueError(
+            raise InvalidInput(
                 "updates='deferred' is a sync-mode order: async updates apply the previous "
                 "step's gradients, complete before the step starts; leave updates=None")
         return
     if updates == "overlap" and reasons:
-        raise ValueError(
+        raise InvalidInput(
             f"{', '.join(reasons)} must see every gradient of the step before any update, "
             f"but the 'overlap' update order ({mode} mode) runs each stage's update while later "
             f"backward jobs compute: use {fix}")
@@ -463,7 +464,7 @@ def resolve(groups: Mapping[str, Any], flat: Mapping[str, Any]) -> Options:
     for g, cls in _GROUPS.items():
         given = groups.get(g)
         if given is not None and not isinstance(given, cls):
-            raise ValueError(f"{g}_options must be an rpcompile.{cls.__name__}, got "
+            raise InvalidInput(f"{g}_options must be an rpcompile.{cls.__name__}, got "
                              f"{type(given).__name__}")
         base = given if given is not None else cls()
         mine = {k: v for k, v in flat.items() if FLAT.get(k) == g}
@@ -471,10 +472,10 @@ def resolve(groups: Mapping[str, Any], flat: Mapping[str, Any]) -> Options:
             default = cls()
             twice = sorted(k for k in mine if getattr(given, k) != getattr(default, k))
             if twice:
-                raise ValueError(f"{', '.join(twice)} given both as a keyword and in "
+                raise InvalidInput(f"{', '.join(twice)} given both as a keyword and in "
                                  f"{g}_options: pass each option once")
         built[g] = replace(base, **mine) if mine else base
     unknown = sorted(set(flat) - set(FLAT))
     if unknown:
-        raise TypeError(f"unknown option(s) {', '.join(unknown)}")
+        raise InvalidType(f"unknown option(s) {', '.join(unknown)}")
     return Options(**built)

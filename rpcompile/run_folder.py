@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rpcompile.errors import InvalidInput
+
 __all__ = ["MAY_CHANGE", "RUN_FILE", "RunFolder", "file_sha256", "model_fingerprint",
            "read_identity"]
 
@@ -89,10 +91,10 @@ def read_identity(folder: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as err:
-        raise ValueError(f"{path} is unreadable ({err}): it records which run {folder} "
+        raise InvalidInput(f"{path} is unreadable ({err}): it records which run {folder} "
                          "holds; restore it, or start the run again in a new --out") from None
     if not isinstance(data, dict) or data.get("format") != FORMAT:
-        raise ValueError(f"{path} is not an rpcompile run record")
+        raise InvalidInput(f"{path} is not an rpcompile run record")
     return data
 
 
@@ -117,17 +119,17 @@ class RunFolder:
         if not lead:
             return cls(path)
         if path.exists() and not path.is_dir():
-            raise ValueError(f"--out {path} is a file, not a folder: give a folder for the run")
+            raise InvalidInput(f"--out {path} is a file, not a folder: give a folder for the run")
         held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
         if held:
             foreign = [n for n in held if not _ours(n)]
             if foreign:
-                raise ValueError(
+                raise InvalidInput(
                     f"--out {path} holds files that are not an rpcompile run's "
                     f"({', '.join(foreign[:5])}{', ...' if len(foreign) > 5 else ''}): give an "
                     "empty or new folder (--overwrite deletes only a run's files)")
             if not overwrite:
-                raise ValueError(
+                raise InvalidInput(
                     f"--out {path} already holds a run ({', '.join(held[:4])}"
                     f"{', ...' if len(held) > 4 else ''}); a folder holds one "
                     f"run: give a new --out, continue that run with --resume {path}, or pass "
@@ -147,7 +149,7 @@ class RunFolder:
             path.mkdir(parents=True, exist_ok=True)
             (path / RUN_FILE).write_text(json.dumps({"format": FORMAT, "version": VERSION}))
         except OSError as err:
-            raise ValueError(f"cannot write to --out {path}: {err.strerror or err}; give a "
+            raise InvalidInput(f"cannot write to --out {path}: {err.strerror or err}; give a "
                              "folder this process can write") from None
         return cls(path, created)
 

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rpcompile.capture.types import RefusedModel
+from rpcompile.errors import InvalidInput
 
 __all__ = [
     "FORMATS",
@@ -483,13 +484,13 @@ def dequantize_sites(gm: torch.fx.GraphModule) -> tuple[DequantizeSite, ...]:
             continue
         packed = node.args[0]
         if packed.op != "placeholder":
-            raise ValueError(f"{node.name} rebuilds {packed.name}, which is not a graph input")
+            raise InvalidInput(f"{node.name} rebuilds {packed.name}, which is not a graph input")
         names = _STATE_ARGS[node.target]
         state = tuple((part, arg.name) for part, arg in zip(names, node.args[1:])
                       if arg is not None)
         site = DequantizeSite(packed.name, node.meta["val"].dtype, state)
         if sites.setdefault(packed.name, site) != site:
-            raise ValueError(f"{packed.name} is rebuilt twice in one stage graph, as "
+            raise InvalidInput(f"{packed.name} is rebuilt twice in one stage graph, as "
                              f"{sites[packed.name].dtype} and {site.dtype}")
     result = tuple(sites.values())
     with _SITES_LOCK:

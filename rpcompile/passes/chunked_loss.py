@@ -33,6 +33,7 @@ import torch
 import torch.fx as fx
 
 from rpcompile.capture.dropout import emit_like
+from rpcompile.errors import InvalidInput
 
 __all__ = ["SOFTMAX_BYTES", "TOKEN_HITS", "chunk_element_bytes", "chunk_lm_loss",
            "count_token_hits", "linear_cross_entropy", "logits_bytes"]
@@ -161,7 +162,7 @@ def chunk_lm_loss(gm: fx.GraphModule, chunk: int) -> int:
     """Rewrite each ``cross_entropy(linear(x, W) [.float().view(-1, V)], target)`` of ``gm`` to
     :func:`linear_cross_entropy` with ``chunk`` tokens per chunk; returns how many."""
     if chunk < 1:
-        raise ValueError(f"loss_chunk_tokens must be a positive number of tokens, got {chunk}")
+        raise InvalidInput(f"loss_chunk_tokens must be a positive number of tokens, got {chunk}")
     done = 0
     for ce in list(gm.graph.find_nodes(op="call_function", target=_CE)):
         match = _match(ce)

@@ -29,6 +29,7 @@ from rpcompile.capture.types import Captured
 from rpcompile.errors import InvalidInput
 from rpcompile.ir import Plan
 from rpcompile.passes.chunked_loss import TOKEN_HITS
+from rpcompile.passes.manager import PassInvariantError
 
 __all__ = ["LayerRecompute", "StageInput", "StageProgram", "UnitSegment", "retarget", "split",
            "unit_segments"]
@@ -226,7 +227,7 @@ def _graph_outputs(gm: fx.GraphModule) -> list[fx.Node]:
     outs = next(iter(gm.graph.find_nodes(op="output"))).args[0]
     outs = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     if not 1 <= len(outs) <= len(TAIL_OUTPUTS):
-        raise ValueError(f"the captured graph has {len(outs)} outputs; the tail returns "
+        raise InvalidInput(f"the captured graph has {len(outs)} outputs; the tail returns "
                          f"{' and '.join(TAIL_OUTPUTS)}")
     return outs
 
@@ -247,7 +248,7 @@ def _check_reads(placeholders: dict[str, fx.Node], st, program: StageProgram) ->
     keys = sorted({i.source for i in program.inputs if i.kind == "batch"})
     planned = sorted(k for k, _ in st.batch_inputs)
     if nbytes != st.buffer_bytes or keys != planned:
-        raise AssertionError(
+        raise PassInvariantError(
             f"stage {program.name}: its program reads buffers of {nbytes} bytes and the batch "
             f"inputs {keys}, but the plan counts {st.buffer_bytes} bytes and {planned}: the "
             "cost walk (rpcompile.passes.cost) and the split disagree on what the stage reads")

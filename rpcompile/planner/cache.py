@@ -30,6 +30,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from rpcompile.errors import InvalidInput
 from rpcompile.hardware import Hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
 from rpcompile.options import PlanOptions
@@ -115,7 +116,7 @@ def plan_from_dict(data: dict[str, Any]) -> Plan:
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(fields) - known
         if unknown:
-            raise ValueError(f"unknown {cls.__name__} fields {sorted(unknown)}")
+            raise InvalidInput(f"unknown {cls.__name__} fields {sorted(unknown)}")
         return cls(**{k: frozen(v) for k, v in fields.items()})
 
     fields = dict(data)
@@ -136,11 +137,11 @@ def cached_plan(search: Callable[[], Plan], key: str, inputs: dict[str, str],
         try:
             doc = json.loads(path.read_text())
             if doc.get("format") != FORMAT or doc.get("key") != key:
-                raise ValueError("written for another key or format")
+                raise InvalidInput("written for another key or format")
             plan = plan_from_dict(doc["plan"])
             plan.validate()
             if tuple(plan.units) != tuple(units):
-                raise ValueError("made for other units")
+                raise InvalidInput("made for other units")
             notice(f"rpcompile: plan from the cache ({path}); the search was skipped")
             return plan, True
         except Exception as exc:  # any unreadable entry is searched again, never used

@@ -59,6 +59,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from rpcompile.errors import InvalidInput, InvalidType
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.options import PlanOptions, entry_plan_options
@@ -199,7 +200,7 @@ def longest_sequence(
     (:func:`~rpcompile.options.entry_plan_options`: each checked by the group's rule, under
     this function's name for it; given the group, any of them given too is refused)."""
     if options is None and (workers is None or microbatches is None):
-        raise TypeError("longest_sequence() needs workers and microbatches, or "
+        raise InvalidType("longest_sequence() needs workers and microbatches, or "
                         "options=PlanOptions(...)")
     po = entry_plan_options(options, "longest_sequence",
                             names={"gpus": "workers", "mode": "optimizer"},
@@ -209,7 +210,7 @@ def longest_sequence(
     rounds, optimizer = po.rounds, po.mode
     hw = get_hardware(hardware)
     if not 1 <= step <= start <= limit:
-        raise ValueError(f"need 1 <= step ({step}) <= start ({start}) <= limit ({limit})")
+        raise InvalidInput(f"need 1 <= step ({step}) <= start ({start}) <= limit ({limit})")
     capacity = hw.usable_memory_bytes if capacity_bytes is None else int(capacity_bytes)
     ram = max(0, int(host_ram_bytes or 0))
     proofs = replays = 0

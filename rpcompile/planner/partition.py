@@ -32,7 +32,7 @@ from contextvars import ContextVar
 from dataclasses import dataclass, replace
 from functools import cache
 
-from rpcompile.errors import RPCompileError
+from rpcompile.errors import InvalidInput, InvalidType, RPCompileError
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, Stage, UnitProfile
 from rpcompile.options import PlanOptions, check_update_order, entry_plan_options
@@ -209,7 +209,7 @@ def partition(
     (:func:`~rpcompile.options.check_update_order`: async has one order).
     """
     if options is None and (workers is None or microbatches is None):
-        raise TypeError("partition() needs workers and microbatches, or "
+        raise InvalidType("partition() needs workers and microbatches, or "
                         "options=PlanOptions(...)")
     po = entry_plan_options(
         options, "partition", names={"gpus": "workers", "mode": "optimizer"},
@@ -217,7 +217,7 @@ def partition(
         mode=optimizer, recompute=recompute, updates=updates, max_simulations=max_simulations)
     if isinstance(grad_check_passes, bool) or not isinstance(grad_check_passes, int) \
             or grad_check_passes < 0:
-        raise ValueError(f"grad_check_passes must be a whole number >= 0, got "
+        raise InvalidInput(f"grad_check_passes must be a whole number >= 0, got "
                          f"{grad_check_passes!r}")
     # The search below reads the group's values, checked when the group was built.
     workers, microbatches, rounds = po.gpus, po.microbatches_per_round, po.rounds
@@ -242,7 +242,7 @@ def partition(
     units = tuple(units)
     n = len(units)
     if n < 2:
-        raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
+        raise InvalidInput("a plan needs at least two units (something before the tail, and the tail)")
     capacity = hw.usable_memory_bytes
     fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
     args = (units, hw, workers, microbatches, microbatch_size, seq_len, rounds, max_tail_layers,
@@ -1081,7 +1081,7 @@ def memory_first_plan(units: Sequence[UnitProfile], hardware: Hardware | str, wo
     one gradient slot per worker)."""
     n = len(units)
     if n < 2:
-        raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
+        raise InvalidInput("a plan needs at least two units (something before the tail, and the tail)")
     cuts = list(range(n - 1))
     plan = build_plan(units, cuts, cuts, n - 1, hardware, workers, microbatches, microbatch_size,
                       seq_len, rounds, costing,
@@ -1172,7 +1172,7 @@ def _timed_plan(units, stages, hw, workers, microbatches, microbatch_size, seq_l
 def _ranges(bounds: Sequence[int], end: int) -> list[tuple[int, ...]]:
     bounds = list(bounds)
     if not bounds or bounds[0] != 0 or sorted(set(bounds)) != bounds or bounds[-1] >= end:
-        raise ValueError(f"stage starts {bounds} must begin at 0 and increase below {end}")
+        raise InvalidInput(f"stage starts {bounds} must begin at 0 and increase below {end}")
     edges = [*bounds, end]
     return [tuple(range(a, b)) for a, b in itertools.pairwise(edges)]
 

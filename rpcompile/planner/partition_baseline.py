@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rpcompile.errors import InvalidInput
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.planner.partition import PartitionError, StageCosting, build_plan
@@ -40,7 +41,7 @@ def candidate_budgets(costs: Sequence[float], costliest: float | None = None) ->
     """W and every contiguous run's total cost in [W, 1.1 W], sorted. W is ``costliest``, by
     default the costliest unit of ``costs``."""
     if not costs:
-        raise ValueError("no units to partition")
+        raise InvalidInput("no units to partition")
     w = max(costs) if costliest is None else costliest
     out = {w}
     for i in range(len(costs)):
@@ -106,9 +107,9 @@ def partition_roundpipe(
     units = tuple(units)
     n = len(units)
     if n < 2:
-        raise ValueError("a plan needs at least two units (something before the tail, and the tail)")
+        raise InvalidInput("a plan needs at least two units (something before the tail, and the tail)")
     if workers < 1:
-        raise ValueError(f"workers must be >= 1, got {workers}")
+        raise InvalidInput(f"workers must be >= 1, got {workers}")
     limit = WEIGHT_MEMORY_FRACTION * hw.memory_bytes
     weights = [u.params * costing.weight_dtype_bytes for u in units]
     for u, wb in zip(units, weights):

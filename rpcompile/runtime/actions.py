@@ -49,6 +49,7 @@ import torch
 from torch import fx
 
 from rpcompile.capture.quantized import dequantize_sites, without_dequantize
+from rpcompile.errors import MissingKey, StateError
 from rpcompile.ir import Action, ActionKind, check_registry
 from rpcompile.passes.chunked_loss import TOKEN_HITS
 from rpcompile.runtime import kernels as _kernels
@@ -303,9 +304,9 @@ class Actions:
         if missing and a.stage in self._host_upload:
             # The upload is in the schedule but has not landed: an ordering edge is missing,
             # as for any other value read before its writer put it there.
-            raise KeyError(f"{a}: batch inputs {missing} read before their host upload landed")
+            raise MissingKey(f"{a}: batch inputs {missing} read before their host upload landed")
         if missing:
-            raise RuntimeError(
+            raise StateError(
                 f"{a}: the schedule brings no upload of the batch inputs {missing} that "
                 f"{self.programs[a.stage].name} reads; its plan's stages do not say what they "
                 "read (Stage.batch_inputs is None: a stage built by hand), so build the plan "
@@ -421,7 +422,7 @@ class Actions:
         stage = self.store.stages[a.stage]
         if a in run.plan.job_first and stage.layout.grad_numel:
             if job not in run.plan.grad_jobs:
-                raise RuntimeError(f"stage {prog.name} has trainable parameters but the "
+                raise StateError(f"stage {prog.name} has trainable parameters but the "
                                    "schedule never downloads its gradients (no D2H grad)")
             flat = worker.alloc(shape=(stage.layout.grad_numel,), dtype=torch.float32,
                                 tag=f"{prog.name} gradients")
@@ -438,7 +439,7 @@ class Actions:
             # adds every parameter of the microbatch in one launch (acc += g.float()).
             stray = sorted(n for n, _ in pairs if grads is None or n not in grads.offsets)
             if stray:
-                raise RuntimeError(f"stage {prog.name}: gradients for {stray} have no place in "
+                raise StateError(f"stage {prog.name}: gradients for {stray} have no place in "
                                    "the stage's gradient buffer (parameters the host store "
                                    "holds as frozen?)")
             _accumulate(grads, pairs, self.kernels)

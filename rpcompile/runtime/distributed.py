@@ -88,6 +88,7 @@ import torch.distributed as dist
 
 from rpcompile.errors import InvalidInput, StateError
 from rpcompile.runtime.checkpoint import merge_shards
+from rpcompile.runtime.errors import EventTimeout
 from rpcompile.runtime.executor import StepFailed, clip_grad_norm
 from rpcompile.runtime.memory import HostStore, _runs, shard_bounds
 
@@ -556,7 +557,7 @@ class DataParallel:
             while True:
                 left = POLL_S if end is None else min(POLL_S, end - time.monotonic())
                 if left <= 0:
-                    raise TimeoutError(f"not done within the step's deadline ({timeout_s:.1f} "
+                    raise EventTimeout(f"not done within the step's deadline ({timeout_s:.1f} "
                                        "s from this wait)")
                 try:
                     work.wait(timeout=datetime.timedelta(seconds=max(left, 0.001)))

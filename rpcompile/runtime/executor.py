@@ -49,6 +49,7 @@ import torch
 from torch import fx
 
 from rpcompile.capture.batch import split_batch
+from rpcompile.errors import InvalidInput, InvalidType, StateError
 from rpcompile.ir import Action, Schedule
 from rpcompile.options import TrainOptions, check_update_order, deferred_reasons
 from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES, updates_deferred
@@ -115,7 +116,7 @@ class Executor(Actions):
         if options is None:
             options = TrainOptions(**loose)
         elif loose:
-            raise TypeError(f"Executor takes options=TrainOptions(...) or the keywords "
+            raise InvalidType(f"Executor takes options=TrainOptions(...) or the keywords "
                             f"{', '.join(sorted(loose))}, not both: set them in the options")
         self.options = options
         kernels, skip_nonfinite = options.kernels, options.skip_nonfinite
@@ -137,7 +138,7 @@ class Executor(Actions):
             fix="a schedule lowered with updates='deferred' (rpcompile.passes.lower.lower)")
         checks = [a.step for a in schedule.host if a.kind == "CHECK"]
         if sorted(checks) != list(range(schedule.steps)):
-            raise ValueError(
+            raise InvalidInput(
                 "the schedule needs one CHECK action per step (the step's gradient check, "
                 f"placed by the lowering's optimizer pass); it has them for steps {checks} of "
                 f"{schedule.steps}: lower it with rpcompile.passes.lower.lower")
@@ -247,7 +248,7 @@ class Executor(Actions):
                             f"{sched.run_steps - 1}, not whole dispatch periods of {period} "
                             "steps (build it with rpcompile.passes.lower.runtime_schedule)")
         if problems:
-            raise ValueError("cannot execute this schedule: " + "; ".join(problems))
+            raise InvalidInput("cannot execute this schedule: " + "; ".join(problems))
 
     def plan_for(self, step: int) -> StepPlan:
         """The precomputed plan of the schedule step that run step ``step`` executes."""
@@ -300,13 +301,13 @@ class Executor(Actions):
     def _driving(self, what: str) -> Iterator[None]:
         """One thread at a time runs steps, the one whose steps are in flight."""
         if not self._step_lock.acquire(blocking=False):
-            raise RuntimeError(
+            raise StateError(
                 f"{what} was called while a step is running from another thread: a trainer "
                 "runs one step at a time, in order, from one thread. Call step() (and what "
                 "reads the masters) from one thread, or serialize the calls with a lock.")
         try:
             if self._driver_thread not in (None, threading.get_ident()):
-                raise RuntimeError(
+                raise StateError(
                     f"{what} was called while another thread's steps are in flight: a "
                     "trainer runs one step at a time, in order, from one thread; finish that "
                     "thread's steps (or flush them from it) first.")
@@ -343,9 +344,9 @@ class Executor(Actions):
         another thread's step runs raises at once."""
         with self._driving("step()"):
             if self._closed:
-                raise RuntimeError(f"cannot run a step: {self._closed}")
+                raise StateError(f"cannot run a step: {self._closed}")
             if self.in_flight or self._finished or self._unreported:
-                raise RuntimeError(
+                raise StateError(
                     "step() was called with steps of a stream still in flight (or their "
                     "results not yet taken): finish the stream (Trainer.fit) or flush() it "
                     "first")
@@ -362,9 +363,9 @@ class Executor(Actions):
         hyperparameters as they are then); if it raises, the steps after it fail."""
         with self._driving("a step"):
             if self._closed:
-                raise RuntimeError(f"cannot run a step: {self._closed}")
+                raise StateError(f"cannot run a step: {self._closed}")
             if self.in_flight >= self.in_flight_limit:
-                raise RuntimeError(f"{self.in_flight} steps are in flight, the most at once: "
+                raise StateError(f"{self.in_flight} steps are in flight, the most at once: "
                                    "finish() the oldest before starting another")
             return self._start(batch, after_commit)
 
@@ -458,7 +459,7 @@ class Executor(Actions):
         flight = state.flight
         try:
             if not state.checked:
-                raise RuntimeError("the step ended without running its CHECK action: the "
+                raise StateError("the step ended without running its CHECK action: the "
                                    "schedule lacks one (lower it with the optimizer pass)")
             if state.skipped and not self.paired:
                 self.driver.discard_step()
@@ -505,7 +506,7 @@ class Executor(Actions):
         """Wait for the oldest step not yet handed back to commit (it may have already) and
         return its result; the run of steps ends after the last one (the workers idle)."""
         if not self._unreported:
-            raise RuntimeError("no step in flight to finish: start() one first")
+            raise StateError("no step in flight to finish: start() one first")
         state = self._unreported[0]
         flight = state.flight
         interrupts: list[BaseException] = []

@@ -46,6 +46,7 @@ from typing import Any
 import numpy
 import torch
 
+from rpcompile.errors import InvalidInput, StateError
 from rpcompile.options import KERNELS, check_option
 
 __all__ = [
@@ -97,7 +98,7 @@ def host_backend(kernels: str, worker_kind: str) -> str:
         return "torch"
     if worker_kind == "virtual":
         return kernels
-    raise ValueError(f"unknown worker kind {worker_kind!r}; expected 'cuda' or 'virtual'")
+    raise InvalidInput(f"unknown worker kind {worker_kind!r}; expected 'cuda' or 'virtual'")
 
 
 def packed_offsets(tensors: Sequence[torch.Tensor], align: int = 1) -> list[int]:
@@ -109,7 +110,7 @@ def packed_offsets(tensors: Sequence[torch.Tensor], align: int = 1) -> list[int]
     The buffer then needs ``offsets[-1] + tensors[-1].numel()`` elements.
     """
     if align < 1:
-        raise ValueError(f"align must be >= 1, got {align}")
+        raise InvalidInput(f"align must be >= 1, got {align}")
     offsets, at = [], 0
     for tensor in tensors:
         at = -(-at // align) * align
@@ -169,10 +170,10 @@ def cast_flat(
     """
     if out is None:
         if dtype is None:
-            raise ValueError("cast_flat needs `out` or `dtype` (torch.bfloat16 or torch.float16)")
+            raise InvalidInput("cast_flat needs `out` or `dtype` (torch.bfloat16 or torch.float16)")
         out = torch.empty(source.numel(), dtype=dtype, device=source.device)
     elif dtype is not None and dtype != out.dtype:
-        raise ValueError(f"cast_flat: dtype={dtype} disagrees with out.dtype={out.dtype}")
+        raise InvalidInput(f"cast_flat: dtype={dtype} disagrees with out.dtype={out.dtype}")
     return cast_pack([source], out, [0], backend=backend)
 
 
@@ -219,7 +220,7 @@ def accumulate_grads(
 
 def _check_flat(buffer: torch.Tensor, name: str, dtypes: tuple[torch.dtype, ...]) -> None:
     if buffer.dtype not in dtypes or buffer.dim() != 1 or not buffer.is_contiguous():
-        raise ValueError(
+        raise InvalidInput(
             f"{name} must be a contiguous 1-D tensor of dtype {' or '.join(map(str, dtypes))}; "
             f"got dtype={buffer.dtype}, shape={tuple(buffer.shape)}, "
             f"contiguous={buffer.is_contiguous()}"
@@ -234,18 +235,18 @@ def _check_sources(
     name: str,
 ) -> None:
     if len(offsets) != len(sources):
-        raise ValueError(f"{len(sources)} {name} but {len(offsets)} offsets")
+        raise InvalidInput(f"{len(sources)} {name} but {len(offsets)} offsets")
     spans = []
     for index, (tensor, offset) in enumerate(zip(sources, offsets)):
         where = f"{name}[{index}]"
         if tensor.dtype not in dtypes:
-            raise ValueError(f"{where} has dtype {tensor.dtype}; expected one of {dtypes}")
+            raise InvalidInput(f"{where} has dtype {tensor.dtype}; expected one of {dtypes}")
         if tensor.device != flat.device:
-            raise ValueError(f"{where} is on {tensor.device} but the flat buffer on {flat.device}")
+            raise InvalidInput(f"{where} is on {tensor.device} but the flat buffer on {flat.device}")
         if not tensor.is_contiguous():
-            raise ValueError(f"{where} is not contiguous; pass tensor.contiguous()")
+            raise InvalidInput(f"{where} is not contiguous; pass tensor.contiguous()")
         if offset < 0 or offset + tensor.numel() > flat.numel():
-            raise ValueError(
+            raise InvalidInput(
                 f"{where} ({tensor.numel()} elements at offset {offset}) does not fit in the "
                 f"flat buffer of {flat.numel()} elements"
             )
@@ -254,12 +255,12 @@ def _check_sources(
     spans.sort()
     for (_, end, first), (start, _, second) in itertools.pairwise(spans):
         if start < end:
-            raise ValueError(f"{name}[{first}] and {name}[{second}] overlap in the flat buffer")
+            raise InvalidInput(f"{name}[{first}] and {name}[{second}] overlap in the flat buffer")
 
 
 def _check_flag(flag: torch.Tensor, device: torch.device) -> None:
     if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != device:
-        raise ValueError(
+        raise InvalidInput(
             f"found_nonfinite must be nonfinite_flag({str(device)!r}) (one int32 on {device}); "
             f"got dtype={flag.dtype}, numel={flag.numel()}, device={flag.device}"
         )
@@ -484,13 +485,13 @@ def _triton_kernels(interpret: bool) -> _Kernels:
         import triton.language as language
         from triton.runtime.interpreter import InterpretedFunction
     except ImportError as error:  # pragma: no cover - triton is a declared dependency
-        raise RuntimeError(
+        raise StateError(
             "backend='triton' needs the triton package; use backend='torch'"
         ) from error
     if not interpret and triton.knobs.runtime.interpret:
         # TRITON_INTERPRET=1 makes triton.jit interpret, which would dereference the raw CUDA
         # addresses in our block tables on the host.
-        raise RuntimeError(
+        raise StateError(
             "TRITON_INTERPRET=1 is set but the tensors are on CUDA; unset it to run the "
             "compiled kernels, or move the tensors to the CPU to use the interpreter"
         )
@@ -639,17 +640,17 @@ def dequantize_4bit(
     """
     n = _check_dequantize(packed, (torch.uint8,), shape, dtype, out, "packed")
     if packed.numel() * 2 < n:
-        raise ValueError(f"packed holds {packed.numel() * 2} 4-bit codes, the shape {tuple(shape)} "
+        raise InvalidInput(f"packed holds {packed.numel() * 2} 4-bit codes, the shape {tuple(shape)} "
                          f"needs {n}")
     nested = absmax_code is not None
     if nested != (absmax_scale is not None) or nested != (absmax_offset is not None):
-        raise ValueError("a double-quantized absmax needs absmax_code, absmax_scale and "
+        raise InvalidInput("a double-quantized absmax needs absmax_code, absmax_scale and "
                          "absmax_offset together")
     if blocksize < 1 or (nested and absmax_blocksize < 1):
-        raise ValueError(f"blocksize ({blocksize}) and, when double-quantized, absmax_blocksize "
+        raise InvalidInput(f"blocksize ({blocksize}) and, when double-quantized, absmax_blocksize "
                          f"({absmax_blocksize}) must be positive")
     if absmax.dtype != (torch.uint8 if nested else torch.float32):
-        raise ValueError(f"absmax has dtype {absmax.dtype}; expected "
+        raise InvalidInput(f"absmax has dtype {absmax.dtype}; expected "
                          f"{'uint8 (double-quantized)' if nested else 'float32'}")
     if out is None:
         out = torch.empty(n, dtype=dtype, device=packed.device)
@@ -701,10 +702,10 @@ def dequantize_int8(
     per row, rounded once (bitsandbytes' int8 training matmul). ``out`` as for
     :func:`dequantize_4bit`."""
     if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [rows, cols], got shape {tuple(weight.shape)}")
+        raise InvalidInput(f"weight must be 2-D [rows, cols], got shape {tuple(weight.shape)}")
     n = _check_dequantize(weight, (torch.int8,), weight.shape, dtype, out, "weight")
     if row_absmax.dtype != torch.float32 or row_absmax.numel() != weight.shape[0]:
-        raise ValueError(f"row_absmax must hold {weight.shape[0]} float32 values, one per row; "
+        raise InvalidInput(f"row_absmax must hold {weight.shape[0]} float32 values, one per row; "
                          f"got {row_absmax.numel()} of {row_absmax.dtype}")
     if out is None:
         out = torch.empty(n, dtype=dtype, device=weight.device)
@@ -727,16 +728,16 @@ def dequantize_int8(
 
 def _check_dequantize(source, dtypes, shape, dtype, out, name) -> int:
     if source.dtype not in dtypes or not source.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {dtypes[0]} tensor; got {source.dtype}, "
+        raise InvalidInput(f"{name} must be a contiguous {dtypes[0]} tensor; got {source.dtype}, "
                          f"contiguous={source.is_contiguous()}")
     if dtype not in _KIND:
-        raise ValueError(f"dtype must be bfloat16, float16 or float32, not {dtype}")
+        raise InvalidInput(f"dtype must be bfloat16, float16 or float32, not {dtype}")
     n = 1
     for d in shape:
         n *= int(d)
     if out is not None and (out.dtype != dtype or out.numel() != n or not out.is_contiguous()
                             or out.device != source.device):
-        raise ValueError(
+        raise InvalidInput(
             f"out must be a contiguous {dtype} tensor of {n} elements on {source.device}; got "
             f"{out.dtype}, {out.numel()} elements, contiguous={out.is_contiguous()}, on "
             f"{out.device}")

@@ -29,6 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rpcompile.errors import StateError
 from rpcompile.ir import Action
 from rpcompile.runtime.errors import EventTimeout, UpstreamFailed, WorkerAborted, WorkerError
 from rpcompile.runtime.results import StepAborted
@@ -148,7 +149,7 @@ class InFlight:
         """Register a submitted step: one event per action, which what waits on it holds
         (an action of it that an earlier step's wait already named keeps that event)."""
         if self.last_step is not None:
-            raise RuntimeError("this run of steps was ended (end_steps): start a new one")
+            raise StateError("this run of steps was ended (end_steps): start a new one")
         with self.lock:
             self.steps[state.k] = state
             for a in state.plan.actions:

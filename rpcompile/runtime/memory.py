@@ -62,6 +62,7 @@ from typing import ClassVar
 
 import torch
 
+from rpcompile.errors import InvalidInput, InvalidType, MissingKey, StateError
 from rpcompile.ir import STAGING_FIT
 from rpcompile.options import check_option
 from rpcompile.runtime.errors import format_bytes
@@ -198,7 +199,7 @@ class StageBuffers:
         layout = self.packed_layout
         if layout is None or data.dtype != torch.uint8 or data.numel() != layout.nbytes:
             need = 0 if layout is None else layout.nbytes
-            raise ValueError(f"stage {self.layout.stage}: packed buffer of {data.numel()} "
+            raise InvalidInput(f"stage {self.layout.stage}: packed buffer of {data.numel()} "
                              f"{data.dtype} elements, the layout needs {need} uint8")
         out = {}
         for name in layout.names:
@@ -212,7 +213,7 @@ class StageBuffers:
     def device_views(self, weights: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of every parameter of the stage into its uploaded device weight buffer."""
         if weights.numel() != self.layout.shadow_numel:
-            raise ValueError(
+            raise InvalidInput(
                 f"stage {self.layout.stage}: weight buffer has {weights.numel()} elements, "
                 f"the layout needs {self.layout.shadow_numel}"
             )
@@ -221,7 +222,7 @@ class StageBuffers:
     def grad_views(self, grads: torch.Tensor) -> dict[str, torch.Tensor]:
         """Views of every trainable parameter into a flat gradient buffer of this stage."""
         if grads.numel() != self.layout.grad_numel:
-            raise ValueError(
+            raise InvalidInput(
                 f"stage {self.layout.stage}: gradient buffer has {grads.numel()} elements, "
                 f"the layout needs {self.layout.grad_numel}"
             )
@@ -421,11 +422,11 @@ class HostStore:
         for params in stage_params:
             for name, tensor in params:
                 if not tensor.is_floating_point():
-                    raise ValueError(
+                    raise InvalidInput(
                         f"parameter {name!r} has dtype {tensor.dtype}: a quantized weight is kept "
                         "packed only when given in packed= (its PackedWeight, Captured.quantized)")
         if compute_dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            raise ValueError(f"compute_dtype must be float32, bfloat16 or float16, not {compute_dtype}")
+            raise InvalidInput(f"compute_dtype must be float32, bfloat16 or float16, not {compute_dtype}")
         grad_set = set(range(len(stage_params)) if grad_stages is None else grad_stages)
         keys: dict[object, int] = {}
         tensors: list[torch.Tensor] = []
@@ -436,7 +437,7 @@ class HostStore:
         for stage, params in enumerate(stage_params):
             for name, tensor in params:
                 if tensor.device.type == "meta":
-                    raise ValueError(f"parameter {name!r} is on the meta device; materialize it first")
+                    raise InvalidInput(f"parameter {name!r} is on the meta device; materialize it first")
                 key = _identity(tensor)
                 index = keys.get(key)
                 if index is None:
@@ -448,7 +449,7 @@ class HostStore:
                 if not any(t is tensor for t in objects[index]):
                     objects[index].append(tensor)
                 if name in seen_names and seen_names[name] != index:
-                    raise ValueError(f"name {name!r} is given for two different tensors")
+                    raise InvalidInput(f"name {name!r} is given for two different tensors")
                 seen_names[name] = index
                 if name not in names[index]:
                     names[index].append(name)
@@ -462,7 +463,7 @@ class HostStore:
             numel = tensor.numel()
             contributing = tuple(s for s in uses[i] if s in grad_set)
             if trainable and not contributing:
-                raise ValueError(
+                raise InvalidInput(
                     f"trainable parameter {names[i][0]!r} is used only by stages {uses[i]}, "
                     f"none of which produces gradients ({sorted(grad_set)}); freeze it "
                     "(requires_grad=False) or include a backward stage that uses it"
@@ -538,10 +539,10 @@ class HostStore:
         space (it must fall on parameter boundaries: :func:`shard_bounds`); the full master
         buffer is released. Call once, before any optimizer is built over :meth:`masters`."""
         if self._masters is not None:
-            raise RuntimeError("shard_masters() after masters() was taken: build the optimizer "
+            raise StateError("shard_masters() after masters() was taken: build the optimizer "
                                "after sharding")
         if self.master_start != 0 or self.master_stop != self.master.numel():
-            raise RuntimeError("the masters are already sharded")
+            raise StateError("the masters are already sharded")
         total = self.master.numel()
         owned = tuple(s for s in self.trainable_slots
                       if (start <= s.master_offset < stop and s.master_offset + s.numel <= stop)
@@ -550,7 +551,7 @@ class HostStore:
                if s not in owned and s.master_offset < stop
                and s.master_offset + s.numel > start and s.numel]
         if cut:
-            raise ValueError(f"shard [{start}, {stop}) cuts parameters {cut[:3]}; shards hold "
+            raise InvalidInput(f"shard [{start}, {stop}) cuts parameters {cut[:3]}; shards hold "
                              "whole parameters (rpcompile.runtime.memory.shard_bounds)")
         kept, _ = _host_flat(stop - start, torch.float32, self.pin != "no")
         kept.copy_(self.master[start:stop])
@@ -563,7 +564,7 @@ class HostStore:
     def _m(self, start: int, stop: int) -> torch.Tensor:
         """The master elements ``[start, stop)`` (global offsets) this store holds."""
         if start < self.master_start or stop > self.master_stop:
-            raise KeyError(f"masters [{start}, {stop}) are not held by rank {self.rank} of "
+            raise MissingKey(f"masters [{start}, {stop}) are not held by rank {self.rank} of "
                            f"{self.ranks} (it holds [{self.master_start}, {self.master_stop}))")
         return self.master[start - self.master_start : stop - self.master_start]
 
@@ -576,18 +577,18 @@ class HostStore:
         try:
             return self._by_name[name]
         except KeyError:
-            raise KeyError(f"no parameter named {name!r} in the host store") from None
+            raise MissingKey(f"no parameter named {name!r} in the host store") from None
 
     def master_of(self, name: str) -> torch.Tensor:
         s = self.slot(name)
         if not s.trainable:
-            raise KeyError(f"{name!r} is frozen: it has no master (see shadow_of)")
+            raise MissingKey(f"{name!r} is frozen: it has no master (see shadow_of)")
         return self._m(s.master_offset, s.master_offset + s.numel).view(s.shape)
 
     def grad_of(self, name: str) -> torch.Tensor:
         s = self.slot(name)
         if not s.trainable:
-            raise KeyError(f"{name!r} is frozen: it has no gradient")
+            raise MissingKey(f"{name!r} is frozen: it has no gradient")
         return self.grad[s.master_offset : s.master_offset + s.numel].view(s.shape)
 
     def shadow_of(self, name: str, version: int | None = None) -> torch.Tensor:
@@ -602,7 +603,7 @@ class HostStore:
         """Whether ``version`` (None: the current one) is copy 1, the pair."""
         version = self.shadow_version if version is None else version
         if version not in (0, 1) or (version == 1 and self.shadow_pair is None):
-            raise ValueError(f"shadow copy {version} does not exist (copies: "
+            raise InvalidInput(f"shadow copy {version} does not exist (copies: "
                              f"{[0, 1] if self.shadow_pair is not None else [0]})")
         return version == 1
 
@@ -688,12 +689,12 @@ class HostStore:
         layout = self.stages[stage].layout
         flat_grad = flat_grad.reshape(-1)
         if flat_grad.numel() != layout.grad_numel:
-            raise ValueError(
+            raise InvalidInput(
                 f"stage {stage}: gradient has {flat_grad.numel()} elements, its layout "
                 f"needs {layout.grad_numel}"
             )
         if not flat_grad.is_floating_point():
-            raise TypeError(f"stage {stage}: gradient dtype {flat_grad.dtype} is not floating")
+            raise InvalidType(f"stage {stage}: gradient dtype {flat_grad.dtype} is not floating")
         with self._lock, torch.no_grad():
             for seg in layout.grad_segments:
                 self.grad[seg.start : seg.stop].add_(
@@ -713,7 +714,7 @@ class HostStore:
         trade places) and the buffer they leave, whose gradients were applied, is zeroed for
         the next step to accumulate into."""
         if self.pending is None:
-            raise RuntimeError("swap_pending() without a pending buffer (add_pending first)")
+            raise StateError("swap_pending() without a pending buffer (add_pending first)")
         with self._lock, torch.no_grad():
             self.grad, self.pending = self.pending, self.grad
             self.grad.zero_()
@@ -757,7 +758,7 @@ class HostStore:
         wanted = None if slot_indices is None else set(slot_indices)
         source = self.grad if not pending else self.pending
         if source is None:
-            raise RuntimeError("attach_grads(pending=True) without a pending buffer")
+            raise StateError("attach_grads(pending=True) without a pending buffer")
         for slot, p in zip(self._owned, self.masters()):
             if wanted is None or slot.index in wanted:
                 a = slot.master_offset
@@ -775,7 +776,7 @@ class HostStore:
                     try:
                         target = module.get_parameter(name)
                     except AttributeError:
-                        raise KeyError(
+                        raise MissingKey(
                             f"module has no parameter {name!r}; was the store built from it?"
                         ) from None
                     target.copy_(value.view(slot.shape))
@@ -789,7 +790,7 @@ class HostStore:
         Sharded: the masters this store holds (the other ranks' shadows come from theirs)."""
         missing = [s.name for s in self._owned if s.name not in state]
         if missing:
-            raise KeyError(f"state dict lacks masters for {missing[:5]} ({len(missing)} in all)")
+            raise MissingKey(f"state dict lacks masters for {missing[:5]} ({len(missing)} in all)")
         with torch.no_grad():
             for s in self._owned:
                 self.master_of(s.name).copy_(state[s.name])
@@ -887,7 +888,7 @@ class HostStaging:
         a failed step finds even a buffer whose taker never returned)."""
         nbytes = int(nbytes)
         if nbytes < 0:
-            raise ValueError(f"a staging buffer of {nbytes} bytes")
+            raise InvalidInput(f"a staging buffer of {nbytes} bytes")
         if nbytes == 0:  # nothing to hold (and no address to know it by)
             return torch.empty(0, dtype=torch.uint8)
         with self._lock:
@@ -916,7 +917,7 @@ class HostStaging:
             if buf.data_ptr() in self._quarantined:
                 return
             if not self._give_locked(buf):
-                raise ValueError("give(): this buffer is not one the staging pool lent "
+                raise InvalidInput("give(): this buffer is not one the staging pool lent "
                                  "(given back twice?)")
 
     def _give_locked(self, buf: torch.Tensor) -> bool:
@@ -1014,7 +1015,7 @@ def _pack(stage_packed, weights: dict, pin: bool, share: bool):
                 continue
             weight = weights[name]
             if weight.packed is not tensor:
-                raise ValueError(f"packed[{name!r}] holds another tensor than the stage's "
+                raise InvalidInput(f"packed[{name!r}] holds another tensor than the stage's "
                                  "parameter of that name")
             tensors = [("packed", weight.packed), *weight.state]
             tensors.sort(key=lambda kv: kv[1].element_size() != 4)
@@ -1166,7 +1167,7 @@ def _host_flat(numel: int, dtype: torch.dtype, pin: bool) -> tuple[torch.Tensor,
     if not pin:
         return flat, "no"
     if not torch.cuda.is_available():
-        raise ValueError("pin=True needs CUDA (torch.cuda.is_available() is False); use pin=False")
+        raise InvalidInput("pin=True needs CUDA (torch.cuda.is_available() is False); use pin=False")
     if numel == 0:
         return flat, "registered"
     failure = _register(flat.data_ptr(), flat.nbytes)

@@ -415,7 +415,7 @@ class OptimizerDriver:
         """True for a stage whose gradients count; False for one without trainable parameters
         (a backward stage of frozen layers: its calls are no-ops); raises for any other."""
         if not 0 <= stage < len(self.store.stages):
-            raise IndexError(f"stage {stage} out of range: the store has {len(self.store.stages)}")
+            raise InvalidInput(f"stage {stage} out of range: the store has {len(self.store.stages)}")
         if stage in self._grad_stages:
             return True
         if self.store.stages[stage].layout.grad_numel == 0:

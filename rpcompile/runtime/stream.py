@@ -17,6 +17,7 @@ import collections
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from rpcompile.errors import StateError
 from rpcompile.runtime.results import StepResult
 
 if TYPE_CHECKING:
@@ -62,7 +63,7 @@ class StepStream(Iterator[StepResult]):
         trainer = self._trainer
         executor = trainer.executor
         if trainer._refused:
-            raise RuntimeError(trainer._refused)
+            raise StateError(trainer._refused)
         self._requeue()
         self._fill()
         if not self._ahead:
@@ -77,7 +78,7 @@ class StepStream(Iterator[StepResult]):
             raise
         k, _batch = self._ahead.popleft()
         if k != result.step:
-            raise RuntimeError(f"the stream expected step {k}'s result, got step "
+            raise StateError(f"the stream expected step {k}'s result, got step "
                                f"{result.step}'s: another caller ran steps on this trainer")
         self.committed += 1
         trainer._committed(result)

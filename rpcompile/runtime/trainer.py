@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from rpcompile.errors import InvalidInput, InvalidType, StateError
 from rpcompile.ir import Schedule
 from rpcompile.options import (
     Options,
@@ -111,7 +112,7 @@ def check_ranks(planned: int | None, world: int) -> None:
     if planned is not None and planned != world:
         have = (f"the process group has {world} ranks" if world > 1 else
                 "this process trains alone (no torch.distributed process group)")
-        raise ValueError(
+        raise InvalidInput(
             f"the plan was lowered for {planned} data-parallel ranks (PlanOptions.ranks) but "
             f"{have}: compile with ranks={world} or leave ranks unset (it follows the "
             "process group); for a plan of more ranks than run here, use the plan only to "
@@ -139,7 +140,7 @@ def train_options_for(compiled: Any, optimizer: OptimizerFactory | None = None,
     known = {f.name for f in fields(TrainOptions)}
     unknown = sorted(set(changes) - known)
     if unknown:
-        raise TypeError(f"Trainer() got unknown keyword(s) {', '.join(unknown)}; the training "
+        raise InvalidType(f"Trainer() got unknown keyword(s) {', '.join(unknown)}; the training "
                         f"options are {', '.join(sorted(known))} (rpcompile.TrainOptions)")
     if optimizer is not None:
         changes["optimizer"] = optimizer
@@ -252,7 +253,7 @@ class Trainer:
         if options is None:
             options = train_options_for(compiled, optimizer, train)
         elif optimizer is not None or train:
-            raise ValueError("pass the training options either as options=TrainOptions(...) "
+            raise InvalidInput("pass the training options either as options=TrainOptions(...) "
                              "or as keywords, not both")
         overrides = {k: v for k, v in dict(mode=mode, schedule_steps=schedule_steps, updates=updates,
                                            chunk_bytes=chunk_bytes,
@@ -418,7 +419,7 @@ class Trainer:
         with the adapters applied again."""
         merged = [m for m in self._mergeable if m.merged]
         if merged:
-            raise ValueError(
+            raise InvalidInput(
                 f"{len(merged)} adapter layer(s) of the model are merged into its base weights "
                 f"(PEFT merge_adapter()); the trainer shares the frozen base weights with what "
                 f"the workers upload, so this step would train on the merged weights with the "
@@ -438,11 +439,11 @@ class Trainer:
         instead of waiting for the process group's timeout) and this trainer refuses further
         steps, as after any failed step: restart every rank."""
         if self._refused:
-            raise RuntimeError(self._refused)
+            raise StateError(self._refused)
         # One step at a time (the executor refuses a second one too; here it is refused
         # before it could count as a failed step of the first, _refuse).
         if not self._stepping.acquire(blocking=False):
-            raise RuntimeError(
+            raise StateError(
                 "step() was called while another step() is still running from another "
                 "thread: a trainer runs one step at a time, in order. Call step() from one "
                 "thread, or serialize the calls with a lock.")
@@ -489,7 +490,7 @@ class Trainer:
 
         if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
                                   or steps < 0):
-            raise ValueError(f"steps must be a whole number >= 0 or None, got {steps!r}")
+            raise InvalidInput(f"steps must be a whole number >= 0 or None, got {steps!r}")
         return StepStream(self, batches, steps, scheduler)
 
     def _bind(self, batch: Any, step: int) -> dict[str, torch.Tensor]:
@@ -499,7 +500,7 @@ class Trainer:
         from rpcompile.capture.batch import NUM_ITEMS, bind_batch
 
         if self._refused:
-            raise RuntimeError(self._refused)
+            raise StateError(self._refused)
         try:
             self._refuse_merged_adapters()
             bound = bind_batch(self.compiled.capture, batch, step=step)
@@ -562,7 +563,7 @@ class Trainer:
         update raises (once) as :class:`StepFailed`.
         Refused after a failure without the undo journal (the masters may be half-updated)."""
         if self._refused:
-            raise RuntimeError(self._refused)
+            raise StateError(self._refused)
         self.flush()
 
     def flush(self) -> bool:
@@ -575,7 +576,7 @@ class Trainer:
         (docs/runtime.md section 5). Returns whether anything was pending; a failed update
         is undone, leaves the gradients pending and raises :class:`StepFailed`."""
         if self._refused:
-            raise RuntimeError(self._refused)
+            raise StateError(self._refused)
         try:
             with self.executor.between_steps("a flush of the pending gradients (masters(), "
                                              "evaluate, state_dict, checkpoints)"):
@@ -592,7 +593,7 @@ class Trainer:
         copies), once every queued update has run. Sharded: refused, since this rank holds
         only its shard (:meth:`owned_masters`, :meth:`gather_masters`)."""
         if self.sharded:
-            raise RuntimeError(
+            raise StateError(
                 f"shard_optimizer=True: rank {self.dp.rank} of {self.dp.world} holds the "
                 "masters of its shard only; trainer.owned_masters() gives those, "
                 "trainer.gather_masters() all of them (a collective: call it on every rank)")
@@ -710,7 +711,7 @@ class Trainer:
         if not self._refused:
             self._settle()
         if partial and not self.sharded:
-            raise ValueError("a partial state (some ranks' shards) loads only into a sharded "
+            raise InvalidInput("a partial state (some ranks' shards) loads only into a sharded "
                              "trainer, which needs no more than its own shard")
         if self.sharded:
             state = self.dp.shard_state(state, self.optimizer, strict=strict, partial=partial)
@@ -796,7 +797,7 @@ class Trainer:
         from rpcompile.runtime import checkpoint
 
         if per_rank and not self.sharded:
-            raise ValueError("per_rank=True writes one file per rank of a sharded state "
+            raise InvalidInput("per_rank=True writes one file per rank of a sharded state "
                              "(shard_optimizer=True on more than one rank); this state is "
                              "whole on every rank: save it with per_rank=False")
         if per_rank:
@@ -962,7 +963,7 @@ def check_plan_shape(compiled: Any, batch: dict[str, torch.Tensor]) -> None:
     too_long = seq is not None and seq > plan.seq_len
     if per_mb > plan.microbatch_size or too_long:
         got = f"{first.shape[0]} sequences" + (f" of {seq} tokens" if seq is not None else "")
-        raise ValueError(
+        raise InvalidInput(
             f"this batch ({got}: microbatches of up to {per_mb} sequences) is larger than the "
             f"plan's shape ({plan.microbatch_size} sequences per microbatch"
             + (f", {plan.seq_len} tokens" if seq is not None else "") + "), for which its "

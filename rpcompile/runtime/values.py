@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rpcompile.errors import InvalidInput
 from rpcompile.ir import Schedule
 from rpcompile.passes.split import StageProgram
 from rpcompile.runtime.workers import Worker
@@ -61,7 +62,7 @@ def bundle_names(programs: Sequence[StageProgram], unit_of: Mapping[str, int],
         received = live_after(prog.units[0] - 1)
         missing = names - received - set(prog.outputs)
         if missing:
-            raise ValueError(
+            raise InvalidInput(
                 f"stage {prog.name} sends value {value!r} but cannot provide {sorted(missing)}: "
                 "they are neither its inputs nor its outputs; the split and the schedule's flows "
                 "disagree (re-run compile(); report this if it persists)"

@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from rpcompile.errors import InvalidInput, InvalidType, StateError
 from rpcompile.options import check_option
 from rpcompile.runtime.errors import (
     EventTimeout,
@@ -164,7 +165,7 @@ class Event:
         """
         events = list(events)
         if any(isinstance(e, CudaEvent) for e in events):
-            raise TypeError("Event.all_of takes host events only; wait on CUDA events one by one")
+            raise InvalidType("Event.all_of takes host events only; wait on CUDA events one by one")
         combined = Event(name)
         remaining = [len(events)]
         lock = threading.Lock()
@@ -462,7 +463,7 @@ class Worker(abc.ABC):
 
     def _put(self, stream: str, item: _Item) -> None:
         if stream not in STREAMS:
-            raise ValueError(f"unknown stream {stream!r}; streams are {STREAMS}")
+            raise InvalidInput(f"unknown stream {stream!r}; streams are {STREAMS}")
         if self._stopping:
             raise WorkerAborted(f"worker {self.name} is shut down; cannot run {item.label!r}")
         self._queues[stream].put(item)
@@ -602,7 +603,7 @@ class Worker(abc.ABC):
         Raises :class:`WorkerOutOfMemory` when the capacity would be exceeded.
         """
         if (nbytes is None) == (shape is None):
-            raise ValueError("alloc() takes either nbytes or shape= (with dtype=)")
+            raise InvalidInput("alloc() takes either nbytes or shape= (with dtype=)")
         if nbytes is not None:
             shape, dtype = (int(nbytes),), torch.uint8
         shape = tuple(int(d) for d in shape)  # type: ignore[union-attr]
@@ -633,7 +634,7 @@ class Worker(abc.ABC):
         with self._lock:
             entry = self._allocs.pop(tensor.data_ptr(), None)
             if entry is None:
-                raise ValueError(
+                raise InvalidInput(
                     f"worker {self.name}: free() of a tensor it did not allocate (or freed twice)"
                 )
             self._in_use -= entry[0]
@@ -728,7 +729,7 @@ class VirtualWorker(Worker):
 
     def device_wait(self, event: Event) -> None:
         if isinstance(event, CudaEvent):
-            raise TypeError(f"virtual worker {self.name} cannot wait on CUDA event {event.name!r}")
+            raise InvalidType(f"virtual worker {self.name} cannot wait on CUDA event {event.name!r}")
 
     def _empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(shape, dtype=dtype)
@@ -788,7 +789,7 @@ class CudaWorker(Worker):
         self.host_memory = host_memory
         self.pinned = pin_host_memory(host_memory, "cuda")  # checks the choice first
         if not torch.cuda.is_available():
-            raise RuntimeError(
+            raise StateError(
                 "CudaWorker needs a CUDA device, and torch.cuda.is_available() is False; "
                 "use make_workers(n, device='virtual') to run on the CPU"
             )
@@ -870,7 +871,7 @@ def make_workers(
     pin_host_memory(host_memory, "virtual")  # a bad choice fails here, whatever the device
     check_option("device", device)  # the device option's one check (rpcompile.choices)
     if n < 1:
-        raise ValueError(f"make_workers needs n >= 1, got {n}")
+        raise InvalidInput(f"make_workers needs n >= 1, got {n}")
     if device == "auto":
         if torch.cuda.is_available():
             device = "cuda"
@@ -888,4 +889,4 @@ def make_workers(
                            host_memory=host_memory) for i in range(n)]
     if device == "virtual":
         return [VirtualWorker(i, capacity_bytes=capacity_bytes, chaos=chaos) for i in range(n)]
-    raise AssertionError(device)  # unreachable: check_option refused it above
+    raise StateError(device)  # unreachable: check_option refused it above

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rpcompile.errors import InvalidInput
 from rpcompile.ir import Stage, UnitProfile
 
 __all__ = ["head_layer_equivalents", "pipeline_stages"]
@@ -46,9 +47,9 @@ def pipeline_stages(units: Sequence[UnitProfile], num_stages: int,
     units = tuple(units)
     n_layers = len(units) - 2
     if n_layers < 0:
-        raise ValueError("pipeline_stages needs at least a prefix and a tail unit")
+        raise InvalidInput("pipeline_stages needs at least a prefix and a tail unit")
     if num_stages < 1 or num_stages > max(n_layers, 1):
-        raise ValueError(f"cannot cut {n_layers} layers into {num_stages} stages; use between "
+        raise InvalidInput(f"cannot cut {n_layers} layers into {num_stages} stages; use between "
                          f"1 and {max(n_layers, 1)}, or finer units (a layer's attention and "
                          f"MLP blocks: PaperModel.units(split_layers=True))")
     h = head_layer_equivalents(units) if head_layers is None else head_layers

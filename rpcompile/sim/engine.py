@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
-from rpcompile.errors import RPCompileError
+from rpcompile.errors import InvalidInput, RPCompileError
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import (
     ACTION_SPECS,
@@ -124,7 +124,7 @@ def compute_times(
             out[(kind, s.index)] = s.compute_ms
         return out
     if units is None:
-        raise ValueError(
+        raise InvalidInput(
             f"a {schedule.kind} schedule needs per-unit forward and backward times to split "
             "each stage into F and B: pass units= (e.g. plan.units or rpcompile.workloads.paper units)"
         )
@@ -173,16 +173,16 @@ def simulate(
     hw = get_hardware(hardware)
     stages = _stage_tuple(plan)
     if len(stages) != len(schedule.stage_names):
-        raise ValueError(f"the schedule has {len(schedule.stage_names)} stages, the plan "
+        raise InvalidInput(f"the schedule has {len(schedule.stage_names)} stages, the plan "
                          f"{len(stages)}: simulate a schedule with the plan it was built from")
     base_units = tuple(units) if units is not None else (
         plan.units if isinstance(plan, Plan) else None)
     if unit_ms is not None:
         if base_units is None:
-            raise ValueError("unit_ms needs unit profiles to apply to: pass a Plan or units=")
+            raise InvalidInput("unit_ms needs unit profiles to apply to: pass a Plan or units=")
         unknown = set(unit_ms) - {u.name for u in base_units}
         if unknown:
-            raise ValueError(f"unit_ms names units the plan does not have: {sorted(unknown)}")
+            raise InvalidInput(f"unit_ms names units the plan does not have: {sorted(unknown)}")
         base_units = tuple(
             replace(u, forward_ms=unit_ms[u.name][0], backward_ms=unit_ms[u.name][1])
             if u.name in unit_ms else u for u in base_units)
@@ -202,7 +202,7 @@ def replay_timeline(schedule: Schedule, plan: Plan | Sequence[Stage],
     memory): for callers that read only the timeline, such as the partitioner's search."""
     hw = get_hardware(hardware)
     if len(_stage_tuple(plan)) != len(schedule.stage_names):
-        raise ValueError(f"the schedule has {len(schedule.stage_names)} stages, the plan "
+        raise InvalidInput(f"the schedule has {len(schedule.stage_names)} stages, the plan "
                          f"{len(_stage_tuple(plan))}: simulate a schedule with the plan it "
                          "was built from")
     with paused_gc():
@@ -490,7 +490,7 @@ class _Link:
 
 def _compute_ms(replay: _Replay, a: Action) -> float:
     if (a.kind, a.stage) not in replay.times:
-        raise ValueError(f"no compute time for {a} (kind {a.kind}, stage {a.stage}); the plan "
+        raise InvalidInput(f"no compute time for {a} (kind {a.kind}, stage {a.stage}); the plan "
                          "does not match the schedule")
     return replay.times[(a.kind, a.stage)]
 
@@ -520,7 +520,7 @@ def _reduction_work(replay: _Replay, a: Action) -> tuple[float, float]:
     slows it down, and it slows them."""
     link, ranks = replay.hw.link, replay.sched.ranks
     if link is None:
-        raise ValueError(
+        raise InvalidInput(
             f"the schedule reduces gradients across {ranks} ranks, but hardware profile "
             f"{replay.hw.name!r} has no inter-server link: simulate on "
             "hardware.with_link('eth25' | 'eth100') (or PlanOptions(link=...))")

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+from rpcompile.errors import InvalidInput
 from rpcompile.ir import Action, Schedule
 
 __all__ = ["SimResult", "StepFigures", "busy_split"]
@@ -98,7 +99,7 @@ class SimResult:
         """The figures of step ``k`` inside its span (:class:`StepFigures`): its own
         computes' busy time, and the idle time of every worker between them."""
         if not 0 <= k < self.schedule.steps:
-            raise ValueError(f"step must be in 0..{self.schedule.steps - 1}, got {k}")
+            raise InvalidInput(f"step must be in 0..{self.schedule.steps - 1}, got {k}")
         start, end = self.step_spans_ms[k]
         makespan = end - start
         busy, fill, drain, steady = busy_split(self.schedule, self.timeline, makespan,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from rpcompile.errors import InvalidInput
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.passes.lower import lower
@@ -40,7 +41,7 @@ def simulate_roundpipe(plan: Plan, hardware: Hardware | str, *, steps: int = 1,
     their host state sharded (``shard_optimizer``, sync mode): each REDUCE a reduce to the
     gradients' owners, each SHADOW also broadcasting the updated shadows."""
     if sharded and optimizer != "sync":
-        raise ValueError("a sharded run (shard_optimizer) updates in sync mode: pass "
+        raise InvalidInput("a sharded run (shard_optimizer) updates in sync mode: pass "
                          "optimizer='sync'")
     hw = get_hardware(hardware)
     sched = build_schedule(plan, workers or plan.workers, microbatches or plan.microbatches,
@@ -75,7 +76,7 @@ def steady_steps(plan: Plan, workers: int | None = None, rounds: int = 1) -> int
 def _no_window(steps: int, warmup_steps: int | None) -> None:
     """A run of fewer than 3 steps has no steady-state window to skip a warm-up in."""
     if warmup_steps is not None:
-        raise ValueError(f"a {steps}-step run has no steady-state window; "
+        raise InvalidInput(f"a {steps}-step run has no steady-state window; "
                          "simulate 3 steps or more (see steady_steps)")
 
 
@@ -98,14 +99,14 @@ def _utilization(sched, tl, makespan: float, warmup_steps: int | None) -> float:
         if warmup_steps is None:
             warmup_steps = 1 if sched.steps <= 4 else 2
         if not 1 <= warmup_steps <= sched.steps - 2:
-            raise ValueError(f"warmup_steps must be in 1..{sched.steps - 2} for a "
+            raise InvalidInput(f"warmup_steps must be in 1..{sched.steps - 2} for a "
                              f"{sched.steps}-step run, got {warmup_steps}")
         first = {}
         for a in computes:
             first[a.step] = min(first.get(a.step, float("inf")), tl[a][0])
         lo, hi = first[warmup_steps], first[sched.steps - 1]
     if hi <= lo:
-        raise ValueError("no steady-state window: the last step started before the warm-up "
+        raise InvalidInput("no steady-state window: the last step started before the warm-up "
                          "ended; simulate more steps")
     busy = sum(max(0.0, min(tl[a][1], hi) - max(tl[a][0], lo)) for a in computes)
     return busy / ((hi - lo) * sched.workers)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from rpcompile.errors import InvalidInput
 from rpcompile.hardware import Hardware, Link, get_hardware, get_link
 from rpcompile.ir import Plan
 from rpcompile.sim.engine import (
@@ -80,17 +81,17 @@ def simulate_nodes(plan: Plan, hardware: Hardware | str, nodes: int, link: Link 
     (``shard_optimizer``, sync mode): the replay times a reduce of each REDUCE's gradients to
     their owners and the updated shadows' broadcast at each SHADOW."""
     if nodes < 1:
-        raise ValueError(f"nodes must be at least 1, got {nodes}")
+        raise InvalidInput(f"nodes must be at least 1, got {nodes}")
     link = get_link(link)
     hw = get_hardware(hardware).with_link(link)
     steps = steps or steady_steps(plan, rounds=rounds)
     if steps < 3:
-        raise ValueError("simulate_nodes needs a run of 3 steps or more (a steady state); "
+        raise InvalidInput("simulate_nodes needs a run of 3 steps or more (a steady state); "
                          "see rpcompile.sim.steady_steps")
     one = one_server or simulate_roundpipe(plan, hw, steps=steps, optimizer=optimizer,
                                            rounds=rounds)
     if one.schedule.steps != steps or one.schedule.ranks != 1:
-        raise ValueError(f"one_server must be a one-rank run of {steps} steps")
+        raise InvalidInput(f"one_server must be a one-rank run of {steps} steps")
     run = one if nodes == 1 else simulate_roundpipe(plan, hw, steps=steps, optimizer=optimizer,
                                                     rounds=rounds, ranks=nodes,
                                                     sharded=sharded)

@@ -16,6 +16,7 @@ reads that no earlier ``SHADOW`` of the step saved (rpcompile.runtime.optim
 
 from __future__ import annotations
 
+from rpcompile.errors import InvalidInput
 from rpcompile.ir import Action, Plan, Schedule
 from rpcompile.passes.lower import trainable_parameters
 
@@ -66,7 +67,7 @@ def shadow_gather_bytes(schedule: Schedule, plan: Plan) -> dict[Action, int]:
     """Bytes of updated shadows broadcast at each ``SHADOW`` of the sharded ``schedule`` (see
     the module doc); every trainable parameter is gathered once per step."""
     if not isinstance(plan, Plan):
-        raise ValueError("a sharded schedule's shadow gather needs the Plan (its units say "
+        raise InvalidInput("a sharded schedule's shadow gather needs the Plan (its units say "
                          "which parameters each stage reads)")
     elements, stages_of, reads = _parameters(plan)
     size = _element_bytes(plan)
