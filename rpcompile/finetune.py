@@ -597,7 +597,8 @@ def _check(opts: dict[str, Any], origin: Any = None) -> None:
 
 # The train options that are PlanOptions fields under the same name: PlanOptions validates them
 # (each rule lives there once), and _cli_words puts its message in the command line's words.
-_PLAN_OPTIONS = tuple(f.name for f in fields(PlanOptions) if f.name in _BY_NAME)
+_PLAN_OPTIONS = tuple(f.name for f in fields(PlanOptions)
+                      if f.name in _BY_NAME and f.name != "plan_cache")  # checked as its flag maps it
 # Every train option that is an option of compile's under the same name (of any group), and
 # the table's own options with choices: the names _cli_words translates.
 _WORDS = tuple(sorted({name for name in _BY_NAME if name in FLAT or _BY_NAME[name].choices},
@@ -608,7 +609,8 @@ def _check_plan_options(opts: dict[str, Any]) -> None:
     """Refuse what :class:`~rpcompile.options.PlanOptions` refuses (``--shard-optimizer``
     with ``--mode async``, say) before anything is loaded, in the CLI's words."""
     try:
-        PlanOptions(**{name: opts[name] for name in _PLAN_OPTIONS})
+        PlanOptions(**{name: opts[name] for name in _PLAN_OPTIONS},
+                    **{"plan_cache": plan_cache_option(opts["plan_cache"])})
     except ValueError as err:
         raise InvalidInput(_cli_words(str(err))) from None
 
