@@ -476,7 +476,7 @@ class Compiled:
             self.model, self.capture, self.unit_costs, self.compute_dtype,
             self._front_history(), replace(self.options, plan=plan),
             (self.plan.microbatch_size * self.microbatches * self.rounds, self.plan.seq_len),
-        )
+        ).finished()
         check_memory(compiled)
         check_host_memory(compiled)
         compiled._source = self._source
