@@ -142,7 +142,7 @@ def _parser() -> argparse.ArgumentParser:
     plan.add_argument("--search-effort", default="normal", type=flag_type("search_effort"),
                       choices=SEARCH_EFFORTS,
                       help="what the partition search spends: normal (a few simulator "
-                           "replays, seconds), high (up to 1024 sync, 32 async) or exhaustive "
+                           "replays), high (up to 1024 sync, 32 async) or exhaustive "
                            "(until its plan is proven the fastest of its candidates)")
     plan.add_argument("--max-simulations", type=int, default=None, metavar="N",
                       help="cap the partitioner's simulator replays per search instead of "

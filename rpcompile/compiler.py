@@ -593,7 +593,7 @@ def compile(
     meets, and again for a larger batch (``dynamic``; docs/compiler.md, "When the plan is
     made"). ``plan_cache``: searched plans are kept on disk and reused (``False``: off).
     ``progress``: show what planning does (``None``: on a terminal). ``search_effort``:
-    what the partition search spends, ``"normal"`` (seconds), ``"high"`` or
+    what the partition search spends, ``"normal"`` (a few replays), ``"high"`` or
     ``"exhaustive"`` (until its plan is proven the fastest). ``mode``:
     ``"sync"`` (ordinary training, the default) or ``"async"`` (the update of step k
     overlaps step k+1, one step stale). ``device``: ``"auto"`` (CUDA when present, else

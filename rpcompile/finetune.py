@@ -139,7 +139,7 @@ OPTIONS: tuple[Option, ...] = (
            str, DEVICES),
     Option("kernels", "auto", "transfer-path kernels: auto (Triton on CUDA only), torch, triton",
            str, KERNELS),
-    Option("search_effort", "normal", "what the partition search spends: normal (seconds), "
+    Option("search_effort", "normal", "what the partition search spends: normal (a few replays), "
            "high or exhaustive (until its plan is proven the fastest)", str, SEARCH_EFFORTS),
     Option("plan_cache", None, "folder where searched plans are kept and found again (none: "
            "$RPCOMPILE_CACHE_DIR, else ~/.cache/rpcompile/plans; off: search every time)"),

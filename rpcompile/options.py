@@ -181,7 +181,7 @@ class PlanOptions:
     simulator times those collectives; on one process it changes nothing (the one shard is
     everything). ``search_effort``: what the partition search spends
     (rpcompile.planner.partition.SEARCH_BUDGETS): ``"normal"`` (a few simulator replays and
-    a short local search: seconds), ``"high"`` (many) or ``"exhaustive"`` (no cap on replays:
+    a short local search), ``"high"`` (many) or ``"exhaustive"`` (no cap on replays:
     the search ends only once its plan is proven the simulator's fastest of its candidates).
     ``max_simulations``: a cap on simulator replays per search instead of the effort's; a
     search stopped at its cap says so in the plan's notes, with the proven gap.

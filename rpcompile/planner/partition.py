@@ -80,7 +80,7 @@ class SearchBudget:
 # async replay a dozen overlapping steps, 10-20 times a sync one. The replays go in the order
 # of their lower bounds, and on the paper workloads the bound sits a near-constant 1-5 %
 # below the replay, so the fastest candidate comes among the first few: "normal" stops there
-# (seconds, within 1 % of an exhaustive search's plan on them, benchmarks/compile_time.py),
+# (within 1 % of an exhaustive search's plan on them, benchmarks/compile_time.py),
 # and the plan's notes give the proven gap to any candidate left. A tiny model's bound is
 # looser, but its replays cost next to nothing: the compute budget lets its search go on,
 # usually to its proof. "exhaustive" runs until every candidate left is proven no faster.
