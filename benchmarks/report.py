@@ -47,8 +47,16 @@ class Result:
 
     @property
     def command(self) -> str | None:
-        """The command line that made the file; None when it carries no stamp."""
-        return self.stamp["command"] if self.stamp else None
+        """The command line that made the figures, less where it wrote them (``--json`` and
+        ``--png`` paths: the figures are in this file); None when it carries no stamp."""
+        if not self.stamp:
+            return None
+        words, shown = self.stamp["command"].split(), []
+        for i, word in enumerate(words):
+            if word in ("--json", "--png") or (i and words[i - 1] in ("--json", "--png")):
+                continue
+            shown.append(word)
+        return " ".join(shown)
 
 
 def _literal(path: Path, name: str) -> Any:
