@@ -134,7 +134,7 @@ def provenance(r: Result) -> str:
     code = (" with uncommitted code changes" if s.get("code_changed")
             else "" if s.get("code_changed") is False else " (code state unknown)")
     commit = f"`{s['commit'][:12]}`{code}" if s.get("commit") else "an unknown commit"
-    return f"`{s['command']}`\n\nCommit {commit}; {machine(s)}; {num(s['seconds'], 0)} s."
+    return f"`{r.command}`\n\nCommit {commit}; {machine(s)}; {num(s['seconds'], 0)} s."
 
 
 # ---------------------------------------------------------------- renderers
