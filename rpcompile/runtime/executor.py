@@ -128,7 +128,7 @@ class Executor(Actions):
         if schedule.optimizer == "async":
             # Step k's OPTs apply step k-1's gradients, which the commit of step k-1 made
             # pending, and its SHADOWs write the copy of the shadow step k+1 reads
-            # (rpcompile.passes.lower._add_async_optimizer).
+            # (rpcompile.passes.lower.optimizer._add_async_optimizer).
             driver.use_pending()
             store.add_shadow_pair()
         check_update_order(
