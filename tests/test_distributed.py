@@ -635,7 +635,7 @@ def test_a_checkpoint_save_or_load_ends_the_same_way_on_every_rank(tmp_path):
                 assert "rank 1: OSError" in got["message"] and "shared file" in got["message"]
                 assert case["per_rank_loaded"] == 0.0
             else:
-                assert got["error"] == "ValueError" and "per_rank=True" in got["message"]
+                assert got["error"] == "InvalidInput" and "per_rank=True" in got["message"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".sharded-per-rank")]
     assert not (tmp_path / "sharded-per-rank-failed").exists()
     # One file per rank and a manifest; it loads in one process as the gathered checkpoint
@@ -813,7 +813,7 @@ def test_a_rank_that_cannot_take_part_makes_the_others_fail_at_once(tmp_path):
     got = first["refused_batch"]
     assert got["error"] == "RankFailed" and "refused its batch on rank 1" in got["message"], got
     assert got["elapsed"] < ANNOUNCED_S, got  # it waited for the 60 s group timeout before
-    assert second["refused_batch"]["error"] == "ValueError"
+    assert second["refused_batch"]["error"] == "InvalidInput"  # a ValueError
 
 
 class _Work:
