@@ -17,6 +17,7 @@ import torch
 import rpcompile
 import rpcompile.compiler as compiler_module
 from rpcompile.planner import cache as cache_module
+from tests.test_batches import _eager_training
 from tests.tiny_models import hf_model, sft_batch
 
 
@@ -25,14 +26,7 @@ def _sgd(params):
 
 
 def _eager(model, batches):
-    opt = _sgd(list(model.parameters()))
-    losses = []
-    for b in batches:
-        opt.zero_grad(set_to_none=True)
-        loss = model(**b, use_cache=False).loss
-        loss.backward()
-        opt.step()
-        losses.append(float(loss.detach()))
+    losses = _eager_training(model, batches, _sgd)
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 

@@ -20,6 +20,7 @@ import rpcompile
 from rpcompile.capture.dropout import record_masks
 from rpcompile.runtime.trainer import Trainer
 from tests.test_dropout import _eager_dropout_uses, _full_masks
+from tests.test_quantized import CONFIGS as QUANTIZED
 from tests.tiny_models import hf_model, sft_batch
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -27,12 +28,7 @@ peft = pytest.importorskip("peft")
 # bitsandbytes warns once that it cannot reach an optional CPU kernel hub; its fallback is used.
 logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
 
-CONFIGS = {
-    "nf4-double": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4",
-                       bnb_4bit_use_double_quant=True),
-    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
-    "int8": dict(load_in_8bit=True),
-}
+CONFIGS = {k: QUANTIZED[k] for k in ("nf4-double", "nf4", "int8")}
 LR = 0.5
 
 
