@@ -1,4 +1,4 @@
-"""The README's layout block names every module and folder of the package as it is."""
+"""docs/layout.md's block names every module and folder of the package as it is."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _layout_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index("## Layout"):]
+    text = (ROOT / "docs" / "layout.md").read_text()
+    section = text[text.index("# Layout"):]
     return section[section.index("```\n") + 4:section.index("\n```", section.index("```\n") + 4)]
 
 
-def test_the_readme_layout_names_every_module():
+def test_the_layout_page_names_every_module():
     block = _layout_block()
     words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", block))
     pkg = ROOT / "rpcompile"
@@ -29,4 +29,4 @@ def test_the_readme_layout_names_every_module():
     missing += [f"rpcompile/{f}/" for f in sorted(folders) if f"{f}/" not in block]
     missing += [str(p.relative_to(ROOT)) for p in sorted(pkg.rglob("configs/*.json"))
                 if "configs/" not in block]
-    assert not missing, f"README.md's layout block does not name: {missing}"
+    assert not missing, f"docs/layout.md does not name: {missing}"
