@@ -7,18 +7,16 @@ accumulation is surfaced in the step's result."""
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
 
 import rpcompile
+from rpcompile.runtime.kernels import transfer as kernels_module
 from rpcompile.runtime.trainer import Trainer
 from rpcompile.runtime.workers import VirtualWorker
 from tests.test_executor import reference_training
 from tests.tiny_models import hf_model, token_batch
-
-kernels_module = sys.modules["rpcompile.runtime.kernels"]
 
 
 def ADAMW(params):
