@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import rpcompile
-import rpcompile.runtime.actions as actions_mod
+import rpcompile.runtime.actions.handlers as actions_mod
 import rpcompile.runtime.executor as executor_mod
 from rpcompile.hardware import get_hardware
 from rpcompile.sim import simulate

@@ -285,7 +285,7 @@ def test_the_pinned_figure_is_what_a_cuda_store_pins(compiled, monkeypatch):
     # On CUDA the host store registers its flat buffers with the driver (shadows, masters,
     # gradients, the pending gradients); HostMemory.pinned counts those and the staging. The
     # registration is faked here (no GPU): every buffer asked for pinned is recorded.
-    import rpcompile.runtime.memory as memory
+    import rpcompile.runtime.memory.store as memory
 
     pinned = []
 

@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rpcompile.runtime import kernels
+from rpcompile.runtime.kernels import programs, tables
 
 # The interpreter costs ~1 ms per program plus numpy work per block: few, small examples.
 PROPERTY = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -339,8 +340,8 @@ class _CountingKernels:
 
 @pytest.fixture
 def launch_counter(monkeypatch):
-    counter = _CountingKernels(kernels._triton_kernels(interpret=True))
-    monkeypatch.setattr(kernels, "_triton_kernels", lambda interpret: counter)
+    counter = _CountingKernels(programs._triton_kernels(interpret=True))
+    monkeypatch.setattr(tables, "_triton_kernels", lambda interpret: counter)
     return counter
 
 
@@ -375,7 +376,7 @@ def test_nothing_to_move_launches_nothing(launch_counter):
 def test_multi_block_tensors_take_full_and_partial_block_paths(monkeypatch, dtype):
     # Force 256-element blocks so tensors span several blocks: full blocks take the unmasked
     # path, the tails the masked one; aligned and unaligned layouts take both hint branches.
-    monkeypatch.setattr(kernels, "_INTERPRETER_BLOCK_RANGE", (256, 256))
+    monkeypatch.setattr(tables, "_INTERPRETER_BLOCK_RANGE", (256, 256))
     sizes = [1024, 1000, 256, 3]
     for align in (8, 1):
         grads = [_grad(n, dtype, n, 0.0) for n in sizes]
@@ -383,7 +384,7 @@ def test_multi_block_tensors_take_full_and_partial_block_paths(monkeypatch, dtyp
         if align == 1:
             offsets = [o + 1 for o in offsets]  # unaligned destinations
         total = offsets[-1] + sizes[-1]
-        table = kernels._table(grads, offsets, torch.empty(total))
+        table = tables._table(grads, offsets, torch.empty(total))
         assert table.block == 256 and table.rows.shape[0] == 4 + 4 + 1 + 1
         assert table.aligned == (align == 8)
         accumulator = torch.randn(total)
@@ -403,7 +404,7 @@ def test_block_table_rows():
         torch.zeros(0, dtype=torch.bfloat16),
         torch.zeros(5, dtype=torch.float16),
     ]
-    table = kernels._table(grads, [10, 310, 400], torch.empty(405))
+    table = tables._table(grads, [10, 310, 400], torch.empty(405))
     assert table.block == 512 and table.mixed
     rows = table.rows.tolist()
     assert rows == [
@@ -413,17 +414,17 @@ def test_block_table_rows():
 
 
 def test_block_tables_are_reused_and_evicted_by_size(monkeypatch):
-    monkeypatch.setattr(kernels, "_TABLES", kernels.OrderedDict())
-    monkeypatch.setattr(kernels, "_TABLE_CACHE_BYTES", 3 * 32)  # three one-row tables
+    monkeypatch.setattr(tables, "_TABLES", tables.OrderedDict())
+    monkeypatch.setattr(tables, "_TABLE_CACHE_BYTES", 3 * 32)  # three one-row tables
     tensors = [torch.zeros(5) for _ in range(5)]
     out = torch.empty(5)
-    first = kernels._table([tensors[0]], [0], out)
-    assert kernels._table([tensors[0]], [0], out) is first  # same layout: a hit
+    first = tables._table([tensors[0]], [0], out)
+    assert tables._table([tensors[0]], [0], out) is first  # same layout: a hit
     for tensor in tensors[1:]:
-        kernels._table([tensor], [0], out)
-    assert len(kernels._TABLES) == 3
-    assert kernels._table([tensors[0]], [0], out) is not first  # evicted, rebuilt equal
-    assert torch.equal(kernels._table([tensors[0]], [0], out).rows, first.rows)
+        tables._table([tensor], [0], out)
+    assert len(tables._TABLES) == 3
+    assert tables._table([tensors[0]], [0], out) is not first  # evicted, rebuilt equal
+    assert torch.equal(tables._table([tensors[0]], [0], out).rows, first.rows)
     # Still correct through evictions.
     accumulator = torch.zeros(5)
     for tensor in tensors:
@@ -603,7 +604,7 @@ def test_first_launch_of_a_specialization_runs_alone(monkeypatch):
     import threading
     import time
 
-    monkeypatch.setattr(kernels, "_LAUNCHED", set())
+    monkeypatch.setattr(tables, "_LAUNCHED", set())
     spans: list[tuple[str, float, float]] = []
     lock = threading.Lock()
 
@@ -614,7 +615,7 @@ def test_first_launch_of_a_specialization_runs_alone(monkeypatch):
             spans.append((key, begin, time.perf_counter()))
 
     keys = ["a", "a", "a", "b", "b", "a", "b", "a"]
-    threads = [threading.Thread(target=kernels._first_launch_alone,
+    threads = [threading.Thread(target=tables._first_launch_alone,
                                 args=(k, lambda k=k: launch(k))) for k in keys]
     for t in threads:
         t.start()
@@ -630,7 +631,7 @@ def test_first_launch_of_a_specialization_runs_alone(monkeypatch):
         others = [s for s in spans if s[0] == key and s is not first[key]]
         others += [f for f in first.values() if f is not first[key]]
         assert all(e <= begin or b >= end for _, b, e in others), (key, spans)
-    assert kernels._LAUNCHED == {"a", "b"}
+    assert tables._LAUNCHED == {"a", "b"}
 
 
 @pytest.mark.parametrize(
@@ -662,8 +663,8 @@ def test_kernels_compile_for_sm90_without_a_gpu(kernel, constexprs, signature):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    kernels._triton_kernels(interpret=True)  # binds the module's `tl`
-    fn = triton.jit(getattr(kernels, kernel))
+    programs._triton_kernels(interpret=True)  # binds the module's `tl`
+    fn = triton.jit(getattr(programs, kernel))
     constants = {"BLOCK": 4096} | {
         k: getattr(triton.language, v) if isinstance(v, str) else v for k, v in constexprs.items()
     }

@@ -299,7 +299,7 @@ class _FakeDriver:
 def _simulated_cuda(monkeypatch, driver):
     """CUDA as far as the host memory code sees it, with no GPU: the caching allocator's
     buffers are plain ones, recorded."""
-    import rpcompile.runtime.memory as memory
+    import rpcompile.runtime.memory.pinned as memory
 
     runtime, cached = _FakeRuntime(), []
 
@@ -377,7 +377,7 @@ def test_registered_buffers_are_unregistered_when_freed(monkeypatch):
 def test_driver_registration_on_a_gpu_fails_cleanly_on_any_thread():
     from concurrent.futures import ThreadPoolExecutor
 
-    from rpcompile.runtime import memory
+    from rpcompile.runtime.memory import pinned as memory
 
     def fresh_thread():
         # A new thread has no current CUDA context: the driver calls bring their own.

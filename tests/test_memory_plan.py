@@ -743,8 +743,8 @@ def test_a_sync_plan_whose_period_needs_one_gradient_slot_is_kept_with_it():
     # proof over the dispatch period fits. When that proof fits only with one gradient slot
     # per worker, the candidate is timed again with it and kept at that (slower) figure, not
     # dropped. RoundPipe's greedy plan of the Llama-3.1-8B workload: one slot proves less.
-    from rpcompile.planner import partition as partition_module
     from rpcompile.planner.partition import proof_schedule, proven_peaks
+    from rpcompile.planner.partition.proofs import _sync_period_proof
     from rpcompile.planner.partition_baseline import partition_roundpipe
     from rpcompile.sim.runs import search_figures
     from rpcompile.workloads.paper import MODELS, WORKLOADS
@@ -758,14 +758,14 @@ def test_a_sync_plan_whose_period_needs_one_gradient_slot_is_kept_with_it():
     capacity = max(p.peak_bytes for p in proven_peaks(one, w.rounds, "sync"))
     assert capacity < max(p.peak_bytes for p in proven_peaks(two, w.rounds, "sync"))
     ms, bubble = search_figures(proof_schedule(two, w.rounds, "sync", 1), two, hw)
-    (got_ms, _bubble, peaks), ran = partition_module._sync_period_proof(
+    (got_ms, _bubble, peaks), ran = _sync_period_proof(
         ms, bubble, two, hw, w.rounds, capacity)
     assert ran.memory_waits == TIGHTEST_WAITS
     assert max(p.peak_bytes for p in peaks) <= capacity
     want, _ = search_figures(proof_schedule(one, w.rounds, "sync", 1), one, hw)
     assert got_ms == want > ms  # its own figure: one slot costs time here
     # With room for two slots nothing changes.
-    (same_ms, _b, _p), same = partition_module._sync_period_proof(
+    (same_ms, _b, _p), same = _sync_period_proof(
         ms, bubble, two, hw, w.rounds, hw.usable_memory_bytes)
     assert same.memory_waits == BOUNDED_WAITS and same_ms == ms
 

@@ -18,9 +18,9 @@ from rpcompile.passes.memory import host_memory
 from rpcompile.planner.bound import simulated_lower_bound
 from rpcompile.planner.partition import build_plan, partition
 from rpcompile.runtime import trainer as trainer_module
-from rpcompile.runtime import workers as workers_module
 from rpcompile.runtime.memory import pin_host_memory
 from rpcompile.runtime.trainer import Trainer
+from rpcompile.runtime.workers import devices as workers_module
 from rpcompile.sim import simulate_roundpipe
 from rpcompile.workloads.paper import get_model
 from tests.tiny_models import hf_model, token_batch

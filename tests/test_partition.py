@@ -13,18 +13,16 @@ import pytest
 from rpcompile.hardware import get_hardware
 from rpcompile.ir import UnitProfile
 from rpcompile.passes.schedule import dispatch_period, roundpipe_jobs, steady_window
-from rpcompile.planner import partition as partition_module
 from rpcompile.planner.bound import simulated_lower_bound, steady_estimate
 from rpcompile.planner.partition import (
     StageCosting,
-    _all_cuts,
-    _bounds,
-    _layer_starts,
-    _search,
-    _tail_starts,
     build_plan,
     partition,
 )
+from rpcompile.planner.partition import search as search_module
+from rpcompile.planner.partition.cuts import _all_cuts
+from rpcompile.planner.partition.local import _bounds, _search
+from rpcompile.planner.partition.search import _layer_starts, _tail_starts
 from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
 from rpcompile.workloads.paper import MODELS, hop_hardware
 
@@ -270,7 +268,7 @@ def test_the_search_scores_by_the_bound_of_the_run_it_plans(monkeypatch, mode):
     hw = get_hardware("rtx4090x8")
     units = _toy_units(6, 4)
     scored = []
-    real = partition_module._search
+    real = search_module._search
 
     def recording(seeds, make, *args, **kwargs):
         def making(*a):
@@ -279,7 +277,7 @@ def test_the_search_scores_by_the_bound_of_the_run_it_plans(monkeypatch, mode):
             return plan
         return real(seeds, making, *args, **kwargs)
 
-    monkeypatch.setattr(partition_module, "_search", recording)
+    monkeypatch.setattr(search_module, "_search", recording)
     partition(units, hw, 3, 4, rounds=2, optimizer=mode, refine=0, search=30)
     assert len(scored) > 5
     # Sync: the bound; async: the relaxed replay of overlapping steps (steady_estimate).

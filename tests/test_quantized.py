@@ -202,10 +202,10 @@ def test_dequantize_4bit_compiles_for_sm90_without_a_fused_multiply_add(options)
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from rpcompile.runtime import kernels
+    from rpcompile.runtime.kernels import dequantize, programs
 
-    kernels._triton_kernels(interpret=True)  # binds the module's `tl`
-    fn = triton.jit(kernels._dequantize_4bit_kernel)
+    programs._triton_kernels(interpret=True)  # binds the module's `tl`
+    fn = triton.jit(programs._dequantize_4bit_kernel)
     signature = {"packed_ptr": "*u8", "code_ptr": "*fp32", "absmax_ptr": "*u8",
                  "absmax_code_ptr": "*fp32", "absmax_scale_ptr": "*fp32",
                  "absmax_offset_ptr": "*fp32", "out_ptr": "*bf16", "n": "i64",
@@ -214,7 +214,7 @@ def test_dequantize_4bit_compiles_for_sm90_without_a_fused_multiply_add(options)
                  "OUT_IS_BF16": True}
     source = ASTSource(fn, signature | dict.fromkeys(constants, "constexpr"),
                        constexprs=constants)
-    chosen = kernels._DEQUANTIZE_OPTIONS if options == "launch" else {}
+    chosen = dequantize._DEQUANTIZE_OPTIONS if options == "launch" else {}
     ptx = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=chosen).asm["ptx"]
     fused = re.findall(r"\bfma\.rn\.f32", ptx)
     assert bool(fused) == (options == "triton default")

@@ -7,18 +7,16 @@ accumulation is surfaced in the step's result."""
 from __future__ import annotations
 
 import math
-import sys
 
 import pytest
 import torch
 
 import rpcompile
+from rpcompile.runtime.kernels import transfer as kernels_module
 from rpcompile.runtime.trainer import Trainer
 from rpcompile.runtime.workers import VirtualWorker
 from tests.test_executor import reference_training
 from tests.tiny_models import hf_model, token_batch
-
-kernels_module = sys.modules["rpcompile.runtime.kernels"]
 
 
 def ADAMW(params):
@@ -82,8 +80,8 @@ class _CudaKindWorker(VirtualWorker):
 def test_host_side_of_a_cuda_run_never_runs_the_interpreter(tiny, monkeypatch):
     # kernels="triton" means the compiled kernels on the GPU; the host's shadow refresh works
     # on CPU tensors, where Triton could only run its interpreter (~1 ms per program).
-    from rpcompile.runtime import memory
     from rpcompile.runtime import trainer as trainer_module
+    from rpcompile.runtime.memory import store as memory
 
     backends = []
     real_cast_pack = memory.cast_pack

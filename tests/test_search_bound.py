@@ -17,9 +17,10 @@ import pytest
 from rpcompile.hardware import get_hardware
 from rpcompile.ir import UnitProfile
 from rpcompile.passes.lower import BOUNDED_WAITS, TIGHTEST_WAITS
-from rpcompile.planner import partition as partition_module
 from rpcompile.planner.bound import simulated_lower_bound
 from rpcompile.planner.partition import build_plan, partition
+from rpcompile.planner.partition import proofs as proofs_module
+from rpcompile.planner.partition import search as search_module
 from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps
 from rpcompile.workloads.paper import get_model
 
@@ -167,18 +168,18 @@ def test_best_first_returns_the_exhaustive_argmin(mode: str) -> None:
              for f, b, t in _cuts(len(units))]
     figures = [_figure(replace(p, memory_waits=BOUNDED_WAITS), hw, 1, mode) for p in plans]
     sims = []
-    real = partition_module._simulated_ms
+    real = search_module._simulated_ms
 
     def counting(*args):
         sims.append(args[0])
         return real(*args)
 
-    partition_module._simulated_ms = counting
+    search_module._simulated_ms = counting
     try:
-        chosen, note, _bubble = partition_module._best_simulated(
+        chosen, note, _bubble = search_module._best_simulated(
             [plans], hw, 1, mode, hw.usable_memory_bytes, max_simulations=len(plans))
     finally:
-        partition_module._simulated_ms = real
+        search_module._simulated_ms = real
     assert chosen.memory_waits == BOUNDED_WAITS  # so its figure is the one computed above
     assert chosen.predicted_step_ms == pytest.approx(min(figures), rel=0, abs=1e-6)
     assert note.startswith("search: the simulator's fastest") and "proven no faster" in note
@@ -190,7 +191,7 @@ def test_capped_search_states_its_gap() -> None:
     hw = get_hardware("rtx4090x8")
     units = _tiny_units(random.Random(5), 3)
     plans = [build_plan(units, f, b, t, hw, 3, 4, optimizer="async") for f, b, t in _cuts(len(units))]
-    chosen, note, _bubble = partition_module._best_simulated(
+    chosen, note, _bubble = search_module._best_simulated(
         [plans], hw, 1, "async", hw.usable_memory_bytes, max_simulations=2)
     assert note.startswith("search: NOT proven the fastest") and "max_simulations=2" in note
     floor = min(simulated_lower_bound(p, hw, 1, "async") for p in plans)
@@ -204,18 +205,18 @@ def test_partition_picks_the_simulators_argmin_of_its_candidates(mode: str) -> N
     hw = get_hardware("rtx4090x8")
     units = _tiny_units(random.Random(11), 5)
     seen = []
-    real = partition_module._best_simulated
+    real = search_module._best_simulated
 
     def recording(pools, *args):
         seen.extend(plan for pool in pools for plan in pool)
         return real(pools, *args)
 
-    partition_module._best_simulated = recording
+    search_module._best_simulated = recording
     try:
         plan = partition(units, hw, 3, 4, optimizer=mode, refine=0, search=50,
                          max_simulations=10_000)
     finally:
-        partition_module._best_simulated = real
+        search_module._best_simulated = real
     assert plan.memory_waits == BOUNDED_WAITS
     assert any("proven no faster" in note for note in plan.notes)
     best = min(_figure(replace(p, memory_waits=BOUNDED_WAITS), hw, 1, mode) for p in seen)
@@ -229,18 +230,18 @@ def test_a_replay_is_kept_by_what_it_depends_on(monkeypatch) -> None:
     hw = get_hardware("rtx4090x8")
     units = _tiny_units(random.Random(23), 4)
     plan = build_plan(units, (0, 2), (0, 3), 4, hw, 3, 4)
-    monkeypatch.setattr(partition_module, "_REPLAYS", partition_module.OrderedDict())
+    monkeypatch.setattr(proofs_module, "_REPLAYS", proofs_module.OrderedDict())
     lowerings = []
-    real = partition_module.fit_memory_waits
+    real = proofs_module.fit_memory_waits
 
     def counting(*args, **kwargs):
         lowerings.append(args[0])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(partition_module, "fit_memory_waits", counting)
+    monkeypatch.setattr(proofs_module, "fit_memory_waits", counting)
     capacity = hw.usable_memory_bytes
-    first, ran = partition_module._simulated_ms(plan, hw, 1, "sync", capacity)
-    again, ran_again = partition_module._simulated_ms(
+    first, ran = proofs_module._simulated_ms(plan, hw, 1, "sync", capacity)
+    again, ran_again = proofs_module._simulated_ms(
         replace(plan, notes=("found by the local search",), memory_waits=("sent",)),
         hw, 1, "sync", capacity)
     assert len(lowerings) == 1 and again == first
@@ -248,7 +249,7 @@ def test_a_replay_is_kept_by_what_it_depends_on(monkeypatch) -> None:
     assert ran_again.notes == ("found by the local search",)
     assert first[0] == _figure(replace(plan, memory_waits=ran.memory_waits), hw, 1, "sync")
     for args in ((1, "sync", capacity - 1), (2, "sync", capacity), (1, "async", capacity)):
-        partition_module._simulated_ms(plan, hw, *args)
+        proofs_module._simulated_ms(plan, hw, *args)
     assert len(lowerings) == 4
 
 

@@ -15,13 +15,13 @@ from rpcompile.cli import _parser
 from rpcompile.hardware import get_hardware
 from rpcompile.ir import UnitProfile
 from rpcompile.options import PlanOptions
-from rpcompile.planner import partition as partition_module
 from rpcompile.planner.partition import (
     SEARCH_BUDGETS,
     TAIL_MEMORY_NOTE,
     partition,
     tail_memory_bound,
 )
+from rpcompile.planner.partition import search as search_module
 from tests.tiny_models import hf_model, sft_batch
 
 GIB = 2**30
@@ -56,7 +56,7 @@ def test_the_search_effort_sets_the_searchs_budget(monkeypatch):
     # The effort's budget reaches the search: replays per grid and local-search plans; an
     # explicit max_simulations replaces the effort's cap; an unknown effort is refused.
     seen = []
-    real_best, real_search = partition_module._best_simulated, partition_module._search
+    real_best, real_search = search_module._best_simulated, search_module._search
 
     def best(pools, hw, rounds, optimizer, capacity, max_simulations, *rest):
         seen.append(("replays", max_simulations))
@@ -66,8 +66,8 @@ def test_the_search_effort_sets_the_searchs_budget(monkeypatch):
         seen.append(("local", budget))
         return real_search(seeds, make, limit, budget, *rest, **kw)
 
-    monkeypatch.setattr(partition_module, "_best_simulated", best)
-    monkeypatch.setattr(partition_module, "_search", search)
+    monkeypatch.setattr(search_module, "_best_simulated", best)
+    monkeypatch.setattr(search_module, "_search", search)
     hw = get_hardware("rtx4090x8")
     for effort, budget in SEARCH_BUDGETS.items():
         seen.clear()
@@ -75,7 +75,7 @@ def test_the_search_effort_sets_the_searchs_budget(monkeypatch):
                                                        search_effort=effort))
         assert len(seen) == 2 and seen[0] == ("local", budget.local_search), effort
         cap = seen[1][1]
-        assert (cap.replays, cap.computes) == (budget.replays["sync"] or partition_module._NO_CAP,
+        assert (cap.replays, cap.computes) == (budget.replays["sync"] or search_module._NO_CAP,
                                                budget.replay_computes), effort
     seen.clear()
     partition(_units(GIB), hw, options=PlanOptions(gpus=3, microbatches=4, max_simulations=3,

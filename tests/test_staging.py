@@ -22,7 +22,7 @@ from rpcompile.runtime.executor import Executor, StepFailed
 from rpcompile.runtime.memory import HostStaging
 from rpcompile.runtime.trainer import Trainer
 from rpcompile.sim import simulate
-from rpcompile.sim.engine import _staging_pool
+from rpcompile.sim.engine.measures import _staging_pool
 from tests.test_trainer import eager_training
 from tests.tiny_models import hf_model, token_batch
 

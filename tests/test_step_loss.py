@@ -7,7 +7,8 @@ from __future__ import annotations
 import torch
 
 import rpcompile
-from rpcompile.runtime import actions, reference
+from rpcompile.runtime import reference
+from rpcompile.runtime.actions import handlers as actions
 from rpcompile.runtime.trainer import Trainer
 from tests.tiny_models import hf_model, token_batch
 

@@ -90,7 +90,8 @@ from rpcompile.errors import InvalidInput, StateError
 from rpcompile.runtime.checkpoint import merge_shards
 from rpcompile.runtime.errors import EventTimeout
 from rpcompile.runtime.executor import StepFailed, clip_grad_norm
-from rpcompile.runtime.memory import HostStore, _runs, shard_bounds
+from rpcompile.runtime.memory import HostStore, shard_bounds
+from rpcompile.runtime.memory.layout import _runs
 
 __all__ = ["POLL_S", "DataParallel", "RankFailed", "merge_shards", "resolve_group"]
 

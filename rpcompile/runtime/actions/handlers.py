@@ -1,11 +1,4 @@
-"""The runtime half of each action kind: what UP, EVICT, H2D, D2H, F, T, B, ACC, OPT, SHADOW,
-REDUCE and CHECK do on a worker or on the host, and the step's gradient check.
-
-:class:`Actions` is the executor's base: one method ``_do_<KIND>(run, a)`` per
-:class:`~rpcompile.ir.ActionKind`, registered once in :data:`RUNTIME_ACTIONS` (checked complete
-at import, as the simulator's table is), each given the running step's state (``run``:
-rpcompile.runtime.step_state.StepState) and the action. The entries call the method by name
-when they run, so a test (or a fault injector) patching ``Executor._do_X`` reaches it.
+"""The runtime half of each action kind, one method ``_do_<KIND>(run, a)`` each.
 
 **Numerics.** Forward stages run ``graph_module`` under ``no_grad`` like the reference; tail
 and backward stages call :func:`rpcompile.runtime.reference.run_backward_microbatch` with the
@@ -36,24 +29,24 @@ activation or value gradient held between actions, once per storage
 ``sent`` or gradient-slot edge names starts (``Schedule.releases``; in the same step or,
 steps overlapping, a later one), else once downloaded: what a worker holds follows the
 schedule. Transients inside one compute (autograd's saved tensors) are not accounted; they
-are freed when the compute returns.
-"""
+are freed when the compute returns."""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import fx
 
 from rpcompile.capture.quantized import dequantize_sites, without_dequantize
 from rpcompile.errors import MissingKey, StateError
-from rpcompile.ir import Action, ActionKind, check_registry
+from rpcompile.ir import Action
 from rpcompile.passes.chunked_loss import TOKEN_HITS
 from rpcompile.runtime import kernels as _kernels
-from rpcompile.runtime.memory import HostStore
+from rpcompile.runtime.actions.copies import _chunked_copy, _same_device
+from rpcompile.runtime.actions.grads import _accumulate, clip_grad_norm
 from rpcompile.runtime.reference import (
     loss_divisor,
     run_backward_microbatch,
@@ -62,12 +55,11 @@ from rpcompile.runtime.reference import (
 )
 from rpcompile.runtime.step_state import StepState
 from rpcompile.runtime.values import HOST_VALUES, Buffers, JobGrads, copy_to, tensors
-from rpcompile.runtime.workers import Worker
 
-if TYPE_CHECKING:
-    from rpcompile.runtime.executor import Executor
-
-__all__ = ["ACTION_OF", "RUNTIME_ACTIONS", "Actions", "JobWeights", "clip_grad_norm"]
+__all__ = [
+    "Actions",
+    "JobWeights",
+]
 
 
 @dataclasses.dataclass
@@ -553,87 +545,3 @@ class Actions:
                     self._floor_scale = float(self.loss_scaler.scale)
                 run.loss_scale = self._floor_scale
         return run.loss_scale
-
-
-# The runtime half of each action kind's record (rpcompile.ir.ACTION_SPECS is the other):
-# one implementation per ActionKind, checked complete at import. The entries call the method
-# by name when they run, so a test (or a fault injector) patching Executor._do_X reaches it.
-RUNTIME_ACTIONS: Mapping[ActionKind, Callable[[Executor, StepState, Action], None]] = {
-    ActionKind.F: lambda ex, run, a: ex._do_F(run, a),
-    ActionKind.T: lambda ex, run, a: ex._do_T(run, a),
-    ActionKind.B: lambda ex, run, a: ex._do_B(run, a),
-    ActionKind.EVICT: lambda ex, run, a: ex._do_EVICT(run, a),
-    ActionKind.UP: lambda ex, run, a: ex._do_UP(run, a),
-    ActionKind.H2D: lambda ex, run, a: ex._do_H2D(run, a),
-    ActionKind.D2H: lambda ex, run, a: ex._do_D2H(run, a),
-    ActionKind.ACC: lambda ex, run, a: ex._do_ACC(run, a),
-    ActionKind.OPT: lambda ex, run, a: ex._do_OPT(run, a),
-    ActionKind.SHADOW: lambda ex, run, a: ex._do_SHADOW(run, a),
-    ActionKind.REDUCE: lambda ex, run, a: ex._do_REDUCE(run, a),
-    ActionKind.CHECK: lambda ex, run, a: ex._do_CHECK(run, a),
-}
-check_registry(RUNTIME_ACTIONS, "the runtime executor")
-ACTION_OF = {k.value: fn for k, fn in RUNTIME_ACTIONS.items()}  # keyed by Action.kind's string
-
-
-def clip_grad_norm(store: HostStore, model: torch.nn.Module, max_norm: float) -> float:
-    """Clip the host's fp32 gradients by their global L2 norm, with torch's own
-    ``get_total_norm`` / ``clip_grads_with_norm_`` over the trainable parameters in
-    ``model.parameters()`` order (what ``clip_grad_norm_(model.parameters(), max_norm)`` sees
-    after a full backward); return the norm before clipping."""
-    trainable = {s.name for s in store.trainable_slots}
-    names = [n for n, p in model.named_parameters() if n in trainable]
-    grads = [store.grad_of(n) for n in names]
-    total = torch.nn.utils.get_total_norm(grads, 2.0)
-    torch.nn.utils.clip_grads_with_norm_([_Grad(g) for g in grads], max_norm, total)
-    return float(total)
-
-
-class _Grad:
-    """A parameter-like holder of a host gradient view, for torch's clipping helpers."""
-
-    def __init__(self, grad: torch.Tensor) -> None:
-        self.grad = grad
-
-
-def _accumulate(job: JobGrads, pairs: Sequence[tuple[str, torch.Tensor]],
-                kernels: str) -> None:
-    """Add one microbatch's parameter gradients into the job's flat buffer: one launch, or
-    one more per repeat when two names share a slot (a tied parameter under two names: its
-    contributions are then added one after the other, in the reference's order)."""
-    batch: list[torch.Tensor] = []
-    offsets: list[int] = []
-    for name, grad in pairs:
-        offset = job.offsets[name]
-        if offset in offsets:
-            _kernels.accumulate_grads(batch, job.flat, offsets, found_nonfinite=job.flag,
-                                      backend=kernels)
-            batch, offsets = [], []
-        batch.append(grad.contiguous())
-        offsets.append(offset)
-    _kernels.accumulate_grads(batch, job.flat, offsets, found_nonfinite=job.flag,
-                              backend=kernels)
-
-
-def _same_device(a: torch.device, b: torch.device) -> bool:
-    """Whether two devices are the same (``cuda`` and ``cuda:0`` are, as the current one)."""
-    if a.type != b.type:
-        return False
-    if a.type != "cuda":
-        return True
-    current = torch.cuda.current_device()
-    return (current if a.index is None else a.index) == (current if b.index is None else b.index)
-
-
-def _chunked_copy(worker: Worker, pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
-                  chunks: int) -> None:
-    """Copy ``(dst, src)`` flat pairs in about ``chunks`` equal pieces, completing each before
-    the next: on a GPU another stream's copy (a critical activation) can use the copy engine
-    between two pieces of a bulk transfer instead of waiting for all of it."""
-    total = sum(src.numel() for _, src in pieces)
-    step = max(1, -(-total // max(1, chunks)))
-    for dst, src in pieces:
-        for start in range(0, src.numel(), step):
-            worker.copy_(dst[start:start + step], src[start:start + step])
-            worker.complete_copies()
-    worker.complete_copies()
