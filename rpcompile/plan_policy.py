@@ -6,10 +6,13 @@ command line."""
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass, field
 
 __all__ = ["DEFAULT_BATCH_GAIN", "DEFAULT_BATCH_LARGEST", "FILL_DRAIN_LIMIT", "IDLE_LIMIT",
-           "TRIAL_SIMULATIONS", "BatchChoice", "default_batch", "longest_sequence"]
+           "TRIAL_SIMULATIONS", "BatchChoice", "SlowestStage", "WorkerUse", "default_batch",
+           "longest_sequence", "worker_use"]
 
 
 # The default batch (``plan`` without ``--batch``): the sequences per microbatch double from
@@ -141,3 +144,85 @@ def longest_sequence(compiled, hw, microbatch_size: int | None = None,
         hw, microbatch_size=b, costing=costing, options=compiled.options.plan, start=start,
         step=min(64, start), limit=limit, host_ram_bytes=ram[0], host_ram_source=ram[1])
 
+
+
+@dataclass(frozen=True)
+class SlowestStage:
+    """The stage that paces a step whose workers idle more than :data:`IDLE_LIMIT` of it
+    though fill and drain do not dominate: a round's microbatches pass it one after another on
+    its worker while the stages after it wait on its pace. ``bound_ms`` is a critical path of
+    the plan's stage times alone (no transfer, no wait): the first microbatch through every
+    stage before it (``before_ms``), all of them through it, the last through every stage
+    after it (``after_ms``)."""
+
+    name: str
+    units: str  # its one unit's name, or "N units"
+    one_unit: bool
+    ms_per_microbatch: float
+    median_ms_per_microbatch: float
+    before_ms: float
+    after_ms: float
+    bound_ms: float
+
+
+@dataclass(frozen=True)
+class WorkerUse:
+    """How a plan's step uses the workers: ``jobs`` a step for ``gpus`` workers (round robin
+    gives an idle worker a job every ``dispatch_period`` steps), the idle time (``bubble``) and
+    fill and drain as shares of the step, and what the figures call for. ``too_small``: fill and drain are over
+    :data:`FILL_DRAIN_LIMIT`; ``microbatches_to_fill``: a round's microbatches that would bring
+    the working workers' share under it (None where the idle workers are the bubble, which
+    more microbatches do not give a job). ``slowest``: the stage that paces a step that is not
+    too small but idles over :data:`IDLE_LIMIT`."""
+
+    jobs: int
+    gpus: int
+    dispatch_period: int
+    bubble: float
+    fill_drain: float
+    too_small: bool
+    microbatches_to_fill: int | None
+    slowest: SlowestStage | None
+
+
+def worker_use(plan, gpus: int, micro: int, rounds: int, bubble: float,
+               fill_drain: float) -> WorkerUse:
+    """:class:`WorkerUse` of ``plan`` on ``gpus`` workers at ``micro`` microbatches a round and
+    ``rounds`` rounds, from its simulated step's ``bubble`` and ``fill_drain`` (shares of the
+    workers' time)."""
+    from rpcompile.passes.schedule import dispatch_period
+
+    jobs = len(plan.stages) * rounds
+    period = dispatch_period(jobs, gpus)
+    if fill_drain <= FILL_DRAIN_LIMIT:
+        slowest = _slowest_stage(plan, micro) if bubble > IDLE_LIMIT else None
+        return WorkerUse(jobs, gpus, period, bubble, fill_drain, False, None, slowest)
+    # An estimate from this plan's stage times: fill and drain stay as they are while the
+    # steady part grows with the microbatches a round, so k times the microbatches bring the
+    # working workers' share under the limit (an idle worker's step is all fill; more
+    # microbatches do not give it a job).
+    busy = min(jobs, gpus)
+    active = max(0.0, fill_drain * gpus - (gpus - busy)) / busy
+    if active <= FILL_DRAIN_LIMIT:  # the idle workers are the bubble
+        return WorkerUse(jobs, gpus, period, bubble, fill_drain, True, None, None)
+    k = active * (1 - FILL_DRAIN_LIMIT) / (FILL_DRAIN_LIMIT * (1 - active))
+    fills = max(micro + 1, math.ceil(micro * k))
+    return WorkerUse(jobs, gpus, period, bubble, fill_drain, True, fills, None)
+
+
+def _slowest_stage(plan, micro: int) -> SlowestStage | None:
+    """The :class:`SlowestStage` of ``plan`` (None when no stage has a time to name a pace
+    by)."""
+    times = [s.compute_ms for s in plan.stages]
+    if not any(t > 0 for t in times):
+        return None
+    k = max(range(len(times)), key=times.__getitem__)
+    slow = plan.stages[k]
+    before, after = sum(times[:k]), sum(times[k + 1:])
+    units = plan.units[slow.units[0]].name if len(slow.units) == 1 else \
+        f"{len(slow.units)} units"
+    return SlowestStage(name=plan.stage_name(k), units=units, one_unit=len(slow.units) == 1,
+                        ms_per_microbatch=times[k],
+                        median_ms_per_microbatch=statistics.median(t for t in times if t > 0),
+                        before_ms=before, after_ms=after,
+                        bound_ms=before + micro * times[k] + after)
