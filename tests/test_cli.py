@@ -336,11 +336,12 @@ def test_listings_print_their_report_as_json(capsys):
 
 def test_plan_json_prints_the_figures_summary_json_holds(tmp_path, capsys):
     args = ["plan", "--model", "qwen3-tiny", "--seq", "256", "--gpus", "4", "--batch", "5",
-            "--no-fit-search", "--plan-cache", "off", "--quiet", "--out", str(tmp_path)]
+            "--no-fit-search", "--plan-cache", str(tmp_path / "plans"), "--quiet",
+            "--out", str(tmp_path / "out")]
     assert main([*args, "--json"]) == 0
     printed = json.loads(capsys.readouterr().out)  # stdout holds the JSON object alone
-    assert printed == json.loads((tmp_path / "summary.json").read_text())
+    assert printed == json.loads((tmp_path / "out" / "summary.json").read_text())
     assert printed["batch"] == 5 and printed["tokens_per_s"] > 0
-    assert main(args) == 0
+    assert main(args) == 0  # the text of the same plan (found again in the plan cache)
     text = capsys.readouterr().out
     assert f"{printed['tokens_per_s']:,.0f} tokens/s" in text
