@@ -313,3 +313,35 @@ def test_plan_cache_flag_and_quiet(tmp_path, capsys, monkeypatch):
     assert main([*off, "--out", str(tmp_path / "off")]) == 0
     assert "searching stage cuts" in capsys.readouterr().err
     assert len(list((tmp_path / "plans").glob("*.json"))) == 1
+
+
+def test_listings_print_their_report_as_json(capsys):
+    assert main(["models", "--json"]) == 0
+    models = json.loads(capsys.readouterr().out)["models"]
+    assert main(["models"]) == 0
+    assert capsys.readouterr().out.split() == models
+    assert main(["hardware", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert main(["hardware"]) == 0
+    lines = {t.split()[0]: t for t in capsys.readouterr().out.splitlines()}
+    # Each profile's figures are those its text line shows; the links likewise.
+    for p in report["profiles"]:
+        assert lines[p["name"]].startswith(f"{p['name']:<11} {p['gpus']} x {p['gpu']}, "
+                                           f"{p['memory_gib']:g} GiB")
+    assert {p["name"] for p in report["profiles"]} | {k["name"] for k in report["links"]} \
+        == set(lines)
+    rtx = next(p for p in report["profiles"] if p["name"] == "rtx4090x8")
+    assert rtx["host_ram_gib"] == pytest.approx(476.84, abs=0.01)
+
+
+def test_plan_json_prints_the_figures_summary_json_holds(tmp_path, capsys):
+    args = ["plan", "--model", "qwen3-tiny", "--seq", "256", "--gpus", "4", "--batch", "5",
+            "--no-fit-search", "--plan-cache", str(tmp_path / "plans"), "--quiet",
+            "--out", str(tmp_path / "out")]
+    assert main([*args, "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)  # stdout holds the JSON object alone
+    assert printed == json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert printed["batch"] == 5 and printed["tokens_per_s"] > 0
+    assert main(args) == 0  # the text of the same plan (found again in the plan cache)
+    text = capsys.readouterr().out
+    assert f"{printed['tokens_per_s']:,.0f} tokens/s" in text

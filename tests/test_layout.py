@@ -8,7 +8,7 @@ and no module reaches itself through its imports.
     planner   planner/                          (partition search, ranked by the dispatch model)
     runtime   runtime/                          (workers, executor, optimizer, trainer, reference)
     outer     workloads/, data/, viz            (shipped models, data files, pictures)
-    compiler  compiler, rpcompile/__init__      (the flow)
+    compiler  compiler, plan_policy, rpcompile/__init__  (the flow; what plan plans for)
     apps      finetune, run_folder, interrupts, cli, __main__, trl  (jobs, the command line,
               the TRL front end)
 """
@@ -29,7 +29,7 @@ LAYERS = [
     ("planner", ["rpcompile.planner"]),
     ("runtime", ["rpcompile.runtime"]),
     ("outer", ["rpcompile.workloads", "rpcompile.data", "rpcompile.viz"]),
-    ("compiler", ["rpcompile.compiler", "rpcompile"]),
+    ("compiler", ["rpcompile.compiler", "rpcompile.plan_policy", "rpcompile"]),
     ("apps", ["rpcompile.finetune", "rpcompile.run_folder", "rpcompile.interrupts",
               "rpcompile.cli", "rpcompile.__main__", "rpcompile.trl"]),
 ]

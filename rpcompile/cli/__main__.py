@@ -1,0 +1,5 @@
+"""``python -m rpcompile.cli ...``: the command line."""
+
+from rpcompile.cli import main
+
+raise SystemExit(main())
