@@ -16,6 +16,15 @@ os.environ.setdefault("RPCOMPILE_DEBUG", "1")
 # (tests of the cache name their own folder).
 os.environ.setdefault("RPCOMPILE_PLAN_CACHE", "0")
 
+# `datasets` gives its logger a handler on the sys.stderr of its first import. Imported first
+# inside a test that captures output (capsys), that handler keeps the test's stream, which is
+# closed afterwards, and a later test that makes `datasets` log an error gets a logging
+# traceback in its output. Importing it here binds the handler to the session's stream.
+try:
+    import datasets  # noqa: F401
+except ImportError:
+    pass
+
 if os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
 
