@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rpcompile.errors import InvalidInput
+from rpcompile.options import PlanOptions, TrainOptions
 
 __all__ = ["main"]
 
@@ -307,14 +308,15 @@ def _plan(args: argparse.Namespace) -> int:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", HostMemoryWarning)
             return rpcompile.compile(
-                model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids,
-                rounds=args.rounds, mode=args.optimizer, device="virtual",
-                recompute=args.recompute, shard_optimizer=args.shard_optimizer,
-                max_simulations=max_simulations, undo_journal=hw.undo_journal,
-                host_memory=hw.host_memory, progress=False if args.quiet else None,
-                plan_cache=plan_cache_option(args.plan_cache),
-                search_effort=args.search_effort,
-                host_ram_bytes=None if args.host_ram is None else host_ram(args.host_ram, hw)[0])
+                model, ids, gpus=gpus, microbatches=micro, hardware=hw, rounds=args.rounds,
+                mode=args.optimizer, device="virtual", search_effort=args.search_effort,
+                plan=PlanOptions(recompute=args.recompute, shard_optimizer=args.shard_optimizer,
+                                 max_simulations=max_simulations, undo_journal=hw.undo_journal,
+                                 host_memory=hw.host_memory,
+                                 progress=False if args.quiet else None,
+                                 plan_cache=plan_cache_option(args.plan_cache)),
+                train=TrainOptions(host_ram_bytes=None if args.host_ram is None
+                                   else host_ram(args.host_ram, hw)[0]))
 
     choice = None
     if args.batch is None and args.schedule == "roundpipe":

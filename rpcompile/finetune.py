@@ -45,7 +45,7 @@ from rpcompile.choices import (
     flag_type,
 )
 from rpcompile.errors import InvalidInput
-from rpcompile.options import FLAT, PlanOptions
+from rpcompile.options import FLAT, PlanOptions, TrainOptions
 
 __all__ = ["DEMO", "OPTIONS", "add_train_arguments", "plan_cache_option", "resolve_options",
            "run"]
@@ -888,17 +888,17 @@ class _Job:
                   "search)", file=sys.stderr)
         began = time.perf_counter()
         self.compiled = compiled = rpcompile.compile(
-            model, gpus=workers, microbatches=micro, rounds=opts["rounds"],
-            example_inputs=example, device=device, mode=opts["mode"], chaos=opts["chaos"],
-            kernels=opts["kernels"], recompute=opts["recompute"],
-            loss_scale=True if dtype == torch.float16 else None,
+            model, example, gpus=workers, microbatches=micro, rounds=opts["rounds"],
+            device=device, mode=opts["mode"], search_effort=opts["search_effort"],
             optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=opts["weight_decay"],
                                                   fused=True),
             max_grad_norm=opts["max_grad_norm"] or None,
-            shard_optimizer=opts["shard_optimizer"], undo_journal=opts["undo_journal"],
-            host_memory=opts["host_memory"], search_effort=opts["search_effort"],
-            plan_cache=plan_cache_option(opts["plan_cache"]),
-            progress=False if opts["quiet"] else None,
+            plan=PlanOptions(recompute=opts["recompute"], shard_optimizer=opts["shard_optimizer"],
+                             undo_journal=opts["undo_journal"], host_memory=opts["host_memory"],
+                             plan_cache=plan_cache_option(opts["plan_cache"]),
+                             progress=False if opts["quiet"] else None),
+            train=TrainOptions(chaos=opts["chaos"], kernels=opts["kernels"],
+                               loss_scale=True if dtype == torch.float16 else None),
         )
         if packed and not masks_documents(compiled.capture):
             compiled.close()
