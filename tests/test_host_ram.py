@@ -120,8 +120,8 @@ def test_the_host_figure_without_the_journal_is_less_by_exactly_the_journal(comp
     assert off_compiled.hardware.undo_journal is False and compiled.hardware.undo_journal
     assert off_compiled.host.journal == 0
     saved = []
-    with Trainer(off_compiled, options=replace(off_compiled.options.train, optimizer=SGD),
-                 mode=mode) as trainer:
+    with Trainer(off_compiled, train=replace(off_compiled.options.train, optimizer=SGD),
+                 plan=replace(off_compiled.options.plan, mode=mode)) as trainer:
         assert trainer.driver.rollback is False
         commit = trainer.driver.commit_step
 

@@ -408,7 +408,8 @@ def test_partition_refuses_a_bad_update_order_as_compile_does():
         m.setattr("rpcompile.compiler.capture_graph", lambda *a, **k: pytest.fail("captured"))
         said = _said(lambda: rpcompile.compile(hf_model("qwen3", layers=1),
                                                plan=PlanOptions(**async_deferred)))
-    assert said == _said(lambda: PlanOptions(gpus=2, **async_deferred))
+    assert said == _said(lambda: partition(profiles, "cpu", PlanOptions(gpus=2,
+                                                                        **async_deferred)))
     # A group's own check does not see the training options: partition() decides the order
     # from the gradient check it is told of, by the same rule.
     with pytest.raises(rpcompile.InvalidInput, match="'overlap' update order"):

@@ -148,7 +148,7 @@ def test_the_option_reaches_the_pin_decision_from_compile_and_the_trainer(monkey
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
                                  device="virtual", plan=PlanOptions(host_memory="pageable"))
     try:
-        assert compiled.options.train.host_memory == "pageable"
+        assert compiled.options.plan.host_memory == "pageable"
         assert compiled.hardware.host_memory == "pageable"
         trainer = compiled.trainer()
         assert seen == [("pageable", "virtual")]
@@ -161,10 +161,11 @@ def test_the_option_reaches_the_pin_decision_from_compile_and_the_trainer(monkey
     seen.clear()
     default = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
                                 device="virtual")
-    other = Trainer(default, plan=replace(default.options.plan, host_memory="pageable"))  # a keyword overrides the compile's
+    # A plan group given to the Trainer is what it runs with, not the compile's.
+    other = Trainer(default, plan=replace(default.options.plan, host_memory="pageable"))
     try:
         assert seen == [("pageable", "virtual")]
-        assert other.options.host_memory == "pageable" and other.host_memory.pinned == 0
+        assert other.plan_options.host_memory == "pageable" and other.host_memory.pinned == 0
     finally:
         for w in other.workers:
             w.shutdown()

@@ -34,7 +34,7 @@ import torch
 
 import rpcompile
 from rpcompile.ir import ActionKind
-from rpcompile.options import PlanOptions
+from rpcompile.options import PlanOptions, TrainOptions
 from rpcompile.passes.lower import updates_deferred
 from rpcompile.runtime.executor import Executor
 from rpcompile.runtime.trainer import Trainer
@@ -263,8 +263,8 @@ def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  #
 def test_an_overlapping_order_is_refused_by_one_rule_wherever_options_meet(qwen3, monkeypatch):  # noqa: F811
     # Clipping, loss scaling, skipping a non-finite step and data parallel need the whole
     # step's gradients before any update. The options groups refuse the overlap order before
-    # any capture, the Trainer refuses overrides, and an Executor refuses a schedule lowered
-    # with it: one rule (rpcompile.options.check_update_order), one message.
+    # any capture, the Trainer refuses such groups, and an Executor refuses a schedule lowered
+    # with it: one rule (rpcompile.options.update_order), one message.
     def no_capture(*a, **k):
         raise AssertionError("captured before the options were checked")
 
@@ -283,7 +283,7 @@ def test_an_overlapping_order_is_refused_by_one_rule_wherever_options_meet(qwen3
         assert not updates_deferred(trainer.schedule)
         with pytest.raises(ValueError, match=r"max_grad_norm, skip_nonfinite.*updates='deferred'"):
             Executor(qwen3, trainer.workers, trainer.schedule, trainer.store, trainer.driver,
-                     max_grad_norm=1.0, skip_nonfinite=True)
+                     options=TrainOptions(max_grad_norm=1.0, skip_nonfinite=True))
 
 
 def _steps_overlap(timeline) -> list[int]:

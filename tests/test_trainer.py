@@ -388,52 +388,54 @@ def test_a_hand_built_trainer_clips_as_the_compile_asked():
     assert moved > 1e-4  # the unclipped step is another one: the comparison can tell
 
 
-def test_the_trainer_keywords_override_the_compiled_options_one_by_one():
-    options = dict(device="virtual", chaos=7, capacity_bytes=1 << 40, kernels="torch",
-                   skip_nonfinite=True, loss_scale=True, max_grad_norm=2.0, timeout_s=90.0,
-                   host_ram_bytes=1 << 50, undo_journal=True, optimizer=_sgd,
-                   host_memory="pageable")
+def test_the_trainer_runs_the_compiles_groups_unless_given_its_own():
+    train = TrainOptions(device="virtual", chaos=7, kernels="torch", skip_nonfinite=True,
+                         loss_scale=True, max_grad_norm=2.0, timeout_s=90.0,
+                         host_ram_bytes=1 << 50, optimizer=_sgd)
     # Every training option but the process group is set away from its default here, so a
-    # keyword that resets the others would show.
-    assert set(options) == {f.name for f in fields(TrainOptions)} - {"process_group"}
-    assert all(getattr(TrainOptions(), k) != v for k, v in options.items()
-               if k != "undo_journal")
-    compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
-                                 example_inputs=token_batch(4), **options)
+    # Trainer that read the defaults instead of the compile's group would show.
+    default = TrainOptions()
+    assert {f.name for f in fields(TrainOptions) if getattr(train, f.name) !=
+            getattr(default, f.name)} == {f.name for f in fields(TrainOptions)} - {"process_group"}
+    plan = PlanOptions(gpus=2, microbatches=2, capacity_bytes=1 << 40, host_memory="pageable")
+    compiled = rpcompile.compile(hf_model("qwen3", layers=2), token_batch(4), plan=plan,
+                                 train=train)
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-3)
 
-    with Trainer(compiled, train=replace(compiled.options.train, optimizer=adamw, kernels="auto")) as trainer:
-        assert trainer.options == replace(compiled.options.train, optimizer=adamw,
-                                          kernels="auto")
+    own = replace(compiled.options.train, optimizer=adamw, kernels="auto")
+    with Trainer(compiled, train=own) as trainer:
+        assert trainer.options == own and trainer.plan_options == compiled.options.plan
         assert trainer.loss_scaler is not None and trainer.timeout_s == 90.0
         assert trainer.executor.max_grad_norm == 2.0
-    with Trainer(compiled) as trainer:  # no keyword: the compile's options, as they are
+    with Trainer(compiled) as trainer:  # no group: the compile's, as they are
         assert trainer.options == compiled.options.train
-    # A keyword can still turn an option back to its default (None is a value here).
+        assert trainer.plan_options == compiled.options.plan
+        assert trainer.workers[0].capacity_bytes == 1 << 40
+    # A group given turns an option back to its default (None is a value here).
     with Trainer(compiled, train=replace(compiled.options.train, max_grad_norm=None,
                                          loss_scale=None, skip_nonfinite=False)) as t:
         assert t.options.max_grad_norm is None and t.loss_scaler is None
-    # The merged options are checked like any other.
     with pytest.raises(ValueError, match="kernels must be one of"):
         Trainer(compiled, train=replace(compiled.options.train, kernels="cuda"))
 
 
 @pytest.mark.parametrize("compiled_journal", [True, False])
-def test_the_undo_journal_keyword_is_applied_to_all_the_trainer_reads(compiled_journal):
+def test_the_undo_journal_option_is_applied_to_all_the_trainer_reads(compiled_journal):
     # undo_journal is a host-side choice: the schedule's actions do not depend on it (only
-    # the simulated OPT time and the host figure do), so a Trainer keyword that differs from
-    # the compile's is applied to everything the Trainer reads: its driver's rollback and
-    # its host figure; the compile's setting holds when the keyword is not given.
+    # the simulated OPT time and the host figure do), so a Trainer plan group whose setting
+    # differs from the compile's is applied to everything the Trainer reads: its driver's
+    # rollback and its host figure; the compile's setting holds when no group is given.
     compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
                                  example_inputs=token_batch(4), device="virtual",
                                  plan=PlanOptions(undo_journal=compiled_journal))
     assert compiled.hardware.undo_journal is compiled_journal
     for keyword in ({}, {"undo_journal": not compiled_journal}):
         journal = keyword.get("undo_journal", compiled_journal)
-        with Trainer(compiled, _sgd, **keyword) as trainer:
-            assert trainer.options.undo_journal is journal
+        with Trainer(compiled, train=replace(compiled.options.train, optimizer=_sgd),
+                     plan=replace(compiled.options.plan, **keyword)) as trainer:
+            assert trainer.plan_options.undo_journal is journal
             assert trainer.driver.rollback is journal
             assert (trainer.host_memory.journal > 0) is journal
             assert trainer.schedule == compiled.schedule  # the same actions either way
