@@ -511,7 +511,8 @@ class Compiled:
 # None-free value), so a shortcut and the same field set in its group are told apart.
 SHORTCUTS: dict[str, str] = {
     "gpus": "plan", "microbatches": "plan", "rounds": "plan", "hardware": "plan",
-    "mode": "plan", "optimizer": "train", "device": "train", "process_group": "train",
+    "mode": "plan", "search_effort": "plan", "optimizer": "train", "device": "train",
+    "process_group": "train",
     "max_grad_norm": "train", "loss_fn": "capture",
 }
 _GROUPS: dict[str, type] = {"capture": CaptureOptions, "plan": PlanOptions,
@@ -530,6 +531,7 @@ def compile(
     rounds: int | None = None,
     hardware: Hardware | str | None = None,
     mode: str | None = None,
+    search_effort: str | None = None,
     optimizer: Callable | None = None,
     device: str | None = None,
     process_group: Any = None,
@@ -549,6 +551,7 @@ def compile(
     - ``rounds``: rounds per step, gradient accumulation (``PlanOptions.rounds``).
     - ``hardware``: a profile name or ``Hardware`` (``PlanOptions.hardware``).
     - ``mode``: ``"sync"`` or ``"async"`` (``PlanOptions.mode``).
+    - ``search_effort``: ``"normal"``, ``"high"`` or ``"exhaustive"`` (``PlanOptions``).
     - ``optimizer``: ``params -> torch.optim.Optimizer`` (``TrainOptions.optimizer``).
     - ``device``: ``"auto"``, ``"cuda"`` or ``"virtual"`` (``TrainOptions.device``).
     - ``process_group``: a gloo group to train data parallel over (``TrainOptions``).
@@ -562,7 +565,7 @@ def compile(
     """
     options = _options(capture, plan, train, dict(
         gpus=gpus, microbatches=microbatches, rounds=rounds, hardware=hardware, mode=mode,
-        optimizer=optimizer, device=device, process_group=process_group,
+        search_effort=search_effort, optimizer=optimizer, device=device, process_group=process_group,
         max_grad_norm=max_grad_norm, loss_fn=loss_fn), elsewhere)
     # The schedule is lowered for the ranks that will run it: a process group's world size.
     options = replace(options, plan=replace(options.plan, ranks=planned_ranks(
