@@ -352,8 +352,8 @@ def _plan(args: argparse.Namespace) -> int:
         lowered = compiled.schedule
         history = tuple(r for r in compiled.history if r.name in LOWERING_PASSES)
         whole = simulate(lowered, plan, hw)
-        sim = simulate(runtime_schedule(plan, replace(compiled.options.plan, schedule_steps=1),
-                                        updates=plan.updates), plan, hw)
+        sim = simulate(runtime_schedule(plan, replace(compiled.options.plan, schedule_steps=1,
+                                                      updates=plan.updates)), plan, hw)
     else:
         # Weight-bound baselines: one stage per GPU (two per GPU for the interleaved and
         # looped schedules), cut from the same unit costs.

@@ -58,13 +58,15 @@ def reference_training(compiled, data, make_optimizer, mode="sync"):
 
 
 def assert_trains_like_reference(compiled, data, make_optimizer, mode="sync", chaos=None,
-                                 stream=True, **options):
+                                 stream=True, **plan_options):
     """Train on ``data`` and hold losses and masters bit for bit against
     :func:`reference_training`. ``stream``: as one stream of steps (``Trainer.fit``: step k+1
-    runs while step k drains, two steps' jobs in flight); else one ``step()`` at a time."""
+    runs while step k drains, two steps' jobs in flight); else one ``step()`` at a time.
+    ``plan_options``: PlanOptions fields the trainer runs with instead of the compile's."""
     ref_losses, ref_params = reference_training(compiled, data, make_optimizer, mode)
-    with Trainer(compiled, make_optimizer, device="virtual", mode=mode, chaos=chaos,
-                 **options) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=make_optimizer,
+                                         device="virtual", chaos=chaos),
+                 plan=replace(compiled.options.plan, mode=mode, **plan_options)) as trainer:
         if stream:
             results = list(trainer.fit(data))
             assert [r.step for r in results] == list(range(len(data)))

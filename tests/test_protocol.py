@@ -167,8 +167,9 @@ def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  #
     # Clipping defers sync updates; async has one order (the previous step's gradients,
     # clipped at that step's end, applied at the start of this one).
     options = {} if updates == "overlap" else {"max_grad_norm": 1e9}
-    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, mode=mode,
-                 **options) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                      timeout_s=60, **options),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         sched = trainer.schedule
         assert sched.optimizer == mode
         assert updates_deferred(sched) == (updates == "deferred")
