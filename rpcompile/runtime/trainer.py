@@ -163,9 +163,9 @@ class Trainer:
     stuck in an item are replaced.
     ``process_group``: train data parallel across the ranks of a gloo group: each rank steps
     on its own share of the global batch; losses, clipping and updates are those of the global
-    batch (:mod:`rpcompile.runtime.distributed`). ``shard_optimizer`` (a plan option):
-    each rank keeps the
-    masters and optimizer state of its 1/N shard only; :meth:`masters` then refuses (use
+    batch (:mod:`rpcompile.runtime.distributed`). ``shard_optimizer`` (a plan option): each
+    rank keeps the masters and optimizer state of its 1/N shard only; :meth:`masters` then
+    refuses (use
     :meth:`owned_masters` or the collective :meth:`gather_masters`), and
     :meth:`sync_to_model`, :meth:`state_dict`, :meth:`save_checkpoint` and
     :meth:`load_checkpoint` are collectives: call them on every rank.
