@@ -66,12 +66,9 @@ def main() -> None:
             units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ), hw)[0]}
         if args.ours:
             blocks = model.units(MICROBATCH_SIZE, SEQ, split_layers=True)
-            # The loose keywords, not options=PlanOptions(...): the script reads only APIs
-            # both trees compared have (the module doc).
-            plans["ours-async"] = partition(blocks, hw, PlanOptions(gpus=WORKERS,
-                                                                    microbatches=MICROBATCHES,
-                                                                    mode="async"),
-                                            microbatch_size=MICROBATCH_SIZE, seq_len=SEQ)
+            run = PlanOptions(gpus=WORKERS, microbatches=MICROBATCHES, mode="async")
+            plans["ours-async"] = partition(blocks, hw, run, microbatch_size=MICROBATCH_SIZE,
+                                            seq_len=SEQ)
         for label, plan in plans.items():
             t0 = time.perf_counter()
             row = figures(plan, hw)
