@@ -543,7 +543,7 @@ def compile(
 
     - ``example_inputs``: one global batch; the plan is made now, for its shape. A Hugging
       Face causal LM may omit it: it is planned at the first batch it meets.
-    - ``capture``: :class:`~rpcompile.options.CaptureOptions` (loss, units, opaque blocks, loss chunks).
+    - ``capture``: :class:`~rpcompile.options.CaptureOptions` (how the model becomes a graph).
     - ``plan``: :class:`~rpcompile.options.PlanOptions` (what the plan is made for).
     - ``train``: :class:`~rpcompile.options.TrainOptions` (how the runtime runs it).
     - ``gpus``: workers to plan for (``PlanOptions.gpus``, default 8).
@@ -565,8 +565,8 @@ def compile(
     """
     options = _options(capture, plan, train, dict(
         gpus=gpus, microbatches=microbatches, rounds=rounds, hardware=hardware, mode=mode,
-        search_effort=search_effort, optimizer=optimizer, device=device, process_group=process_group,
-        max_grad_norm=max_grad_norm, loss_fn=loss_fn), elsewhere)
+        search_effort=search_effort, optimizer=optimizer, device=device,
+        process_group=process_group, max_grad_norm=max_grad_norm, loss_fn=loss_fn), elsewhere)
     # The schedule is lowered for the ranks that will run it: a process group's world size.
     options = replace(options, plan=replace(options.plan, ranks=planned_ranks(
         options.plan.ranks, options.train.process_group)))

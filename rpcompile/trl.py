@@ -78,9 +78,9 @@ class SFTTrainer(trl.SFTTrainer):
     """``trl.SFTTrainer`` whose optimizer steps run on rpcompile workers (see the module doc).
 
     ``rpcompile``: rpcompile's options by name (fields of :class:`~rpcompile.PlanOptions`,
-    :class:`~rpcompile.TrainOptions`, :class:`~rpcompile.CaptureOptions`). ``gpus`` defaults to every visible
-    CUDA GPU, else 4 virtual CPU workers; ``microbatches`` to ``gpus + 1`` (at most the global
-    batch), ``rounds`` to 1. The global batch of a step is ``per_device_train_batch_size x
+    :class:`~rpcompile.TrainOptions`, :class:`~rpcompile.CaptureOptions`). ``gpus`` defaults
+    to every visible CUDA GPU, else 4 virtual CPU workers; ``microbatches`` to ``gpus + 1`` (at
+    most the global batch), ``rounds`` to 1. The global batch of a step is ``per_device_train_batch_size x
     gradient_accumulation_steps`` sequences, cut into ``microbatches x rounds`` microbatches;
     the plan is made for that many sequences of the longest prepared example (train and eval).
     The compiled model is ``trainer.compiled`` (built on first use: ``train``, ``evaluate``).

@@ -43,8 +43,8 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{int(step):08d}"
 
-    def save(self, compiled: Compiled | Trainer, step: int, extra: Mapping[str, Any] | None = None, *,
-             per_rank: bool = False) -> Path:
+    def save(self, compiled: Compiled | Trainer, step: int,
+             extra: Mapping[str, Any] | None = None, *, per_rank: bool = False) -> Path:
         path = compiled.save_checkpoint(self.path_for(step), extra=extra,
                                         **({"per_rank": True} if per_rank else {}))
         dp = getattr(getattr(compiled, "_trainer", compiled), "dp", None)
