@@ -206,10 +206,11 @@ def check_exact(arch: str, workers: int, trainer_device: str, device: torch.devi
                                  example_inputs=data[0])
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    with Registrations() as registrations, Trainer(compiled, train=replace(compiled.options.train,
-                                                                           optimizer=adamw,
-                                                                           device=trainer_device,
-                                                                           kernels="auto"),
+    with Registrations() as registrations, Trainer(compiled,
+                                                   train=replace(compiled.options.train,
+                                                                 optimizer=adamw,
+                                                                 device=trainer_device,
+                                                                 kernels="auto"),
                                                    plan=replace(compiled.options.plan,
                                                                 host_memory=host_memory)) as trainer:
         pinned = trainer.pin_host
@@ -321,9 +322,10 @@ def bench(trainer_device: str, hidden: int, layers: int, seq: int, workers: int,
               "compile_seconds": round(compile_s, 2)}
     masters = {}
     for kernels in ("triton", "torch"):
-        with Trainer(compiled, train=replace(compiled.options.train,
-                                             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True),
-                                             device=trainer_device, kernels=kernels),
+        with Trainer(compiled,
+                     train=replace(compiled.options.train,
+                                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True),
+                                   device=trainer_device, kernels=kernels),
                      plan=replace(compiled.options.plan, host_memory=host_memory)) as trainer:
             trainer.step(data[0])  # warm-up: Triton compiles, allocators settle
             times, per_kind = [], {}

@@ -63,11 +63,8 @@ def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
         partition_module._best_simulated = counting
     try:
         t0 = time.perf_counter()
-        # The loose keywords, not options=PlanOptions(...): the script also runs against
-        # other trees (the module doc).
-        plan = partition_module.partition(get_model(name).units(4, 2048), hw, PlanOptions(gpus=8,
-                                                                                          microbatches=16,
-                                                                                          mode=mode),
+        plan = partition_module.partition(get_model(name).units(4, 2048), hw,
+                                          PlanOptions(gpus=8, microbatches=16, mode=mode),
                                           refine=0)
         seconds = time.perf_counter() - t0
     finally:

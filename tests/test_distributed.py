@@ -78,7 +78,8 @@ def _compile(model_name: str, seed: int, example, parts: int = 2, **options):
     extra = {"loss_fn": torch.nn.functional.cross_entropy} if model_name == "skipnet" else {}
     options.setdefault("optimizer", _sgd)
     return rpcompile.compile(_model(model_name, seed), gpus=2, microbatches=parts,
-                             example_inputs=example, device="virtual", **grouped(**extra, **options))
+                             example_inputs=example, device="virtual",
+                             **grouped(**extra, **options))
 
 
 def _share(batch, rank, world):

@@ -181,7 +181,8 @@ def test_bulk_transfers_in_chunks(qwen3):
 
 
 def test_measured_timeline_covers_every_action_and_dumps(qwen3, tmp_path):
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
         trainer.step(token_batch(6))
         timeline = trainer.last.timeline
         step0 = [a for a in trainer.schedule.all_actions() if a.step == 0]
@@ -247,7 +248,8 @@ def test_edges_alone_order_the_work(qwen3, monkeypatch, kind, edge):
     monkeypatch.setattr(Executor, "_do_" + kind, slow)
     data = batches(1, 6)
     ref_losses, _ = reference_training(qwen3, data, SGD)
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
         assert torch.equal(trainer.step(data[0]), ref_losses[0])
         schedule = trainer.schedule
         dropped = schedule.replace(edges=tuple(e for e in schedule.edges if e.kind != edge))
@@ -402,7 +404,8 @@ def test_executor_refuses_a_schedule_it_cannot_run(qwen3):
     from rpcompile.passes.lower import lower
     from rpcompile.passes.schedule import build_schedule
 
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
         compute = build_schedule(qwen3.plan, workers=2, microbatches=3, optimizer="sync")
         with pytest.raises(ValueError, match="2 workers, 3 given"):
             Executor(qwen3, trainer.workers, lower(compute, qwen3.plan)[0], trainer.store,

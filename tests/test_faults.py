@@ -59,8 +59,10 @@ def _assert_continues_like(trainer, compiled, data, make_optimizer, mode, upto):
 def test_optimizer_step_failing_at_each_group_is_undone(qwen3, monkeypatch, mode):  # noqa: F811
     data = batches(3, 6)
     original = torch.optim.AdamW.step
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
-                                      timeout_s=60), plan=replace(qwen3.options.plan, mode=mode)) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                               timeout_s=60),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         groups = len(trainer.driver.groups)
         assert groups >= 2  # several update groups: a failure part-way leaves some applied
         trainer.step(data[0])
@@ -123,8 +125,9 @@ def test_a_trainer_starts_no_thread_but_its_workers_streams(qwen3, mode):  # noq
     step() (the optimizer driver has no thread): the only threads a trainer starts are its
     workers' stream threads, so no thread runs work the schedule does not show."""
     before = set(threading.enumerate())
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual",
-                                      timeout_s=60), plan=replace(qwen3.options.plan, mode=mode)) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual", timeout_s=60),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         for batch in batches(2, 6):
             trainer.step(batch)
         trainer.state_dict()
@@ -344,7 +347,8 @@ def test_empty_batch_is_refused_with_the_fix(qwen3):  # noqa: F811
 def test_default_watchdog_from_the_plan(qwen3):  # noqa: F811
     from rpcompile.runtime.trainer import TIMEOUT_FLOOR_S, default_timeout_s
 
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
         assert trainer.timeout_s == default_timeout_s(qwen3) >= TIMEOUT_FLOOR_S
         assert trainer.executor.timeout_s == trainer.timeout_s
     with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual",

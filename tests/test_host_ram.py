@@ -203,11 +203,10 @@ class _FailingAdamW(torch.optim.AdamW):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_without_the_journal_a_failed_update_stops_the_trainer(compiled, mode, monkeypatch):
     monkeypatch.setattr(_FailingAdamW, "calls", 0)
-    with Trainer(compiled, train=replace(compiled.options.train,
-                                         optimizer=lambda p: _FailingAdamW(p, lr=1e-2),
-                                         device="virtual"), plan=replace(compiled.options.plan,
-                                                                         mode=mode,
-                                                                         undo_journal=False)) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train,
+                               optimizer=lambda p: _FailingAdamW(p, lr=1e-2), device="virtual"),
+                 plan=replace(compiled.options.plan, mode=mode, undo_journal=False)) as trainer:
         groups = len(trainer.driver.groups)
         assert groups >= 2  # a failure after the first group leaves the update half-applied
         trainer.step(token_batch(4, seed=0))

@@ -90,10 +90,10 @@ def simulated_and_measured(compiled, gpus, microbatches, chaos=None):
                                                         rounds=1, mode="sync"))
     simulated = list(simulate(sched, compiled.plan, compiled.hardware).peak_device_bytes)
     capacity = int(1.05 * max(p.peak_bytes for p in compiled.memory))
-    with metered_computes(gpus) as really, Trainer(compiled, train=replace(compiled.options.train,
-                                                                           optimizer=SGD,
-                                                                           device="virtual",
-                                                                           chaos=chaos),
+    with metered_computes(gpus) as really, Trainer(compiled,
+                                                   train=replace(compiled.options.train,
+                                                                 optimizer=SGD, device="virtual",
+                                                                 chaos=chaos),
                                                    plan=replace(compiled.options.plan,
                                                                 capacity_bytes=capacity)) as trainer:
         data = [token_batch(2 * microbatches, seed=k) for k in range(sched.steps + 1)]
@@ -184,9 +184,9 @@ def test_the_planners_peak_of_each_worker_is_what_a_multi_step_run_reaches(
     sched = compiled.schedule
     sim = simulate(sched, plan, compiled.hardware)
     capacity = int(1.05 * max(predicted))
-    with metered_computes(gpus) as really, Trainer(compiled, train=replace(compiled.options.train,
-                                                                           optimizer=SGD,
-                                                                           device="virtual"),
+    with metered_computes(gpus) as really, Trainer(compiled,
+                                                   train=replace(compiled.options.train,
+                                                                 optimizer=SGD, device="virtual"),
                                                    plan=replace(compiled.options.plan, mode=mode,
                                                                 capacity_bytes=capacity)) as trainer:
         data = (token_batch(2 * microbatches, seed=k) for k in range(sched.steps + 1))
@@ -203,10 +203,10 @@ def test_the_planners_peak_of_each_worker_is_what_a_multi_step_run_reaches(
 def without_waits(compiled):
     """``compiled`` with its plan lowered without any memory-bounding wait."""
     compiled.plan = replace(compiled.plan, memory_waits=())
-    compiled.schedule = runtime_schedule(compiled.plan, PlanOptions(gpus=compiled.workers,
-                                                                    microbatches=compiled.microbatches,
-                                                                    rounds=compiled.rounds,
-                                                                    mode="sync"))
+    compiled.schedule = runtime_schedule(compiled.plan,
+                                         PlanOptions(gpus=compiled.workers,
+                                                     microbatches=compiled.microbatches,
+                                                     rounds=compiled.rounds, mode="sync"))
     compiled.memory = worker_peaks(compiled.schedule, compiled.plan)
     return compiled
 
@@ -674,7 +674,9 @@ def accounted_step(compiled, batch, monkeypatch):
         account(self, nbytes, tag)
 
     monkeypatch.setattr(Worker, "_account", record)
-    with Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual")) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=SGD,
+                               device="virtual")) as trainer:
         trainer.step(batch)
         return accounted, trainer.schedule
 

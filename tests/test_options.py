@@ -330,7 +330,8 @@ def test_group_values_reach_the_trainer_and_its_executor():
     what the trainer, its schedule and its executor run with; the executor reads the
     compile's TrainOptions themselves."""
     c = rpcompile.compile(hf_model("qwen3", layers=2), example_inputs=token_batch(4),
-                          plan=PlanOptions(gpus=2, microbatches=2, chunk_bytes=4096, schedule_steps=3),
+                          plan=PlanOptions(gpus=2, microbatches=2, chunk_bytes=4096,
+                                           schedule_steps=3),
                           train=TrainOptions(device="virtual", timeout_s=123.0, kernels="torch"))
     default = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
                                 example_inputs=token_batch(4), device="virtual")

@@ -334,8 +334,10 @@ def test_steps_overlap_in_both_interpreters_as_far_as_the_edges_allow(qwen3, mon
     step k's backward drains); a stream of steps on the virtual workers, the last backward
     stage slowed, holds every edge, those between steps included, and in async mode
     overlaps its steps too."""
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
-                                      timeout_s=60), plan=replace(qwen3.options.plan, mode=mode)) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                               timeout_s=60),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         sched = trainer.schedule
         assert "commit" in sched.passes and "barrier" not in sched.passes
         simulated = _steps_overlap(simulate(sched, qwen3.plan, qwen3.hardware).timeline)

@@ -98,9 +98,10 @@ def test_host_side_of_a_cuda_run_never_runs_the_interpreter(tiny, monkeypatch):
     monkeypatch.setattr(memory, "cast_pack", spy)
     monkeypatch.setattr(trainer_module, "make_workers",
                         lambda n, *args, **kwargs: [_CudaKindWorker(i) for i in range(n)])
-    with Trainer(tiny, train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
-                                     kernels="triton"), plan=replace(tiny.options.plan,
-                                                                     host_memory="pageable")) as trainer:
+    with Trainer(tiny,
+                 train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
+                               kernels="triton"),
+                 plan=replace(tiny.options.plan, host_memory="pageable")) as trainer:
         assert trainer.workers[0].kind == "cuda"
         trainer.step(batches(1)[0])
     assert backends and set(backends) == {"torch"}
@@ -214,9 +215,10 @@ def test_async_loss_scaling_trains_like_the_stale_reference_and_skips(tiny):
     data = batches(4)
     ref_losses, ref_params = reference_training(tiny, data[:2], ADAMW, mode="async")
     config = LossScaleConfig(init_scale=2.0**10, growth_interval=2)
-    with Trainer(tiny, train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
-                                     loss_scale=config, chaos=5), plan=replace(tiny.options.plan,
-                                                                               mode="async")) as trainer:
+    with Trainer(tiny,
+                 train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
+                               loss_scale=config, chaos=5),
+                 plan=replace(tiny.options.plan, mode="async")) as trainer:
         losses = [trainer.step(b) for b in data[:2]]
         assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
         assert trainer.loss_scaler.scale == 2.0**11  # two clean steps: grown once

@@ -165,7 +165,9 @@ def test_a_failed_step_gives_back_what_it_staged(monkeypatch):
             raise RuntimeError("injected upload fault")
         return real(self, run, a)
 
-    with Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual")) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=SGD,
+                               device="virtual")) as trainer:
         pool = trainer.executor.staging
         monkeypatch.setattr(Executor, "_do_H2D", broken)
         with pytest.raises(StepFailed, match="injected upload fault"):
@@ -223,7 +225,9 @@ def test_shorter_batches_stage_in_the_buffers_of_the_planned_length():
     compiled = rpcompile.compile(hf_model("qwen3", layers=3), gpus=3, microbatches=3,
                                  example_inputs=token_batch(6, seq=32))
     lengths = [32, 24, 31, 16, 28, 20]
-    with Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual")) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=SGD,
+                               device="virtual")) as trainer:
         pool = trainer.executor.staging
         pool.poison = True  # a shorter download reads only its own bytes of a longer buffer
         for k, seq in enumerate(lengths):
@@ -259,7 +263,9 @@ def test_no_download_stages_more_than_the_schedule_gives_it(arch, monkeypatch):
 
     monkeypatch.setattr(HostStaging, "carve", carve)
     monkeypatch.setattr(Executor, "_do_D2H", d2h)
-    with Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual")) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=SGD,
+                               device="virtual")) as trainer:
         trainer.step(token_batch(6))
     downloads = sum(a.kind == "D2H" for lst in compiled.schedule.actions for a in lst
                     if a.step == 0)

@@ -137,8 +137,9 @@ def test_a_checkpoint_in_a_stream_is_of_a_committed_step_and_resumes_exactly(
     # trainer loaded from it trains on the rest as the stream itself goes on.
     data = batches(5, 6)
     path = tmp_path / "ckpt"
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
-                                      chaos=2), plan=replace(qwen3.options.plan, mode="async")) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual", chaos=2),
+                 plan=replace(qwen3.options.plan, mode="async")) as trainer:
         stream = trainer.fit(data)
         first = next(stream)
         trainer.save_checkpoint(path)
@@ -195,8 +196,10 @@ def test_a_scheduler_given_to_fit_steps_as_in_a_step_loop(qwen3, mode):  # noqa:
     data = batches(4, 6)
 
     def run(stream):
-        with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
-                                          chaos=5), plan=replace(qwen3.options.plan, mode=mode)) as trainer:
+        with Trainer(qwen3,
+                     train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                   chaos=5),
+                     plan=replace(qwen3.options.plan, mode=mode)) as trainer:
             scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer,
                                                           lambda k: 1.0 / (k + 1))
             if stream:
@@ -243,8 +246,9 @@ def test_an_interrupt_as_the_oldest_step_commits_stands_it_and_stops_the_next(
             self.committed = InterruptedAsItCommits()
 
     monkeypatch.setattr(StepState, "__init__", init)
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
-                                      chaos=3), plan=replace(qwen3.options.plan, mode="async")) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual", chaos=3),
+                 plan=replace(qwen3.options.plan, mode="async")) as trainer:
         stream = trainer.fit(data)
         first = next(stream)
         assert first.step == 0 and torch.equal(first.loss, losses[0])

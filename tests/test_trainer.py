@@ -52,7 +52,8 @@ def test_training_matches_eager(arch, gpus, rounds):
     data = batches(3, size)
     eager_losses, eager_model = eager_training(model, data, 3 * rounds, ADAMW)
     with Trainer(compiled,
-                 train=replace(compiled.options.train, optimizer=ADAMW, device="virtual", chaos=1)) as trainer:
+                 train=replace(compiled.options.train, optimizer=ADAMW, device="virtual",
+                               chaos=1)) as trainer:
         losses = [trainer.step(b) for b in data]
         masters = trainer.masters()
     for got, want in zip(losses, eager_losses):
@@ -65,7 +66,9 @@ def test_sync_to_model_writes_the_trained_weights(qwen3):
     model = qwen3.model
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
-        with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
+        with Trainer(qwen3,
+                     train=replace(qwen3.options.train, optimizer=SGD,
+                                   device="virtual")) as trainer:
             trainer.step(token_batch(6))
             # Training leaves the user's module alone until asked.
             assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -92,8 +95,9 @@ def test_checkpoint_round_trip_continues_exactly(qwen3, mode):
         assert state["plan"] == plan_summary(qwen3)
         continued = [first.step(b) for b in data[2:]]
         masters = {n: t.clone() for n, t in first.masters().items()}
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
-                                      chaos=3), plan=replace(qwen3.options.plan, mode=mode)) as second:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual", chaos=3),
+                 plan=replace(qwen3.options.plan, mode=mode)) as second:
         second.load_state_dict(state)
         assert second.steps_done == 2
         resumed = [second.step(b) for b in data[2:]]
@@ -186,8 +190,9 @@ def test_lr_scheduler_on_the_trainers_optimizer(qwen3, mode):
             p.grad = grads[n]
         optimizer.step()
         scheduler.step()
-    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
-                                      chaos=5), plan=replace(qwen3.options.plan, mode=mode)) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual", chaos=5),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         trainer_scheduler = schedule(trainer.optimizer)
         for batch in data:
             trainer.step(batch)
@@ -373,7 +378,8 @@ def test_a_hand_built_trainer_clips_as_the_compile_asked():
     max_norm = free_norm / 4  # clipping changes this step a lot
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=batch,
                                  optimizer=_sgd, max_grad_norm=max_norm, device="auto")
-    with Trainer(compiled, train=replace(compiled.options.train, device="virtual", timeout_s=60)) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, device="virtual", timeout_s=60)) as trainer:
         assert trainer.options == replace(compiled.options.train, device="virtual",
                                           timeout_s=60)
         trainer.step(batch)
