@@ -27,6 +27,7 @@ from pathlib import Path
 from _results import write_result
 from paper_bubbles import MICROBATCH_SIZE, MICROBATCHES, SEQ, WORKERS, paper_hardware
 
+from rpcompile.options import PlanOptions
 from rpcompile.planner.partition import fit_memory_waits, partition
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
@@ -65,10 +66,9 @@ def main() -> None:
             units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ), hw)[0]}
         if args.ours:
             blocks = model.units(MICROBATCH_SIZE, SEQ, split_layers=True)
-            # The loose keywords, not options=PlanOptions(...): the script reads only APIs
-            # both trees compared have (the module doc).
-            plans["ours-async"] = partition(blocks, hw, WORKERS, MICROBATCHES,
-                                            MICROBATCH_SIZE, SEQ, optimizer="async")
+            run = PlanOptions(gpus=WORKERS, microbatches=MICROBATCHES, mode="async")
+            plans["ours-async"] = partition(blocks, hw, run, microbatch_size=MICROBATCH_SIZE,
+                                            seq_len=SEQ)
         for label, plan in plans.items():
             t0 = time.perf_counter()
             row = figures(plan, hw)

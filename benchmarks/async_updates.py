@@ -20,6 +20,7 @@ import argparse
 import itertools
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from _models import qwen3  # benchmarks/_models.py, beside this script
@@ -53,7 +54,9 @@ def main() -> None:
     sim: dict[str, float] = {}
     host: dict[str, dict[str, float]] = {}  # host bytes per trainable parameter, by kind
     for mode in modes:
-        with Trainer(compiled, adamw, device="virtual", mode=mode, timeout_s=600) as trainer:
+        with Trainer(compiled, train=replace(compiled.options.train, optimizer=adamw,
+                                             device="virtual", timeout_s=600),
+                     plan=replace(compiled.options.plan, mode=mode)) as trainer:
             t0 = time.perf_counter()
             trainer.step(batches[0])  # one step alone: its fill and drain
             alone_ms[mode] = 1e3 * (time.perf_counter() - t0)

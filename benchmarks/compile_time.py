@@ -29,6 +29,7 @@ from _results import RESULTS, write_result
 
 import rpcompile
 from rpcompile.choices import SEARCH_EFFORTS
+from rpcompile.options import PlanOptions
 from rpcompile.workloads.models import build_model
 from rpcompile.workloads.paper import WORKLOADS
 
@@ -48,10 +49,10 @@ def compile_once(name: str, model, effort: str, cache) -> dict:
     w = WORKLOADS[name]
     ids = torch.zeros(w.global_batch, w.seq_len, dtype=torch.long, device="meta")
     wall, cpu = time.perf_counter(), time.process_time()
-    compiled = rpcompile.compile(
-        model, gpus=8, microbatches=w.microbatches, rounds=w.rounds, hardware="rtx4090x8",
-        example_inputs=ids, device="virtual", search_effort=effort, plan_cache=cache,
-        progress=False)
+    compiled = rpcompile.compile(model, gpus=8, microbatches=w.microbatches, rounds=w.rounds,
+                                 hardware="rtx4090x8", example_inputs=ids, device="virtual",
+                                 search_effort=effort, plan=PlanOptions(plan_cache=cache,
+                                                                        progress=False))
     wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
     plan = compiled.plan
     return {"seconds": round(wall, 2), "cpu_seconds": round(cpu, 2),

@@ -62,6 +62,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
+from dataclasses import replace
 from importlib import metadata
 from pathlib import Path
 
@@ -205,9 +206,13 @@ def check_exact(arch: str, workers: int, trainer_device: str, device: torch.devi
                                  example_inputs=data[0])
     initial = {n: p.detach().clone() for n, p in model.named_parameters()}
 
-    with Registrations() as registrations, Trainer(
-            compiled, adamw, device=trainer_device, kernels="auto",
-            host_memory=host_memory) as trainer:
+    with Registrations() as registrations, Trainer(compiled,
+                                                   train=replace(compiled.options.train,
+                                                                 optimizer=adamw,
+                                                                 device=trainer_device,
+                                                                 kernels="auto"),
+                                                   plan=replace(compiled.options.plan,
+                                                                host_memory=host_memory)) as trainer:
         pinned = trainer.pin_host
         losses = [trainer.step(b) for b in data]
         masters = {n: t.clone() for n, t in trainer.masters().items()}
@@ -317,8 +322,11 @@ def bench(trainer_device: str, hidden: int, layers: int, seq: int, workers: int,
               "compile_seconds": round(compile_s, 2)}
     masters = {}
     for kernels in ("triton", "torch"):
-        with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True),
-                     device=trainer_device, kernels=kernels, host_memory=host_memory) as trainer:
+        with Trainer(compiled,
+                     train=replace(compiled.options.train,
+                                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True),
+                                   device=trainer_device, kernels=kernels),
+                     plan=replace(compiled.options.plan, host_memory=host_memory)) as trainer:
             trainer.step(data[0])  # warm-up: Triton compiles, allocators settle
             times, per_kind = [], {}
             for b in data[1:]:

@@ -44,10 +44,10 @@ cut into N microbatches per round (so more sequences per microbatch when N is sm
 
 ``--optimizer sync`` lowers the schedules for sync updates and counts one fp32 gradient
 buffer on the host (async keeps two); ``--no-undo-journal`` counts a run without the
-optimizer's undo journal (``TrainOptions.undo_journal=False``): the host memory a user with
+optimizer's undo journal (``PlanOptions.undo_journal=False``): the host memory a user with
 a fixed RAM can give back to the length (the GPU lengths do not change).
 
-``--host-memory pageable``: the run's host memory is pageable (TrainOptions.host_memory): the
+``--host-memory pageable``: the run's host memory is pageable (PlanOptions.host_memory): the
 lengths are memory proofs and do not change; the host bytes' static part does not either, its
 pinned part is 0 (printed "pageable, nothing pinned", JSON pinned_gib 0, "host_memory"), and the
 transfer staging is that of replays at the profile's pageable bandwidth.
@@ -165,7 +165,7 @@ def main() -> None:
                          "default: async)")
     ap.add_argument("--no-undo-journal", action="store_true",
                     help="count the host memory of a run without the optimizer's undo "
-                         "journal (TrainOptions.undo_journal=False)")
+                         "journal (PlanOptions.undo_journal=False)")
     ap.add_argument("--json", type=Path, default=None,
                     help="where to write {model: {unchunked|chunked: {longest, limit, "
                          "limited_by, peak_gib, host_gib, gpu_longest, gpu_limit, "

@@ -38,6 +38,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root, for tests/
 from _results import write_result
 
+from rpcompile.options import PlanOptions
+from tests.option_groups import grouped
 from tests.tiny_models import hf_model, token_batch  # the models the CPU tests use
 
 CASES = [("qwen3", 1, 3), ("qwen3", 2, 3), ("qwen3", 3, 4), ("qwen3", 4, 8), ("llama", 3, 6)]
@@ -66,12 +68,15 @@ def main() -> None:
     def compiled_for(arch, gpus, micro, **options):
         return rpcompile.compile(hf_model(arch, layers=4), gpus=gpus, microbatches=micro,
                                  device="virtual", example_inputs=token_batch(2 * micro),
-                                 **options)
+                                 **grouped(**options))
 
     def tightest(compiled):
         plan = replace(compiled.plan, memory_waits=TIGHTEST_WAITS)
-        return max(p.peak_bytes for p in worker_peaks(runtime_schedule(
-            plan, compiled.workers, compiled.microbatches, 1, "sync"), plan))
+        return max(p.peak_bytes for p in worker_peaks(runtime_schedule(plan,
+                                                                       PlanOptions(gpus=compiled.workers,
+                                                                                   microbatches=compiled.microbatches,
+                                                                                   rounds=1,
+                                                                                   mode="sync")), plan))
 
     rows = []
     hosts: list[dict] = []
@@ -91,8 +96,9 @@ def main() -> None:
         staged: list[int] = []
         for run in range(args.runs):
             chaos = run if run % 2 else None
-            with Trainer(compiled, sgd, device="virtual", capacity_bytes=capacity,
-                         chaos=chaos) as trainer:
+            with Trainer(compiled, train=replace(compiled.options.train, optimizer=sgd,
+                                                 device="virtual", chaos=chaos),
+                         plan=replace(compiled.options.plan, capacity_bytes=capacity)) as trainer:
                 # Every step of the cycle, steps overlapping: later steps put other jobs on a
                 # worker, and the repeated steps run again.
                 steps = max(args.steps, sched.steps + 1)

@@ -38,7 +38,7 @@ Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B
 a capped search that stops before its proof says so, printed with the line.
 
 ``--host-memory pageable`` plans and replays every configuration as a run from pageable host
-memory (TrainOptions.host_memory="pageable", RoundPipe's pin_model="off"): every host<->GPU
+memory (PlanOptions.host_memory="pageable", RoundPipe's pin_model="off"): every host<->GPU
 transfer at the profile's pageable bandwidth (rtx4090x8: an assumed 12.5 GB/s per direction,
 half the pinned 25), the partitioner searching on the same figures. The output and the JSON
 ("host-memory", "link-gbps") say which it assumed; the host bytes are the same either way.

@@ -27,6 +27,7 @@ from pathlib import Path
 from _results import RESULTS, write_result  # beside this script
 
 from rpcompile.hardware import get_hardware
+from rpcompile.options import PlanOptions
 from rpcompile.planner import partition as partition_module
 from rpcompile.workloads.paper import get_model
 
@@ -66,10 +67,9 @@ def compare(name: str, mode: str, hardware: str = "rtx4090x8") -> dict:
         search_module._best_simulated = counting
     try:
         t0 = time.perf_counter()
-        # The loose keywords, not options=PlanOptions(...): the script also runs against
-        # other trees (the module doc).
-        plan = partition_module.partition(get_model(name).units(4, 2048), hw, 8, 16,
-                                          optimizer=mode, refine=0)
+        plan = partition_module.partition(get_model(name).units(4, 2048), hw,
+                                          PlanOptions(gpus=8, microbatches=16, mode=mode),
+                                          refine=0)
         seconds = time.perf_counter() - t0
     finally:
         search_module._simulated_ms = simulated_ms

@@ -24,6 +24,8 @@ import torch.multiprocessing as mp
 from _models import qwen3  # benchmarks/_models.py, beside this script
 from _results import RESULTS, write_result
 
+from rpcompile.options import PlanOptions
+
 
 def _measure(trainer) -> dict:
     store = trainer.store
@@ -60,10 +62,10 @@ def _rank(rank: int, world: int, port: int, args: argparse.Namespace, out: str,
     batch = torch.randint(0, 512, (2 * world * 2, args.seq), generator=gen)
     share = {"input_ids": batch.tensor_split(world)[rank],
              "labels": batch.tensor_split(world)[rank]}
-    compiled = rpcompile.compile(
-        qwen3(args.hidden, args.layers, tied=True), gpus=2, microbatches=2, example_inputs=share,
-        device="virtual", shard_optimizer=shard,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4))
+    compiled = rpcompile.compile(qwen3(args.hidden, args.layers, tied=True), gpus=2,
+                                 microbatches=2, example_inputs=share, device="virtual",
+                                 optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4),
+                                 plan=PlanOptions(shard_optimizer=shard))
     try:
         for _ in range(2):
             compiled.step(share)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -66,7 +67,9 @@ def main() -> None:
         return torch.optim.AdamW(params, lr=1e-4, fused=True)
 
     orders = ("deferred", "overlap")
-    trainers = {o: Trainer(compiled, adamw, device="virtual", updates=o, timeout_s=600)
+    trainers = {o: Trainer(compiled, train=replace(compiled.options.train, optimizer=adamw,
+                                                   device="virtual", timeout_s=600),
+                           plan=replace(compiled.options.plan, updates=o))
                 for o in orders}
     times: dict[str, list[float]] = {o: [] for o in orders}
     journal: dict[str, list[int]] = {o: [] for o in orders}

@@ -7,8 +7,8 @@ and each lower layer that is public and takes the same value as a plain argument
 (``make_workers(device=...)``, ``Hardware.with_host_memory``, ``resolve_backend``, the CLI's
 flags through :func:`flag_type`, ``rpcompile train``'s ``--config`` file) calls it under its
 own name for the value instead of a second copy of the rule, so a bad value reads the same
-wherever it is refused. The planner's entries (``partition``, ``longest_sequence``) build a
-``PlanOptions`` from their loose keywords instead (``rpcompile.options.entry_plan_options``).
+wherever it is refused. The planner's entries (``partition``, ``longest_sequence``) take the
+``PlanOptions`` group, checked when it was built.
 
 It imports nothing of rpcompile: both :mod:`rpcompile.hardware` and :mod:`rpcompile.options`
 (which imports hardware) read it.

@@ -9,7 +9,7 @@ import atexit
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from functools import partial
 from typing import Any
 
@@ -17,13 +17,14 @@ import torch
 from torch import nn
 
 from rpcompile.capture.batch import largest_microbatch
-from rpcompile.capture.core import Captured, capture, is_causal_lm
+from rpcompile.capture.core import Captured, is_causal_lm
+from rpcompile.capture.core import capture as capture_graph
 from rpcompile.capture.tracing import (
     fx_source_mark,
     release_fx_sources,
     release_shape_env_caches,
 )
-from rpcompile.errors import InvalidInput, RPCompileError, StateError
+from rpcompile.errors import InvalidInput, InvalidType, RPCompileError, StateError
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.options import (
@@ -31,8 +32,9 @@ from rpcompile.options import (
     Options,
     PlanOptions,
     TrainOptions,
+    deferred_reasons,
     grad_check_passes,
-    resolve,
+    update_order,
 )
 from rpcompile.passes.cost import UnitCost, annotate_costs
 from rpcompile.passes.invariants import (
@@ -61,7 +63,7 @@ from rpcompile.planner.partition import (
     tail_memory_bound,
 )
 from rpcompile.runtime.reference import reference_step
-from rpcompile.runtime.trainer import planned_ranks, update_order
+from rpcompile.runtime.trainer import planned_ranks
 
 __all__ = ["Compiled", "MemoryPlanError", "check_host_memory", "check_memory", "compile",
            "runtime_schedule", "update_order"]
@@ -200,7 +202,7 @@ class Compiled:
         if self._trainer is None:
             from rpcompile.runtime.trainer import Trainer
 
-            self._trainer = Trainer(self, options=self.options.train)
+            self._trainer = Trainer(self, train=self.options.train)
             # Stop the worker threads before the interpreter tears down (a thread still
             # blocked at exit aborts the process); one exit handler for all (not one each).
             _OPEN[id(self)] = self
@@ -448,7 +450,7 @@ class Compiled:
             f"{self.microbatches} microbatches of {b}x{s}, "
             f"predicted step {self.plan.predicted_step_ms:.2f} ms"
         )
-        # Which host memory the plan assumes (TrainOptions.host_memory), and its host bytes.
+        # Which host memory the plan assumes (PlanOptions.host_memory), and its host bytes.
         head += f"\ntransfers: {self.hardware.describe_host_memory()}"
         if self.host is not None:
             head += f"\nhost memory: {self.host.describe()}"
@@ -504,140 +506,67 @@ class Compiled:
         )
 
 
-class _Unset:
-    """A keyword of :func:`compile` that was not passed (its group's value, or default, holds)."""
-
-    def __repr__(self) -> str:
-        return "<default>"
-
-
-UNSET: Any = _Unset()
+# The everyday options compile() also takes as keywords, by the group that holds each. A
+# shortcut's None means "not given" (each of these fields' own default is None or has a
+# None-free value), so a shortcut and the same field set in its group are told apart.
+SHORTCUTS: dict[str, str] = {
+    "gpus": "plan", "microbatches": "plan", "rounds": "plan", "hardware": "plan",
+    "mode": "plan", "search_effort": "plan", "optimizer": "train", "device": "train",
+    "process_group": "train",
+    "max_grad_norm": "train", "loss_fn": "capture",
+}
+_GROUPS: dict[str, type] = {"capture": CaptureOptions, "plan": PlanOptions,
+                            "train": TrainOptions}
 
 
 def compile(
     model: nn.Module,
-    gpus: int = UNSET,
-    microbatches: int | None = UNSET,
-    hardware: Hardware | str | None = UNSET,
     example_inputs: Any = None,
     *,
-    capture_options: CaptureOptions | None = None,
-    plan_options: PlanOptions | None = None,
-    train_options: TrainOptions | None = None,
-    rounds: int = UNSET,
-    loss_fn: Callable | None = UNSET,
-    units: Sequence[str] | None = UNSET,
-    opaque: Sequence[str] | None = UNSET,
-    compute_dtype: torch.dtype | None = UNSET,
-    loss_chunk_tokens: int | str | None = UNSET,
-    mode: str = UNSET,
-    chunk_bytes: int = UNSET,
-    schedule_steps: int | None = UNSET,
-    updates: str | None = UNSET,
-    recompute: str = UNSET,
-    ranks: int | None = UNSET,
-    link: Any = UNSET,
-    shard_optimizer: bool = UNSET,
-    max_simulations: int | None = UNSET,
-    search_effort: str = UNSET,
-    dynamic: bool = UNSET,
-    plan_cache: Any = UNSET,
-    progress: bool | None = UNSET,
-    optimizer: Callable | None = UNSET,
-    device: str = UNSET,
-    chaos: int | None = UNSET,
-    capacity_bytes: int | None = UNSET,
-    kernels: str = UNSET,
-    skip_nonfinite: bool = UNSET,
-    loss_scale: Any = UNSET,
-    max_grad_norm: float | None = UNSET,
-    timeout_s: float | None = UNSET,
-    process_group: Any = UNSET,
-    host_ram_bytes: int | None = UNSET,
-    undo_journal: bool = UNSET,
-    host_memory: str = UNSET,
+    capture: CaptureOptions | None = None,
+    plan: PlanOptions | None = None,
+    train: TrainOptions | None = None,
+    gpus: int | None = None,
+    microbatches: int | None = None,
+    rounds: int | None = None,
+    hardware: Hardware | str | None = None,
+    mode: str | None = None,
+    search_effort: str | None = None,
+    optimizer: Callable | None = None,
+    device: str | None = None,
+    process_group: Any = None,
+    max_grad_norm: float | None = None,
+    loss_fn: Callable | None = None,
+    **elsewhere: Any,
 ) -> Compiled:
     """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
 
-    Options come in three groups (:mod:`rpcompile.options`, where each is described and
-    checked): ``capture_options=CaptureOptions(...)`` (``loss_fn``, ``units``, ``opaque``,
-    ``compute_dtype``, ``loss_chunk_tokens``), ``plan_options=PlanOptions(...)`` (``gpus``,
-    ``microbatches``, ``rounds``, ``hardware``, ``mode``, ``chunk_bytes``,
-    ``schedule_steps``, ``updates``, ``recompute``, ``ranks``, ``link``,
-    ``shard_optimizer``, ``max_simulations``, ``search_effort``, ``dynamic``,
-    ``plan_cache``, ``progress``) and ``train_options=TrainOptions(...)`` (``optimizer``,
-    ``device``,
-    ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
-    ``max_grad_norm``, ``timeout_s``, ``process_group``, ``host_ram_bytes``,
-    ``undo_journal``, ``host_memory``). Every option is also a keyword of this function; an
-    option given both ways is refused. The result keeps them as ``Compiled.options``.
+    - ``example_inputs``: one global batch; the plan is made now, for its shape. A Hugging
+      Face causal LM may omit it: it is planned at the first batch it meets.
+    - ``capture``: :class:`~rpcompile.options.CaptureOptions` (how the model becomes a graph).
+    - ``plan``: :class:`~rpcompile.options.PlanOptions` (what the plan is made for).
+    - ``train``: :class:`~rpcompile.options.TrainOptions` (how the runtime runs it).
+    - ``gpus``: workers to plan for (``PlanOptions.gpus``, default 8).
+    - ``microbatches``: per round (``PlanOptions.microbatches``, default ``gpus + 1``).
+    - ``rounds``: rounds per step, gradient accumulation (``PlanOptions.rounds``).
+    - ``hardware``: a profile name or ``Hardware`` (``PlanOptions.hardware``).
+    - ``mode``: ``"sync"`` or ``"async"`` (``PlanOptions.mode``).
+    - ``search_effort``: ``"normal"``, ``"high"`` or ``"exhaustive"`` (``PlanOptions``).
+    - ``optimizer``: ``params -> torch.optim.Optimizer`` (``TrainOptions.optimizer``).
+    - ``device``: ``"auto"``, ``"cuda"`` or ``"virtual"`` (``TrainOptions.device``).
+    - ``process_group``: a gloo group to train data parallel over (``TrainOptions``).
+    - ``max_grad_norm``: clip by the global gradient norm (``TrainOptions.max_grad_norm``).
+    - ``loss_fn``: ``loss_fn(outputs, *inputs) -> scalar`` (``CaptureOptions.loss_fn``).
 
-    Host memory: ``Compiled.host`` is what the run keeps on the host (masters, optimizer
-    state, gradients, shadows, the module's copy, the undo journal, transfer staging); when
-    it exceeds ``host_ram_bytes`` (default: the hardware profile's ``host_ram_gib``, else
-    this machine's RAM) compile() warns (:class:`~rpcompile.passes.memory.HostMemoryWarning`:
-    it allocates nothing, and a plan may be for another server) and the Trainer refuses to
-    build its host store. ``undo_journal=False`` drops the journal (a copy of the masters,
-    optimizer state and trainable shadows, 14 bytes per trainable parameter) from both the
-    figure and the simulated OPT time, at the price of a failed step ending the run until a
-    checkpoint is loaded. ``host_memory="pageable"`` plans a run from pageable host memory
-    (nothing pinned, ``HostMemory.pinned`` 0; the same static host bytes): every transfer is timed
-    at the profile's pageable bandwidth, and a profile without it is refused here.
-
-    The main ones: ``gpus``: workers to plan for (default 8). ``microbatches``: per round
-    (default ``gpus + 1``). ``hardware``: a profile name or :class:`Hardware` (default: a
-    probe of the GPU when CUDA is present, else ``"cpu"``, the virtual workers' profile).
-    ``example_inputs``: one global batch; the plan is made now, for its size
-    (``len(batch) / (microbatches * rounds)`` sequences per microbatch). For a Hugging Face
-    causal LM it may be omitted: the model is captured now and planned at the first batch it
-    meets, and again for a larger batch (``dynamic``; docs/compiler.md, "When the plan is
-    made"). ``plan_cache``: searched plans are kept on disk and reused (``False``: off).
-    ``progress``: show what planning does (``None``: on a terminal). ``search_effort``:
-    what the partition search spends, ``"normal"`` (a few replays), ``"high"`` or
-    ``"exhaustive"`` (until its plan is proven the fastest). ``mode``:
-    ``"sync"`` (ordinary training, the default) or ``"async"`` (the update of step k
-    overlaps step k+1, one step stale). ``device``: ``"auto"`` (CUDA when present, else
-    virtual CPU workers, with a warning), ``"cuda"`` or ``"virtual"``. ``timeout_s`` is the
-    step watchdog: a step that outlives it raises ``StepTimeout`` at that time with the
-    masters kept. ``max_grad_norm`` clips the step's gradients by their global norm over all
-    trainable parameters before the update, as ``torch.nn.utils.clip_grad_norm_`` after a
-    full backward (``StepResult.grad_norm`` reports the norm before clipping).
-
-    ``process_group``: data parallel across processes (``docs/distributed.md``): every rank
-    compiles the same model with its share of the global batch as ``example_inputs`` and steps
-    on its share; the loss is the token mean over the whole global batch, gradients are
-    all-reduced on the host (gloo) as each stage's are home, and every rank ends each step
-    with identical masters. Default: the default group once
-    ``torch.distributed.init_process_group("gloo")`` ran with more than one rank. The
-    schedule is lowered for the group's world size (``ranks``, which must match it when
-    given): its REDUCE actions are the reductions.
-    ``shard_optimizer=True`` (sync mode) shards the host state instead (ZeRO-1 style): each
-    rank keeps the fp32 masters and optimizer state of 1/N of the trainable parameters;
-    gradients are reduced to their owner and the updated shadows broadcast back.
-
-    Batches (``example_inputs`` and every ``step``): a causal LM takes token ids or a dict with
-    ``input_ids``, ``labels`` (``-100``: not scored) and ``attention_mask`` (right or left
-    padding); its step loss is Hugging Face's token mean over the whole global batch. A batch
-    that does not divide into ``microbatches x rounds`` is split as evenly as possible. The
-    plan (and its memory proof) is made for one shape: smaller batches (fewer sequences,
-    shorter) run on it; a larger one makes a new plan, or with ``dynamic=False`` is refused.
+    The keywords after the groups are shortcuts for the most used fields; every other option
+    is set in its group. A shortcut and the same field set in its group are refused
+    (:class:`~rpcompile.errors.InvalidInput` naming both). The result keeps the groups as
+    ``Compiled.options``; docs/compiler.md says how the flow runs and when the plan is made.
     """
-    flat = {k: v for k, v in dict(
-        gpus=gpus, microbatches=microbatches, hardware=hardware, rounds=rounds, loss_fn=loss_fn,
-        units=units, opaque=opaque, compute_dtype=compute_dtype,
-        loss_chunk_tokens=loss_chunk_tokens, mode=mode, chunk_bytes=chunk_bytes,
-        schedule_steps=schedule_steps, updates=updates, recompute=recompute, ranks=ranks,
-        link=link, optimizer=optimizer, device=device, chaos=chaos,
-        capacity_bytes=capacity_bytes, kernels=kernels, skip_nonfinite=skip_nonfinite,
-        loss_scale=loss_scale, max_grad_norm=max_grad_norm, timeout_s=timeout_s,
-        process_group=process_group, shard_optimizer=shard_optimizer,
-        max_simulations=max_simulations, search_effort=search_effort, dynamic=dynamic,
-        plan_cache=plan_cache,
-        progress=progress, host_ram_bytes=host_ram_bytes,
-        undo_journal=undo_journal, host_memory=host_memory,
-    ).items() if v is not UNSET}
-    options = resolve({"capture": capture_options, "plan": plan_options,
-                       "train": train_options}, flat)
+    options = _options(capture, plan, train, dict(
+        gpus=gpus, microbatches=microbatches, rounds=rounds, hardware=hardware, mode=mode,
+        search_effort=search_effort, optimizer=optimizer, device=device,
+        process_group=process_group, max_grad_norm=max_grad_norm, loss_fn=loss_fn), elsewhere)
     # The schedule is lowered for the ranks that will run it: a process group's world size.
     options = replace(options, plan=replace(options.plan, ranks=planned_ranks(
         options.plan.ranks, options.train.process_group)))
@@ -658,7 +587,7 @@ def compile(
     _notice(po, f"rpcompile: capturing {type(model).__name__} as a graph ...")
     captured = run_pass(
         history, "capture",
-        lambda: capture(model, example_inputs, loss_fn=co.loss_fn, units=co.units,
+        lambda: capture_graph(model, example_inputs, loss_fn=co.loss_fn, units=co.units,
                         opaque=co.opaque),
         check_captured,
     )
@@ -687,6 +616,42 @@ def compile(
 
 
 
+def _options(capture: CaptureOptions | None, plan: PlanOptions | None,
+             train: TrainOptions | None, shortcuts: dict[str, Any],
+             elsewhere: dict[str, Any]) -> Options:
+    """compile()'s :class:`Options`: each group given (``None``: its defaults) with the
+    shortcuts given set in it; a shortcut whose field the group sets too is refused."""
+    for name in sorted(elsewhere):
+        group = next((g for g, cls in _GROUPS.items()
+                      if name in {f.name for f in fields(cls)}), None)
+        if group is None:
+            raise InvalidType(f"compile() got an unknown keyword {name!r}")
+        cls = _GROUPS[group]
+        raise InvalidType(f"compile() takes {name} in its group: "
+                          f"{group}={cls.__name__}({name}=...)")
+    groups = {"capture": capture, "plan": plan, "train": train}
+    built: dict[str, Any] = {}
+    for group, cls in _GROUPS.items():
+        given = groups[group]
+        if given is not None and not isinstance(given, cls):
+            raise InvalidType(f"compile()'s {group} must be an rpcompile.{cls.__name__}, got "
+                              f"{type(given).__name__}")
+        mine = {k: v for k, v in shortcuts.items() if SHORTCUTS[k] == group and v is not None}
+        if given is not None:
+            default = cls()
+            twice = sorted(k for k in mine if getattr(given, k) != getattr(default, k))
+            if twice:
+                raise InvalidInput(
+                    f"{', '.join(f'{k}={mine[k]!r}' for k in twice)} given both as a keyword "
+                    f"and in {group}={cls.__name__}("
+                    f"{', '.join(f'{k}={getattr(given, k)!r}' for k in twice)}): pass each "
+                    f"option once")
+        base = given if given is not None else cls()
+        built[group] = replace(base, **mine) if mine else base
+    return Options(**built)
+
+
+
 def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord],
                    options: Options, shape: tuple[int, int], *,
                    stacklevel: int = 2) -> Compiled:
@@ -697,7 +662,7 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
     co = options.capture
     parts = options.plan.microbatches_per_round * options.plan.rounds
     dtype = _floating_dtype(model)
-    capacity = options.train.capacity_bytes
+    capacity = options.plan.capacity_bytes
     base = list(history)
     tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
     skipped: list[tuple[int, Plan]] = []  # (loss chunk, the variant's plan it would repeat)
@@ -944,8 +909,11 @@ def _plan_and_split(model, captured, unit_costs, dtype, history, options: Option
     microbatches, rounds, mode = po.microbatches_per_round, po.rounds, po.mode
     hw = planning_hardware(options)
     ranks = po.ranks or 1
-    order = po.updates or ("deferred" if mode == "sync" and ranks > 1 else
-                           update_order(mode, options.train))
+    train = options.train
+    order = update_order(mode, po.updates, deferred_reasons(
+        max_grad_norm=train.max_grad_norm, loss_scale=train.loss_scale,
+        skip_nonfinite=train.skip_nonfinite,
+        data_parallel=ranks > 1 or _data_parallel(train.process_group)))
     sequences, seq = shape or _batch_shape(captured.example_batch)
     if sequences < microbatches * rounds:
         raise InvalidInput(
@@ -996,8 +964,8 @@ def _finish(model, captured, unit_costs, dtype, history, options: Options, hw: H
 
     lowered, trail, memory = schedule_of(plan)
     fit = hw.usable_memory_bytes
-    if options.train.capacity_bytes is not None:
-        fit = min(fit, int(options.train.capacity_bytes))
+    if options.plan.capacity_bytes is not None:
+        fit = min(fit, int(options.plan.capacity_bytes))
     if plan.memory_waits != TIGHTEST_WAITS and max(p.peak_bytes for p in memory) > fit:
         # The partitioner's simulated run fits with two gradient slots per worker; the
         # runtime's own schedule, or capacity_bytes, needs one, which costs time: the plan's
@@ -1046,8 +1014,7 @@ def _searched_plan(profiles: list[UnitProfile], hw: Hardware, mb_size: int, seq:
         t0 = time.perf_counter()
         try:
             plan = partition(profiles, hw, microbatch_size=mb_size, seq_len=seq,
-                             costing=costing, options=run, capacity_bytes=train.capacity_bytes,
-                             grad_check_passes=checks)
+                             costing=costing, options=run, grad_check_passes=checks)
         except PartitionError:
             _notice(run, f"rpcompile: searched in {time.perf_counter() - t0:.1f} s: "
                          f"no plan fits")
@@ -1057,7 +1024,7 @@ def _searched_plan(profiles: list[UnitProfile], hw: Hardware, mb_size: int, seq:
         return plan
 
     def local() -> Plan:
-        key, inputs = plan_key(profiles, hw, mb_size, seq, costing, run, train.capacity_bytes,
+        key, inputs = plan_key(profiles, hw, mb_size, seq, costing, run, run.capacity_bytes,
                                checks)
         plan, _ = cached_plan(search, key, inputs, profiles, cache_folder(run.plan_cache),
                               partial(_notice, run))
@@ -1088,12 +1055,12 @@ def planning_hardware(options: Options) -> Hardware:
     """The one place that decides the profile a compile plans on: the plan option's
     ``hardware`` (else :func:`_default_hardware`) with the plan's workers and link, and as
     this run uses the host: with or without the undo journal's copies, from pinned or
-    pageable host memory (``TrainOptions.host_memory``: every transfer of every replay and
+    pageable host memory (``PlanOptions.host_memory``: every transfer of every replay and
     bound of the search is timed at that bandwidth). Raises ``ValueError`` for pageable host
     memory on a profile without pageable figures (:meth:`Hardware.with_host_memory`)."""
-    po, to = options.plan, options.train
+    po = options.plan
     hw = get_hardware(po.hardware or _default_hardware()).with_gpus(po.gpus)
-    hw = hw.with_undo_journal(to.undo_journal).with_host_memory(to.host_memory)
+    hw = hw.with_undo_journal(po.undo_journal).with_host_memory(po.host_memory)
     if po.link is not None:
         hw = hw.with_link(po.link)
     return hw
@@ -1115,7 +1082,7 @@ def check_memory(compiled: Compiled) -> None:
     limits: list[tuple[int, str]] = [
         (hw.usable_memory_bytes, f"the {hw.name!r} profile's usable memory "
          f"({hw.memory_gib:g} GiB less a {hw.memory_reserve_gib:g} GiB reserve)")]
-    capacity = compiled.options.train.capacity_bytes
+    capacity = compiled.options.plan.capacity_bytes
     if capacity is not None:
         limits.append((int(capacity), "capacity_bytes"))
     for peak in compiled.memory:

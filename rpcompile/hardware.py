@@ -57,14 +57,14 @@ class Hardware:
     pageable_h2d_gbps: float = 0.0
     pageable_d2h_gbps: float = 0.0
     host_ram_gib: float = 0.0  # host RAM of the server (0: not known; plan --host-ram)
-    # Whether the host's optimizer driver keeps its undo journal (TrainOptions.undo_journal,
+    # Whether the host's optimizer driver keeps its undo journal (PlanOptions.undo_journal,
     # rpcompile.runtime.optim ``rollback``): a copy of what each OPT and SHADOW changes,
     # taken before it changes it, which the simulator and the planner's bound charge to
     # those actions. A property of how the run uses the host, not of the machine, carried
     # here because the profile is what reaches every replay and bound of the search;
     # compile() sets it from the training option (with_undo_journal).
     undo_journal: bool = True
-    # Which host memory the run copies from and to (TrainOptions.host_memory): "pinned" (the
+    # Which host memory the run copies from and to (PlanOptions.host_memory): "pinned" (the
     # host store and staging buffers page-locked; transfers at h2d_gbps / d2h_gbps) or
     # "pageable" (nothing pinned; transfers at pageable_h2d_gbps / pageable_d2h_gbps). Like
     # undo_journal, a property of the run carried on the profile, so that every replay and

@@ -2,31 +2,28 @@
 
 - :class:`CaptureOptions`: how the model becomes a graph (loss, units, opaque blocks, the
   chunked LM head).
-- :class:`PlanOptions`: what the plan and its lowered schedule are made for (workers,
-  microbatches, rounds, machine, optimizer mode, transfer pieces).
+- :class:`PlanOptions`: everything the plan and its lowered schedule depend on (workers,
+  microbatches, rounds, machine, optimizer mode, transfer pieces, device and host memory,
+  the undo journal).
 - :class:`TrainOptions`: how the runtime runs it (optimizer, workers' backend, watchdog,
-  kernels, non-finite steps, loss scaling, clipping, the host's RAM, the undo journal,
-  pinned or pageable host memory).
+  kernels, non-finite steps, loss scaling, clipping, data parallel, the host's RAM).
 
 Each option is checked once, here, when its group is built; a bad value fails with the option's
 name and what to pass instead. The options that take one of a few names have their choices
-and their one check in :mod:`rpcompile.choices` (re-exported here): a lower layer that is
-public and takes such a value as a plain string calls that check, and the layers below
-``compile`` read the groups it resolved (``Compiled.options``): the Trainer, its Executor
-(``options=``), the lowering entry ``rpcompile.passes.lower.runtime_schedule`` and the
-planner's entries ``partition`` and ``longest_sequence`` (``options=``; their loose keywords
-build the group, :func:`entry_plan_options`). ``rpcompile.compile`` takes the groups
-(``capture_options=``, ``plan_options=``, ``train_options=``) and, for scripts written
-against the flat form, every option as a plain keyword too; the two are merged by
-:func:`resolve`, which refuses an option given both ways.
+and their one check in :mod:`rpcompile.choices` (re-exported here). There is one form per
+option: ``rpcompile.compile`` takes the groups (``capture=``, ``plan=``, ``train=``) and a
+few everyday shortcuts, and every layer below it takes the groups only: the Trainer, its
+Executor, the lowering entry ``rpcompile.passes.lower.runtime_schedule`` and the planner's
+entries ``partition`` and ``longest_sequence``. The update order is decided by one rule,
+:func:`update_order`, which every layer that meets it calls.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -43,7 +40,7 @@ from rpcompile.choices import (
     check_choice,
     check_option,
 )
-from rpcompile.errors import InvalidInput, InvalidType
+from rpcompile.errors import InvalidInput
 
 __all__ = [
     "CHOICES",
@@ -62,8 +59,8 @@ __all__ = [
     "TrainOptions",
     "check_choice",
     "check_option",
-    "entry_plan_options",
-    "resolve",
+    "deferred_reasons",
+    "update_order",
 ]
 
 # The options that take one of a few names (mode, updates, recompute, device, kernels,
@@ -114,12 +111,14 @@ class LossScaleConfig:
 
 @dataclass(frozen=True)
 class CaptureOptions:
-    """``loss_fn``: ``loss_fn(outputs, *inputs) -> scalar`` for a model that returns no loss
-    (a Hugging Face causal LM needs none). ``units``/``opaque``: module names that are the
-    partition's units / are kept whole as one opaque block. ``compute_dtype``: a check that
-    the model's parameters are in this dtype. ``loss_chunk_tokens``: compute a causal LM's head
-    and loss this many tokens at a time (``"auto"``: 4,096 when a microbatch's fp32 logits
-    would pass 1 GiB; ``None``: never chunk)."""
+    """How the model becomes a graph.
+
+    - ``loss_fn``: ``loss_fn(outputs, *inputs) -> scalar``, for a model that returns no loss.
+    - ``units``: module names that are the partition's units (``None``: found in the model).
+    - ``opaque``: module names each kept whole as one opaque block.
+    - ``compute_dtype``: a check that the model's parameters are in this dtype.
+    - ``loss_chunk_tokens``: LM head + loss per this many tokens (``"auto"``; ``None``: never).
+    """
 
     loss_fn: Callable | None = None
     units: Sequence[str] | None = None
@@ -147,53 +146,29 @@ class CaptureOptions:
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """``gpus``: workers to plan for. ``microbatches``: per round (``None``: ``gpus + 1``).
-    ``rounds``: rounds per step (gradient accumulation). ``hardware``: a profile name or
-    :class:`~rpcompile.hardware.Hardware` (``None``: a probe of the GPU here, else ``"cpu"``,
-    the virtual workers' profile). ``mode``: ``"sync"`` (exact) or ``"async"`` (the update of
-    step k overlaps step k+1, one step stale): the optimizer's place in the schedule.
-    ``chunk_bytes``: the piece size of bulk transfers in the lowered schedule.
-    ``schedule_steps``: steps of the lowered schedule the runtime cycles through (``None``:
-    as many as an edge reaches back, then two dealing periods, the first repeated by a long
-    run, rpcompile.passes.schedule.runtime_cycle; fewer: the run goes through them whole
-    again and again, each pass after the one before committed).
-    ``updates``: the sync update order in the schedule (async has one: ``"deferred"`` is
-    refused there), ``"overlap"`` (each stage's update as
-    soon as its gradients are home, while later backward jobs compute) or ``"deferred"``
-    (after the step's last gradient); ``None``: deferred when clipping, loss scaling,
-    ``skip_nonfinite`` or data parallel need the whole step's gradients, else overlap.
-    ``recompute``: how a backward stage recomputes its forward: ``"stage"`` (one forward with
-    autograd, keeping every layer's activations for one backward), ``"layer"`` (a forward
-    keeping only the layer boundaries, then each layer recomputed and backpropagated alone:
-    one more forward, one layer's activations at a time) or ``"auto"``: stage recompute
-    unless its plan does not fit the GPUs' usable memory (and ``capacity_bytes``), then the
-    faster plan that fits, cut again by stage or layer by layer (the plan's notes say
-    which). ``ranks``: processes training data parallel, one pipeline each (docs/distributed.md):
-    above 1 the lowered schedule reduces each stage's gradients across ranks (REDUCE
-    actions on the host's network lane); ``None``: the process group's world size (1
-    without one); a value that differs from a group's world size is refused. ``link``: the
-    network between ranks the simulator times REDUCE on, a preset name (``"eth25"``,
-    ``"eth100"``, see ``rpcompile hardware``) or a :class:`~rpcompile.hardware.Link`;
-    ``None``: the hardware profile's own link, if it has one. ``shard_optimizer`` (data
-    parallel, sync mode): each rank keeps the fp32 masters and optimizer state of 1/N of the
-    trainable parameters (ZeRO-1 style: gradients reduced to their owners, updated shadows
-    broadcast back by them); the lowered schedule says so (``Schedule.sharded``), so the
-    simulator times those collectives; on one process it changes nothing (the one shard is
-    everything). ``search_effort``: what the partition search spends
-    (rpcompile.planner.partition.SEARCH_BUDGETS): ``"normal"`` (a few simulator replays and
-    a short local search), ``"high"`` (many) or ``"exhaustive"`` (no cap on replays:
-    the search ends only once its plan is proven the simulator's fastest of its candidates).
-    ``max_simulations``: a cap on simulator replays per search instead of the effort's; a
-    search stopped at its cap says so in the plan's notes, with the proven gap.
+    """What the plan and its lowered schedule are made for (docs/compiler.md says how each acts).
 
-    ``dynamic``: the plan follows the data. A batch larger than the proven shape (more
-    sequences per microbatch, or longer) is planned for anew (for the larger of the two shapes
-    in each dimension, so every earlier batch still fits), with a one-line notice; ``False``
-    refuses it instead. ``plan_cache``: where searched plans are kept on disk, keyed by
-    everything a plan depends on (``True``: ``$RPCOMPILE_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/rpcompile/plans``, else ``~/.cache/rpcompile/plans``; a path: that
-    folder; ``False``: no cache). ``progress``: show what planning is doing (a progress bar
-    during the search, a line per plan made); ``None``: when standard error is a terminal."""
+    - ``gpus``: workers to plan for.
+    - ``microbatches``: microbatches per round (``None``: ``gpus + 1``).
+    - ``rounds``: rounds per step (gradient accumulation).
+    - ``hardware``: a profile name or ``Hardware`` (``None``: the GPU here, else ``"cpu"``).
+    - ``mode``: ``"sync"`` (exact) or ``"async"`` (step k's update overlaps step k+1).
+    - ``chunk_bytes``: the piece size of bulk transfers in the lowered schedule.
+    - ``schedule_steps``: steps of the lowered schedule the runtime cycles (``None``: fewest).
+    - ``updates``: sync order ``"overlap"`` or ``"deferred"`` (``None``: :func:`update_order`).
+    - ``recompute``: backward recompute by ``"stage"``, ``"layer"`` or ``"auto"`` (what fits).
+    - ``ranks``: data-parallel processes (``None``: the process group's world size, else 1).
+    - ``link``: the network between ranks, a preset name or ``Link`` (``None``: the profile's).
+    - ``shard_optimizer``: data parallel, sync: each rank keeps 1/N of masters and state.
+    - ``max_simulations``: a cap on simulator replays per search (``None``: the effort's).
+    - ``search_effort``: ``"normal"``, ``"high"`` or ``"exhaustive"`` (until proven fastest).
+    - ``dynamic``: plan anew for a batch larger than the proven shape (``False``: refuse it).
+    - ``plan_cache``: searched plans on disk (``True``: the user's cache, a folder, ``False``).
+    - ``progress``: show what planning does (``None``: when standard error is a terminal).
+    - ``capacity_bytes``: device memory per worker the plan must fit (``None``: the profile's).
+    - ``host_memory``: ``"pinned"`` or ``"pageable"`` host buffers, timed at their bandwidth.
+    - ``undo_journal``: keep the optimizer's undo copies, so a failed step changes nothing.
+    """
 
     gpus: int = 8
     microbatches: int | None = None
@@ -212,6 +187,9 @@ class PlanOptions:
     dynamic: bool = True
     plan_cache: Any = True
     progress: bool | None = None
+    capacity_bytes: int | None = None
+    host_memory: str = "pinned"
+    undo_journal: bool = True
 
     def __post_init__(self) -> None:
         _positive_int("gpus", self.gpus)
@@ -235,6 +213,10 @@ class PlanOptions:
             check_option("updates", self.updates)
         check_option("recompute", self.recompute)
         _positive_int("ranks", self.ranks, optional=True)
+        _positive_int("capacity_bytes", self.capacity_bytes, optional=True)
+        check_option("host_memory", self.host_memory)
+        if not isinstance(self.undo_journal, bool):
+            raise InvalidInput(f"undo_journal must be True or False, got {self.undo_journal!r}")
         if not isinstance(self.shard_optimizer, bool):
             raise InvalidInput(f"shard_optimizer must be True or False, got "
                              f"{self.shard_optimizer!r}")
@@ -260,83 +242,25 @@ class PlanOptions:
         return self.microbatches or self.gpus + 1
 
 
-def entry_plan_options(options: PlanOptions | None, entry: str, *,
-                       names: Mapping[str, str] | None = None,
-                       defaults: Mapping[str, Any] | None = None,
-                       **loose: Any) -> PlanOptions:
-    """The plan options of a public planner entry (``partition``, ``longest_sequence``) that
-    takes the group (``options=``) or, as scripts written before it do, the plan options as
-    loose keywords.
-
-    ``loose``: the loose keywords by :class:`PlanOptions` field name, ``None`` where not given;
-    ``names``: field -> the entry's own keyword where they differ (``partition``'s ``workers``
-    is ``gpus``, its ``optimizer`` is ``mode``); ``defaults``: the loose form's own defaults
-    where they are not the group's (``partition``'s ``optimizer`` is ``"async"``). With the
-    group, a loose keyword given too is refused, as ``runtime_schedule`` refuses it (which
-    one was meant cannot be known); without it they build the group, so each is checked by
-    the group's one rule, and a bad value is refused with the group's message under the
-    entry's own name for it."""
-    names = names or {}
-    given = {k: v for k, v in loose.items() if v is not None}
-    if options is not None:
-        if not isinstance(options, PlanOptions):
-            raise InvalidType(f"{entry}'s options must be an rpcompile.PlanOptions, got "
-                            f"{type(options).__name__}")
-        if given:
-            renamed = ", ".join(sorted(f"{names[k]} is {k}" for k in given if k in names))
-            raise InvalidType(f"{entry} takes PlanOptions or loose keywords, not both: "
-                            f"{', '.join(sorted(names.get(k, k) for k in given))} given beside "
-                            f"options=; set them in the PlanOptions"
-                            + (f" ({renamed})" if renamed else ""))
-        return options
-    try:
-        return PlanOptions(**{**(defaults or {}), **given})
-    except ValueError as err:  # each field's message starts with the field's name
-        head, space, rest = str(err).partition(" ")
-        raise InvalidInput(names.get(head, head) + space + rest) from None
-
-
 @dataclass(frozen=True)
 class TrainOptions:
-    """``optimizer``: a factory ``params -> torch.optim.Optimizer`` over the fp32 masters
-    (``None``: AdamW, lr 1e-4). ``device``: ``"auto"`` (CUDA when present, else virtual CPU
-    workers with a warning), ``"cuda"`` or ``"virtual"``. ``chaos``: a seed for the virtual
-    workers' random delays. ``capacity_bytes``: device memory per virtual worker (``None``:
-    unlimited, accounted). ``kernels``: ``"auto"`` (Triton on CUDA, the torch reference
-    elsewhere), ``"torch"`` or ``"triton"`` (Triton's interpreter on virtual workers).
-    ``skip_nonfinite``: drop a step whose gradients hold inf/NaN. ``loss_scale``: ``True`` or a
-    :class:`~rpcompile.runtime.loss_scale.LossScaleConfig`: dynamic loss scaling for fp16
-    (sync mode). ``max_grad_norm``: clip by the global gradient norm before each update.
-    ``timeout_s``: the step watchdog (``None``: ``max(300 s, 20 x the predicted step)``;
-    ``math.inf``: off). ``process_group``: a gloo ``torch.distributed`` group to train data
-    parallel over (``None``: the default group once ``init_process_group`` ran with more
-    than one rank, else one process; docs/distributed.md; ``shard_optimizer`` is a
-    :class:`PlanOptions` field). ``host_ram_bytes``: the host RAM the plan's host state
-    (rpcompile.passes.memory.HostMemory) must fit, beside ``capacity_bytes`` for the
-    devices; ``None``: for ``compile()`` the hardware profile's ``host_ram_gib`` when it has
-    one, else this machine's RAM; for the Trainer, which allocates here, this machine's.
-    ``compile()`` warns when the plan needs more (it allocates nothing, and a plan may be
-    for another server); the Trainer refuses to build its host store.
-    ``undo_journal``: before each update the optimizer driver copies what it changes (fp32
-    masters, optimizer state, the shadows it rewrites; 14 bytes per trainable parameter
-    for AdamW and bf16, held until the step commits) so that a failed step is undone and
-    training goes on. ``False`` saves that host memory and the copy's time on every OPT,
-    but a failed step then leaves the masters half-updated: the Trainer refuses every
-    further step (and reading the masters) until a checkpoint is loaded
-    (docs/runtime.md, "the undo journal").
-    ``host_memory``: ``"pinned"`` (the default: on CUDA the host store's flat buffers are
-    registered with the driver at their exact size and the transfer staging is
-    ``pin_memory=True``) or ``"pageable"`` (nothing pinned, as RoundPipe's
-    ``pin_model="off"``): the simulator and the partitioner then time every host<->GPU
-    transfer at the profile's ``pageable_h2d_gbps`` / ``pageable_d2h_gbps`` (a profile
-    without them is refused at compile time), and ``HostMemory.pinned`` is 0. The static
-    host bytes are the same either way (exact-size buffers); virtual workers compute the
-    same either way."""
+    """How the runtime runs the plan (docs/runtime.md says how each acts).
+
+    - ``optimizer``: ``params -> torch.optim.Optimizer`` over the fp32 masters (``None``: AdamW).
+    - ``device``: ``"auto"`` (CUDA when present, else virtual workers), ``"cuda"``, ``"virtual"``.
+    - ``chaos``: a seed for the virtual workers' random delays (``None``: none).
+    - ``kernels``: ``"auto"``, ``"torch"`` or ``"triton"`` (the interpreter on virtual workers).
+    - ``skip_nonfinite``: drop a step whose gradients hold inf/NaN.
+    - ``loss_scale``: ``True`` or a :class:`LossScaleConfig`: dynamic loss scaling (fp16, sync).
+    - ``max_grad_norm``: clip by the global gradient norm before each update (``None``: off).
+    - ``timeout_s``: the step watchdog (``None``: 20 x the predicted step, 300 s at least).
+    - ``process_group``: a gloo group to train data parallel over (``None``: the default one).
+    - ``host_ram_bytes``: the RAM the host state must fit (``None``: the profile's, else here).
+    """
 
     optimizer: Callable | None = None
     device: str = "auto"
     chaos: int | None = None
-    capacity_bytes: int | None = None
     kernels: str = "auto"
     skip_nonfinite: bool = False
     loss_scale: Any = None
@@ -344,8 +268,6 @@ class TrainOptions:
     timeout_s: float | None = None
     process_group: Any = None
     host_ram_bytes: int | None = None
-    undo_journal: bool = True
-    host_memory: str = "pinned"
 
     def __post_init__(self) -> None:
         if self.optimizer is not None and not (callable(self.optimizer) or isinstance(
@@ -354,14 +276,10 @@ class TrainOptions:
                              f"got {self.optimizer!r}")
         check_option("device", self.device)
         check_option("kernels", self.kernels)
-        check_option("host_memory", self.host_memory)
         if self.chaos is not None and (isinstance(self.chaos, bool)
                                        or not isinstance(self.chaos, int)):
             raise InvalidInput(f"chaos must be an integer seed (or None), got {self.chaos!r}")
-        _positive_int("capacity_bytes", self.capacity_bytes, optional=True)
         _positive_int("host_ram_bytes", self.host_ram_bytes, optional=True)
-        if not isinstance(self.undo_journal, bool):
-            raise InvalidInput(f"undo_journal must be True or False, got {self.undo_journal!r}")
         if not isinstance(self.skip_nonfinite, bool):
             raise InvalidInput(f"skip_nonfinite must be True or False, got {self.skip_nonfinite!r}")
         g = self.max_grad_norm
@@ -390,8 +308,8 @@ class Options:
 
     def __post_init__(self) -> None:
         t = self.train
-        # The default process group is known only once the Trainer starts; it checks again.
-        check_update_order(self.plan.mode, self.plan.updates, deferred_reasons(
+        # The default process group is known only once the Trainer starts; it decides again.
+        update_order(self.plan.mode, self.plan.updates, deferred_reasons(
             max_grad_norm=t.max_grad_norm, loss_scale=t.loss_scale,
             skip_nonfinite=t.skip_nonfinite,
             data_parallel=t.process_group is not None or (self.plan.ranks or 1) > 1))
@@ -427,55 +345,35 @@ def grad_check_passes(*, max_grad_norm: float | None = None, loss_scale: Any = N
             + (UNSCALE_GRAD_PASSES if loss_scale else 0))
 
 
-def check_update_order(mode: str, updates: str | None, reasons: Sequence[str],
-                       fix: str = "updates='deferred' (or None, which picks it)") -> None:
-    """The one rule of the update order, checked wherever options meet (the options groups,
-    the Trainer, an Executor given a schedule): a sync ``overlap`` order runs each stage's
-    update while later backward jobs compute, so it is refused when ``reasons``
-    (:func:`deferred_reasons`) need the whole step's gradients first; ``fix`` says what to
-    pass instead. Async mode has one order and needs none of this: step k's updates apply
-    step k-1's gradients, checked, unscaled, clipped and reduced at step k-1's end (the
-    lowering refuses ``deferred`` there)."""
+def update_order(mode: str, updates: str | None, reasons: Sequence[str],
+                 fix: str = "updates='deferred' (or None, which picks it)") -> str:
+    """The one rule of the update order (rpcompile.passes.lower.add_optimizer): the order a
+    run of ``mode`` with the asked ``updates`` lowers and runs, or a refusal. Every layer
+    that meets the order calls it: the option groups, the compile, the partitioner, the
+    Trainer, an Executor given a schedule, the lowering.
+
+    Sync mode: ``reasons`` (:func:`deferred_reasons`) need the whole step's gradients before
+    any update, so they make ``None`` pick ``"deferred"`` and refuse ``"overlap"`` (which runs
+    each stage's update while later backward jobs compute); without them ``None`` is
+    ``"overlap"``. ``fix`` says what to pass instead. Async mode has one order, ``"overlap"``:
+    step k's updates apply step k-1's gradients, checked, unscaled, clipped and reduced at
+    step k-1's end, so ``"deferred"`` is refused there."""
     if mode == "async":
         if updates == "deferred":
             raise InvalidInput(
                 "updates='deferred' is a sync-mode order: async updates apply the previous "
                 "step's gradients, complete before the step starts; leave updates=None")
-        return
+        return "overlap"
     if updates == "overlap" and reasons:
         raise InvalidInput(
             f"{', '.join(reasons)} must see every gradient of the step before any update, "
             f"but the 'overlap' update order ({mode} mode) runs each stage's update while later "
             f"backward jobs compute: use {fix}")
+    return updates or ("deferred" if reasons else "overlap")
 
 
-_GROUPS: dict[str, type] = {"capture": CaptureOptions, "plan": PlanOptions,
-                            "train": TrainOptions}
-# Which group each flat keyword of ``compile`` belongs to.
-FLAT: dict[str, str] = {f.name: g for g, cls in _GROUPS.items() for f in fields(cls)}
-
-
-def resolve(groups: Mapping[str, Any], flat: Mapping[str, Any]) -> Options:
-    """One :class:`Options` from the groups given (``None``: defaults) and flat keywords.
-
-    An option given both in its group (set to something other than the group's default) and
-    as a keyword is refused: which one was meant cannot be known."""
-    built: dict[str, Any] = {}
-    for g, cls in _GROUPS.items():
-        given = groups.get(g)
-        if given is not None and not isinstance(given, cls):
-            raise InvalidInput(f"{g}_options must be an rpcompile.{cls.__name__}, got "
-                             f"{type(given).__name__}")
-        base = given if given is not None else cls()
-        mine = {k: v for k, v in flat.items() if FLAT.get(k) == g}
-        if given is not None:
-            default = cls()
-            twice = sorted(k for k in mine if getattr(given, k) != getattr(default, k))
-            if twice:
-                raise InvalidInput(f"{', '.join(twice)} given both as a keyword and in "
-                                 f"{g}_options: pass each option once")
-        built[g] = replace(base, **mine) if mine else base
-    unknown = sorted(set(flat) - set(FLAT))
-    if unknown:
-        raise InvalidType(f"unknown option(s) {', '.join(unknown)}")
-    return Options(**built)
+# The group each option belongs to, by name (no two groups share a field name): how a flat
+# configuration (``rpcompile train --config``, TRL's ``rpcompile={...}``) is read into groups.
+FLAT: dict[str, str] = {f.name: group for group, cls in (
+    ("capture", CaptureOptions), ("plan", PlanOptions), ("train", TrainOptions))
+    for f in fields(cls)}

@@ -1,7 +1,8 @@
 """TRL's ``SFTTrainer`` on rpcompile workers: ``from rpcompile.trl import SFTTrainer``.
 
-The constructor is TRL's, plus one keyword, ``rpcompile={...}``: options of
-:func:`rpcompile.compile` (``gpus``, ``mode``, ``device``, ``microbatches``, ``rounds``, ...).
+The constructor is TRL's, plus one keyword, ``rpcompile={...}``: rpcompile's options by name,
+the fields of its option groups (``gpus``, ``mode``, ``device``, ``microbatches``, ``rounds``,
+``recompute``, ...), from which the trainer builds the groups it compiles with.
 TRL prepares the data (text, prompt/completion, conversations through the chat template,
 completion-only and assistant-only labels) and transformers' ``Trainer`` runs the loop (epochs
 or ``max_steps``, accumulation groups, callbacks, logging, evaluation, checkpoints,
@@ -45,6 +46,7 @@ from transformers.trainer import SCHEDULER_NAME
 
 import rpcompile
 from rpcompile.errors import InvalidInput, InvalidType, StateError
+from rpcompile.options import FLAT, CaptureOptions, PlanOptions, TrainOptions
 
 __all__ = ["RPCOMPILE_STATE", "SFTTrainer"]
 
@@ -60,9 +62,6 @@ _SET_BY_TRAINER = {
     "max_grad_norm": "set SFTConfig(max_grad_norm)",
     "loss_fn": "the model's own causal-LM loss is TRL's loss",
     "compute_dtype": "the model's dtype is the compute dtype (see SFTConfig bf16/fp16)",
-    "capture_options": "give the options as plain keys",
-    "plan_options": "give the options as plain keys",
-    "train_options": "give the options as plain keys",
     "process_group": "one process trains; data parallel is not available through TRL here",
     "ranks": "one process trains; data parallel is not available through TRL here",
     "shard_optimizer": "one process trains; data parallel is not available through TRL here",
@@ -78,9 +77,10 @@ _SET_BY_TRAINER = {
 class SFTTrainer(trl.SFTTrainer):
     """``trl.SFTTrainer`` whose optimizer steps run on rpcompile workers (see the module doc).
 
-    ``rpcompile``: keywords of :func:`rpcompile.compile`. ``gpus`` defaults to every visible
-    CUDA GPU, else 4 virtual CPU workers; ``microbatches`` to ``gpus + 1`` (at most the global
-    batch), ``rounds`` to 1. The global batch of a step is ``per_device_train_batch_size x
+    ``rpcompile``: rpcompile's options by name (fields of :class:`~rpcompile.PlanOptions`,
+    :class:`~rpcompile.TrainOptions`, :class:`~rpcompile.CaptureOptions`). ``gpus`` defaults
+    to every visible CUDA GPU, else 4 virtual CPU workers; ``microbatches`` to ``gpus + 1`` (at
+    most the global batch), ``rounds`` to 1. The global batch of a step is ``per_device_train_batch_size x
     gradient_accumulation_steps`` sequences, cut into ``microbatches x rounds`` microbatches;
     the plan is made for that many sequences of the longest prepared example (train and eval).
     The compiled model is ``trainer.compiled`` (built on first use: ``train``, ``evaluate``).
@@ -134,11 +134,16 @@ class SFTTrainer(trl.SFTTrainer):
                 options["loss_scale"] = True  # fp16 compute needs it
             training = self.model.training
             self.model.train()  # the training loss (with its dropout) is what is captured
+            options.update(optimizer=self._host_optimizer,
+                           max_grad_norm=self.args.max_grad_norm or None)
+            groups: dict[str, dict[str, Any]] = {"capture": {}, "plan": {}, "train": {}}
+            for name, value in options.items():
+                groups[FLAT[name]][name] = value
             try:
                 self._compiled = rpcompile.compile(
-                    self.model, example_inputs=_example_batch(self, rows),
-                    optimizer=self._host_optimizer,
-                    max_grad_norm=self.args.max_grad_norm or None, **options)
+                    self.model, _example_batch(self, rows),
+                    capture=CaptureOptions(**groups["capture"]),
+                    plan=PlanOptions(**groups["plan"]), train=TrainOptions(**groups["train"]))
             finally:
                 self.model.train(training)
         return self._compiled
@@ -434,10 +439,11 @@ def _refuse_optimizer(config: Any, optimizer_cls: Any, kwargs: Mapping[str, Any]
 
 
 def _compile_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
-    """``rpcompile={...}`` checked against :func:`rpcompile.compile`'s keywords, with the
-    trainer's defaults (every visible GPU, else 4 virtual workers; one round)."""
+    """``rpcompile={...}``: the fields of rpcompile's option groups by name (a flat mapping, as
+    a configuration is; the trainer builds the groups), with the trainer's defaults (every
+    visible GPU, else 4 virtual workers; one round)."""
     options = dict(options or {})
-    known = set(inspect.signature(rpcompile.compile).parameters) - {"model"}
+    known = set(FLAT) | {"example_inputs"}
     owned = sorted(set(options) & set(_SET_BY_TRAINER))
     if owned:
         raise InvalidInput("rpcompile={...} cannot set " + "; ".join(
@@ -445,7 +451,7 @@ def _compile_options(options: Mapping[str, Any] | None) -> dict[str, Any]:
     unknown = sorted(set(options) - known)
     if unknown:
         raise InvalidType(f"rpcompile={{...}} got unknown option(s) {', '.join(unknown)}; the "
-                        "options are rpcompile.compile's: "
+                        "options are the fields of rpcompile's option groups: "
                         + ", ".join(sorted(known - set(_SET_BY_TRAINER))))
     if options.get("gpus") is None:
         options["gpus"] = torch.cuda.device_count() if torch.cuda.is_available() else 4

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -74,8 +74,9 @@ def one_run(rng: random.Random, steps: int, result: SoakResult, fault_rate: floa
     applied: list[torch.Tensor] = []
     fired = [0]
     optimizer_fired = FlakyAdamW.fired
-    with Trainer(compiled, _optimizer, device="virtual", mode=mode, chaos=chaos,
-                 timeout_s=120) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=_optimizer,
+                                         device="virtual", chaos=chaos, timeout_s=120),
+                 plan=replace(compiled.options.plan, mode=mode)) as trainer:
         ex = trainer.executor
         for batch in data:
             fault = rng.choice(FAULTS) if rng.random() < fault_rate else None

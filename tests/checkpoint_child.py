@@ -18,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 import rpcompile
+from rpcompile.options import TrainOptions
 from rpcompile.runtime.checkpoint import CheckpointManager, writing
 from tests.tiny_models import hf_model, token_batch
 
@@ -35,10 +36,10 @@ def main() -> None:
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = hf_model("qwen3", layers=2)
-    compiled = rpcompile.compile(
-        model, gpus=2, microbatches=3, example_inputs=token_batch(6), device="virtual",
-        mode=args.mode, timeout_s=120,
-        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True))
+    compiled = rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=token_batch(6),
+                                 device="virtual", mode=args.mode,
+                                 optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2, fused=True),
+                                 train=TrainOptions(timeout_s=120))
     root = Path(args.root)
     manager = CheckpointManager(root / "ckpts", keep_last=2)
     start = 0

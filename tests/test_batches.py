@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile.options import PlanOptions, TrainOptions
 from tests.tiny_models import SkipNet, eager_batch_grads, hf_model, sft_batch, token_batch
 
 
@@ -52,8 +53,8 @@ def test_runtime_trains_like_eager_hf_on_padded_sft_batches(arch, workers, left)
     eager = copy.deepcopy(model)
     batches = [sft_batch(7, 12, left=left, seed=10 + k) for k in range(3)]
     compiled = rpcompile.compile(model, gpus=workers, microbatches=2, rounds=2,
-                                 example_inputs=batches[0], optimizer=_adamw,
-                                 device="virtual", chaos=workers)
+                                 example_inputs=batches[0], optimizer=_adamw, device="virtual",
+                                 train=TrainOptions(chaos=workers))
     try:
         losses = [float(compiled.step(b)) for b in batches]
         expected = _eager_training(eager, batches)
@@ -146,7 +147,8 @@ def test_batches_smaller_than_the_plan_run_and_larger_ones_are_refused():
     eager = copy.deepcopy(model)
     # dynamic=False: a larger batch is refused, not planned for anew (tests/test_plan_shapes.py)
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=sft_batch(6, 12),
-                                 optimizer=_adamw, device="virtual", dynamic=False)
+                                 optimizer=_adamw, device="virtual",
+                                 plan=PlanOptions(dynamic=False))
     try:
         with pytest.raises(ValueError, match=r"longer|larger than the plan's shape.*12 tokens"):
             compiled.step(sft_batch(6, 16))

@@ -22,6 +22,7 @@ import torch
 
 import rpcompile
 from rpcompile.capture.tracing import tracer_waiting
+from rpcompile.options import TrainOptions
 from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager, read_manifest
 from tests.tiny_models import hf_model, token_batch
 
@@ -31,9 +32,10 @@ CHILD = Path(__file__).with_name("checkpoint_child.py")
 def make(mode="sync", layers=2):
     warnings.simplefilter("ignore")
     model = hf_model("qwen3", layers=layers)
-    return rpcompile.compile(
-        model, gpus=2, microbatches=3, example_inputs=token_batch(6), device="virtual",
-        mode=mode, timeout_s=120, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    return rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=token_batch(6),
+                             device="virtual", mode=mode,
+                             optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                             train=TrainOptions(timeout_s=120))
 
 
 def masters_of(compiled):

@@ -11,6 +11,7 @@ import torch.utils._pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import rpcompile
+from rpcompile.options import CaptureOptions, TrainOptions
 from rpcompile.passes.chunked_loss import chunk_element_bytes, linear_cross_entropy
 from rpcompile.passes.cost import linear_ce_scratch_bytes
 from tests.tiny_models import eager_batch_grads, hf_model, sft_batch
@@ -21,9 +22,9 @@ def test_chunked_loss_equals_the_whole_logits_loss_and_eager(arch):
     model = hf_model(arch)
     batch = sft_batch(6, 12, left=arch == "qwen3_tied", seed=7)
     whole = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
-                              loss_chunk_tokens=None)
+                              capture=CaptureOptions(loss_chunk_tokens=None))
     chunked = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
-                                loss_chunk_tokens=5)  # 24 tokens per microbatch: 5 chunks
+                                capture=CaptureOptions(loss_chunk_tokens=5))  # 24 tokens per microbatch: 5 chunks
     assert chunked.capture.loss_chunk_tokens == 5 and whole.capture.loss_chunk_tokens is None
     assert "linear_cross_entropy" in chunked.stages[-1].code or any(
         "linear_cross_entropy" in s.code for s in chunked.stages)
@@ -46,7 +47,9 @@ def test_chunked_loss_trains_on_workers_like_eager():
         return torch.optim.SGD(p, lr=0.1)
 
     compiled = rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=batches[0],
-                                 loss_chunk_tokens=7, optimizer=opt, device="virtual", chaos=1)
+                                 optimizer=opt, device="virtual",
+                                 capture=CaptureOptions(loss_chunk_tokens=7),
+                                 train=TrainOptions(chaos=1))
     try:
         losses = [float(compiled.step(b)) for b in batches]
         masters = compiled.trainer().masters()
@@ -134,7 +137,7 @@ def _tail_peak(chunk):
     model = hf_model("qwen3", layers=2, vocab_size=4096)
     batch = sft_batch(4, 128, seed=3, vocab=4096)
     compiled = rpcompile.compile(model, gpus=1, microbatches=1, example_inputs=batch,
-                                 loss_chunk_tokens=chunk)
+                                 capture=CaptureOptions(loss_chunk_tokens=chunk))
     with _PeakBytes() as meter:
         compiled.reference_step(batch)
     return meter.peak
@@ -154,4 +157,5 @@ def test_auto_chunks_only_when_the_logits_are_large():
     assert small.capture.loss_chunk_tokens is None
     with pytest.raises(ValueError, match="loss_chunk_tokens must be a positive number"):
         rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
-                          example_inputs=sft_batch(4, 12), loss_chunk_tokens=0)
+                          example_inputs=sft_batch(4, 12),
+                          capture=CaptureOptions(loss_chunk_tokens=0))

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from rpcompile.cli import main
+from rpcompile.options import PlanOptions
 
 
 def test_plan_writes_schedule_and_summary(tmp_path, capsys):
@@ -233,8 +234,10 @@ def test_the_runtimes_schedule_overlaps_its_steps_and_gives_the_steady_state(mod
     units = get_model("qwen3-1.7b").units(4, 2048)
     plan = build_plan(units, [0, 10, 20], [0, 6, 12, 18, 24], 29, "rtx4090x8", 8, 9, 4, 2048,
                       optimizer=mode)  # 9 jobs on 8 workers: a period of 8 steps
-    whole = simulate(runtime_schedule(plan, 8, 9, 1, mode), plan, "rtx4090x8")
-    one = simulate(runtime_schedule(plan, 8, 9, 1, mode, steps=1), plan, "rtx4090x8")
+    whole = simulate(runtime_schedule(plan, PlanOptions(gpus=8, microbatches=9, rounds=1,
+                                                        mode=mode)), plan, "rtx4090x8")
+    one = simulate(runtime_schedule(plan, PlanOptions(gpus=8, microbatches=9, rounds=1, mode=mode,
+                                                      schedule_steps=1)), plan, "rtx4090x8")
     assert whole.schedule.steps > 8  # the steps an edge reaches back, then the period
     spans = whole.step_spans_ms
     overlapping = sum(1 for a, b in itertools.pairwise(spans) if b[0] < a[1])

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile.options import TrainOptions
 from tests.tiny_models import hf_model, sft_batch
 
 
@@ -55,8 +56,8 @@ def test_clipping_equals_eager_clip_grad_norm(mode):
     model = hf_model("qwen3")
     eager = copy.deepcopy(model)
     compiled = rpcompile.compile(model, gpus=3, microbatches=2, example_inputs=batches[0],
-                                 optimizer=_sgd, device="virtual", chaos=3, mode=mode,
-                                 max_grad_norm=max_norm)
+                                 optimizer=_sgd, device="virtual", mode=mode,
+                                 max_grad_norm=max_norm, train=TrainOptions(chaos=3))
     try:
         norms = []
         for b in batches:

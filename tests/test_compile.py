@@ -3,11 +3,15 @@ the reference executor reproduce the eager model's loss and gradients."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import rpcompile
 from rpcompile.capture.core import CaptureError, capture
+from rpcompile.options import CaptureOptions
+from tests.option_groups import grouped
 from tests.tiny_models import ARCHS, SkipNet, eager_grads, hf_model, skipnet_batch, token_batch
 
 BIT_EXACT = {"qwen3", "llama", "qwen2", "mistral", "qwen3_moe", "gpt_oss"}
@@ -156,7 +160,7 @@ def test_frozen_parameters_get_no_gradient():
 )
 def test_bad_arguments_say_what_to_change(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        rpcompile.compile(hf_model("qwen3", layers=1), **kwargs)
+        rpcompile.compile(hf_model("qwen3", layers=1), **grouped(**kwargs))
 
 
 def test_model_without_parameters_is_rejected():
@@ -350,7 +354,8 @@ def test_units_may_be_attention_and_mlp_blocks():
     model = hf_model("qwen3")
     batch = token_batch(batch=6)
     units = [f"model.layers.{i}.{block}" for i in range(3) for block in ("self_attn", "mlp")]
-    compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch, units=units)
+    compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
+                                 capture=CaptureOptions(units=units))
     assert list(compiled.capture.units) == ["prefix", *units, "tail"]
     compiled.plan.validate()
     _check_against_eager(compiled, model, batch, 3, exact=True)
@@ -405,7 +410,9 @@ def test_stages_after_the_first_receive_the_batch_inputs_they_read(monkeypatch):
     assert host[("F", 1)] == 2 * 1 * 4  # two sequences' fp32 gate
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     ref_loss, ref_grads = eager_grads(model, batch, 3, loss_fn)
-    with Trainer(compiled, lambda p: torch.optim.SGD(p, lr=0.1), device="virtual") as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train,
+                                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                                         device="virtual")) as trainer:
         loss = trainer.step(batch)
         masters = trainer.masters()
     torch.testing.assert_close(torch.as_tensor(loss), ref_loss, rtol=1e-6, atol=1e-6)

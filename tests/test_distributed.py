@@ -17,6 +17,8 @@ import torch
 import torch.multiprocessing as mp
 
 import rpcompile
+from rpcompile.options import PlanOptions
+from tests.option_groups import grouped
 from tests.tiny_models import SkipNet, hf_model, sft_batch, skipnet_batch
 
 GLOBAL = 6  # sequences per global batch (divides by 2 and 3 ranks)
@@ -76,7 +78,8 @@ def _compile(model_name: str, seed: int, example, parts: int = 2, **options):
     extra = {"loss_fn": torch.nn.functional.cross_entropy} if model_name == "skipnet" else {}
     options.setdefault("optimizer", _sgd)
     return rpcompile.compile(_model(model_name, seed), gpus=2, microbatches=parts,
-                             example_inputs=example, device="virtual", **extra, **options)
+                             example_inputs=example, device="virtual",
+                             **grouped(**extra, **options))
 
 
 def _share(batch, rank, world):
@@ -174,7 +177,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
             batches = [_share(b, rank, world) for b in _batches()]
             compiled = rpcompile.compile(model, gpus=2, microbatches=2,
                                          example_inputs=batches[0], optimizer=_sgd,
-                                         device="virtual", chaos=rank + 1, **options)
+                                         device="virtual", **grouped(chaos=rank + 1, **options))
             trainer = compiled.trainer()
             compiled.step(batches[0])
             result["before"] = {k: v.clone() for k, v in trainer.masters().items()}
@@ -1216,7 +1219,8 @@ def small_plan():
 
     hw = get_hardware("rtx4090x8").with_gpus(4)
     units = MODELS["qwen3-1.7b"].units(2, 1024)[:6] + MODELS["qwen3-1.7b"].units(2, 1024)[-1:]
-    return partition(units, hw, 4, 5, 2, 1024, 1), hw, 10 * 1024
+    return partition(units, hw, PlanOptions(gpus=4, microbatches=5, rounds=1, mode="async"),
+                     microbatch_size=2, seq_len=1024), hw, 10 * 1024
 
 
 def test_simulated_nodes_replay_the_schedule_lowered_for_n_ranks(small_plan):

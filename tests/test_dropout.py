@@ -19,6 +19,7 @@ import torch.nn.functional as F
 import rpcompile
 from rpcompile.capture.batch import bind_batch, split_batch
 from rpcompile.capture.dropout import _mix, record_masks
+from rpcompile.options import CaptureOptions, TrainOptions
 from rpcompile.planner.partition import build_plan
 from tests.tiny_models import hf_model, sft_batch, token_batch
 
@@ -131,7 +132,7 @@ def test_recompute_replays_the_forwards_dropout_masks(kind, left, monkeypatch):
 
     monkeypatch.setattr(rpcompile.compiler, "partition", fixed_cut)
     compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
-                                 optimizer=_sgd, device="virtual", chaos=2)
+                                 optimizer=_sgd, device="virtual", train=TrainOptions(chaos=2))
     assert len(compiled.capture.random_ops) > 0
     backward = [s for s in compiled.stages if s.kind == "backward"]
     assert len(backward) == 2  # layers are recomputed in backward stages
@@ -189,7 +190,7 @@ def test_dropout_inside_an_opaque_block_is_refused_naming_it():
     model.model.layers[0].mlp.act_fn = torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Dropout(0.3))
     with pytest.raises(ValueError, match=r"opaque block model\.layers\.0\.mlp .*eval mode"):
         rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
-                          opaque=["model.layers.0.mlp"])
+                          capture=CaptureOptions(opaque=["model.layers.0.mlp"]))
 
 
 def test_inplace_dropout_is_refused_with_its_fix_and_p_one_drops_everything():

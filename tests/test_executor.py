@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -57,13 +58,15 @@ def reference_training(compiled, data, make_optimizer, mode="sync"):
 
 
 def assert_trains_like_reference(compiled, data, make_optimizer, mode="sync", chaos=None,
-                                 stream=True, **options):
+                                 stream=True, **plan_options):
     """Train on ``data`` and hold losses and masters bit for bit against
     :func:`reference_training`. ``stream``: as one stream of steps (``Trainer.fit``: step k+1
-    runs while step k drains, two steps' jobs in flight); else one ``step()`` at a time."""
+    runs while step k drains, two steps' jobs in flight); else one ``step()`` at a time.
+    ``plan_options``: PlanOptions fields the trainer runs with instead of the compile's."""
     ref_losses, ref_params = reference_training(compiled, data, make_optimizer, mode)
-    with Trainer(compiled, make_optimizer, device="virtual", mode=mode, chaos=chaos,
-                 **options) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=make_optimizer,
+                                         device="virtual", chaos=chaos),
+                 plan=replace(compiled.options.plan, mode=mode, **plan_options)) as trainer:
         if stream:
             results = list(trainer.fit(data))
             assert [r.step for r in results] == list(range(len(data)))
@@ -178,7 +181,8 @@ def test_bulk_transfers_in_chunks(qwen3):
 
 
 def test_measured_timeline_covers_every_action_and_dumps(qwen3, tmp_path):
-    with Trainer(qwen3, SGD, device="virtual") as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
         trainer.step(token_batch(6))
         timeline = trainer.last.timeline
         step0 = [a for a in trainer.schedule.all_actions() if a.step == 0]
@@ -244,7 +248,8 @@ def test_edges_alone_order_the_work(qwen3, monkeypatch, kind, edge):
     monkeypatch.setattr(Executor, "_do_" + kind, slow)
     data = batches(1, 6)
     ref_losses, _ = reference_training(qwen3, data, SGD)
-    with Trainer(qwen3, SGD, device="virtual") as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
         assert torch.equal(trainer.step(data[0]), ref_losses[0])
         schedule = trainer.schedule
         dropped = schedule.replace(edges=tuple(e for e in schedule.edges if e.kind != edge))
@@ -301,7 +306,9 @@ def _assert_same_optimizer_state(a, b):
 def test_failure_in_a_stage_surfaces_with_context_and_keeps_masters(
         qwen3, monkeypatch, stage_kind, mode):
     data = batches(3, 6)
-    with Trainer(qwen3, ADAMW, device="virtual", mode=mode, chaos=1, timeout_s=60) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                      chaos=1, timeout_s=60), plan=replace(qwen3.options.plan,
+                                                                           mode=mode)) as trainer:
         trainer.step(data[0])
         masters, opt_state = _snapshot(trainer)
         # The last stage of the kind: a forward stage that reads an activation, the tail,
@@ -339,7 +346,8 @@ def test_failure_in_a_stage_surfaces_with_context_and_keeps_masters(
 
 def test_failure_in_a_transfer_and_on_the_host(qwen3, monkeypatch):
     data = batches(2, 6)
-    with Trainer(qwen3, SGD, device="virtual", chaos=2, timeout_s=60) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual",
+                                      chaos=2, timeout_s=60)) as trainer:
         trainer.step(data[0])
         masters, _ = _snapshot(trainer)
         original = Executor._do_D2H
@@ -370,7 +378,8 @@ def test_failure_in_a_transfer_and_on_the_host(qwen3, monkeypatch):
 
 
 def test_device_memory_capacity_is_enforced_with_the_stage_named(qwen3):
-    with Trainer(qwen3, SGD, device="virtual", capacity_bytes=64 * 1024) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual"),
+                 plan=replace(qwen3.options.plan, capacity_bytes=64 * 1024)) as trainer:
         with pytest.raises(StepFailed) as info:
             trainer.step(token_batch(6))
     cause = info.value.cause
@@ -395,7 +404,8 @@ def test_executor_refuses_a_schedule_it_cannot_run(qwen3):
     from rpcompile.passes.lower import lower
     from rpcompile.passes.schedule import build_schedule
 
-    with Trainer(qwen3, SGD, device="virtual") as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
         compute = build_schedule(qwen3.plan, workers=2, microbatches=3, optimizer="sync")
         with pytest.raises(ValueError, match="2 workers, 3 given"):
             Executor(qwen3, trainer.workers, lower(compute, qwen3.plan)[0], trainer.store,
@@ -411,7 +421,8 @@ def test_workers_on_another_device_run_retargeted_graphs(qwen3):
     # device here, the capture device is pretended to be another one.
     data = batches(2, 6)
     ref_losses, ref_params = reference_training(qwen3, data, SGD)
-    with Trainer(qwen3, SGD, device="virtual", chaos=4) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual",
+                                      chaos=4)) as trainer:
         trainer.executor._capture_device = torch.device("meta")
         losses = [trainer.step(b) for b in data]
         retargeted = set(trainer.executor._graphs)

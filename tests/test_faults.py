@@ -12,6 +12,7 @@ import _thread
 import ctypes
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -58,7 +59,10 @@ def _assert_continues_like(trainer, compiled, data, make_optimizer, mode, upto):
 def test_optimizer_step_failing_at_each_group_is_undone(qwen3, monkeypatch, mode):  # noqa: F811
     data = batches(3, 6)
     original = torch.optim.AdamW.step
-    with Trainer(qwen3, ADAMW, device="virtual", mode=mode, timeout_s=60) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                               timeout_s=60),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         groups = len(trainer.driver.groups)
         assert groups >= 2  # several update groups: a failure part-way leaves some applied
         trainer.step(data[0])
@@ -94,7 +98,9 @@ def test_async_optimizer_failure_fails_its_own_step_then_close(qwen3, monkeypatc
     data = batches(2, 6)
     # Async updates are their step's OPT actions too: the failing update fails the step that
     # owes it, with the shadow the next step computes with put back (one step stale).
-    trainer = Trainer(qwen3, SGD, device="virtual", timeout_s=60, mode="async")
+    trainer = Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual",
+                                           timeout_s=60), plan=replace(qwen3.options.plan,
+                                                                       mode="async"))
     trainer.step(data[0])
     masters, opt_state = _snapshot(trainer)
     shadow = trainer.store.shadow.clone()
@@ -119,7 +125,9 @@ def test_a_trainer_starts_no_thread_but_its_workers_streams(qwen3, mode):  # noq
     step() (the optimizer driver has no thread): the only threads a trainer starts are its
     workers' stream threads, so no thread runs work the schedule does not show."""
     before = set(threading.enumerate())
-    with Trainer(qwen3, SGD, device="virtual", timeout_s=60, mode=mode) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual", timeout_s=60),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         for batch in batches(2, 6):
             trainer.step(batch)
         trainer.state_dict()
@@ -130,7 +138,8 @@ def test_a_trainer_starts_no_thread_but_its_workers_streams(qwen3, mode):  # noq
 
 def test_raising_error_listener_does_not_kill_the_streams(qwen3, monkeypatch):  # noqa: F811
     data = batches(3, 6)
-    with Trainer(qwen3, ADAMW, device="virtual", chaos=3, timeout_s=60) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                      chaos=3, timeout_s=60)) as trainer:
         trainer.step(data[0])
         masters, opt_state = _snapshot(trainer)
         program = next(p for p in qwen3.stages if p.kind == "tail")
@@ -158,7 +167,8 @@ class ThreadKilled(BaseException):
 
 def test_a_stream_loop_killed_fails_the_step_at_once(qwen3):  # noqa: F811
     data = batches(3, 6)
-    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                      timeout_s=60)) as trainer:
         trainer.step(data[0])
         masters, opt_state = _snapshot(trainer)
         worker = trainer.workers[0]
@@ -198,7 +208,9 @@ def test_watchdog_fires_at_its_time_and_the_trainer_goes_on(qwen3, monkeypatch, 
     data = batches(3, 6)
     timeout = 2.0
     release = threading.Event()
-    with Trainer(qwen3, ADAMW, device="virtual", mode=mode, timeout_s=timeout) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                      timeout_s=timeout), plan=replace(qwen3.options.plan,
+                                                                       mode=mode)) as trainer:
         trainer.step(data[0])
         masters, opt_state = _snapshot(trainer)
         program = [p for p in qwen3.stages if p.kind == "forward"][-1]
@@ -219,7 +231,8 @@ def test_watchdog_fires_at_its_time_and_the_trainer_goes_on(qwen3, monkeypatch, 
 
 
 def test_close_from_another_thread_aborts_the_step(qwen3, monkeypatch):  # noqa: F811
-    trainer = Trainer(qwen3, SGD, device="virtual", timeout_s=60)
+    trainer = Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual",
+                                           timeout_s=60))
     trainer.step(token_batch(6))
     masters, opt_state = _snapshot(trainer)
     program = next(p for p in qwen3.stages if p.kind == "forward")
@@ -244,7 +257,8 @@ def test_close_from_another_thread_aborts_the_step(qwen3, monkeypatch):  # noqa:
 
 def test_keyboard_interrupt_in_dispatch_reraises_itself(qwen3, monkeypatch):  # noqa: F811
     data = batches(3, 6)
-    with Trainer(qwen3, ADAMW, device="virtual", chaos=5, timeout_s=60) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                      chaos=5, timeout_s=60)) as trainer:
         trainer.step(data[0])
         masters, opt_state = _snapshot(trainer)
         original = Executor._do_ACC
@@ -275,7 +289,8 @@ def test_keyboard_interrupt_during_the_drain_reraises_itself(qwen3, monkeypatch)
     # A fault aborts the steps in flight; a Ctrl-C while they are taken apart (the workers'
     # streams draining) re-raises itself once they are, the state the last committed step's.
     data = batches(3, 6)
-    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                      timeout_s=60)) as trainer:
         trainer.step(data[0])
         masters, opt_state = _snapshot(trainer)
         original = Worker.synchronize
@@ -300,7 +315,8 @@ def test_keyboard_interrupt_during_the_drain_reraises_itself(qwen3, monkeypatch)
 
 
 def test_concurrent_step_calls_name_the_rule(qwen3, monkeypatch):  # noqa: F811
-    with Trainer(qwen3, SGD, device="virtual", timeout_s=60) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual",
+                                      timeout_s=60)) as trainer:
         trainer.step(token_batch(6))
         program = next(p for p in qwen3.stages if p.kind == "forward")
         errors = []
@@ -320,7 +336,8 @@ def test_concurrent_step_calls_name_the_rule(qwen3, monkeypatch):  # noqa: F811
 
 
 def test_empty_batch_is_refused_with_the_fix(qwen3):  # noqa: F811
-    with Trainer(qwen3, SGD, device="virtual", timeout_s=60) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual",
+                                      timeout_s=60)) as trainer:
         with pytest.raises(ValueError, match="batch is empty"):
             trainer.step(torch.zeros(0, 12, dtype=torch.long))
         assert trainer.steps_done == 0
@@ -330,10 +347,12 @@ def test_empty_batch_is_refused_with_the_fix(qwen3):  # noqa: F811
 def test_default_watchdog_from_the_plan(qwen3):  # noqa: F811
     from rpcompile.runtime.trainer import TIMEOUT_FLOOR_S, default_timeout_s
 
-    with Trainer(qwen3, SGD, device="virtual") as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=SGD, device="virtual")) as trainer:
         assert trainer.timeout_s == default_timeout_s(qwen3) >= TIMEOUT_FLOOR_S
         assert trainer.executor.timeout_s == trainer.timeout_s
-    with Trainer(qwen3, SGD, device="virtual", timeout_s=float("inf")) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual",
+                                      timeout_s=float("inf"))) as trainer:
         assert trainer.executor.timeout_s is None
 
 
@@ -347,7 +366,9 @@ def test_a_failed_step_leaves_the_loss_scaler_as_before(qwen3, monkeypatch, wher
     config = LossScaleConfig(init_scale=2.0**8, growth_interval=2)
 
     def make_trainer():
-        return Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, loss_scale=config)
+        return Trainer(qwen3,
+                       train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                     timeout_s=60, loss_scale=config))
 
     with make_trainer() as skip:  # the run that skipped the failed step
         want_losses = [skip.step(b) for b in (data[0], data[2], data[3])][1:]

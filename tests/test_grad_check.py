@@ -12,12 +12,13 @@ import rpcompile.runtime.actions.handlers as actions_mod
 import rpcompile.runtime.executor as executor_mod
 from rpcompile.hardware import get_hardware
 from rpcompile.sim import simulate
+from tests.option_groups import grouped
 from tests.tiny_models import hf_model, token_batch
 
 
 def _compile(model, **kw):
     return rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=token_batch(6, 16),
-                             mode="sync", device="virtual", **kw)
+                             mode="sync", device="virtual", **grouped(**kw))
 
 
 def _step_ms(compiled) -> float:

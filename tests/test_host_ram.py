@@ -14,6 +14,7 @@ import torch
 import rpcompile
 from rpcompile.hardware import get_hardware, host_ram_bytes
 from rpcompile.ir import ActionKind
+from rpcompile.options import PlanOptions
 from rpcompile.passes.memory import (
     HostMemoryError,
     HostMemoryWarning,
@@ -23,6 +24,7 @@ from rpcompile.passes.memory import (
 from rpcompile.runtime.executor import StepFailed
 from rpcompile.runtime.trainer import Trainer
 from rpcompile.sim import simulate
+from tests.option_groups import grouped
 from tests.tiny_models import hf_model, token_batch
 
 
@@ -32,7 +34,7 @@ def SGD(params):
 
 def _compile(**options):
     return rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
-                             example_inputs=token_batch(4), device="virtual", **options)
+                             example_inputs=token_batch(4), device="virtual", **grouped(**options))
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +83,8 @@ def test_the_trainer_refuses_to_build_a_host_store_beyond_the_stated_ram(compile
                         classmethod(lambda cls, *a, **k: built.append(1) or real(cls, *a, **k)))
     host = compiled.host
     with pytest.raises(HostMemoryError) as refused:
-        Trainer(compiled, SGD, device="virtual", host_ram_bytes=host.total - 1)
+        Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual",
+                                        host_ram_bytes=host.total - 1))
     text = str(refused.value)
     assert "refuses to build its host store" in text
     assert f"needs {format_bytes(host.total)}" in text and "(host_ram_bytes)" in text
@@ -89,8 +92,9 @@ def test_the_trainer_refuses_to_build_a_host_store_beyond_the_stated_ram(compile
     assert f"the undo journal off (undo_journal=False: {format_bytes(host.journal)} less" in text
     assert not built  # refused before anything was allocated
     # The fix it names fits: without the journal the same RAM holds the run.
-    with Trainer(compiled, SGD, device="virtual", host_ram_bytes=host.total - host.journal,
-                 undo_journal=False) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual",
+                                         host_ram_bytes=host.total - host.journal),
+                 plan=replace(compiled.options.plan, undo_journal=False)) as trainer:
         assert trainer.host_memory.total == host.total - host.journal
         trainer.step(token_batch(4))
     assert built
@@ -116,8 +120,8 @@ def test_the_host_figure_without_the_journal_is_less_by_exactly_the_journal(comp
     assert off_compiled.hardware.undo_journal is False and compiled.hardware.undo_journal
     assert off_compiled.host.journal == 0
     saved = []
-    with Trainer(off_compiled, options=replace(off_compiled.options.train, optimizer=SGD),
-                 mode=mode) as trainer:
+    with Trainer(off_compiled, train=replace(off_compiled.options.train, optimizer=SGD),
+                 plan=replace(off_compiled.options.plan, mode=mode)) as trainer:
         assert trainer.driver.rollback is False
         commit = trainer.driver.commit_step
 
@@ -168,7 +172,8 @@ def test_simulated_opt_without_the_journal_is_shorter_by_its_traffic(compiled):
         assert work_on - work_off == pytest.approx(2 * journaled[a])
     # The whole replay: no slower without the journal, and the planner's bound, which no
     # longer charges it either, stays below the replay (sound); its host queue's end falls.
-    one = runtime_schedule(plan, 2, 2, 1, "sync", steps=1)
+    one = runtime_schedule(plan, PlanOptions(gpus=2, microbatches=2, rounds=1, mode="sync",
+                                             schedule_steps=1))
     on_ms = simulate(one, plan, hw).makespan_ms
     off_ms = simulate(one, plan, hw.with_undo_journal(False)).makespan_ms
     assert off_ms <= on_ms
@@ -198,8 +203,10 @@ class _FailingAdamW(torch.optim.AdamW):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_without_the_journal_a_failed_update_stops_the_trainer(compiled, mode, monkeypatch):
     monkeypatch.setattr(_FailingAdamW, "calls", 0)
-    with Trainer(compiled, lambda p: _FailingAdamW(p, lr=1e-2), device="virtual",
-                 mode=mode, undo_journal=False) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train,
+                               optimizer=lambda p: _FailingAdamW(p, lr=1e-2), device="virtual"),
+                 plan=replace(compiled.options.plan, mode=mode, undo_journal=False)) as trainer:
         groups = len(trainer.driver.groups)
         assert groups >= 2  # a failure after the first group leaves the update half-applied
         trainer.step(token_batch(4, seed=0))
@@ -237,7 +244,9 @@ def test_with_the_journal_the_same_failure_is_undone_and_training_goes_on(compil
     # The contrast: the default keeps the journal, so the failed update is put back and the
     # next step trains (what the refusal above guards against without it).
     monkeypatch.setattr(_FailingAdamW, "calls", 0)
-    with Trainer(compiled, lambda p: _FailingAdamW(p, lr=1e-2), device="virtual") as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train,
+                                         optimizer=lambda p: _FailingAdamW(p, lr=1e-2),
+                                         device="virtual")) as trainer:
         trainer.step(token_batch(4, seed=0))
         monkeypatch.setattr(_FailingAdamW, "fail_at", _FailingAdamW.calls + 2)
         before = trainer.store.master.clone()
@@ -278,7 +287,7 @@ def test_a_profiles_ram_plans_the_server_and_the_trainer_checks_this_machine(mon
     assert get_hardware("rtx4090x8").host_ram_gib == pytest.approx(512e9 / 2**30, abs=0.01)
     assert remote.host_ram == (int(476.84 * 2**30), "the rtx4090x8 profile")
     with pytest.raises(HostMemoryError, match=r"1 B of RAM \(this machine's, probed\)"):
-        Trainer(remote, SGD, device="virtual")
+        Trainer(remote, train=replace(remote.options.train, optimizer=SGD, device="virtual"))
 
 
 def test_the_pinned_figure_is_what_a_cuda_store_pins(compiled, monkeypatch):

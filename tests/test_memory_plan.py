@@ -15,12 +15,14 @@ import torch
 import rpcompile
 from rpcompile.compiler import MemoryPlanError, runtime_schedule
 from rpcompile.hardware import get_hardware
+from rpcompile.options import CaptureOptions, PlanOptions
 from rpcompile.passes.lower import BOUNDED_WAITS, MEMORY_WAITS, TIGHTEST_WAITS
 from rpcompile.passes.memory import format_bytes, worker_peaks
 from rpcompile.planner.partition import PartitionError
 from rpcompile.runtime.executor import Executor
 from rpcompile.runtime.trainer import Trainer
 from rpcompile.sim import simulate, simulate_roundpipe
+from tests.option_groups import grouped
 from tests.tiny_models import hf_model, token_batch
 
 
@@ -31,7 +33,7 @@ def SGD(params):
 def compiled_for(arch: str, gpus: int, microbatches: int, **options):
     model = hf_model(arch, layers=4)
     return rpcompile.compile(model, gpus=gpus, microbatches=microbatches, device="virtual",
-                             example_inputs=token_batch(2 * microbatches), **options)
+                             example_inputs=token_batch(2 * microbatches), **grouped(**options))
 
 
 CASES = [("qwen3", 1, 3), ("qwen3", 2, 3), ("qwen3", 3, 4), ("qwen3", 4, 8), ("llama", 3, 6)]
@@ -41,8 +43,9 @@ def tightest_peaks(compiled):
     """The runtime schedule's proven peaks of ``compiled``'s plan with the tightest memory
     waits (one gradient slot per worker): the least this plan can be lowered to."""
     plan = replace(compiled.plan, memory_waits=TIGHTEST_WAITS)
-    sched = runtime_schedule(plan, compiled.workers, compiled.microbatches, compiled.rounds,
-                             "sync")
+    sched = runtime_schedule(plan, PlanOptions(gpus=compiled.workers,
+                                               microbatches=compiled.microbatches,
+                                               rounds=compiled.rounds, mode="sync"))
     return worker_peaks(sched, plan)
 
 
@@ -83,11 +86,16 @@ def simulated_and_measured(compiled, gpus, microbatches, chaos=None):
     more (the schedule's repeated part runs again), run with the predicted peak + 5 % as
     their capacity, and the most they really held during a compute
     (:func:`metered_computes`)."""
-    sched = runtime_schedule(compiled.plan, gpus, microbatches, 1, "sync")
+    sched = runtime_schedule(compiled.plan, PlanOptions(gpus=gpus, microbatches=microbatches,
+                                                        rounds=1, mode="sync"))
     simulated = list(simulate(sched, compiled.plan, compiled.hardware).peak_device_bytes)
     capacity = int(1.05 * max(p.peak_bytes for p in compiled.memory))
-    with metered_computes(gpus) as really, Trainer(
-            compiled, SGD, device="virtual", chaos=chaos, capacity_bytes=capacity) as trainer:
+    with metered_computes(gpus) as really, Trainer(compiled,
+                                                   train=replace(compiled.options.train,
+                                                                 optimizer=SGD, device="virtual",
+                                                                 chaos=chaos),
+                                                   plan=replace(compiled.options.plan,
+                                                                capacity_bytes=capacity)) as trainer:
         data = [token_batch(2 * microbatches, seed=k) for k in range(sched.steps + 1)]
         for _ in trainer.fit(data):
             pass
@@ -176,8 +184,11 @@ def test_the_planners_peak_of_each_worker_is_what_a_multi_step_run_reaches(
     sched = compiled.schedule
     sim = simulate(sched, plan, compiled.hardware)
     capacity = int(1.05 * max(predicted))
-    with metered_computes(gpus) as really, Trainer(
-            compiled, SGD, device="virtual", mode=mode, capacity_bytes=capacity) as trainer:
+    with metered_computes(gpus) as really, Trainer(compiled,
+                                                   train=replace(compiled.options.train,
+                                                                 optimizer=SGD, device="virtual"),
+                                                   plan=replace(compiled.options.plan, mode=mode,
+                                                                capacity_bytes=capacity)) as trainer:
         data = (token_batch(2 * microbatches, seed=k) for k in range(sched.steps + 1))
         for _ in trainer.fit(data):
             pass
@@ -192,8 +203,10 @@ def test_the_planners_peak_of_each_worker_is_what_a_multi_step_run_reaches(
 def without_waits(compiled):
     """``compiled`` with its plan lowered without any memory-bounding wait."""
     compiled.plan = replace(compiled.plan, memory_waits=())
-    compiled.schedule = runtime_schedule(compiled.plan, compiled.workers,
-                                         compiled.microbatches, compiled.rounds, "sync")
+    compiled.schedule = runtime_schedule(compiled.plan,
+                                         PlanOptions(gpus=compiled.workers,
+                                                     microbatches=compiled.microbatches,
+                                                     rounds=compiled.rounds, mode="sync"))
     compiled.memory = worker_peaks(compiled.schedule, compiled.plan)
     return compiled
 
@@ -267,15 +280,16 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
 
     units = MODELS["llama3.1-8b"].units(4, 2048)
     options = dict(shortlist=50, search=50, refine=2)
+    run = PlanOptions(gpus=4, microbatches=8, mode="async")
     roomy = replace(get_hardware("rtx4090x8"), memory_gib=24.0).with_gpus(4)
-    free = partition(units, roomy, 4, 8, 4, 2048, **options)
+    free = partition(units, roomy, run, microbatch_size=4, seq_len=2048, **options)
     stage_peak = max(st.peak_bytes for st in free.stages)
     schedule_peak = max(free.worker_peak_bytes)
     assert schedule_peak > 1.05 * stage_peak  # the overlaps the per-stage check misses
     usable = (stage_peak + schedule_peak) / 2
     hw = replace(roomy, memory_gib=roomy.memory_reserve_gib + usable / 2**30)
     assert stage_peak <= hw.usable_memory_bytes < schedule_peak
-    plan = partition(units, hw, 4, 8, 4, 2048, **options)
+    plan = partition(units, hw, run, microbatch_size=4, seq_len=2048, **options)
     assert len(plan.worker_peak_bytes) == 4
     assert max(plan.worker_peak_bytes) <= hw.usable_memory_bytes
     r = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
@@ -300,7 +314,8 @@ def test_longest_sequence_is_the_last_length_that_fits():
     def units(s):
         return model.units(1, s, loss_chunk_tokens=None)
 
-    found = longest_sequence(units, hw, 4, 5, 1, start=1024, step=512)
+    found = longest_sequence(units, hw, PlanOptions(gpus=4, microbatches=5, mode="async"),
+                             microbatch_size=1, start=1024, step=512)
     assert found.seq_len >= 1024 and found.seq_len % 512 == 0
     assert found.next_len == found.seq_len + 512
     plan = found.plan
@@ -312,8 +327,9 @@ def test_longest_sequence_is_the_last_length_that_fits():
     assert "'tail'" in found.why and "alone" in found.why
     assert f"at {found.next_len:,} tokens" in found.describe()
     with pytest.raises(PartitionError, match="'tail'"):  # nor does the partitioner fit it
-        partition(units(found.next_len), hw, 4, 5, 1, found.next_len, max_simulations=1,
-                  search=0, refine=0, shortlist=4)
+        partition(units(found.next_len), hw,
+                  PlanOptions(gpus=4, microbatches=5, max_simulations=1, mode="async"),
+                  microbatch_size=1, seq_len=found.next_len, search=0, refine=0, shortlist=4)
 
 
 def test_longest_sequence_names_the_peak_of_the_schedule_that_does_not_fit():
@@ -330,7 +346,8 @@ def test_longest_sequence_names_the_peak_of_the_schedule_that_does_not_fit():
     def units(s):
         return model.units(1, s, loss_chunk_tokens=4096)
 
-    found = longest_sequence(units, hw, 4, 5, 1, start=4096, step=4096)
+    found = longest_sequence(units, hw, PlanOptions(gpus=4, microbatches=5, mode="async"),
+                             microbatch_size=1, start=4096, step=4096)
     assert found.seq_len >= 8192 and found.next_len == found.seq_len + 4096
     assert "whole schedule peaks at worker" in found.why
     over = memory_first_plan(units(found.next_len), hw, 4, 5, 1, found.next_len)
@@ -388,7 +405,8 @@ def test_the_planner_chooses_the_loss_chunk_that_fits_fastest(gib, chunk):
         with pytest.raises(PartitionError):  # the whole logits alone: refused
             rpcompile.compile(hf_model("qwen3", layers=2, vocab_size=32768), gpus=2,
                               microbatches=2, example_inputs=sft_batch(8, 1024, vocab=32768),
-                              hardware=hw, device="virtual", loss_chunk_tokens=None)
+                              hardware=hw, device="virtual",
+                              capture=CaptureOptions(loss_chunk_tokens=None))
 
 
 def test_every_set_of_waits_is_proven_and_the_first_that_fits_is_kept():
@@ -438,8 +456,10 @@ def test_host_memory_model_equals_what_the_host_store_of_a_lora_model_holds(mode
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
                                  device="virtual")
-    with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-3), device="virtual",
-                 mode=mode) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train,
+                                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                                         device="virtual"), plan=replace(compiled.options.plan,
+                                                                         mode=mode)) as trainer:
         for seed in range(2):
             trainer.step(token_batch(4, seed=seed))
         store = trainer.store
@@ -506,7 +526,8 @@ def test_each_shadow_action_moves_the_bytes_the_runtime_rewrites(arch, lora):
                                                            target_modules="all-linear"))
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
                                  device="virtual")
-    with Trainer(compiled, torch.optim.SGD, device="virtual") as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=torch.optim.SGD,
+                                         device="virtual")) as trainer:
         store = trainer.store
         size = store.shadow.element_size()
         shadows = [a for a in trainer.schedule.host if a.kind == "SHADOW"]
@@ -558,8 +579,10 @@ def test_the_undo_journal_is_what_the_host_figure_and_the_simulator_charge(mode)
                          shadow_bytes(driver)))
         return commit(driver, skipped)
 
-    with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-3), device="virtual",
-                 mode=mode) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train,
+                                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                                         device="virtual"), plan=replace(compiled.options.plan,
+                                                                         mode=mode)) as trainer:
         trainer.driver.commit_step = measuring_commit.__get__(trainer.driver)
         trainer.driver.refresh = measuring_refresh.__get__(trainer.driver)
         for seed in range(3):
@@ -600,9 +623,9 @@ def test_plan_at_the_longest_length_fits():
     probe = rpcompile.compile(hf_model("qwen3", layers=12), gpus=gpus, microbatches=micro,
                               device="virtual", example_inputs=token_batch(micro, 64),
                               mode="sync")
-    found = longest_sequence(
-        lambda s: unit_profiles(probe.capture, probe.unit_costs, 1, s, hw, 4), hw, gpus, micro,
-        costing=StageCosting(4, 4, 4), optimizer="sync", start=64, step=16, limit=1 << 14)
+    found = longest_sequence(lambda s: unit_profiles(probe.capture, probe.unit_costs, 1, s, hw, 4),
+                             hw, PlanOptions(gpus=gpus, microbatches=micro, mode="sync"),
+                             costing=StageCosting(4, 4, 4), start=64, step=16, limit=1 << 14)
     length = found.seq_len
     assert length >= 64 and found.next_len is not None
     compiled = rpcompile.compile(hf_model("qwen3", layers=12), gpus=gpus, microbatches=micro,
@@ -616,7 +639,8 @@ def test_plan_at_the_longest_length_fits():
     peak = max(plan.worker_peak_bytes)
     assert list(plan.worker_peak_bytes) == [p.peak_bytes for p in compiled.memory]
     assert peak <= hw.usable_memory_bytes
-    with Trainer(compiled, SGD, device="virtual", capacity_bytes=int(1.05 * peak)) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual"),
+                 plan=replace(compiled.options.plan, capacity_bytes=int(1.05 * peak))) as trainer:
         for k in range(2):
             trainer.step(token_batch(micro, length, seed=k))
         assert max(trainer.peak_bytes()) <= peak
@@ -624,8 +648,9 @@ def test_plan_at_the_longest_length_fits():
     longer = found.next_len
     with pytest.raises(PartitionError, match=r"the memory-first plan .* does not fit either"):
         partition(unit_profiles(probe.capture, probe.unit_costs, 1, longer, hw, 4), hw,
-                  gpus, micro, 1, longer, costing=StageCosting(4, 4, 4), optimizer="sync",
-                  recompute="stage", shortlist=8, search=0)
+                  PlanOptions(gpus=gpus, microbatches=micro, mode="sync", recompute="stage"),
+                  microbatch_size=1, seq_len=longer, costing=StageCosting(4, 4, 4), shortlist=8,
+                  search=0)
 
 
 def _dropout_qwen3():
@@ -649,7 +674,9 @@ def accounted_step(compiled, batch, monkeypatch):
         account(self, nbytes, tag)
 
     monkeypatch.setattr(Worker, "_account", record)
-    with Trainer(compiled, SGD, device="virtual") as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=SGD,
+                               device="virtual")) as trainer:
         trainer.step(batch)
         return accounted, trainer.schedule
 

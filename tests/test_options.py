@@ -1,11 +1,12 @@
-"""The grouped public API: option groups, the flat keywords kept for scripts, one check each."""
+"""The public API's one option form: three groups, a few shortcuts at compile(), one check each."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import math
 import re
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,58 +14,106 @@ import torch
 
 import rpcompile
 from rpcompile import CaptureOptions, PlanOptions, TrainOptions
+from rpcompile.compiler import SHORTCUTS
 from rpcompile.options import FLAT
 from rpcompile.runtime.trainer import Trainer
 from tests.tiny_models import hf_model, token_batch
 
 ROOT = Path(__file__).resolve().parent.parent
-# Every keyword the README and docs showed for compile() before the groups existed.
-DOCUMENTED = ("gpus", "microbatches", "rounds", "hardware", "example_inputs", "loss_fn",
-              "optimizer", "device", "mode", "chaos", "capacity_bytes", "kernels",
-              "skip_nonfinite", "loss_scale")
+_GROUP_CLASSES = {"capture": CaptureOptions, "plan": PlanOptions, "train": TrainOptions}
 
 
-def test_every_documented_keyword_is_still_a_keyword_of_compile():
+def _compile_with(model, **options):
+    """compile(model, ...) with each option as its shortcut, else in its group."""
+    groups: dict[str, dict] = {}
+    for name, value in options.items():
+        if name not in SHORTCUTS:
+            groups.setdefault(FLAT[name], {})[name] = value
+    return rpcompile.compile(model, **{k: v for k, v in options.items() if k in SHORTCUTS},
+                             **{g: _GROUP_CLASSES[g](**kw) for g, kw in groups.items()})
+
+
+def _documented_compile_calls() -> list[tuple[str, ast.Call]]:
+    """Every ``compile(...)`` call README.md and docs/ show, parsed (``...`` stands for
+    arguments a page leaves out)."""
+    calls = []
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for match in re.finditer(r"compile\(", page.read_text()):
+            text = page.read_text()[match.start():]
+            depth, end = 0, None
+            for i, ch in enumerate(text):
+                depth += {"(": 1, ")": -1}.get(ch, 0)
+                if depth == 0 and ch == ")":
+                    end = i + 1
+                    break
+            try:
+                call = ast.parse(text[:end].replace("...", "_")).body[0].value
+            except (SyntaxError, TypeError):
+                continue  # prose, not a call
+            calls.append((page.name, call))
+    return calls
+
+
+def test_every_keyword_the_docs_show_is_a_keyword_of_compile():
+    """Each compile() call in README.md and docs/ uses keywords compile() takes: the groups,
+    ``example_inputs`` and the shortcuts, each shortcut the same field of its group."""
     params = inspect.signature(rpcompile.compile).parameters
-    missing = [k for k in DOCUMENTED if k not in params]
-    assert not missing, missing
-    # ... and every option of every group is one too, so nothing needs the groups.
-    assert set(FLAT) <= set(params)
+    calls = _documented_compile_calls()
+    assert any(page == "README.md" for page, _ in calls), "no compile() call in README.md"
+    shown = {(page, k.arg) for page, call in calls for k in call.keywords if k.arg}
+    assert shown
+    bad = sorted((page, k) for page, k in shown
+                 if k not in params or (params[k].kind is not inspect.Parameter.KEYWORD_ONLY
+                                        and k != "example_inputs"))
+    assert not bad, bad
+    # One form: compile() takes the groups, example_inputs and the shortcuts, nothing more
+    # by name; each shortcut is a field of the group it goes to.
+    named = {k for k, p in params.items() if p.kind is not inspect.Parameter.VAR_KEYWORD}
+    assert named == {"model", "example_inputs", "capture", "plan", "train", *SHORTCUTS}
+    assert all(FLAT[k] == g for k, g in SHORTCUTS.items())
+
+
+def test_the_readme_compile_lands_each_shortcut_in_its_group():
+    """README's compile(model, gpus=4, device="virtual") of a causal LM (captured now, planned
+    at its first batch) keeps each shortcut as its group's field."""
+    calls = [call for page, call in _documented_compile_calls() if page == "README.md"]
+    model = hf_model("qwen3", layers=1)
+    for call in calls:
+        keywords = {k.arg: ast.literal_eval(k.value) for k in call.keywords
+                    if k.arg in SHORTCUTS and isinstance(k.value, ast.Constant)}
+        c = rpcompile.compile(model, **keywords)
+        try:
+            for name, value in keywords.items():
+                assert getattr(getattr(c.options, SHORTCUTS[name]), name) == value
+        finally:
+            c.close()
 
 
 def test_everything_the_trainer_takes_is_reachable_from_compile():
     params = set(inspect.signature(rpcompile.compile).parameters)
-    trainer = set(inspect.signature(Trainer).parameters) - {"compiled", "options", "train"}
-    trainer |= {f.name for f in fields(TrainOptions)}
-    assert trainer <= params, trainer - params
+    trainer = set(inspect.signature(Trainer).parameters) - {"compiled"}
+    assert trainer == {"plan", "train"} and trainer <= params
 
 
-def test_groups_and_flat_keywords_make_the_same_compile():
+def test_shortcuts_and_groups_make_the_same_compile():
     model = hf_model("qwen3", layers=2)
-    flat = rpcompile.compile(model, gpus=2, microbatches=3, rounds=2, mode="async",
-                             device="virtual", max_grad_norm=1.0, chunk_bytes=1 << 16,
-                             example_inputs=token_batch(6))
-    grouped = rpcompile.compile(
-        model, example_inputs=token_batch(6),
-        plan_options=PlanOptions(gpus=2, microbatches=3, rounds=2, mode="async",
-                                 chunk_bytes=1 << 16),
-        train_options=TrainOptions(device="virtual", max_grad_norm=1.0))
+    flat = rpcompile.compile(model, token_batch(6), gpus=2, microbatches=3, rounds=2,
+                             mode="async", device="virtual", max_grad_norm=1.0,
+                             plan=PlanOptions(chunk_bytes=1 << 16))
+    grouped = rpcompile.compile(model, example_inputs=token_batch(6),
+                                plan=PlanOptions(gpus=2, microbatches=3, rounds=2, mode="async",
+                                                 chunk_bytes=1 << 16),
+                                train=TrainOptions(device="virtual", max_grad_norm=1.0))
     assert flat.options == grouped.options
     assert flat.schedule == grouped.schedule
     assert [s.units for s in flat.plan.stages] == [s.units for s in grouped.plan.stages]
-    # Groups and keywords mix when each option is given once.
-    mixed = rpcompile.compile(model, example_inputs=token_batch(6), rounds=2, mode="async",
-                              plan_options=PlanOptions(gpus=2, microbatches=3,
-                                                       chunk_bytes=1 << 16),
-                              device="virtual", max_grad_norm=1.0)
-    assert mixed.options == flat.options
 
 
 def test_plan_options_reach_the_runtime_schedule():
     """chunk_bytes is a plan option: the schedule the trainer runs cuts bulk transfers by it."""
     model = hf_model("qwen3", layers=2)
     small = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
-                              device="virtual", chunk_bytes=4096)
+                              device="virtual", plan=PlanOptions(chunk_bytes=4096))
     big = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
                             device="virtual")
 
@@ -78,12 +127,22 @@ def test_plan_options_reach_the_runtime_schedule():
         big.close()
 
 
-def test_an_option_given_twice_is_refused():
-    with pytest.raises(ValueError, match=r"mode.*both.*plan_options"):
-        rpcompile.compile(hf_model("qwen3", layers=1), mode="sync",
-                          plan_options=PlanOptions(gpus=2, mode="async"))
-    with pytest.raises(ValueError, match=r"train_options.*TrainOptions"):
-        rpcompile.compile(hf_model("qwen3", layers=1), train_options={"device": "virtual"})
+def test_a_shortcut_and_its_field_in_the_group_are_refused(monkeypatch):
+    monkeypatch.setattr("rpcompile.compiler.capture_graph",
+                        lambda *a, **k: pytest.fail("captured"))
+    model = hf_model("qwen3", layers=1)
+    with pytest.raises(rpcompile.InvalidInput,
+                       match=r"mode='sync' given both .* plan=PlanOptions\(mode='async'\)"):
+        rpcompile.compile(model, mode="sync", plan=PlanOptions(gpus=2, mode="async"))
+    with pytest.raises(rpcompile.InvalidInput, match=r"device='cuda'.*train=TrainOptions"):
+        rpcompile.compile(model, device="cuda", train=TrainOptions(device="virtual"))
+    # An option compile() has no shortcut for is refused with the group that holds it.
+    with pytest.raises(TypeError, match=r"capacity_bytes in its group: plan=PlanOptions"):
+        rpcompile.compile(model, capacity_bytes=1 << 30)
+    with pytest.raises(TypeError, match=r"unknown keyword 'gpu'"):
+        rpcompile.compile(model, gpu=2)
+    with pytest.raises(TypeError, match=r"train must be an rpcompile.TrainOptions"):
+        rpcompile.compile(model, train={"device": "virtual"})
 
 
 @pytest.mark.parametrize(
@@ -110,18 +169,20 @@ def test_bad_options_fail_before_any_capture(monkeypatch, kwargs, match):
     def no_capture(*a, **k):
         raise AssertionError("captured before the options were checked")
 
-    monkeypatch.setattr("rpcompile.compiler.capture", no_capture)
+    monkeypatch.setattr("rpcompile.compiler.capture_graph", no_capture)
     with pytest.raises(ValueError, match=match):
-        rpcompile.compile(hf_model("qwen3", layers=1), **kwargs)
+        _compile_with(hf_model("qwen3", layers=1), **kwargs)
 
 
-def test_trainer_keywords_are_checked_by_the_same_options():
+def test_the_trainer_takes_the_groups_only():
     compiled = rpcompile.compile(hf_model("qwen3", layers=1), gpus=2, microbatches=2,
                                  example_inputs=token_batch(4), device="virtual")
     with pytest.raises(ValueError, match="kernels must be one of"):
-        Trainer(compiled, kernels="cuda")
-    with pytest.raises(ValueError, match="either as options=TrainOptions"):
-        Trainer(compiled, options=TrainOptions(), device="virtual")
+        Trainer(compiled, train=replace(compiled.options.train, kernels="cuda"))
+    with pytest.raises(TypeError, match=r"Trainer's train must be an rpcompile\.TrainOptions"):
+        Trainer(compiled, train={"device": "virtual"})
+    with pytest.raises(TypeError):
+        Trainer(compiled, device="virtual")
 
 
 def test_errors_the_docs_name_are_exported():
@@ -152,8 +213,8 @@ def test_options_are_frozen_and_compiled_keeps_them():
     with pytest.raises(AttributeError):
         opts.gpus = 3  # type: ignore[misc]
     c = rpcompile.compile(hf_model("qwen3", layers=1), example_inputs=token_batch(4),
-                          plan_options=PlanOptions(gpus=2, microbatches=2),
-                          capture_options=CaptureOptions(compute_dtype=torch.float32))
+                          capture=CaptureOptions(compute_dtype=torch.float32),
+                          plan=PlanOptions(gpus=2, microbatches=2))
     assert c.options.plan.gpus == 2 and c.workers == 2
     assert c.options.capture.compute_dtype is torch.float32
 
@@ -184,13 +245,13 @@ def test_a_bad_choice_reads_the_same_from_compile_and_the_trainer(monkeypatch, o
     rule = _rule(option, bad)
     assert f"{option} must be one of" in rule and repr(bad) in rule
     with monkeypatch.context() as m:
-        m.setattr("rpcompile.compiler.capture", lambda *a, **k: pytest.fail("captured"))
-        assert _said(lambda: rpcompile.compile(hf_model("qwen3", layers=1),
-                                               **{option: bad})) == rule
-    if option == "recompute":  # a plan option the Trainer does not override
-        return
+        m.setattr("rpcompile.compiler.capture_graph", lambda *a, **k: pytest.fail("captured"))
+        assert _said(lambda: _compile_with(hf_model("qwen3", layers=1),
+                                           **{option: bad})) == rule
     compiled = _tiny()
-    assert _said(lambda: Trainer(compiled, **{option: bad})) == rule
+    group = FLAT[option]
+    assert _said(lambda: Trainer(compiled, **{group: replace(
+        getattr(compiled.options, group), **{option: bad})})) == rule
 
 
 def test_public_lower_layers_refuse_with_the_options_rule():
@@ -207,25 +268,19 @@ def test_public_lower_layers_refuse_with_the_options_rule():
 
     compiled = _tiny()
     profiles = compiled.profiles
-    assert _said(lambda: partition(profiles, "cpu", 2, 2, optimizer="eventually")) == \
-        _rule("mode", "eventually", name="optimizer")
-    assert _said(lambda: partition(profiles, "cpu", 2, 2, recompute="never")) == \
-        _rule("recompute", "never")
-    assert _said(lambda: partition(profiles, "cpu", 2, 2, updates="later")) == \
-        _rule("updates", "later")
-    assert _said(lambda: longest_sequence(lambda s: profiles, "cpu", 2, 2,
-                                          optimizer="eventually")) == \
-        _rule("mode", "eventually", name="optimizer")
-    assert _said(lambda: runtime_schedule(compiled.plan, 2, 2, 1, "eventually")) == \
-        _rule("mode", "eventually")
+    # The planner's entries and the lowering take the group only, checked when it was built.
+    for entry in (lambda: partition(profiles, "cpu", 2), lambda: runtime_schedule(
+            compiled.plan, 2), lambda: longest_sequence(lambda s: profiles, "cpu", 2)):
+        with pytest.raises(TypeError, match=r"must be an rpcompile\.PlanOptions, got int"):
+            entry()
     assert _said(lambda: make_workers(2, "tpu")) == _rule("device", "tpu")
     assert _said(lambda: pin_host_memory("swap", "cuda")) == _rule("host_memory", "swap")
     assert _said(lambda: get_hardware("cpu").with_host_memory("swap")) == \
         _rule("host_memory", "swap")
     assert _said(lambda: kernels.resolve_backend("cuda", torch.device("cpu"))) == \
         _rule("kernels", "cuda", name="backend")
-    assert _said(lambda: Executor(compiled, [], compiled.schedule, None, None,
-                                  kernels="cuda")) == _rule("kernels", "cuda")
+    with pytest.raises(TypeError):
+        Executor(compiled, [], compiled.schedule, None, None, kernels="cuda")
 
 
 @pytest.mark.parametrize(("flag", "option", "bad"), [
@@ -274,10 +329,10 @@ def test_group_values_reach_the_trainer_and_its_executor():
     """timeout_s, chunk_bytes and schedule_steps set in the groups passed to compile() are
     what the trainer, its schedule and its executor run with; the executor reads the
     compile's TrainOptions themselves."""
-    c = rpcompile.compile(
-        hf_model("qwen3", layers=2), example_inputs=token_batch(4),
-        plan_options=PlanOptions(gpus=2, microbatches=2, chunk_bytes=4096, schedule_steps=3),
-        train_options=TrainOptions(device="virtual", timeout_s=123.0, kernels="torch"))
+    c = rpcompile.compile(hf_model("qwen3", layers=2), example_inputs=token_batch(4),
+                          plan=PlanOptions(gpus=2, microbatches=2, chunk_bytes=4096,
+                                           schedule_steps=3),
+                          train=TrainOptions(device="virtual", timeout_s=123.0, kernels="torch"))
     default = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
                                 example_inputs=token_batch(4), device="virtual")
     try:
@@ -295,15 +350,15 @@ def test_group_values_reach_the_trainer_and_its_executor():
 
 def test_runtime_schedule_reads_the_plan_options():
     """runtime_schedule given the compile's PlanOptions lowers the very schedule compile()
-    kept; the loose form builds the same options (and refuses to mix the two)."""
+    kept, and so does an equal group built by hand."""
     from rpcompile.passes.lower import runtime_schedule
 
     c = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=3, rounds=2,
-                          example_inputs=token_batch(6), device="virtual", chunk_bytes=8192)
+                          example_inputs=token_batch(6), device="virtual",
+                          plan=PlanOptions(chunk_bytes=8192))
     assert runtime_schedule(c.plan, c.options.plan) == c.schedule
-    assert runtime_schedule(c.plan, 2, 3, 2, "sync", 8192) == c.schedule
-    with pytest.raises(TypeError, match="not both: mode"):
-        runtime_schedule(c.plan, c.options.plan, mode="async")
+    assert runtime_schedule(c.plan, PlanOptions(gpus=2, microbatches=3, rounds=2, mode="sync",
+                                                chunk_bytes=8192)) == c.schedule
 
 
 # -- the planner's entries take the plan group; every other door checks by the same rule -----
@@ -313,13 +368,12 @@ def _group_compile():
     the partitioner carries that order."""
     return rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=3,
                              example_inputs=token_batch(3), device="virtual", max_grad_norm=1.0,
-                             recompute="stage", max_simulations=5)
+                             plan=PlanOptions(recompute="stage", max_simulations=5))
 
 
 def test_compile_hands_the_partitioner_its_plan_group(monkeypatch):
     """compile() passes partition() the run's PlanOptions (the update order its training
-    options need), no loose plan keyword; partition given that group plans as the loose
-    keywords of the same values do."""
+    options need); partition given that group plans as an equal group built by hand does."""
     from dataclasses import replace
 
     from rpcompile.planner.partition import partition
@@ -335,62 +389,45 @@ def test_compile_hands_the_partitioner_its_plan_group(monkeypatch):
     ((args, kwargs),) = calls
     assert len(args) == 2  # the profiles and the planning hardware; the rest by name
     assert kwargs["options"] == replace(c.options.plan, updates="deferred")
-    loose = {"workers", "microbatches", "rounds", "optimizer", "recompute", "updates",
-             "max_simulations"}
-    assert not loose & set(kwargs)
     grouped = partition(*args, **kwargs)
     assert grouped.updates == "deferred" and grouped.grad_check_passes > 0
-    same = partition(c.profiles, c.hardware, 2, 3, c.plan.microbatch_size, c.plan.seq_len,
-                     1, kwargs["costing"], optimizer="sync", recompute="stage",
-                     max_simulations=5, updates="deferred",
-                     grad_check_passes=kwargs["grad_check_passes"])
+    same = partition(c.profiles, c.hardware, PlanOptions(gpus=2, microbatches=3, rounds=1,
+                                                         mode="sync", recompute="stage",
+                                                         updates="deferred", max_simulations=5),
+                     microbatch_size=c.plan.microbatch_size, seq_len=c.plan.seq_len,
+                     costing=kwargs["costing"], grad_check_passes=kwargs["grad_check_passes"])
     assert same == grouped
 
 
-def test_partition_checks_its_loose_keywords_by_the_plan_group():
-    """The loose keywords build a PlanOptions: each is checked once, by the group's rule, its
-    message under partition's own name for it; a group given beside loose keywords is
-    refused; a bad update order in a group reads as compile() says it."""
+def test_partition_refuses_a_bad_update_order_as_compile_does():
+    """A group whose update order compile() refuses reads the same from partition()."""
     from rpcompile.planner.partition import partition
 
     profiles = _group_compile().profiles
-    assert _said(lambda: partition(profiles, "cpu", 0, 2)) == \
-        _said(lambda: PlanOptions(gpus=0)).replace("gpus", "workers", 1)
-    assert _said(lambda: partition(profiles, "cpu", 2, 0)) == \
-        _said(lambda: PlanOptions(microbatches=0))
-    assert _said(lambda: partition(profiles, "cpu", 2, 2, rounds=0)) == \
-        _said(lambda: PlanOptions(rounds=0))
-    assert _said(lambda: partition(profiles, "cpu", 2, 2, max_simulations=0)) == \
-        _said(lambda: PlanOptions(max_simulations=0))
-    for option, bad in (("mode", "eventually"), ("recompute", "never"), ("updates", "later")):
-        assert _said(lambda: PlanOptions(**{option: bad})) == _rule(option, bad)  # noqa: B023
     async_deferred = dict(mode="async", updates="deferred")
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("rpcompile.compiler.capture", lambda *a, **k: pytest.fail("captured"))
-        said = _said(lambda: rpcompile.compile(hf_model("qwen3", layers=1), **async_deferred))
-    assert _said(lambda: partition(profiles, "cpu", options=PlanOptions(
-        gpus=2, **async_deferred))) == said
-    with pytest.raises(TypeError, match=r"not both: optimizer, workers given beside "
-                                        r"options=; set them in the PlanOptions \(optimizer "
-                                        r"is mode, workers is gpus\)"):
-        partition(profiles, "cpu", 2, optimizer="sync", options=PlanOptions(gpus=2))
-    with pytest.raises(TypeError, match="needs workers and microbatches"):
-        partition(profiles, "cpu")
+        m.setattr("rpcompile.compiler.capture_graph", lambda *a, **k: pytest.fail("captured"))
+        said = _said(lambda: rpcompile.compile(hf_model("qwen3", layers=1),
+                                               plan=PlanOptions(**async_deferred)))
+    assert said == _said(lambda: partition(profiles, "cpu", PlanOptions(gpus=2,
+                                                                        **async_deferred)))
+    # A group's own check does not see the training options: partition() decides the order
+    # from the gradient check it is told of, by the same rule.
+    with pytest.raises(rpcompile.InvalidInput, match="'overlap' update order"):
+        partition(profiles, "cpu", PlanOptions(gpus=2, microbatches=3, mode="sync",
+                                               updates="overlap"), grad_check_passes=3)
 
 
 def test_longest_sequence_takes_the_plan_group():
-    """rpcompile.planner.longest.longest_sequence reads the plan group too (what `rpcompile
-    plan` passes: its compile's); the loose keywords build the same group."""
+    """rpcompile.planner.longest.longest_sequence reads the plan group (what `rpcompile
+    plan` passes: its compile's)."""
     from rpcompile.planner.longest import longest_sequence
 
     profiles = _group_compile().profiles
     search = dict(start=64, step=64, limit=256)
-    grouped = longest_sequence(lambda s: profiles, "cpu", options=PlanOptions(
+    found = longest_sequence(lambda s: profiles, "cpu", PlanOptions(
         gpus=2, microbatches=3, mode="sync"), **search)
-    loose = longest_sequence(lambda s: profiles, "cpu", 2, 3, optimizer="sync", **search)
-    assert grouped == loose and grouped.seq_len == 256
-    with pytest.raises(TypeError, match="not both: rounds given beside options="):
-        longest_sequence(lambda s: profiles, "cpu", rounds=2, options=PlanOptions(gpus=2))
+    assert found.seq_len == 256
 
 
 @pytest.mark.parametrize(("option", "bad"), [
@@ -405,9 +442,9 @@ def test_a_bad_choice_in_a_train_config_reads_as_from_compile(monkeypatch, capsy
 
     rule = _rule(option, bad)
     with monkeypatch.context() as m:
-        m.setattr("rpcompile.compiler.capture", lambda *a, **k: pytest.fail("captured"))
-        assert _said(lambda: rpcompile.compile(hf_model("qwen3", layers=1),
-                                               **{option: bad})) == rule
+        m.setattr("rpcompile.compiler.capture_graph", lambda *a, **k: pytest.fail("captured"))
+        assert _said(lambda: _compile_with(hf_model("qwen3", layers=1),
+                                           **{option: bad})) == rule
     flag = "--" + option.replace("_", "-")
     config = tmp_path / "run.yaml"
     config.write_text(f"{option}: {bad}\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -79,7 +80,8 @@ def test_packed_rows_train_like_their_documents_one_per_row(arch):
                                  example_inputs=data[0][0])
     assert masks_documents(compiled.capture)
     optimizer = _sgd(eager.parameters())
-    with Trainer(compiled, _sgd, device="virtual", chaos=5) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=_sgd, device="virtual",
+                                         chaos=5)) as trainer:
         for packed, unpacked in data:
             got = trainer.step(packed)
             optimizer.zero_grad()

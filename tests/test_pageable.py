@@ -1,4 +1,4 @@
-"""Pinned or pageable host memory (TrainOptions.host_memory): one bandwidth
+"""Pinned or pageable host memory (PlanOptions.host_memory): one bandwidth
 for the simulator and the partitioner's bounds, a clear refusal where the profile has no
 pageable figures, the plan saying which it assumes, and the runtime's pin decision."""
 
@@ -14,6 +14,7 @@ import torch
 import rpcompile
 from rpcompile.cli import main
 from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.options import PlanOptions
 from rpcompile.passes.memory import host_memory
 from rpcompile.planner.bound import simulated_lower_bound
 from rpcompile.planner.partition import build_plan, partition
@@ -76,7 +77,9 @@ def test_the_partitioners_bound_and_ranking_time_transfers_like_the_simulator():
     # The search ranks by replays on the profile it is given: its pick's predicted step is
     # that plan's replay from pageable memory, not from pinned.
     units = get_model("qwen3-1.7b").units(4, 2048)[:10]
-    picked = partition(units, pageable, 4, 6, 4, 2048, optimizer="sync", max_simulations=4)
+    picked = partition(units, pageable, PlanOptions(gpus=4, microbatches=6, mode="sync",
+                                                    max_simulations=4), microbatch_size=4,
+                       seq_len=2048)
     on = {hw.host_memory: simulate_roundpipe(picked, hw, steps=1, optimizer="sync").makespan_ms
           for hw in (pinned, pageable)}
     assert picked.predicted_step_ms == pytest.approx(on["pageable"], rel=1e-9)
@@ -87,12 +90,12 @@ def test_pageable_on_a_profile_without_its_figures_is_refused_before_capture(mon
     def no_capture(*a, **k):
         raise AssertionError("captured before the profile was checked")
 
-    monkeypatch.setattr("rpcompile.compiler.capture", no_capture)
+    monkeypatch.setattr("rpcompile.compiler.capture_graph", no_capture)
     with pytest.raises(ValueError, match=r"'a800x8' profile.*pageable_h2d_gbps.*probe\(\)"):
-        rpcompile.compile(hf_model("qwen3", layers=1), hardware="a800x8",
-                          host_memory="pageable", device="virtual")
+        rpcompile.compile(hf_model("qwen3", layers=1), hardware="a800x8", device="virtual",
+                          plan=PlanOptions(host_memory="pageable"))
     with pytest.raises(ValueError, match="host_memory must be one of 'pinned', 'pageable'"):
-        rpcompile.compile(hf_model("qwen3", layers=1), host_memory="locked")
+        rpcompile.compile(hf_model("qwen3", layers=1), plan=PlanOptions(host_memory="locked"))
 
 
 def test_the_cli_refuses_pageable_on_a_profile_without_its_figures(capsys):
@@ -143,9 +146,9 @@ def test_the_option_reaches_the_pin_decision_from_compile_and_the_trainer(monkey
     seen = _spy(monkeypatch)
     model = hf_model("qwen3", layers=2)
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
-                                 device="virtual", host_memory="pageable")
+                                 device="virtual", plan=PlanOptions(host_memory="pageable"))
     try:
-        assert compiled.options.train.host_memory == "pageable"
+        assert compiled.options.plan.host_memory == "pageable"
         assert compiled.hardware.host_memory == "pageable"
         trainer = compiled.trainer()
         assert seen == [("pageable", "virtual")]
@@ -158,10 +161,11 @@ def test_the_option_reaches_the_pin_decision_from_compile_and_the_trainer(monkey
     seen.clear()
     default = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
                                 device="virtual")
-    other = Trainer(default, host_memory="pageable")  # a keyword overrides the compile's
+    # A plan group given to the Trainer is what it runs with, not the compile's.
+    other = Trainer(default, plan=replace(default.options.plan, host_memory="pageable"))
     try:
         assert seen == [("pageable", "virtual")]
-        assert other.options.host_memory == "pageable" and other.host_memory.pinned == 0
+        assert other.plan_options.host_memory == "pageable" and other.host_memory.pinned == 0
     finally:
         for w in other.workers:
             w.shutdown()
@@ -192,7 +196,7 @@ def test_the_plan_summary_and_explain_name_the_assumption(tmp_path, capsys):
 
     compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
                                  example_inputs=token_batch(4), device="virtual",
-                                 hardware="rtx4090x8", host_memory="pageable")
+                                 hardware="rtx4090x8", plan=PlanOptions(host_memory="pageable"))
     head = compiled.explain().splitlines()[1:3]
     assert head[0].startswith("transfers: pageable host memory")
     assert head[1].startswith("host memory: ") and "nothing pinned" in head[1]
@@ -215,7 +219,7 @@ def test_pageable_pins_nothing_and_needs_the_same_host_bytes():
     assert pageable.sharded(2).pinned == 0
     compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
                                  example_inputs=token_batch(4), device="virtual",
-                                 hardware="rtx4090x8", host_memory="pageable")
+                                 hardware="rtx4090x8", plan=PlanOptions(host_memory="pageable"))
     assert compiled.host.pageable and compiled.host.pinned == 0
     assert compiled.host.total > 0
 
@@ -264,7 +268,8 @@ def test_pageable_cuda_training_equals_pinned():
     masters = {}
     for kind in ("pinned", "pageable"):
         compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
-                                     example_inputs=data[0], device="cuda", host_memory=kind)
+                                     example_inputs=data[0], device="cuda",
+                                     plan=PlanOptions(host_memory=kind))
         try:
             trainer = compiled.trainer()
             assert trainer.pin_host is (kind == "pinned")

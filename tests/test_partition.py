@@ -12,6 +12,7 @@ import pytest
 
 from rpcompile.hardware import get_hardware
 from rpcompile.ir import UnitProfile
+from rpcompile.options import PlanOptions
 from rpcompile.passes.schedule import dispatch_period, roundpipe_jobs, steady_window
 from rpcompile.planner.bound import simulated_lower_bound, steady_estimate
 from rpcompile.planner.partition import (
@@ -91,10 +92,12 @@ def test_tail_may_take_up_to_three_layers_of_blocks():
 
 def test_block_plan_is_no_slower_than_the_layer_plan_and_refinement_only_helps():
     model = MODELS["qwen3-1.7b"]
-    args = ("rtx4090x8", 4, 8, 1, 2048)
-    layers = partition(model.units(1, 2048), *args, shortlist=100, refine=0)
-    blocks = partition(model.units(1, 2048, split_layers=True), *args, shortlist=100, refine=0)
-    refined = partition(model.units(1, 2048, split_layers=True), *args, shortlist=100,
+    args = ("rtx4090x8", PlanOptions(gpus=4, microbatches=8, mode="async"))
+    size = dict(microbatch_size=1, seq_len=2048)
+    layers = partition(model.units(1, 2048), *args, **size, shortlist=100, refine=0)
+    blocks = partition(model.units(1, 2048, split_layers=True), *args, **size, shortlist=100,
+                       refine=0)
+    refined = partition(model.units(1, 2048, split_layers=True), *args, **size, shortlist=100,
                         refine=8, target_bubble=0.0)
     assert blocks.predicted_step_ms <= layers.predicted_step_ms * (1 + 1e-9)
     assert refined.predicted_step_ms <= blocks.predicted_step_ms * (1 + 1e-9)
@@ -127,8 +130,8 @@ def test_block_search_is_no_slower_than_the_whole_layer_search():
     # the whole-layer plans, so its plan is no slower (by the simulator) than the other's.
     model = replace(MODELS["qwen3-235b-a22b"], layers=48)
     hw = hop_hardware(model, 4 * 2048)
-    args = (hw, 4, 8, 4, 2048)
-    caps = {"optimizer": "sync", "max_simulations": 4, "refine": 0}
+    args = (hw, PlanOptions(gpus=4, microbatches=8, mode="sync", max_simulations=4))
+    caps = {"microbatch_size": 4, "seq_len": 2048, "refine": 0}
     layers = partition(model.units(4, 2048), *args, **caps)
     blocks = partition(model.units(4, 2048, split_layers=True), *args, **caps)
     assert blocks.predicted_step_ms <= layers.predicted_step_ms * (1 + 1e-9)
@@ -278,7 +281,8 @@ def test_the_search_scores_by_the_bound_of_the_run_it_plans(monkeypatch, mode):
         return real(seeds, making, *args, **kwargs)
 
     monkeypatch.setattr(search_module, "_search", recording)
-    partition(units, hw, 3, 4, rounds=2, optimizer=mode, refine=0, search=30)
+    partition(units, hw, PlanOptions(gpus=3, microbatches=4, rounds=2, mode=mode), refine=0,
+              search=30)
     assert len(scored) > 5
     # Sync: the bound; async: the relaxed replay of overlapping steps (steady_estimate).
     def figure(plan, rounds):

@@ -15,6 +15,7 @@ from rpcompile.passes.manager import (
     ScheduleInvariantError,
     run_pass,
 )
+from tests.option_groups import grouped
 from tests.tiny_models import hf_model, token_batch
 
 FRONT = ["capture", "token-hits", "cost", "partition", "split", "dispatch"]
@@ -22,7 +23,7 @@ FRONT = ["capture", "token-hits", "cost", "partition", "split", "dispatch"]
 
 def _compile(**options):
     return rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
-                             example_inputs=token_batch(4), device="virtual", **options)
+                             example_inputs=token_batch(4), device="virtual", **grouped(**options))
 
 
 def test_the_history_lists_every_pass_in_order_with_time_and_artifact(monkeypatch):

@@ -16,7 +16,9 @@ import torch
 
 import rpcompile
 import rpcompile.compiler as compiler_module
+from rpcompile.options import PlanOptions, TrainOptions
 from rpcompile.planner import cache as cache_module
+from tests.option_groups import grouped
 from tests.test_batches import _eager_training
 from tests.tiny_models import hf_model, sft_batch
 
@@ -38,8 +40,8 @@ def test_plans_follow_the_batches_and_train_like_eager(capsys):
     # for the longer of the two lengths).
     batches = [sft_batch(6, 10, seed=1), sft_batch(6, 16, left=True, seed=2),
                sft_batch(4, 8, seed=3), sft_batch(9, 12, seed=4)]
-    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3,
-                                 optimizer=_sgd, chaos=5, progress=True)
+    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3, optimizer=_sgd,
+                                 plan=PlanOptions(progress=True), train=TrainOptions(chaos=5))
     try:
         assert not compiled.planned
         assert "not planned yet" in compiled.explain()
@@ -63,8 +65,8 @@ def test_plans_follow_the_batches_and_train_like_eager(capsys):
 
 def test_a_fixed_shape_refuses_a_larger_batch(capsys):
     model = hf_model("qwen3", seed=3)
-    compiled = rpcompile.compile(model, gpus=2, device="virtual", microbatches=2,
-                                 optimizer=_sgd, dynamic=False, progress=False)
+    compiled = rpcompile.compile(model, gpus=2, device="virtual", microbatches=2, optimizer=_sgd,
+                                 plan=PlanOptions(dynamic=False, progress=False))
     try:
         compiled.step(sft_batch(4, 10, seed=1))
         assert "rpcompile:" not in capsys.readouterr().err  # progress=False: silent
@@ -98,8 +100,8 @@ def test_an_unplanned_model_names_what_to_do_and_loads_a_checkpoint_at_its_shape
 
 def _compile_planned(tmp_path, **options):
     return rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, microbatches=2,
-                             example_inputs=sft_batch(4, 10, seed=1), plan_cache=tmp_path,
-                             progress=True, **options)
+                             example_inputs=sft_batch(4, 10, seed=1),
+                             **grouped(plan_cache=tmp_path, progress=True, **options))
 
 
 def test_a_cached_plan_skips_the_search_and_a_bad_entry_is_never_used(tmp_path, monkeypatch,
@@ -147,13 +149,14 @@ def test_a_cached_plan_skips_the_search_and_a_bad_entry_is_never_used(tmp_path, 
 
     # plan_cache=False: no cache at all.
     rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, microbatches=2,
-                      example_inputs=sft_batch(4, 10, seed=1), plan_cache=False)
+                      example_inputs=sft_batch(4, 10, seed=1), plan=PlanOptions(plan_cache=False))
     assert len(searches) == 6
 
 
 def test_the_plan_round_trips_through_its_json_form():
     compiled = rpcompile.compile(hf_model("qwen3_tied", seed=3), gpus=3, microbatches=3,
-                                 example_inputs=sft_batch(6, 10, seed=1), plan_cache=False)
+                                 example_inputs=sft_batch(6, 10, seed=1),
+                                 plan=PlanOptions(plan_cache=False))
     data = json.loads(json.dumps(cache_module.plan_to_dict(compiled.plan)))
     assert cache_module.plan_from_dict(data) == compiled.plan
 
@@ -164,7 +167,7 @@ def test_an_unwritable_cache_warns_and_the_plan_is_still_made(tmp_path):
     with pytest.warns(RuntimeWarning, match="could not write the plan cache"):
         compiled = rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, microbatches=2,
                                      example_inputs=sft_batch(4, 10, seed=1),
-                                     plan_cache=blocked)
+                                     plan=PlanOptions(plan_cache=blocked))
     assert compiled.planned
 
 
@@ -172,8 +175,8 @@ def test_fit_plans_at_its_first_batch_and_trains_like_eager():
     model = hf_model("qwen3", seed=3)
     reference = copy.deepcopy(model)
     batches = [sft_batch(6, 10, seed=s) for s in range(4)]
-    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3,
-                                 optimizer=_sgd, chaos=5)
+    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3, optimizer=_sgd,
+                                 train=TrainOptions(chaos=5))
     try:
         losses = [float(r.loss) for r in compiled.fit(batches)]
         assert compiled.plans_made == [(2, 10)]

@@ -27,12 +27,14 @@ from __future__ import annotations
 import itertools
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
 import rpcompile
 from rpcompile.ir import ActionKind
+from rpcompile.options import PlanOptions, TrainOptions
 from rpcompile.passes.lower import updates_deferred
 from rpcompile.runtime.executor import Executor
 from rpcompile.runtime.trainer import Trainer
@@ -165,8 +167,9 @@ def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  #
     # Clipping defers sync updates; async has one order (the previous step's gradients,
     # clipped at that step's end, applied at the start of this one).
     options = {} if updates == "overlap" else {"max_grad_norm": 1e9}
-    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, mode=mode,
-                 **options) as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                      timeout_s=60, **options),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         sched = trainer.schedule
         assert sched.optimizer == mode
         assert updates_deferred(sched) == (updates == "deferred")
@@ -261,23 +264,27 @@ def test_a_step_runs_its_schedule_exactly(qwen3, monkeypatch, mode, updates):  #
 def test_an_overlapping_order_is_refused_by_one_rule_wherever_options_meet(qwen3, monkeypatch):  # noqa: F811
     # Clipping, loss scaling, skipping a non-finite step and data parallel need the whole
     # step's gradients before any update. The options groups refuse the overlap order before
-    # any capture, the Trainer refuses overrides, and an Executor refuses a schedule lowered
-    # with it: one rule (rpcompile.options.check_update_order), one message.
+    # any capture, the Trainer refuses such groups, and an Executor refuses a schedule lowered
+    # with it: one rule (rpcompile.options.update_order), one message.
     def no_capture(*a, **k):
         raise AssertionError("captured before the options were checked")
 
     with monkeypatch.context() as patch:
-        patch.setattr("rpcompile.compiler.capture", no_capture)
+        patch.setattr("rpcompile.compiler.capture_graph", no_capture)
         with pytest.raises(ValueError, match=r"^max_grad_norm must see every gradient.*"
                                              r"use updates='deferred'"):
-            rpcompile.compile(hf_model("qwen3", layers=1), updates="overlap", max_grad_norm=1.0)
+            rpcompile.compile(hf_model("qwen3", layers=1), max_grad_norm=1.0,
+                              plan=PlanOptions(updates="overlap"))
     with pytest.raises(ValueError, match=r"^skip_nonfinite must see every gradient"):
-        Trainer(qwen3, ADAMW, device="virtual", updates="overlap", skip_nonfinite=True)
-    with Trainer(qwen3, ADAMW, device="virtual", updates="overlap") as trainer:
+        Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                     skip_nonfinite=True), plan=replace(qwen3.options.plan,
+                                                                        updates="overlap"))
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual"),
+                 plan=replace(qwen3.options.plan, updates="overlap")) as trainer:
         assert not updates_deferred(trainer.schedule)
         with pytest.raises(ValueError, match=r"max_grad_norm, skip_nonfinite.*updates='deferred'"):
             Executor(qwen3, trainer.workers, trainer.schedule, trainer.store, trainer.driver,
-                     max_grad_norm=1.0, skip_nonfinite=True)
+                     options=TrainOptions(max_grad_norm=1.0, skip_nonfinite=True))
 
 
 def _steps_overlap(timeline) -> list[int]:
@@ -327,7 +334,10 @@ def test_steps_overlap_in_both_interpreters_as_far_as_the_edges_allow(qwen3, mon
     step k's backward drains); a stream of steps on the virtual workers, the last backward
     stage slowed, holds every edge, those between steps included, and in async mode
     overlaps its steps too."""
-    with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, mode=mode) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                               timeout_s=60),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         sched = trainer.schedule
         assert "commit" in sched.passes and "barrier" not in sched.passes
         simulated = _steps_overlap(simulate(sched, qwen3.plan, qwen3.hardware).timeline)
@@ -359,7 +369,9 @@ def test_async_updates_run_in_the_next_step_and_a_flush_changes_nothing(qwen3): 
     data = batches(4, 6)
 
     def run(flush_each_step):
-        with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, mode="async") as trainer:
+        with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                          timeout_s=60), plan=replace(qwen3.options.plan,
+                                                                      mode="async")) as trainer:
             losses, idle = [], []
             for k, batch in enumerate(data):
                 trainer.optimizer.param_groups[0]["lr"] = 1e-2 / (k + 1)
@@ -396,7 +408,9 @@ def test_a_flush_and_a_step_from_two_threads_never_apply_the_gradients_twice(qwe
     data = batches(3, 6)
 
     def run(order):
-        with Trainer(qwen3, ADAMW, device="virtual", timeout_s=60, mode="async") as trainer:
+        with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                          timeout_s=60), plan=replace(qwen3.options.plan,
+                                                                      mode="async")) as trainer:
             trainer.step(data[0])  # leaves step 0's gradients pending
             refused, calls = [], []
 

@@ -58,7 +58,7 @@ def test_a_broken_artifact_names_its_pass(monkeypatch, broken):
     import rpcompile.compiler as compiler
 
     if broken == "capture":
-        real = compiler.capture
+        real = compiler.capture_graph
 
         def bad_capture(*a, **k):
             cap = real(*a, **k)
@@ -66,7 +66,7 @@ def test_a_broken_artifact_names_its_pass(monkeypatch, broken):
             del node.meta["rp_unit"]
             return cap
 
-        monkeypatch.setattr(compiler, "capture", bad_capture)
+        monkeypatch.setattr(compiler, "capture_graph", bad_capture)
         match = "belongs to no unit"
     elif broken == "split":
         real_split = compiler.split

@@ -12,12 +12,14 @@ the masks the runtime drew (tests/test_dropout.py).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
 import torch
 
 import rpcompile
 from rpcompile.capture.dropout import record_masks
+from rpcompile.options import TrainOptions
 from rpcompile.runtime.trainer import Trainer
 from tests.test_dropout import _eager_dropout_uses, _full_masks
 from tests.test_quantized import CONFIGS as QUANTIZED
@@ -61,8 +63,8 @@ def _sgd(params):
 
 
 def _compile(model, batch):
-    return rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=batch,
-                             optimizer=_sgd, device="virtual", chaos=3)
+    return rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=batch, optimizer=_sgd,
+                             device="virtual", train=TrainOptions(chaos=3))
 
 
 def _eager_step(eager, optimizer, compiled, batch, records, step):
@@ -138,8 +140,9 @@ def test_rebuilt_weights_stay_within_the_proven_peak(tmp_path_factory):
                                  optimizer=_sgd, device="virtual")
     proven = compiled.memory
     capacity = max(p.peak_bytes for p in proven)
-    trainer = Trainer(compiled, _sgd, device="virtual", chaos=5,
-                                                capacity_bytes=capacity)
+    trainer = Trainer(compiled, train=replace(compiled.options.train, optimizer=_sgd,
+                                              device="virtual", chaos=5),
+                      plan=replace(compiled.options.plan, capacity_bytes=capacity))
     try:
         results = list(trainer.fit(batches))
         assert len(results) == 4

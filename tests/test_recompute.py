@@ -19,6 +19,7 @@ from rpcompile.capture.batch import bind_batch, split_batch
 from rpcompile.capture.dropout import record_masks
 from rpcompile.compiler import runtime_schedule
 from rpcompile.ir import UnitProfile
+from rpcompile.options import PlanOptions, TrainOptions
 from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
 from rpcompile.passes.memory import worker_peaks
 from rpcompile.passes.split import split, unit_segments
@@ -48,7 +49,8 @@ def _cut(compiled, recompute: str, forward=(0, 3), backward=(0, 3)):
                       c.microbatches, c.plan.microbatch_size, c.plan.seq_len, c.rounds, costing)
     c.plan = replace(plan, memory_waits=c.plan.memory_waits)
     c.stages = split(c.capture, c.plan)
-    c.schedule = runtime_schedule(c.plan, c.workers, c.microbatches, c.rounds, "sync")
+    c.schedule = runtime_schedule(c.plan, PlanOptions(gpus=c.workers, microbatches=c.microbatches,
+                                                      rounds=c.rounds, mode="sync"))
     c.memory = worker_peaks(c.schedule, c.plan)
     return c
 
@@ -57,7 +59,7 @@ def _step(model, batch, recompute: str, dropout: bool = False):
     """(loss, gradient per parameter read from an SGD(lr=1) step, recorded masks or None) of
     one step on 2 virtual workers."""
     compiled = rpcompile.compile(model, gpus=2, microbatches=3, example_inputs=batch,
-                                 optimizer=_sgd, device="virtual", chaos=1)
+                                 optimizer=_sgd, device="virtual", train=TrainOptions(chaos=1))
     _cut(compiled, recompute)
     backward = [s for s in compiled.stages if s.kind == "backward"]
     # B2: two layers, B3: the prefix and two layers (values shared by every layer cross
@@ -194,14 +196,15 @@ def test_the_planner_recomputes_by_layer_only_where_stage_recompute_does_not_fit
     # (two backward stages of three layers) does not fit; cut again by stage it needs a stage
     # per layer (a hop each), by layer it keeps three-layer stages and is faster.
     cap = None if capacity_gib is None else capacity_gib << 30
-    plan = partition(_units(), "rtx4090x8", 2, 3, optimizer="sync", capacity_bytes=cap,
-                     search=200, refine=0)
+    plan = partition(_units(), "rtx4090x8", PlanOptions(gpus=2, microbatches=3, mode="sync",
+                                                        capacity_bytes=cap), search=200, refine=0)
     backward = [s for s in plan.stages if s.kind == "backward"]
     if expect == "stage":
         assert all(s.recompute == "stage" for s in backward)
         assert not any(n.startswith("recompute:") for n in plan.notes)
-        forced = partition(_units(), "rtx4090x8", 2, 3, optimizer="sync", recompute="layer",
-                           search=200, refine=0)
+        forced = partition(_units(), "rtx4090x8", PlanOptions(gpus=2, microbatches=3, mode="sync",
+                                                              recompute="layer"), search=200,
+                           refine=0)
         assert any(s.recompute == "layer" for s in forced.stages)
         assert forced.predicted_step_ms > plan.predicted_step_ms  # one more forward
     else:
@@ -216,6 +219,6 @@ def test_the_option_reaches_the_plan_and_bad_values_are_refused():
         rpcompile.PlanOptions(recompute="layers")
     model = hf_model("qwen3", layers=2)
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
-                                 recompute="stage")
+                                 plan=PlanOptions(recompute="stage"))
     assert compiled.options.plan.recompute == "stage"
     assert all(s.recompute == "stage" for s in compiled.stages)

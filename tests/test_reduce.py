@@ -22,7 +22,9 @@ import torch
 
 import rpcompile
 from rpcompile.ir import ORDERED_STREAMS, ActionKind
+from rpcompile.options import PlanOptions, TrainOptions
 from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES
+from tests.option_groups import grouped
 from tests.test_distributed import _batches, _sgd, _share, _spawn
 from tests.tiny_models import hf_model
 
@@ -31,7 +33,7 @@ def _tied(ranks=None, **options):
     batch = _share(_batches()[0], 0, ranks or 1)
     return rpcompile.compile(hf_model("qwen3_tied"), gpus=2, microbatches=2,
                              example_inputs=batch, optimizer=_sgd, device="virtual",
-                             ranks=ranks, **options)
+                             **grouped(ranks=ranks, **options))
 
 
 def _first_opts(sched):
@@ -136,8 +138,9 @@ def _protocol_case(rank: int, world: int, shard: bool) -> dict:
 
     batches = [_share(b, rank, world) for b in _batches()]
     compiled = rpcompile.compile(hf_model("qwen3_tied", seed=rank), gpus=2, microbatches=2,
-                                 example_inputs=batches[0], optimizer=_sgd,
-                                 device="virtual", chaos=rank + 1, shard_optimizer=shard)
+                                 example_inputs=batches[0], optimizer=_sgd, device="virtual",
+                                 plan=PlanOptions(shard_optimizer=shard),
+                                 train=TrainOptions(chaos=rank + 1))
     trainer = compiled.trainer()
     sched = trainer.schedule
     compiled.step(batches[0])  # step 0: its own schedule step, not logged
@@ -272,7 +275,8 @@ def _sim_plan():
     hw = replace(get_hardware("rtx4090x8").with_gpus(4), host_mem_gbps=1e6)
     units = MODELS["qwen3-1.7b"].units(2, 1024)
     units = units[:29] + units[-1:]
-    return partition(units, hw, 4, 5, 2, 1024, 1), hw
+    return partition(units, hw, PlanOptions(gpus=4, microbatches=5, rounds=1, mode="async"),
+                     microbatch_size=2, seq_len=1024), hw
 
 
 @functools.cache

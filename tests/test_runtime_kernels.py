@@ -7,6 +7,7 @@ accumulation is surfaced in the step's result."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -34,7 +35,9 @@ def batches(n: int) -> list[torch.Tensor]:
 
 
 def train(compiled, kernels: str, data, chaos=None):
-    with Trainer(compiled, ADAMW, device="virtual", kernels=kernels, chaos=chaos) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=ADAMW, device="virtual",
+                               kernels=kernels, chaos=chaos)) as trainer:
         losses = [trainer.step(b) for b in data]
         results = trainer.last
         masters = {n: t.clone() for n, t in trainer.masters().items()}
@@ -93,8 +96,10 @@ def test_host_side_of_a_cuda_run_never_runs_the_interpreter(tiny, monkeypatch):
     monkeypatch.setattr(memory, "cast_pack", spy)
     monkeypatch.setattr(trainer_module, "make_workers",
                         lambda n, *args, **kwargs: [_CudaKindWorker(i) for i in range(n)])
-    with Trainer(tiny, ADAMW, device="virtual", kernels="triton",
-                 host_memory="pageable") as trainer:
+    with Trainer(tiny,
+                 train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
+                               kernels="triton"),
+                 plan=replace(tiny.options.plan, host_memory="pageable")) as trainer:
         assert trainer.workers[0].kind == "cuda"
         trainer.step(batches(1)[0])
     assert backends and set(backends) == {"torch"}
@@ -113,7 +118,8 @@ def test_host_backend_rule():
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
 def test_nonfinite_gradients_are_reported(tiny, kernels):
-    with Trainer(tiny, ADAMW, device="virtual", kernels=kernels) as trainer:
+    with Trainer(tiny, train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
+                                     kernels=kernels)) as trainer:
         trainer.step(batches(1)[0])
         assert trainer.last.found_nonfinite is False and trainer.last.nonfinite_jobs == ()
         # An inf weight in the last norm makes every gradient behind it non-finite.
@@ -128,13 +134,16 @@ def test_nonfinite_gradients_are_reported(tiny, kernels):
 
 def test_unknown_kernel_backend_is_refused(tiny):
     with pytest.raises(ValueError, match="kernels must be one of"):
-        Trainer(tiny, ADAMW, device="virtual", kernels="cuda")
+        Trainer(tiny, train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
+                                    kernels="cuda"))
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_nonfinite_step_is_skipped_when_asked(tiny, mode):
     data = batches(3)
-    with Trainer(tiny, ADAMW, device="virtual", mode=mode, skip_nonfinite=True) as trainer:
+    with Trainer(tiny, train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
+                                     skip_nonfinite=True), plan=replace(tiny.options.plan,
+                                                                        mode=mode)) as trainer:
         trainer.step(data[0])
         before = {n: t.clone() for n, t in trainer.masters().items()}
         name = next(n for n in before if n.endswith("model.norm.weight"))
@@ -178,7 +187,8 @@ def test_loss_scaling_trains_like_reference_and_backs_off(tiny):
     data = batches(3)
     ref_losses, ref_params = reference_training(tiny, data[:2], ADAMW)
     config = LossScaleConfig(init_scale=2.0**10, growth_interval=2)
-    with Trainer(tiny, ADAMW, device="virtual", loss_scale=config, chaos=5) as trainer:
+    with Trainer(tiny, train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
+                                     loss_scale=config, chaos=5)) as trainer:
         losses = [trainer.step(b) for b in data[:2]]
         # A power-of-two scale, divided out again, changes no bit of the fp32 gradients.
         assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
@@ -203,8 +213,10 @@ def test_async_loss_scaling_trains_like_the_stale_reference_and_skips(tiny):
     data = batches(4)
     ref_losses, ref_params = reference_training(tiny, data[:2], ADAMW, mode="async")
     config = LossScaleConfig(init_scale=2.0**10, growth_interval=2)
-    with Trainer(tiny, ADAMW, device="virtual", mode="async", loss_scale=config,
-                 chaos=5) as trainer:
+    with Trainer(tiny,
+                 train=replace(tiny.options.train, optimizer=ADAMW, device="virtual",
+                               loss_scale=config, chaos=5),
+                 plan=replace(tiny.options.plan, mode="async")) as trainer:
         losses = [trainer.step(b) for b in data[:2]]
         assert all(torch.equal(a, b) for a, b in zip(losses, ref_losses))
         assert trainer.loss_scaler.scale == 2.0**11  # two clean steps: grown once

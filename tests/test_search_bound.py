@@ -16,6 +16,7 @@ import pytest
 
 from rpcompile.hardware import get_hardware
 from rpcompile.ir import UnitProfile
+from rpcompile.options import PlanOptions
 from rpcompile.passes.lower import BOUNDED_WAITS, TIGHTEST_WAITS
 from rpcompile.planner.bound import simulated_lower_bound
 from rpcompile.planner.partition import build_plan, partition
@@ -213,8 +214,8 @@ def test_partition_picks_the_simulators_argmin_of_its_candidates(mode: str) -> N
 
     search_module._best_simulated = recording
     try:
-        plan = partition(units, hw, 3, 4, optimizer=mode, refine=0, search=50,
-                         max_simulations=10_000)
+        plan = partition(units, hw, PlanOptions(gpus=3, microbatches=4, mode=mode,
+                                                max_simulations=10_000), refine=0, search=50)
     finally:
         search_module._best_simulated = real
     assert plan.memory_waits == BOUNDED_WAITS

@@ -14,7 +14,7 @@ import rpcompile.compiler as compiler_module
 from rpcompile.cli import _parser
 from rpcompile.hardware import get_hardware
 from rpcompile.ir import UnitProfile
-from rpcompile.options import PlanOptions
+from rpcompile.options import CaptureOptions, PlanOptions
 from rpcompile.planner.partition import (
     SEARCH_BUDGETS,
     TAIL_MEMORY_NOTE,
@@ -45,8 +45,8 @@ def test_a_search_limited_by_the_tails_memory_says_so():
     # GiB usable): the search notes that memory of the tail ruled candidates out. With a
     # 1 GiB tail every tail start fits and nothing of the tail limits the search.
     hw = get_hardware("rtx4090x8")
-    big = partition(_units(20 * GIB), hw, 3, 4, optimizer="sync")
-    small = partition(_units(GIB), hw, 3, 4, optimizer="sync")
+    big = partition(_units(20 * GIB), hw, PlanOptions(gpus=3, microbatches=4, mode="sync"))
+    small = partition(_units(GIB), hw, PlanOptions(gpus=3, microbatches=4, mode="sync"))
     assert TAIL_MEMORY_NOTE in big.notes and tail_memory_bound(big)
     assert TAIL_MEMORY_NOTE not in small.notes and not tail_memory_bound(small)
     assert [len(s.units) for s in big.stages if s.kind == "tail"] == [1]
@@ -109,7 +109,8 @@ def test_a_smaller_loss_chunk_is_searched_only_when_memory_could_change_the_plan
     assert "8-token chunks: not searched" in note, note
     # What the skipped search would have found: the 32-token chunks' plan, by its figure.
     eight = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
-                              example_inputs=batch, device="virtual", loss_chunk_tokens=8)
+                              example_inputs=batch, device="virtual",
+                              capture=CaptureOptions(loss_chunk_tokens=8))
     assert f"32-token chunks: {eight.plan.predicted_step_ms:.1f} ms" in note, note
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -114,7 +115,8 @@ def test_what_the_run_stages_is_the_plans_staging_figure(arch, gpus, microbatche
     run = simulate(compiled.schedule, compiled.plan, compiled.hardware)
     planned = host_memory(compiled.plan, "sync", run.peak_host_bytes).transfers
     assert compiled.host.transfers == planned > 0
-    with Trainer(compiled, SGD, device="virtual", chaos=3) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual",
+                                         chaos=3)) as trainer:
         pool = trainer.executor.staging
         held = []
         for k in range(4):
@@ -134,7 +136,8 @@ def test_training_with_reused_staging_equals_eager():
     compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=token_batch(6))
     data = [token_batch(6, seed=20 + k) for k in range(4)]
     eager_losses, eager_model = eager_training(model, data, 3, SGD)
-    with Trainer(compiled, SGD, device="virtual", chaos=7) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual",
+                                         chaos=7)) as trainer:
         # Every buffer given back is NaN until a download fills it again: a reader it was
         # given back too early for reads NaN whatever the threads' timing.
         trainer.executor.staging.poison = True
@@ -162,7 +165,9 @@ def test_a_failed_step_gives_back_what_it_staged(monkeypatch):
             raise RuntimeError("injected upload fault")
         return real(self, run, a)
 
-    with Trainer(compiled, SGD, device="virtual") as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=SGD,
+                               device="virtual")) as trainer:
         pool = trainer.executor.staging
         monkeypatch.setattr(Executor, "_do_H2D", broken)
         with pytest.raises(StepFailed, match="injected upload fault"):
@@ -195,7 +200,8 @@ def test_buffers_of_a_replaced_worker_are_never_lent_again(monkeypatch):
         return buf, views
 
     monkeypatch.setattr(HostStaging, "carve", carve)
-    with Trainer(compiled, SGD, device="virtual", timeout_s=1.0) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=SGD, device="virtual",
+                                         timeout_s=1.0)) as trainer:
         pool = trainer.executor.staging
         with pytest.raises(StepFailed):
             trainer.step(token_batch(6))
@@ -219,7 +225,9 @@ def test_shorter_batches_stage_in_the_buffers_of_the_planned_length():
     compiled = rpcompile.compile(hf_model("qwen3", layers=3), gpus=3, microbatches=3,
                                  example_inputs=token_batch(6, seq=32))
     lengths = [32, 24, 31, 16, 28, 20]
-    with Trainer(compiled, SGD, device="virtual") as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=SGD,
+                               device="virtual")) as trainer:
         pool = trainer.executor.staging
         pool.poison = True  # a shorter download reads only its own bytes of a longer buffer
         for k, seq in enumerate(lengths):
@@ -255,7 +263,9 @@ def test_no_download_stages_more_than_the_schedule_gives_it(arch, monkeypatch):
 
     monkeypatch.setattr(HostStaging, "carve", carve)
     monkeypatch.setattr(Executor, "_do_D2H", d2h)
-    with Trainer(compiled, SGD, device="virtual") as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=SGD,
+                               device="virtual")) as trainer:
         trainer.step(token_batch(6))
     downloads = sum(a.kind == "D2H" for lst in compiled.schedule.actions for a in lst
                     if a.step == 0)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,7 +32,9 @@ def _straight(compiled, data, mode):
     """The run without a fault, one step() at a time: the state after each step (masters,
     pending gradients, optimizer state; index k: after k steps), the losses and the masters
     at the end."""
-    with Trainer(compiled, ADAMW, device="virtual", mode=mode) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=ADAMW, device="virtual"),
+                 plan=replace(compiled.options.plan, mode=mode)) as trainer:
         states, losses = [_snapshot(trainer)], []
         for batch in data:
             losses.append(trainer.step(batch))
@@ -93,8 +96,9 @@ def test_a_fault_with_two_steps_in_flight_discards_both_and_the_retry_is_exact(
     timeout = 6.0 if where == "watchdog" else 60.0  # a loaded machine: steps take ~1 s
     expected = {"watchdog": StepTimeout, "interrupt": KeyboardInterrupt}.get(where, StepFailed)
     try:
-        with Trainer(qwen3, ADAMW, device="virtual", mode=mode, chaos=3,
-                     timeout_s=timeout) as trainer:
+        with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                          chaos=3, timeout_s=timeout),
+                     plan=replace(qwen3.options.plan, mode=mode)) as trainer:
             got = []
             with monkeypatch.context() as patch:
                 fired = _plant(patch, where, trainer, release)
@@ -133,7 +137,9 @@ def test_a_checkpoint_in_a_stream_is_of_a_committed_step_and_resumes_exactly(
     # trainer loaded from it trains on the rest as the stream itself goes on.
     data = batches(5, 6)
     path = tmp_path / "ckpt"
-    with Trainer(qwen3, ADAMW, device="virtual", mode="async", chaos=2) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual", chaos=2),
+                 plan=replace(qwen3.options.plan, mode="async")) as trainer:
         stream = trainer.fit(data)
         first = next(stream)
         trainer.save_checkpoint(path)
@@ -142,7 +148,8 @@ def test_a_checkpoint_in_a_stream_is_of_a_committed_step_and_resumes_exactly(
         rest = [first, *stream]
         assert [r.step for r in rest] == list(range(len(data)))
         masters = trainer.masters()
-    with Trainer(qwen3, ADAMW, device="virtual", mode="async") as resumed:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual"),
+                 plan=replace(qwen3.options.plan, mode="async")) as resumed:
         resumed.load_checkpoint(path)
         assert resumed.steps_done == taken
         again = list(resumed.fit(data[taken:]))
@@ -171,7 +178,8 @@ def test_a_slow_loop_gets_every_steps_result_in_order(qwen3):  # noqa: F811
     data = batches(4, 6)
     _states, losses, _masters = _straight(qwen3, data, "async")
     got = []
-    with Trainer(qwen3, ADAMW, device="virtual", mode="async") as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual"),
+                 plan=replace(qwen3.options.plan, mode="async")) as trainer:
         for result in trainer.fit(data):
             got.append(result)
             time.sleep(0.5)
@@ -188,7 +196,10 @@ def test_a_scheduler_given_to_fit_steps_as_in_a_step_loop(qwen3, mode):  # noqa:
     data = batches(4, 6)
 
     def run(stream):
-        with Trainer(qwen3, ADAMW, device="virtual", mode=mode, chaos=5) as trainer:
+        with Trainer(qwen3,
+                     train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
+                                   chaos=5),
+                     plan=replace(qwen3.options.plan, mode=mode)) as trainer:
             scheduler = torch.optim.lr_scheduler.LambdaLR(trainer.optimizer,
                                                           lambda k: 1.0 / (k + 1))
             if stream:
@@ -235,7 +246,9 @@ def test_an_interrupt_as_the_oldest_step_commits_stands_it_and_stops_the_next(
             self.committed = InterruptedAsItCommits()
 
     monkeypatch.setattr(StepState, "__init__", init)
-    with Trainer(qwen3, ADAMW, device="virtual", mode="async", chaos=3) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual", chaos=3),
+                 plan=replace(qwen3.options.plan, mode="async")) as trainer:
         stream = trainer.fit(data)
         first = next(stream)
         assert first.step == 0 and torch.equal(first.loss, losses[0])
@@ -259,7 +272,8 @@ def test_ending_a_stream_commits_the_steps_in_flight_and_takes_no_more(qwen3):  
             taken.append(batch)
             yield batch
 
-    with Trainer(qwen3, ADAMW, device="virtual", mode="async") as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual"),
+                 plan=replace(qwen3.options.plan, mode="async")) as trainer:
         stream = trainer.fit(source())
         results = [next(stream)]
         stream.end()

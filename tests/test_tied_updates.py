@@ -7,6 +7,8 @@ tied matrix once."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -48,8 +50,10 @@ def test_each_opt_is_charged_what_the_driver_updates_there(mode, monkeypatch):
 
     monkeypatch.setattr(OptimizerDriver, "update", spy_update)
     monkeypatch.setattr(OptimizerDriver, "_apply", spy_apply)
-    with Trainer(compiled, lambda p: torch.optim.AdamW(p, lr=1e-3), device="virtual",
-                 mode=mode) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train,
+                                         optimizer=lambda p: torch.optim.AdamW(p, lr=1e-3),
+                                         device="virtual"), plan=replace(compiled.options.plan,
+                                                                         mode=mode)) as trainer:
         assert trainer.driver.per_parameter  # groups by gradient stages, not one group
         for seed in range(2):  # async: step 0's OPTs have nothing pending yet
             seen.clear()

@@ -6,11 +6,13 @@ with padding and with packing, in sync and async mode, with chaos on."""
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 import rpcompile
+from rpcompile.options import CaptureOptions
 from rpcompile.passes.chunked_loss import linear_cross_entropy
 from rpcompile.runtime.trainer import Trainer
 from tests.test_packing import _packed_steps
@@ -71,12 +73,14 @@ def test_each_step_counts_the_tokens_eager_hf_predicts_right(data_kind, mode, ch
         data = [packed for packed, _ in _packed_steps(3)]
     data = [_rigged(model, b, seed) for seed, b in enumerate(data)]
     want, losses = _eager(copy.deepcopy(model), data, mode)
-    compiled = rpcompile.compile(model, gpus=2, microbatches=3, rounds=2,
-                                 example_inputs=data[0], loss_chunk_tokens=chunk)
+    compiled = rpcompile.compile(model, gpus=2, microbatches=3, rounds=2, example_inputs=data[0],
+                                 capture=CaptureOptions(loss_chunk_tokens=chunk))
     assert compiled.capture.loss_chunk_tokens == chunk
     labelled = [int((b["labels"][:, 1:] != -100).sum()) for b in data]
-    with Trainer(compiled, lambda p: torch.optim.SGD(p, lr=LR), device="virtual", mode=mode,
-                 chaos=5) as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train,
+                                         optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+                                         device="virtual", chaos=5),
+                 plan=replace(compiled.options.plan, mode=mode)) as trainer:
         results = list(trainer.fit(data))
     got = [r.correct_tokens for r in results]
     assert got == want, (got, want, labelled)
@@ -110,6 +114,8 @@ def test_a_loss_fn_model_has_no_token_count():
 
     compiled = rpcompile.compile(SkipNet(), gpus=2, microbatches=3, example_inputs=skipnet_batch(),
                                  loss_fn=torch.nn.functional.cross_entropy)
-    with Trainer(compiled, lambda p: torch.optim.SGD(p, lr=LR), device="virtual") as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train,
+                                         optimizer=lambda p: torch.optim.SGD(p, lr=LR),
+                                         device="virtual")) as trainer:
         trainer.step(skipnet_batch())
         assert trainer.last.correct_tokens is None

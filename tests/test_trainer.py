@@ -16,6 +16,7 @@ import torch
 
 import rpcompile
 from rpcompile import TrainOptions
+from rpcompile.options import CaptureOptions, PlanOptions
 from rpcompile.runtime.trainer import Trainer, plan_summary
 from tests.test_executor import ADAMW, SGD, assert_trains_like_reference, batches
 from tests.tiny_models import eager_grads, hf_model, sft_batch, token_batch
@@ -50,7 +51,9 @@ def test_training_matches_eager(arch, gpus, rounds):
                                  example_inputs=token_batch(size))
     data = batches(3, size)
     eager_losses, eager_model = eager_training(model, data, 3 * rounds, ADAMW)
-    with Trainer(compiled, ADAMW, device="virtual", chaos=1) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, optimizer=ADAMW, device="virtual",
+                               chaos=1)) as trainer:
         losses = [trainer.step(b) for b in data]
         masters = trainer.masters()
     for got, want in zip(losses, eager_losses):
@@ -63,7 +66,9 @@ def test_sync_to_model_writes_the_trained_weights(qwen3):
     model = qwen3.model
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     try:
-        with Trainer(qwen3, SGD, device="virtual") as trainer:
+        with Trainer(qwen3,
+                     train=replace(qwen3.options.train, optimizer=SGD,
+                                   device="virtual")) as trainer:
             trainer.step(token_batch(6))
             # Training leaves the user's module alone until asked.
             assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
@@ -81,7 +86,8 @@ def test_sync_to_model_writes_the_trained_weights(qwen3):
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_checkpoint_round_trip_continues_exactly(qwen3, mode):
     data = batches(4, 6)
-    with Trainer(qwen3, ADAMW, device="virtual", mode=mode) as first:
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual"),
+                 plan=replace(qwen3.options.plan, mode=mode)) as first:
         for b in data[:2]:
             first.step(b)
         state = first.state_dict()
@@ -89,7 +95,9 @@ def test_checkpoint_round_trip_continues_exactly(qwen3, mode):
         assert state["plan"] == plan_summary(qwen3)
         continued = [first.step(b) for b in data[2:]]
         masters = {n: t.clone() for n, t in first.masters().items()}
-    with Trainer(qwen3, ADAMW, device="virtual", mode=mode, chaos=3) as second:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual", chaos=3),
+                 plan=replace(qwen3.options.plan, mode=mode)) as second:
         second.load_state_dict(state)
         assert second.steps_done == 2
         resumed = [second.step(b) for b in data[2:]]
@@ -123,7 +131,9 @@ def test_bf16_model_trains_like_eager_mixed_precision():
     masters = {n: p.detach().float().clone() for n, p in eager.named_parameters()}
     optimizer = torch.optim.SGD(list(masters.values()), lr=0.1)
     data = batches(2, 6)
-    with Trainer(compiled, lambda p: torch.optim.SGD(p, lr=0.1), device="virtual") as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train,
+                                         optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+                                         device="virtual")) as trainer:
         for batch in data:
             loss = trainer.step(batch)
             with torch.no_grad():
@@ -141,19 +151,23 @@ def test_bf16_model_trains_like_eager_mixed_precision():
 
 def test_device_choice(qwen3):
     with pytest.raises(ValueError, match="mode"):
-        Trainer(qwen3, SGD, device="virtual", mode="lazy")
+        Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="virtual"),
+                plan=replace(qwen3.options.plan, mode="lazy"))
     if not torch.cuda.is_available():
         with pytest.warns(RuntimeWarning, match="virtual"):
-            trainer = Trainer(qwen3, SGD, device="auto")
+            trainer = Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD,
+                                                   device="auto"))
         with trainer:
             assert all(w.kind == "virtual" for w in trainer.workers)
         with pytest.raises(RuntimeError, match="virtual"):
-            Trainer(qwen3, SGD, device="cuda")
+            Trainer(qwen3, train=replace(qwen3.options.train, optimizer=SGD, device="cuda"))
 
 
 def test_loss_falls_on_a_repeated_batch(qwen3):
     batch = token_batch(6, seed=5)
-    with Trainer(qwen3, lambda p: torch.optim.AdamW(p, lr=3e-3), device="virtual") as trainer:
+    with Trainer(qwen3, train=replace(qwen3.options.train,
+                                      optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3),
+                                      device="virtual")) as trainer:
         losses = [trainer.step(batch).item() for _ in range(6)]
     assert losses[-1] < losses[0] - 0.1, losses
 
@@ -176,7 +190,9 @@ def test_lr_scheduler_on_the_trainers_optimizer(qwen3, mode):
             p.grad = grads[n]
         optimizer.step()
         scheduler.step()
-    with Trainer(qwen3, ADAMW, device="virtual", mode=mode, chaos=5) as trainer:
+    with Trainer(qwen3,
+                 train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual", chaos=5),
+                 plan=replace(qwen3.options.plan, mode=mode)) as trainer:
         trainer_scheduler = schedule(trainer.optimizer)
         for batch in data:
             trainer.step(batch)
@@ -196,7 +212,8 @@ def test_a_step_with_adapters_merged_into_the_shared_base_is_refused():
         r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
                                  device="virtual")
-    with Trainer(compiled, torch.optim.SGD, device="virtual") as trainer:
+    with Trainer(compiled, train=replace(compiled.options.train, optimizer=torch.optim.SGD,
+                                         device="virtual")) as trainer:
         trainer.step(token_batch(4, seed=1))
         trainer.sync_to_model()
         model.merge_adapter()
@@ -301,7 +318,8 @@ def test_state_dict_resumes_bit_identically():
 def test_memory_report_is_the_sum_of_what_is_kept():
     model = hf_model("qwen3_tied", layers=2).to(torch.bfloat16)
     with pytest.raises(ValueError, match="convert the model first"):
-        rpcompile.compile(hf_model("qwen3", layers=1), gpus=2, compute_dtype=torch.bfloat16)
+        rpcompile.compile(hf_model("qwen3", layers=1), gpus=2,
+                          capture=CaptureOptions(compute_dtype=torch.bfloat16))
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=token_batch(4),
                                  device="virtual", optimizer=_adamw())
     try:
@@ -360,7 +378,8 @@ def test_a_hand_built_trainer_clips_as_the_compile_asked():
     max_norm = free_norm / 4  # clipping changes this step a lot
     compiled = rpcompile.compile(model, gpus=2, microbatches=2, example_inputs=batch,
                                  optimizer=_sgd, max_grad_norm=max_norm, device="auto")
-    with Trainer(compiled, device="virtual", timeout_s=60) as trainer:
+    with Trainer(compiled,
+                 train=replace(compiled.options.train, device="virtual", timeout_s=60)) as trainer:
         assert trainer.options == replace(compiled.options.train, device="virtual",
                                           timeout_s=60)
         trainer.step(batch)
@@ -375,51 +394,54 @@ def test_a_hand_built_trainer_clips_as_the_compile_asked():
     assert moved > 1e-4  # the unclipped step is another one: the comparison can tell
 
 
-def test_the_trainer_keywords_override_the_compiled_options_one_by_one():
-    options = dict(device="virtual", chaos=7, capacity_bytes=1 << 40, kernels="torch",
-                   skip_nonfinite=True, loss_scale=True, max_grad_norm=2.0, timeout_s=90.0,
-                   host_ram_bytes=1 << 50, undo_journal=True, optimizer=_sgd,
-                   host_memory="pageable")
+def test_the_trainer_runs_the_compiles_groups_unless_given_its_own():
+    train = TrainOptions(device="virtual", chaos=7, kernels="torch", skip_nonfinite=True,
+                         loss_scale=True, max_grad_norm=2.0, timeout_s=90.0,
+                         host_ram_bytes=1 << 50, optimizer=_sgd)
     # Every training option but the process group is set away from its default here, so a
-    # keyword that resets the others would show.
-    assert set(options) == {f.name for f in fields(TrainOptions)} - {"process_group"}
-    assert all(getattr(TrainOptions(), k) != v for k, v in options.items()
-               if k != "undo_journal")
-    compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
-                                 example_inputs=token_batch(4), **options)
+    # Trainer that read the defaults instead of the compile's group would show.
+    default = TrainOptions()
+    assert {f.name for f in fields(TrainOptions) if getattr(train, f.name) !=
+            getattr(default, f.name)} == {f.name for f in fields(TrainOptions)} - {"process_group"}
+    plan = PlanOptions(gpus=2, microbatches=2, capacity_bytes=1 << 40, host_memory="pageable")
+    compiled = rpcompile.compile(hf_model("qwen3", layers=2), token_batch(4), plan=plan,
+                                 train=train)
 
     def adamw(params):
         return torch.optim.AdamW(params, lr=1e-3)
 
-    with Trainer(compiled, adamw, kernels="auto") as trainer:
-        assert trainer.options == replace(compiled.options.train, optimizer=adamw,
-                                          kernels="auto")
+    own = replace(compiled.options.train, optimizer=adamw, kernels="auto")
+    with Trainer(compiled, train=own) as trainer:
+        assert trainer.options == own and trainer.plan_options == compiled.options.plan
         assert trainer.loss_scaler is not None and trainer.timeout_s == 90.0
         assert trainer.executor.max_grad_norm == 2.0
-    with Trainer(compiled) as trainer:  # no keyword: the compile's options, as they are
+    with Trainer(compiled) as trainer:  # no group: the compile's, as they are
         assert trainer.options == compiled.options.train
-    # A keyword can still turn an option back to its default (None is a value here).
-    with Trainer(compiled, max_grad_norm=None, loss_scale=None, skip_nonfinite=False) as t:
+        assert trainer.plan_options == compiled.options.plan
+        assert trainer.workers[0].capacity_bytes == 1 << 40
+    # A group given turns an option back to its default (None is a value here).
+    with Trainer(compiled, train=replace(compiled.options.train, max_grad_norm=None,
+                                         loss_scale=None, skip_nonfinite=False)) as t:
         assert t.options.max_grad_norm is None and t.loss_scaler is None
-    # The merged options are checked like any other.
     with pytest.raises(ValueError, match="kernels must be one of"):
-        Trainer(compiled, kernels="cuda")
+        Trainer(compiled, train=replace(compiled.options.train, kernels="cuda"))
 
 
 @pytest.mark.parametrize("compiled_journal", [True, False])
-def test_the_undo_journal_keyword_is_applied_to_all_the_trainer_reads(compiled_journal):
+def test_the_undo_journal_option_is_applied_to_all_the_trainer_reads(compiled_journal):
     # undo_journal is a host-side choice: the schedule's actions do not depend on it (only
-    # the simulated OPT time and the host figure do), so a Trainer keyword that differs from
-    # the compile's is applied to everything the Trainer reads: its driver's rollback and
-    # its host figure; the compile's setting holds when the keyword is not given.
+    # the simulated OPT time and the host figure do), so a Trainer plan group whose setting
+    # differs from the compile's is applied to everything the Trainer reads: its driver's
+    # rollback and its host figure; the compile's setting holds when no group is given.
     compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
                                  example_inputs=token_batch(4), device="virtual",
-                                 undo_journal=compiled_journal)
+                                 plan=PlanOptions(undo_journal=compiled_journal))
     assert compiled.hardware.undo_journal is compiled_journal
     for keyword in ({}, {"undo_journal": not compiled_journal}):
         journal = keyword.get("undo_journal", compiled_journal)
-        with Trainer(compiled, _sgd, **keyword) as trainer:
-            assert trainer.options.undo_journal is journal
+        with Trainer(compiled, train=replace(compiled.options.train, optimizer=_sgd),
+                     plan=replace(compiled.options.plan, **keyword)) as trainer:
+            assert trainer.plan_options.undo_journal is journal
             assert trainer.driver.rollback is journal
             assert (trainer.host_memory.journal > 0) is journal
             assert trainer.schedule == compiled.schedule  # the same actions either way

@@ -48,6 +48,7 @@ import sys
 
 from rpcompile.cli.reports import PlanReport, QuantizedPlanReport
 from rpcompile.errors import InvalidInput
+from rpcompile.options import PlanOptions, TrainOptions
 from rpcompile.plan_policy import (
     TRIAL_SIMULATIONS,
     BatchChoice,
@@ -142,14 +143,15 @@ def _compile_plan(args: argparse.Namespace, hw, gpus: int, micro: int, batch: in
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", HostMemoryWarning)
             return rpcompile.compile(
-                model, gpus=gpus, microbatches=micro, hardware=hw, example_inputs=ids,
-                rounds=args.rounds, mode=args.optimizer, device="virtual",
-                recompute=args.recompute, shard_optimizer=args.shard_optimizer,
-                max_simulations=max_simulations, undo_journal=hw.undo_journal,
-                host_memory=hw.host_memory, progress=False if args.quiet else None,
-                plan_cache=plan_cache_option(args.plan_cache),
-                search_effort=args.search_effort,
-                host_ram_bytes=None if args.host_ram is None else host_ram(args.host_ram, hw)[0])
+                model, ids, gpus=gpus, microbatches=micro, hardware=hw, rounds=args.rounds,
+                mode=args.optimizer, device="virtual", search_effort=args.search_effort,
+                plan=PlanOptions(recompute=args.recompute, shard_optimizer=args.shard_optimizer,
+                                 max_simulations=max_simulations, undo_journal=hw.undo_journal,
+                                 host_memory=hw.host_memory,
+                                 progress=False if args.quiet else None,
+                                 plan_cache=plan_cache_option(args.plan_cache)),
+                train=TrainOptions(host_ram_bytes=None if args.host_ram is None
+                                   else host_ram(args.host_ram, hw)[0]))
 
     choice = None
     if args.batch is None and args.schedule == "roundpipe":
@@ -194,8 +196,8 @@ def _simulate_plan(args: argparse.Namespace, compiled, hw, gpus: int, micro: int
         lowered = compiled.schedule
         history = tuple(r for r in compiled.history if r.name in LOWERING_PASSES)
         whole = simulate(lowered, plan, hw)
-        sim = simulate(runtime_schedule(plan, replace(compiled.options.plan, schedule_steps=1),
-                                        updates=plan.updates), plan, hw)
+        sim = simulate(runtime_schedule(plan, replace(compiled.options.plan, schedule_steps=1,
+                                                      updates=plan.updates)), plan, hw)
         return sim, whole, lowered, history
     chunks = 2 if args.schedule in ("interleaved", "looped-bfs") else 1
     sim = simulate_pipeline(
@@ -355,7 +357,6 @@ def _plan_quantized(args: argparse.Namespace, hw) -> QuantizedPlanReport:
     simulator and proven; what ``benchmarks/qlora.py`` measures for one model and base."""
     from dataclasses import replace
 
-    from rpcompile.options import PlanOptions
     from rpcompile.passes.memory import host_memory, host_ram_problem, worker_peaks
     from rpcompile.planner import longest
     from rpcompile.planner.partition import partition

@@ -25,6 +25,7 @@ from rpcompile.finetune.config import (
 from rpcompile.finetune.data import _check_rows
 from rpcompile.finetune.metrics import _evaluate, _Log, _predicted_step_seconds, _write_report
 from rpcompile.finetune.model import _dtype_name, _torch_dtype, add_lora, load_model, model_folder
+from rpcompile.options import PlanOptions, TrainOptions
 
 
 def lr_lambda(kind: str, warmup: int, total: int):
@@ -201,17 +202,17 @@ class _Job:
                   "search)", file=sys.stderr)
         began = time.perf_counter()
         self.compiled = compiled = rpcompile.compile(
-            model, gpus=workers, microbatches=micro, rounds=opts["rounds"],
-            example_inputs=example, device=device, mode=opts["mode"], chaos=opts["chaos"],
-            kernels=opts["kernels"], recompute=opts["recompute"],
-            loss_scale=True if dtype == torch.float16 else None,
+            model, example, gpus=workers, microbatches=micro, rounds=opts["rounds"],
+            device=device, mode=opts["mode"], search_effort=opts["search_effort"],
             optimizer=lambda p: torch.optim.AdamW(p, lr=lr, weight_decay=opts["weight_decay"],
                                                   fused=True),
             max_grad_norm=opts["max_grad_norm"] or None,
-            shard_optimizer=opts["shard_optimizer"], undo_journal=opts["undo_journal"],
-            host_memory=opts["host_memory"], search_effort=opts["search_effort"],
-            plan_cache=plan_cache_option(opts["plan_cache"]),
-            progress=False if opts["quiet"] else None,
+            plan=PlanOptions(recompute=opts["recompute"], shard_optimizer=opts["shard_optimizer"],
+                             undo_journal=opts["undo_journal"], host_memory=opts["host_memory"],
+                             plan_cache=plan_cache_option(opts["plan_cache"]),
+                             progress=False if opts["quiet"] else None),
+            train=TrainOptions(chaos=opts["chaos"], kernels=opts["kernels"],
+                               loss_scale=True if dtype == torch.float16 else None),
         )
         if packed and not masks_documents(compiled.capture):
             compiled.close()

@@ -62,7 +62,7 @@ from dataclasses import dataclass, replace
 from rpcompile.errors import InvalidInput, InvalidType
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
-from rpcompile.options import PlanOptions, entry_plan_options
+from rpcompile.options import PlanOptions
 from rpcompile.passes.memory import HostMemory, format_bytes, host_memory, worker_peaks
 from rpcompile.passes.schedule import dispatch_period
 from rpcompile.planner.partition import (
@@ -162,28 +162,23 @@ def host_need(plan: Plan, hardware: Hardware | str, rounds: int = 1,
 def longest_sequence(
     units_at: Callable[[int], Sequence[UnitProfile]],
     hardware: Hardware | str,
-    workers: int | None = None,
-    microbatches: int | None = None,
-    microbatch_size: int = 1,
-    rounds: int | None = None,
+    options: PlanOptions,
     *,
+    microbatch_size: int = 1,
     costing: StageCosting | None = None,
-    optimizer: str | None = None,
     start: int = 2048,
     step: int = 1024,
     limit: int = 1 << 20,
-    capacity_bytes: int | None = None,
     host_ram_bytes: int = 0,
     host_ram_source: str = "host_ram_bytes",
-    options: PlanOptions | None = None,
 ) -> LongestSequence:
     """The longest sequence (between ``start`` and ``limit``, found to within ``step`` tokens) at which
-    the memory-first plan (:func:`memory_first_plan`) for ``workers`` GPUs, ``microbatches``
-    microbatches of ``microbatch_size`` sequences and ``rounds`` rounds has a whole lowered
-    schedule whose proven peak fits ``capacity_bytes`` (default: the hardware's usable
-    memory) and whose host memory (:func:`host_need`) fits ``host_ram_bytes`` (0: not
-    checked; ``host_ram_source`` says where the figure came from). ``optimizer``: the
-    update mode the schedule is lowered for.
+    the memory-first plan (:func:`memory_first_plan`) for the options' workers and
+    microbatches (of ``microbatch_size`` sequences) and rounds has a whole lowered schedule,
+    in the options' mode, whose proven peak fits ``capacity_bytes`` (default: the
+    hardware's usable memory) and whose host memory (:func:`host_need`) fits
+    ``host_ram_bytes`` (0: not checked; ``host_ram_source`` says where the figure came
+    from).
 
     The GPUs are searched first, one proof per trial length. At the longest length they
     allow, the schedule is replayed once for its host memory; when that exceeds the RAM, the
@@ -192,20 +187,14 @@ def longest_sequence(
     answer says so), then the lengths below are bisected with both checks. The result keeps
     the GPUs' own answer (``gpu``) when the RAM binds.
 
-    The plan options it reads (the workers, microbatches per round, rounds and the update
-    mode) come as the group, ``options=PlanOptions(...)`` (``gpus``, ``microbatches``,
-    ``rounds``, ``mode``; what ``rpcompile plan`` passes: its compile's), or as the loose
-    keywords ``workers`` and ``microbatches`` (then required), ``rounds`` (default 1) and
-    ``optimizer`` (default ``"async"``), which build the group
-    (:func:`~rpcompile.options.entry_plan_options`: each checked by the group's rule, under
-    this function's name for it; given the group, any of them given too is refused)."""
-    if options is None and (workers is None or microbatches is None):
-        raise InvalidType("longest_sequence() needs workers and microbatches, or "
-                        "options=PlanOptions(...)")
-    po = entry_plan_options(options, "longest_sequence",
-                            names={"gpus": "workers", "mode": "optimizer"},
-                            defaults={"mode": "async"}, gpus=workers, microbatches=microbatches,
-                            rounds=rounds, mode=optimizer)
+    ``options``: the :class:`~rpcompile.options.PlanOptions` it plans for (``gpus``,
+    ``microbatches_per_round``, ``rounds``, ``mode``, ``capacity_bytes``; what ``rpcompile
+    plan`` passes: its compile's)."""
+    if not isinstance(options, PlanOptions):
+        raise InvalidType(f"longest_sequence()'s options must be an rpcompile.PlanOptions, "
+                          f"got {type(options).__name__}")
+    po = options
+    capacity_bytes = po.capacity_bytes
     workers, microbatches = po.gpus, po.microbatches_per_round
     rounds, optimizer = po.rounds, po.mode
     hw = get_hardware(hardware)

@@ -49,9 +49,9 @@ import torch
 from torch import fx
 
 from rpcompile.capture.batch import split_batch
-from rpcompile.errors import InvalidInput, InvalidType, StateError
+from rpcompile.errors import InvalidInput, StateError
 from rpcompile.ir import Action, Schedule
-from rpcompile.options import TrainOptions, check_update_order, deferred_reasons
+from rpcompile.options import TrainOptions, deferred_reasons, update_order
 from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES, updates_deferred
 from rpcompile.passes.schedule import dispatch_period
 from rpcompile.runtime.actions import ACTION_OF, RUNTIME_ACTIONS, Actions, clip_grad_norm
@@ -91,8 +91,8 @@ class Executor(Actions):
     = ``StageInput.source``); ``driver`` runs the optimizer over the store. ``timeout_s`` bounds
     each step from the moment it is the oldest in flight (None: unbounded; failures never rely
     on it). ``options``: the run's :class:`~rpcompile.options.TrainOptions` (what the Trainer
-    passes), whose ``kernels``, ``skip_nonfinite`` and ``max_grad_norm`` the executor reads;
-    or those three as keywords, checked as a TrainOptions like any others. ``kernels``: backend
+    passes; ``None``: the defaults), whose ``kernels``, ``skip_nonfinite`` and
+    ``max_grad_norm`` the executor reads. ``kernels``: backend
     of the gradient accumulation on the workers (``"auto"``: Triton on CUDA, the torch
     reference elsewhere; ``"torch"``; ``"triton"``, run by Triton's interpreter on CPU
     workers), see :mod:`rpcompile.runtime.kernels`. ``skip_nonfinite``: a step whose gradients
@@ -106,18 +106,10 @@ class Executor(Actions):
     def __init__(self, compiled: Compiled, workers: Sequence[Worker], schedule: Schedule,
                  store: HostStore, driver: OptimizerDriver, *,
                  options: TrainOptions | None = None,
-                 timeout_s: float | None = None, kernels: str | None = None,
-                 skip_nonfinite: bool | None = None,
+                 timeout_s: float | None = None,
                  loss_scaler: DynamicLossScaler | None = None,
-                 max_grad_norm: float | None = None,
                  reducer: DataParallel | None = None) -> None:
-        loose = {k: v for k, v in dict(kernels=kernels, skip_nonfinite=skip_nonfinite,
-                                       max_grad_norm=max_grad_norm).items() if v is not None}
-        if options is None:
-            options = TrainOptions(**loose)
-        elif loose:
-            raise InvalidType(f"Executor takes options=TrainOptions(...) or the keywords "
-                            f"{', '.join(sorted(loose))}, not both: set them in the options")
+        options = TrainOptions() if options is None else options
         self.options = options
         kernels, skip_nonfinite = options.kernels, options.skip_nonfinite
         max_grad_norm = options.max_grad_norm
@@ -131,7 +123,7 @@ class Executor(Actions):
             # (rpcompile.passes.lower.optimizer._add_async_optimizer).
             driver.use_pending()
             store.add_shadow_pair()
-        check_update_order(
+        update_order(
             schedule.optimizer, "deferred" if self.deferred else "overlap",
             deferred_reasons(max_grad_norm=max_grad_norm, loss_scale=loss_scaler is not None,
                              skip_nonfinite=skip_nonfinite, data_parallel=reducer is not None),

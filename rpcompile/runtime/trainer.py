@@ -1,7 +1,8 @@
 """Training API: a :class:`Trainer` runs a compiled model's RoundPipe steps on workers.
 
-    compiled = rpcompile.compile(model, gpus=4, microbatches=5, example_inputs=batch)
-    trainer = Trainer(compiled, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True))
+    compiled = rpcompile.compile(model, batch, gpus=4, microbatches=5)
+    trainer = Trainer(compiled, train=TrainOptions(
+        optimizer=lambda p: torch.optim.AdamW(p, lr=1e-4, fused=True)))
     loss = trainer.step(batch)          # forward, backward, optimizer over the whole batch
     trainer.sync_to_model()             # trained weights back into the original module
 
@@ -21,8 +22,8 @@ import copy
 import math
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping
-from dataclasses import fields, replace
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,9 +34,9 @@ from rpcompile.options import (
     Options,
     PlanOptions,
     TrainOptions,
-    check_update_order,
     deferred_reasons,
     grad_check_passes,
+    update_order,
 )
 from rpcompile.passes.lower import (
     DEFAULT_CHUNK_BYTES,
@@ -52,6 +53,7 @@ from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import make_workers
 
 if TYPE_CHECKING:
+    from rpcompile.compiler import Compiled
     from rpcompile.runtime.stream import StepStream
 
 __all__ = ["StepFailed", "Trainer", "check_ranks", "default_timeout_s", "group_world", "plan_summary",
@@ -68,16 +70,6 @@ def _default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimize
 # profile, and a first step also compiles kernels and warms allocators.
 TIMEOUT_FLOOR_S = 300.0
 TIMEOUT_PREDICTION_FACTOR = 20.0
-
-
-def update_order(mode: str, train: TrainOptions) -> str:
-    """The update order a run needs (rpcompile.passes.lower.add_optimizer): in sync mode
-    ``deferred`` when clipping, loss scaling, skipping non-finite steps or data parallel
-    (an update reads the gradients summed over every rank) must see the whole step's
-    gradients before any update, else ``overlap`` (updates run while later backward
-    jobs compute, undone if the step fails); async mode's one order is ``overlap`` (the
-    previous step's gradients, complete, applied at the start of the step)."""
-    return "deferred" if mode == "sync" and _deferred_reasons(train) else "overlap"
 
 
 def _deferred_reasons(train: TrainOptions) -> list[str]:
@@ -129,31 +121,13 @@ def planned_ranks(ranks: int | None, process_group: Any) -> int | None:
     return world
 
 
-def train_options_for(compiled: Any, optimizer: OptimizerFactory | None = None,
-                      keywords: Mapping[str, Any] | None = None) -> TrainOptions:
-    """The training options of a Trainer built from ``compiled`` with keywords: the compile's
-    own (``compiled.options.train``) with each keyword given (``optimizer`` when not
-    ``None``) in place of that option, checked again as a whole by :class:`TrainOptions`.
-    A keyword that TrainOptions does not have is refused with the ones it has."""
-    base = getattr(getattr(compiled, "options", None), "train", None) or TrainOptions()
-    changes = dict(keywords or {})
-    known = {f.name for f in fields(TrainOptions)}
-    unknown = sorted(set(changes) - known)
-    if unknown:
-        raise InvalidType(f"Trainer() got unknown keyword(s) {', '.join(unknown)}; the training "
-                        f"options are {', '.join(sorted(known))} (rpcompile.TrainOptions)")
-    if optimizer is not None:
-        changes["optimizer"] = optimizer
-    return replace(base, **changes) if changes else base
-
-
-def default_timeout_s(compiled: Any) -> float:
+def default_timeout_s(compiled: Compiled) -> float:
     """The step watchdog's default: ``max(300 s, 20 x the plan's predicted step time)``."""
     predicted = float(getattr(compiled.plan, "predicted_step_ms", 0.0) or 0.0) / 1e3
     return max(TIMEOUT_FLOOR_S, TIMEOUT_PREDICTION_FACTOR * predicted)
 
 
-def plan_summary(compiled: Any) -> dict[str, Any]:
+def plan_summary(compiled: Compiled) -> dict[str, Any]:
     """What a checkpoint records about the plan, and what must match to load it."""
     plan = compiled.plan
     return {
@@ -169,19 +143,14 @@ def plan_summary(compiled: Any) -> dict[str, Any]:
 class Trainer:
     """Trains ``compiled.model`` with RoundPipe on stateless workers (see the module doc).
 
-    ``options``: a whole :class:`~rpcompile.options.TrainOptions` (what
-    :func:`rpcompile.compile` passes), used as it is; or keywords (``optimizer``, ``device``,
-    ``chaos``, ``capacity_bytes``, ``kernels``, ``skip_nonfinite``, ``loss_scale``,
-    ``max_grad_norm``, ``timeout_s``, ``process_group``, ``host_ram_bytes``,
-    ``undo_journal``, ``host_memory``; each is described there), each of which **overrides that one option of
-    the compile's** (``compiled.options.train``): ``compile(model, max_grad_norm=1.0)`` then
-    ``Trainer(compiled, opt, device="virtual")`` clips, with ``opt``, on virtual workers
-    (:func:`train_options_for`). A keyword set to ``None`` gives that option its default
-    (``max_grad_norm``, ``loss_scale``: off; ``timeout_s``: the default watchdog, ``math.inf``
-    turns it off; ``host_ram_bytes``: this machine's RAM), except ``optimizer``, whose
-    ``None`` keeps the compile's; ``False`` turns a flag off. ``mode``, ``schedule_steps``,
-    ``chunk_bytes``, ``updates`` and ``shard_optimizer`` override the compiled plan's
-    :class:`~rpcompile.options.PlanOptions` the same way.
+    ``train``: the :class:`~rpcompile.options.TrainOptions` to run with, and ``plan``: the
+    :class:`~rpcompile.options.PlanOptions` the run's schedule is lowered for; each ``None``
+    takes the compile's (``compiled.options``). A group given is used as it is: build it
+    from the compile's to change one option, ``replace(compiled.options.train,
+    max_grad_norm=1.0)``. Of ``plan`` the run reads ``mode``, ``schedule_steps``,
+    ``chunk_bytes``, ``updates``, ``shard_optimizer``, ``capacity_bytes`` (each virtual
+    worker's memory), ``host_memory`` and ``undo_journal``; the plan's shape (workers,
+    microbatches, rounds) is the compiled model's.
 
     Kernel backends give the same bits. A step whose gradients hold an inf or NaN (the
     accumulation kernel's fused check) sets ``trainer.last.found_nonfinite``; with
@@ -194,9 +163,9 @@ class Trainer:
     stuck in an item are replaced.
     ``process_group``: train data parallel across the ranks of a gloo group: each rank steps
     on its own share of the global batch; losses, clipping and updates are those of the global
-    batch (:mod:`rpcompile.runtime.distributed`). ``shard_optimizer`` (a plan option, which
-    this keyword overrides like ``mode``): each rank keeps the
-    masters and optimizer state of its 1/N shard only; :meth:`masters` then refuses (use
+    batch (:mod:`rpcompile.runtime.distributed`). ``shard_optimizer`` (a plan option): each
+    rank keeps the masters and optimizer state of its 1/N shard only; :meth:`masters` then
+    refuses (use
     :meth:`owned_masters` or the collective :meth:`gather_masters`), and
     :meth:`sync_to_model`, :meth:`state_dict`, :meth:`save_checkpoint` and
     :meth:`load_checkpoint` are collectives: call them on every rank.
@@ -209,8 +178,8 @@ class Trainer:
     and :meth:`flush` applies the last step's. Either way a failed step changes nothing
     (docs/runtime.md, "the protocol"), thanks to the optimizer driver's undo journal.
 
-    ``undo_journal=False`` (a training option; like the others it overrides the compile's,
-    and the Trainer applies it to everything it reads: its driver's rollback and its host
+    ``undo_journal=False`` (a plan option; the Trainer applies it to everything it reads:
+    its driver's rollback and its host
     figure; the schedule's actions do not depend on it, only the plan's predicted OPT time
     does, which the watchdog's generous default absorbs) runs without that journal: no copy
     of the masters, optimizer state and trainable shadows (14 bytes per trainable parameter of
@@ -220,7 +189,7 @@ class Trainer:
     ``save_checkpoint``, ``sync_to_model``) with an error saying so, until
     :meth:`load_checkpoint` or :meth:`load_state_dict` restores a saved state.
 
-    ``host_memory="pageable"`` (like the others it overrides the compile's): on CUDA the
+    ``host_memory="pageable"`` (a plan option): on CUDA the
     host store's buffers and the workers' staging are left pageable
     (:func:`~rpcompile.runtime.memory.pin_host_memory` decides, ``trainer.pin_host`` says);
     the schedule is the same, only its predicted transfer times differ (compile() times
@@ -233,34 +202,16 @@ class Trainer:
     figure came from and what would fit, rather than meet the OOM killer or swap mid-run.
     """
 
-    def __init__(
-        self,
-        compiled: Any,
-        optimizer: OptimizerFactory | None = None,
-        *,
-        options: TrainOptions | None = None,
-        mode: str | None = None,
-        schedule_steps: int | None = None,
-        chunk_bytes: int | None = None,
-        updates: str | None = None,
-        shard_optimizer: bool | None = None,
-        **train: Any,
-    ) -> None:
-        # ``options`` (as compile() passes them: the whole group) or keywords, each of which
-        # overrides that option of the compile's own TrainOptions (the others stay as the
-        # compile was given them); ``mode``, ``schedule_steps``, ``chunk_bytes``, ``updates``
-        # and ``shard_optimizer`` override the compiled plan options.
-        if options is None:
-            options = train_options_for(compiled, optimizer, train)
-        elif optimizer is not None or train:
-            raise InvalidInput("pass the training options either as options=TrainOptions(...) "
-                             "or as keywords, not both")
-        overrides = {k: v for k, v in dict(mode=mode, schedule_steps=schedule_steps, updates=updates,
-                                           chunk_bytes=chunk_bytes,
-                                           shard_optimizer=shard_optimizer).items()
-                     if v is not None}
+    def __init__(self, compiled: Compiled, *, plan: PlanOptions | None = None,
+                 train: TrainOptions | None = None) -> None:
         base = getattr(compiled, "options", None) or Options()
-        plan_options = replace(base.plan, **overrides) if overrides else base.plan
+        options = base.train if train is None else train
+        plan_options = base.plan if plan is None else plan
+        for name, group, cls in (("train", options, TrainOptions),
+                                 ("plan", plan_options, PlanOptions)):
+            if not isinstance(group, cls):
+                raise InvalidType(f"Trainer's {name} must be an rpcompile.{cls.__name__}, got "
+                                  f"{type(group).__name__}")
         Options(plan=plan_options, train=options)  # the checks across groups
         self.options = options
         self.plan_options = plan_options
@@ -276,10 +227,7 @@ class Trainer:
             timeout_s = default_timeout_s(compiled)
         self.timeout_s: float | None = None if math.isinf(timeout_s) else float(timeout_s)
         self._closed = False
-        updates = plan_options.updates  # checked by PlanOptions
-        check_update_order(mode, updates, _deferred_reasons(options))
-        if updates is None:
-            updates = update_order(mode, options)
+        updates = update_order(mode, plan_options.updates, _deferred_reasons(options))
         world = group_world(options.process_group)
         check_ranks(plan_options.ranks, world)
         # The plan options this run's schedule is lowered for: the compile's, with this
@@ -295,12 +243,12 @@ class Trainer:
         self.host_memory = self._host_figure(compiled, mode, world,
                                              plan_options.shard_optimizer)
         self._check_host_ram()
-        self.workers = make_workers(compiled.workers, device, options.capacity_bytes,
-                                    options.chaos, host_memory=options.host_memory)
+        self.workers = make_workers(compiled.workers, device, plan_options.capacity_bytes,
+                                    options.chaos, host_memory=plan_options.host_memory)
         try:
             # Pinned on CUDA unless the run's host memory is pageable (one decision, the
             # one the CUDA workers' staging reads too).
-            self.pin_host = pin_host_memory(options.host_memory, self.workers[0].kind)
+            self.pin_host = pin_host_memory(plan_options.host_memory, self.workers[0].kind)
             self.store = self._build_store(compiled, pin=self.pin_host)
             self.store.kernels = host_backend(kernels, self.workers[0].kind)
             # PEFT layers that can merge their adapters into the base weights in place: the
@@ -315,7 +263,7 @@ class Trainer:
             # The undo journal (rollback) is what lets a failed step change nothing; without
             # it (undo_journal=False) a failure stops the trainer (_refuse).
             driver = OptimizerDriver(self.store, optimizer or _default_optimizer, mode=mode,
-                                     rollback=options.undo_journal)
+                                     rollback=plan_options.undo_journal)
             self.driver = driver
             if self.sharded:
                 driver.shadow_gather = self.dp.gather_shadows
@@ -331,7 +279,7 @@ class Trainer:
         self._peaks = [0] * len(self.workers)
 
     # -- construction ------------------------------------------------------------------------
-    def _lowered_schedule(self, compiled: Any, run: PlanOptions,
+    def _lowered_schedule(self, compiled: Compiled, run: PlanOptions,
                           check_passes: int = 0) -> Schedule:
         """``compiled.schedule`` when it is the one the plan options ``run`` lower (one
         schedule per compile), else one built from them
@@ -359,12 +307,12 @@ class Trainer:
         self._lowered_by = (plan, run)
         return runtime_schedule(plan, run)
 
-    def _host_figure(self, compiled: Any, mode: str, world: int, shard: bool) -> HostMemory:
+    def _host_figure(self, compiled: Compiled, mode: str, world: int, shard: bool) -> HostMemory:
         """The host bytes this trainer's run keeps: the plan's static buffers in this mode,
         with or without the undo journal, the transfer staging compile() simulated
         (``compiled.host``), at one rank's share when sharded."""
-        host = host_memory(compiled.plan, mode, journal=self.options.undo_journal,
-                           pageable=self.options.host_memory == "pageable")
+        host = host_memory(compiled.plan, mode, journal=self.plan_options.undo_journal,
+                           pageable=self.plan_options.host_memory == "pageable")
         kept = getattr(compiled, "host", None)
         if kept is not None:
             host = replace(host, transfers=kept.transfers)
@@ -382,7 +330,7 @@ class Trainer:
             raise HostMemoryError(f"the trainer refuses to build its host store: {problem}")
 
     @staticmethod
-    def _build_store(compiled: Any, pin: bool) -> HostStore:
+    def _build_store(compiled: Compiled, pin: bool) -> HostStore:
         model = compiled.model
         stage_params = [
             [(i.source, model.get_parameter(i.source)) for i in p.inputs if i.kind == "param"]
@@ -393,7 +341,7 @@ class Trainer:
         return HostStore.build(stage_params, compute_dtype=compiled.compute_dtype, pin=pin,
                                grad_stages=grad_stages, packed=compiled.capture.quantized)
 
-    def _data_parallel(self, compiled: Any, process_group: Any, shard: bool) -> Any:
+    def _data_parallel(self, compiled: Compiled, process_group: Any, shard: bool) -> Any:
         from rpcompile.runtime.distributed import DataParallel, resolve_group
 
         group = resolve_group(process_group)
@@ -541,7 +489,7 @@ class Trainer:
         """Without the undo journal, a failure that may have left an update half-applied
         stops the trainer: every later step and read of the masters raises, naming it, until
         a saved state is loaded (a no-op with the journal on: the failure was undone)."""
-        if self.options.undo_journal:
+        if self.plan_options.undo_journal:
             return
         first = (str(exc).splitlines() or [""])[0]
         if len(first) > 300:
@@ -949,7 +897,7 @@ class Trainer:
         self.close()
 
 
-def check_plan_shape(compiled: Any, batch: dict[str, torch.Tensor]) -> None:
+def check_plan_shape(compiled: Compiled, batch: dict[str, torch.Tensor]) -> None:
     """Refuse a batch whose microbatches would be larger than the plan's: its memory proof
     holds for the example batch's shape and anything smaller (fewer sequences per microbatch,
     shorter sequences), not for more."""

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from rpcompile.errors import InvalidInput
 from rpcompile.ir import Action, Edge, Plan, Schedule, Stage
-from rpcompile.options import check_option, check_update_order
+from rpcompile.options import check_option, update_order
 from rpcompile.passes.lower.common import _require_roundpipe, _stages, gradient_groups
 
 __all__ = [
@@ -65,7 +65,7 @@ def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                                                         sched.stage_units[y])]
                 for x in range(len(sched.stage_units))}
     if sched.optimizer == "async":
-        check_update_order("async", updates, ())  # async has one order: overlap
+        update_order("async", updates, ())  # async has one order: overlap
         return _add_async_optimizer(sched, plan, stages, covering)
     host: list[Action] = []
     edges = list(sched.edges)

@@ -98,52 +98,32 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     return manager.run(schedule)
 
 
-def runtime_schedule(plan: Plan, options: PlanOptions | int, microbatches: int | None = None,
-                     rounds: int | None = None, mode: str | None = None,
-                     chunk_bytes: int | None = None, *, steps: int | None = None,
-                     updates: str | None = None, ranks: int | None = None,
-                     trail: list | None = None, validate: bool | None = None) -> Schedule:
+def runtime_schedule(plan: Plan, options: PlanOptions, *, trail: list | None = None,
+                     validate: bool | None = None) -> Schedule:
     """The lowered schedule the runtime runs, for the plan options ``options``
     (:class:`~rpcompile.options.PlanOptions`: ``gpus`` workers, ``microbatches_per_round``,
-    ``rounds``, ``mode``, ``chunk_bytes``, ``schedule_steps``, ``ranks``, ``shard_optimizer``)
-    as :func:`rpcompile.compile` resolved them (``Compiled.options.plan``): the steps of
+    ``rounds``, ``mode``, ``chunk_bytes``, ``schedule_steps``, ``updates``, ``ranks``,
+    ``shard_optimizer``), as :func:`rpcompile.compile` resolved them
+    (``Compiled.options.plan``, the update order the run needs in ``updates``; ``None``:
+    :func:`lower`'s default, the plan's own): the steps of
     :func:`~rpcompile.passes.schedule.runtime_cycle` (``schedule_steps``, or the fewest: as
     many steps as an edge reaches back, then one dispatch period, which a run repeats
     (``Schedule.step_of``), then one more, the context of the last), marked ``sharded`` for
     sharded data parallel.
-    ``updates``: the sync update order the run needs, when the options leave it to the
-    training options (``PlanOptions.updates`` ``None``: the compile and the Trainer pass
-    the order their training options need; else :func:`lower`'s default, the plan's own).
 
     The one builder of it: :func:`rpcompile.compile` keeps it as ``Compiled.schedule``
     (passing ``trail``, a list the dispatch's and each lowering pass's records are appended
     to, and ``validate=True``); a Trainer given other options (mode, ``schedule_steps``,
     ``chunk_bytes``) builds its own with this. ``validate`` (default: ``RPCOMPILE_DEBUG=1``)
-    checks the dispatch and every lowering pass's schedule.
-
-    The loose form ``runtime_schedule(plan, workers, microbatches, rounds, mode,
-    chunk_bytes=None, steps=..., updates=..., ranks=...)`` (scripts, tests, benchmarks)
-    builds those options from its arguments, checked by PlanOptions like any others."""
-    if isinstance(options, PlanOptions):
-        loose = {k: v for k, v in dict(microbatches=microbatches, rounds=rounds, mode=mode,
-                                       chunk_bytes=chunk_bytes, steps=steps,
-                                       ranks=ranks).items() if v is not None}
-        if loose:
-            raise InvalidType(f"runtime_schedule takes PlanOptions or loose arguments, not both: "
-                            f"{', '.join(sorted(loose))} given beside the options; set them in "
-                            f"the PlanOptions (steps is schedule_steps)")
-    else:
-        if microbatches is None or rounds is None or mode is None:
-            raise InvalidType("runtime_schedule(plan, workers, microbatches, rounds, mode) needs "
-                            "all four, or runtime_schedule(plan, PlanOptions(...))")
-        options = PlanOptions(gpus=options, microbatches=microbatches, rounds=rounds,
-                              mode=mode, chunk_bytes=chunk_bytes or DEFAULT_CHUNK_BYTES,
-                              schedule_steps=steps, ranks=ranks)
+    checks the dispatch and every lowering pass's schedule."""
+    if not isinstance(options, PlanOptions):
+        raise InvalidType(f"runtime_schedule's options must be an rpcompile.PlanOptions, got "
+                          f"{type(options).__name__}")
     workers, rounds = options.gpus, options.rounds
     ranks = options.ranks or 1
     steps, repeat_from, repeat_until = runtime_cycle(plan.stages, workers, rounds,
                                                      options.schedule_steps)
-    updates = updates or options.updates
+    updates = options.updates
     validate = debug_checks() if validate is None else validate
     records: list = [] if trail is None else trail
     # The cycle is the dispatch's: every pass carries it, so each record's artifact is the
@@ -161,12 +141,11 @@ def runtime_schedule(plan: Plan, options: PlanOptions | int, microbatches: int |
     return lowered
 
 
-def runtime_peaks(plan: Plan, options: PlanOptions, *, updates: str | None = None,
-                  ) -> tuple[WorkerPeak, ...]:
+def runtime_peaks(plan: Plan, options: PlanOptions) -> tuple[WorkerPeak, ...]:
     """The proven peak of every worker over the runtime's schedule,
-    ``runtime_schedule(plan, options, updates=updates)``: over the steps a run executes
+    ``runtime_schedule(plan, options)``: over the steps a run executes
     (``Schedule.run_steps``), the period lowered after them their context
     (``worker_peaks(steps=)``), so the last repeated steps are proven as a long run, which
     repeats them, runs them: before the steps after them."""
-    sched = runtime_schedule(plan, options, updates=updates, validate=False)
+    sched = runtime_schedule(plan, options, validate=False)
     return worker_peaks(sched, plan, steps=sched.run_steps)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from rpcompile.errors import InvalidInput, InvalidType
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
-from rpcompile.options import PlanOptions, check_update_order, entry_plan_options
+from rpcompile.options import PlanOptions, update_order
 from rpcompile.passes.memory import format_bytes
 from rpcompile.planner.partition.common import _SEARCH_LOG, PartitionError, _SearchLog
 from rpcompile.planner.partition.memory_first import (
@@ -65,42 +65,29 @@ SEARCH_BUDGETS: dict[str, SearchBudget] = {
 def partition(
     units: Sequence[UnitProfile],
     hardware: Hardware | str,
-    workers: int | None = None,
-    microbatches: int | None = None,
+    options: PlanOptions,
+    *,
     microbatch_size: int = 1,
     seq_len: int = 1,
-    rounds: int | None = None,
     costing: StageCosting | None = None,
+    grad_check_passes: int = 0,
     max_tail_layers: int = 3,
     shortlist: int | None = None,
-    max_simulations: int | None = None,
-    optimizer: str | None = None,
     refine: int = 16,
     target_bubble: float = 0.01,
     search: int | None = None,
-    recompute: str | None = None,
-    capacity_bytes: int | None = None,
-    updates: str | None = None,
-    grad_check_passes: int = 0,
-    *,
-    options: PlanOptions | None = None,
 ) -> Plan:
     """The plan with the shortest predicted step for ``workers`` GPUs and ``microbatches``.
 
-    **Options.** The plan options come as the group, ``options=PlanOptions(...)`` (what
-    :func:`rpcompile.compile` passes: ``gpus`` are the workers, ``microbatches_per_round``,
-    ``rounds``, ``mode`` the optimizer, ``recompute``, ``updates``, ``max_simulations``,
-    ``search_effort``, ``progress``;
-    ``hardware`` is not read from it: the ``hardware`` argument is the profile the plan is
-    timed on, for ``compile`` its planning hardware), or, as scripts written before the group
-    do, as loose keywords: ``workers`` and ``microbatches`` (then required), ``rounds``
-    (default 1), ``optimizer`` (default ``"async"``), ``recompute``, ``updates`` and
-    ``max_simulations``, which build the group (:func:`~rpcompile.options.entry_plan_options`),
-    so each is checked once, by the group's rule, with its message under this function's
-    name for it. Given the group, any of them given too is refused. ``capacity_bytes`` (a
-    training option), ``grad_check_passes`` (from the training options), ``costing``,
-    ``microbatch_size``, ``seq_len`` and the search's tuning (``max_tail_layers``,
-    ``shortlist``, ``refine``, ``target_bubble``, ``search``) are keywords either way.
+    **Options.** ``options``: the :class:`~rpcompile.options.PlanOptions` the plan is made
+    for (what :func:`rpcompile.compile` passes): ``gpus`` are the workers,
+    ``microbatches_per_round``, ``rounds``, ``mode`` the optimizer, ``recompute``,
+    ``updates``, ``ranks``, ``capacity_bytes``, ``max_simulations``, ``search_effort``,
+    ``progress``; ``hardware`` is not read from it: the ``hardware`` argument is the profile
+    the plan is timed on, for ``compile`` its planning hardware. ``grad_check_passes`` (from
+    the training options), ``costing``, ``microbatch_size``, ``seq_len`` and the search's
+    tuning (``max_tail_layers``, ``shortlist``, ``refine``, ``target_bubble``, ``search``)
+    are keywords.
 
     The last unit is the tail (final norm, LM head, loss); the fused tail stage may also take
     up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are
@@ -136,29 +123,25 @@ def partition(
     the run applies and checks each step; every candidate is lowered and replayed that way,
     and the plan carries both (``Plan.updates``, ``Plan.grad_check_passes``), so its predicted
     step is of the schedule that runs. :func:`rpcompile.compile` passes the order and the
-    passes its training options need; ``updates=None`` picks as far as this function can
-    tell: ``"deferred"`` in sync mode for several ranks or a step check with passes
-    (clipping, loss scaling), else ``"overlap"``; the defaults are a run without clipping or
-    loss scaling. The update order is checked by the options' own rule
-    (:func:`~rpcompile.options.check_update_order`: async has one order).
+    passes its training options need; ``updates=None`` is decided by the options' one rule
+    (:func:`~rpcompile.options.update_order`) from what this function can tell: several
+    ranks or a step check with passes (clipping, loss scaling) need ``"deferred"`` in sync
+    mode.
     """
-    if options is None and (workers is None or microbatches is None):
-        raise InvalidType("partition() needs workers and microbatches, or "
-                        "options=PlanOptions(...)")
-    po = entry_plan_options(
-        options, "partition", names={"gpus": "workers", "mode": "optimizer"},
-        defaults={"mode": "async"}, gpus=workers, microbatches=microbatches, rounds=rounds,
-        mode=optimizer, recompute=recompute, updates=updates, max_simulations=max_simulations)
+    if not isinstance(options, PlanOptions):
+        raise InvalidType(f"partition()'s options must be an rpcompile.PlanOptions, got "
+                          f"{type(options).__name__}")
+    po = options
     if isinstance(grad_check_passes, bool) or not isinstance(grad_check_passes, int) \
             or grad_check_passes < 0:
         raise InvalidInput(f"grad_check_passes must be a whole number >= 0, got "
                          f"{grad_check_passes!r}")
     # The search below reads the group's values, checked when the group was built.
     workers, microbatches, rounds = po.gpus, po.microbatches_per_round, po.rounds
-    optimizer, recompute = po.mode, po.recompute
-    updates = po.updates or ("deferred" if optimizer == "sync" and (
-        grad_check_passes or (po.ranks or 1) > 1) else "overlap")
-    check_update_order(optimizer, updates, ())  # async has one order
+    optimizer, recompute, capacity_bytes = po.mode, po.recompute, po.capacity_bytes
+    updates = update_order(optimizer, po.updates, [why for why, on in (
+        ("the step's gradient check (clipping, loss scaling)", grad_check_passes > 0),
+        ("data parallel (ranks > 1)", (po.ranks or 1) > 1)) if on])
     budget = SEARCH_BUDGETS[po.search_effort]
     if po.max_simulations is not None:
         max_simulations = _ReplayCap(po.max_simulations)

@@ -7,11 +7,15 @@ import re
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rpcompile.errors import InvalidInput
 from rpcompile.runtime.checkpoint.format import CheckpointError
 from rpcompile.runtime.checkpoint.reading import read_manifest
+
+if TYPE_CHECKING:
+    from rpcompile.compiler import Compiled
+    from rpcompile.runtime.trainer import Trainer
 
 __all__ = [
     "CheckpointManager",
@@ -39,8 +43,8 @@ class CheckpointManager:
     def path_for(self, step: int) -> Path:
         return self.root / f"step-{int(step):08d}"
 
-    def save(self, compiled: Any, step: int, extra: Mapping[str, Any] | None = None, *,
-             per_rank: bool = False) -> Path:
+    def save(self, compiled: Compiled | Trainer, step: int,
+             extra: Mapping[str, Any] | None = None, *, per_rank: bool = False) -> Path:
         path = compiled.save_checkpoint(self.path_for(step), extra=extra,
                                         **({"per_rank": True} if per_rank else {}))
         dp = getattr(getattr(compiled, "_trainer", compiled), "dp", None)
