@@ -267,10 +267,11 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
         by_step: dict[int, list[Action]] = {}
         for (_, k), sh in shadows.items():
             by_step.setdefault(k, []).append(sh)
+        opts_of_step: dict[int, list[tuple[int, Action]]] = {}
+        for (y, ky), opt in opts.items():
+            opts_of_step.setdefault(ky, []).append((y, opt))
         for (x, k), sh in shadows.items():
-            for (y, ky), opt in opts.items():
-                if ky != k:
-                    continue
+            for y, opt in opts_of_step.get(k, ()):
                 if _overlap(sched.stage_units[x], sched.stage_units[y]):
                     need(opt, sh, f"the updated masters of stage {y}")
         for a in sched.all_actions():
