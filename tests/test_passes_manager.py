@@ -56,9 +56,9 @@ def test_a_replan_keeps_the_front_passes_and_records_its_own(monkeypatch):
     assert again.history[-1].artifact == again.schedule
 
 
-@pytest.mark.parametrize("debug", ["1", "0"])
-@pytest.mark.parametrize(("broken", "function", "edge"), [
-    ("events", "add_events", "weights"), ("transfers", "add_activation_transfers", "arrived")])
+@pytest.mark.parametrize(("debug", "broken", "function", "edge"), [
+    ("1", "events", "add_events", "weights"), ("0", "events", "add_events", "weights"),
+    ("0", "transfers", "add_activation_transfers", "arrived")])
 def test_a_broken_lowering_pass_is_named(monkeypatch, debug, broken, function, edge):
     # A lowering pass that loses some of its edges: the schedule's validation, always on,
     # names the pass, as a PassInvariantError and a ScheduleError (the grid); without debug
