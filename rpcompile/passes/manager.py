@@ -6,8 +6,7 @@ Each pass is a pure function artifact -> artifact. :func:`run_pass` times it, ap
 :class:`PassRecord` (name, time, artifact) to the history it is given (``Compiled.history``
 for a compile, so every intermediate artifact stays reachable), and checks the artifact's
 invariants: under ``RPCOMPILE_DEBUG=1`` always, otherwise only for a check marked
-``always`` (the lowering's schedule validation, which guards the runtime's correctness and
-has always run). A failing check raises :class:`PassInvariantError` naming the pass; a
+``always``. A failing check raises :class:`PassInvariantError` naming the pass; a
 schedule's check raises :class:`ScheduleInvariantError`, which is both that and a
 :class:`~rpcompile.ir.ScheduleError` (the marked step x worker grid).
 """

@@ -224,6 +224,10 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
     compute_at = {(a.kind, a.stage, a.microbatch, a.round, a.step): a
                   for a in stream if a.is_compute}
     evict = {(a.stage, a.round, a.step): a for a in stream if a.kind == "EVICT"}
+    first_of_job: dict[tuple[int, int | None, int], Action] = {}  # a job's first compute
+    for a in stream:
+        if a.is_compute:
+            first_of_job.setdefault((a.stage, a.round, a.step), a)
     d2h = {(a.stage, a.microbatch, a.round, a.step, a.value): a
            for a in lst if a.kind == "D2H" and a.what != "grad"}
     holds: list[tuple[int, int, str, int, int]] = []  # (first, last point, part, bytes, stage)
@@ -256,8 +260,7 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
             hold(starts(a), end if reader is None else 2 * pos[reader] + 1, "values", a.bytes,
                  a.stage)
         elif a.kind == "D2H" and a.what == "grad":
-            first = next(c for c in stream if c.is_compute and
-                         (c.stage, c.round, c.step) == (a.stage, a.round, a.step))
+            first = first_of_job[(a.stage, a.round, a.step)]
             hold(2 * pos[first] + 1, released(a), "grads", a.bytes, a.stage)
         if not a.is_compute:
             continue

@@ -28,24 +28,35 @@ _GRID_ROWS = 12  # rows either side of the marked cell shown in an error
 
 class _Order:
     """Answers 'does w finish before a starts?' for the one-hop rule above (O(log n) between
-    ordered streams, O(edges of the action) when a transfer lane is involved)."""
+    ordered streams, O(edges of the action) when a transfer lane is involved). Streams and
+    actions are numbered once, so the answers hash ints, not actions."""
 
     def __init__(self, sched: Schedule) -> None:
-        self.pos: dict[Action, tuple[tuple[int | None, str], int]] = {}
-        for q, lst in sched.queues().items():
+        queues = list(sched.queues().items())
+        self.ordered = [q[1] in ORDERED_STREAMS for q, _ in queues]
+        self.streams = len(queues)
+        # action -> (stream, place in it, number)
+        self.pos: dict[Action, tuple[int, int, int]] = {}
+        for q, (_key, lst) in enumerate(queues):
             for i, a in enumerate(lst):
-                self.pos[a] = (q, i)
-        pairs: dict[tuple, list[tuple[int, int]]] = {}
-        self.succ: dict[Action, set[Action]] = {}
-        self.pred: dict[Action, set[Action]] = {}
+                self.pos[a] = (q, i, len(self.pos))
+        self.count = len(self.pos)
+        self.edges: set[int] = set()  # src number * count + dst number
+        self.succ: dict[int, list[tuple[int, int]]] = {}  # number -> (stream, place) of dsts
+        self.pred: dict[int, list[tuple[int, int]]] = {}  # number -> (stream, place) of srcs
+        pairs: dict[int, list[tuple[int, int]]] = {}
+        pos, count, streams = self.pos, self.count, self.streams
         for e in sched.edges:
-            self.succ.setdefault(e.src, set()).add(e.dst)
-            self.pred.setdefault(e.dst, set()).add(e.src)
-            if e.src in self.pos and e.dst in self.pos:
-                (qs, i), (qd, j) = self.pos[e.src], self.pos[e.dst]
-                pairs.setdefault((qs, qd), []).append((j, i))
+            src, dst = pos.get(e.src), pos.get(e.dst)
+            if src is None or dst is None:  # not in the schedule: no order to give
+                continue
+            (qs, i, ns), (qd, j, nd) = src, dst
+            self.edges.add(ns * count + nd)
+            self.succ.setdefault(ns, []).append((qd, j))
+            self.pred.setdefault(nd, []).append((qs, i))
+            pairs.setdefault(qs * streams + qd, []).append((j, i))
         # per stream pair: destination indices ascending and the running max source index
-        self.table: dict[tuple, tuple[list[int], list[int]]] = {}
+        self.table: dict[int, tuple[list[int], list[int]]] = {}
         for key, items in pairs.items():
             items.sort()
             dst, best, m = [], [], -1
@@ -56,31 +67,23 @@ class _Order:
             self.table[key] = (dst, best)
 
     def before(self, w: Action, a: Action) -> bool:
-        (qw, i), (qa, j) = self.pos[w], self.pos[a]
-        if qw == qa and qw[1] in ORDERED_STREAMS:
+        (qw, i, nw), (qa, j, na) = self.pos[w], self.pos[a]
+        w_ordered, a_ordered = self.ordered[qw], self.ordered[qa]
+        if qw == qa and w_ordered:
             return i < j
-        if qw[1] not in ORDERED_STREAMS or qa[1] not in ORDERED_STREAMS:
-            # A transfer lane gives no order: the edge must leave w itself or reach a itself.
-            return self._direct(w, a) or (
-                qw[1] in ORDERED_STREAMS and self._edge_into(qw, i, a)) or (
-                qa[1] in ORDERED_STREAMS and self._edge_from(w, qa, j))
-        entry = self.table.get((qw, qa))
+        if not w_ordered or not a_ordered:
+            # A transfer lane gives no order: the edge must leave w itself or reach a itself;
+            # or, from an ordered stream, an edge into a from w's stream at or after w, or
+            # from w into a's ordered stream at or before a.
+            return nw * self.count + na in self.edges or (
+                w_ordered and any(q == qw and k >= i for q, k in self.pred.get(na, ()))) or (
+                a_ordered and any(q == qa and k <= j for q, k in self.succ.get(nw, ())))
+        entry = self.table.get(qw * self.streams + qa)
         if entry is None:
             return False
         dst, best = entry
         n = bisect.bisect_right(dst, j)
         return n > 0 and best[n - 1] >= i
-
-    def _direct(self, w: Action, a: Action) -> bool:
-        return a in self.succ.get(w, ())
-
-    def _edge_into(self, qw: tuple, i: int, a: Action) -> bool:
-        """An edge into ``a`` from ``qw`` at index >= i (qw ordered)."""
-        return any(self.pos[p][0] == qw and self.pos[p][1] >= i for p in self.pred.get(a, ()))
-
-    def _edge_from(self, w: Action, qa: tuple, j: int) -> bool:
-        """An edge from ``w`` into ``qa`` at index <= j (qa ordered)."""
-        return any(self.pos[d][0] == qa and self.pos[d][1] <= j for d in self.succ.get(w, ()))
 
 
 def _fail(sched: Schedule, pass_name: str, problem: str, mark: Action | None) -> ScheduleError:
@@ -267,10 +270,11 @@ def _check_ordering(sched: Schedule, pass_name: str) -> None:
         by_step: dict[int, list[Action]] = {}
         for (_, k), sh in shadows.items():
             by_step.setdefault(k, []).append(sh)
+        opts_of_step: dict[int, list[tuple[int, Action]]] = {}
+        for (y, ky), opt in opts.items():
+            opts_of_step.setdefault(ky, []).append((y, opt))
         for (x, k), sh in shadows.items():
-            for (y, ky), opt in opts.items():
-                if ky != k:
-                    continue
+            for y, opt in opts_of_step.get(k, ()):
                 if _overlap(sched.stage_units[x], sched.stage_units[y]):
                     need(opt, sh, f"the updated masters of stage {y}")
         for a in sched.all_actions():

@@ -125,14 +125,15 @@ def add_events(sched: Schedule) -> Schedule:
     for q, lst in sched.queues().items():
         for i, a in enumerate(lst):
             pos[a] = (q, i)
-    groups: dict[tuple, list[tuple[int, int, Edge]]] = {}
-    kept: list[Edge] = []
-    for e in sched.edges:
+    groups: dict[tuple, list[tuple[int, int, int]]] = {}
+    kept: list[int] = []  # places in sched.edges, which keeps its order
+    edges = sched.edges
+    for n, e in enumerate(edges):
         if e.kind == "landed" and e.src.step != e.dst.step:
             # Kept, and no reason to drop another edge: a run whose last step it points
             # from has no such wait (nothing comes after it in the schedule), so what it
             # implies must stand on its own edges.
-            kept.append(e)
+            kept.append(n)
             continue
         (qs, i), (qd, j) = pos[e.src], pos[e.dst]
         if qs == qd and i < j and qs[1] in ORDERED_STREAMS:
@@ -140,14 +141,13 @@ def add_events(sched: Schedule) -> Schedule:
         # On a lane an edge stands for its own action only: key the group by that action.
         src_key = qs if qs[1] in ORDERED_STREAMS else e.src
         dst_key = qd if qd[1] in ORDERED_STREAMS else e.dst
-        groups.setdefault((src_key, dst_key), []).append((j, -i, e))
+        groups.setdefault((src_key, dst_key), []).append((j, -i, n))
     for items in groups.values():
         items.sort(key=lambda t: (t[0], t[1]))
         best = -1  # latest source index among edges ending no later than this one
-        for _, neg_i, e in items:
+        for _, neg_i, n in items:
             if -neg_i > best:
-                kept.append(e)
+                kept.append(n)
                 best = -neg_i
-    order = {e: n for n, e in enumerate(sched.edges)}
-    kept.sort(key=order.__getitem__)
-    return sched.replace(edges=tuple(kept), passes=(*sched.passes, "events"))
+    kept.sort()
+    return sched.replace(edges=tuple(edges[n] for n in kept), passes=(*sched.passes, "events"))

@@ -4,10 +4,12 @@ built with it."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
+from dataclasses import replace
 
 from rpcompile.errors import InvalidInput, InvalidType
-from rpcompile.ir import BOUNDED_WAITS, Plan, Schedule, Stage
+from rpcompile.ir import BOUNDED_WAITS, Plan, Schedule, ScheduleError, Stage
 from rpcompile.options import DEFAULT_CHUNK_BYTES, PlanOptions
 from rpcompile.passes.invariants import check_dispatch
 from rpcompile.passes.lower.common import MEMORY_WAITS
@@ -53,9 +55,11 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     """Run the lowering passes (default: all of :data:`LOWERING_PASSES` for RoundPipe, or of
     :data:`DATA_PARALLEL_PASSES` when ``ranks`` > 1; only ``transfers`` and ``events`` for the
     weight-bound baselines) through a :class:`~rpcompile.passes.manager.PassManager`, the
-    compile's one pass mechanism, that validates the input (as pass ``dispatch``) and the
-    output of each pass when ``validate`` (whatever ``RPCOMPILE_DEBUG`` says; a broken
-    schedule raises :class:`~rpcompile.passes.manager.ScheduleInvariantError` naming the pass). ``updates`` is the sync update order
+    compile's one pass mechanism. With ``validate`` (whatever ``RPCOMPILE_DEBUG`` says) the
+    last schedule is validated, and under ``RPCOMPILE_DEBUG=1`` the input (as pass
+    ``dispatch``) and each pass's output too; a broken schedule raises
+    :class:`~rpcompile.passes.manager.ScheduleInvariantError` naming the first pass whose
+    schedule fails. ``updates`` is the sync update order
     (:func:`add_optimizer`; ``None``: ``deferred`` for data parallel, else the plan's own,
     ``Plan.updates``; a bare stage list, ``overlap``).
     ``ranks``: processes training data parallel (:func:`add_reductions`). The memory-bounding
@@ -87,15 +91,42 @@ def lower(schedule: Schedule, plan: Plan | Sequence[Stage], *,
     unknown = [p for p in passes if p not in table]
     if unknown:
         raise InvalidInput(f"unknown lowering passes {unknown}; known: {list(table)}")
-    if validate:
+    every = validate and debug_checks()
+    if every:
         check(schedule, "dispatch")
     # The compile's one pass mechanism (run_pass): each lowering pass recorded like the
-    # compile's, its schedule validated always when ``validate`` (it guards the runtime),
-    # a broken one raising ScheduleInvariantError (a PassInvariantError and a ScheduleError)
-    # naming the pass.
+    # compile's, a broken schedule raising ScheduleInvariantError (a PassInvariantError and
+    # a ScheduleError) naming the pass. Under RPCOMPILE_DEBUG=1 every pass's schedule is
+    # validated as it is made; otherwise the last one, the schedule that runs, is validated
+    # (_validate_last), and the others only to name the pass when it fails.
     manager = PassManager([(p, table[p]) for p in passes],
-                          check=check if validate else None, always=True)
-    return manager.run(schedule)
+                          check=check if every else None, always=True)
+    lowered, records = manager.run(schedule)
+    if validate and not every:
+        records = _validate_last(schedule, records)
+    return lowered, records
+
+
+def _validate_last(schedule: Schedule, records: tuple[PassRecord[Schedule], ...],
+                   ) -> tuple[PassRecord[Schedule], ...]:
+    """Validate the last schedule of ``records`` (``schedule``, the dispatch, when there is
+    none) and return the records with that check's time on the last. When it fails, the
+    dispatch and then each pass's schedule are validated in order, so the error names the
+    first pass whose schedule breaks an invariant, as checking after every pass would."""
+    last = records[-1] if records else None
+    t0 = time.perf_counter()
+    try:
+        check(schedule if last is None else last.artifact,
+              "dispatch" if last is None else last.name)
+    except ScheduleError:
+        check(schedule, "dispatch")
+        for r in records:
+            run_pass([], r.name, lambda r=r: r.artifact, lambda a, r=r: check(a, r.name),
+                     always=True)
+        raise
+    if last is None:
+        return records
+    return (*records[:-1], replace(last, check_ms=(time.perf_counter() - t0) * 1e3))
 
 
 def runtime_schedule(plan: Plan, options: PlanOptions, *, trail: list | None = None,
