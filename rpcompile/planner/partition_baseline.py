@@ -9,14 +9,14 @@ from its description and behaviour):
     and backward costs; the candidate budgets are W and every contiguous run of forward costs,
     or of backward costs, whose total lies in [W, 1.1 W];
   * for a budget T, the fused tail takes units from the last toward the first while its
-    backward cost stays within T; the forward side packs the units before the tail from the
-    last toward the first, the backward side packs them from the first toward the last, a
-    stage growing while its cost stays within T and its bytes within half of 60% of GPU
-    memory (forward stages count their weights, backward stages and the tail their weights
-    and gradients);
-  * the budget with the smallest max(forward stages + backward stages, G) x T wins (G =
-    workers; the smaller budget on a tie): with fewer jobs than workers a round still takes G
-    job slots, with more it takes one per job.
+    backward cost stays within T and its bytes within the stage limit (below); the forward
+    side packs the units before the tail from the last toward the first, the backward side
+    packs them from the first toward the last, a stage growing while its cost stays within T
+    and its bytes within half of 60% of the GPU's memory (forward stages count their weights,
+    backward stages and the tail their weights and gradients);
+  * the budget with the smallest max(jobs, G) x T wins, jobs being the forward stages plus
+    the backward stages with the tail (G = workers; the smaller budget on a tie): with fewer
+    jobs than workers a round still takes G job slots, with more it takes one per job.
 
 A forward job and a backward job thus last about the same: forward stages hold about three
 times the layers of backward stages. Packing the backward side from the first unit puts its
