@@ -201,8 +201,8 @@ def main() -> None:
               + f" (RoundPipe measured async/sync {ROUNDPIPE_ASYNC_OVER_SYNC[name]:.2f})",
               flush=True)
 
-    calib, _, _ = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1,
-                                         memory=args.host_memory)
+    calib = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1,
+                                   memory=args.host_memory)[0]
     print(f"calibration: RoundPipe partition on 1 RTX 4090, Qwen3-1.7B: {calib:,.0f} tokens/s "
           f"(paper: about {CALIBRATION_TOKENS_PER_S:,.0f})")
 

@@ -1,23 +1,31 @@
 """RoundPipe's own partitioner, kept as the baseline our partitioner is measured against.
 
-The rule (from the RoundPipe paper and library, re-implemented from its description):
+The rule (RoundPipe's ``ModelExecutePlan.auto`` for a fused forward-backward step, re-implemented
+from its description and behaviour):
 
-  * a side's unit costs are forward time (forward stages) or forward + backward time (the tail
-    and the backward stages: recompute + backward, or the tail's forward + loss + backward);
-  * W is the costliest single unit of the model on that side's cost (for the forward side
-    this includes the tail's forward, though the tail itself is cut on the backward side);
-    the candidate budgets T are W and every contiguous run's total cost in [W, 1.1 W];
-  * for a budget T, units are packed greedily from the last toward the first: a stage takes
-    units while its cost stays within T and its weights within half of 60% of GPU memory;
-  * the budget with the smallest max(number of stages, G) x T wins (G = workers): with fewer
-    stages than workers a round still takes G job slots, with more it takes one per stage.
+  * each unit has a forward cost (its forward time) and a backward cost (forward + backward
+    time: recompute + backward for a layer, forward + loss + backward for the tail);
+  * one budget T serves both sides. W is the costliest single figure among all units' forward
+    and backward costs; the candidate budgets are W and every contiguous run of forward costs,
+    or of backward costs, whose total lies in [W, 1.1 W];
+  * for a budget T, the fused tail takes units from the last toward the first while its
+    backward cost stays within T and its bytes within the stage limit (below); the forward
+    side packs the units before the tail from the last toward the first, the backward side
+    packs them from the first toward the last, a stage growing while its cost stays within T
+    and its bytes within half of 60% of the GPU's memory (forward stages count their weights,
+    backward stages and the tail their weights and gradients);
+  * the budget with the smallest max(jobs, G) x T wins, jobs being the forward stages plus
+    the backward stages with the tail (G = workers; the smaller budget on a tie): with fewer
+    jobs than workers a round still takes G job slots, with more it takes one per job.
 
-The backward side is cut first over all units; its first group (the model's last units) is the
-fused tail, and the forward side is cut over the units before it. Ties go to fewer stages, then
-to the smaller budget. Unlike :mod:`rpcompile.planner.partition`, nothing here sees transfer
-time or activation memory, which is the point of keeping it: it is the plan RoundPipe would
-make. The stage figures (bytes, memory, predicted step) come from the same ``build_plan`` as
-ours, so the two plans are compared like for like.
+A forward job and a backward job thus last about the same: forward stages hold about three
+times the layers of backward stages. Packing the backward side from the first unit puts its
+short remainder stage next to the tail. Where RoundPipe raises its memory limit with a warning
+for a unit that alone exceeds it, this refuses the plan. Unlike
+:mod:`rpcompile.planner.partition`, nothing here sees transfer time or activation memory,
+which is the point of keeping it: it is the plan RoundPipe would make. The stage figures
+(bytes, memory, predicted step) come from the same ``build_plan`` as ours, so the two plans
+are compared like for like.
 """
 
 from __future__ import annotations
@@ -31,60 +39,67 @@ from rpcompile.planner.partition import PartitionError, StageCosting, build_plan
 
 __all__ = ["WEIGHT_MEMORY_FRACTION", "candidate_budgets", "greedy_pack", "partition_roundpipe"]
 
-# A stage's weights may take half of 60% of the GPU's memory: two weight sets (the running job
-# and the prefetched next one) then fit in 60%, the rest is left to activations.
+# A stage's bytes may take half of 60% of the GPU's memory: two stages (the running job and
+# the prefetched next one) then fit in 60%, the rest is left to activations.
 WEIGHT_MEMORY_FRACTION = 0.6 / 2
 _SLACK = 1.1  # budgets are tried up to 10% above the costliest unit
 
 
-def candidate_budgets(costs: Sequence[float], costliest: float | None = None) -> list[float]:
-    """W and every contiguous run's total cost in [W, 1.1 W], sorted. W is ``costliest``, by
-    default the costliest unit of ``costs``."""
-    if not costs:
+def candidate_budgets(*sides: Sequence[float]) -> list[float]:
+    """W and every contiguous run's total cost in [W, 1.1 W], sorted, over one or more cost
+    lists (the forward and the backward costs of the same units). W is the costliest single
+    cost of all lists; a run never mixes lists."""
+    if not sides or not all(sides):
         raise InvalidInput("no units to partition")
-    w = max(costs) if costliest is None else costliest
+    w = max(max(costs) for costs in sides)
     out = {w}
-    for i in range(len(costs)):
-        total = 0.0
-        for c in costs[i:]:
-            total += c
-            if total > _SLACK * w:
-                break
-            if total >= w:
-                out.add(total)
+    for costs in sides:
+        for i in range(len(costs)):
+            total = 0.0
+            for c in costs[i:]:
+                total += c
+                if total > _SLACK * w:
+                    break
+                if total >= w:
+                    out.add(total)
     return sorted(out)
 
 
-def greedy_pack(costs: Sequence[float], weights: Sequence[int], budget: float,
-                weight_limit: float) -> list[int]:
-    """Start unit of each stage, in model order, packing from the last unit toward the first:
-    a stage grows while its cost stays <= ``budget`` and its weight bytes <= ``weight_limit``.
-    A unit over either limit on its own gets a stage to itself (callers reject that case)."""
-    starts: list[int] = []
-    cost, wsum = 0.0, 0
-    end = len(costs)
-    for u in range(len(costs) - 1, -1, -1):
-        if u < end - 1 and (cost + costs[u] > budget * (1 + 1e-12)
-                            or wsum + weights[u] > weight_limit):
-            starts.append(u + 1)
-            end, cost, wsum = u + 1, 0.0, 0
+def greedy_pack(costs: Sequence[float], sizes: Sequence[int], budget: float,
+                size_limit: float, from_last: bool = True) -> list[int]:
+    """Start unit of each stage, in model order. Units are taken from the last toward the
+    first (``from_last``) or from the first toward the last; a stage grows while its cost
+    stays <= ``budget`` and its bytes <= ``size_limit``. A unit over either limit on its own
+    gets a stage to itself (callers reject that case)."""
+    n = len(costs)
+    order = range(n - 1, -1, -1) if from_last else range(n)
+    groups: list[list[int]] = []
+    cost, size = 0.0, 0
+    for u in order:
+        if not groups or (cost + costs[u] > budget * (1 + 1e-12)
+                          or size + sizes[u] > size_limit):
+            groups.append([])
+            cost, size = 0.0, 0
+        groups[-1].append(u)
         cost += costs[u]
-        wsum += weights[u]
-    starts.append(0)
-    return sorted(starts)
+        size += sizes[u]
+    return sorted(min(g) for g in groups)
 
 
-def _best_pack(costs: Sequence[float], weights: Sequence[int], workers: int,
-               weight_limit: float, costliest: float) -> tuple[float, float, list[int]]:
-    """(objective, budget, stage starts) minimising max(stages, workers) x budget."""
-    best: tuple[float, int, float, list[int]] | None = None
-    for t in candidate_budgets(costs, costliest):
-        starts = greedy_pack(costs, weights, t, weight_limit)
-        key = (max(len(starts), workers) * t, len(starts), t, starts)
-        if best is None or key[:3] < best[:3]:
-            best = key
-    assert best is not None
-    return best[0], best[2], best[3]
+def _tail_start(back_cost: Sequence[float], back_size: Sequence[int], budget: float,
+                size_limit: float) -> int:
+    """First unit of the fused tail: the last unit, joined by the units before it while the
+    tail's backward cost stays within ``budget`` and its bytes within ``size_limit``. Unit 0
+    stays out, so the forward side keeps at least one unit."""
+    start = len(back_cost) - 1
+    cost, size = back_cost[start], back_size[start]
+    for u in range(start - 1, 0, -1):
+        if cost + back_cost[u] > budget * (1 + 1e-12) or size + back_size[u] > size_limit:
+            break
+        cost += back_cost[u]
+        size += back_size[u]
+        start = u
+    return start
 
 
 def partition_roundpipe(
@@ -99,8 +114,8 @@ def partition_roundpipe(
 ) -> Plan:
     """The plan RoundPipe's greedy partitioner makes, as a :class:`Plan` (same type as ours).
 
-    Raises :class:`~rpcompile.planner.partition.PartitionError` when one unit's weights alone
-    exceed half of 60% of the GPU's memory.
+    Raises :class:`~rpcompile.planner.partition.PartitionError` when one unit's weights and
+    gradients alone exceed half of 60% of the GPU's memory.
     """
     hw = get_hardware(hardware)
     costing = costing or StageCosting()
@@ -111,32 +126,33 @@ def partition_roundpipe(
     if workers < 1:
         raise InvalidInput(f"workers must be >= 1, got {workers}")
     limit = WEIGHT_MEMORY_FRACTION * hw.memory_bytes
-    weights = [u.params * costing.weight_dtype_bytes for u in units]
-    for u, wb in zip(units, weights):
-        if wb > limit:
+    # Gradients are kept in the shadow's precision on the worker, as RoundPipe keeps them.
+    fwd_size = [u.params * costing.weight_dtype_bytes for u in units]
+    back_size = [(u.params + u.trainable_params) * costing.weight_dtype_bytes for u in units]
+    for u, size in zip(units, back_size):
+        if size > limit:
             raise PartitionError(
-                f"unit {u.name!r} has {wb / 2**30:.2f} GiB of weights, over half of 60% of "
-                f"the GPU's {hw.memory_gib:g} GiB ({limit / 2**30:.2f} GiB): RoundPipe's rule "
-                "cannot place it; use a GPU with more memory or a lower-precision shadow"
+                f"unit {u.name!r} has {size / 2**30:.2f} GiB of weights and gradients, over "
+                f"half of 60% of the GPU's {hw.memory_gib:g} GiB ({limit / 2**30:.2f} GiB): "
+                "RoundPipe's rule cannot place it; use a GPU with more memory or a "
+                "lower-precision shadow"
             )
 
+    fwd_cost = [u.forward_ms for u in units]
     back_cost = [u.forward_ms + u.backward_ms for u in units]
-    back_obj, back_t, back_starts = _best_pack(back_cost, weights, workers, limit,
-                                               max(back_cost))
-    # The first group packed from the end is the fused tail. Keep at least one unit for the
-    # forward side (a tail that swallowed the whole model would leave no forward stage).
-    tail_start = max(back_starts[-1], 1)
-    back_starts = [s for s in back_starts[:-1] if s < tail_start] or [0]
-
-    fwd_cost = [u.forward_ms for u in units[:tail_start]]
-    # W stays the costliest unit of the whole model (the LM head, usually): a forward stage
-    # is cut to about the time of the forward of the unit that cannot be split.
-    fwd_obj, fwd_t, fwd_starts = _best_pack(fwd_cost, weights[:tail_start], workers, limit,
-                                            max(max(fwd_cost), max(u.forward_ms for u in units)))
+    best: tuple[float, float, int, list[int], list[int]] | None = None
+    for t in candidate_budgets(fwd_cost, back_cost):
+        tail = _tail_start(back_cost, back_size, t, limit)
+        fwd_starts = greedy_pack(fwd_cost[:tail], fwd_size[:tail], t, limit, from_last=True)
+        back_starts = greedy_pack(back_cost[:tail], back_size[:tail], t, limit, from_last=False)
+        objective = max(len(fwd_starts) + len(back_starts) + 1, workers) * t
+        if best is None or objective < best[0]:
+            best = (objective, t, tail, fwd_starts, back_starts)
+    assert best is not None
+    objective, t, tail, fwd_starts, back_starts = best
     notes = (
-        f"roundpipe greedy: forward budget {fwd_t:.2f} ms, {len(fwd_starts)} stages "
-        f"(objective {fwd_obj:.1f}); backward budget {back_t:.2f} ms, "
-        f"{len(back_starts) + 1} stages incl. tail (objective {back_obj:.1f})",
+        f"roundpipe greedy: budget {t:.2f} ms, {len(fwd_starts)} forward stages, "
+        f"{len(back_starts) + 1} backward stages incl. tail (objective {objective:.1f})",
     )
-    return build_plan(units, fwd_starts, back_starts, tail_start, hw, workers, microbatches,
+    return build_plan(units, fwd_starts, back_starts, tail, hw, workers, microbatches,
                       microbatch_size, seq_len, rounds, costing, notes=notes)
