@@ -17,7 +17,7 @@ _COLORS = {
     "F": "#4e79a7", "T": "#f28e2b", "B": "#59a14f", "EVICT": "#bab0ac", "UP": "#edc948",
     "H2D": "#76b7b2", "D2H": "#b07aa1", "ACC": "#9c755f", "OPT": "#e15759", "SHADOW": "#ff9da7",
     "REDUCE": "#8cd17d", "CHECK": "#d37295",
-}  # one per rpcompile.ir.ActionKind (tests/test_registry.py)
+}  # one per rpcompile.ir.ActionKind (tests/ir/test_registry.py)
 
 
 def draw_timeline(sched: Schedule, path: str,

@@ -1,4 +1,4 @@
-"""The chaos soak shared by tests/test_soak.py (a bounded one) and benchmarks/soak.py (a longer
+"""The chaos soak shared by tests/runtime/test_soak.py (a bounded one) and benchmarks/soak.py (a longer
 one): random architectures, worker counts 1-8, seeds, sync and async modes and chaos delays,
 with a fault injected into random steps (a compute, an upload, a download, the host's gradient
 accumulation, or the optimizer's own step()). After every run the masters must equal the
@@ -17,7 +17,7 @@ import torch
 import rpcompile
 from rpcompile.runtime.executor import StepFailed
 from rpcompile.runtime.trainer import Trainer
-from tests.test_executor import reference_training
+from tests.runtime.test_executor import reference_training
 from tests.tiny_models import hf_model, token_batch
 
 ARCHS = ("qwen3", "llama", "qwen3_tied")

@@ -1,4 +1,4 @@
-"""Child process of tests/test_checkpoint.py: trains a tiny model with a checkpoint every
+"""Child process of tests/runtime/test_checkpoint.py: trains a tiny model with a checkpoint every
 ``--every`` steps (CheckpointManager), logging each step's loss; ``--resume`` continues from
 the newest complete checkpoint. ``--kill-in-write N`` SIGKILLs itself in the middle of the
 checkpoint write at step N (the tensor file written, the manifest not yet); ``--kill-after N``

@@ -4,8 +4,8 @@ environment says otherwise.
 Under pytest-xdist (README's test command runs the suite on 2 worker processes) each worker
 computes on one intra-op thread, and so do the processes its tests start (OMP_NUM_THREADS=1,
 unless set already): two workers of torch's default 2 threads each on the 2-core CI machine
-spin against each other. Measured on the 2-core machine, tests/test_recompute.py and
-tests/test_chunked_loss.py in one process took 103 s on 2 threads and 58 s on 1 (87 s and
+spin against each other. Measured on the 2-core machine, tests/passes/test_recompute.py and
+tests/passes/test_chunked_loss.py in one process took 103 s on 2 threads and 58 s on 1 (87 s and
 53 s of user CPU). Every test that compares two runs makes both in the same process, or in
 processes that share this environment, so no test compares runs on different thread counts."""
 

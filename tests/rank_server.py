@@ -1,4 +1,4 @@
-"""Preloaded by the forkserver that starts tests/test_distributed.py's ranks (forked from it,
+"""Preloaded by the forkserver that starts tests/runtime/test_distributed.py's ranks (forked from it,
 not spawned): the imports (torch, transformers, rpcompile, the test module) and the first
 compile in a process (several times the cost of a later one: torch.export's shape and
 dispatch caches fill) are paid once for the session, not once per rank. The compile is of
@@ -16,7 +16,7 @@ import warnings
 import torch
 
 import rpcompile
-import tests.test_distributed  # noqa: F401  (the ranks' targets, unpickled by reference)
+import tests.runtime.test_distributed  # noqa: F401  (the ranks' targets, unpickled by reference)
 from tests.tiny_models import hf_model, sft_batch
 
 torch.set_num_threads(1)  # as every rank sets: no intra-op thread pool to fork with

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rpcompile.cli import main
-from tests.test_finetune import WORDS, _records, _tiny_checkpoint
+from tests.finetune.test_finetune import WORDS, _records, _tiny_checkpoint
 
 STEP_KEYS = ("loss", "lr", "grad_norm", "token_accuracy", "tokens_per_s", "step_seconds",
              "predicted_step_seconds")

@@ -18,8 +18,8 @@ import rpcompile
 import rpcompile.compiler as compiler_module
 from rpcompile.options import PlanOptions, TrainOptions
 from rpcompile.planner import cache as cache_module
+from tests.data.test_batches import _eager_training
 from tests.option_groups import grouped
-from tests.test_batches import _eager_training
 from tests.tiny_models import hf_model, sft_batch
 
 

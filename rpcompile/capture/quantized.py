@@ -109,7 +109,7 @@ def packed_record_bytes(tensors) -> int:
 # ---------------------------------------------------------------------------------------------
 # 2. The dequantize ops
 # ---------------------------------------------------------------------------------------------
-# Exactness (checked against bitsandbytes in tests/test_quantized.py): a double-quantized
+# Exactness (checked against bitsandbytes in tests/capture/test_quantized.py): a double-quantized
 # absmax is absmax_code[a] * absmax_scale[i // absmax_blocksize], then + absmax_offset, two
 # fp32 roundings as bitsandbytes' dequantize_blockwise followed by its separate add; weight
 # element j is code[nibble j] * absmax[j // blocksize] in fp32, rounded once to the compute

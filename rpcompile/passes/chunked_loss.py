@@ -50,7 +50,7 @@ TOKEN_HITS = "correct_tokens"
 
 
 # Bytes the kernel holds per chunk x vocabulary element, besides its inputs, saved values and
-# returned gradients (measured: tests/test_chunked_loss.py::
+# returned gradients (measured: tests/passes/test_chunked_loss.py::
 # test_the_kernels_measured_peak_is_what_the_cost_model_charges, live tensor storages, forward and
 # backward separately). The softmax runs in fp32 on the logits rounded to the working dtype, as
 # ``cross_entropy(logits.float())`` does: a chunk's fp32 logits (4 bytes), and while a narrower

@@ -334,7 +334,7 @@ class HostMemory:
     own, its trainable parameters in the compute dtype (its frozen ones are views of their
     shadows, ``HostStore.build(share_frozen=True)``; ``sync_to_model`` writes the trained
     masters into the trainable ones), and the step's undo ``journal``
-    (rpcompile.runtime.optim, ``rollback=True``; ``TrainOptions.undo_journal``, on by
+    (rpcompile.runtime.optim, ``rollback=True``; ``PlanOptions.undo_journal``, on by
     default): before an ``OPT`` the driver copies the masters and optimizer state it
     changes, and (sync) before a ``SHADOW`` the trainable shadows it overwrites, and keeps
     every copy until the step commits, so at a step's end it holds one more copy of them for
@@ -347,7 +347,7 @@ class HostMemory:
     lent again to later downloads it fits, so ``transfers`` is that rule replayed over the
     simulated step), all of exact size and registered with the driver (never rounded up, as
     torch's caching pinned allocator would). Not pinned: the
-    optimizer's state (torch's own tensors), the module and the journal. ``pageable`` (``TrainOptions.host_memory="pageable"``): the run pins nothing,
+    optimizer's state (torch's own tensors), the module and the journal. ``pageable`` (``PlanOptions.host_memory="pageable"``): the run pins nothing,
     neither the store nor the staging (rpcompile.runtime.memory.pin_host_memory), so
     :attr:`pinned` is 0; every other figure is the same, since the registered buffers are
     exact size either way. The transfers are timed at the bandwidth of the memory assumed
@@ -410,7 +410,7 @@ def host_memory(plan: Plan, optimizer: str = "async", peak_host_bytes: int | Non
     ``SimResult.peak_host_bytes``, whose part above the static buffers is the transfer
     staging (simulated with the same ``journal`` setting: ``Hardware.undo_journal``).
     ``journal``: whether the optimizer driver keeps its undo journal
-    (``TrainOptions.undo_journal``); without it the figure is less by exactly
+    (``PlanOptions.undo_journal``); without it the figure is less by exactly
     :attr:`HostMemory.journal`. ``pageable``: the run's host memory is pageable
     (``Hardware.host_memory``), so nothing of it is pinned (:attr:`HostMemory.pinned`)."""
     out = _static_host(plan.stages, plan.units, optimizer, optimizer_bytes_per_param, journal)

@@ -254,7 +254,7 @@ class PaperModel:
         else:
             # The chunked kernel (rpcompile/passes/chunked_loss.py) in bf16: one chunk's fp32
             # softmax buffer and the bf16 copy it is cast from or to, forward or backward, and a
-            # trainable head's fp32 gradient accumulator (measured: tests/test_chunked_loss.py).
+            # trainable head's fp32 gradient accumulator (measured: tests/passes/test_chunked_loss.py).
             chunk = min(itokens, loss_chunk_tokens)
             logits_bytes = chunk * self.vocab * chunk_element_bytes(_BF16_BYTES)
             if not lora:

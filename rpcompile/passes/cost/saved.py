@@ -180,7 +180,7 @@ def linear_ce_scratch_bytes(chunk, vocab, hidden, elem, weight_grad: bool):
 
     Per chunk x vocabulary element: ``chunked_loss.chunk_element_bytes`` (4 in fp32, 6 in bf16:
     the fp32 softmax buffer and the working-dtype copy cast to or from it), measured with the
-    live-storage meter of ``tests/test_chunked_loss.py``. Written ``8 - elem`` so the figure
+    live-storage meter of ``tests/passes/test_chunked_loss.py``. Written ``8 - elem`` so the figure
     stays a polynomial in the symbolic element size: exact for 2- and 4-byte floats, the dtypes
     the kernel runs in (over for 1-byte ones). With a trainable weight narrower than fp32 the
     backward also keeps a weight-sized fp32 accumulator (``2 * (4 - elem)`` bytes per weight

@@ -29,7 +29,7 @@ __all__ = [
 # A frozen quantized weight (rpcompile.capture.quantized.PackedWeight) travels packed; the worker
 # rebuilds it in the compute dtype. One program writes BLOCK consecutive weight elements, so a
 # weight is one launch whatever its size. The torch backend is the graph op's own
-# implementation (rpcompile.capture.quantized), which tests/test_quantized.py holds bit-identical
+# implementation (rpcompile.capture.quantized), which tests/capture/test_quantized.py holds bit-identical
 # to bitsandbytes.
 
 

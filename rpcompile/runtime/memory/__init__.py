@@ -16,7 +16,7 @@ the same time, uploads the other, which step k's SHADOW actions wrote.
 Each kind is ONE flat buffer, allocated at its exact size (no rounding), pinned on CUDA by
 registering the allocation with the driver (the caching pinned allocator would round each
 buffer up to a power of two), unless the run asked for pageable host memory
-(``TrainOptions.host_memory="pageable"``, :func:`pin_host_memory`): then the same exact-size
+(``PlanOptions.host_memory="pageable"``, :func:`pin_host_memory`): then the same exact-size
 buffers are left pageable, so the host bytes are the same either way. Parameters are laid out in the order they first appear when
 walking the stages in order, so a stage made of contiguous units is one contiguous range of the
 flat buffers and uploads as ONE copy; a stage whose parameters are not contiguous (a tied weight

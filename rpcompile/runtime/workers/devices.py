@@ -189,7 +189,7 @@ def make_workers(
     GPU count, so several workers may share one GPU); ``"virtual"`` makes CPU workers;
     ``"auto"`` picks CUDA when available and otherwise warns and falls back to virtual.
     ``host_memory``: whether CUDA workers stage their transfers in pinned or pageable host
-    memory (``TrainOptions.host_memory``; virtual workers copy the same either way)."""
+    memory (``PlanOptions.host_memory``; virtual workers copy the same either way)."""
     from rpcompile.runtime.memory import pin_host_memory
 
     pin_host_memory(host_memory, "virtual")  # a bad choice fails here, whatever the device

@@ -39,7 +39,7 @@ OPTIMIZER_BYTES_PER_PARAM = 28
 # bandwidth; before a SHADOW, it copies the shadows it overwrites that no SHADOW of the step
 # saved yet (read and written: 2 bytes per such byte, on top of the pass's 3). Neither is
 # charged when the run keeps no journal (``Hardware.undo_journal``, from
-# ``TrainOptions.undo_journal``).
+# ``PlanOptions.undo_journal``).
 JOURNAL_BYTES_PER_PARAM = 24
 SHADOW_JOURNAL_BYTES_PER_BYTE = 2
 # Host memory traffic of gloo's ring all-reduce, per byte of the reduced fp32 buffer and per
