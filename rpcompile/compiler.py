@@ -615,7 +615,6 @@ def compile(
     return compiled
 
 
-
 def _options(capture: CaptureOptions | None, plan: PlanOptions | None,
              train: TrainOptions | None, shortcuts: dict[str, Any],
              elsewhere: dict[str, Any]) -> Options:
@@ -649,7 +648,6 @@ def _options(capture: CaptureOptions | None, plan: PlanOptions | None,
         base = given if given is not None else cls()
         built[group] = replace(base, **mine) if mine else base
     return Options(**built)
-
 
 
 def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord],

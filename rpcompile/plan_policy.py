@@ -121,7 +121,6 @@ def default_batch(compiled, hw, ram_bytes: int, compile_at) -> BatchChoice:
     return choice
 
 
-
 def longest_sequence(compiled, hw, microbatch_size: int | None = None,
                      ram: tuple[int, str] = (0, "")):
     """The longest sequence for which some plan fits (rpcompile.planner.longest) with the
@@ -143,7 +142,6 @@ def longest_sequence(compiled, hw, microbatch_size: int | None = None,
         lambda s: unit_profiles(compiled.capture, compiled.unit_costs, b, s, hw, dtype_bytes),
         hw, microbatch_size=b, costing=costing, options=compiled.options.plan, start=start,
         step=min(64, start), limit=limit, host_ram_bytes=ram[0], host_ram_source=ram[1])
-
 
 
 @dataclass(frozen=True)

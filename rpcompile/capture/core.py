@@ -512,7 +512,6 @@ def _hint(d) -> int:
     return int(d.node.hint) if isinstance(d, torch.SymInt) else int(d)
 
 
-
 def _culprit_of(exc: BaseException) -> str | None:
     return getattr(exc, "rp_module", None)
 

@@ -77,7 +77,6 @@ __all__ = ["LongestSequence", "host_need", "longest_sequence", "memory_first_pla
            "proof_steps", "proven_peaks"]
 
 
-
 @dataclass(frozen=True)
 class LongestSequence:
     """``seq_len``: the longest length found to fit (0: not even ``start``), ``plan`` the

@@ -113,7 +113,6 @@ class Buffers:
         return self.values[name]
 
 
-
 class Holds:
     """Activations held on a worker between actions, accounted against its capacity once per
     storage (a tensor passed on from one value to the next is counted once)."""

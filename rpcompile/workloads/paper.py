@@ -377,7 +377,6 @@ ROUNDPIPE_QWEN3_1_7B_BUBBLES = {"sync": 19.07, "fill": 7.51, "drain": 7.51, "ste
                                 "async": 4.05}
 
 
-
 def hop_hardware(model: PaperModel, microbatch_tokens: int = _TABLE_TOKENS):
     """RTX 4090 x 8 as the paper's simulator sees it: links that move one activation D2H +
     H2D in the table's hop time, no DMA latency, host memory bandwidth not a limit."""

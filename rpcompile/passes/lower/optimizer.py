@@ -28,8 +28,6 @@ def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
 
-
-
 def add_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                   updates: str = "overlap") -> Schedule:
     """OPT per stage with gradients, SHADOW per stage whose parameters change, and their edges.

@@ -60,8 +60,6 @@ SEARCH_BUDGETS: dict[str, SearchBudget] = {
 }
 
 
-
-
 def partition(
     units: Sequence[UnitProfile],
     hardware: Hardware | str,

@@ -33,8 +33,6 @@ def _tail_at_peak(peaks: Sequence[WorkerPeak], capacity: int) -> bool:
                for p in peaks)
 
 
-
-
 # The sets of memory-bounding waits fit_memory_waits tries, in order: two gradient slots per
 # worker, then one (which can hold a gradient job's first compute behind the previous job's
 # whole download: 0.2 to 1.7 % of a paper workload's sync step). Every set bounds every hold,

@@ -132,8 +132,6 @@ def _check_units_fit(units, costing, limit) -> None:
             )
 
 
-
-
 def _stage_params(units, r: tuple[int, ...]) -> tuple[int, int]:
     """(all, trainable) parameter elements a stage holds: its units' own, plus parameters
     its units borrow from a unit outside the stage (tied weights), each counted once."""

@@ -182,8 +182,6 @@ def _views(
     return out
 
 
-
-
 def _byte_view(flat: torch.Tensor, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
     """``shape`` elements of ``dtype`` at byte ``offset`` of the uint8 buffer ``flat``."""
     size = torch.empty((), dtype=dtype).element_size()
