@@ -90,7 +90,7 @@ def test_pageable_on_a_profile_without_its_figures_is_refused_before_capture(mon
     def no_capture(*a, **k):
         raise AssertionError("captured before the profile was checked")
 
-    monkeypatch.setattr("rpcompile.compiler.capture_graph", no_capture)
+    monkeypatch.setattr("rpcompile.compiler.entry.capture_graph", no_capture)
     with pytest.raises(ValueError, match=r"'a800x8' profile.*pageable_h2d_gbps.*probe\(\)"):
         rpcompile.compile(hf_model("qwen3", layers=1), hardware="a800x8", device="virtual",
                           plan=PlanOptions(host_memory="pageable"))

@@ -1,15 +1,14 @@
-"""``rpcompile.compile``: run the whole flow and keep every artifact on the result.
-
-capture -> cost -> partition -> split -> dispatch -> lower; every artifact stays on ``Compiled``.
-"""
+"""The compiled model (:class:`Compiled`) and the planning it runs again for a new batch shape:
+each loss-chunk variant costed, partitioned, split and lowered (``_plan_captured``,
+``_plan_and_split``, ``_finish``); the models with a running trainer, closed at exit."""
 
 from __future__ import annotations
 
 import atexit
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -17,23 +16,41 @@ import torch
 from torch import nn
 
 from rpcompile.capture.batch import largest_microbatch
-from rpcompile.capture.core import Captured, is_causal_lm
-from rpcompile.capture.core import capture as capture_graph
+from rpcompile.capture.core import Captured
 from rpcompile.capture.tracing import (
-    fx_source_mark,
     release_fx_sources,
     release_shape_env_caches,
 )
-from rpcompile.errors import InvalidInput, InvalidType, RPCompileError, StateError
-from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.compiler.checks import check_host_memory, check_memory
+from rpcompile.compiler.chunks import (
+    _ONE_SLOT_NOTE,
+    AGAIN,
+    _choose_loss_chunk,
+    _fits,
+    _large_logits,
+    _loss_chunks,
+    _memory_limited,
+    _only_tail_smaller,
+    _SameSearch,
+    _Searched,
+)
+from rpcompile.compiler.profiles import _floating_dtype, unit_profiles
+from rpcompile.compiler.search import _head_text, _searched_plan, planning_hardware
+from rpcompile.compiler.shapes import (
+    _agreed_shape,
+    _batch_shape,
+    _data_parallel,
+    _notice,
+    _shape_of,
+    _shape_text,
+)
+from rpcompile.errors import InvalidInput, StateError
+from rpcompile.hardware import Hardware
 from rpcompile.ir import Plan, Schedule, UnitProfile
 from rpcompile.options import (
-    CaptureOptions,
     Options,
     PlanOptions,
-    TrainOptions,
     deferred_reasons,
-    grad_check_passes,
     update_order,
 )
 from rpcompile.passes.cost import UnitCost, annotate_costs
@@ -47,10 +64,6 @@ from rpcompile.passes.lower import TIGHTEST_WAITS, runtime_schedule
 from rpcompile.passes.manager import PassRecord, run_pass
 from rpcompile.passes.memory import (
     HostMemory,
-    HostMemoryWarning,
-    format_bytes,
-    host_memory,
-    host_ram_problem,
     worker_peaks,
 )
 from rpcompile.passes.split import StageProgram, split
@@ -58,15 +71,14 @@ from rpcompile.planner.partition import (
     PartitionError,
     StageCosting,
     memory_first_note,
-    partition,
     retimed,
     tail_memory_bound,
 )
 from rpcompile.runtime.reference import reference_step
-from rpcompile.runtime.trainer import planned_ranks
 
-__all__ = ["Compiled", "MemoryPlanError", "check_host_memory", "check_memory", "compile",
-           "runtime_schedule", "update_order"]
+__all__ = [
+    "Compiled",
+]
 
 
 @dataclass
@@ -506,152 +518,6 @@ class Compiled:
         )
 
 
-# The everyday options compile() also takes as keywords, by the group that holds each. A
-# shortcut's None means "not given" (each of these fields' own default is None or has a
-# None-free value), so a shortcut and the same field set in its group are told apart.
-SHORTCUTS: dict[str, str] = {
-    "gpus": "plan", "microbatches": "plan", "rounds": "plan", "hardware": "plan",
-    "mode": "plan", "search_effort": "plan", "optimizer": "train", "device": "train",
-    "process_group": "train",
-    "max_grad_norm": "train", "loss_fn": "capture",
-}
-_GROUPS: dict[str, type] = {"capture": CaptureOptions, "plan": PlanOptions,
-                            "train": TrainOptions}
-
-
-def compile(
-    model: nn.Module,
-    example_inputs: Any = None,
-    *,
-    capture: CaptureOptions | None = None,
-    plan: PlanOptions | None = None,
-    train: TrainOptions | None = None,
-    gpus: int | None = None,
-    microbatches: int | None = None,
-    rounds: int | None = None,
-    hardware: Hardware | str | None = None,
-    mode: str | None = None,
-    search_effort: str | None = None,
-    optimizer: Callable | None = None,
-    device: str | None = None,
-    process_group: Any = None,
-    max_grad_norm: float | None = None,
-    loss_fn: Callable | None = None,
-    **elsewhere: Any,
-) -> Compiled:
-    """Capture ``model``, cost it, cut it into RoundPipe stages and build the stage programs.
-
-    - ``example_inputs``: one global batch; the plan is made now, for its shape. A Hugging
-      Face causal LM may omit it: it is planned at the first batch it meets.
-    - ``capture``: :class:`~rpcompile.options.CaptureOptions` (how the model becomes a graph).
-    - ``plan``: :class:`~rpcompile.options.PlanOptions` (what the plan is made for).
-    - ``train``: :class:`~rpcompile.options.TrainOptions` (how the runtime runs it).
-    - ``gpus``: workers to plan for (``PlanOptions.gpus``, default 8).
-    - ``microbatches``: per round (``PlanOptions.microbatches``, default ``gpus + 1``).
-    - ``rounds``: rounds per step, gradient accumulation (``PlanOptions.rounds``).
-    - ``hardware``: a profile name or ``Hardware`` (``PlanOptions.hardware``).
-    - ``mode``: ``"sync"`` or ``"async"`` (``PlanOptions.mode``).
-    - ``search_effort``: ``"normal"``, ``"high"`` or ``"exhaustive"`` (``PlanOptions``).
-    - ``optimizer``: ``params -> torch.optim.Optimizer`` (``TrainOptions.optimizer``).
-    - ``device``: ``"auto"``, ``"cuda"`` or ``"virtual"`` (``TrainOptions.device``).
-    - ``process_group``: a gloo group to train data parallel over (``TrainOptions``).
-    - ``max_grad_norm``: clip by the global gradient norm (``TrainOptions.max_grad_norm``).
-    - ``loss_fn``: ``loss_fn(outputs, *inputs) -> scalar`` (``CaptureOptions.loss_fn``).
-
-    The keywords after the groups are shortcuts for the most used fields; every other option
-    is set in its group. A shortcut and the same field set in its group are refused
-    (:class:`~rpcompile.errors.InvalidInput` naming both). The result keeps the groups as
-    ``Compiled.options``; docs/compiler.md says how the flow runs and when the plan is made.
-    """
-    options = _options(capture, plan, train, dict(
-        gpus=gpus, microbatches=microbatches, rounds=rounds, hardware=hardware, mode=mode,
-        search_effort=search_effort, optimizer=optimizer, device=device,
-        process_group=process_group, max_grad_norm=max_grad_norm, loss_fn=loss_fn), elsewhere)
-    # The schedule is lowered for the ranks that will run it: a process group's world size.
-    options = replace(options, plan=replace(options.plan, ranks=planned_ranks(
-        options.plan.ranks, options.train.process_group)))
-    co, po = options.capture, options.plan
-    if po.hardware is not None:  # a profile given: its refusals come before any capture
-        planning_hardware(options)
-    history: list[PassRecord] = []
-    fx_start = fx_source_mark()  # the generated fx sources from here on are this compile's
-    parts = po.microbatches_per_round * po.rounds
-    # Without an example batch a causal LM is captured now, with symbolic batch and sequence
-    # sizes, from a small synthesized batch (with a padding mask, so padded batches bind),
-    # and planned at the first batch it trains on, for that batch's shape.
-    lazy = example_inputs is None and co.loss_fn is None and is_causal_lm(model)
-    if lazy:
-        from rpcompile.capture.core import example_batch_for
-
-        example_inputs = example_batch_for(model, batch=parts, seq=16, mask=True)
-    _notice(po, f"rpcompile: capturing {type(model).__name__} as a graph ...")
-    captured = run_pass(
-        history, "capture",
-        lambda: capture_graph(model, example_inputs, loss_fn=co.loss_fn, units=co.units,
-                        opaque=co.opaque),
-        check_captured,
-    )
-    _notice(po, f"rpcompile: captured {captured.report.node_count:,} nodes in "
-                f"{len(captured.units)} units in {history[-1].elapsed_ms / 1e3:.1f} s")
-    dtype = _floating_dtype(model)
-    if co.compute_dtype is not None and co.compute_dtype != dtype:
-        raise InvalidInput(
-            f"compute_dtype={co.compute_dtype} differs from the model's parameters ({dtype}); "
-            f"the graph is captured in the model's dtype, so convert the model first "
-            f"(model.to({co.compute_dtype})): rpcompile keeps fp32 masters on the host either way"
-        )
-    if lazy:  # costed and planned at the first batch (Compiled.plan_for), for its shape
-        compiled = Compiled(
-            model=model, capture=captured, unit_costs=[], profiles=[], plan=None,
-            stages=[], hardware=planning_hardware(options), workers=po.gpus,
-            microbatches=po.microbatches_per_round, rounds=po.rounds, history=history,
-            compute_dtype=dtype, options=options)
-    else:
-        compiled = _plan_captured(model, captured, history, options,
-                                  _batch_shape(captured.example_batch), stacklevel=3)
-        compiled.plans_made.append(_shape_of(compiled))
-    compiled._source = captured
-    compiled._fx_sources = (fx_start, fx_source_mark())
-    return compiled
-
-
-
-def _options(capture: CaptureOptions | None, plan: PlanOptions | None,
-             train: TrainOptions | None, shortcuts: dict[str, Any],
-             elsewhere: dict[str, Any]) -> Options:
-    """compile()'s :class:`Options`: each group given (``None``: its defaults) with the
-    shortcuts given set in it; a shortcut whose field the group sets too is refused."""
-    for name in sorted(elsewhere):
-        group = next((g for g, cls in _GROUPS.items()
-                      if name in {f.name for f in fields(cls)}), None)
-        if group is None:
-            raise InvalidType(f"compile() got an unknown keyword {name!r}")
-        cls = _GROUPS[group]
-        raise InvalidType(f"compile() takes {name} in its group: "
-                          f"{group}={cls.__name__}({name}=...)")
-    groups = {"capture": capture, "plan": plan, "train": train}
-    built: dict[str, Any] = {}
-    for group, cls in _GROUPS.items():
-        given = groups[group]
-        if given is not None and not isinstance(given, cls):
-            raise InvalidType(f"compile()'s {group} must be an rpcompile.{cls.__name__}, got "
-                              f"{type(given).__name__}")
-        mine = {k: v for k, v in shortcuts.items() if SHORTCUTS[k] == group and v is not None}
-        if given is not None:
-            default = cls()
-            twice = sorted(k for k in mine if getattr(given, k) != getattr(default, k))
-            if twice:
-                raise InvalidInput(
-                    f"{', '.join(f'{k}={mine[k]!r}' for k in twice)} given both as a keyword "
-                    f"and in {group}={cls.__name__}("
-                    f"{', '.join(f'{k}={getattr(given, k)!r}' for k in twice)}): pass each "
-                    f"option once")
-        base = given if given is not None else cls()
-        built[group] = replace(base, **mine) if mine else base
-    return Options(**built)
-
-
-
 def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord],
                    options: Options, shape: tuple[int, int], *,
                    stacklevel: int = 2) -> Compiled:
@@ -717,184 +583,6 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
                       f"a smaller microbatch or more workers give the search room",
                       RuntimeWarning, stacklevel=stacklevel)
     return compiled
-
-
-def _batch_shape(batch: dict[str, torch.Tensor]) -> tuple[int, int]:
-    """(sequences, tokens per sequence) of a normalized batch; a batch without ``input_ids``
-    (a model with its own ``loss_fn``) has no token axis the plan follows: 1."""
-    first = batch["input_ids"] if "input_ids" in batch else next(iter(batch.values()))
-    return first.shape[0], (first.shape[1] if "input_ids" in batch else 1)
-
-
-def _shape_text(shape: tuple[int, int]) -> str:
-    return f"{shape[0]} x {shape[1]} tokens"
-
-
-def _data_parallel(process_group: Any) -> bool:
-    from rpcompile.runtime.distributed import resolve_group
-
-    return resolve_group(process_group) is not None
-
-
-def _agreed_shape(shape: tuple[int, int], process_group: Any) -> tuple[int, int]:
-    """``shape`` as every data-parallel rank will plan for it: the largest over the ranks in
-    each dimension (a collective: every rank calls it at the same step, before the step's
-    own collectives; bounded by the process group's timeout, as the step's first all-reduce
-    is), so all ranks keep the same plan; ``shape`` itself on one process."""
-    from rpcompile.runtime.distributed import resolve_group
-
-    group = resolve_group(process_group)
-    if group is None:
-        return shape
-    import torch.distributed as dist
-
-    both = torch.tensor(shape, dtype=torch.int64)
-    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
-    return int(both[0]), int(both[1])
-
-
-def _notice(po: PlanOptions, message: str) -> None:
-    """One line about what planning did, on standard error, unless progress is off."""
-    from rpcompile.progress import notice
-
-    notice(message, po.progress)
-
-
-def _shape_of(compiled: Compiled) -> tuple[int, int]:
-    """The per-microbatch shape a compiled plan was proven for."""
-    return compiled.plan.microbatch_size, compiled.plan.seq_len
-
-
-AUTO_CHUNK_TOKENS = (4096, 1024)  # the chunk sizes "auto" considers besides the whole logits
-AUTO_CHUNK_ABOVE_BYTES = 1 << 30
-AGAIN = object()  # in _loss_chunks: the chunked variants follow only when they may be needed
-
-
-def _loss_chunks(captured: Captured, option: int | str | None, parts: int,
-                 shape: tuple[int, int]) -> list:
-    """The loss-chunk variants to plan, in order of preference: the option itself (checked
-    by :class:`CaptureOptions`), or for ``"auto"`` the whole logits, then (when the
-    microbatch's fp32 logits exceed 1 GiB or the whole-logits plan does not fit) those of
-    :data:`AUTO_CHUNK_TOKENS` shorter than a microbatch."""
-    if option is None or captured.loss_reduction != "sum":
-        return [None]
-    if option == "auto":  # a chunk as long as the microbatch saves nothing
-        tokens = _microbatch_tokens(parts, shape)
-        return [None, AGAIN, *(c for c in AUTO_CHUNK_TOKENS if c < tokens)]
-    return [option]
-
-
-def _microbatch_tokens(parts: int, shape: tuple[int, int]) -> int:
-    sequences, seq = shape
-    return largest_microbatch(sequences, parts) * seq
-
-
-def _large_logits(captured: Captured, parts: int, shape: tuple[int, int]) -> bool:
-    from rpcompile.passes.chunked_loss import logits_bytes
-
-    return logits_bytes(captured, _microbatch_tokens(parts, shape)) > AUTO_CHUNK_ABOVE_BYTES
-
-
-def _fits(compiled: Compiled, capacity_bytes: int | None) -> bool:
-    limit = compiled.hardware.usable_memory_bytes
-    if capacity_bytes is not None:
-        limit = min(limit, int(capacity_bytes))
-    return max(p.peak_bytes for p in compiled.memory) <= limit
-
-
-def _choose_loss_chunk(tried: list, capacity_bytes: int | None,
-                       skipped: Sequence[tuple[int, Plan]] = ()) -> Compiled:
-    """The planned variant with the shortest predicted step among those whose schedule fits
-    (ties: the earlier, so the whole logits before chunks and larger chunks before smaller);
-    when none fits, the first planned (compile() then refuses it, naming the worker), else
-    the first variant's PartitionError. ``skipped``: smaller chunks not searched, each with
-    the plan of the variant whose search it would repeat.
-
-    A variant is split and its runtime schedule lowered and proven only when it may win:
-    best first by its searched figure, which finishing can only keep or slow (one gradient
-    slot), so the variants never finished could not have won."""
-    planned = [(chunk, c) for chunk, c in tried if isinstance(c, _Searched)]
-    if not planned:
-        raise tried[0][1]
-
-    def figure(c: _Searched) -> float:
-        return round((c.compiled.plan if c.compiled is not None else c.plan).predicted_step_ms, 6)
-
-    while True:
-        open_ = [(k, c) for k, c in planned
-                 if c.compiled is None or _fits(c.compiled, capacity_bytes)]
-        if not open_:  # none fits: the first, which compile() refuses naming the worker
-            chunk, best = planned[0][0], planned[0][1].finished()
-            break
-        chunk, lead = min(open_, key=lambda t: figure(t[1]))
-        if lead.compiled is not None:
-            best = lead.compiled
-            break
-        lead.finished()
-    if len(tried) + len(skipped) > 1:
-        def label(k):
-            return "whole logits" if k is None else f"{k:,}-token chunks"
-
-        def said(c) -> str:
-            if not isinstance(c, _Searched):
-                return "no plan fits"
-            if c.compiled is None:
-                return f"{c.plan.predicted_step_ms:.1f} ms"
-            return f"{c.compiled.plan.predicted_step_ms:.1f} ms" + (
-                "" if _fits(c.compiled, capacity_bytes) else " (does not fit)")
-        considered = ", ".join(f"{label(k)}: {said(c)}" for k, c in tried)
-        considered += "".join(
-            f", {label(k)}: not searched (only the tail's working set is smaller, and no "
-            f"tail memory limited the {plan.predicted_step_ms:.1f} ms plan's search)"
-            for k, plan in skipped)
-        best.plan = replace(best.plan, notes=(
-            *best.plan.notes, f"LM head + loss: {label(chunk)}, the fastest plan that fits "
-            f"({considered})"))
-    return best
-
-
-class _Searched:
-    """A loss-chunk variant searched (its unit profiles and plan), finished on demand:
-    split into stage programs, its runtime schedule lowered and proven (``finished()``)."""
-
-    def __init__(self, profiles: list[UnitProfile], plan: Plan,
-                 finish: Callable[[], Compiled]) -> None:
-        self.profiles, self.plan, self._finish = profiles, plan, finish
-        self.compiled: Compiled | None = None
-
-    def finished(self) -> Compiled:
-        if self.compiled is None:
-            self.compiled = self._finish()
-        return self.compiled
-
-
-class _SameSearch(Exception):
-    """A loss-chunk variant whose search would only repeat ``plan``'s (_plan_and_split)."""
-
-    def __init__(self, plan: Plan) -> None:
-        super().__init__(plan)
-        self.plan = plan
-
-
-def _memory_limited(plan: Plan) -> bool:
-    """Whether memory may have limited ``plan`` in a way a smaller tail working set would
-    lift: its search says so (:func:`~rpcompile.planner.partition.tail_memory_bound`), or the
-    compile moved it to one gradient slot for the runtime's schedule."""
-    return tail_memory_bound(plan) or any(n.startswith(_ONE_SLOT_NOTE) for n in plan.notes)
-
-
-_ONE_SLOT_NOTE = "memory: one gradient slot per worker"
-
-
-def _only_tail_smaller(profiles: Sequence[UnitProfile], other: Sequence[UnitProfile]) -> bool:
-    """Whether ``profiles`` equal ``other`` in everything but the tail's (the last unit's)
-    working set, which is no larger: the partitioner's inputs then differ only where memory
-    is checked."""
-    if len(profiles) != len(other) or tuple(profiles[:-1]) != tuple(other[:-1]):
-        return False
-    tail, theirs = profiles[-1], other[-1]
-    return (tail.working_bytes <= theirs.working_bytes
-            and replace(tail, working_bytes=theirs.working_bytes) == theirs)
 
 
 def _plan_and_split(model, captured, unit_costs, dtype, history, options: Options,
@@ -989,198 +677,6 @@ def _finish(model, captured, unit_costs, dtype, history, options: Options, hw: H
     )
 
 
-def _head_text(chunk: int | None) -> str:
-    return "whole logits" if chunk is None else f"the LM head + loss in {chunk:,}-token chunks"
-
-
-def _searched_plan(profiles: list[UnitProfile], hw: Hardware, mb_size: int, seq: int,
-                   costing: StageCosting, run: PlanOptions, options: Options,
-                   head: str = "") -> Plan:
-    """The partition search's plan, from the plan cache when it holds this search
-    (:mod:`rpcompile.planner.cache`). Data parallel, rank 0 alone searches (or reads the
-    cache) and sends the plan to the others, so every rank runs the same plan."""
-    from rpcompile.planner.cache import cache_folder, cached_plan, plan_key
-    from rpcompile.runtime.distributed import resolve_group
-
-    train = options.train
-    checks = grad_check_passes(max_grad_norm=train.max_grad_norm, loss_scale=train.loss_scale)
-
-    def search() -> Plan:
-        import time
-
-        _notice(run, f"rpcompile: searching stage cuts of {len(profiles)} units for "
-                     f"{run.gpus} workers, microbatches of {mb_size} x {seq} tokens"
-                     f"{', ' + head if head else ''} ...")
-        t0 = time.perf_counter()
-        try:
-            plan = partition(profiles, hw, microbatch_size=mb_size, seq_len=seq,
-                             costing=costing, options=run, grad_check_passes=checks)
-        except PartitionError:
-            _notice(run, f"rpcompile: searched in {time.perf_counter() - t0:.1f} s: "
-                         f"no plan fits")
-            raise
-        _notice(run, f"rpcompile: searched in {time.perf_counter() - t0:.1f} s: "
-                     f"predicted step {plan.predicted_step_ms:,.1f} ms")
-        return plan
-
-    def local() -> Plan:
-        key, inputs = plan_key(profiles, hw, mb_size, seq, costing, run, run.capacity_bytes,
-                               checks)
-        plan, _ = cached_plan(search, key, inputs, profiles, cache_folder(run.plan_cache),
-                              partial(_notice, run))
-        return plan
-
-    group = resolve_group(train.process_group)
-    if group is None:
-        return local()
-    import torch.distributed as dist
-
-    from rpcompile.planner.cache import plan_from_dict, plan_to_dict
-
-    # Rank 0's search (or its failure, re-raised on every rank) reaches every rank.
-    box: list[Any] = [None]
-    if dist.get_rank(group) == 0:
-        try:
-            box[0] = ("plan", plan_to_dict(local()))
-        except Exception as exc:
-            box[0] = ("error", exc)
-    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
-    kind, payload = box[0]
-    if kind == "error":
-        raise payload
-    return plan_from_dict(payload)
-
-
-def planning_hardware(options: Options) -> Hardware:
-    """The one place that decides the profile a compile plans on: the plan option's
-    ``hardware`` (else :func:`_default_hardware`) with the plan's workers and link, and as
-    this run uses the host: with or without the undo journal's copies, from pinned or
-    pageable host memory (``PlanOptions.host_memory``: every transfer of every replay and
-    bound of the search is timed at that bandwidth). Raises ``ValueError`` for pageable host
-    memory on a profile without pageable figures (:meth:`Hardware.with_host_memory`)."""
-    po = options.plan
-    hw = get_hardware(po.hardware or _default_hardware()).with_gpus(po.gpus)
-    hw = hw.with_undo_journal(po.undo_journal).with_host_memory(po.host_memory)
-    if po.link is not None:
-        hw = hw.with_link(po.link)
-    return hw
-
-
-class MemoryPlanError(RPCompileError, ValueError):
-    """A plan's proven per-worker peak exceeds what a worker has (refused at compile time)."""
-
-
-def check_memory(compiled: Compiled) -> None:
-    """Refuse a plan whose proven peak (``compiled.memory``) exceeds a worker's capacity: the
-    virtual workers' ``capacity_bytes``, the hardware profile's usable memory (memory less
-    its reserve), and on CUDA each device's free memory now."""
-    if not compiled.memory:
-        return
-    hw = compiled.hardware
-    device = compiled.options.train.device
-    cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
-    limits: list[tuple[int, str]] = [
-        (hw.usable_memory_bytes, f"the {hw.name!r} profile's usable memory "
-         f"({hw.memory_gib:g} GiB less a {hw.memory_reserve_gib:g} GiB reserve)")]
-    capacity = compiled.options.plan.capacity_bytes
-    if capacity is not None:
-        limits.append((int(capacity), "capacity_bytes"))
-    for peak in compiled.memory:
-        here = list(limits)
-        if cuda and peak.worker < torch.cuda.device_count():
-            free, _total = torch.cuda.mem_get_info(peak.worker)
-            here.append((free, f"the free memory of cuda:{peak.worker}"))
-        limit, source = min(here)
-        if peak.peak_bytes > limit:
-            names = ", ".join(compiled.plan.stage_name(s) for s in peak.stages)
-            raise MemoryPlanError(
-                f"the plan does not fit worker {peak.worker}: its schedule needs "
-                f"{format_bytes(peak.peak_bytes)} there at {peak.action} ({names}: "
-                + ", ".join(f"{k} {format_bytes(v)}" for k, v in peak.parts.items() if v)
-                + f"), over the {format_bytes(limit)} of {source}. To fit: more microbatches "
-                "(a smaller microbatch for the same batch), a shorter sequence, finer units "
-                "(units=[...] at attention/MLP blocks), LoRA or frozen layers, a plan for "
-                "more GPUs, or more capacity")
-
-
-def check_host_memory(compiled: Compiled, stacklevel: int = 3) -> HostMemory:
-    """Set ``compiled.host`` (the host bytes of its runtime schedule, with the transfer
-    staging of a simulated run of it) and ``compiled.host_ram`` (``host_ram_bytes``, else
-    the profile's ``host_ram_gib``, else this machine's RAM), and warn
-    (:class:`~rpcompile.passes.memory.HostMemoryWarning`) when the first exceeds the second:
-    a warning, because compile allocates nothing and a plan (``device="virtual"``, a
-    profile of another server) may be for elsewhere; the Trainer, which allocates the host
-    store, refuses (rpcompile.runtime.trainer)."""
-    from rpcompile.hardware import host_ram
-
-    host = _host_figure(compiled)
-    ram = host_ram(compiled.options.train.host_ram_bytes, compiled.hardware)
-    compiled.host, compiled.host_ram = host, ram
-    problem = host_ram_problem(host, *ram)
-    if problem is not None:
-        warnings.warn(f"rpcompile.compile: {problem}; a Trainer would refuse to build its "
-                      f"host store", HostMemoryWarning, stacklevel=stacklevel)
-    return host
-
-
-def _host_figure(compiled: Compiled) -> HostMemory:
-    """The host bytes of ``compiled``'s runtime schedule: the static buffers of its plan and
-    mode (rpcompile.passes.memory.host_memory; the journal as ``Hardware.undo_journal``
-    says) plus the transfer staging of a simulated run of the schedule. Data parallel on a
-    profile without an inter-server link cannot be replayed (its REDUCEs have no link to
-    be timed on): the static buffers alone then, and ``sharded`` at one rank's share."""
-    from rpcompile.sim import simulate
-
-    sched, plan, hw = compiled.schedule, compiled.plan, compiled.hardware
-    peak = None
-    if sched is not None and (sched.ranks == 1 or hw.link is not None):
-        peak = simulate(sched, plan, hw).peak_host_bytes
-    host = host_memory(plan, compiled.options.plan.mode, peak, journal=hw.undo_journal,
-                       pageable=hw.host_memory == "pageable")
-    if sched is not None and sched.sharded:
-        host = host.sharded(sched.ranks)
-    return host
-
-
-def unit_profiles(
-    captured: Captured, unit_costs: Sequence[UnitCost], b: int, s: int, hardware: Hardware,
-    dtype_bytes: int,
-) -> list[UnitProfile]:
-    """The partitioner's numbers: each unit's costs at ``b`` x ``s`` on ``hardware``, with the
-    parameters it borrows from another unit (tied weights)."""
-    borrowed = _borrowed_params(captured)
-    return [
-        replace(u.evaluate(b, s, hardware, dtype_bytes=dtype_bytes), borrowed=borrowed[i])
-        for i, u in enumerate(unit_costs)
-    ]
-
-
-def _borrowed_params(captured: Captured) -> list[tuple[tuple[int, int, bool], ...]]:
-    """Per unit, the parameters it reads that an earlier unit owns (the cost pass counts a
-    parameter once, in the first unit that reads it): (owner, elements, trainable)."""
-    out: list[list[tuple[int, int, bool]]] = [[] for _ in captured.units]
-    for node in captured.graph_module.graph.find_nodes(op="placeholder"):
-        name = captured.params.get(node.name)
-        if name is None:
-            continue
-        readers = sorted({u.meta["rp_unit"] for u in node.users if "rp_unit" in u.meta})
-        if len(readers) < 2:
-            continue
-        p = captured.parameter(name)
-        for unit in readers[1:]:
-            out[unit].append((readers[0], p.numel(), p.requires_grad))
-    return [tuple(b) for b in out]
-
-
-def _default_hardware() -> Hardware | str:
-    """The machine at hand: a probe of its GPU when there is one, else the virtual profile."""
-    if torch.cuda.is_available():
-        from rpcompile.hardware import probe
-
-        return probe("cuda")
-    return "cpu"
-
-
 # Compiled models with a running trainer, by id (a dataclass is not hashable).
 _OPEN: weakref.WeakValueDictionary[int, Compiled] = weakref.WeakValueDictionary()
 
@@ -1195,10 +691,3 @@ def _close_open() -> None:
 
             warnings.warn(f"rpcompile: closing at exit: {type(exc).__name__}: {exc}",
                           RuntimeWarning, stacklevel=1)
-
-
-def _floating_dtype(model: nn.Module) -> torch.dtype:
-    for p in model.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.float32
