@@ -2,8 +2,9 @@
 
 capture -> cost -> partition -> split -> dispatch -> lower; every artifact stays on ``Compiled``.
 One module a concept: ``entry`` (compile() and its options), ``compiled`` (the result and its
-planning for a batch shape), ``chunks`` (the loss-chunk variants), ``search`` (the partition
-search's plan and the hardware planned on), ``shapes``, ``checks`` (the memory refusals) and
+planning for a batch shape), ``state`` (its state dicts, checkpoints and save_pretrained, a
+base of Compiled), ``chunks`` (the loss-chunk variants), ``search`` (the partition search's
+plan and the hardware planned on), ``shapes``, ``checks`` (the memory refusals) and
 ``profiles`` (the unit profiles the partitioner reads).
 """
 
