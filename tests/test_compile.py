@@ -399,7 +399,7 @@ def test_stages_after_the_first_receive_the_batch_inputs_they_read(monkeypatch):
                           options.microbatches_per_round, microbatch_size, seq_len,
                           options.rounds, costing)
 
-    monkeypatch.setattr(rpcompile.compiler, "partition", fixed_cut)
+    monkeypatch.setattr(rpcompile.compiler.search, "partition", fixed_cut)
     compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
                                  loss_fn=loss_fn, device="virtual")
     gate_key = compiled.capture.input_keys[1]

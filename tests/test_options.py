@@ -128,7 +128,7 @@ def test_plan_options_reach_the_runtime_schedule():
 
 
 def test_a_shortcut_and_its_field_in_the_group_are_refused(monkeypatch):
-    monkeypatch.setattr("rpcompile.compiler.capture_graph",
+    monkeypatch.setattr("rpcompile.compiler.entry.capture_graph",
                         lambda *a, **k: pytest.fail("captured"))
     model = hf_model("qwen3", layers=1)
     with pytest.raises(rpcompile.InvalidInput,
@@ -169,7 +169,7 @@ def test_bad_options_fail_before_any_capture(monkeypatch, kwargs, match):
     def no_capture(*a, **k):
         raise AssertionError("captured before the options were checked")
 
-    monkeypatch.setattr("rpcompile.compiler.capture_graph", no_capture)
+    monkeypatch.setattr("rpcompile.compiler.entry.capture_graph", no_capture)
     with pytest.raises(ValueError, match=match):
         _compile_with(hf_model("qwen3", layers=1), **kwargs)
 
@@ -245,7 +245,7 @@ def test_a_bad_choice_reads_the_same_from_compile_and_the_trainer(monkeypatch, o
     rule = _rule(option, bad)
     assert f"{option} must be one of" in rule and repr(bad) in rule
     with monkeypatch.context() as m:
-        m.setattr("rpcompile.compiler.capture_graph", lambda *a, **k: pytest.fail("captured"))
+        m.setattr("rpcompile.compiler.entry.capture_graph", lambda *a, **k: pytest.fail("captured"))
         assert _said(lambda: _compile_with(hf_model("qwen3", layers=1),
                                            **{option: bad})) == rule
     compiled = _tiny()
@@ -384,7 +384,7 @@ def test_compile_hands_the_partitioner_its_plan_group(monkeypatch):
         calls.append((args, kwargs))
         return partition(*args, **kwargs)
 
-    monkeypatch.setattr("rpcompile.compiler.partition", recording)
+    monkeypatch.setattr("rpcompile.compiler.search.partition", recording)
     c = _group_compile()
     ((args, kwargs),) = calls
     assert len(args) == 2  # the profiles and the planning hardware; the rest by name
@@ -406,7 +406,7 @@ def test_partition_refuses_a_bad_update_order_as_compile_does():
     profiles = _group_compile().profiles
     async_deferred = dict(mode="async", updates="deferred")
     with pytest.MonkeyPatch.context() as m:
-        m.setattr("rpcompile.compiler.capture_graph", lambda *a, **k: pytest.fail("captured"))
+        m.setattr("rpcompile.compiler.entry.capture_graph", lambda *a, **k: pytest.fail("captured"))
         said = _said(lambda: rpcompile.compile(hf_model("qwen3", layers=1),
                                                plan=PlanOptions(**async_deferred)))
     assert said == _said(lambda: partition(profiles, "cpu", PlanOptions(gpus=2,
@@ -442,7 +442,7 @@ def test_a_bad_choice_in_a_train_config_reads_as_from_compile(monkeypatch, capsy
 
     rule = _rule(option, bad)
     with monkeypatch.context() as m:
-        m.setattr("rpcompile.compiler.capture_graph", lambda *a, **k: pytest.fail("captured"))
+        m.setattr("rpcompile.compiler.entry.capture_graph", lambda *a, **k: pytest.fail("captured"))
         assert _said(lambda: _compile_with(hf_model("qwen3", layers=1),
                                            **{option: bad})) == rule
     flag = "--" + option.replace("_", "-")

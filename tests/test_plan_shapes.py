@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import rpcompile
-import rpcompile.compiler as compiler_module
+import rpcompile.compiler.search as search_module
 from rpcompile.options import PlanOptions, TrainOptions
 from rpcompile.planner import cache as cache_module
 from tests.data.test_batches import _eager_training
@@ -107,13 +107,13 @@ def _compile_planned(tmp_path, **options):
 def test_a_cached_plan_skips_the_search_and_a_bad_entry_is_never_used(tmp_path, monkeypatch,
                                                                       capsys):
     searches = []
-    search = compiler_module.partition
+    search = search_module.partition
 
     def counted(*args, **kwargs):
         searches.append(1)
         return search(*args, **kwargs)
 
-    monkeypatch.setattr(compiler_module, "partition", counted)
+    monkeypatch.setattr(search_module, "partition", counted)
     first = _compile_planned(tmp_path)
     assert len(searches) == 1
     entries = list(tmp_path.glob("*.json"))

@@ -242,9 +242,9 @@ class PaperModel:
                 ))
         # The tail's own parameters: the final norm, and the LM head unless it is the
         # embedding. A tied head borrows the prefix's matrix (unit 0), as the capture marks a
-        # tied HF model (rpcompile.compiler._borrowed_params): a stage holding the tail but not
-        # the prefix still uploads it and returns its gradient, but it is one parameter on
-        # the host (one master, one optimizer state, one shadow).
+        # tied HF model (rpcompile.compiler.profiles._borrowed_params): a stage holding the
+        # tail but not the prefix still uploads it and returns its gradient, but it is one
+        # parameter on the host (one master, one optimizer state, one shadow).
         head = self.head_params
         borrowed = ((0, emb, not lora),) if self.tied_embeddings else ()
         if loss_chunk_tokens is None:

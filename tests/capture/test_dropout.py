@@ -130,7 +130,7 @@ def test_recompute_replays_the_forwards_dropout_masks(kind, left, monkeypatch):
                           options.microbatches_per_round, microbatch_size, seq_len,
                           options.rounds, costing)
 
-    monkeypatch.setattr(rpcompile.compiler, "partition", fixed_cut)
+    monkeypatch.setattr(rpcompile.compiler.search, "partition", fixed_cut)
     compiled = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
                                  optimizer=_sgd, device="virtual", train=TrainOptions(chaos=2))
     assert len(compiled.capture.random_ops) > 0

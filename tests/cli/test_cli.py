@@ -171,16 +171,16 @@ def test_plan_default_batch_beats_the_smallest_and_says_how(tmp_path, capsys):
 
 
 def test_plan_max_simulations_reaches_the_partitioner(monkeypatch, capsys):
-    import rpcompile.compiler
+    import rpcompile.compiler.search
 
     seen = []
-    real = rpcompile.compiler.partition
+    real = rpcompile.compiler.search.partition
 
     def spy(*args, **kwargs):
         seen.append(kwargs["options"].max_simulations)  # compile passes the plan group
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(rpcompile.compiler, "partition", spy)
+    monkeypatch.setattr(rpcompile.compiler.search, "partition", spy)
     assert main(["plan", "--model", "qwen3-tiny", "--seq", "128", "--gpus", "2", "--batch", "3",
                  "--optimizer", "async", "--max-simulations", "1", "--no-fit-search"]) == 0
     text = capsys.readouterr().out
@@ -253,7 +253,7 @@ def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
     steady state of overlapping steps, and the same plan lowered for one step alone for the
     isolated step; no other schedule."""
     import rpcompile
-    import rpcompile.compiler
+    import rpcompile.compiler.search
     import rpcompile.sim
     from rpcompile.planner.partition import build_plan
 
@@ -262,7 +262,7 @@ def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
                           options.microbatches_per_round, microbatch_size, seq_len,
                           options.rounds, costing, optimizer=options.mode)
 
-    monkeypatch.setattr(rpcompile.compiler, "partition", one_stage_a_side)
+    monkeypatch.setattr(rpcompile.compiler.search, "partition", one_stage_a_side)
 
     compiled, replayed = [], []
     real_compile, real_simulate = rpcompile.compile, rpcompile.sim.simulate

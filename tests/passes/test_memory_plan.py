@@ -802,18 +802,18 @@ def test_compile_retimes_a_plan_it_moves_to_one_gradient_slot(monkeypatch):
     # the partitioner's plan had two, the plan's peaks and its predicted step are replayed
     # with one, and a note says so (a partitioner that ignores capacity_bytes stands in for
     # a screening that missed it).
-    import rpcompile.compiler as compiler_module
+    import rpcompile.compiler.search as search_module
     from rpcompile.planner.partition import retimed
 
     free = compiled_for("qwen3", 1, 3)
     tight = max(p.peak_bytes for p in tightest_peaks(free))
     assert tight < max(p.peak_bytes for p in free.memory)
-    real = compiler_module.partition
+    real = search_module.partition
 
-    def roomy(*args, **kwargs):
-        return real(*args, **{**kwargs, "capacity_bytes": None})
+    def roomy(units, hw, options, **kwargs):
+        return real(units, hw, replace(options, capacity_bytes=None), **kwargs)
 
-    monkeypatch.setattr(compiler_module, "partition", roomy)
+    monkeypatch.setattr(search_module, "partition", roomy)
     compiled = compiled_for("qwen3", 1, 3, capacity_bytes=tight)
     plan = compiled.plan
     assert plan.memory_waits == TIGHTEST_WAITS

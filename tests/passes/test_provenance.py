@@ -47,7 +47,7 @@ def test_every_pass_is_recorded_in_order_with_its_artifact(monkeypatch):
 def test_without_debug_the_artifacts_are_not_checked(monkeypatch):
     monkeypatch.setenv("RPCOMPILE_DEBUG", "0")
     calls = []
-    monkeypatch.setattr("rpcompile.compiler.check_stages", lambda *a: calls.append(a))
+    monkeypatch.setattr("rpcompile.compiler.compiled.check_stages", lambda *a: calls.append(a))
     _compile()
     assert calls == []
 
@@ -58,7 +58,7 @@ def test_a_broken_artifact_names_its_pass(monkeypatch, broken):
     import rpcompile.compiler as compiler
 
     if broken == "capture":
-        real = compiler.capture_graph
+        real = compiler.entry.capture_graph
 
         def bad_capture(*a, **k):
             cap = real(*a, **k)
@@ -66,14 +66,14 @@ def test_a_broken_artifact_names_its_pass(monkeypatch, broken):
             del node.meta["rp_unit"]
             return cap
 
-        monkeypatch.setattr(compiler, "capture_graph", bad_capture)
+        monkeypatch.setattr(compiler.entry, "capture_graph", bad_capture)
         match = "belongs to no unit"
     elif broken == "split":
-        real_split = compiler.split
-        monkeypatch.setattr(compiler, "split", lambda cap, plan: real_split(cap, plan)[:-1])
+        real_split = compiler.compiled.split
+        monkeypatch.setattr(compiler.compiled, "split", lambda cap, plan: real_split(cap, plan)[:-1])
         match = "stage programs for"
     else:
-        real_partition = compiler.partition
+        real_partition = compiler.search.partition
 
         def bad_partition(*a, **k):
             plan = real_partition(*a, **k)
@@ -81,7 +81,7 @@ def test_a_broken_artifact_names_its_pass(monkeypatch, broken):
             stages = (dataclasses.replace(st, units=st.units[:-1]), *plan.stages[1:])
             return dataclasses.replace(plan, stages=stages)
 
-        monkeypatch.setattr(compiler, "partition", bad_partition)
+        monkeypatch.setattr(compiler.search, "partition", bad_partition)
         match = ""
     with pytest.raises(PassInvariantError, match=f"pass '{broken}'.*{match}"):
         _compile()

@@ -10,7 +10,8 @@ import random
 import pytest
 
 import rpcompile
-import rpcompile.compiler as compiler_module
+import rpcompile.compiler.chunks as chunks_module
+import rpcompile.compiler.search as compile_search
 from rpcompile.cli import _parser
 from rpcompile.hardware import get_hardware
 from rpcompile.ir import UnitProfile
@@ -91,16 +92,16 @@ def test_a_smaller_loss_chunk_is_searched_only_when_memory_could_change_the_plan
     # "auto" plans the whole logits and each smaller chunk. A chunk smaller than one already
     # planned, whose units differ only by a smaller tail working set, is not searched when
     # the larger one's search was not limited by memory: it would find the same plan.
-    monkeypatch.setattr(compiler_module, "AUTO_CHUNK_TOKENS", (32, 8))
-    monkeypatch.setattr(compiler_module, "AUTO_CHUNK_ABOVE_BYTES", 0)
+    monkeypatch.setattr(chunks_module, "AUTO_CHUNK_TOKENS", (32, 8))
+    monkeypatch.setattr(chunks_module, "AUTO_CHUNK_ABOVE_BYTES", 0)
     searched = []
-    real = compiler_module.partition
+    real = compile_search.partition
 
     def counting(profiles, *args, **kwargs):
         searched.append(profiles[-1].working_bytes)
         return real(profiles, *args, **kwargs)
 
-    monkeypatch.setattr(compiler_module, "partition", counting)
+    monkeypatch.setattr(compile_search, "partition", counting)
     batch = sft_batch(4, 64)
     compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
                                  example_inputs=batch, device="virtual")

@@ -102,13 +102,13 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
                             world_size=world, timeout=datetime.timedelta(seconds=60))
     result: dict = {}
     searches = [0]  # the partition searches this rank ran (rank 0 searches for every rank)
-    partition = rpcompile.compiler.partition
+    partition = rpcompile.compiler.search.partition
 
     def counted(*args, **kwargs):
         searches[0] += 1
         return partition(*args, **kwargs)
 
-    rpcompile.compiler.partition = counted
+    rpcompile.compiler.search.partition = counted
     try:
         if scenario == "train":
             for name, model_name, case_options in CASES[world]:
@@ -202,7 +202,7 @@ def _rank_main(rank: int, world: int, port: int, out: str, scenario: str, option
             compiled.close()
         torch.save(result, os.path.join(out, f"rank{rank}.pt"))
     finally:
-        rpcompile.compiler.partition = partition
+        rpcompile.compiler.search.partition = partition
         if scenario == "train":
             dist.destroy_process_group()
 

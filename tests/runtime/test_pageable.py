@@ -18,9 +18,9 @@ from rpcompile.options import PlanOptions
 from rpcompile.passes.memory import host_memory
 from rpcompile.planner.bound import simulated_lower_bound
 from rpcompile.planner.partition import build_plan, partition
-from rpcompile.runtime import trainer as trainer_module
 from rpcompile.runtime.memory import pin_host_memory
 from rpcompile.runtime.trainer import Trainer
+from rpcompile.runtime.trainer import core as trainer_core
 from rpcompile.runtime.workers import devices as workers_module
 from rpcompile.sim import simulate_roundpipe
 from rpcompile.workloads.paper import get_model
@@ -90,7 +90,7 @@ def test_pageable_on_a_profile_without_its_figures_is_refused_before_capture(mon
     def no_capture(*a, **k):
         raise AssertionError("captured before the profile was checked")
 
-    monkeypatch.setattr("rpcompile.compiler.capture_graph", no_capture)
+    monkeypatch.setattr("rpcompile.compiler.entry.capture_graph", no_capture)
     with pytest.raises(ValueError, match=r"'a800x8' profile.*pageable_h2d_gbps.*probe\(\)"):
         rpcompile.compile(hf_model("qwen3", layers=1), hardware="a800x8", device="virtual",
                           plan=PlanOptions(host_memory="pageable"))
@@ -132,13 +132,13 @@ def test_cuda_workers_are_made_with_the_runs_host_memory(monkeypatch):
 
 def _spy(monkeypatch) -> list:
     seen = []
-    real = trainer_module.pin_host_memory
+    real = trainer_core.pin_host_memory
 
     def spy(host_memory, kind):
         seen.append((host_memory, kind))
         return real(host_memory, kind)
 
-    monkeypatch.setattr(trainer_module, "pin_host_memory", spy)
+    monkeypatch.setattr(trainer_core, "pin_host_memory", spy)
     return seen
 
 

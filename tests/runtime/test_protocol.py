@@ -270,7 +270,7 @@ def test_an_overlapping_order_is_refused_by_one_rule_wherever_options_meet(qwen3
         raise AssertionError("captured before the options were checked")
 
     with monkeypatch.context() as patch:
-        patch.setattr("rpcompile.compiler.capture_graph", no_capture)
+        patch.setattr("rpcompile.compiler.entry.capture_graph", no_capture)
         with pytest.raises(ValueError, match=r"^max_grad_norm must see every gradient.*"
                                              r"use updates='deferred'"):
             rpcompile.compile(hf_model("qwen3", layers=1), max_grad_norm=1.0,
