@@ -4,17 +4,46 @@ what one search did beyond its plan (read where a finding is made)."""
 from __future__ import annotations
 
 from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
 
 from rpcompile.errors import RPCompileError
 from rpcompile.progress import StatusLine
 
 __all__ = [
     "PartitionError",
+    "SearchConfig",
 ]
 
 
 class PartitionError(RPCompileError, ValueError):
     """No plan fits the hardware; the message names the unit and the memory it needs."""
+
+
+@dataclass(frozen=True)
+class SearchConfig:
+    """What one partition search is asked for, fixed for its whole run: the units and the
+    hardware, the run's shape (workers, microbatches per round and their size, sequence
+    length, rounds), the optimizer mode, the search's tuning (tail layers, shortlist, replay
+    cap, async refinement, local-search budget) and how every candidate is lowered
+    (``lowering``: the update order and the step check's passes). The recompute choice and the
+    memory limits vary within a search and are passed beside it."""
+
+    units: tuple[Any, ...]
+    hw: Any
+    workers: int
+    microbatches: int
+    microbatch_size: int
+    seq_len: int
+    rounds: int
+    max_tail_layers: int
+    shortlist: int | None
+    max_simulations: Any
+    optimizer: str
+    refine: int
+    target_bubble: float
+    search: int
+    lowering: dict[str, Any]
 
 
 class _SearchLog:

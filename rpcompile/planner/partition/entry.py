@@ -12,7 +12,7 @@ from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.options import PlanOptions, update_order
 from rpcompile.passes.memory import format_bytes
-from rpcompile.planner.partition.common import _SEARCH_LOG, PartitionError, _SearchLog
+from rpcompile.planner.partition.common import _SEARCH_LOG, PartitionError, SearchConfig, _SearchLog
 from rpcompile.planner.partition.memory_first import (
     MEMORY_FIRST_NOTE,
     _fitting_plan,
@@ -160,8 +160,9 @@ def partition(
         raise InvalidInput("a plan needs at least two units (something before the tail, and the tail)")
     capacity = hw.usable_memory_bytes
     fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
-    args = (units, hw, workers, microbatches, microbatch_size, seq_len, rounds, max_tail_layers,
-            shortlist, max_simulations, optimizer, refine, target_bubble, search, lowering)
+    args = SearchConfig(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
+                        max_tail_layers, shortlist, max_simulations, optimizer, refine,
+                        target_bubble, search, lowering)
     log = _SearchLog(StatusLine("rpcompile: search", po.progress, unit=" replays"))
     token = _SEARCH_LOG.set(log)
     try:
@@ -190,16 +191,16 @@ def tail_memory_bound(plan: Plan) -> bool:
                for n in plan.notes)
 
 
-def _recompute_choice(args, costing: StageCosting, recompute: str, capacity: int,
-                      fit: int) -> Plan:
+def _recompute_choice(args: SearchConfig, costing: StageCosting, recompute: str,
+                      capacity: int, fit: int) -> Plan:
     """The plan of the recompute granularity asked for, or (``"auto"``) the stage-recompute
     plan when it fits ``fit``, else the faster of the plans cut again by stage and by layer
     under ``fit``."""
-    hw, rounds, optimizer = args[1], args[6], args[10]
+    hw, rounds, optimizer = args.hw, args.rounds, args.optimizer
     if recompute != "auto":
-        return _fitting_plan(*args, replace(costing, recompute=recompute), capacity)
+        return _fitting_plan(args, replace(costing, recompute=recompute), capacity)
     try:
-        plan, refused = _fitting_plan(*args, replace(costing, recompute="stage"), capacity), None
+        plan, refused = _fitting_plan(args, replace(costing, recompute="stage"), capacity), None
     except PartitionError as exc:
         plan, refused = None, exc
     # A memory-first fallback (no searched stage-recompute candidate fits) is compared with
@@ -219,7 +220,7 @@ def _recompute_choice(args, costing: StageCosting, recompute: str, capacity: int
         tried["stage"], modes = plan, ("layer",)
     for mode in modes:
         try:  # a plan the partitioner returns fits ``fit`` over its whole schedule
-            tried[mode] = _fitting_plan(*args, replace(costing, recompute=mode), fit)
+            tried[mode] = _fitting_plan(args, replace(costing, recompute=mode), fit)
         except PartitionError as exc:
             tried[mode] = exc
     fitting = {m: p for m, p in tried.items() if isinstance(p, Plan)}

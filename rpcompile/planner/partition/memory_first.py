@@ -12,7 +12,7 @@ from rpcompile.hardware import Hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.passes.lower import TIGHTEST_WAITS
 from rpcompile.passes.memory import format_bytes
-from rpcompile.planner.partition.common import PartitionError, _NoPlanFits
+from rpcompile.planner.partition.common import PartitionError, SearchConfig, _NoPlanFits
 from rpcompile.planner.partition.proofs import (
     _runtime_peaks,
     _simulated_ms,
@@ -51,10 +51,12 @@ def _proven_at(plan: Plan, hw: Hardware, rounds: int, optimizer: str,
                    worker_peak_bytes=tuple(p.peak_bytes for p in peaks))
 
 
-def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
-                  max_tail_layers, shortlist, max_simulations, optimizer, refine, target_bubble,
-                  search, lowering, costing, capacity) -> Plan:
-    """The fastest plan under ``costing`` whose whole schedule fits ``capacity``."""
+def _fitting_plan(cfg: SearchConfig, costing: StageCosting, capacity: int) -> Plan:
+    """The fastest plan of the search ``cfg`` under ``costing`` whose whole schedule fits
+    ``capacity``."""
+    units, hw, workers, microbatches = cfg.units, cfg.hw, cfg.workers, cfg.microbatches
+    microbatch_size, seq_len, rounds = cfg.microbatch_size, cfg.seq_len, cfg.rounds
+    optimizer, lowering = cfg.optimizer, cfg.lowering
     _check_units_fit(units, costing, capacity)
     # The stage check below is necessary, not sufficient: a worker also holds the next job's
     # weights while they upload, inputs uploaded ahead, values kept for a later stage. The
@@ -65,9 +67,7 @@ def _fitting_plan(units, hw, workers, microbatches, microbatch_size, seq_len, ro
     limit, loose, tight, best = capacity, None, None, None
     for _attempt in range(8):
         try:
-            return _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
-                              costing, max_tail_layers, shortlist, max_simulations, optimizer,
-                              refine, target_bubble, search, limit, capacity, lowering)
+            return _partition(cfg, costing, limit, capacity)
         except _NoPlanFits as exc:
             best, loose = exc, limit
             limit -= exc.overshoot

@@ -15,11 +15,16 @@ from rpcompile.hardware import Hardware
 from rpcompile.ir import Plan
 from rpcompile.passes.memory import format_bytes
 from rpcompile.planner.bound import simulated_lower_bound, steady_estimate
-from rpcompile.planner.partition.common import _SEARCH_LOG, PartitionError, _NoPlanFits
+from rpcompile.planner.partition.common import (
+    _SEARCH_LOG,
+    PartitionError,
+    SearchConfig,
+    _NoPlanFits,
+)
 from rpcompile.planner.partition.cuts import _all_cuts
 from rpcompile.planner.partition.local import _bounds, _refine, _search
 from rpcompile.planner.partition.proofs import _simulated_ms, _sync_period_proof
-from rpcompile.planner.partition.stages import _stage_memory, _StageFigures
+from rpcompile.planner.partition.stages import StageCosting, _stage_memory, _StageFigures
 
 
 @dataclass(frozen=True)
@@ -41,9 +46,15 @@ class _ReplayCap:
 _NO_CAP = 1 << 62  # replays per grid of an uncapped search
 
 
-def _partition(units, hw, workers, microbatches, microbatch_size, seq_len, rounds, costing,
-               max_tail_layers, shortlist, max_simulations, optimizer, refine, target_bubble,
-               search, limit, capacity, lowering) -> Plan:
+def _partition(cfg: SearchConfig, costing: StageCosting, limit: int, capacity: int) -> Plan:
+    """The simulator's fastest candidate of the search ``cfg`` under ``costing`` whose stages
+    fit ``limit`` (and whose whole schedule fits ``capacity``: else :class:`_NoPlanFits`)."""
+    units, hw, workers, microbatches = cfg.units, cfg.hw, cfg.workers, cfg.microbatches
+    microbatch_size, seq_len, rounds = cfg.microbatch_size, cfg.seq_len, cfg.rounds
+    max_tail_layers, shortlist = cfg.max_tail_layers, cfg.shortlist
+    max_simulations = cfg.max_simulations
+    optimizer, refine, target_bubble = cfg.optimizer, cfg.refine, cfg.target_bubble
+    search, lowering = cfg.search, cfg.lowering
     n = len(units)
 
     # Cut anywhere between units; and, when units are blocks of layers, also only between
