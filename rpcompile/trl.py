@@ -36,7 +36,7 @@ import copy
 import inspect
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pyarrow.compute
 import torch
@@ -47,6 +47,9 @@ from transformers.trainer import SCHEDULER_NAME
 import rpcompile
 from rpcompile.errors import InvalidInput, InvalidType, StateError
 from rpcompile.options import FLAT, CaptureOptions, PlanOptions, TrainOptions
+
+if TYPE_CHECKING:
+    from rpcompile.compiler import Compiled
 
 __all__ = ["RPCOMPILE_STATE", "SFTTrainer"]
 
@@ -107,7 +110,7 @@ class SFTTrainer(trl.SFTTrainer):
             config.model_init_kwargs = {**(config.model_init_kwargs or {}), "device_map": "cpu"}
         given["args"] = config
         self.rpcompile_options = _compile_options(rpcompile)
-        self._compiled: Any = None
+        self._compiled: Compiled | None = None
         self._group: list[dict[str, Any]] = []  # the accumulation group's batches so far
         self._grad_norm: float | None = None
         self._plan_rows = 0
@@ -561,7 +564,7 @@ def _example_batch(trainer: SFTTrainer, rows: int) -> dict[str, torch.Tensor]:
 # =============================================================================================
 
 
-def master_names(compiled: Any) -> list[tuple[str, tuple[int, ...]]]:
+def master_names(compiled: Compiled) -> list[tuple[str, tuple[int, ...]]]:
     """(name, shape) of each trainable master in the host store's order: the stage programs'
     parameters in stage order, each tensor once (a tied weight under its first name)."""
     seen: set[int] = set()

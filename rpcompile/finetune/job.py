@@ -13,7 +13,7 @@ import time
 import types
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rpcompile.errors import InvalidInput
 from rpcompile.finetune.config import (
@@ -26,6 +26,9 @@ from rpcompile.finetune.data import _check_rows
 from rpcompile.finetune.metrics import _evaluate, _Log, _predicted_step_seconds, _write_report
 from rpcompile.finetune.model import _dtype_name, _torch_dtype, add_lora, load_model, model_folder
 from rpcompile.options import PlanOptions, TrainOptions
+
+if TYPE_CHECKING:
+    from rpcompile.compiler import Compiled
 
 
 def lr_lambda(kind: str, warmup: int, total: int):
@@ -60,7 +63,7 @@ class _Job:
         # The run resumed: its folder, which the job goes on in unless --out branches it.
         self.source = checkpoint.parent.parent if checkpoint is not None else self.out
         self.branch = self.source.resolve() != self.out.resolve()
-        self.compiled: Any = None
+        self.compiled: Compiled | None = None
         self.log: _Log | None = None
         self.manager: Any = None
         self.folder: Any = None

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rpcompile.compiler import Compiled
 
 
 class _Log:
@@ -44,7 +47,7 @@ class _Log:
         self.reporters = []
 
 
-def _evaluate(compiled: Any, batches: list[dict[str, Any]],
+def _evaluate(compiled: Compiled, batches: list[dict[str, Any]],
               masters: dict[str, Any] | None = None) -> float | None:
     """Token-weighted mean loss over the eval batches (each batch's loss is its token mean);
     ``masters``: the weights to evaluate (sharded: gathered from every rank)."""
@@ -59,7 +62,7 @@ def _evaluate(compiled: Any, batches: list[dict[str, Any]],
     return total / count if count else None
 
 
-def _predicted_step_seconds(compiled: Any) -> float | None:
+def _predicted_step_seconds(compiled: Compiled) -> float | None:
     """The simulator's time per step of the schedule the workers run, on the compile's
     hardware profile (None when a multi-rank schedule has no link to time its reductions)."""
     from rpcompile.sim import simulate
@@ -71,7 +74,7 @@ def _predicted_step_seconds(compiled: Any) -> float | None:
 
 
 def _write_report(out: Path, records: list[dict[str, Any]], opts: dict[str, Any],
-                  elapsed: float, tokens_per_s: float, compiled: Any, sched: Any,
+                  elapsed: float, tokens_per_s: float, compiled: Compiled, sched: Any,
                   mfu: dict[str, float | None]) -> dict[str, Any]:
     """Write summary.json, loss.png and the schedule files; returns the summary."""
     from rpcompile.loggers import parse_report_to

@@ -19,11 +19,14 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rpcompile.runtime.errors import RuntimeFault
+
+if TYPE_CHECKING:
+    from rpcompile.runtime.trainer import Trainer
 
 __all__ = [
     "FORMAT",
@@ -105,7 +108,7 @@ def plan_identity(summary: Mapping[str, Any]) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def _split_state(trainer: Any, extra: Mapping[str, Any] | None,
+def _split_state(trainer: Trainer, extra: Mapping[str, Any] | None,
                  state: Mapping[str, Any] | None = None
                  ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """(tensors, manifest) of ``state`` (default: the trainer's current state)."""

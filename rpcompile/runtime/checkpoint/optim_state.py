@@ -7,11 +7,14 @@ the state records ``param_names``, not by position; a state without names loads 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rpcompile.runtime.checkpoint.format import CheckpointError
+
+if TYPE_CHECKING:
+    from rpcompile.runtime.memory import HostStore
 
 __all__ = [
     "match_optimizer_state",
@@ -19,13 +22,13 @@ __all__ = [
 ]
 
 
-def optimizer_param_names(store: Any, optimizer: torch.optim.Optimizer) -> list[str]:
+def optimizer_param_names(store: HostStore, optimizer: torch.optim.Optimizer) -> list[str]:
     """The name of the parameter behind each of ``optimizer``'s indexes (group by group)."""
     by_id = {id(p): name for name, p in store.named_masters()}
     return [by_id[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
-def match_optimizer_state(store: Any, state: Mapping[str, Any],
+def match_optimizer_state(store: HostStore, state: Mapping[str, Any],
                           optimizer: torch.optim.Optimizer, *, strict: bool = True,
                           require_names: bool = False, partial: bool = False) -> dict[str, Any]:
     """``state`` with its optimizer part indexed as ``optimizer`` indexes its parameters,

@@ -17,7 +17,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,6 +31,10 @@ from rpcompile.runtime.checkpoint.format import (
     _decode,
 )
 from rpcompile.runtime.checkpoint.merge import merge_shards
+
+if TYPE_CHECKING:
+    from rpcompile.runtime.memory import HostStore
+    from rpcompile.runtime.trainer import Trainer
 
 __all__ = [
     "Prepared",
@@ -106,7 +110,7 @@ def shards_to_read(manifest: Mapping[str, Any], owned: set[str] | None) -> list[
     return [s["rank"] for s in shards if owned.intersection(s["masters"])]
 
 
-def _check_listed_masters(manifest: Mapping[str, Any], store: Any, *, strict: bool) -> None:
+def _check_listed_masters(manifest: Mapping[str, Any], store: HostStore, *, strict: bool) -> None:
     """Refuse a per-rank checkpoint whose files' listed masters (all of them, read or not)
     lack a trainable parameter of ``store``'s model, or (``strict``) name a parameter it
     does not have: a partial load never sees the files it skips, so it checks here."""
@@ -129,7 +133,7 @@ def _check_listed_masters(manifest: Mapping[str, Any], store: Any, *, strict: bo
             "masters")
 
 
-def _rebuild_shards(folder: Path, manifest: Mapping[str, Any], store: Any,
+def _rebuild_shards(folder: Path, manifest: Mapping[str, Any], store: HostStore,
                     owned: set[str] | None = None, *, strict: bool = True
                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor], bool]:
     """(the state, rank 0's RNG tensors, whether the state is partial) of a per-rank
@@ -227,7 +231,7 @@ class Prepared:
     digest: str
 
 
-def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
+def prepare(trainer: Trainer, path: str | os.PathLike, *, strict: bool = True,
             allow_nonfinite: bool = False) -> Prepared:
     """Read the checkpoint folder ``path`` and check all of it against ``trainer`` (the files,
     the optimizer class, the RNG and loss-scale state, then ``Trainer.prepare_state``: names,
@@ -270,7 +274,7 @@ def prepare(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
                     None if seed is None else int(seed), hashlib.sha256(read).hexdigest())
 
 
-def apply(trainer: Any, prepared: Prepared) -> dict[str, Any]:
+def apply(trainer: Trainer, prepared: Prepared) -> dict[str, Any]:
     """Apply a :func:`prepare`-d checkpoint (it was checked; this cannot be refused); returns
     its ``extra`` dict."""
     trainer.apply_state(prepared.state)
@@ -288,7 +292,7 @@ def apply(trainer: Any, prepared: Prepared) -> dict[str, Any]:
     return dict(prepared.extra)
 
 
-def load(trainer: Any, path: str | os.PathLike, *, strict: bool = True,
+def load(trainer: Trainer, path: str | os.PathLike, *, strict: bool = True,
          allow_nonfinite: bool = False) -> dict[str, Any]:
     """Restore a checkpoint written by :func:`save` into ``trainer``; returns its ``extra``
     dict ({} when none was stored). Nothing changes unless every check passes. Data

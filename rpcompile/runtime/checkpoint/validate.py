@@ -4,11 +4,14 @@ changes: keys, mode, step, masters, shadows and the optimizer state's structure.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from rpcompile.runtime.checkpoint.format import CheckpointError
+
+if TYPE_CHECKING:
+    from rpcompile.runtime.trainer import Trainer
 
 __all__ = [
     "validate_state",
@@ -23,7 +26,7 @@ _SHAPED_STATE = ("SGD", "Adam", "AdamW", "Adagrad", "Adadelta", "Adamax", "ASGD"
                  "RAdam", "RMSprop", "Rprop")
 
 
-def validate_state(trainer: Any, state: Any, *, strict: bool = True,
+def validate_state(trainer: Trainer, state: Any, *, strict: bool = True,
                    allow_nonfinite: bool = False) -> None:
     """Check a ``Trainer.state_dict()``-shaped ``state`` against ``trainer`` without changing
     anything: keys, mode, step, every master's name, shape and finiteness, the shadows (async),

@@ -21,9 +21,12 @@ import shutil
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rpcompile.runtime.checkpoint.format import MANIFEST, TENSORS, CheckpointError, _split_state
+
+if TYPE_CHECKING:
+    from rpcompile.runtime.trainer import Trainer
 
 __all__ = [
     "begin_folder",
@@ -35,7 +38,7 @@ __all__ = [
 ]
 
 
-def save(trainer: Any, path: str | os.PathLike, *, extra: Mapping[str, Any] | None = None,
+def save(trainer: Trainer, path: str | os.PathLike, *, extra: Mapping[str, Any] | None = None,
          state: Mapping[str, Any] | None = None) -> Path:
     """Write ``trainer``'s state (or ``state``, a ``Trainer.state_dict()`` already taken) to
     the folder ``path`` atomically (see the module doc). One process: data parallel goes
@@ -122,7 +125,7 @@ def shard_file(rank: int, world: int) -> str:
     return f"shard-{rank:05d}-of-{world:05d}.safetensors"
 
 
-def write_shard(trainer: Any, tmp: Path, state: Mapping[str, Any],
+def write_shard(trainer: Trainer, tmp: Path, state: Mapping[str, Any],
                 extra: Mapping[str, Any] | None) -> tuple[dict[str, Any], dict[str, Any]]:
     """A per-rank checkpoint's part written by this rank (sharded data parallel): its own
     state's tensors in its own file in the folder ``tmp`` (fsynced). Returns (its entry for
