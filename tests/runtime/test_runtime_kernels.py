@@ -83,8 +83,8 @@ class _CudaKindWorker(VirtualWorker):
 def test_host_side_of_a_cuda_run_never_runs_the_interpreter(tiny, monkeypatch):
     # kernels="triton" means the compiled kernels on the GPU; the host's shadow refresh works
     # on CPU tensors, where Triton could only run its interpreter (~1 ms per program).
-    from rpcompile.runtime import trainer as trainer_module
     from rpcompile.runtime.memory import store as memory
+    from rpcompile.runtime.trainer import core as trainer_module
 
     backends = []
     real_cast_pack = memory.cast_pack
