@@ -8,7 +8,7 @@ virtual worker accounts: it allocates buffers, not a compute's transients). Ever
 lowered with the memory-bounding waits, and what a download sends home is given back at a
 compute the schedule names (Schedule.releases), so a run reaches the proof whatever the
 timing of its threads; this prints how close, over several runs (tests/passes/test_memory_plan.py
-holds the 5 % that the issue asks for).
+holds them to 5 %).
 
 Cases as the test's: each plan as compile() makes it (two gradient slots per worker), and
 once more with a capacity at its peak with one slot where that is lower (one slot then);
