@@ -33,9 +33,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from rpcompile.errors import InvalidInput
-from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.hardware import Hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.planner.partition import PartitionError, StageCosting, build_plan
+from rpcompile.planner.partition.stages import _planning_inputs
 
 __all__ = ["WEIGHT_MEMORY_FRACTION", "candidate_budgets", "greedy_pack", "partition_roundpipe"]
 
@@ -117,12 +118,7 @@ def partition_roundpipe(
     Raises :class:`~rpcompile.planner.partition.PartitionError` when one unit's weights and
     gradients alone exceed half of 60% of the GPU's memory.
     """
-    hw = get_hardware(hardware)
-    costing = costing or StageCosting()
-    units = tuple(units)
-    n = len(units)
-    if n < 2:
-        raise InvalidInput("a plan needs at least two units (something before the tail, and the tail)")
+    units, hw, costing = _planning_inputs(units, hardware, costing)
     if workers < 1:
         raise InvalidInput(f"workers must be >= 1, got {workers}")
     limit = WEIGHT_MEMORY_FRACTION * hw.memory_bytes

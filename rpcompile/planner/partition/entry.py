@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 from rpcompile.errors import InvalidInput, InvalidType
-from rpcompile.hardware import Hardware, get_hardware
+from rpcompile.hardware import Hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.options import PlanOptions, update_order
 from rpcompile.passes.memory import format_bytes
@@ -20,7 +20,7 @@ from rpcompile.planner.partition.memory_first import (
     memory_first_note,
 )
 from rpcompile.planner.partition.search import _NO_CAP, _ReplayCap
-from rpcompile.planner.partition.stages import StageCosting
+from rpcompile.planner.partition.stages import StageCosting, _planning_inputs
 from rpcompile.progress import StatusLine
 
 __all__ = [
@@ -152,12 +152,7 @@ def partition(
     search = budget.local_search if search is None else search
     # Every candidate is lowered, replayed and proven as the run will be.
     lowering = {"updates": updates, "grad_check_passes": grad_check_passes}
-    hw = get_hardware(hardware)
-    costing = costing or StageCosting()
-    units = tuple(units)
-    n = len(units)
-    if n < 2:
-        raise InvalidInput("a plan needs at least two units (something before the tail, and the tail)")
+    units, hw, costing = _planning_inputs(units, hardware, costing)
     capacity = hw.usable_memory_bytes
     fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
     args = SearchConfig(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,

@@ -7,7 +7,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import replace
 
-from rpcompile.errors import InvalidInput
 from rpcompile.hardware import Hardware
 from rpcompile.ir import Plan, UnitProfile
 from rpcompile.passes.lower import TIGHTEST_WAITS
@@ -19,7 +18,12 @@ from rpcompile.planner.partition.proofs import (
     _sync_period_proof,
 )
 from rpcompile.planner.partition.search import _partition
-from rpcompile.planner.partition.stages import StageCosting, _check_units_fit, build_plan
+from rpcompile.planner.partition.stages import (
+    StageCosting,
+    _check_units_fit,
+    _planning_inputs,
+    build_plan,
+)
 
 __all__ = [
     "MEMORY_FIRST_NOTE",
@@ -122,9 +126,8 @@ def memory_first_plan(units: Sequence[UnitProfile], hardware: Hardware | str, wo
     own forward stage and its own backward stage, the tail (the last unit) alone, the
     lowering's tightest memory-bounding waits (:data:`~rpcompile.passes.lower.TIGHTEST_WAITS`:
     one gradient slot per worker)."""
+    units, hardware, costing = _planning_inputs(units, hardware, costing)
     n = len(units)
-    if n < 2:
-        raise InvalidInput("a plan needs at least two units (something before the tail, and the tail)")
     cuts = list(range(n - 1))
     plan = build_plan(units, cuts, cuts, n - 1, hardware, workers, microbatches, microbatch_size,
                       seq_len, rounds, costing,

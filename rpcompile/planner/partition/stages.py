@@ -33,6 +33,17 @@ class StageCosting:
     recompute: str = "stage"
 
 
+def _planning_inputs(units: Sequence[UnitProfile], hardware: Hardware | str,
+                     costing: StageCosting | None
+                     ) -> tuple[tuple[UnitProfile, ...], Hardware, StageCosting]:
+    """What every partitioner starts from: the units as a tuple, the hardware profile and the
+    costing (default :class:`StageCosting`); refuses fewer than two units."""
+    units = tuple(units)
+    if len(units) < 2:
+        raise InvalidInput("a plan needs at least two units (something before the tail, and the tail)")
+    return units, get_hardware(hardware), costing or StageCosting()
+
+
 def build_plan(
     units: Sequence[UnitProfile],
     forward_bounds: Sequence[int],
