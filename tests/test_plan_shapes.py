@@ -186,3 +186,116 @@ def test_fit_plans_at_its_first_batch_and_trains_like_eager():
     eager_losses, eager = _eager(reference, batches)
     assert losses == pytest.approx(eager_losses, abs=1e-5)
     assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+
+
+def _eager_scheduled(model, batches, lr_lambda, stale):
+    """Eager HF training with SGD stepped by a LambdaLR after each step; ``stale``: the async
+    rule, update k applies step k's gradient computed at the weights before update k-1."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    behind = copy.deepcopy(model)  # the weights step k's gradient is computed at (async)
+    losses = []
+    for batch in batches:
+        at = behind if stale else model
+        at.zero_grad(set_to_none=True)
+        loss = at(**batch, use_cache=False).loss
+        loss.backward()
+        losses.append(float(loss))
+        if stale:
+            behind.load_state_dict(model.state_dict())
+            for p, q in zip(model.parameters(), at.parameters()):
+                p.grad = q.grad
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("mode", "fail_once"), [("sync", True), ("async", False)])
+def test_fit_plans_anew_for_a_larger_batch_with_its_scheduler_like_eager(
+        mode, fail_once, capsys, monkeypatch, tmp_path):
+    # A stream of three shapes: the second longer than the first (a new plan, made while two
+    # steps of the first are in flight), the third smaller than the second (runs on it). The
+    # scheduler, bound to the optimizer before the stream, drives every step's lr.
+    import rpcompile.runtime.trainer.core as trainer_core
+
+    model = hf_model("qwen3", seed=3)
+    reference = copy.deepcopy(model)
+    batches = [sft_batch(6, 10, seed=1), sft_batch(6, 10, seed=2),
+               sft_batch(6, 16, left=True, seed=3), sft_batch(6, 16, seed=4),
+               sft_batch(4, 8, seed=5)]
+
+    def lr_lambda(k):
+        return 1.0 / (k + 1)
+
+    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3, optimizer=_sgd,
+                                 plan=PlanOptions(progress=True, mode=mode),
+                                 train=TrainOptions(chaos=5))
+    saved = None
+    try:
+        compiled.plan_for(batches[0])
+        optimizer = compiled.optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        stream = compiled.fit(batches, scheduler=scheduler)
+        results = []
+        if fail_once:
+            # The new plan's workers fail to start: the re-plan raises, the previous plan
+            # and the two committed steps stay, and the stream goes on from there.
+            make_workers = trainer_core.make_workers
+            failed = []
+
+            def failing(*args, **kwargs):
+                if not failed:
+                    failed.append(1)
+                    raise RuntimeError("planted: no workers")
+                return make_workers(*args, **kwargs)
+
+            monkeypatch.setattr(trainer_core, "make_workers", failing)
+            results += [next(stream), next(stream)]
+            with pytest.raises(RuntimeError, match="planted: no workers"):
+                next(stream)
+            assert failed and compiled.plans_made == [(2, 10)]
+            assert compiled.trainer().steps_done == 2 and scheduler.last_epoch == 2
+        results += list(stream)
+        assert [r.step for r in results] == list(range(len(batches)))
+        assert compiled.optimizer is optimizer and scheduler.last_epoch == len(batches)
+        losses = [float(r.loss) for r in results]
+        masters = compiled.trainer().masters()
+        saved = compiled.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        compiled.close()
+    notices = [line for line in capsys.readouterr().err.splitlines()
+               if line.startswith("rpcompile: planned for")]
+    assert compiled.plans_made == [(2, 10), (2, 16)]
+    assert len(notices) == len(compiled.plans_made)
+    assert "larger than the plan's 2 x 10" in notices[1]
+    eager_losses, eager = _eager_scheduled(reference, batches, lr_lambda, stale=mode == "async")
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+
+    # A checkpoint saved after the new plan resumes at the new plan's shape.
+    fresh = rpcompile.compile(hf_model("qwen3", seed=4), gpus=3, device="virtual",
+                              microbatches=3, optimizer=_sgd, plan=PlanOptions(mode=mode))
+    try:
+        fresh.load_checkpoint(saved)
+        assert fresh.plans_made == [(2, 16)]
+        got = fresh.trainer().masters()
+        assert all(torch.equal(got[n], masters[n]) for n in masters)
+    finally:
+        fresh.close()
+
+
+def test_fit_with_a_fixed_shape_refuses_a_larger_batch_after_the_steps_before_it():
+    compiled = rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, device="virtual",
+                                 microbatches=2, optimizer=_sgd,
+                                 plan=PlanOptions(dynamic=False, progress=False))
+    try:
+        stream = compiled.fit([sft_batch(4, 10, seed=1), sft_batch(4, 8, seed=2),
+                               sft_batch(4, 12, seed=3)])
+        with pytest.raises(ValueError, match="larger than the plan's shape"):
+            list(stream)
+        assert compiled.plans_made == [(2, 10)]
+        compiled.trainer().flush()  # the steps before it commit
+        assert compiled.trainer().steps_done == 2
+    finally:
+        compiled.close()

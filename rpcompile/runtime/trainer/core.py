@@ -350,9 +350,6 @@ class Trainer(TrainerState):
         ``trainer.step(batch)`` is the same step, run alone."""
         from rpcompile.runtime.stream import StepStream
 
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
-                                  or steps < 0):
-            raise InvalidInput(f"steps must be a whole number >= 0 or None, got {steps!r}")
         return StepStream(self, batches, steps, scheduler)
 
     def _bind(self, batch: Any, step: int) -> dict[str, torch.Tensor]:
