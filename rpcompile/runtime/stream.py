@@ -52,7 +52,8 @@ class StepStream(Iterator[StepResult]):
     ``batches`` (at most ``steps`` of them; see ``Trainer.fit``). ``committed``: the steps it
     has committed, which equals the batches it has taken from ``batches`` once no step is in
     flight (after a ``flush()``, a checkpoint, or the end). ``in_flight``: the batches taken
-    and not yet committed (run again first after a failure)."""
+    and not yet committed (run again first after a failure), a batch held for a new plan
+    included."""
 
     def __init__(self, trainer: Trainer, batches: Iterable[Any], steps: int | None,
                  scheduler: Any = None, planner: Planner | None = None) -> None:
@@ -127,23 +128,23 @@ class StepStream(Iterator[StepResult]):
 
     def _fill(self, replan: bool = False) -> None:
         """Submit steps until the executor holds as many in flight as it runs at once. A
-        batch that cannot be bound or submitted goes back first in line, and the error is
-        raised. A batch that needs a new plan is held; with no step in flight and
-        ``replan``, the plan is made for it here and the stream goes on on its trainer
-        (``replan`` is off for the fill after a result, so that a re-plan's notice and a
-        failure of it come from ``next()`` itself)."""
+        batch that cannot be bound or submitted, or planned for, goes back first in line,
+        and the error is raised. A batch that needs a new plan is held; with no step in
+        flight and ``replan``, the plan is made for it here and the stream goes on with the
+        new plan's trainer (``replan`` is off in the fill after a result, so that a re-plan,
+        its notice and its failure come from ``next()`` itself)."""
         executor = self._trainer.executor
         while executor.in_flight < executor.in_flight_limit:
             batch = self._take()
             if batch is None:
                 return
-            if self._planner is not None and self._planner.outgrows(batch):
-                if self._ahead or not replan:
-                    self._held = batch  # once the steps in flight have committed
-                    return
-                self._replan(batch)
-                executor = self._trainer.executor
             try:
+                if self._planner is not None and self._planner.outgrows(batch):
+                    if self._ahead or not replan:
+                        self._held = batch  # until the steps in flight have committed
+                        return
+                    self._replan(batch)
+                    executor = self._trainer.executor
                 k = executor.next_step
                 executor.start(self._trainer._bind(batch, k), self._after_commit)
             except BaseException:
@@ -152,15 +153,14 @@ class StepStream(Iterator[StepResult]):
             self._ahead.append((k, batch))
 
     def _replan(self, batch: Any) -> None:
-        """Plan for ``batch`` (nothing in flight) and go on with the new plan's trainer; on
-        failure the batch stays held, the stream on the trainer of the last committed state."""
+        """Plan for ``batch`` (nothing in flight) and go on with the new plan's trainer; after
+        a failure, with the trainer that holds the last committed state."""
         try:
             self._planner.replan(batch)
         except BaseException:
-            self._held = batch
             try:
                 self._trainer = self._planner.trainer()
-            except BaseException:  # no trainer to go on with: the re-plan's error is the one
+            except Exception:  # none to go on with: the re-plan's own error is raised
                 pass
             raise
         self._trainer = self._planner.trainer()
