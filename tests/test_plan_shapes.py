@@ -299,3 +299,29 @@ def test_fit_with_a_fixed_shape_refuses_a_larger_batch_after_the_steps_before_it
         assert compiled.trainer().steps_done == 2
     finally:
         compiled.close()
+
+
+def test_a_new_plan_in_a_fit_stream_draws_the_same_dropout_masks():
+    # Dropout on: a stream that plans anew at its third batch trains as a model planned for
+    # the largest shape from the start. Masks are drawn per sequence from the step's seed, so
+    # this holds only if the new plan goes on with the same seed stream at the same steps.
+    from tests.capture.test_dropout import _tiny
+
+    batches = [sft_batch(6, 10, seed=1), sft_batch(6, 10, seed=2),
+               sft_batch(6, 16, seed=3), sft_batch(4, 8, seed=4)]
+
+    def run(example):
+        compiled = rpcompile.compile(_tiny("sdpa"), gpus=2, device="virtual", microbatches=3,
+                                     optimizer=_sgd, example_inputs=example,
+                                     plan=PlanOptions(progress=False))
+        try:
+            losses = [float(r.loss) for r in compiled.fit(batches)]
+            return losses, compiled.trainer().masters(), compiled.plans_made
+        finally:
+            compiled.close()
+
+    losses, masters, plans = run(None)
+    want_losses, want, want_plans = run(batches[2])
+    assert plans == [(2, 10), (2, 16)] and want_plans == [(2, 16)]
+    assert losses == pytest.approx(want_losses, abs=1e-6)
+    assert max(float((masters[n] - want[n]).abs().max()) for n in masters) < 1e-6
