@@ -89,8 +89,8 @@ class _FitPlanner:
     def __init__(self, compiled: Compiled) -> None:
         self._compiled = compiled
 
-    def outgrows(self, batch: Any) -> bool:
-        return self._compiled._shape_wanted(batch, agree=False) is not None
+    def outgrows(self, bound: dict[str, Any]) -> bool:
+        return self._compiled._shape_wanted(_batch_shape(bound)) is not None
 
     def replan(self, batch: Any) -> None:
         self._compiled.plan_for(batch)
@@ -157,16 +157,6 @@ class Compiled(CompiledState):
         to the step, which refuses it. ``agree`` (what :meth:`step` does): data parallel,
         the ranks agree on the largest shape first, a collective, so that every rank keeps
         the same plan."""
-        want = self._shape_wanted(batch, agree)
-        if want is None:
-            return False
-        self._plan_shape(want, why="the first batch" if self.plan is None else
-                         f"a batch larger than the plan's {_shape_text(_shape_of(self))}")
-        return True
-
-    def _shape_wanted(self, batch: Any, agree: bool) -> tuple[int, int] | None:
-        """The per-microbatch shape (sequences, tokens) a plan for ``batch`` is made for
-        (:meth:`plan_for`); None when the plan holds it, or is fixed (``dynamic=False``)."""
         from rpcompile.capture.batch import normalize_batch
 
         normal = normalize_batch(self.model, batch, self.capture.loss_fn,
@@ -180,6 +170,17 @@ class Compiled(CompiledState):
                 "data parallel: the ranks agree on the plan's shape at a step (a collective), "
                 "and this model has no plan yet: train a step first, or compile with "
                 "example_inputs")
+        want = self._shape_wanted(shape)
+        if want is None:
+            return False
+        self._plan_shape(want, why="the first batch" if self.plan is None else
+                         f"a batch larger than the plan's {_shape_text(_shape_of(self))}")
+        return True
+
+    def _shape_wanted(self, shape: tuple[int, int]) -> tuple[int, int] | None:
+        """The per-microbatch shape (sequences, tokens) to plan for so that the plan holds a
+        batch of ``shape`` (sequences, tokens per sequence); None when the plan holds it
+        already, or is fixed (``dynamic=False``)."""
         sequences, seq = shape
         parts = self.microbatches * self.rounds
         want = (largest_microbatch(sequences, parts), seq)

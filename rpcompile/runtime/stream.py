@@ -36,8 +36,9 @@ __all__ = ["Planner", "StepStream"]
 class Planner(Protocol):
     """How a stream re-plans for a larger batch (``Compiled.fit`` gives one)."""
 
-    def outgrows(self, batch: Any) -> bool:
-        """Whether ``batch`` needs a new plan (larger than the running plan's shape)."""
+    def outgrows(self, bound: dict[str, Any]) -> bool:
+        """Whether ``bound``, a batch as the running trainer binds it, needs a new plan
+        (larger than the running plan's shape)."""
 
     def replan(self, batch: Any) -> None:
         """Plan for ``batch`` and move the trained state to the new plan's trainer; called
@@ -139,14 +140,18 @@ class StepStream(Iterator[StepResult]):
             if batch is None:
                 return
             try:
-                if self._planner is not None and self._planner.outgrows(batch):
+                k = executor.next_step
+                planner = self._planner
+                bound = self._trainer._bind(batch, k, check_shape=planner is None)
+                if planner is not None and planner.outgrows(bound):
                     if self._ahead or not replan:
                         self._held = batch  # until the steps in flight have committed
                         return
                     self._replan(batch)
                     executor = self._trainer.executor
-                k = executor.next_step
-                executor.start(self._trainer._bind(batch, k), self._after_commit)
+                    k = executor.next_step
+                    bound = self._trainer._bind(batch, k)  # against the new plan
+                executor.start(bound, self._after_commit)
             except BaseException:
                 self._retry.appendleft(batch)
                 raise

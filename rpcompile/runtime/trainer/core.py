@@ -352,10 +352,11 @@ class Trainer(TrainerState):
 
         return StepStream(self, batches, steps, scheduler)
 
-    def _bind(self, batch: Any, step: int) -> dict[str, torch.Tensor]:
+    def _bind(self, batch: Any, step: int, check_shape: bool = True) -> dict[str, torch.Tensor]:
         """``batch`` as the executor runs it at run step ``step`` (its dropout seeds are the
-        step's), checked against the plan's shape; data parallel, with the whole global
-        batch's token count agreed with the other ranks (the step's start)."""
+        step's), checked against the plan's shape (unless ``check_shape`` is False: a stream
+        that re-plans for a larger batch checks it itself); data parallel, with the whole
+        global batch's token count agreed with the other ranks (the step's start)."""
         from rpcompile.capture.batch import NUM_ITEMS, bind_batch
 
         if self._refused:
@@ -363,7 +364,8 @@ class Trainer(TrainerState):
         try:
             self._refuse_merged_adapters()
             bound = bind_batch(self.compiled.capture, batch, step=step)
-            check_plan_shape(self.compiled, bound)
+            if check_shape:
+                check_plan_shape(self.compiled, bound)
         except BaseException as exc:
             if self.dp is not None:
                 self.dp.abandon(f"step {step} refused its batch on rank "
