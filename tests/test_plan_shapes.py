@@ -325,3 +325,43 @@ def test_a_new_plan_in_a_fit_stream_draws_the_same_dropout_masks():
     assert plans == [(2, 10), (2, 16)] and want_plans == [(2, 16)]
     assert losses == pytest.approx(want_losses, abs=1e-6)
     assert max(float((masters[n] - want[n]).abs().max()) for n in masters) < 1e-6
+
+
+def test_a_step_that_fails_while_a_larger_batch_waits_runs_again_before_the_new_plan(
+        monkeypatch):
+    # Step 2 fails while the larger batch 3 waits for the steps in flight: the discarded
+    # steps run again on the old plan, then the new plan is made and batch 3 runs on it.
+    from rpcompile.runtime.executor import Executor, StepFailed
+
+    model = hf_model("qwen3", seed=3)
+    reference = copy.deepcopy(model)
+    batches = [sft_batch(6, 10, seed=s) for s in (1, 2, 3)] + [sft_batch(6, 16, seed=4)]
+    original, fired = Executor._do_B, []
+
+    def failing(self, run, action):
+        if run.k == 2 and not fired:
+            fired.append(run.k)
+            raise RuntimeError("planted: a backward job")
+        return original(self, run, action)
+
+    monkeypatch.setattr(Executor, "_do_B", failing)
+    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3, optimizer=_sgd,
+                                 plan=PlanOptions(progress=False), train=TrainOptions(chaos=3))
+    try:
+        stream = compiled.fit(batches)
+        results = []
+        with pytest.raises(StepFailed):
+            while True:
+                results.append(next(stream))
+        assert fired == [2] and len(results) == 2 and compiled.plans_made == [(2, 10)]
+        assert stream.in_flight == 2  # batch 2 to run again, batch 3 held
+        results += list(stream)
+        assert [r.step for r in results] == [0, 1, 2, 3]
+        assert compiled.plans_made == [(2, 10), (2, 16)]
+        losses = [float(r.loss) for r in results]
+        masters = compiled.trainer().masters()
+    finally:
+        compiled.close()
+    eager_losses, eager = _eager(reference, batches)
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5

@@ -80,7 +80,8 @@ class StepStream(Iterator[StepResult]):
 
     def end(self) -> None:
         """Take no more batches from the source: the steps in flight (and a discarded step's
-        batch, run again) still commit, and ``next()`` hands their results back, then ends.
+        batch, run again, or one held for a new plan) still commit, and ``next()`` hands
+        their results back, then ends.
         A training loop that must stop (a signal) ends its stream this way, with every step
         it drew committed."""
         self._left = 0
