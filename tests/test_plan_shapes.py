@@ -234,6 +234,7 @@ def test_fit_plans_anew_for_a_larger_batch_with_its_scheduler_like_eager(
     saved = None
     try:
         compiled.plan_for(batches[0])
+        first = compiled.trainer()
         optimizer = compiled.optimizer
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
         stream = compiled.fit(batches, scheduler=scheduler)
@@ -259,6 +260,8 @@ def test_fit_plans_anew_for_a_larger_batch_with_its_scheduler_like_eager(
         results += list(stream)
         assert [r.step for r in results] == list(range(len(batches)))
         assert compiled.optimizer is optimizer and scheduler.last_epoch == len(batches)
+        with pytest.raises(RuntimeError, match=r"retired .* compiled\.save_checkpoint"):
+            first.masters()  # the first plan's trainer: its state moved on
         losses = [float(r.loss) for r in results]
         masters = compiled.trainer().masters()
         saved = compiled.save_checkpoint(tmp_path / "ckpt")

@@ -219,8 +219,15 @@ class Compiled(CompiledState):
         state = optimizer = None
         if self._trainer is not None:
             state = self._trainer.state_dict()  # async: the pending gradients applied first
-            optimizer = self._trainer.optimizer
-            self._drop_trainer()
+            optimizer, retired = self._trainer.optimizer, self._trainer
+            self._trainer = None
+            _OPEN.pop(id(self), None)
+            # A caller still holding it would read, or save, a state the run has left.
+            retired.retire(
+                f"this trainer was retired when the compiled model planned for microbatches "
+                f"of {_shape_text(shape)} ({why}); its state moved to compiled.trainer(): "
+                "train, read and save through the compiled model (compiled.trainer(), "
+                "compiled.save_checkpoint(), compiled.state_dict())")
         planned = ("capture", "unit_costs", "profiles", "plan", "stages", "hardware",
                    "history", "schedule", "memory", "host", "host_ram")
         before = {name: getattr(self, name) for name in planned}

@@ -151,7 +151,8 @@ class Trainer(TrainerState):
             grad_check_passes(max_grad_norm=options.max_grad_norm,
                               loss_scale=options.loss_scale))
         # Why steps (and reads of the masters) are refused: a step failed with the undo
-        # journal off, so an update may be half-applied (cleared by loading a state).
+        # journal off, so an update may be half-applied (cleared by loading a state); or the
+        # trainer was retired, its state moved to a new plan's trainer.
         self._refused = ""
         self._stepping = threading.Lock()
         self.host_memory = self._host_figure(compiled, mode, world,
@@ -333,6 +334,8 @@ class Trainer(TrainerState):
         ``step()`` loop calling ``scheduler.step()`` after each step gives it (a loop that
         steps it itself, after each result, is a step or two late: the next steps have
         already opened). A step discarded by a failure has not stepped it.
+        A batch larger than the plan's shape is refused: a trainer runs one plan
+        (``Compiled.fit`` makes a new plan for it and goes on with that plan's trainer).
 
         A failure raises :class:`StepFailed` from ``next()``: every step not yet committed is
         discarded (the state is the last committed step's), and the stream stays usable: the
@@ -547,6 +550,13 @@ class Trainer(TrainerState):
             for w in self.workers:
                 w.shutdown()
             self.executor.staging.release()  # the free staging buffers (lent ones stay)
+
+    def retire(self, why: str) -> None:
+        """Close this trainer for good once its state has moved to another trainer (a new
+        plan's): every later step and every read of its masters or state raises
+        :class:`StateError` with ``why``, since what it still holds is no longer the run's."""
+        self.close()
+        self._refused = why
 
     def __enter__(self) -> Trainer:
         return self
