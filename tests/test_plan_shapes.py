@@ -368,3 +368,27 @@ def test_a_step_that_fails_while_a_larger_batch_waits_runs_again_before_the_new_
     eager_losses, eager = _eager(reference, batches)
     assert losses == pytest.approx(eager_losses, abs=1e-5)
     assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+
+
+def test_the_loss_scale_moves_on_to_the_new_plan():
+    # Every clean step doubles the scale (growth_interval=1); a new plan goes on from the scale
+    # the run reached, not from init_scale, and the steps still train like eager.
+    from rpcompile.options import LossScaleConfig
+
+    model = hf_model("qwen3", seed=3)
+    reference = copy.deepcopy(model)
+    batches = [sft_batch(4, 10, seed=1), sft_batch(4, 10, seed=2), sft_batch(4, 16, seed=3)]
+    compiled = rpcompile.compile(
+        model, gpus=2, device="virtual", microbatches=2, optimizer=_sgd,
+        plan=PlanOptions(progress=False),
+        train=TrainOptions(loss_scale=LossScaleConfig(init_scale=16.0, growth_interval=1)))
+    try:
+        losses = [float(r.loss) for r in compiled.fit(batches)]
+        assert compiled.plans_made == [(2, 10), (2, 16)]
+        assert compiled.trainer().loss_scaler.scale == 16.0 * 2 ** len(batches)
+        masters = compiled.trainer().masters()
+    finally:
+        compiled.close()
+    eager_losses, eager = _eager(reference, batches)
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5

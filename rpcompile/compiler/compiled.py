@@ -220,6 +220,8 @@ class Compiled(CompiledState):
         if self._trainer is not None:
             state = self._trainer.state_dict()  # async: the pending gradients applied first
             optimizer, retired = self._trainer.optimizer, self._trainer
+            if retired.loss_scaler is not None:  # the scale moves on with the run too
+                state = dict(state, loss_scale=retired.loss_scaler.state_dict())
             self._trainer = None
             _OPEN.pop(id(self), None)
             # A caller still holding it would read, or save, a state the run has left.
@@ -249,11 +251,15 @@ class Compiled(CompiledState):
                 f"predicted step {self.plan.predicted_step_ms:,.1f} ms")
 
     def _resume(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
-        """A trainer of the current plan, driving ``optimizer``, with ``state`` loaded."""
+        """A trainer of the current plan, driving ``optimizer``, with ``state`` (and the loss
+        scaler's state, ``loss_scale``, when the run scales its loss) loaded."""
         trainer = self.trainer()
         trainer.adopt_optimizer(optimizer, state["param_names"])
         state = dict(state)
         state.pop("plan", None)  # the state is per parameter; the new plan is this one
+        scale = state.pop("loss_scale", None)
+        if scale is not None:  # first: loading the state restarts the steps' scales from it
+            trainer.loss_scaler.load_state_dict(scale)
         trainer.load_state_dict(state)
 
     def _drop_trainer(self) -> None:
