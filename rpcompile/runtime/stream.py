@@ -14,8 +14,8 @@ A stream given a ``planner`` (``Compiled.fit``) follows the data's shapes: a bat
 the running plan's shape is held back while the steps in flight drain and commit (no step
 follows them on the old plan), then the planner makes a plan for it and hands over the trainer
 that runs it, with the trained state, the optimizer object and the step counter moved over, and
-the held batch runs first on the new plan. A failed re-plan keeps the batch held: the next
-``next()`` tries again, on the last committed state.
+the held batch runs first on the new plan. A failed re-plan puts the batch back first in
+line: the next ``next()`` tries again, from the last committed state.
 """
 
 from __future__ import annotations
