@@ -186,3 +186,191 @@ def test_fit_plans_at_its_first_batch_and_trains_like_eager():
     eager_losses, eager = _eager(reference, batches)
     assert losses == pytest.approx(eager_losses, abs=1e-5)
     assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+
+
+def _eager_scheduled(model, batches, lr_lambda, stale):
+    """Eager HF training with SGD stepped by a LambdaLR after each step; ``stale``: the async
+    rule, update k applies step k's gradient computed at the weights before update k-1."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+    behind = copy.deepcopy(model)  # the weights step k's gradient is computed at (async)
+    losses = []
+    for batch in batches:
+        at = behind if stale else model
+        at.zero_grad(set_to_none=True)
+        loss = at(**batch, use_cache=False).loss
+        loss.backward()
+        losses.append(float(loss))
+        if stale:
+            behind.load_state_dict(model.state_dict())
+            for p, q in zip(model.parameters(), at.parameters()):
+                p.grad = q.grad
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        scheduler.step()
+    return losses, {n: p.detach() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(("mode", "fail_once"), [("sync", True), ("async", False)])
+def test_fit_plans_anew_for_a_larger_batch_with_its_scheduler_like_eager(
+        mode, fail_once, capsys, monkeypatch, tmp_path):
+    # A stream of three shapes: the second longer than the first (a new plan, made while two
+    # steps of the first are in flight), the third smaller than the second (runs on it). The
+    # scheduler, bound to the optimizer before the stream, drives every step's lr.
+    import rpcompile.runtime.trainer.core as trainer_core
+
+    model = hf_model("qwen3", seed=3)
+    reference = copy.deepcopy(model)
+    batches = [sft_batch(6, 10, seed=1), sft_batch(6, 10, seed=2),
+               sft_batch(6, 16, left=True, seed=3), sft_batch(6, 16, seed=4),
+               sft_batch(4, 8, seed=5)]
+
+    def lr_lambda(k):
+        return 1.0 / (k + 1)
+
+    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3, optimizer=_sgd,
+                                 plan=PlanOptions(progress=True, mode=mode),
+                                 train=TrainOptions(chaos=5))
+    saved = None
+    try:
+        compiled.plan_for(batches[0])
+        first = compiled.trainer()
+        optimizer = compiled.optimizer
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
+        stream = compiled.fit(batches, scheduler=scheduler)
+        results = []
+        if fail_once:
+            # The new plan's workers fail to start: the re-plan raises, the previous plan
+            # and the two committed steps stay, and the stream goes on from there.
+            make_workers = trainer_core.make_workers
+            failed = []
+
+            def failing(*args, **kwargs):
+                if not failed:
+                    failed.append(1)
+                    raise RuntimeError("planted: no workers")
+                return make_workers(*args, **kwargs)
+
+            monkeypatch.setattr(trainer_core, "make_workers", failing)
+            results += [next(stream), next(stream)]
+            with pytest.raises(RuntimeError, match="planted: no workers"):
+                next(stream)
+            assert failed and compiled.plans_made == [(2, 10)]
+            assert compiled.trainer().steps_done == 2 and scheduler.last_epoch == 2
+        results += list(stream)
+        assert [r.step for r in results] == list(range(len(batches)))
+        assert compiled.optimizer is optimizer and scheduler.last_epoch == len(batches)
+        with pytest.raises(RuntimeError, match=r"retired .* compiled\.save_checkpoint"):
+            first.masters()  # the first plan's trainer: its state moved on
+        losses = [float(r.loss) for r in results]
+        masters = compiled.trainer().masters()
+        saved = compiled.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        compiled.close()
+    notices = [line for line in capsys.readouterr().err.splitlines()
+               if line.startswith("rpcompile: planned for")]
+    assert compiled.plans_made == [(2, 10), (2, 16)]
+    assert len(notices) == len(compiled.plans_made)
+    assert "larger than the plan's 2 x 10" in notices[1]
+    eager_losses, eager = _eager_scheduled(reference, batches, lr_lambda, stale=mode == "async")
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+
+    # A checkpoint saved after the new plan resumes at the new plan's shape.
+    fresh = rpcompile.compile(hf_model("qwen3", seed=4), gpus=3, device="virtual",
+                              microbatches=3, optimizer=_sgd, plan=PlanOptions(mode=mode))
+    try:
+        fresh.load_checkpoint(saved)
+        assert fresh.plans_made == [(2, 16)]
+        got = fresh.trainer().masters()
+        assert all(torch.equal(got[n], masters[n]) for n in masters)
+    finally:
+        fresh.close()
+
+
+def test_fit_with_a_fixed_shape_refuses_a_larger_batch_after_the_steps_before_it():
+    compiled = rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, device="virtual",
+                                 microbatches=2, optimizer=_sgd,
+                                 plan=PlanOptions(dynamic=False, progress=False))
+    try:
+        stream = compiled.fit([sft_batch(4, 10, seed=1), sft_batch(4, 8, seed=2),
+                               sft_batch(4, 12, seed=3)])
+        with pytest.raises(ValueError, match="larger than the plan's shape"):
+            list(stream)
+        assert compiled.plans_made == [(2, 10)]
+        compiled.trainer().flush()  # the steps before it commit
+        assert compiled.trainer().steps_done == 2
+    finally:
+        compiled.close()
+
+
+def test_a_new_plan_in_a_fit_stream_draws_the_same_dropout_masks():
+    # Dropout on: a stream that plans anew at its third batch trains as a model planned for
+    # the largest shape from the start. Masks are drawn per sequence from the step's seed, so
+    # this holds only if the new plan goes on with the same seed stream at the same steps.
+    from tests.capture.test_dropout import _tiny
+
+    batches = [sft_batch(6, 10, seed=1), sft_batch(6, 10, seed=2),
+               sft_batch(6, 16, seed=3), sft_batch(4, 8, seed=4)]
+
+    def run(example):
+        compiled = rpcompile.compile(_tiny("sdpa"), gpus=2, device="virtual", microbatches=3,
+                                     optimizer=_sgd, example_inputs=example,
+                                     plan=PlanOptions(progress=False))
+        try:
+            losses = [float(r.loss) for r in compiled.fit(batches)]
+            return losses, compiled.trainer().masters(), compiled.plans_made
+        finally:
+            compiled.close()
+
+    losses, masters, plans = run(None)
+    want_losses, want, want_plans = run(batches[2])
+    assert plans == [(2, 10), (2, 16)] and want_plans == [(2, 16)]
+    assert losses == pytest.approx(want_losses, abs=1e-6)
+    assert max(float((masters[n] - want[n]).abs().max()) for n in masters) < 1e-6
+
+
+def test_a_step_that_fails_while_a_larger_batch_waits_runs_again_before_the_new_plan(
+        monkeypatch):
+    # Step 2 fails while the larger batch 3 waits for the steps in flight: the discarded
+    # steps run again on the old plan, then the new plan is made and batch 3 runs on it. The
+    # loss scale doubles at every committed step (growth_interval=1) and a failed step leaves
+    # it as it was, so it tells whether the new plan went on from the scale the run reached.
+    from rpcompile.options import LossScaleConfig
+    from rpcompile.runtime.executor import Executor, StepFailed
+
+    model = hf_model("qwen3", seed=3)
+    reference = copy.deepcopy(model)
+    batches = [sft_batch(6, 10, seed=s) for s in (1, 2, 3)] + [sft_batch(6, 16, seed=4)]
+    original, fired = Executor._do_B, []
+
+    def failing(self, run, action):
+        if run.k == 2 and not fired:
+            fired.append(run.k)
+            raise RuntimeError("planted: a backward job")
+        return original(self, run, action)
+
+    monkeypatch.setattr(Executor, "_do_B", failing)
+    compiled = rpcompile.compile(model, gpus=3, device="virtual", microbatches=3, optimizer=_sgd,
+                                 plan=PlanOptions(progress=False),
+                                 train=TrainOptions(chaos=3, loss_scale=LossScaleConfig(
+                                     init_scale=16.0, growth_interval=1)))
+    try:
+        stream = compiled.fit(batches)
+        results = []
+        with pytest.raises(StepFailed):
+            while True:
+                results.append(next(stream))
+        assert fired == [2] and len(results) == 2 and compiled.plans_made == [(2, 10)]
+        assert stream.in_flight == 2  # batch 2 to run again, batch 3 held
+        results += list(stream)
+        assert [r.step for r in results] == [0, 1, 2, 3]
+        assert compiled.plans_made == [(2, 10), (2, 16)]
+        assert compiled.trainer().loss_scaler.scale == 16.0 * 2 ** len(batches)
+        losses = [float(r.loss) for r in results]
+        masters = compiled.trainer().masters()
+    finally:
+        compiled.close()
+    eager_losses, eager = _eager(reference, batches)
+    assert losses == pytest.approx(eager_losses, abs=1e-5)
+    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5

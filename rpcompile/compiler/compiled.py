@@ -82,6 +82,23 @@ __all__ = [
 ]
 
 
+class _FitPlanner:
+    """A :meth:`Compiled.fit` stream's planner (``rpcompile.runtime.stream.Planner``): a batch
+    outgrows the plan when :meth:`Compiled.plan_for` would plan for it."""
+
+    def __init__(self, compiled: Compiled) -> None:
+        self._compiled = compiled
+
+    def outgrows(self, bound: dict[str, Any]) -> bool:
+        return self._compiled._shape_wanted(_batch_shape(bound)) is not None
+
+    def replan(self, batch: Any) -> None:
+        self._compiled.plan_for(batch)
+
+    def trainer(self) -> Any:
+        return self._compiled.trainer()
+
+
 @dataclass
 class Compiled(CompiledState):
     """A compiled model: every artifact of the flow, open for inspection."""
@@ -135,11 +152,12 @@ class Compiled(CompiledState):
         """Make sure the plan holds ``batch``: plan for its shape when there is no plan yet,
         or (``PlanOptions.dynamic``) plan anew when it is larger than the proven shape, for
         the larger of the two in each dimension, so every batch that fitted still fits. The
-        trained state carries over to the new plan's trainer. Returns whether a plan was
-        made. A larger batch under ``dynamic=False`` is left to the step, which refuses it.
-        ``agree`` (what :meth:`step` does): data parallel, the ranks agree on the largest
-        shape first, a collective, so that every rank keeps the same plan."""
-        from rpcompile.capture.batch import largest_microbatch, normalize_batch
+        trained state carries over to the new plan's trainer, and its optimizer object with
+        it. Returns whether a plan was made. A larger batch under ``dynamic=False`` is left
+        to the step, which refuses it. ``agree`` (what :meth:`step` does): data parallel,
+        the ranks agree on the largest shape first, a collective, so that every rank keeps
+        the same plan."""
+        from rpcompile.capture.batch import normalize_batch
 
         normal = normalize_batch(self.model, batch, self.capture.loss_fn,
                                  causal=self.capture.loss_reduction == "sum")
@@ -152,23 +170,44 @@ class Compiled(CompiledState):
                 "data parallel: the ranks agree on the plan's shape at a step (a collective), "
                 "and this model has no plan yet: train a step first, or compile with "
                 "example_inputs")
+        want = self._shape_wanted(shape)
+        if want is None:
+            return False
+        self._plan_shape(want, why="the first batch" if self.plan is None else
+                         f"a batch larger than the plan's {_shape_text(_shape_of(self))}")
+        return True
+
+    def _shape_wanted(self, shape: tuple[int, int]) -> tuple[int, int] | None:
+        """The per-microbatch shape (sequences, tokens) to plan for so that the plan holds a
+        batch of ``shape`` (sequences, tokens per sequence); None when the plan holds it
+        already, or is fixed (``dynamic=False``)."""
         sequences, seq = shape
         parts = self.microbatches * self.rounds
         want = (largest_microbatch(sequences, parts), seq)
         if self.plan is not None:
             have = _shape_of(self)
             if (want[0] <= have[0] and want[1] <= have[1]) or not self.options.plan.dynamic:
-                return False
+                return None
             want = (max(want[0], have[0]), max(want[1], have[1]))
-        self._plan_shape(want, why="the first batch" if self.plan is None else
-                         f"a batch larger than the plan's {_shape_text(_shape_of(self))}")
-        return True
+        return want
 
     def _plan_shape(self, shape: tuple[int, int], why: str) -> None:
         """Plan for microbatches of ``shape`` (sequences, tokens), adopt the plan, and move a
-        running trainer's state over to a trainer of it."""
+        running trainer's state over to a trainer of it: masters, optimizer state, step
+        counters (``state_dict``), and the optimizer object itself
+        (``Trainer.adopt_optimizer``), so an lr scheduler bound to it drives the new plan's
+        updates. A failure after the running trainer stopped puts the previous plan back,
+        with a trainer holding that state, and raises."""
         import time
 
+        if self._trainer is not None and self._trainer.sharded:
+            raise StateError(
+                f"this batch needs a plan for microbatches of {_shape_text(shape)} ({why}), "
+                "and shard_optimizer=True keeps each rank's masters and optimizer state as a "
+                "shard of the running plan's layout, which a new plan does not move: plan for "
+                "the largest batch before the first step (example_inputs, or "
+                "plan_for(batch, agree=True) on every rank), or pad batches up to the plan's "
+                "shape")
         t0 = time.perf_counter()
         parts = self.microbatches * self.rounds
         # Planned from compile()'s capture, with the running capture's dropout seed (a
@@ -177,22 +216,57 @@ class Compiled(CompiledState):
         base = [r for r in self.history if r.name == "capture"][:1]
         new = _plan_captured(self.model, source, base, self.options,
                              (shape[0] * parts, shape[1]))
-        state = None
+        state = optimizer = None
         if self._trainer is not None:
-            state = self._trainer.state_dict()
-            state.pop("plan", None)  # the new plan's; the state is per parameter
-            self._trainer.close()
+            state = self._trainer.state_dict()  # async: the pending gradients applied first
+            optimizer, retired = self._trainer.optimizer, self._trainer
+            if retired.loss_scaler is not None:  # the scale moves on with the run too
+                state = dict(state, loss_scale=retired.loss_scaler.state_dict())
             self._trainer = None
             _OPEN.pop(id(self), None)
-        for name in ("capture", "unit_costs", "profiles", "plan", "stages", "hardware",
-                     "history", "schedule", "memory", "host", "host_ram"):
+            # A caller still holding it would read, or save, a state the run has left.
+            retired.retire(
+                f"this trainer was retired when the compiled model planned for microbatches "
+                f"of {_shape_text(shape)} ({why}); its state moved to compiled.trainer(): "
+                "train, read and save through the compiled model (compiled.trainer(), "
+                "compiled.save_checkpoint(), compiled.state_dict())")
+        planned = ("capture", "unit_costs", "profiles", "plan", "stages", "hardware",
+                   "history", "schedule", "memory", "host", "host_ram")
+        before = {name: getattr(self, name) for name in planned}
+        for name in planned:
             setattr(self, name, getattr(new, name))
+        try:
+            if state is not None:
+                self._resume(state, optimizer)
+        except BaseException:
+            self._drop_trainer()
+            for name, value in before.items():
+                setattr(self, name, value)
+            if state is not None:
+                self._resume(state, optimizer)
+            raise
         self.plans_made.append(shape)
-        if state is not None:
-            self.trainer().load_state_dict(state)
         _notice(self.options.plan, f"rpcompile: planned for microbatches of "
                 f"{_shape_text(shape)} ({why}) in {time.perf_counter() - t0:.1f} s; "
                 f"predicted step {self.plan.predicted_step_ms:,.1f} ms")
+
+    def _resume(self, state: dict[str, Any], optimizer: torch.optim.Optimizer) -> None:
+        """A trainer of the current plan, driving ``optimizer``, with ``state`` (and the loss
+        scaler's state, ``loss_scale``, when the run scales its loss) loaded."""
+        trainer = self.trainer()
+        trainer.adopt_optimizer(optimizer, state["param_names"])
+        state = dict(state)
+        state.pop("plan", None)  # the state is per parameter; the new plan is this one
+        scale = state.pop("loss_scale", None)
+        if scale is not None:  # first: loading the state restarts the steps' scales from it
+            trainer.loss_scaler.load_state_dict(scale)
+        trainer.load_state_dict(state)
+
+    def _drop_trainer(self) -> None:
+        if self._trainer is not None:
+            self._trainer.close()
+            self._trainer = None
+            _OPEN.pop(id(self), None)
 
     def _need_plan(self, what: str) -> None:
         if self.plan is None:
@@ -233,10 +307,21 @@ class Compiled(CompiledState):
             scheduler: Any = None) -> Iterator[Any]:
         """Train on ``batches`` as a stream of steps, step k+1 running while step k drains:
         an iterator of each committed step's ``StepResult`` (see ``Trainer.fit``). Without a
-        plan yet, the plan is made for the first batch (taken from ``batches`` now); a batch
-        larger than the plan's shape later in the stream is refused as ``step`` would refuse
-        it under ``dynamic=False``: plan for the largest first (``plan_for``), or ``step``."""
+        plan yet, the plan is made for the first batch (taken from ``batches`` now).
+
+        A batch larger than the plan's shape later in the stream (``dynamic=True``, the
+        default) gets a new plan, as in :meth:`step`: the steps in flight drain and commit,
+        the plan is made (one line says so), and the stream goes on under it with the same
+        masters, optimizer (the same object, so ``scheduler`` keeps driving its learning
+        rate), step counter, position in ``batches`` and dropout masks. A failed re-plan
+        raises from ``next()`` and changes nothing: the previous plan stays, with the last
+        committed state, and the next ``next()`` tries the batch again. ``dynamic=False``
+        refuses the batch, naming both shapes. Data parallel: the stream keeps its plan and
+        refuses a larger batch (the ranks agree on a shape only at a ``step``): plan for the
+        largest batch first (``plan_for(batch, agree=True)`` on every rank)."""
         import itertools
+
+        from rpcompile.runtime.stream import StepStream
 
         if self.plan is None and not self._closed:
             it = iter(batches)
@@ -247,7 +332,10 @@ class Compiled(CompiledState):
             if first is not None:
                 self.plan_for(first, agree=True)
                 batches = itertools.chain([first], it)
-        return self.trainer().fit(batches, steps, scheduler=scheduler)
+        follow = (self.options.plan.dynamic and not self._closed
+                  and not _data_parallel(self.options.train.process_group))
+        return StepStream(self.trainer(), batches, steps, scheduler,
+                          planner=_FitPlanner(self) if follow else None)
 
 
     def evaluate(self, batch: Any, *, masters: dict[str, torch.Tensor] | None = None

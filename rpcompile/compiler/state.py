@@ -78,7 +78,8 @@ class CompiledState:
         """The host optimizer over the fp32 masters (``trainer().optimizer``). Attach an LR
         scheduler to it as to any optimizer and call ``scheduler.step()`` after each
         :meth:`step`: step ``k``'s update uses the learning rate set when step ``k`` began,
-        in both modes (the hyperparameters are read when the step begins)."""
+        in both modes (the hyperparameters are read when the step begins). A new plan for a
+        larger batch keeps this object, so the scheduler goes on driving it."""
         return self.trainer().optimizer
     def save_pretrained(self, directory: str | Any, *, merge: bool = False) -> None:
         """Write the trained weights into ``self.model`` and save it with Hugging Face's

@@ -151,7 +151,8 @@ class Trainer(TrainerState):
             grad_check_passes(max_grad_norm=options.max_grad_norm,
                               loss_scale=options.loss_scale))
         # Why steps (and reads of the masters) are refused: a step failed with the undo
-        # journal off, so an update may be half-applied (cleared by loading a state).
+        # journal off, so an update may be half-applied (cleared by loading a state); or the
+        # trainer was retired, its state moved to a new plan's trainer.
         self._refused = ""
         self._stepping = threading.Lock()
         self.host_memory = self._host_figure(compiled, mode, world,
@@ -333,6 +334,8 @@ class Trainer(TrainerState):
         ``step()`` loop calling ``scheduler.step()`` after each step gives it (a loop that
         steps it itself, after each result, is a step or two late: the next steps have
         already opened). A step discarded by a failure has not stepped it.
+        A batch larger than the plan's shape is refused: a trainer runs one plan
+        (``Compiled.fit`` makes a new plan for it and goes on with that plan's trainer).
 
         A failure raises :class:`StepFailed` from ``next()``: every step not yet committed is
         discarded (the state is the last committed step's), and the stream stays usable: the
@@ -350,15 +353,13 @@ class Trainer(TrainerState):
         ``trainer.step(batch)`` is the same step, run alone."""
         from rpcompile.runtime.stream import StepStream
 
-        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
-                                  or steps < 0):
-            raise InvalidInput(f"steps must be a whole number >= 0 or None, got {steps!r}")
         return StepStream(self, batches, steps, scheduler)
 
-    def _bind(self, batch: Any, step: int) -> dict[str, torch.Tensor]:
+    def _bind(self, batch: Any, step: int, check_shape: bool = True) -> dict[str, torch.Tensor]:
         """``batch`` as the executor runs it at run step ``step`` (its dropout seeds are the
-        step's), checked against the plan's shape; data parallel, with the whole global
-        batch's token count agreed with the other ranks (the step's start)."""
+        step's), checked against the plan's shape (unless ``check_shape`` is False: a stream
+        that re-plans for a larger batch checks it itself); data parallel, with the whole
+        global batch's token count agreed with the other ranks (the step's start)."""
         from rpcompile.capture.batch import NUM_ITEMS, bind_batch
 
         if self._refused:
@@ -366,7 +367,8 @@ class Trainer(TrainerState):
         try:
             self._refuse_merged_adapters()
             bound = bind_batch(self.compiled.capture, batch, step=step)
-            check_plan_shape(self.compiled, bound)
+            if check_shape:
+                check_plan_shape(self.compiled, bound)
         except BaseException as exc:
             if self.dp is not None:
                 self.dp.abandon(f"step {step} refused its batch on rank "
@@ -548,6 +550,13 @@ class Trainer(TrainerState):
             for w in self.workers:
                 w.shutdown()
             self.executor.staging.release()  # the free staging buffers (lent ones stay)
+
+    def retire(self, why: str) -> None:
+        """Close this trainer for good once its state has moved to another trainer (a new
+        plan's): every later step and every read of its masters or state raises
+        :class:`StateError` with ``why``, since what it still holds is no longer the run's."""
+        self.close()
+        self._refused = why
 
     def __enter__(self) -> Trainer:
         return self

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 from rpcompile.errors import InvalidInput
 
 if TYPE_CHECKING:
-    pass
+    import torch
 from rpcompile.runtime.trainer.plan_shape import _comparable, plan_summary
 
 __all__ = [
@@ -144,6 +144,28 @@ class TrainerState:
         self.executor.steps_run = steps
         self.executor.reset_scales()
         self._refused = ""  # masters, optimizer state and shadows are the saved ones
+
+    def adopt_optimizer(self, optimizer: torch.optim.Optimizer, names: list[str]) -> None:
+        """Drive ``optimizer``, an earlier trainer's over the same model, instead of the one
+        this trainer built (a new plan's trainer takes over the running one's): whatever
+        holds that object, an lr scheduler, goes on driving the run. ``names``: the name of
+        its parameter at each index, group by group (``state_dict()["param_names"]``). Each
+        parameter becomes this store's master of that name and its state is emptied, since
+        torch keys the state by the parameter tensor: load the state next
+        (:meth:`load_state_dict`), which fills it and the groups' hyperparameters again."""
+        masters = dict(self.store.named_masters())
+        count = sum(len(group["params"]) for group in optimizer.param_groups)
+        if type(optimizer) is not type(self.optimizer) or count != len(names) \
+                or sorted(names) != sorted(masters):
+            raise InvalidInput(
+                f"adopt_optimizer: the {type(optimizer).__name__} given ({count} parameters) "
+                f"is not an optimizer of this trainer's kind ({type(self.optimizer).__name__}) "
+                f"over its {len(masters)} trainable masters, named as given")
+        at = iter(names)
+        for group in optimizer.param_groups:
+            group["params"] = [masters[next(at)] for _ in group["params"]]
+        optimizer.state.clear()
+        self.driver.optimizer = optimizer
 
     def load_state_dict(self, state: dict[str, Any], *, strict: bool = True,
                         allow_nonfinite: bool = False) -> None:
