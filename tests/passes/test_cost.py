@@ -419,3 +419,52 @@ def test_lora_frozen_base_weights():
         assert sum(u.flops_at(b, s)[1] for u in units) == backward
     _, saved = _hooked_run(model, 3, 11)
     assert [u.bytes_at(3, 11)["saved"] for u in units] == saved
+
+
+# ---------------------------------------------------------------------------------------------
+# GPT-OSS: eager attention with sinks subtracts each row's max before its softmax, and its
+# mixture-of-experts block is opaque.
+# ---------------------------------------------------------------------------------------------
+
+
+def _graph_saves(captured, batch: dict[str, torch.Tensor]) -> list[int]:
+    """Bytes autograd keeps, unit by unit, when the captured graph itself runs on ``batch``
+    (opaque blocks as the runtime runs them), parameters and buffers excluded."""
+    gm = captured.graph_module
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    by_input = dict(zip(captured.inputs, captured.input_keys))
+    args = [batch[by_input[n]] if n in by_input else captured.value_of(n) for n in names]
+    weights = {a.untyped_storage().data_ptr() for n, a in zip(names, args) if n not in by_input}
+    saved: list[dict[int, int]] = [{} for _ in captured.units]
+    current = [0]
+
+    class Attributing(torch.fx.Interpreter):
+        def run_node(self, n):
+            current[0] = n.meta.get("rp_unit", current[0])
+            return super().run_node(n)
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in weights:
+            saved[current[0]][storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        Attributing(gm).run(*args)
+    return [sum(d.values()) for d in saved]
+
+
+def test_gpt_oss_saved_bytes_equal_the_graph_run():
+    """The row max subtracted before the softmax keeps only its indices (a copy of the scores
+    per layer would be 4 GiB at gpt-oss-20b's paper shape); the pass's saved bytes equal what
+    autograd keeps when the captured graph runs, at a size other than the capture's."""
+    from tests.tiny_models import hf_model
+
+    captured = capture(hf_model("gpt_oss", layers=2))
+    units = annotate_costs(captured)
+    assert any(n.target is torch.ops.aten.max.dim
+               for n in captured.graph_module.graph.nodes)
+    b, s = 3, 11
+    ids = torch.randint(0, VOCAB, (b, s), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids, "num_items_in_batch": (ids[:, 1:] != -100).sum()}
+    assert [u.bytes_at(b, s)["saved"] for u in units] == _graph_saves(captured, batch)
