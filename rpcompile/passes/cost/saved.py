@@ -178,6 +178,9 @@ _SAVES: dict[str, Callable] = {
 
 def _scratch(node: fx.Node, walk: _Walk) -> sympy.Expr:
     """Bytes an op allocates besides its output (counted in its transient footprint)."""
+    if node.meta.get("rp_scratch") is not None:  # an opaque block's own working set
+        elements, other = node.meta["rp_scratch"]
+        return sympy.sympify(elements) * _E + sympy.sympify(other)
     name = _packet(node.target)
     if name == "cross_entropy_loss":
         return walk._bytes_of(node.args[0].meta["val"])
