@@ -1,5 +1,6 @@
 """Opaque blocks: mixture-of-experts and data-dependent modules become one ``rpcompile::opaque``
-node, run eagerly by a per-thread copy of the module, with its own FLOP rule."""
+node, run eagerly by a per-thread copy of the module, with its own FLOP rule and its working
+set measured on the probes."""
 
 from __future__ import annotations
 
