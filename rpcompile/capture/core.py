@@ -31,7 +31,13 @@ from torch import nn
 from rpcompile.capture.batch import NUM_ITEMS, RNG, is_causal_lm, normalize_batch
 from rpcompile.capture.dropout import RANDOM_OPS, draws_random, replay_random_ops
 from rpcompile.capture.dropout import dropout_seed as _dropout_seed
-from rpcompile.capture.opaque import _default_opaque, _opaque_patched, _OpaqueEntry, opaque_flops
+from rpcompile.capture.opaque import (
+    _default_opaque,
+    _opaque_patched,
+    _OpaqueEntry,
+    opaque_flops,
+    opaque_scratch,
+)
 from rpcompile.capture.quantized import check_quantized, packed_weights, quantized_patched
 from rpcompile.capture.replicate import _NotRepeatable, _repeat_plan, _replicate, _truncated
 from rpcompile.capture.tracing import tracing
@@ -326,6 +332,7 @@ def _finish(model, ep, layer_names, batch, causal, strategy, dynamic, opaque, at
         )
     for node in gm.graph.find_nodes(op="call_function", target=torch.ops.rpcompile.opaque.default):
         node.meta["rp_flops"] = opaque_flops(node)
+        node.meta["rp_scratch"] = opaque_scratch(node)
     subs = _symbol_map(gm, inputs, causal)
     dyn = tuple(str(v) for v in (B, S) if v in subs.values())
     report = CaptureReport(

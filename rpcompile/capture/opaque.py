@@ -1,5 +1,6 @@
 """Opaque blocks: mixture-of-experts and data-dependent modules become one ``rpcompile::opaque``
-node, run eagerly by a per-thread copy of the module, with its own FLOP rule."""
+node, run eagerly by a per-thread copy of the module, with its own FLOP rule and its working
+set measured on the probes."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import sympy
 import torch
 import torch.utils.flop_counter
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rpcompile.capture.dropout import RANDOM_OPS, draws_random
@@ -37,6 +39,9 @@ class _OpaqueEntry:
     tuple_out: bool
     flops_per_token: int
     tokens: sympy.Expr  # what flops_per_token is per: B * S (hidden states) or B (rows)
+    # The block's own working set as a backward job runs it (_opaque_backward), per token:
+    # floating-point elements and other bytes (_working_set, _per_token).
+    scratch: tuple[int, int] = (0, 0)
     # Each thread's skeleton clone of ``module`` (see _thread_skeleton).
     local: threading.local = field(default_factory=threading.local, repr=False, compare=False)
 
@@ -252,7 +257,91 @@ def _probe_opaque(mod: nn.Module, forward: Callable, seen=None, name: str = "") 
     if per_token is None:
         per_token = round(max(flops))
     tokens = B * S if len(shapes[0]) == 3 else B
-    return _OpaqueEntry(mod, forward, param_names, rules, tuple_out, per_token, tokens)
+    sizes = [math.prod(shape[:-1]) if len(shape) == 3 else shape[0] for shape in shapes]
+    gen = torch.Generator().manual_seed(0)
+    peaks = [_working_set(mod, forward, torch.randn(shape, generator=gen).to(device, dtype))
+             for shape in shapes]
+    return _OpaqueEntry(mod, forward, param_names, rules, tuple_out, per_token, tokens,
+                        _per_token(sizes, peaks, dtype))
+
+
+def _working_set(mod: nn.Module, forward: Callable, x: torch.Tensor) -> tuple[int, int]:
+    """(floating-point, other) bytes the block holds at its peak when a backward job runs it:
+    its forward again with autograd on, then the gradients of its input and trainable
+    parameters (_opaque_backward). Its input, outputs, output gradients and the gradients it
+    returns are left out: the cost pass charges those as the node's own values."""
+    params = [p for p in mod.parameters() if p.requires_grad]
+    x = x.detach().requires_grad_(True)
+    with _LiveBytes() as meter, torch.enable_grad():
+        out = forward(x)
+        outs = [o for o in (out if isinstance(out, tuple) else (out,))
+                if isinstance(o, torch.Tensor) and o.requires_grad]
+        seeds = [torch.ones_like(o) for o in outs]
+        grads = torch.autograd.grad(outs, [x, *params], seeds, allow_unused=True) \
+            if outs else ()
+    returned = [*outs, *seeds, *(g for g in grads if g is not None)]
+    return meter.peak(returned)
+
+
+def _per_token(sizes: Sequence[int], peaks: Sequence[tuple[int, int]],
+               dtype: torch.dtype) -> tuple[int, int]:
+    """(floating-point elements, other bytes) per token: the larger of the probes' ratios,
+    rounded up, so the line through zero lies on or above both probes' peaks (a block's
+    fixed-size scratch makes the smaller probe's ratio the larger). Floats are counted in
+    elements so the figure follows the compute dtype."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    floats = max(-(-f // (t * elem)) for t, (f, _) in zip(sizes, peaks))
+    other = max(-(-o // t) for t, (_, o) in zip(sizes, peaks))
+    return floats, other
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Records each tensor storage the ops inside it create and when it is freed, so that the
+    peak of the live ones can be taken after the run, leaving out storages that turn out to
+    be results. Storages are told apart by identity while alive (this works on the meta device
+    too) and each allocation gets its own number, since a freed storage's identity is reused."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.events: list[tuple[int, int, bool]] = []  # (allocation, +/- bytes, floating)
+        self.live: dict[int, int] = {}  # id of a live storage -> its allocation
+        self.count = itertools.count()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        before = {id(a.untyped_storage()) for a in pytree.tree_leaves((args, kwargs))
+                  if isinstance(a, torch.Tensor)}
+        out = func(*args, **kwargs)
+        for t in pytree.tree_leaves(out):
+            if not isinstance(t, torch.Tensor):
+                continue
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key in before or key in self.live:
+                continue  # a view or an in-place result: no new memory
+            n = self.live[key] = next(self.count)
+            nbytes, floating = storage.nbytes(), t.is_floating_point()
+            self.events.append((n, nbytes, floating))
+            weakref.finalize(storage, self._free, key, n, nbytes, floating)
+        return out
+
+    def _free(self, key: int, n: int, nbytes: int, floating: bool) -> None:
+        if self.live.get(key) == n:
+            del self.live[key]
+            self.events.append((n, -nbytes, floating))
+
+    def peak(self, results: Sequence[torch.Tensor]) -> tuple[int, int]:
+        """(floating, other) bytes at the largest total of live storages, ``results`` left
+        out."""
+        leave_out = {self.live.get(id(t.untyped_storage())) for t in results}
+        live, best = [0, 0], (0, 0)
+        for n, nbytes, floating in self.events:
+            if n in leave_out:
+                continue
+            live[0 if floating else 1] += nbytes
+            if sum(live) > sum(best):
+                best = (live[0], live[1])
+        return best
 
 
 class _RandomOpSpy(TorchDispatchMode):
@@ -330,3 +419,12 @@ def opaque_flops(node: torch.fx.Node) -> tuple[sympy.Expr, sympy.Expr]:
     entry = _OPAQUE[key]
     fwd = sympy.Integer(entry.flops_per_token) * entry.tokens
     return fwd, 3 * fwd
+
+
+def opaque_scratch(node: torch.fx.Node) -> tuple[sympy.Expr, sympy.Expr]:
+    """(floating-point elements, other bytes) an opaque node holds inside its block at its
+    peak, in B and S: measured at the probe's two sizes (_working_set), taken as proportional
+    to the tokens (rows)."""
+    entry = _OPAQUE[node.args[2]]
+    floats, other = entry.scratch
+    return floats * entry.tokens, other * entry.tokens

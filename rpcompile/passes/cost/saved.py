@@ -114,6 +114,19 @@ def _save_indices(node, walk):
     return [a for a in _tensor_args(node) if not _is_float(a.meta["val"])], 0
 
 
+def _save_selected(node, walk):
+    """Reductions that pick elements. Along a dimension (``max(x, dim)``, ``sort``, ``topk``:
+    a (values, indices) pair) backward scatters the gradient to the picked places, so autograd
+    keeps the indices only, never the input: ``x - x.max(-1, keepdim=True).values`` before a
+    softmax keeps no copy of the scores. Over the whole tensor (``max(x)``) it keeps the
+    input and the result; elementwise (``max(x, y)``) both inputs."""
+    val = node.meta.get("val")
+    if isinstance(val, (tuple, list)):
+        return [val[1]], 0
+    args = _tensor_args(node)
+    return (args if len(args) > 1 else [*args, node]), 0
+
+
 def _save_div(node, walk):
     args = _tensor_args(node)
     if len(args) < 2:
@@ -145,7 +158,9 @@ _SAVES: dict[str, Callable] = {
     **dict.fromkeys(["addmm", "baddbmm"], _save_cross(1, 2)),
     **dict.fromkeys(["pow", "silu", "gelu", "log", "sin", "cos", "abs", "erf", "log1p",
                      "square", "reciprocal_", "clamp", "clamp_min", "clamp_max", "maximum",
-                     "minimum", "max", "min", "prod", "cumprod", "norm"], _save_self),
+                     "minimum", "prod", "cumprod", "norm"], _save_self),
+    **dict.fromkeys(["max", "min", "sort", "topk", "kthvalue", "mode", "median", "nanmedian"],
+                    _save_selected),
     **dict.fromkeys(["rsqrt", "exp", "softmax", "_softmax", "_safe_softmax", "log_softmax", "_log_softmax",
                      "tanh", "sigmoid", "sqrt", "relu", "reciprocal", "expm1"], _save_result),
     **dict.fromkeys(["embedding", "index", "index_select", "gather", "take_along_dim",
@@ -163,6 +178,9 @@ _SAVES: dict[str, Callable] = {
 
 def _scratch(node: fx.Node, walk: _Walk) -> sympy.Expr:
     """Bytes an op allocates besides its output (counted in its transient footprint)."""
+    if node.meta.get("rp_scratch") is not None:  # an opaque block's own working set
+        elements, other = node.meta["rp_scratch"]
+        return sympy.sympify(elements) * _E + sympy.sympify(other)
     name = _packet(node.target)
     if name == "cross_entropy_loss":
         return walk._bytes_of(node.args[0].meta["val"])
