@@ -821,3 +821,35 @@ def test_compile_retimes_a_plan_it_moves_to_one_gradient_slot(monkeypatch):
     assert plan.predicted_step_ms == retimed(plan, compiled.hardware, 1, "sync")\
         .predicted_step_ms
     assert max(plan.worker_peak_bytes) <= tight
+
+
+def test_compile_keeps_the_schedule_and_proof_its_search_made(monkeypatch):
+    # The search proves its plan over the runtime's own schedule; compile keeps that schedule
+    # and proof (lowered once for the plan kept, not again), and both equal a lowering and a
+    # proof made afresh outside the compile. (Under RPCOMPILE_DEBUG=1 compile lowers its
+    # schedule anew, each pass checked as it is made.)
+    from collections import OrderedDict
+
+    import rpcompile.passes.lower as lower_package
+    import rpcompile.passes.lower.pipeline as pipeline
+    import rpcompile.planner.partition.proofs as proofs
+    from rpcompile.passes.lower import runtime_peaks
+
+    monkeypatch.setenv("RPCOMPILE_DEBUG", "0")
+    monkeypatch.setattr(proofs, "_REPLAYS", OrderedDict())  # this search proves its own plans
+    lowered = []
+    real = pipeline.lower
+
+    def counted(sched, plan, **kwargs):
+        lowered.append((sched.stage_units, sched.steps, plan.memory_waits))
+        return real(sched, plan, **kwargs)
+
+    monkeypatch.setattr(pipeline, "lower", counted)
+    monkeypatch.setattr(lower_package, "lower", counted)
+    c = compiled_for("qwen3", 2, 3)
+    monkeypatch.undo()
+    kept = (c.schedule.stage_units, c.schedule.steps, c.plan.memory_waits)
+    assert lowered.count(kept) == 1
+    assert runtime_schedule(c.plan, c.options.plan) == c.schedule
+    assert runtime_peaks(c.plan, c.options.plan) == c.memory
+    assert c.history[-1].artifact is c.schedule and c.history[-1].check_ms > 0
