@@ -853,3 +853,25 @@ def test_compile_keeps_the_schedule_and_proof_its_search_made(monkeypatch):
     assert runtime_schedule(c.plan, c.options.plan) == c.schedule
     assert runtime_peaks(c.plan, c.options.plan) == c.memory
     assert c.history[-1].artifact is c.schedule and c.history[-1].check_ms > 0
+
+
+def test_plans_that_differ_only_in_memory_figures_share_a_schedule_not_a_proof(monkeypatch):
+    # No lowering pass reads a stage's peak or a unit's working set (loss-chunk variants of
+    # one plan differ only there): their schedules are equal, and within one compile's scope
+    # one is lowered for both; each proof is of its own figures.
+    from rpcompile.passes.lower import keep_runtime_schedules, runtime_peaks
+
+    monkeypatch.setenv("RPCOMPILE_DEBUG", "0")  # (with it, a schedule is lowered anew)
+    plan = compiled_for("qwen3", 2, 3).plan
+    grown = replace(plan, stages=tuple(replace(st, peak_bytes=st.peak_bytes + (1 << 30) * i)
+                                       for i, st in enumerate(plan.stages)),
+                    units=tuple(replace(u, working_bytes=2 * u.working_bytes + 7)
+                                for u in plan.units))
+    options = PlanOptions(gpus=2, microbatches=3, mode="sync")
+    assert runtime_schedule(plan, options) == runtime_schedule(grown, options)
+    fresh = [runtime_peaks(p, options) for p in (plan, grown)]
+    assert fresh[0] != fresh[1]
+    with keep_runtime_schedules():
+        first = runtime_schedule(plan, options)
+        assert runtime_schedule(grown, options) is first
+        assert [runtime_peaks(p, options) for p in (plan, grown)] == fresh

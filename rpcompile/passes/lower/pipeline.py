@@ -210,28 +210,34 @@ def _kept(kept: _KeptSchedules, plan: Plan, options: PlanOptions) -> _Kept:
 
 
 def _cycle_key(plan: Plan, options: PlanOptions) -> tuple:
-    """Everything the runtime's schedule and its proven peaks depend on, each as
-    runtime_schedule resolves it: the plan but its figures (predicted step, proven peaks,
-    notes: what the search writes into a plan after lowering it, never read by a pass), the
-    cycle of steps, the update order :func:`lower` applies, and the other options it reads."""
+    """Everything the runtime's schedule depends on, each as runtime_schedule resolves it:
+    the plan but its figures (predicted step, proven peaks, notes: what the search writes
+    into a plan after lowering it) and its device-memory figures (each stage's
+    ``peak_bytes``, each unit's ``working_bytes``), which no pass reads and only the proof
+    does (:func:`runtime_peaks` keeps its peaks per stage figures); the cycle of steps, the
+    update order :func:`lower` applies, and the other options it reads. Loss-chunk variants
+    of one plan (rpcompile.compiler) differ only in the tail's working set: one schedule."""
     ranks = options.ranks or 1
     updates = options.updates
     if updates is None:
         updates = "overlap" if options.mode != "sync" else (
             "deferred" if ranks > 1 else plan.updates)
-    return (replace(plan, predicted_step_ms=0.0, worker_peak_bytes=(), notes=()),
-            options.gpus, options.microbatches_per_round, options.rounds, options.mode,
+    bare = replace(plan, predicted_step_ms=0.0, worker_peak_bytes=(), notes=(),
+                   stages=tuple(replace(st, peak_bytes=0) for st in plan.stages),
+                   units=tuple(replace(u, working_bytes=0) for u in plan.units))
+    return (bare, options.gpus, options.microbatches_per_round, options.rounds, options.mode,
             runtime_cycle(plan.stages, options.gpus, options.rounds, options.schedule_steps),
             options.chunk_bytes, updates, ranks, options.shard_optimizer and ranks > 1)
 
 
 class _Kept:
-    """One remembered runtime schedule: the lowered schedule, its records (unvalidated) and,
-    once asked for, its proven peaks."""
+    """One remembered runtime schedule: the lowered schedule, its records (unvalidated) and
+    its proven peaks, by the stages' ``peak_bytes`` (what the proof reads besides the
+    schedule), once asked for."""
 
     def __init__(self, lowered: Schedule, records: tuple[PassRecord, ...]) -> None:
         self.lowered, self.records = lowered, records
-        self.peaks: tuple[WorkerPeak, ...] | None = None
+        self.peaks: dict[tuple[int, ...], tuple[WorkerPeak, ...]] = {}
 
 
 class _KeptSchedules:
@@ -288,6 +294,9 @@ def runtime_peaks(plan: Plan, options: PlanOptions) -> tuple[WorkerPeak, ...]:
         sched = runtime_schedule(plan, options, validate=False)
         return worker_peaks(sched, plan, steps=sched.run_steps)
     hit = _kept(kept, plan, options)
-    if hit.peaks is None:
-        hit.peaks = worker_peaks(hit.lowered, plan, steps=hit.lowered.run_steps)
-    return hit.peaks
+    figures = tuple(st.peak_bytes for st in plan.stages)
+    peaks = hit.peaks.get(figures)
+    if peaks is None:
+        peaks = hit.peaks[figures] = worker_peaks(hit.lowered, plan,
+                                                  steps=hit.lowered.run_steps)
+    return peaks
