@@ -78,6 +78,7 @@ from rpcompile.planner.partition import (
     tail_memory_bound,
 )
 from rpcompile.runtime.reference import reference_step
+from rpcompile.sim.engine import paused_gc
 
 __all__ = [
     "Compiled",
@@ -425,8 +426,11 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
     tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
     skipped: list[tuple[int, Plan]] = []  # (loss chunk, the variant's plan it would repeat)
     # The search proves its candidates over the runtime's schedule; the variant finished
-    # keeps the schedule and proof of its plan from there (keep_runtime_schedules).
-    with keep_runtime_schedules():
+    # keeps the schedule and proof of its plan from there (keep_runtime_schedules). The
+    # collector waits meanwhile (paused_gc): planning allocates millions of small objects and
+    # makes next to no cyclic garbage, and each collection would walk the whole captured
+    # graph (a tenth of a large model's planning time).
+    with keep_runtime_schedules(), paused_gc():
         for chunk in _loss_chunks(source, co.loss_chunk_tokens, parts, shape):
             if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
                 if all(isinstance(c, _Searched) and _fits(c.finished(), capacity)
