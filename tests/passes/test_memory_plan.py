@@ -862,12 +862,14 @@ def test_plans_that_differ_only_in_memory_figures_share_a_schedule_not_a_proof(m
     from rpcompile.passes.lower import keep_runtime_schedules, runtime_peaks
 
     monkeypatch.setenv("RPCOMPILE_DEBUG", "0")  # (with it, a schedule is lowered anew)
-    plan = compiled_for("qwen3", 2, 3).plan
+    from tests.ir.test_ir_schedule import make_plan
+
+    plan = make_plan(workers=3, microbatches=3)
     grown = replace(plan, stages=tuple(replace(st, peak_bytes=st.peak_bytes + (1 << 30) * i)
                                        for i, st in enumerate(plan.stages)),
                     units=tuple(replace(u, working_bytes=2 * u.working_bytes + 7)
                                 for u in plan.units))
-    options = PlanOptions(gpus=2, microbatches=3, mode="sync")
+    options = PlanOptions(gpus=3, microbatches=3, mode="sync")
     assert runtime_schedule(plan, options) == runtime_schedule(grown, options)
     fresh = [runtime_peaks(p, options) for p in (plan, grown)]
     assert fresh[0] != fresh[1]
