@@ -90,12 +90,12 @@ def _host_figure(compiled: Compiled) -> HostMemory:
     says) plus the transfer staging of a simulated run of the schedule. Data parallel on a
     profile without an inter-server link cannot be replayed (its REDUCEs have no link to
     be timed on): the static buffers alone then, and ``sharded`` at one rank's share."""
-    from rpcompile.sim import simulate
+    from rpcompile.sim.engine import peak_host_bytes
 
     sched, plan, hw = compiled.schedule, compiled.plan, compiled.hardware
     peak = None
     if sched is not None and (sched.ranks == 1 or hw.link is not None):
-        peak = simulate(sched, plan, hw).peak_host_bytes
+        peak = peak_host_bytes(sched, plan, hw)  # simulate(...).peak_host_bytes
     host = host_memory(plan, compiled.options.plan.mode, peak, journal=hw.undo_journal,
                        pageable=hw.host_memory == "pageable")
     if sched is not None and sched.sharded:

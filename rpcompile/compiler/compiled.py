@@ -61,12 +61,14 @@ from rpcompile.passes.invariants import (
     check_plan,
     check_stages,
 )
-from rpcompile.passes.lower import TIGHTEST_WAITS, runtime_schedule
-from rpcompile.passes.manager import PassRecord, run_pass
-from rpcompile.passes.memory import (
-    HostMemory,
-    worker_peaks,
+from rpcompile.passes.lower import (
+    TIGHTEST_WAITS,
+    keep_runtime_schedules,
+    runtime_peaks,
+    runtime_schedule,
 )
+from rpcompile.passes.manager import PassRecord, run_pass
+from rpcompile.passes.memory import HostMemory
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
     PartitionError,
@@ -76,6 +78,7 @@ from rpcompile.planner.partition import (
     tail_memory_bound,
 )
 from rpcompile.runtime.reference import reference_step
+from rpcompile.sim.engine import paused_gc
 
 __all__ = [
     "Compiled",
@@ -510,48 +513,54 @@ def _plan_captured(model: nn.Module, source: Captured, history: list[PassRecord]
     base = list(history)
     tried: list[tuple[int | None, Any]] = []  # (loss chunk, Compiled or PartitionError)
     skipped: list[tuple[int, Plan]] = []  # (loss chunk, the variant's plan it would repeat)
-    for chunk in _loss_chunks(source, co.loss_chunk_tokens, parts, shape):
-        if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
-            if all(isinstance(c, _Searched) and _fits(c.finished(), capacity)
-                   for _, c in tried) and not _large_logits(source, parts, shape):
-                break
-            continue
-        run = list(base)
-        captured = source.fork()  # each variant rewrites its own copy of the graph
-        if chunk is not None:
-            from rpcompile.passes.chunked_loss import chunk_lm_loss
+    # The search proves its candidates over the runtime's schedule; the variant finished
+    # keeps the schedule and proof of its plan from there (keep_runtime_schedules). The
+    # collector waits meanwhile (paused_gc): planning allocates millions of small objects and
+    # makes next to no cyclic garbage, and each collection would walk the whole captured
+    # graph (a tenth of a large model's planning time).
+    with keep_runtime_schedules(), paused_gc():
+        for chunk in _loss_chunks(source, co.loss_chunk_tokens, parts, shape):
+            if chunk is AGAIN:  # "auto": the whole-logits plan is refused or the logits are large
+                if all(isinstance(c, _Searched) and _fits(c.finished(), capacity)
+                       for _, c in tried) and not _large_logits(source, parts, shape):
+                    break
+                continue
+            run = list(base)
+            captured = source.fork()  # each variant rewrites its own copy of the graph
+            if chunk is not None:
+                from rpcompile.passes.chunked_loss import chunk_lm_loss
 
-            def chunk_loss(captured: Captured = captured, chunk: int = chunk) -> Captured:
-                if chunk_lm_loss(captured.graph_module, chunk):
-                    captured.loss_chunk_tokens = chunk
-                return captured
+                def chunk_loss(captured: Captured = captured, chunk: int = chunk) -> Captured:
+                    if chunk_lm_loss(captured.graph_module, chunk):
+                        captured.loss_chunk_tokens = chunk
+                    return captured
 
-            run_pass(run, "chunk-loss", chunk_loss, check_captured)
-            if captured.loss_chunk_tokens != chunk:
-                continue  # no head + loss the rewrite matches: the captured form only
-        if captured.loss_reduction == "sum":  # a causal LM: its step counts its token hits
-            from rpcompile.passes.chunked_loss import count_token_hits
+                run_pass(run, "chunk-loss", chunk_loss, check_captured)
+                if captured.loss_chunk_tokens != chunk:
+                    continue  # no head + loss the rewrite matches: the captured form only
+            if captured.loss_reduction == "sum":  # a causal LM: its step counts its token hits
+                from rpcompile.passes.chunked_loss import count_token_hits
 
-            def token_hits(captured: Captured = captured) -> Captured:
-                count_token_hits(captured.graph_module)
-                return captured
+                def token_hits(captured: Captured = captured) -> Captured:
+                    count_token_hits(captured.graph_module)
+                    return captured
 
-            run_pass(run, "token-hits", token_hits, check_captured)
-        unit_costs = run_pass(run, "cost", partial(annotate_costs, captured),
-                              partial(check_costs, captured=captured))
-        # A smaller chunk only shrinks the tail's working set: after a variant whose search
-        # no tail memory limited, it can only find the same plan, so it is not searched.
-        unlimited = [c.finished() for _, c in tried if isinstance(c, _Searched)
-                     and not tail_memory_bound(c.plan) and _fits(c.finished(), capacity)
-                     and not _memory_limited(c.finished().plan)]
-        try:
-            tried.append((chunk, _plan_and_split(model, captured, unit_costs, dtype, run,
-                                                 options, shape, same_unless=unlimited)))
-        except PartitionError as exc:
-            tried.append((chunk, exc))
-        except _SameSearch as same:
-            skipped.append((chunk, same.plan))
-    compiled = _choose_loss_chunk(tried, capacity, skipped)
+                run_pass(run, "token-hits", token_hits, check_captured)
+            unit_costs = run_pass(run, "cost", partial(annotate_costs, captured),
+                                  partial(check_costs, captured=captured))
+            # A smaller chunk only shrinks the tail's working set: after a variant whose search
+            # no tail memory limited, it can only find the same plan, so it is not searched.
+            unlimited = [c.finished() for _, c in tried if isinstance(c, _Searched)
+                         and not tail_memory_bound(c.plan) and _fits(c.finished(), capacity)
+                         and not _memory_limited(c.finished().plan)]
+            try:
+                tried.append((chunk, _plan_and_split(model, captured, unit_costs, dtype, run,
+                                                     options, shape, same_unless=unlimited)))
+            except PartitionError as exc:
+                tried.append((chunk, exc))
+            except _SameSearch as same:
+                skipped.append((chunk, same.plan))
+        compiled = _choose_loss_chunk(tried, capacity, skipped)
     check_memory(compiled)
     check_host_memory(compiled, stacklevel=stacklevel + 1)
     fallback = memory_first_note(compiled.plan)
@@ -623,10 +632,11 @@ def _finish(model, captured, unit_costs, dtype, history, options: Options, hw: H
         trail: list = []
         # The one builder of the runtime's schedule (the Trainer's too); the dispatch's and
         # the lowering's passes go through the same run_pass (a PassManager), their records
-        # into the same history; each lowered schedule is validated always.
+        # into the same history; each lowered schedule is validated always. The search
+        # proved its plan over this same schedule (keep_runtime_schedules, _plan_captured):
+        # both are then taken from its proof, not made again.
         lowered = runtime_schedule(plan, run, trail=trail, validate=True)
-        # runtime_peaks(plan, run), from the schedule lowered here rather than again
-        return lowered, trail, worker_peaks(lowered, plan, steps=lowered.run_steps)
+        return lowered, trail, runtime_peaks(plan, run)
 
     lowered, trail, memory = schedule_of(plan)
     fit = hw.usable_memory_bytes

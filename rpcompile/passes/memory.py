@@ -149,68 +149,67 @@ def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, li
     """Per action, per worker: ``latest``, the last compute-stream position of that worker
     that ends before the action starts (-1: none), and ``earliest``, the first one that
     starts after the action ends (``_NONE``: none), in the happens-before order of ``edges``
-    and the ordered streams' list order (transfer lanes may run in any order)."""
+    and the ordered streams' list order (transfer lanes may run in any order). Actions are
+    numbered first, so the order is worked out on lists of ints."""
     workers = len(lists)
-    succ: dict[Action, list[Action]] = {}
-    indegree: dict[Action, int] = {}
-    where: dict[Action, tuple[int, int]] = {}  # compute-stream action -> (worker, position)
-
-    def arc(src: Action, dst: Action) -> None:
-        succ.setdefault(src, []).append(dst)
-        indegree[dst] = indegree.get(dst, 0) + 1
-
+    actions: list[Action] = [a for lst in lists for a in lst]
+    actions += host
+    ids = {a: i for i, a in enumerate(actions)}
+    for e in edges:  # an edge may name an action no list holds: it is ordered all the same
+        for a in (e.src, e.dst):
+            if a not in ids:
+                ids[a] = len(actions)
+                actions.append(a)
+    n = len(actions)
+    succ: list[list[int]] = [[] for _ in range(n)]
+    indegree = [0] * n
+    where: list[tuple[int, int] | None] = [None] * n  # compute stream: (worker, position)
     for w, lst in enumerate(lists):
-        stream = [a for a in lst if a.stream == "compute"]
-        for p, a in enumerate(stream):
-            where[a] = (w, p)
+        stream = [ids[a] for a in lst if a.stream == "compute"]
+        for p, i in enumerate(stream):
+            where[i] = (w, p)
         for x, y in itertools.pairwise(stream):
-            arc(x, y)
-        for a in lst:
-            indegree.setdefault(a, 0)
-    for x, y in itertools.pairwise(host):
-        arc(x, y)
-    for a in host:
-        indegree.setdefault(a, 0)
+            succ[x].append(y)
+            indegree[y] += 1
+    for x, y in itertools.pairwise(ids[a] for a in host):
+        succ[x].append(y)
+        indegree[y] += 1
     for e in edges:
-        arc(e.src, e.dst)
-    ready = [a for a, d in indegree.items() if d == 0]
-    topo: list[Action] = []
+        x, y = ids[e.src], ids[e.dst]
+        succ[x].append(y)
+        indegree[y] += 1
+    ready = [i for i in range(n) if indegree[i] == 0]
+    topo: list[int] = []
     while ready:
-        a = ready.pop()
-        topo.append(a)
-        for b in succ.get(a, ()):
-            indegree[b] -= 1
-            if indegree[b] == 0:
-                ready.append(b)
-    if len(topo) != len(indegree):
+        i = ready.pop()
+        topo.append(i)
+        for j in succ[i]:
+            indegree[j] -= 1
+            if indegree[j] == 0:
+                ready.append(j)
+    if len(topo) != n:
         raise InvalidInput("the schedule's order has a cycle (it would deadlock)")
-    latest = {a: [-1] * workers for a in topo}
-    for a in topo:
-        mine = latest[a]
-        if a in where:
-            w, p = where[a]
-            done = list(mine)
-            done[w] = max(done[w], p)
-        else:
-            done = mine
-        for b in succ.get(a, ()):
-            theirs = latest[b]
-            for i in range(workers):
-                if done[i] > theirs[i]:
-                    theirs[i] = done[i]
-    earliest = {a: [_NONE] * workers for a in topo}
-    for a in reversed(topo):
-        mine = earliest[a]
-        for b in succ.get(a, ()):
-            theirs = earliest[b]
-            if b in where:
-                w, p = where[b]
+    latest = [[-1] * workers for _ in range(n)]
+    for i in topo:
+        done = latest[i]
+        if where[i] is not None:
+            w, p = where[i]
+            if p > done[w]:
+                done = list(done)
+                done[w] = p
+        for j in succ[i]:
+            latest[j] = list(map(max, latest[j], done))
+    earliest = [[_NONE] * workers for _ in range(n)]
+    for i in reversed(topo):
+        mine = earliest[i]
+        for j in succ[i]:
+            theirs = earliest[j]
+            if where[j] is not None:
+                w, p = where[j]
                 if p < mine[w]:
                     mine[w] = p
-            for i in range(workers):
-                if theirs[i] < mine[i]:
-                    mine[i] = theirs[i]
-    return latest, earliest
+            mine[:] = map(min, mine, theirs)
+    return dict(zip(actions, latest, strict=True)), dict(zip(actions, earliest, strict=True))
 
 
 def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumers, releases,

@@ -312,15 +312,19 @@ def _host_queue(plan: Plan, hw: Hardware, rounds: int,
     def shadow_ms(x: int) -> float:  # the pass (the journal's copy, once a step per
         return 3.0 * stages[x].trainable_weight_bytes / host_rate  # parameter, not counted)
 
+    # Every gradient stage has a job in every round, so the last round's OPTs go by stage,
+    # and SHADOW(x) comes right after the OPT of the last of its gradient stages, the largest
+    # (after that OPT: the stages it completes, by x).
+    completes: dict[int, list[int]] = {}
+    for x, ys in enumerate(covering):
+        if ys:
+            completes.setdefault(ys[-1], []).append(x)
     t = 0.0
-    opted: set[int] = set()
     for (s, r) in sorted(home, key=lambda sr: (sr[1], sr[0])):
         t = max(t, home[(s, r)]) + 3.0 * stages[s].grad_bytes / host_rate  # ACC
         if r != rounds - 1:
             continue
         t += opt_ms(s)  # OPT
-        opted.add(s)
-        for x, ys in enumerate(covering):
-            if s in ys and all(y in opted for y in ys):
-                t += shadow_ms(x)  # SHADOW
+        for x in completes.get(s, ()):
+            t += shadow_ms(x)  # SHADOW
     return t

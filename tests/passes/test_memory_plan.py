@@ -821,3 +821,59 @@ def test_compile_retimes_a_plan_it_moves_to_one_gradient_slot(monkeypatch):
     assert plan.predicted_step_ms == retimed(plan, compiled.hardware, 1, "sync")\
         .predicted_step_ms
     assert max(plan.worker_peak_bytes) <= tight
+
+
+def test_compile_keeps_the_schedule_and_proof_its_search_made(monkeypatch):
+    # The search proves its plan over the runtime's own schedule; compile keeps that schedule
+    # and proof (lowered once for the plan kept, not again), and both equal a lowering and a
+    # proof made afresh outside the compile. (Under RPCOMPILE_DEBUG=1 compile lowers its
+    # schedule anew, each pass checked as it is made.)
+    from collections import OrderedDict
+
+    import rpcompile.passes.lower as lower_package
+    import rpcompile.passes.lower.pipeline as pipeline
+    import rpcompile.planner.partition.proofs as proofs
+    from rpcompile.passes.lower import runtime_peaks
+
+    monkeypatch.setenv("RPCOMPILE_DEBUG", "0")
+    monkeypatch.setattr(proofs, "_REPLAYS", OrderedDict())  # this search proves its own plans
+    lowered = []
+    real = pipeline.lower
+
+    def counted(sched, plan, **kwargs):
+        lowered.append((sched.stage_units, sched.steps, plan.memory_waits))
+        return real(sched, plan, **kwargs)
+
+    monkeypatch.setattr(pipeline, "lower", counted)
+    monkeypatch.setattr(lower_package, "lower", counted)
+    c = compiled_for("qwen3", 2, 3)
+    monkeypatch.undo()
+    kept = (c.schedule.stage_units, c.schedule.steps, c.plan.memory_waits)
+    assert lowered.count(kept) == 1
+    assert runtime_schedule(c.plan, c.options.plan) == c.schedule
+    assert runtime_peaks(c.plan, c.options.plan) == c.memory
+    assert c.history[-1].artifact is c.schedule and c.history[-1].check_ms > 0
+
+
+def test_plans_that_differ_only_in_memory_figures_share_a_schedule_not_a_proof(monkeypatch):
+    # No lowering pass reads a stage's peak or a unit's working set (loss-chunk variants of
+    # one plan differ only there): their schedules are equal, and within one compile's scope
+    # one is lowered for both; each proof is of its own figures.
+    from rpcompile.passes.lower import keep_runtime_schedules, runtime_peaks
+
+    monkeypatch.setenv("RPCOMPILE_DEBUG", "0")  # (with it, a schedule is lowered anew)
+    from tests.ir.test_ir_schedule import make_plan
+
+    plan = make_plan(workers=3, microbatches=3)
+    grown = replace(plan, stages=tuple(replace(st, peak_bytes=st.peak_bytes + (1 << 30) * i)
+                                       for i, st in enumerate(plan.stages)),
+                    units=tuple(replace(u, working_bytes=2 * u.working_bytes + 7)
+                                for u in plan.units))
+    options = PlanOptions(gpus=3, microbatches=3, mode="sync")
+    assert runtime_schedule(plan, options) == runtime_schedule(grown, options)
+    fresh = [runtime_peaks(p, options) for p in (plan, grown)]
+    assert fresh[0] != fresh[1]
+    with keep_runtime_schedules():
+        first = runtime_schedule(plan, options)
+        assert runtime_schedule(grown, options) is first
+        assert [runtime_peaks(p, options) for p in (plan, grown)] == fresh

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from rpcompile.hardware import Hardware
+from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Action, Edge, Schedule, Stage, UnitProfile
 from rpcompile.passes.lower import lower
 from rpcompile.passes.schedule import build_schedule
@@ -301,6 +301,19 @@ def test_roundpipe_replay_is_deterministic_and_consistent():
     doubled = {u.name: (2 * u.forward_ms, 2 * u.backward_ms) for u in plan.units}
     r3 = simulate(lowered, plan, "rtx4090x8", unit_ms=doubled)
     assert sum(r3.busy_ms) == pytest.approx(2 * work)
+
+
+@pytest.mark.parametrize(("optimizer", "journal"), [("sync", True), ("sync", False),
+                                                     ("async", True)])
+def test_the_host_peak_alone_is_the_one_simulate_reports(optimizer, journal):
+    # compile()'s host check reads only the host peak: the same replay, the other measures
+    # left out; with and without the undo journal, for a plan (unit profiles) and bare stages.
+    from rpcompile.sim.engine import peak_host_bytes
+
+    plan, lowered = _roundpipe_run(steps=3, optimizer=optimizer)
+    hw = get_hardware("rtx4090x8").with_undo_journal(journal)
+    for given in (plan, plan.stages):
+        assert peak_host_bytes(lowered, given, hw) == simulate(lowered, given, hw).peak_host_bytes
 
 
 def _free(plan, *, steps: int, optimizer: str) -> Schedule:

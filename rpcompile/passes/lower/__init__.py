@@ -46,6 +46,7 @@ from rpcompile.passes.lower.ordering import add_commit, add_events, add_step_bar
 from rpcompile.passes.lower.pipeline import (
     DATA_PARALLEL_PASSES,
     LOWERING_PASSES,
+    keep_runtime_schedules,
     lower,
     runtime_peaks,
     runtime_schedule,
@@ -77,6 +78,7 @@ __all__ = [
     "add_weight_uploads",
     "grad_slots",
     "gradient_groups",
+    "keep_runtime_schedules",
     "lower",
     "opt_bytes",
     "runtime_peaks",

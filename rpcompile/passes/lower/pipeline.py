@@ -4,8 +4,12 @@ built with it."""
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import replace
 
 from rpcompile.errors import InvalidInput, InvalidType
@@ -30,6 +34,7 @@ from rpcompile.passes.validate import validate as check
 __all__ = [
     "DATA_PARALLEL_PASSES",
     "LOWERING_PASSES",
+    "keep_runtime_schedules",
     "lower",
     "runtime_peaks",
     "runtime_schedule",
@@ -146,17 +151,36 @@ def runtime_schedule(plan: Plan, options: PlanOptions, *, trail: list | None = N
     (passing ``trail``, a list the dispatch's and each lowering pass's records are appended
     to, and ``validate=True``); a Trainer given other options (mode, ``schedule_steps``,
     ``chunk_bytes``) builds its own with this. ``validate`` (default: ``RPCOMPILE_DEBUG=1``)
-    checks the dispatch and every lowering pass's schedule."""
+    checks the dispatch and every lowering pass's schedule. Inside
+    :func:`keep_runtime_schedules` a schedule already lowered there for the same inputs is
+    returned again (with its records, validated when asked) instead of lowered anew."""
     if not isinstance(options, PlanOptions):
         raise InvalidType(f"runtime_schedule's options must be an rpcompile.PlanOptions, got "
                           f"{type(options).__name__}")
+    validate = debug_checks() if validate is None else validate
+    records: list = [] if trail is None else trail
+    kept = _KEPT.get()
+    # Under RPCOMPILE_DEBUG=1 a validated schedule is lowered anew, each pass checked as made.
+    if kept is None or (validate and debug_checks()):
+        lowered, made = _lowered_cycle(plan, options, validate)
+        records.extend(made)
+        return lowered
+    hit = _kept(kept, plan, options)
+    made = hit.records
+    if validate:  # as lower() validates: the last schedule, the earlier ones to name a break
+        made = (made[0], *_validate_last(made[0].artifact, made[1:]))
+    records.extend(made)
+    return hit.lowered
+
+
+def _lowered_cycle(plan: Plan, options: PlanOptions, validate: bool
+                   ) -> tuple[Schedule, list[PassRecord]]:
+    """runtime_schedule's lowering: the schedule and the dispatch's and passes' records."""
     workers, rounds = options.gpus, options.rounds
     ranks = options.ranks or 1
     steps, repeat_from, repeat_until = runtime_cycle(plan.stages, workers, rounds,
                                                      options.schedule_steps)
-    updates = options.updates
-    validate = debug_checks() if validate is None else validate
-    records: list = [] if trail is None else trail
+    records: list[PassRecord] = []
     # The cycle is the dispatch's: every pass carries it, so each record's artifact is the
     # schedule as the run reads it.
     compute = run_pass(records, "dispatch", lambda: build_schedule(
@@ -165,11 +189,98 @@ def runtime_schedule(plan: Plan, options: PlanOptions, *, trail: list | None = N
     ).replace(repeat_from=repeat_from, repeat_until=repeat_until),
         check_dispatch if validate else None)
     lowered, lowering = lower(compute, plan, chunk_bytes=options.chunk_bytes,
-                              validate=validate, updates=updates, ranks=ranks)
+                              validate=validate, updates=options.updates, ranks=ranks)
     records.extend(lowering)
     if options.shard_optimizer and ranks > 1:  # what its REDUCE and SHADOW actions move
         lowered = lowered.replace(sharded=True)
-    return lowered
+    return lowered, records
+
+
+def _kept(kept: _KeptSchedules, plan: Plan, options: PlanOptions) -> _Kept:
+    """The remembered runtime schedule of ``plan`` and ``options``, lowered now if not yet."""
+    key = _cycle_key(plan, options)
+    with kept.lock:
+        hit = kept.get(key)
+    if hit is None:
+        lowered, made = _lowered_cycle(plan, options, False)
+        hit = _Kept(lowered, tuple(made))
+        with kept.lock:
+            kept.put(key, hit)
+    return hit
+
+
+def _cycle_key(plan: Plan, options: PlanOptions) -> tuple:
+    """Everything the runtime's schedule depends on, each as runtime_schedule resolves it:
+    the plan but its figures (predicted step, proven peaks, notes: what the search writes
+    into a plan after lowering it) and its device-memory figures (each stage's
+    ``peak_bytes``, each unit's ``working_bytes``), which no pass reads and only the proof
+    does (:func:`runtime_peaks` keeps its peaks per stage figures); the cycle of steps, the
+    update order :func:`lower` applies, and the other options it reads. Loss-chunk variants
+    of one plan (rpcompile.compiler) differ only in the tail's working set: one schedule."""
+    ranks = options.ranks or 1
+    updates = options.updates
+    if updates is None:
+        updates = "overlap" if options.mode != "sync" else (
+            "deferred" if ranks > 1 else plan.updates)
+    bare = replace(plan, predicted_step_ms=0.0, worker_peak_bytes=(), notes=(),
+                   stages=tuple(replace(st, peak_bytes=0) for st in plan.stages),
+                   units=tuple(replace(u, working_bytes=0) for u in plan.units))
+    return (bare, options.gpus, options.microbatches_per_round, options.rounds, options.mode,
+            runtime_cycle(plan.stages, options.gpus, options.rounds, options.schedule_steps),
+            options.chunk_bytes, updates, ranks, options.shard_optimizer and ranks > 1)
+
+
+class _Kept:
+    """One remembered runtime schedule: the lowered schedule, its records (unvalidated) and
+    its proven peaks, by the stages' ``peak_bytes`` (what the proof reads besides the
+    schedule), once asked for."""
+
+    def __init__(self, lowered: Schedule, records: tuple[PassRecord, ...]) -> None:
+        self.lowered, self.records = lowered, records
+        self.peaks: dict[tuple[int, ...], tuple[WorkerPeak, ...]] = {}
+
+
+class _KeptSchedules:
+    """The runtime schedules of one :func:`keep_runtime_schedules` scope, the least recently
+    used dropped past :data:`_SCHEDULES_KEPT` (a large model's schedule with its records is
+    hundreds of megabytes)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self._items: OrderedDict[tuple, _Kept] = OrderedDict()
+
+    def get(self, key: tuple) -> _Kept | None:
+        hit = self._items.get(key)
+        if hit is not None:
+            self._items.move_to_end(key)
+        return hit
+
+    def put(self, key: tuple, kept: _Kept) -> None:
+        self._items[key] = kept
+        while len(self._items) > _SCHEDULES_KEPT:
+            self._items.popitem(last=False)
+
+
+_SCHEDULES_KEPT = 4
+_KEPT: ContextVar[_KeptSchedules | None] = ContextVar("rpcompile_runtime_schedules",
+                                                      default=None)
+
+
+@contextmanager
+def keep_runtime_schedules() -> Iterator[None]:
+    """Within it, :func:`runtime_schedule` and :func:`runtime_peaks` remember what they
+    lowered and proved (the last few, by everything they depend on), so a later call with the
+    same inputs reuses it: the partition search proves its candidates over the runtime's
+    schedule (rpcompile.planner.partition.proofs), and :func:`rpcompile.compile` keeps the
+    winner's schedule and proof without lowering it again. Both are pure functions of those
+    inputs, so what is reused equals what would be made; outside the scope nothing is kept.
+    Nested scopes share the outer one's."""
+    token = _KEPT.set(_KeptSchedules()) if _KEPT.get() is None else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            _KEPT.reset(token)
 
 
 def runtime_peaks(plan: Plan, options: PlanOptions) -> tuple[WorkerPeak, ...]:
@@ -178,5 +289,14 @@ def runtime_peaks(plan: Plan, options: PlanOptions) -> tuple[WorkerPeak, ...]:
     (``Schedule.run_steps``), the period lowered after them their context
     (``worker_peaks(steps=)``), so the last repeated steps are proven as a long run, which
     repeats them, runs them: before the steps after them."""
-    sched = runtime_schedule(plan, options, validate=False)
-    return worker_peaks(sched, plan, steps=sched.run_steps)
+    kept = _KEPT.get()
+    if kept is None:
+        sched = runtime_schedule(plan, options, validate=False)
+        return worker_peaks(sched, plan, steps=sched.run_steps)
+    hit = _kept(kept, plan, options)
+    figures = tuple(st.peak_bytes for st in plan.stages)
+    peaks = hit.peaks.get(figures)
+    if peaks is None:
+        peaks = hit.peaks[figures] = worker_peaks(hit.lowered, plan,
+                                                  steps=hit.lowered.run_steps)
+    return peaks

@@ -224,8 +224,23 @@ def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
     :func:`proof_steps`, the runtime's) of ``plan``'s :func:`proof_schedule` one dispatch
     period longer, its steps overlapping and its last steps proven before the steps after
     them, as a long run runs them (``worker_peaks(steps=)``, as the partitioner and
-    ``compile()`` prove them: rpcompile.passes.lower.runtime_peaks)."""
-    steps = proof_steps(plan, rounds, optimizer) if steps is None else steps
+    ``compile()`` prove them: rpcompile.passes.lower.runtime_peaks).
+
+    The default is the runtime's own proof: :func:`~rpcompile.passes.lower.runtime_peaks`
+    of the schedule the runtime runs for ``plan`` (its workers and microbatches, the update
+    order the plan carries, the default transfer pieces), the same steps dispatched and
+    lowered as :func:`proof_schedule` lowers them, so that inside
+    :func:`~rpcompile.passes.lower.keep_runtime_schedules` the compile keeps the schedule
+    and proof of the plan the search chose instead of making them again."""
+    from rpcompile.options import PlanOptions
+    from rpcompile.passes.lower import runtime_peaks
+    from rpcompile.sim.engine import paused_gc
+
+    if steps is None:
+        with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
+            return runtime_peaks(plan, PlanOptions(
+                gpus=plan.workers, microbatches=plan.microbatches, rounds=rounds,
+                mode=optimizer))
     period = dispatch_period(len(plan.stages) * rounds, plan.workers)
     return worker_peaks(proof_schedule(plan, rounds, optimizer, steps + period), plan,
                         steps=steps)

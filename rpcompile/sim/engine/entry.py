@@ -19,7 +19,7 @@ from rpcompile.ir import (
     Stage,
     UnitProfile,
 )
-from rpcompile.sim.engine.measures import _measure
+from rpcompile.sim.engine.measures import _host_memory, _measure
 from rpcompile.sim.engine.replay import _Replay
 from rpcompile.sim.result import SimResult
 from rpcompile.sim.sharding import shadow_gather_bytes, shadow_journal_bytes
@@ -136,6 +136,23 @@ def replay_timeline(schedule: Schedule, plan: Plan | Sequence[Stage],
                          "was built from")
     with paused_gc():
         return _run(schedule, plan, hw, compute_times(schedule, plan))
+
+
+def peak_host_bytes(schedule: Schedule, plan: Plan | Sequence[Stage],
+                    hardware: Hardware | str) -> int:
+    """The host peak :func:`simulate` reports for ``schedule`` (``SimResult.peak_host_bytes``,
+    the plan's own stage times and unit profiles), from the same replay without the other
+    measures (bubble split, exposed transfers, device memory): for callers that read only
+    the host figure, such as compile()'s host memory check."""
+    hw = get_hardware(hardware)
+    stages = _stage_tuple(plan)
+    if len(stages) != len(schedule.stage_names):
+        raise InvalidInput(f"the schedule has {len(schedule.stage_names)} stages, the plan "
+                         f"{len(stages)}: simulate a schedule with the plan it was built from")
+    units = plan.units if isinstance(plan, Plan) else None
+    with paused_gc():
+        timeline = _run(schedule, plan, hw, compute_times(schedule, plan))
+        return _host_memory(schedule, stages, units, timeline, hw.undo_journal)
 
 
 def _run(schedule: Schedule, plan: Plan | Sequence[Stage], hw: Hardware,
