@@ -20,6 +20,11 @@ async plan (slow: minutes per model). Prints and writes to JSON, per plan:
                        its own stage): steady-state time per step, and its bubble %
   async / sync         one isolated sync step's time over the async steady step's
 
+and, per model, the ceiling: the least long-run time per async step that any RoundPipe plan
+of the model's attention and MLP blocks can have (``ceiling``, below), the tail start that
+gives it, and the greedy partition's async step over it: how far any partitioner could beat
+the greedy partition on this workload.
+
 Run it from the tree to measure (``PYTHONPATH=<tree> python3 benchmarks/async_barrier.py``).
 """
 
@@ -33,7 +38,7 @@ from _results import write_result
 from paper_bubbles import MICROBATCH_SIZE, MICROBATCHES, SEQ, WORKERS, paper_hardware
 
 from rpcompile.options import PlanOptions
-from rpcompile.planner.partition import fit_memory_waits, partition
+from rpcompile.planner.partition import build_plan, fit_memory_waits, partition
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
 from rpcompile.workloads.paper import (
@@ -58,6 +63,39 @@ def figures(plan, hw) -> dict[str, float]:
             "async_over_sync": one.makespan_ms / steady_step_ms(steady)}
 
 
+def ceiling(units, hw) -> tuple[float, int]:
+    """(the least long-run time per async step, ms, of any RoundPipe plan of ``units`` on
+    ``WORKERS`` workers with ``MICROBATCHES`` microbatches in one round, every stage with
+    trainable weights; the first unit of the fused tail that gives it).
+
+    For each tail start, two limits hold whatever the other cuts:
+
+    - the workers: one step's compute over the workers. With stage recompute (the least
+      compute) a step's compute depends on the tail start only: the tail's layers are not
+      recomputed.
+    - the staleness chain: step k's jobs upload the shadow written from step k-2's update,
+      which follows every gradient of step k-2, so step k starts after step k-2's last
+      compute. Within a step each job's microbatch waits for the same microbatch of the job
+      before it and for its own previous microbatch, so a step's computes span at least
+      every job's one-microbatch compute plus ``MICROBATCHES - 1`` of its longest job, which
+      is at least the longest stage of the finest cut (every unit its own stage). Two steps
+      start per span.
+
+    Hops, uploads and host work are left out, so the ceiling is below what a plan reaches."""
+    n = len(units)
+    best: tuple[float, int] | None = None
+    for tail in range(n - 1, 0, -1):
+        finest = build_plan(units, list(range(tail)), list(range(tail)), tail, hw, WORKERS,
+                            MICROBATCHES, MICROBATCH_SIZE, SEQ)
+        per_microbatch = [st.compute_ms for st in finest.stages]
+        work = MICROBATCHES * sum(per_microbatch) / WORKERS
+        chain = (sum(per_microbatch) + (MICROBATCHES - 1) * max(per_microbatch)) / 2
+        if best is None or max(work, chain) < best[0]:
+            best = (max(work, chain), tail)
+    assert best is not None
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -68,17 +106,18 @@ def main() -> None:
     ap.add_argument("--json", type=Path, default=RESULTS / "async_barrier.json")
     args = ap.parse_args()
     out: dict[str, dict[str, dict[str, float]]] = {}
+    ceilings: dict[str, dict[str, float]] = {}
     for name in args.models:
         model = MODELS[name]
         hw = paper_hardware(model)
         units = model.units(MICROBATCH_SIZE, SEQ)
+        blocks = model.units(MICROBATCH_SIZE, SEQ, split_layers=True)
         plans = {"roundpipe-greedy": fit_memory_waits(partition_roundpipe(
             units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ), hw)[0]}
         if name == "qwen3-1.7b":
             plans["roundpipe-own"] = fit_memory_waits(
                 roundpipe_qwen3_1_7b_plan(hw, WORKERS, MICROBATCHES), hw)[0]
         if args.ours:
-            blocks = model.units(MICROBATCH_SIZE, SEQ, split_layers=True)
             run = PlanOptions(gpus=WORKERS, microbatches=MICROBATCHES, mode="async")
             plans["ours-async"] = partition(blocks, hw, run, microbatch_size=MICROBATCH_SIZE,
                                             seq_len=SEQ)
@@ -94,12 +133,18 @@ def main() -> None:
                   f"{row['sync_steady_bubble_pct']:6.2f} %  async / sync "
                   f"{row['async_over_sync']:.3f}  ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
+        ms, tail = ceiling(blocks, hw)
+        greedy = out[name]["roundpipe-greedy"]["async_step_ms"]
+        ceilings[name] = {"step_ms": ms, "tail_units": len(blocks) - tail,
+                          "greedy_over_ceiling": greedy / ms}
+        print(f"{name:14s} ceiling: no plan's async step below {ms:9.1f} ms (a tail of "
+              f"{len(blocks) - tail} units), greedy / ceiling {greedy / ms:.3f}", flush=True)
     if "qwen3-1.7b" in out:
         print(f"RoundPipe's artifact on its own Qwen3-1.7B partition: sync bubble "
               f"{ROUNDPIPE_QWEN3_1_7B_BUBBLES['sync']:.2f} % (gaps "
               f"{ROUNDPIPE_QWEN3_1_7B_BUBBLES['steady']:.2f} %), reported as async "
               f"{ROUNDPIPE_QWEN3_1_7B_BUBBLES['async']:.2f} %")
-    write_result(args.json, out)
+    write_result(args.json, {**out, "ceiling": ceilings})
     print(f"wrote {args.json}")
 
 

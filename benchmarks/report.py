@@ -405,13 +405,22 @@ def _shared_cores(r: Result, workers: int) -> str:
 
 
 def _async_barrier(r: Result) -> str:
+    ceilings = r.figures.get("ceiling", {})
     rows = [[m, label, num(x["async_step_ms"]), num(x["async_bubble_pct"], 2),
              num(x["sync_step_ms"]), num(x["sync_bubble_pct"], 2),
              num(x["sync_gaps_pct"], 2) if "sync_gaps_pct" in x else "",
              num(x["sync_step_ms"] / x["async_step_ms"], 3)]
-            for m, plans in r.figures.items() for label, x in plans.items()]
-    return table(["model", "plan", "async steady step ms", "async bubble %", "sync step ms",
-                  "sync bubble %", "sync gaps %", "async / sync"], rows)
+            for m, plans in r.figures.items() if m != "ceiling" for label, x in plans.items()]
+    out = table(["model", "plan", "async steady step ms", "async bubble %", "sync step ms",
+                 "sync bubble %", "sync gaps %", "async / sync"], rows)
+    if ceilings:
+        out += ("\n\nCeiling: the least async step any plan of the model's blocks can have "
+                "(a step's compute over the workers, and two steps per chain of one step's "
+                "jobs, since a step uploads the shadow of the update two steps before).\n\n"
+                + table(["model", "ceiling ms", "tail units", "greedy / ceiling"],
+                        [[m, num(c["step_ms"]), c["tail_units"],
+                          num(c["greedy_over_ceiling"], 3)] for m, c in ceilings.items()]))
+    return out
 
 
 def _soak(r: Result) -> str:

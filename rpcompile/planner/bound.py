@@ -90,8 +90,10 @@ def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> fl
     """The async steady-state step (rpcompile.sim.steady_step_ms, over
     :func:`~rpcompile.sim.steady_steps` overlapping steps) of a replay that keeps only each
     worker's compute order, the jobs as :func:`~rpcompile.passes.schedule.deal` deals them,
-    and each value's least hop between workers (a D2H and an H2D): no uploads, host work,
-    link sharing or memory waits. Not a bound (the figure is a ratio, which a relaxed replay
+    each value's least hop between workers (a D2H and an H2D), and the wait between steps:
+    step k's job of a stage with trainable weights starts after step k-2's gradients are
+    home (that step's update writes the shadow it uploads); no uploads, host work, link
+    sharing or memory waits. Not a bound (the figure is a ratio, which a relaxed replay
     may not lower), but it sees what an overlapping run's bubble is made of where steps
     overlap (a job faster than the one before it waits for each microbatch; workers freed
     unevenly start the next step's chain late), which :func:`simulated_lower_bound` cannot;
@@ -114,11 +116,18 @@ def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> fl
     where: dict[tuple[int, int, int], int] = {}
     spans: list[tuple[float, float]] = []
     first: dict[int, float] = {}
+    # When step k's gradients are all home: step k + 2's uploads read the shadow written
+    # from step k's update, which the host queue runs after every ACC of step k.
+    homes: list[float] = []
+    shadowed = [st.trainable_weight_bytes > 0 for st in plan.stages]
     micro = range(plan.microbatches)
     for k in range(steps):
+        home = 0.0
         for w, s, r, _k in costs.dealt(k):
             where[(s, r, k)] = w
             t = free[w]
+            if k >= 2 and shadowed[s]:
+                t = max(t, homes[k - 2])
             remote = [(ends[(src, r, k)], 0.0 if where[(src, r, k)] == w else hop)
                       for src, hop in costs.remote[s]]
             c = costs.compute[s]
@@ -133,6 +142,9 @@ def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> fl
                 done.append(t)
             ends[(s, r, k)] = done
             free[w] = t
+            if costs.home[s] is not None:
+                home = max(home, t + costs.home[s])
+        homes.append(home)
     lo, hi = first[warm], first[steps - 1]
     busy = sum(max(0.0, min(e, hi) - max(b, lo)) for b, e in spans)
     work = plan.microbatches * rounds * sum(costs.compute)

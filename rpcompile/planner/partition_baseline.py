@@ -25,20 +25,31 @@ for a unit that alone exceeds it, this refuses the plan. Unlike
 :mod:`rpcompile.planner.partition`, nothing here sees transfer time or activation memory,
 which is the point of keeping it: it is the plan RoundPipe would make. The stage figures
 (bytes, memory, predicted step) come from the same ``build_plan`` as ours, so the two plans
-are compared like for like.
+are compared like for like; our search replays this plan's cut as one of its candidates
+(:func:`greedy_cuts`, between whole layers when units are blocks of layers), so its plan is
+never the slower of the two in the simulator.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from rpcompile.errors import InvalidInput
 from rpcompile.hardware import Hardware
 from rpcompile.ir import Plan, UnitProfile
-from rpcompile.planner.partition import PartitionError, StageCosting, build_plan
-from rpcompile.planner.partition.stages import _planning_inputs
+from rpcompile.planner.partition.common import PartitionError
+from rpcompile.planner.partition.stages import StageCosting, _planning_inputs, build_plan
 
-__all__ = ["WEIGHT_MEMORY_FRACTION", "candidate_budgets", "greedy_pack", "partition_roundpipe"]
+__all__ = [
+    "WEIGHT_MEMORY_FRACTION",
+    "GreedyCuts",
+    "candidate_budgets",
+    "greedy_cuts",
+    "greedy_pack",
+    "partition_roundpipe",
+]
 
 # A stage's bytes may take half of 60% of the GPU's memory: two stages (the running job and
 # the prefetched next one) then fit in 60%, the rest is left to activations.
@@ -103,6 +114,68 @@ def _tail_start(back_cost: Sequence[float], back_size: Sequence[int], budget: fl
     return start
 
 
+@dataclass(frozen=True)
+class GreedyCuts:
+    """What RoundPipe's rule chose: the start unit of each forward and backward stage (model
+    order), the fused tail's first unit, the budget and its objective."""
+
+    forward_starts: tuple[int, ...]
+    backward_starts: tuple[int, ...]
+    tail_start: int
+    budget_ms: float
+    objective: float
+
+    @property
+    def note(self) -> str:
+        return (f"roundpipe greedy: budget {self.budget_ms:.2f} ms, "
+                f"{len(self.forward_starts)} forward stages, {len(self.backward_starts) + 1} "
+                f"backward stages incl. tail (objective {self.objective:.1f})")
+
+
+def greedy_cuts(units: Sequence[UnitProfile], hw: Hardware, workers: int,
+                costing: StageCosting, starts: Sequence[int] | None = None) -> GreedyCuts:
+    """RoundPipe's rule on ``units``, cutting only where a stage may start: at every unit, or
+    at ``starts`` only (unit indices, 0 first: the layers' first units when units are blocks
+    of layers, where RoundPipe cuts). The pieces between two starts are packed as one unit of
+    their summed costs and bytes. Raises :class:`PartitionError` when a piece's weights and
+    gradients alone exceed half of 60% of the GPU's memory."""
+    if workers < 1:
+        raise InvalidInput(f"workers must be >= 1, got {workers}")
+    n = len(units)
+    edges = [*(range(n) if starts is None else sorted(set(starts))), n]
+    if edges[0] != 0 or edges[-2] >= n:
+        raise InvalidInput(f"stage starts must begin at unit 0 and lie below {n}, got {starts}")
+    pieces = [range(a, b) for a, b in itertools.pairwise(edges)]
+    limit = WEIGHT_MEMORY_FRACTION * hw.memory_bytes
+    # Gradients are kept in the shadow's precision on the worker, as RoundPipe keeps them.
+    fwd_size = [sum(units[u].params for u in r) * costing.weight_dtype_bytes for r in pieces]
+    back_size = [sum(units[u].params + units[u].trainable_params for u in r)
+                 * costing.weight_dtype_bytes for r in pieces]
+    for r, size in zip(pieces, back_size):
+        if size > limit:
+            name = units[r[0]].name if len(r) == 1 else f"{units[r[0]].name}..{units[r[-1]].name}"
+            raise PartitionError(
+                f"unit {name!r} has {size / 2**30:.2f} GiB of weights and gradients, over "
+                f"half of 60% of the GPU's {hw.memory_gib:g} GiB ({limit / 2**30:.2f} GiB): "
+                "RoundPipe's rule cannot place it; use a GPU with more memory or a "
+                "lower-precision shadow"
+            )
+
+    fwd_cost = [sum(units[u].forward_ms for u in r) for r in pieces]
+    back_cost = [sum(units[u].forward_ms + units[u].backward_ms for u in r) for r in pieces]
+    best: GreedyCuts | None = None
+    for t in candidate_budgets(fwd_cost, back_cost):
+        tail = _tail_start(back_cost, back_size, t, limit)
+        fwd_starts = greedy_pack(fwd_cost[:tail], fwd_size[:tail], t, limit, from_last=True)
+        back_starts = greedy_pack(back_cost[:tail], back_size[:tail], t, limit, from_last=False)
+        objective = max(len(fwd_starts) + len(back_starts) + 1, workers) * t
+        if best is None or objective < best.objective:
+            best = GreedyCuts(tuple(edges[i] for i in fwd_starts),
+                              tuple(edges[i] for i in back_starts), edges[tail], t, objective)
+    assert best is not None
+    return best
+
+
 def partition_roundpipe(
     units: Sequence[UnitProfile],
     hardware: Hardware | str,
@@ -119,36 +192,7 @@ def partition_roundpipe(
     gradients alone exceed half of 60% of the GPU's memory.
     """
     units, hw, costing = _planning_inputs(units, hardware, costing)
-    if workers < 1:
-        raise InvalidInput(f"workers must be >= 1, got {workers}")
-    limit = WEIGHT_MEMORY_FRACTION * hw.memory_bytes
-    # Gradients are kept in the shadow's precision on the worker, as RoundPipe keeps them.
-    fwd_size = [u.params * costing.weight_dtype_bytes for u in units]
-    back_size = [(u.params + u.trainable_params) * costing.weight_dtype_bytes for u in units]
-    for u, size in zip(units, back_size):
-        if size > limit:
-            raise PartitionError(
-                f"unit {u.name!r} has {size / 2**30:.2f} GiB of weights and gradients, over "
-                f"half of 60% of the GPU's {hw.memory_gib:g} GiB ({limit / 2**30:.2f} GiB): "
-                "RoundPipe's rule cannot place it; use a GPU with more memory or a "
-                "lower-precision shadow"
-            )
-
-    fwd_cost = [u.forward_ms for u in units]
-    back_cost = [u.forward_ms + u.backward_ms for u in units]
-    best: tuple[float, float, int, list[int], list[int]] | None = None
-    for t in candidate_budgets(fwd_cost, back_cost):
-        tail = _tail_start(back_cost, back_size, t, limit)
-        fwd_starts = greedy_pack(fwd_cost[:tail], fwd_size[:tail], t, limit, from_last=True)
-        back_starts = greedy_pack(back_cost[:tail], back_size[:tail], t, limit, from_last=False)
-        objective = max(len(fwd_starts) + len(back_starts) + 1, workers) * t
-        if best is None or objective < best[0]:
-            best = (objective, t, tail, fwd_starts, back_starts)
-    assert best is not None
-    objective, t, tail, fwd_starts, back_starts = best
-    notes = (
-        f"roundpipe greedy: budget {t:.2f} ms, {len(fwd_starts)} forward stages, "
-        f"{len(back_starts) + 1} backward stages incl. tail (objective {objective:.1f})",
-    )
-    return build_plan(units, fwd_starts, back_starts, tail, hw, workers, microbatches,
-                      microbatch_size, seq_len, rounds, costing, notes=notes)
+    cuts = greedy_cuts(units, hw, workers, costing)
+    return build_plan(units, list(cuts.forward_starts), list(cuts.backward_starts),
+                      cuts.tail_start, hw, workers, microbatches, microbatch_size, seq_len,
+                      rounds, costing, notes=(cuts.note,))

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from rpcompile.hardware import Hardware
+from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import UnitProfile
-from rpcompile.planner.partition import PartitionError
+from rpcompile.planner.partition import PartitionError, StageCosting
+from rpcompile.planner.partition.search import _layer_starts
 from rpcompile.planner.partition_baseline import (
     WEIGHT_MEMORY_FRACTION,
     candidate_budgets,
+    greedy_cuts,
     greedy_pack,
     partition_roundpipe,
 )
@@ -166,3 +168,27 @@ def test_paper_model_plans_are_valid_and_cover_the_model():
     # The tail's cost (head + layers fused into it) is within 1.1x of the costliest unit's.
     w = max(u.forward_ms + u.backward_ms for u in plan.units)
     assert plan.tail.compute_ms <= 1.1 * w + 1e-9
+
+
+def test_greedy_cuts_on_a_grid_pack_its_pieces_as_units():
+    # Qwen3-1.7B as attention and MLP blocks, cut only where a layer starts: the rule packs
+    # each layer as one unit of its blocks' summed costs, so the cut is the whole-layer cut.
+    model = MODELS["qwen3-1.7b"]
+    hw, costing = get_hardware("rtx4090x8"), StageCosting()
+    layers, blocks = model.units(4, 2048), model.units(4, 2048, split_layers=True)
+    starts = _layer_starts(blocks)
+    whole = greedy_cuts(layers, hw, 8, costing)
+    cut = greedy_cuts(blocks, hw, 8, costing, starts)
+
+    def on_blocks(units):
+        return tuple(starts[u] for u in units)
+
+    assert cut.forward_starts == on_blocks(whole.forward_starts)
+    assert cut.backward_starts == on_blocks(whole.backward_starts)
+    assert cut.tail_start == starts[whole.tail_start]
+    assert cut.budget_ms == pytest.approx(whole.budget_ms)
+    # Anywhere (no grid) the same rule may split a layer, and does here.
+    anywhere = greedy_cuts(blocks, hw, 8, costing)
+    assert not set(anywhere.forward_starts) | set(anywhere.backward_starts) <= set(starts)
+    with pytest.raises(ValueError, match="stage starts"):
+        greedy_cuts(blocks, hw, 8, costing, starts[1:])

@@ -1,7 +1,7 @@
 """The best-first search of one stage limit: every tail size and stage count cut exactly, the
-local search's proposals added, and the candidates replayed in the simulator in order of their
-proven lower bounds, until every candidate left is proven no faster (or a replay cap is
-reached)."""
+local search's proposals and RoundPipe's greedy partition added, and the candidates replayed in
+the simulator in order of their proven lower bounds, until every candidate left is proven no
+faster (or a replay cap is reached)."""
 
 from __future__ import annotations
 
@@ -149,6 +149,13 @@ def _partition(cfg: SearchConfig, costing: StageCosting, limit: int, capacity: i
         keys = {(tuple(f), tuple(b), t) for f, b, t in finest[g]}
         mine = [p for p in pool if _bounds(p) in keys]
         firsts.append(sorted(mine, key=predicted)[:1])
+    # RoundPipe's greedy partition, cut where its library cuts (between whole layers), is
+    # replayed whatever the cap too: the plan returned is never slower in the simulator than
+    # the rule it is measured against, whatever the bound and estimate rank first.
+    g = len(grids) - 1
+    if (greedy := _greedy_candidate(units, hw, workers, costing, limit, grids[g], make)):
+        pools[g].append(greedy)
+        firsts[g].append(greedy)
     best, search_note, bubble = _best_simulated(pools, hw, rounds, optimizer, capacity,
                                                 max_simulations, firsts)
     best = replace(best, notes=(*best.notes, search_note))
@@ -293,6 +300,23 @@ def _best_simulated(pools: Sequence[Sequence[Plan]], hw: Hardware, rounds: int,
                 f"gap of at most {(ms - floor_ms) / ms:.2%})")
     plan = replace(plan, predicted_step_ms=ms, worker_peak_bytes=tuple(p.peak_bytes for p in peaks))
     return plan, note, bubble
+
+
+def _greedy_candidate(units, hw: Hardware, workers: int, costing: StageCosting, limit: int,
+                      grid: Sequence[int] | None, make) -> Plan | None:
+    """RoundPipe's greedy partition (rpcompile.planner.partition_baseline) of ``units``, cut
+    only at ``grid`` (None: anywhere) and built by ``make``; None when its rule cannot place
+    a unit or a stage of it is over ``limit``."""
+    # Imported here: the baseline builds its plans with this package's stage figures.
+    from rpcompile.planner.partition_baseline import greedy_cuts
+
+    try:
+        cuts = greedy_cuts(units, hw, workers, costing, grid)
+    except PartitionError:
+        return None
+    plan = make(list(cuts.forward_starts), list(cuts.backward_starts), cuts.tail_start,
+                (cuts.note,))
+    return plan if all(st.peak_bytes <= limit for st in plan.stages) else None
 
 
 def _tail_starts(units, max_layers: int) -> list[int]:
