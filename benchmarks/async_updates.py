@@ -14,16 +14,19 @@ on this machine:
 - ``predicted``: ``hardware.probe("cpu")`` (its cores shared by the workers,
   ``Hardware.shared_cores``; its host bandwidth and optimizer rate) with each compute's time
   calibrated on the machine: the plan's stage programs run once, serially, on the main thread
-  (``Compiled.reference_step``, the median of three), and every unit's time scaled by that
-  over the plan's own serial compute time. One figure from the compute alone, none from the
-  pipelined steps;
+  (``Compiled.reference_step``, the median of three), and every unit's time scaled by their
+  CPU time over the plan's own serial compute time. CPU time, not wall time: it is the work
+  whether or not other processes share the cores. One figure from the compute alone, none
+  from the pipelined steps;
 - ``probed``: the same profile with the unit times at the probe's matmul rate and ``mfu``;
 - ``unshared``: the calibrated times on the probe with ``shared_cores=0`` (a device per
   worker), the model without the shared cores;
 - ``cpu profile``: the table's ``cpu`` profile, as ``compile()`` uses by default.
 
-Also printed: the compute of one steady step summed over its actions (measured from the
-runtime's timeline and in the prediction), one isolated ``step()`` per mode (fill and drain
+Also printed: the CPU time the process spends per steady step and the cores that makes
+(CPU time over wall time: fewer than the shared cores when other processes use them), the
+compute of one steady step summed over its actions (measured from the runtime's timeline and
+in the prediction), one isolated ``step()`` per mode (fill and drain
 included) and each mode's host bytes per trainable parameter (``Trainer.memory_report``:
 async mode's second gradient buffer and second shadow copy show).
 
@@ -76,11 +79,11 @@ def main() -> None:
                                  hardware="cpu")
     plan = compiled.plan
     probed = probe("cpu").with_gpus(args.gpus)
-    serial_ms = _serial_compute_ms(compiled, batches[0])
+    serial_ms, serial_cpu_ms = _serial_compute_ms(compiled, batches[0])
     planned_ms = sum(s.compute_ms for s in plan.stages) * compiled.microbatches * compiled.rounds
     table = get_hardware("cpu")
     scales = {  # unit times on the plan's profile -> on this machine
-        "predicted": serial_ms / planned_ms,
+        "predicted": serial_cpu_ms / planned_ms,
         "probed": (table.matmul_tflops * table.mfu) / (probed.matmul_tflops * probed.mfu),
     }
 
@@ -92,6 +95,8 @@ def main() -> None:
     step_ms: dict[str, float] = {}
     alone_ms: dict[str, float] = {}
     compute_ms: dict[str, dict[str, float]] = {}  # one steady step's compute, summed
+    cpu_ms: dict[str, float] = {}  # the process's CPU time per steady step
+    cores_used: dict[str, float] = {}  # that over the wall time
     sim: dict[str, dict[str, float]] = {k: {} for k in ("predicted", "probed", "unshared",
                                                          "cpu profile")}
     host: dict[str, dict[str, float]] = {}  # host bytes per trainable parameter, by kind
@@ -102,12 +107,15 @@ def main() -> None:
             t0 = time.perf_counter()
             trainer.step(batches[0])  # one step alone: its fill and drain
             alone_ms[mode] = 1e3 * (time.perf_counter() - t0)
-            stamps, results = [], []
+            stamps, cpu_stamps, results = [], [], []
             for result in trainer.fit(batches):
                 stamps.append(time.perf_counter())
+                cpu_stamps.append(time.process_time())
                 results.append(result)
             gaps = [b - a for a, b in itertools.pairwise(stamps[2:-1])]
             step_ms[mode] = 1e3 * statistics.median(gaps)
+            cpu_ms[mode] = 1e3 * (cpu_stamps[-2] - cpu_stamps[2]) / (len(stamps) - 4)
+            cores_used[mode] = (cpu_stamps[-2] - cpu_stamps[2]) / (stamps[-2] - stamps[2])
             report = trainer.memory_report()
             host[mode] = {"total": report.bytes_per_trainable_param,
                           **{k: v for k, v in report.breakdown().items() if "frozen" not in k}}
@@ -130,23 +138,30 @@ def main() -> None:
         "workers": args.gpus, "microbatches": args.microbatches, "steps_timed": args.steps,
         "stages": len(plan.stages), "intra_op_threads": args.threads,
         "shared_cores": probed.shared_cores,
-        "serial_compute_ms": {"measured": serial_ms, "plan_on_cpu_profile": planned_ms},
+        "serial_compute_ms": {"measured": serial_ms, "measured_cpu": serial_cpu_ms,
+                              "plan_on_cpu_profile": planned_ms},
         "steady_step_ms": step_ms, "alone_step_ms": alone_ms,
         "ratio_async_over_sync": step_ms["async"] / step_ms["sync"],
         "simulated_steady_step_ms": sim,
         "predicted_over_measured": {m: sim["predicted"][m] / step_ms[m] for m in modes},
         "simulated_ratio": {k: v["async"] / v["sync"] for k, v in sim.items()},
         "step_compute_ms": compute_ms,
+        "step_cpu_ms": cpu_ms,
+        "cores_used": cores_used,
         "host_bytes_per_trainable_param": host,
     }
     print(f"{args.gpus} workers, {args.threads} intra-op thread(s) each, on "
           f"{probed.shared_cores} shared core(s); the plan's serial compute "
-          f"{planned_ms:.1f} ms on the cpu profile, measured {serial_ms:.1f} ms")
+          f"{planned_ms:.1f} ms on the cpu profile, measured {serial_ms:.1f} ms "
+          f"({serial_cpu_ms:.1f} ms CPU)")
     for m in modes:
         print(f"{m:6s} steady step {step_ms[m]:8.1f} ms measured (stream median), "
               f"{sim['predicted'][m]:8.1f} ms predicted (x{result['predicted_over_measured'][m]:.3f})"
               f"   probed {sim['probed'][m]:.1f}, unshared {sim['unshared'][m]:.1f}, "
               f"cpu profile {sim['cpu profile'][m]:.1f}   one step alone {alone_ms[m]:.1f} ms")
+    for m in modes:
+        print(f"{m:6s} CPU time per steady step {cpu_ms[m]:.1f} ms: {cores_used[m]:.2f} cores "
+              f"busy on average")
     for m in modes:
         print(f"{m:6s} compute in one steady step, summed: measured "
               f"{compute_ms[m]['measured']:.1f} ms, predicted {compute_ms[m]['predicted']:.1f} ms")
@@ -159,17 +174,18 @@ def main() -> None:
     print(f"wrote {args.json}")
 
 
-def _serial_compute_ms(compiled, batch, repeats: int = 3) -> float:
-    """Milliseconds of one step's stage programs run once, serially, on this thread: every
-    forward, tail and backward compute of the plan (``Compiled.reference_step``), the median
-    of ``repeats`` after one warm-up."""
+def _serial_compute_ms(compiled, batch, repeats: int = 3) -> tuple[float, float]:
+    """(wall, CPU) milliseconds of one step's stage programs run once, serially, on this
+    thread: every forward, tail and backward compute of the plan
+    (``Compiled.reference_step``), each the median of ``repeats`` after one warm-up."""
     compiled.reference_step(batch)
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         compiled.reference_step(batch)
-        times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+        wall.append(1e3 * (time.perf_counter() - t0))
+        cpu.append(1e3 * (time.process_time() - c0))
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def _compute_per_step(timeline, step: int | None = None) -> float:
