@@ -13,11 +13,12 @@ on this machine:
 
 - ``predicted``: ``hardware.probe("cpu")`` (its cores shared by the workers,
   ``Hardware.shared_cores``; its host bandwidth and optimizer rate) with each compute's time
-  calibrated on the machine: the plan's stage programs run once, serially, on the main thread
-  (``Compiled.reference_step``, the median of three), and every unit's time scaled by their
-  CPU time over the plan's own serial compute time. CPU time, not wall time: it is the work
-  whether or not other processes share the cores. One figure from the compute alone, none
-  from the pipelined steps;
+  calibrated on the machine: the plan's stage programs run once per step
+  (``Compiled.reference_step``) in as many threads at once as there are workers, as the
+  workers run them, and every unit's time scaled by their CPU time per step over the plan's
+  own serial compute time. CPU time, not wall time: it is the work whether or not other
+  processes share the cores. One figure from the compute alone, none from the pipelined
+  steps. The same programs run serially, on one thread, are printed beside it;
 - ``probed``: the same profile with the unit times at the probe's matmul rate and ``mfu``;
 - ``unshared``: the calibrated times on the probe with ``shared_cores=0`` (a device per
   worker), the model without the shared cores;
@@ -40,6 +41,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -79,11 +81,12 @@ def main() -> None:
                                  hardware="cpu")
     plan = compiled.plan
     probed = probe("cpu").with_gpus(args.gpus)
-    serial_ms, serial_cpu_ms = _serial_compute_ms(compiled, batches[0])
+    serial_ms, serial_cpu_ms = _compute_ms(compiled, batches[0], threads=1)
+    _, threaded_cpu_ms = _compute_ms(compiled, batches[0], threads=args.gpus)
     planned_ms = sum(s.compute_ms for s in plan.stages) * compiled.microbatches * compiled.rounds
     table = get_hardware("cpu")
     scales = {  # unit times on the plan's profile -> on this machine
-        "predicted": serial_cpu_ms / planned_ms,
+        "predicted": threaded_cpu_ms / planned_ms,
         "probed": (table.matmul_tflops * table.mfu) / (probed.matmul_tflops * probed.mfu),
     }
 
@@ -139,6 +142,7 @@ def main() -> None:
         "stages": len(plan.stages), "intra_op_threads": args.threads,
         "shared_cores": probed.shared_cores,
         "serial_compute_ms": {"measured": serial_ms, "measured_cpu": serial_cpu_ms,
+                              "threaded_cpu": threaded_cpu_ms,
                               "plan_on_cpu_profile": planned_ms},
         "steady_step_ms": step_ms, "alone_step_ms": alone_ms,
         "ratio_async_over_sync": step_ms["async"] / step_ms["sync"],
@@ -153,7 +157,8 @@ def main() -> None:
     print(f"{args.gpus} workers, {args.threads} intra-op thread(s) each, on "
           f"{probed.shared_cores} shared core(s); the plan's serial compute "
           f"{planned_ms:.1f} ms on the cpu profile, measured {serial_ms:.1f} ms "
-          f"({serial_cpu_ms:.1f} ms CPU)")
+          f"({serial_cpu_ms:.1f} ms CPU); CPU per step with {args.gpus} threads computing at "
+          f"once {threaded_cpu_ms:.1f} ms")
     for m in modes:
         print(f"{m:6s} steady step {step_ms[m]:8.1f} ms measured (stream median), "
               f"{sim['predicted'][m]:8.1f} ms predicted (x{result['predicted_over_measured'][m]:.3f})"
@@ -174,17 +179,22 @@ def main() -> None:
     print(f"wrote {args.json}")
 
 
-def _serial_compute_ms(compiled, batch, repeats: int = 3) -> tuple[float, float]:
-    """(wall, CPU) milliseconds of one step's stage programs run once, serially, on this
-    thread: every forward, tail and backward compute of the plan
-    (``Compiled.reference_step``), each the median of ``repeats`` after one warm-up."""
+def _compute_ms(compiled, batch, threads: int, repeats: int = 3) -> tuple[float, float]:
+    """(wall, CPU) milliseconds per step of the plan's stage programs, every forward, tail and
+    backward compute of one step (``Compiled.reference_step``), run by ``threads`` threads at
+    once, one step each; each figure the median of ``repeats`` after one warm-up."""
     compiled.reference_step(batch)
     wall, cpu = [], []
     for _ in range(repeats):
+        runs = [threading.Thread(target=compiled.reference_step, args=(batch,))
+                for _ in range(threads)]
         t0, c0 = time.perf_counter(), time.process_time()
-        compiled.reference_step(batch)
-        wall.append(1e3 * (time.perf_counter() - t0))
-        cpu.append(1e3 * (time.process_time() - c0))
+        for run in runs:
+            run.start()
+        for run in runs:
+            run.join()
+        wall.append(1e3 * (time.perf_counter() - t0) / threads)
+        cpu.append(1e3 * (time.process_time() - c0) / threads)
     return statistics.median(wall), statistics.median(cpu)
 
 
