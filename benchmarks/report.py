@@ -379,29 +379,34 @@ def _sync_updates(r: Result) -> str:
 
 def _async_updates(r: Result) -> str:
     f = r.figures
-    rows = [[m, num(f["steady_step_ms"][m]), num(f["alone_step_ms"][m]),
-             num(f["simulated_steady_step_ms"][m], 2),
-             num(f["steady_step_ms"][m] / f["simulated_steady_step_ms"][m], 2),
+    sim = f["simulated_steady_step_ms"]
+    modes = list(f["steady_step_ms"])
+    rows = [[m, num(f["steady_step_ms"][m]), num(sim["predicted"][m]),
+             num(f["predicted_over_measured"][m], 3), num(sim["probed"][m]),
+             num(sim["unshared"][m]), num(sim["cpu profile"][m]), num(f["step_cpu_ms"][m]),
+             num(f["cores_used"][m], 2), num(f["alone_step_ms"][m]),
              num(f["host_bytes_per_trainable_param"][m]["total"], 2)]
-            for m in f["steady_step_ms"]]
-    return (f"{f['model']}, {f['workers']} virtual workers, {f['microbatches']} microbatches, "
-            f"{f['stages']} stages, {f['steps_timed']} steps in one stream.\n\n"
-            + table(["mode", "steady step ms (stream median)", "one step alone ms",
-                     f"simulated steady ms ({f['simulated_hardware']})", "measured / simulated",
+            for m in modes]
+    serial = f["serial_compute_ms"]
+    ratios = f["simulated_ratio"]
+    return (f"{f['model']}, {f['workers']} virtual workers ({f['intra_op_threads']} intra-op "
+            f"thread each) on {f['shared_cores']} shared cores, {f['microbatches']} "
+            f"microbatches, {f['stages']} stages, {f['steps_timed']} steps in one stream. "
+            "Predicted: the probed profile's shared cores, with compute times calibrated on "
+            f"the plan's stage programs run by {f['workers']} threads at once: "
+            f"{num(serial['threaded_cpu'])} ms of CPU per step ({num(serial['measured_cpu'])} "
+            f"ms run serially, {num(serial['measured'])} ms wall), against "
+            f"{num(serial['plan_on_cpu_profile'])} ms on the `cpu` profile. Probed: compute at "
+            "the probe's matmul rate. Unshared: the calibrated times with a device per worker. "
+            "CPU ms: the process's CPU time per steady step; cores busy: that over the wall "
+            "time.\n\n"
+            + table(["mode", "steady step ms (stream median)", "predicted ms",
+                     "predicted / measured", "probed ms", "unshared ms", "`cpu` profile ms",
+                     "CPU ms / step", "cores busy", "one step alone ms",
                      "host bytes / parameter"], rows)
-            + f"\n\nasync / sync: measured {f['ratio_async_over_sync']:.3f}, simulated "
-            f"{f['simulated_ratio']:.3f}." + _shared_cores(r, f["workers"]))
-
-
-def _shared_cores(r: Result, workers: int) -> str:
-    """Why a virtual-worker run can be slower than its simulation: the hardware profile times
-    each worker as a device of its own, while the worker threads share the machine's cores."""
-    cores = ((r.stamp or {}).get("machine") or {}).get("cores")
-    if not cores or workers <= cores:
-        return ""
-    return (f" The profile times each of the {workers} workers as a device of its own; their "
-            f"threads share {cores} cores here, so the measured steps are slower than the "
-            "simulated ones, and the overlap of async steps has few idle cores to fill.")
+            + f"\n\nasync / sync: measured {f['ratio_async_over_sync']:.3f}, predicted "
+            f"{ratios['predicted']:.3f} (probed {ratios['probed']:.3f}, unshared "
+            f"{ratios['unshared']:.3f}, `cpu` profile {ratios['cpu profile']:.3f}).")
 
 
 def _async_barrier(r: Result) -> str:

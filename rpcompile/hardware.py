@@ -57,6 +57,11 @@ class Hardware:
     pageable_h2d_gbps: float = 0.0
     pageable_d2h_gbps: float = 0.0
     host_ram_gib: float = 0.0  # host RAM of the server (0: not known; plan --host-ram)
+    # Virtual workers: how many of their computes the machine's CPU cores run at full speed
+    # at once (the cores over the intra-op threads each compute uses); the simulator shares
+    # them among the computes and host operations running at once. 0: each worker computes
+    # on its own device (a GPU), nothing shared.
+    shared_cores: int = 0
     # Whether the host's optimizer driver keeps its undo journal (PlanOptions.undo_journal,
     # rpcompile.runtime.optim ``rollback``): a copy of what each OPT and SHADOW changes,
     # taken before it changes it, which the simulator and the planner's bound charge to
@@ -316,18 +321,30 @@ def _probe(cuda: bool, size: int, repeats: int, min_seconds: float) -> Hardware:
     if cuda:
         props = torch.cuda.get_device_properties(0)
         name, gpus, mem_gib = props.name, torch.cuda.device_count(), props.total_memory / 2**30
+        shared = 0
     else:
-        import os
-
-        name, gpus = "CPU (virtual workers)", max(1, (os.cpu_count() or 2) // 2)
+        name, gpus = "CPU (virtual workers)", max(1, _cpu_cores() // 2)
         mem_gib = 4.0
+        # The matmul above ran at the intra-op thread count the workers compute with (torch's,
+        # process-wide); one compute occupies that many cores.
+        shared = max(1, _cpu_cores() // torch.get_num_threads())
     return Hardware(
         name="probed", gpu=name, gpus=gpus, matmul_tflops=tflops, memory_gib=mem_gib,
         h2d_gbps=h2d, d2h_gbps=d2h, host_mem_gbps=host_bw, optimizer_params_per_s=opt_rate,
         mfu=0.5 if cuda else 0.8, memory_reserve_gib=1.5 if cuda else 0.0,
         pageable_h2d_gbps=pageable_h2d, pageable_d2h_gbps=pageable_d2h,
-        host_ram_gib=host_ram_bytes() / 2**30,
+        host_ram_gib=host_ram_bytes() / 2**30, shared_cores=shared,
     )
+
+
+def _cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity where the OS says)."""
+    import os
+
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def seconds_per_call(fn: Callable[[], object], sync: Callable[[], object], repeats: int = 3,

@@ -29,6 +29,26 @@ def test_probe_measures_this_machine():
         assert figure > 0
 
 
+def test_probe_of_the_cpu_counts_the_cores_the_workers_share():
+    # Workers computing with one intra-op thread each: as many at full speed as cores; with
+    # two threads each, half as many (at least one).
+    import os
+
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert probe("cpu", size=128, repeats=1, min_seconds=0.001, fresh=True).shared_cores == cores
+        torch.set_num_threads(2)
+        assert probe("cpu", size=128, repeats=1, min_seconds=0.001,
+                     fresh=True).shared_cores == max(1, cores // 2)
+    finally:
+        torch.set_num_threads(threads)
+    assert get_hardware("rtx4090x8").shared_cores == 0  # a GPU each: nothing shared
+
+
 def test_probe_is_measured_once_per_process():
     first = probe("cpu", size=128, repeats=1, min_seconds=0.001)
     assert probe("cpu", size=128, repeats=1, min_seconds=0.001) is first

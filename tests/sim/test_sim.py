@@ -205,6 +205,47 @@ def test_host_queue_and_compute_stream_run_in_list_order():
     assert r.timeline[acc2] == pytest.approx((1.0, 2.0))
 
 
+def test_workers_sharing_cores_slow_down_as_more_compute_at_once():
+    # Three workers, one compute each (2, 4 and 6 ms alone), on a profile whose workers share
+    # two cores. 0-3 ms: three run, each at 2/3: the 2 ms one ends at 3. 3-4 ms: two run at
+    # full speed; the 4 ms one had 2 ms left at 3 and ends at 5, the 6 ms one has 4 left at 3
+    # and ends at 7. With a core each (or shared_cores 0, a GPU each) they end at 2, 4 and 6.
+    computes = [Action(w, "F", w, 0, 0) for w in range(3)]
+    stages = [_stage(i, "forward", 2.0 * (i + 1)) for i in range(3)]
+    sched = _sched([[a] for a in computes], workers=3, stages=3)
+    ends = {cores: [simulate(sched, stages, _hw(shared_cores=cores)).timeline[a][1]
+                    for a in computes] for cores in (0, 1, 2, 3)}
+    assert ends[0] == pytest.approx([2.0, 4.0, 6.0])
+    assert ends[3] == pytest.approx([2.0, 4.0, 6.0])
+    assert ends[2] == pytest.approx([3.0, 5.0, 7.0])
+    # One core: 3 at a third (the 2 ms one ends at 6), then 2 at a half, then one alone.
+    assert ends[1] == pytest.approx([6.0, 10.0, 12.0])
+
+
+def test_host_lane_shares_the_cores_with_the_computes():
+    # An ACC of 1 ms alone beside a 1 ms compute on one shared core: both at half speed.
+    acc = Action(None, "ACC", 0, None, 0, bytes=10_000_000)
+    f = Action(0, "F", 0, 0, 0)
+    stages = [_stage(0, "forward", 1.0), _stage(1, "tail", 1.0)]
+    r = simulate(_sched([[f], []], host=[acc]), stages, _hw(host_gbps=30.0, shared_cores=1))
+    assert r.timeline[f] == pytest.approx((0.0, 2.0))
+    assert r.timeline[acc] == pytest.approx((0.0, 2.0))
+
+
+def test_roundpipe_step_grows_once_more_workers_compute_than_cores():
+    # A lowered RoundPipe run on 4 workers: with a core for each worker and host lane it
+    # replays as if unshared; with fewer, the step grows, and never beats the compute work
+    # over the cores.
+    plan, sched = _roundpipe_run(steps=2, optimizer="sync")
+    hw = _hw(gpus=4)
+    free = simulate(sched, plan, hw).makespan_ms
+    assert simulate(sched, plan, replace(hw, shared_cores=6)).makespan_ms == free
+    work = sum(e - s for a, (s, e) in simulate(sched, plan, hw).timeline.items() if a.is_compute)
+    spans = [simulate(sched, plan, replace(hw, shared_cores=c)).makespan_ms for c in (3, 2, 1)]
+    assert free < spans[0] < spans[1] < spans[2]
+    assert spans[1] >= work / 2 - 1e-6 and spans[2] >= work - 1e-6
+
+
 def test_deadlock_is_reported():
     a, b = Action(0, "F", 0, 0, 0), Action(1, "T", 1, 0, 0)
     sched = _sched([[a], [b]], [Edge(b, a, "data"), Edge(a, b, "data")])

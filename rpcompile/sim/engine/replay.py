@@ -17,6 +17,10 @@ Resource model (docs/simulator.md):
     gloo copies included) draws from it
     at its own full rate, and when the sum exceeds the host's bandwidth all are slowed in
     proportion (a fluid model, re-solved at every start and finish);
+  * on a profile whose workers share CPU cores (``Hardware.shared_cores`` > 0: virtual
+    workers), the running computes and host-lane actions share those cores: with n of them
+    running, each progresses at min(1, shared_cores / n) of its full rate (processor
+    sharing, re-solved at every start and finish); 0 leaves every worker its own device;
   * an action starts once every edge it waits on is done (and, on an ordered stream, the
     action before it has finished).
 Ties are broken by fixed orders (worker, stream, list position), so a replay is deterministic."""
@@ -153,6 +157,10 @@ class _Replay:
         compute_q = self.compute_q
         now = 0.0
         done = 0
+        cores = self.hw.shared_cores
+        # The share of a core each running compute and host-lane action gets (always 1 on a
+        # profile without shared cores); a compute's end in ``running`` is at this share.
+        cpu_share = 1.0
 
         def finish(i: int) -> None:
             nonlocal done
@@ -189,7 +197,7 @@ class _Replay:
                         if duration[i] <= 0.0:
                             finish(i)
                         else:
-                            running[w] = (i, now + duration[i])
+                            running[w] = (i, now + duration[i] / cpu_share)
                 for n, lane in enumerate(self.lanes):
                     if lane_busy[n] is None and lane_head[n] < len(lane) and \
                             preds_left[lane[lane_head[n]]] == 0:
@@ -220,12 +228,14 @@ class _Replay:
                 if done == finished:
                     break
 
+            if cores:
+                cpu_share = self._share_cores(running, lane_busy, cpu_share, now)
             fluids = [f for f in (*link_busy, *lane_busy) if f is not None]
             demand = sum(f.max_rate for f in fluids)
             scale = min(1.0, self.host_rate / demand) if demand > 0 else 1.0
             nxt = float("inf")
             for f in fluids:
-                f.rate = f.max_rate * scale
+                f.rate = f.max_rate * (min(scale, cpu_share) if f.link < 0 else scale)
                 nxt = min(nxt, now + f.remaining / f.rate)
             for r in running:
                 if r is not None and r[1] < nxt:
@@ -256,6 +266,19 @@ class _Replay:
                 else:
                     f.remaining -= f.rate * dt
         return {a: (start[i], end[i]) for i, a in enumerate(self.acts)}
+
+    def _share_cores(self, running: list[tuple[int, float] | None],
+                     lane_busy: list[_Fluid | None], share: float, now: float) -> float:
+        """The core share of each running compute and host-lane action once the starts at
+        ``now`` are in: min(1, shared_cores / how many run). Each running compute's end,
+        reckoned at the old ``share``, moves to what its work left takes at the new one."""
+        n = sum(r is not None for r in running) + sum(f is not None for f in lane_busy)
+        new = min(1.0, self.hw.shared_cores / n) if n else 1.0
+        if new != share:
+            for w, r in enumerate(running):
+                if r is not None:
+                    running[w] = (r[0], now + (r[1] - now) * share / new)
+        return new
 
     def _deadlock(self, head: list[int], lane_head: list[int]) -> str:
         blocked = [str(self.acts[q[h]]) for q, h in zip(self.compute_q, head) if h < len(q)]
