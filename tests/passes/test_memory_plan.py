@@ -109,17 +109,19 @@ def assert_agree(predicted, simulated, measured, really=None, tight=0.95):
     5 % and never passes it; the virtual workers, which account weights, gradient buffers
     and held values but not a compute's transients, reach the proven peak without working
     sets (``held_bytes``) within 5 % and never pass it; and what a worker really held during
-    a compute (its accounting plus the compute's own tensors, metered) is within 5 % of the
-    proven peak, whose working sets come from the cost model (on these tiny models up to 3 %
-    above it: their small tensors weigh more than in a real model)."""
+    a compute (its accounting plus the compute's own tensors, metered) never passes the
+    proven peak and reaches at least 75 % of it. The proof's working sets come from the cost
+    model, and a gradient job's counts its parameters' gradients in the compute dtype beside
+    the whole working set, though the activations shrink as they grow: on these tiny models,
+    where the gradients weigh much more than the activations, what a compute holds is down
+    to 78 % of it."""
     assert len(predicted) == len(simulated) == len(measured)
     for w, (bound, got) in enumerate(zip(predicted, simulated)):
         assert tight * bound.peak_bytes <= got <= bound.peak_bytes, ("simulated", w, got, bound)
     for w, (bound, got) in enumerate(zip(predicted, measured)):
         assert tight * bound.held_bytes <= got <= bound.held_bytes, ("measured", w, got, bound)
     for w, (bound, got) in enumerate(zip(predicted, really or ())):
-        assert tight * bound.peak_bytes <= got <= 1.05 * bound.peak_bytes, (
-            "metered", w, got, bound)
+        assert 0.75 * bound.peak_bytes <= got <= bound.peak_bytes, ("metered", w, got, bound)
 
 
 @pytest.mark.parametrize("arch,gpus,microbatches", CASES)
@@ -339,9 +341,9 @@ def test_longest_sequence_names_the_peak_of_the_schedule_that_does_not_fit():
     from rpcompile.workloads.paper import MODELS
 
     model = MODELS["qwen3-1.7b"]
-    # 9 GiB: at 8 the chunked tail alone (with its head's 1.16 GiB fp32 gradient accumulator,
-    # charged since the kernel was measured) does not fit even at 4,096 tokens.
-    hw = replace(get_hardware("rtx4090x8"), memory_gib=9.0).with_gpus(4)
+    # 9.5 GiB: at 9 the chunked tail alone (its head's 1.16 GiB fp32 gradient accumulator
+    # and its 0.58 GiB bf16 gradient) does not fit even at 4,096 tokens.
+    hw = replace(get_hardware("rtx4090x8"), memory_gib=9.5).with_gpus(4)
 
     def units(s):
         return model.units(1, s, loss_chunk_tokens=4096)
