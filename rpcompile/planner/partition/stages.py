@@ -138,9 +138,9 @@ def _check_units_fit(units, costing, limit) -> None:
             raise PartitionError(
                 f"unit {u.name!r} alone needs {format_bytes(need)} of device memory (weights "
                 f"twice for prefetch, its gradients in fp32 and in the compute dtype, and one "
-                f"microbatch's working set) but "
-                f"the GPU has {format_bytes(limit)} usable; use a smaller microbatch or sequence "
-                "length, freeze it (LoRA), or a GPU with more memory"
+                f"microbatch's working set) but the GPU has {format_bytes(limit)} usable; use a "
+                "smaller microbatch or sequence length, freeze it (LoRA), or a GPU with more "
+                "memory"
             )
 
 
