@@ -139,8 +139,9 @@ def _alone(plan: Plan, capacity: int) -> str:
         return ""
     names = ", ".join(repr(plan.units[u].name) for u in worst.units)
     return (f"unit {names} alone needs {format_bytes(worst.peak_bytes)} of device memory as "
-            f"a {worst.kind} stage (weights twice for prefetch, its fp32 gradients and one "
-            f"microbatch's working set) but the GPU has {format_bytes(capacity)} usable")
+            f"a {worst.kind} stage (weights twice for prefetch, its gradients in fp32 and in "
+            f"the compute dtype, and one microbatch's working set) but the GPU has "
+            f"{format_bytes(capacity)} usable")
 
 
 def host_need(plan: Plan, hardware: Hardware | str, rounds: int = 1,

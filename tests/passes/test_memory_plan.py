@@ -104,22 +104,24 @@ def simulated_and_measured(compiled, gpus, microbatches, chaos=None):
     return simulated, measured, list(really)
 
 
-def assert_agree(predicted, simulated, measured, really=None, tight=0.95):
+def assert_agree(predicted, simulated, measured, really=None, tight=0.95, metered=0.75):
     """Per worker: the simulator (with the cost model's times) reaches the proven peak within
     5 % and never passes it; the virtual workers, which account weights, gradient buffers
     and held values but not a compute's transients, reach the proven peak without working
     sets (``held_bytes``) within 5 % and never pass it; and what a worker really held during
-    a compute (its accounting plus the compute's own tensors, metered) is within 5 % of the
-    proven peak, whose working sets come from the cost model (on these tiny models up to 3 %
-    above it: their small tensors weigh more than in a real model)."""
+    a compute (its accounting plus the compute's own tensors, metered) never passes the
+    proven peak and reaches at least ``metered`` of it. The proof's working sets come from the cost
+    model, and a gradient job's counts its parameters' gradients in the compute dtype beside
+    the whole working set, though the activations shrink as they grow: on these tiny models,
+    where the gradients weigh much more than the activations, what a compute holds is down
+    to 78 % of it."""
     assert len(predicted) == len(simulated) == len(measured)
     for w, (bound, got) in enumerate(zip(predicted, simulated)):
         assert tight * bound.peak_bytes <= got <= bound.peak_bytes, ("simulated", w, got, bound)
     for w, (bound, got) in enumerate(zip(predicted, measured)):
         assert tight * bound.held_bytes <= got <= bound.held_bytes, ("measured", w, got, bound)
     for w, (bound, got) in enumerate(zip(predicted, really or ())):
-        assert tight * bound.peak_bytes <= got <= 1.05 * bound.peak_bytes, (
-            "metered", w, got, bound)
+        assert metered * bound.peak_bytes <= got <= bound.peak_bytes, ("metered", w, got, bound)
 
 
 @pytest.mark.parametrize("arch,gpus,microbatches", CASES)
@@ -196,8 +198,10 @@ def test_the_planners_peak_of_each_worker_is_what_a_multi_step_run_reaches(
     # With steps overlapping, the proof of an uneven dealing is up to 20 % above what a
     # replay or a run reaches on some workers (it lets more of two steps' jobs meet on a
     # worker than their timing does: qwen3-4-2-3-async, worker 0, simulated 0.81 of it);
-    # it is never passed.
-    assert_agree(compiled.memory, sim.peak_device_bytes, measured, really, tight=0.80)
+    # it is never passed. What a compute holds then is down to 0.71 of it (qwen3-4-3-4-async,
+    # worker 0), the gradient jobs' conservative figure on top.
+    assert_agree(compiled.memory, sim.peak_device_bytes, measured, really, tight=0.80,
+                 metered=0.6)
 
 
 def without_waits(compiled):
@@ -339,9 +343,9 @@ def test_longest_sequence_names_the_peak_of_the_schedule_that_does_not_fit():
     from rpcompile.workloads.paper import MODELS
 
     model = MODELS["qwen3-1.7b"]
-    # 9 GiB: at 8 the chunked tail alone (with its head's 1.16 GiB fp32 gradient accumulator,
-    # charged since the kernel was measured) does not fit even at 4,096 tokens.
-    hw = replace(get_hardware("rtx4090x8"), memory_gib=9.0).with_gpus(4)
+    # 9.5 GiB: at 9 the chunked tail alone (its head's 1.16 GiB fp32 gradient accumulator
+    # and its 0.58 GiB bf16 gradient) does not fit even at 4,096 tokens.
+    hw = replace(get_hardware("rtx4090x8"), memory_gib=9.5).with_gpus(4)
 
     def units(s):
         return model.units(1, s, loss_chunk_tokens=4096)

@@ -137,9 +137,10 @@ def _check_units_fit(units, costing, limit) -> None:
         if need > limit:
             raise PartitionError(
                 f"unit {u.name!r} alone needs {format_bytes(need)} of device memory (weights "
-                f"twice for prefetch, its fp32 gradients and one microbatch's working set) but "
-                f"the GPU has {format_bytes(limit)} usable; use a smaller microbatch or sequence "
-                "length, freeze it (LoRA), or a GPU with more memory"
+                f"twice for prefetch, its gradients in fp32 and in the compute dtype, and one "
+                f"microbatch's working set) but the GPU has {format_bytes(limit)} usable; use a "
+                "smaller microbatch or sequence length, freeze it (LoRA), or a GPU with more "
+                "memory"
             )
 
 
@@ -187,12 +188,20 @@ def _stage_reads(units, r: tuple[int, ...]) -> tuple[int, tuple[tuple[str, int],
 def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -> int:
     """Device memory of one job: weights and buffers twice (the next job's prefetch shares
     the device), the fp32 gradient accumulator (not for forward stages), one microbatch's
-    working set, and the dequantized copies of the stage's packed weights (held while a
-    compute runs)."""
+    working set, the dequantized copies of the stage's packed weights (held while a
+    compute runs), and for a backward or tail job its trainable parameters' gradients in the
+    compute dtype.
+
+    Autograd leaves every trainable parameter's gradient, in the weights' dtype, on its leaf
+    until the microbatch's backward ends; only then are they added into the fp32 accumulator
+    (``run_backward_microbatch``). They grow while the working set shrinks; both are counted
+    whole, a bound that holds wherever in the backward the peak falls."""
     _, trainable = _stage_params(units, r)
     uploaded, dequantized = _stage_weight_bytes(units, r, costing)
     weights = 2 * (uploaded + _stage_reads(units, r)[0])
     grads = 0 if kind == "forward" else trainable * costing.grad_dtype_bytes
+    if kind != "forward":
+        grads += trainable * costing.weight_dtype_bytes
     if kind == "forward":
         # No autograd: only the largest transient plus the values being sent out.
         working = max((units[u].output_bytes + units[u].shared_bytes for u in r), default=0)
