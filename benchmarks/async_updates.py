@@ -173,7 +173,7 @@ def main() -> None:
     for m in modes:
         print(f"{m:6s} host bytes per trainable parameter: {host[m]['total']:.2f} ("
               + ", ".join(f"{k} {v:.2f}" for k, v in host[m].items() if k != "total") + ")")
-    print(f"async / sync: measured {result['ratio_async_over_sync']:.3f}, predicted "
+    print(f"async / sync: measured {result['ratio_async_over_sync']:.3f}, "
           + ", ".join(f"{k} {v:.3f}" for k, v in result["simulated_ratio"].items()))
     write_result(args.json, result)
     print(f"wrote {args.json}")
