@@ -274,9 +274,17 @@ def test_keyboard_interrupt_in_dispatch_reraises_itself(qwen3, monkeypatch):  # 
         _assert_state_is(trainer, masters, opt_state, steps=1)
         # A real Ctrl-C (SIGINT's KeyboardInterrupt in the main thread) while the host waits.
         program = next(p for p in qwen3.stages if p.kind == "forward")
+        # The forward stays stalled until the Ctrl-C has been sent: the step cannot end
+        # before it arrives, however late the timer thread runs on a loaded machine.
+        release = threading.Event()
+
+        def ctrl_c() -> None:
+            _thread.interrupt_main()
+            release.set()
+
         with monkeypatch.context() as patch:
-            _stall(patch, program, threading.Event(), seconds=0.3)
-            timer = threading.Timer(0.1, _thread.interrupt_main)
+            _stall(patch, program, release)
+            timer = threading.Timer(0.1, ctrl_c)
             timer.start()
             with pytest.raises(KeyboardInterrupt):
                 trainer.step(data[1])
