@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import ctypes
+import signal
 import threading
 import time
 from dataclasses import replace
@@ -282,6 +283,9 @@ def test_keyboard_interrupt_in_dispatch_reraises_itself(qwen3, monkeypatch):  # 
             _thread.interrupt_main()
             release.set()
 
+        # interrupt_main() does nothing while SIGINT is ignored or at its default.
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, (
+            f"SIGINT's handler is {signal.getsignal(signal.SIGINT)!r}: an earlier test left it")
         with monkeypatch.context() as patch:
             _stall(patch, program, release)
             timer = threading.Timer(0.1, ctrl_c)
