@@ -11,6 +11,13 @@ async plan (slow: minutes per model). Prints and writes to JSON, per plan:
 
   async step ms        steady-state time per step (``steady_step_ms`` over ``steady_steps``)
   async bubble %       steady-state idle share (1 - ``steady_utilization``)
+  bound                the least long-run async step of this plan, and its bubble
+                       (``rpcompile.sim.steady_bound``: the heaviest cycle of the waits every
+                       replay keeps, transfers and host work left out); under it, the cycle's
+                       span in steps and the stages it runs through, and whether it takes the
+                       wait for the step two before (``stale``). A bubble at its bound is the
+                       plan's own, not the schedule's (docs/simulator.md, "Why a plan idles
+                       when steps overlap")
   sync step ms         one isolated sync step's makespan, and its bubble %
   sync gaps %          the isolated sync step's idle between each worker's first and last
                        compute (its bubble less fill and drain). RoundPipe's artifact reports
@@ -40,7 +47,13 @@ from paper_bubbles import MICROBATCH_SIZE, MICROBATCHES, SEQ, WORKERS, paper_har
 from rpcompile.options import PlanOptions
 from rpcompile.planner.partition import build_plan, fit_memory_waits, partition
 from rpcompile.planner.partition_baseline import partition_roundpipe
-from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
+from rpcompile.sim import (
+    simulate_roundpipe,
+    steady_bound,
+    steady_step_ms,
+    steady_steps,
+    steady_utilization,
+)
 from rpcompile.workloads.paper import (
     MODELS,
     ROUNDPIPE_QWEN3_1_7B_BUBBLES,
@@ -52,10 +65,14 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 def figures(plan, hw) -> dict[str, float]:
     steady = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
+    bound = steady_bound(plan)
     one = simulate_roundpipe(plan, hw, steps=1, optimizer="sync")
     stream = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="sync")
     return {"async_step_ms": steady_step_ms(steady),
             "async_bubble_pct": 100 * (1 - steady_utilization(steady)),
+            "bound_step_ms": bound.step_ms, "bound_bubble_pct": 100 * bound.bubble,
+            "bound_cycle_steps": bound.cycle_steps, "bound_stale": bound.stale,
+            "bound_cycle_stages": [s for _, _, s in bound.cycle],
             "sync_step_ms": one.makespan_ms, "sync_bubble_pct": 100 * one.bubble,
             "sync_gaps_pct": 100 * one.bubble_steady,
             "sync_steady_step_ms": steady_step_ms(stream),
@@ -126,13 +143,18 @@ def main() -> None:
             row = figures(plan, hw)
             out.setdefault(name, {})[label] = row
             print(f"{name:14s} {label:18s} async step {row['async_step_ms']:9.1f} ms  "
-                  f"async bubble {row['async_bubble_pct']:6.2f} %  sync step "
+                  f"async bubble {row['async_bubble_pct']:6.2f} % (bound: "
+                  f"{row['bound_bubble_pct']:5.2f} % for this partition, "
+                  f"{row['bound_step_ms']:9.1f} ms)  sync step "
                   f"{row['sync_step_ms']:9.1f} ms  sync bubble {row['sync_bubble_pct']:6.2f} %"
                   f" (gaps {row['sync_gaps_pct']:5.2f} %)"
                   f"  sync steady {row['sync_steady_step_ms']:9.1f} ms "
                   f"{row['sync_steady_bubble_pct']:6.2f} %  async / sync "
                   f"{row['async_over_sync']:.3f}  ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
+            print(f"{'':33s} bound's cycle: {row['bound_cycle_steps']} steps through stages "
+                  f"{' '.join(map(str, row['bound_cycle_stages']))}"
+                  f"{', stale' if row['bound_stale'] else ''}", flush=True)
         ms, tail = ceiling(blocks, hw)
         greedy = out[name]["roundpipe-greedy"]["async_step_ms"]
         ceilings[name] = {"step_ms": ms, "tail_units": len(blocks) - tail,
