@@ -19,8 +19,8 @@ is:
 A cycle of weight W over S steps holds every node on it to at least W later every S steps,
 so the long-run time per step is at least W / S, and the greatest such ratio (the bound) is
 what a replay that kept only these waits would reach. Transfers, uploads, host work and
-memory bounds add waits, never remove one. The compute time of a step over the workers is
-the greatest ratio of the ``worker`` cycles together, so the bound is at least that.
+memory bounds add waits, never remove one. The ``worker`` cycles together carry a step's
+compute over the workers, so the bound is at least that share.
 
 The cycle that sets it says why a plan idles: a ``data`` edge in it means a job waited for
 the wavefront of the job before it (a job faster than the one it follows, or a worker freed
@@ -30,6 +30,7 @@ gradients of the step two before.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 from rpcompile.errors import InvalidInput
@@ -126,10 +127,10 @@ def _graph(plan: Plan, workers: int, microbatches: int, rounds: int,
         for r in range(rounds):
             src, dst = r * n + f.src_stage, r * n + f.dst_stage
             edges += [(node(src, i), node(dst, i), ms[src], 0, "data") for i in range(m)]
-    # The dealing repeats from step to step relative to the step's first job, so any step
-    # far enough from the start gives each job its worker's job before it.
+    # A worker's job before the counter's job g is job g - workers, whatever the step: one
+    # step far enough from the start gives every job its predecessor.
     first = -(-workers // jobs) + 1
-    dealt = list(_take(deal(n, workers, rounds), (first + 1) * jobs))
+    dealt = itertools.islice(deal(n, workers, rounds), (first + 1) * jobs)
     last_of: dict[int, tuple[int, int]] = {}
     for w, s, r, k in dealt:
         j = r * n + s
@@ -141,11 +142,6 @@ def _graph(plan: Plan, workers: int, microbatches: int, rounds: int,
         if plan.stages[j % n].trainable_weight_bytes > 0:
             edges.append((done, node(j, 0), 0.0, 2, "stale"))
     return done + 1, edges
-
-
-def _take(it, count: int):
-    for _ in range(count):
-        yield next(it)
 
 
 def _positive_cycle(nodes: int, edges: list[_Edge], lam: float) -> list[_Edge] | None:
