@@ -11,29 +11,39 @@ The workers compute with ``--threads`` intra-op threads each (``torch.set_num_th
 first). The plan is the ``cpu`` profile's, the same on every machine. The simulations time it
 on this machine:
 
-- ``predicted``: ``hardware.probe("cpu")`` (its cores shared by the workers,
-  ``Hardware.shared_cores``; its host bandwidth and optimizer rate) with each compute's time
-  calibrated on the machine: the plan's stage programs run once per step
+- ``predicted``: ``hardware.probe("cpu")`` (its host bandwidth and optimizer rate) calibrated
+  by three measurements (``rpcompile.runtime.calibrate``), none of them of the timed steps:
+  each compute's time from the plan's stage programs run once per step
   (``Compiled.reference_step``) in as many threads at once as there are workers, as the
-  workers run them, and every unit's time scaled by their CPU time per step over the plan's
-  own serial compute time. CPU time, not wall time: it is the work whether or not other
-  processes share the cores. One figure from the compute alone, none from the pipelined
-  steps. The same programs run serially, on one thread, are printed beside it;
+  workers run them, every unit's time scaled by their CPU time per step over the plan's own
+  serial compute time (CPU time, not wall time: the work, whether or not other processes
+  share the cores); the shared cores, the CPU time over the wall time of that same run (the
+  cores the computes kept busy: fewer than the machine's when the interpreter lock or other
+  processes hold them back); the virtual workers' copy rates and the runtime's CPU per
+  action from ``calibrate_virtual`` on a different, smaller run (``--calibrate-hidden``,
+  ``--calibrate-layers``, the same workers and microbatches, ``--calibrate-steps`` steps of
+  a sync stream): copies then take a core as they run, and every action its CPU. The same
+  programs run serially, on one thread, are printed beside it;
+- ``compute only``: the calibrated compute times on the probe's own cores, copy rates and no
+  CPU per action (what the simulator predicts without the copies' and dispatch's CPU);
 - ``probed``: the same profile with the unit times at the probe's matmul rate and ``mfu``;
 - ``unshared``: the calibrated times on the probe with ``shared_cores=0`` (a device per
   worker), the model without the shared cores;
 - ``cpu profile``: the table's ``cpu`` profile, as ``compile()`` uses by default.
 
-Also printed: the CPU time the process spends per steady step and the cores that makes
-(CPU time over wall time: fewer than the shared cores when other processes use them), the
-compute of one steady step summed over its actions (measured from the runtime's timeline and
-in the prediction), one isolated ``step()`` per mode (fill and drain
+Also printed: the calibration's figures (CPU per step of each stream and of the main thread,
+the copy rates, the CPU per action), the CPU time the process spends per steady step and the
+cores that makes (CPU time over wall time: fewer than the shared cores when other processes
+use them), the compute of one steady step summed over its actions (measured from the
+runtime's timeline and in the prediction), one isolated ``step()`` per mode (fill and drain
 included) and each mode's host bytes per trainable parameter (``Trainer.memory_report``:
 async mode's second gradient buffer and second shadow copy show).
 
     python benchmarks/async_updates.py [--hidden 256] [--layers 4] [--seq 128] [--batch 12]
                                        [--gpus 6] [--microbatches 6] [--steps 12]
-                                       [--threads 1] [--json PATH]
+                                       [--threads 1] [--calibrate-hidden 128]
+                                       [--calibrate-layers 2] [--calibrate-steps 6]
+                                       [--json PATH]
 """
 
 from __future__ import annotations
@@ -41,7 +51,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import statistics
-import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -63,6 +72,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads each worker computes with (torch.set_num_threads)")
+    ap.add_argument("--calibrate-hidden", type=int, default=128,
+                    help="width of the model the copy rates and CPU per action are measured on")
+    ap.add_argument("--calibrate-layers", type=int, default=2)
+    ap.add_argument("--calibrate-steps", type=int, default=6)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/async_updates.json"))
     args = ap.parse_args()
 
@@ -72,8 +85,22 @@ def main() -> None:
 
     import rpcompile
     from rpcompile.hardware import get_hardware, probe
+    from rpcompile.runtime.calibrate import calibrate_virtual, threaded_compute
     from rpcompile.runtime.trainer import Trainer
     from rpcompile.sim import simulate, steady_step_ms
+
+    def trainer_for(compiled, mode: str) -> Trainer:
+        return Trainer(compiled, train=replace(compiled.options.train, optimizer=adamw,
+                                               device="virtual", timeout_s=600),
+                       plan=replace(compiled.options.plan, mode=mode))
+
+    # The calibration run: another model, smaller, on as many workers.
+    small_batches = token_batches(args.calibrate_steps, args.batch, args.seq)
+    small = rpcompile.compile(qwen3(args.calibrate_hidden, args.calibrate_layers),
+                              gpus=args.gpus, microbatches=args.microbatches,
+                              example_inputs=small_batches[0], hardware="cpu")
+    with trainer_for(small, "sync") as trainer:
+        calibration = calibrate_virtual(trainer, small_batches)
 
     batches = token_batches(args.steps, args.batch, args.seq)
     compiled = rpcompile.compile(qwen3(args.hidden, args.layers), gpus=args.gpus,
@@ -81,12 +108,14 @@ def main() -> None:
                                  hardware="cpu")
     plan = compiled.plan
     probed = probe("cpu").with_gpus(args.gpus)
-    serial_ms, serial_cpu_ms = _compute_ms(compiled, batches[0], threads=1)
-    _, threaded_cpu_ms = _compute_ms(compiled, batches[0], threads=args.gpus)
+    serial = threaded_compute(compiled, batches[0], threads=1)
+    threaded = threaded_compute(compiled, batches[0], threads=args.gpus)
+    calibrated = replace(calibration.apply(probed),
+                         shared_cores=min(probed.shared_cores, threaded.cores_busy))
     planned_ms = sum(s.compute_ms for s in plan.stages) * compiled.microbatches * compiled.rounds
     table = get_hardware("cpu")
     scales = {  # unit times on the plan's profile -> on this machine
-        "predicted": threaded_cpu_ms / planned_ms,
+        "predicted": threaded.cpu_ms / planned_ms,
         "probed": (table.matmul_tflops * table.mfu) / (probed.matmul_tflops * probed.mfu),
     }
 
@@ -100,13 +129,11 @@ def main() -> None:
     compute_ms: dict[str, dict[str, float]] = {}  # one steady step's compute, summed
     cpu_ms: dict[str, float] = {}  # the process's CPU time per steady step
     cores_used: dict[str, float] = {}  # that over the wall time
-    sim: dict[str, dict[str, float]] = {k: {} for k in ("predicted", "probed", "unshared",
-                                                         "cpu profile")}
+    sim: dict[str, dict[str, float]] = {k: {} for k in ("predicted", "compute only", "probed",
+                                                         "unshared", "cpu profile")}
     host: dict[str, dict[str, float]] = {}  # host bytes per trainable parameter, by kind
     for mode in modes:
-        with Trainer(compiled, train=replace(compiled.options.train, optimizer=adamw,
-                                             device="virtual", timeout_s=600),
-                     plan=replace(compiled.options.plan, mode=mode)) as trainer:
+        with trainer_for(compiled, mode) as trainer:
             t0 = time.perf_counter()
             trainer.step(batches[0])  # one step alone: its fill and drain
             alone_ms[mode] = 1e3 * (time.perf_counter() - t0)
@@ -123,8 +150,10 @@ def main() -> None:
             host[mode] = {"total": report.bytes_per_trainable_param,
                           **{k: v for k, v in report.breakdown().items() if "frozen" not in k}}
             schedule = trainer.schedule
-        predicted = simulate(schedule, plan, probed, units=units_at(scales["predicted"]))
+        predicted = simulate(schedule, plan, calibrated, units=units_at(scales["predicted"]))
         sim["predicted"][mode] = steady_step_ms(predicted)
+        sim["compute only"][mode] = steady_step_ms(
+            simulate(schedule, plan, probed, units=units_at(scales["predicted"])))
         sim["probed"][mode] = steady_step_ms(
             simulate(schedule, plan, probed, units=units_at(scales["probed"])))
         sim["unshared"][mode] = steady_step_ms(
@@ -141,9 +170,23 @@ def main() -> None:
         "workers": args.gpus, "microbatches": args.microbatches, "steps_timed": args.steps,
         "stages": len(plan.stages), "intra_op_threads": args.threads,
         "shared_cores": probed.shared_cores,
-        "serial_compute_ms": {"measured": serial_ms, "measured_cpu": serial_cpu_ms,
-                              "threaded_cpu": threaded_cpu_ms,
+        "serial_compute_ms": {"measured": serial.wall_ms, "measured_cpu": serial.cpu_ms,
+                              "threaded_cpu": threaded.cpu_ms,
+                              "threaded_wall": threaded.wall_ms,
                               "plan_on_cpu_profile": planned_ms},
+        "calibration": {
+            "model": f"qwen3 hidden {args.calibrate_hidden}, {args.calibrate_layers} layers, "
+                     f"batch {args.batch}x{args.seq}",
+            "steps": calibration.steps, "actions_per_step": calibration.actions,
+            "cpu_ms_per_step": calibration.cpu_ms,
+            "compute_programs_ms": calibration.compute_programs_ms,
+            "stream_overhead_us": calibration.stream_overhead_us,
+            "submit_overhead_us": calibration.submit_overhead_us,
+            "action_overhead_us": calibration.action_overhead_us,
+            "h2d_gbps": calibration.h2d_gbps, "d2h_gbps": calibration.d2h_gbps,
+            "probe_h2d_gbps": probed.h2d_gbps, "probe_d2h_gbps": probed.d2h_gbps,
+            "cores_busy": threaded.cores_busy,
+        },
         "steady_step_ms": step_ms, "alone_step_ms": alone_ms,
         "ratio_async_over_sync": step_ms["async"] / step_ms["sync"],
         "simulated_steady_step_ms": sim,
@@ -156,13 +199,23 @@ def main() -> None:
     }
     print(f"{args.gpus} workers, {args.threads} intra-op thread(s) each, on "
           f"{probed.shared_cores} shared core(s); the plan's serial compute "
-          f"{planned_ms:.1f} ms on the cpu profile, measured {serial_ms:.1f} ms "
-          f"({serial_cpu_ms:.1f} ms CPU); CPU per step with {args.gpus} threads computing at "
-          f"once {threaded_cpu_ms:.1f} ms")
+          f"{planned_ms:.1f} ms on the cpu profile, measured {serial.wall_ms:.1f} ms "
+          f"({serial.cpu_ms:.1f} ms CPU); CPU per step with {args.gpus} threads computing at "
+          f"once {threaded.cpu_ms:.1f} ms in {threaded.wall_ms:.1f} ms: "
+          f"{threaded.cores_busy:.2f} cores busy")
+    c = calibration
+    print(f"calibration ({result['calibration']['model']}, {c.steps} sync steps): CPU per "
+          "step " + ", ".join(f"{k} {v:.1f} ms" for k, v in c.cpu_ms.items())
+          + f", the computes run directly {c.compute_programs_ms:.1f} ms; CPU per action "
+          f"{c.action_overhead_us:.0f} us (stream {c.stream_overhead_us:.0f}, submit "
+          f"{c.submit_overhead_us:.0f}); copies {c.h2d_gbps:.2f} GB/s up, {c.d2h_gbps:.2f} "
+          f"GB/s down per CPU second (the probe's warm copies {probed.h2d_gbps:.2f} / "
+          f"{probed.d2h_gbps:.2f})")
     for m in modes:
         print(f"{m:6s} steady step {step_ms[m]:8.1f} ms measured (stream median), "
               f"{sim['predicted'][m]:8.1f} ms predicted (x{result['predicted_over_measured'][m]:.3f})"
-              f"   probed {sim['probed'][m]:.1f}, unshared {sim['unshared'][m]:.1f}, "
+              f"   compute only {sim['compute only'][m]:.1f}, probed {sim['probed'][m]:.1f}, "
+              f"unshared {sim['unshared'][m]:.1f}, "
               f"cpu profile {sim['cpu profile'][m]:.1f}   one step alone {alone_ms[m]:.1f} ms")
     for m in modes:
         print(f"{m:6s} CPU time per steady step {cpu_ms[m]:.1f} ms: {cores_used[m]:.2f} cores "
@@ -177,25 +230,6 @@ def main() -> None:
           + ", ".join(f"{k} {v:.3f}" for k, v in result["simulated_ratio"].items()))
     write_result(args.json, result)
     print(f"wrote {args.json}")
-
-
-def _compute_ms(compiled, batch, threads: int, repeats: int = 3) -> tuple[float, float]:
-    """(wall, CPU) milliseconds per step of the plan's stage programs, every forward, tail and
-    backward compute of one step (``Compiled.reference_step``), run by ``threads`` threads at
-    once, one step each; each figure the median of ``repeats`` after one warm-up."""
-    compiled.reference_step(batch)
-    wall, cpu = [], []
-    for _ in range(repeats):
-        runs = [threading.Thread(target=compiled.reference_step, args=(batch,))
-                for _ in range(threads)]
-        t0, c0 = time.perf_counter(), time.process_time()
-        for run in runs:
-            run.start()
-        for run in runs:
-            run.join()
-        wall.append(1e3 * (time.perf_counter() - t0) / threads)
-        cpu.append(1e3 * (time.process_time() - c0) / threads)
-    return statistics.median(wall), statistics.median(cpu)
 
 
 def _compute_per_step(timeline, step: int | None = None) -> float:
