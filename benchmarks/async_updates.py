@@ -24,6 +24,8 @@ on this machine:
   ``--calibrate-layers``, the same workers and microbatches, ``--calibrate-steps`` steps of
   a sync stream): copies then take a core as they run, and every action its CPU. The same
   programs run serially, on one thread, are printed beside it;
+- ``probe cores``: ``predicted`` on the probe's cores instead of the cores the computes
+  kept busy;
 - ``compute only``: the calibrated compute times on the probe's own cores, copy rates and no
   CPU per action (what the simulator predicts without the copies' and dispatch's CPU);
 - ``probed``: the same profile with the unit times at the probe's matmul rate and ``mfu``;
@@ -41,7 +43,7 @@ async mode's second gradient buffer and second shadow copy show).
 
     python benchmarks/async_updates.py [--hidden 256] [--layers 4] [--seq 128] [--batch 12]
                                        [--gpus 6] [--microbatches 6] [--steps 12]
-                                       [--threads 1] [--calibrate-hidden 128]
+                                       [--threads 1] [--calibrate-hidden 256]
                                        [--calibrate-layers 2] [--calibrate-steps 6]
                                        [--json PATH]
 """
@@ -72,8 +74,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--threads", type=int, default=1,
                     help="intra-op threads each worker computes with (torch.set_num_threads)")
-    ap.add_argument("--calibrate-hidden", type=int, default=128,
-                    help="width of the model the copy rates and CPU per action are measured on")
+    ap.add_argument("--calibrate-hidden", type=int, default=256,
+                    help="width of the model the copy rates and CPU per action are measured "
+                         "on (a copy's CPU per byte depends on its size: the allocator)")
     ap.add_argument("--calibrate-layers", type=int, default=2)
     ap.add_argument("--calibrate-steps", type=int, default=6)
     ap.add_argument("--json", type=Path, default=Path("benchmarks/results/async_updates.json"))
@@ -129,8 +132,8 @@ def main() -> None:
     compute_ms: dict[str, dict[str, float]] = {}  # one steady step's compute, summed
     cpu_ms: dict[str, float] = {}  # the process's CPU time per steady step
     cores_used: dict[str, float] = {}  # that over the wall time
-    sim: dict[str, dict[str, float]] = {k: {} for k in ("predicted", "compute only", "probed",
-                                                         "unshared", "cpu profile")}
+    sim: dict[str, dict[str, float]] = {k: {} for k in (
+        "predicted", "probe cores", "compute only", "probed", "unshared", "cpu profile")}
     host: dict[str, dict[str, float]] = {}  # host bytes per trainable parameter, by kind
     for mode in modes:
         with trainer_for(compiled, mode) as trainer:
@@ -152,6 +155,9 @@ def main() -> None:
             schedule = trainer.schedule
         predicted = simulate(schedule, plan, calibrated, units=units_at(scales["predicted"]))
         sim["predicted"][mode] = steady_step_ms(predicted)
+        sim["probe cores"][mode] = steady_step_ms(
+            simulate(schedule, plan, replace(calibrated, shared_cores=probed.shared_cores),
+                     units=units_at(scales["predicted"])))
         sim["compute only"][mode] = steady_step_ms(
             simulate(schedule, plan, probed, units=units_at(scales["predicted"])))
         sim["probed"][mode] = steady_step_ms(
@@ -180,8 +186,6 @@ def main() -> None:
             "steps": calibration.steps, "actions_per_step": calibration.actions,
             "cpu_ms_per_step": calibration.cpu_ms,
             "compute_programs_ms": calibration.compute_programs_ms,
-            "stream_overhead_us": calibration.stream_overhead_us,
-            "submit_overhead_us": calibration.submit_overhead_us,
             "action_overhead_us": calibration.action_overhead_us,
             "h2d_gbps": calibration.h2d_gbps, "d2h_gbps": calibration.d2h_gbps,
             "probe_h2d_gbps": probed.h2d_gbps, "probe_d2h_gbps": probed.d2h_gbps,
@@ -206,15 +210,16 @@ def main() -> None:
     c = calibration
     print(f"calibration ({result['calibration']['model']}, {c.steps} sync steps): CPU per "
           "step " + ", ".join(f"{k} {v:.1f} ms" for k, v in c.cpu_ms.items())
-          + f", the computes run directly {c.compute_programs_ms:.1f} ms; CPU per action "
-          f"{c.action_overhead_us:.0f} us (stream {c.stream_overhead_us:.0f}, submit "
-          f"{c.submit_overhead_us:.0f}); copies {c.h2d_gbps:.2f} GB/s up, {c.d2h_gbps:.2f} "
+          + f", the computes run directly {c.compute_programs_ms:.1f} ms; CPU per compute "
+          f"and host action {c.action_overhead_us:.0f} us; copies {c.h2d_gbps:.2f} GB/s up, "
+          f"{c.d2h_gbps:.2f} "
           f"GB/s down per CPU second (the probe's warm copies {probed.h2d_gbps:.2f} / "
           f"{probed.d2h_gbps:.2f})")
     for m in modes:
         print(f"{m:6s} steady step {step_ms[m]:8.1f} ms measured (stream median), "
               f"{sim['predicted'][m]:8.1f} ms predicted (x{result['predicted_over_measured'][m]:.3f})"
-              f"   compute only {sim['compute only'][m]:.1f}, probed {sim['probed'][m]:.1f}, "
+              f"   probe cores {sim['probe cores'][m]:.1f}, compute only "
+              f"{sim['compute only'][m]:.1f}, probed {sim['probed'][m]:.1f}, "
               f"unshared {sim['unshared'][m]:.1f}, "
               f"cpu profile {sim['cpu profile'][m]:.1f}   one step alone {alone_ms[m]:.1f} ms")
     for m in modes:
