@@ -36,7 +36,8 @@ on this machine:
 Also printed: the calibration's figures (CPU per step of each stream and of the main thread,
 the copy rates, the CPU per action), the CPU time the process spends per steady step and the
 cores that makes (CPU time over wall time: fewer than the shared cores when other processes
-use them), the compute of one steady step summed over its actions (measured from the
+use them), the cores other processes (and the hypervisor's steal) kept busy meanwhile
+(``/proc/stat``), the compute of one steady step summed over its actions (measured from the
 runtime's timeline and in the prediction), one isolated ``step()`` per mode (fill and drain
 included) and each mode's host bytes per trainable parameter (``Trainer.memory_report``:
 async mode's second gradient buffer and second shadow copy show).
@@ -52,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import time
 from dataclasses import replace
@@ -132,6 +134,7 @@ def main() -> None:
     compute_ms: dict[str, dict[str, float]] = {}  # one steady step's compute, summed
     cpu_ms: dict[str, float] = {}  # the process's CPU time per steady step
     cores_used: dict[str, float] = {}  # that over the wall time
+    others: dict[str, float] = {}  # the cores other processes kept busy meanwhile
     sim: dict[str, dict[str, float]] = {k: {} for k in (
         "predicted", "probe cores", "compute only", "probed", "unshared", "cpu profile")}
     host: dict[str, dict[str, float]] = {}  # host bytes per trainable parameter, by kind
@@ -140,15 +143,18 @@ def main() -> None:
             t0 = time.perf_counter()
             trainer.step(batches[0])  # one step alone: its fill and drain
             alone_ms[mode] = 1e3 * (time.perf_counter() - t0)
-            stamps, cpu_stamps, results = [], [], []
+            stamps, cpu_stamps, busy_stamps, results = [], [], [], []
             for result in trainer.fit(batches):
                 stamps.append(time.perf_counter())
                 cpu_stamps.append(time.process_time())
+                busy_stamps.append(_machine_busy_s())
                 results.append(result)
             gaps = [b - a for a, b in itertools.pairwise(stamps[2:-1])]
             step_ms[mode] = 1e3 * statistics.median(gaps)
             cpu_ms[mode] = 1e3 * (cpu_stamps[-2] - cpu_stamps[2]) / (len(stamps) - 4)
-            cores_used[mode] = (cpu_stamps[-2] - cpu_stamps[2]) / (stamps[-2] - stamps[2])
+            wall = stamps[-2] - stamps[2]
+            cores_used[mode] = (cpu_stamps[-2] - cpu_stamps[2]) / wall
+            others[mode] = (busy_stamps[-2] - busy_stamps[2]) / wall - cores_used[mode]
             report = trainer.memory_report()
             host[mode] = {"total": report.bytes_per_trainable_param,
                           **{k: v for k, v in report.breakdown().items() if "frozen" not in k}}
@@ -199,6 +205,7 @@ def main() -> None:
         "step_compute_ms": compute_ms,
         "step_cpu_ms": cpu_ms,
         "cores_used": cores_used,
+        "cores_used_by_other_processes": others,
         "host_bytes_per_trainable_param": host,
     }
     print(f"{args.gpus} workers, {args.threads} intra-op thread(s) each, on "
@@ -224,7 +231,7 @@ def main() -> None:
               f"cpu profile {sim['cpu profile'][m]:.1f}   one step alone {alone_ms[m]:.1f} ms")
     for m in modes:
         print(f"{m:6s} CPU time per steady step {cpu_ms[m]:.1f} ms: {cores_used[m]:.2f} cores "
-              f"busy on average")
+              f"busy on average; other processes {others[m]:.2f} cores meanwhile")
     for m in modes:
         print(f"{m:6s} compute in one steady step, summed: measured "
               f"{compute_ms[m]['measured']:.1f} ms, predicted {compute_ms[m]['predicted']:.1f} ms")
@@ -235,6 +242,15 @@ def main() -> None:
           + ", ".join(f"{k} {v:.3f}" for k, v in result["simulated_ratio"].items()))
     write_result(args.json, result)
     print(f"wrote {args.json}")
+
+
+def _machine_busy_s() -> float:
+    """CPU seconds the whole machine has run or lost (every process, user and system, and
+    the hypervisor's steal; Linux's /proc/stat): less the process's own, the cores that
+    others kept busy."""
+    fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
 def _compute_per_step(timeline, step: int | None = None) -> float:
