@@ -192,6 +192,7 @@ def main() -> None:
             "steps": calibration.steps, "actions_per_step": calibration.actions,
             "cpu_ms_per_step": calibration.cpu_ms,
             "compute_programs_ms": calibration.compute_programs_ms,
+            "compute_beyond_ms": calibration.compute_beyond_ms,
             "action_overhead_us": calibration.action_overhead_us,
             "h2d_gbps": calibration.h2d_gbps, "d2h_gbps": calibration.d2h_gbps,
             "probe_h2d_gbps": probed.h2d_gbps, "probe_d2h_gbps": probed.d2h_gbps,
@@ -217,7 +218,8 @@ def main() -> None:
     c = calibration
     print(f"calibration ({result['calibration']['model']}, {c.steps} sync steps): CPU per "
           "step " + ", ".join(f"{k} {v:.1f} ms" for k, v in c.cpu_ms.items())
-          + f", the computes run directly {c.compute_programs_ms:.1f} ms; CPU per compute "
+          + f", the computes run directly {c.compute_programs_ms:.1f} ms (the compute "
+          f"streams' beyond them {c.compute_beyond_ms:.1f} ms); CPU per compute "
           f"and host action {c.action_overhead_us:.0f} us; copies {c.h2d_gbps:.2f} GB/s up, "
           f"{c.d2h_gbps:.2f} "
           f"GB/s down per CPU second (the probe's warm copies {probed.h2d_gbps:.2f} / "
