@@ -15,11 +15,11 @@ on this machine:
   by three measurements (``rpcompile.runtime.calibrate``), none of them of the timed steps:
   each compute's time from the plan's stage programs run once per step
   (``Compiled.reference_step``) in as many threads at once as there are workers, as the
-  workers run them, every unit's time scaled by their CPU time per step over the plan's own
-  serial compute time (CPU time, not wall time: the work, whether or not other processes
-  share the cores); the shared cores, the CPU time over the wall time of that same run (the
-  cores the computes kept busy: fewer than the machine's when the interpreter lock or other
-  processes hold them back); the virtual workers' copy rates and the runtime's CPU per
+  workers run them, just before each mode's steps, every unit's time scaled by their CPU
+  time per step over the plan's own serial compute time (CPU time, not wall time: the work,
+  whether or not other processes share the cores); the shared cores, the CPU time over the
+  wall time of that same run (the cores the computes kept busy: fewer than the machine's
+  when the interpreter lock or other processes hold them back); the virtual workers' copy rates and the runtime's CPU per
   action from ``calibrate_virtual`` on a different, smaller run (``--calibrate-hidden``,
   ``--calibrate-layers``, the same workers and microbatches, ``--calibrate-steps`` steps of
   a sync stream): copies then take a core as they run, and every action its CPU. The same
@@ -114,15 +114,9 @@ def main() -> None:
     plan = compiled.plan
     probed = probe("cpu").with_gpus(args.gpus)
     serial = threaded_compute(compiled, batches[0], threads=1)
-    threaded = threaded_compute(compiled, batches[0], threads=args.gpus)
-    calibrated = replace(calibration.apply(probed),
-                         shared_cores=min(probed.shared_cores, threaded.cores_busy))
     planned_ms = sum(s.compute_ms for s in plan.stages) * compiled.microbatches * compiled.rounds
     table = get_hardware("cpu")
-    scales = {  # unit times on the plan's profile -> on this machine
-        "predicted": threaded.cpu_ms / planned_ms,
-        "probed": (table.matmul_tflops * table.mfu) / (probed.matmul_tflops * probed.mfu),
-    }
+    probed_scale = (table.matmul_tflops * table.mfu) / (probed.matmul_tflops * probed.mfu)
 
     def units_at(scale: float) -> list:
         return [replace(u, forward_ms=u.forward_ms * scale, backward_ms=u.backward_ms * scale)
@@ -138,7 +132,12 @@ def main() -> None:
     sim: dict[str, dict[str, float]] = {k: {} for k in (
         "predicted", "probe cores", "compute only", "probed", "unshared", "cpu profile")}
     host: dict[str, dict[str, float]] = {}  # host bytes per trainable parameter, by kind
+    threaded = {}  # the compute calibration, just before each mode's steps
     for mode in modes:
+        threaded[mode] = calib = threaded_compute(compiled, batches[0], threads=args.gpus)
+        calibrated = replace(calibration.apply(probed),
+                             shared_cores=min(probed.shared_cores, calib.cores_busy))
+        units = units_at(calib.cpu_ms / planned_ms)  # unit times: cpu profile -> this machine
         with trainer_for(compiled, mode) as trainer:
             t0 = time.perf_counter()
             trainer.step(batches[0])  # one step alone: its fill and drain
@@ -159,18 +158,15 @@ def main() -> None:
             host[mode] = {"total": report.bytes_per_trainable_param,
                           **{k: v for k, v in report.breakdown().items() if "frozen" not in k}}
             schedule = trainer.schedule
-        predicted = simulate(schedule, plan, calibrated, units=units_at(scales["predicted"]))
+        predicted = simulate(schedule, plan, calibrated, units=units)
         sim["predicted"][mode] = steady_step_ms(predicted)
-        sim["probe cores"][mode] = steady_step_ms(
-            simulate(schedule, plan, replace(calibrated, shared_cores=probed.shared_cores),
-                     units=units_at(scales["predicted"])))
-        sim["compute only"][mode] = steady_step_ms(
-            simulate(schedule, plan, probed, units=units_at(scales["predicted"])))
+        sim["probe cores"][mode] = steady_step_ms(simulate(
+            schedule, plan, replace(calibrated, shared_cores=probed.shared_cores), units=units))
+        sim["compute only"][mode] = steady_step_ms(simulate(schedule, plan, probed, units=units))
         sim["probed"][mode] = steady_step_ms(
-            simulate(schedule, plan, probed, units=units_at(scales["probed"])))
+            simulate(schedule, plan, probed, units=units_at(probed_scale)))
         sim["unshared"][mode] = steady_step_ms(
-            simulate(schedule, plan, replace(probed, shared_cores=0),
-                     units=units_at(scales["predicted"])))
+            simulate(schedule, plan, replace(probed, shared_cores=0), units=units))
         sim["cpu profile"][mode] = steady_step_ms(simulate(schedule, plan, compiled.hardware))
         compute_ms[mode] = {
             "measured": statistics.median(_compute_per_step(r.timeline) for r in results[2:-1]),
@@ -183,8 +179,8 @@ def main() -> None:
         "stages": len(plan.stages), "intra_op_threads": args.threads,
         "shared_cores": probed.shared_cores,
         "serial_compute_ms": {"measured": serial.wall_ms, "measured_cpu": serial.cpu_ms,
-                              "threaded_cpu": threaded.cpu_ms,
-                              "threaded_wall": threaded.wall_ms,
+                              "threaded_cpu": {m: threaded[m].cpu_ms for m in modes},
+                              "threaded_wall": {m: threaded[m].wall_ms for m in modes},
                               "plan_on_cpu_profile": planned_ms},
         "calibration": {
             "model": f"qwen3 hidden {args.calibrate_hidden}, {args.calibrate_layers} layers, "
@@ -196,7 +192,7 @@ def main() -> None:
             "action_overhead_us": calibration.action_overhead_us,
             "h2d_gbps": calibration.h2d_gbps, "d2h_gbps": calibration.d2h_gbps,
             "probe_h2d_gbps": probed.h2d_gbps, "probe_d2h_gbps": probed.d2h_gbps,
-            "cores_busy": threaded.cores_busy,
+            "cores_busy": {m: threaded[m].cores_busy for m in modes},
         },
         "steady_step_ms": step_ms, "alone_step_ms": alone_ms,
         "ratio_async_over_sync": step_ms["async"] / step_ms["sync"],
@@ -212,9 +208,10 @@ def main() -> None:
     print(f"{args.gpus} workers, {args.threads} intra-op thread(s) each, on "
           f"{probed.shared_cores} shared core(s); the plan's serial compute "
           f"{planned_ms:.1f} ms on the cpu profile, measured {serial.wall_ms:.1f} ms "
-          f"({serial.cpu_ms:.1f} ms CPU); CPU per step with {args.gpus} threads computing at "
-          f"once {threaded.cpu_ms:.1f} ms in {threaded.wall_ms:.1f} ms: "
-          f"{threaded.cores_busy:.2f} cores busy")
+          f"({serial.cpu_ms:.1f} ms CPU); with {args.gpus} threads computing at once, "
+          "just before each mode's steps: " + ", ".join(
+              f"{m} {threaded[m].cpu_ms:.1f} ms of CPU per step in {threaded[m].wall_ms:.1f} ms, "
+              f"{threaded[m].cores_busy:.2f} cores busy" for m in modes))
     c = calibration
     print(f"calibration ({result['calibration']['model']}, {c.steps} sync steps): CPU per "
           "step " + ", ".join(f"{k} {v:.1f} ms" for k, v in c.cpu_ms.items())
