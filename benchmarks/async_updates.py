@@ -36,7 +36,8 @@ on this machine:
 Also printed: the calibration's figures (CPU per step of each stream and of the main thread,
 the copy rates, the CPU per action), the CPU time the process spends per steady step and the
 cores that makes (CPU time over wall time: fewer than the shared cores when other processes
-use them), the cores other processes (and the hypervisor's steal) kept busy meanwhile
+use them) beside the CPU the calibrated model charges one step (its actions at full rate,
+with a core each), the cores other processes (and the hypervisor's steal) kept busy meanwhile
 (``/proc/stat``), the compute of one steady step summed over its actions (measured from the
 runtime's timeline and in the prediction), one isolated ``step()`` per mode (fill and drain
 included) and each mode's host bytes per trainable parameter (``Trainer.memory_report``:
@@ -129,6 +130,7 @@ def main() -> None:
     cpu_ms: dict[str, float] = {}  # the process's CPU time per steady step
     cores_used: dict[str, float] = {}  # that over the wall time
     others: dict[str, float] = {}  # the cores other processes kept busy meanwhile
+    model_cpu_ms: dict[str, float] = {}  # the CPU the calibrated model charges one step
     sim: dict[str, dict[str, float]] = {k: {} for k in (
         "predicted", "probe cores", "compute only", "probed", "unshared", "cpu profile")}
     host: dict[str, dict[str, float]] = {}  # host bytes per trainable parameter, by kind
@@ -173,6 +175,13 @@ def main() -> None:
             "predicted": statistics.median(_compute_per_step(predicted.timeline, step=k)
                                            for k in range(2, schedule.steps)),
         }
+        # The CPU the calibrated model charges one step: its actions' spans with a core for
+        # each (every action at its full rate), beside the process's measured CPU per step.
+        alone = simulate(schedule, plan, replace(calibrated, shared_cores=float(10**6)),
+                         units=units).timeline
+        model_cpu_ms[mode] = statistics.median(
+            sum(e - s for a, (s, e) in alone.items() if a.step == k)
+            for k in range(2, schedule.steps))
     result = {
         "model": f"qwen3 hidden {args.hidden}, {args.layers} layers, batch {args.batch}x{args.seq}",
         "workers": args.gpus, "microbatches": args.microbatches, "steps_timed": args.steps,
@@ -201,6 +210,7 @@ def main() -> None:
         "simulated_ratio": {k: v["async"] / v["sync"] for k, v in sim.items()},
         "step_compute_ms": compute_ms,
         "step_cpu_ms": cpu_ms,
+        "model_cpu_ms": model_cpu_ms,
         "cores_used": cores_used,
         "cores_used_by_other_processes": others,
         "host_bytes_per_trainable_param": host,
@@ -229,8 +239,9 @@ def main() -> None:
               f"unshared {sim['unshared'][m]:.1f}, "
               f"cpu profile {sim['cpu profile'][m]:.1f}   one step alone {alone_ms[m]:.1f} ms")
     for m in modes:
-        print(f"{m:6s} CPU time per steady step {cpu_ms[m]:.1f} ms: {cores_used[m]:.2f} cores "
-              f"busy on average; other processes {others[m]:.2f} cores meanwhile")
+        print(f"{m:6s} CPU time per steady step {cpu_ms[m]:.1f} ms (the calibrated model "
+              f"charges {model_cpu_ms[m]:.1f} ms): {cores_used[m]:.2f} cores busy on average; "
+              f"other processes {others[m]:.2f} cores meanwhile")
     for m in modes:
         print(f"{m:6s} compute in one steady step, summed: measured "
               f"{compute_ms[m]['measured']:.1f} ms, predicted {compute_ms[m]['predicted']:.1f} ms")
