@@ -36,9 +36,9 @@ on this machine:
 Also printed: the calibration's figures (CPU per step of each stream and of the main thread,
 the copy rates, the CPU per action), the CPU time the process spends per steady step and the
 cores that makes (CPU time over wall time: fewer than the shared cores when other processes
-use them) beside the CPU the calibrated model charges one step (its actions at full rate,
-with a core each), the cores other processes (and the hypervisor's steal) kept busy meanwhile
-(``/proc/stat``), the compute of one steady step summed over its actions (measured from the
+use them) beside the core time the prediction keeps busy per steady step (min(running
+actions, shared cores), integrated: the work the model accounts for), the cores other
+processes (and the hypervisor's steal) kept busy meanwhile (``/proc/stat``), the compute of one steady step summed over its actions (measured from the
 runtime's timeline and in the prediction), one isolated ``step()`` per mode (fill and drain
 included) and each mode's host bytes per trainable parameter (``Trainer.memory_report``:
 async mode's second gradient buffer and second shadow copy show).
@@ -130,7 +130,7 @@ def main() -> None:
     cpu_ms: dict[str, float] = {}  # the process's CPU time per steady step
     cores_used: dict[str, float] = {}  # that over the wall time
     others: dict[str, float] = {}  # the cores other processes kept busy meanwhile
-    model_cpu_ms: dict[str, float] = {}  # the CPU the calibrated model charges one step
+    model_cpu_ms: dict[str, float] = {}  # the cores' time the prediction keeps busy, per step
     sim: dict[str, dict[str, float]] = {k: {} for k in (
         "predicted", "probe cores", "compute only", "probed", "unshared", "cpu profile")}
     host: dict[str, dict[str, float]] = {}  # host bytes per trainable parameter, by kind
@@ -175,13 +175,7 @@ def main() -> None:
             "predicted": statistics.median(_compute_per_step(predicted.timeline, step=k)
                                            for k in range(2, schedule.steps)),
         }
-        # The CPU the calibrated model charges one step: its actions' spans with a core for
-        # each (every action at its full rate), beside the process's measured CPU per step.
-        alone = simulate(schedule, plan, replace(calibrated, shared_cores=float(10**6)),
-                         units=units).timeline
-        model_cpu_ms[mode] = statistics.median(
-            sum(e - s for a, (s, e) in alone.items() if a.step == k)
-            for k in range(2, schedule.steps))
+        model_cpu_ms[mode] = _core_ms_per_step(predicted.timeline, calibrated.shared_cores)
     result = {
         "model": f"qwen3 hidden {args.hidden}, {args.layers} layers, batch {args.batch}x{args.seq}",
         "workers": args.gpus, "microbatches": args.microbatches, "steps_timed": args.steps,
@@ -239,9 +233,9 @@ def main() -> None:
               f"unshared {sim['unshared'][m]:.1f}, "
               f"cpu profile {sim['cpu profile'][m]:.1f}   one step alone {alone_ms[m]:.1f} ms")
     for m in modes:
-        print(f"{m:6s} CPU time per steady step {cpu_ms[m]:.1f} ms (the calibrated model "
-              f"charges {model_cpu_ms[m]:.1f} ms): {cores_used[m]:.2f} cores busy on average; "
-              f"other processes {others[m]:.2f} cores meanwhile")
+        print(f"{m:6s} CPU time per steady step {cpu_ms[m]:.1f} ms (the prediction keeps "
+              f"its cores busy {model_cpu_ms[m]:.1f} ms): {cores_used[m]:.2f} cores busy on "
+              f"average; other processes {others[m]:.2f} cores meanwhile")
     for m in modes:
         print(f"{m:6s} compute in one steady step, summed: measured "
               f"{compute_ms[m]['measured']:.1f} ms, predicted {compute_ms[m]['predicted']:.1f} ms")
@@ -261,6 +255,25 @@ def _machine_busy_s() -> float:
     fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
     user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _core_ms_per_step(timeline, cores: float) -> float:
+    """The core time a shared-core replay keeps busy per steady step: min(actions running,
+    ``cores``) integrated from the first compute of step 2 to the first compute of the last
+    step (every action running holds a share of the cores: computes, copies, host work)."""
+    firsts: dict[int, float] = {}
+    for a, (s, _e) in timeline.items():
+        if a.is_compute:
+            firsts[a.step] = min(s, firsts.get(a.step, s))
+    last = max(firsts)
+    t0, t1 = firsts[2], firsts[last]
+    events = sorted(x for s, e in timeline.values() if e > s
+                    for x in ((max(s, t0), 1), (min(e, t1), -1)) if min(e, t1) > max(s, t0))
+    busy, running, before = 0.0, 0, t0
+    for t, delta in events:
+        busy += min(running, cores) * (t - before)
+        running, before = running + delta, t
+    return busy / (last - 2)
 
 
 def _compute_per_step(timeline, step: int | None = None) -> float:
