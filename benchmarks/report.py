@@ -384,7 +384,8 @@ def _async_updates(r: Result) -> str:
     rows = [[m, num(f["steady_step_ms"][m]), num(sim["predicted"][m]),
              num(f["predicted_over_measured"][m], 3), num(sim["probe cores"][m]),
              num(sim["compute only"][m]), num(sim["probed"][m]), num(sim["unshared"][m]),
-             num(sim["cpu profile"][m]), num(f["step_cpu_ms"][m]), num(f["cores_used"][m], 2),
+             num(sim["cpu profile"][m]), num(f["step_cpu_ms"][m]), num(f["model_cpu_ms"][m]),
+             num(f["cores_used"][m], 2),
              num(f["cores_used_by_other_processes"][m], 2), num(f["alone_step_ms"][m]),
              num(f["host_bytes_per_trainable_param"][m]["total"], 2)]
             for m in modes]
@@ -410,11 +411,14 @@ def _async_updates(r: Result) -> str:
             "and host action. Probe cores: the same on the probe's cores. Compute only: the "
             "calibrated compute times on the probe alone. Probed: compute at the probe's "
             "matmul rate. Unshared: the calibrated times with a device per worker. CPU ms: the "
-            "process's CPU time per steady step; cores busy: that over the wall time; others: "
-            "the cores other processes kept busy meanwhile.\n\n"
+            "process's CPU time per steady step; predicted core ms: the core time the "
+            "prediction keeps busy per steady step (the work it accounts for); cores busy: "
+            "the process's CPU time over the wall time; others: the cores other processes kept "
+            "busy meanwhile.\n\n"
             + table(["mode", "steady step ms (stream median)", "predicted ms",
                      "predicted / measured", "probe cores ms", "compute only ms", "probed ms",
-                     "unshared ms", "`cpu` profile ms", "CPU ms / step", "cores busy",
+                     "unshared ms", "`cpu` profile ms", "CPU ms / step",
+                     "predicted core ms / step", "cores busy",
                      "others", "one step alone ms", "host bytes / parameter"], rows)
             + f"\n\nasync / sync: measured {f['ratio_async_over_sync']:.3f}, predicted "
             f"{ratios['predicted']:.3f} (probe cores {ratios['probe cores']:.3f}, compute only "
