@@ -382,30 +382,47 @@ def _async_updates(r: Result) -> str:
     sim = f["simulated_steady_step_ms"]
     modes = list(f["steady_step_ms"])
     rows = [[m, num(f["steady_step_ms"][m]), num(sim["predicted"][m]),
-             num(f["predicted_over_measured"][m], 3), num(sim["probed"][m]),
-             num(sim["unshared"][m]), num(sim["cpu profile"][m]), num(f["step_cpu_ms"][m]),
-             num(f["cores_used"][m], 2), num(f["alone_step_ms"][m]),
+             num(f["predicted_over_measured"][m], 3), num(sim["probe cores"][m]),
+             num(sim["compute only"][m]), num(sim["probed"][m]), num(sim["unshared"][m]),
+             num(sim["cpu profile"][m]), num(f["step_cpu_ms"][m]), num(f["model_cpu_ms"][m]),
+             num(f["cores_used"][m], 2),
+             num(f["cores_used_by_other_processes"][m], 2), num(f["alone_step_ms"][m]),
              num(f["host_bytes_per_trainable_param"][m]["total"], 2)]
             for m in modes]
     serial = f["serial_compute_ms"]
+    cal = f["calibration"]
     ratios = f["simulated_ratio"]
     return (f"{f['model']}, {f['workers']} virtual workers ({f['intra_op_threads']} intra-op "
             f"thread each) on {f['shared_cores']} shared cores, {f['microbatches']} "
-            f"microbatches, {f['stages']} stages, {f['steps_timed']} steps in one stream. "
-            "Predicted: the probed profile's shared cores, with compute times calibrated on "
-            f"the plan's stage programs run by {f['workers']} threads at once: "
-            f"{num(serial['threaded_cpu'])} ms of CPU per step ({num(serial['measured_cpu'])} "
-            f"ms run serially, {num(serial['measured'])} ms wall), against "
-            f"{num(serial['plan_on_cpu_profile'])} ms on the `cpu` profile. Probed: compute at "
-            "the probe's matmul rate. Unshared: the calibrated times with a device per worker. "
-            "CPU ms: the process's CPU time per steady step; cores busy: that over the wall "
-            "time.\n\n"
+            f"microbatches, {f['stages']} stages, {f['steps_timed']} steps in one stream.\n\n"
+            "Predicted: the probed profile calibrated on this machine. Compute times from the "
+            f"plan's stage programs run by {f['workers']} threads at once just before each "
+            "mode's steps: " + ", ".join(
+                f"{m} {num(serial['threaded_cpu'][m])} ms of CPU per step in "
+                f"{num(serial['threaded_wall'][m])} ms, {num(cal['cores_busy'][m], 2)} cores "
+                "busy" for m in modes)
+            + " (the prediction's shared cores; "
+            f"{num(serial['measured_cpu'])} ms of CPU run serially, "
+            f"{num(serial['plan_on_cpu_profile'])} ms on the `cpu` profile). Copy rates and "
+            f"CPU per action from a run of {cal['steps']} sync steps of {cal['model']}: "
+            f"{num(cal['h2d_gbps'], 2)} GB/s up and {num(cal['d2h_gbps'], 2)} GB/s down per "
+            f"CPU second (the probe's warm copies {num(cal['probe_h2d_gbps'], 2)} / "
+            f"{num(cal['probe_d2h_gbps'], 2)}), {num(cal['action_overhead_us'])} us per compute "
+            "and host action. Probe cores: the same on the probe's cores. Compute only: the "
+            "calibrated compute times on the probe alone. Probed: compute at the probe's "
+            "matmul rate. Unshared: the calibrated times with a device per worker. CPU ms: the "
+            "process's CPU time per steady step; predicted core ms: the core time the "
+            "prediction keeps busy per steady step (the work it accounts for); cores busy: "
+            "the process's CPU time over the wall time; others: the cores other processes kept "
+            "busy meanwhile.\n\n"
             + table(["mode", "steady step ms (stream median)", "predicted ms",
-                     "predicted / measured", "probed ms", "unshared ms", "`cpu` profile ms",
-                     "CPU ms / step", "cores busy", "one step alone ms",
-                     "host bytes / parameter"], rows)
+                     "predicted / measured", "probe cores ms", "compute only ms", "probed ms",
+                     "unshared ms", "`cpu` profile ms", "CPU ms / step",
+                     "predicted core ms / step", "cores busy",
+                     "others", "one step alone ms", "host bytes / parameter"], rows)
             + f"\n\nasync / sync: measured {f['ratio_async_over_sync']:.3f}, predicted "
-            f"{ratios['predicted']:.3f} (probed {ratios['probed']:.3f}, unshared "
+            f"{ratios['predicted']:.3f} (probe cores {ratios['probe cores']:.3f}, compute only "
+            f"{ratios['compute only']:.3f}, probed {ratios['probed']:.3f}, unshared "
             f"{ratios['unshared']:.3f}, `cpu` profile {ratios['cpu profile']:.3f}).")
 
 

@@ -58,10 +58,18 @@ class Hardware:
     pageable_d2h_gbps: float = 0.0
     host_ram_gib: float = 0.0  # host RAM of the server (0: not known; plan --host-ram)
     # Virtual workers: how many of their computes the machine's CPU cores run at full speed
-    # at once (the cores over the intra-op threads each compute uses); the simulator shares
-    # them among the computes and host operations running at once. 0: each worker computes
-    # on its own device (a GPU), nothing shared.
-    shared_cores: int = 0
+    # at once (probe: the cores over the intra-op threads each compute uses; a measurement
+    # may give a fraction); the simulator shares them among the computes, copies and host
+    # operations running at once. 0: each worker computes on its own device (a GPU),
+    # nothing shared.
+    shared_cores: float = 0
+    # Virtual workers: the CPU time (microseconds) the runtime spends on a compute or host
+    # action besides its work (the main thread submitting it, its thread taking it and
+    # handling its events; a compute's binding of inputs and gradient buffer). The simulator
+    # adds it to those actions' work; a transfer's is in its copy rate, h2d_gbps / d2h_gbps.
+    # rpcompile.runtime.calibrate measures both on a run of the runtime. 0: not counted (a
+    # GPU worker's launches overlap its device's work).
+    action_overhead_us: float = 0.0
     # Whether the host's optimizer driver keeps its undo journal (PlanOptions.undo_journal,
     # rpcompile.runtime.optim ``rollback``): a copy of what each OPT and SHADOW changes,
     # taken before it changes it, which the simulator and the planner's bound charge to

@@ -232,14 +232,48 @@ def test_host_lane_shares_the_cores_with_the_computes():
     assert r.timeline[acc] == pytest.approx((0.0, 2.0))
 
 
+def test_transfers_share_the_cores_with_the_computes():
+    # A 1 ms compute on worker 0 and a 25 MB upload on worker 1 (1 ms alone at 25 GB/s), on
+    # one shared core: a virtual worker's copy is a memcpy on the CPU, so both run at half
+    # speed and end at 2 ms. Without shared cores (a GPU's DMA engine) both end at 1 ms.
+    f = Action(0, "F", 0, 0, 0)
+    up = Action(1, "UP", 1, None, 0, what="weights", bytes=MB25)
+    stages = [_stage(0, "forward", 1.0), _stage(1, "tail", 1.0)]
+    sched = _sched([[f], [up]])
+    shared = simulate(sched, stages, _hw(shared_cores=1)).timeline
+    assert shared[f] == pytest.approx((0.0, 2.0))
+    assert shared[up] == pytest.approx((0.0, 2.0))
+    free = simulate(sched, stages, _hw()).timeline
+    assert free[f] == pytest.approx((0.0, 1.0))
+    assert free[up] == pytest.approx((0.0, 1.0))
+
+
+def test_action_overhead_is_added_to_compute_and_host_actions():
+    # 500 us of runtime CPU per compute and host action: a 1 ms compute takes 1.5 ms, an
+    # EVICT 0.5 ms, a 1 ms ACC (10 MB x 3 at 30 GB/s) 1.5 ms; a transfer's is in its copy
+    # rate, so a 1 ms upload stays 1 ms.
+    f = Action(0, "F", 0, 0, 0)
+    evict = Action(0, "EVICT", 0, None, 0)
+    acc = Action(None, "ACC", 0, None, 0, bytes=10_000_000)
+    stages = [_stage(0, "forward", 1.0), _stage(1, "tail", 1.0)]
+    r = simulate(_sched([[f, evict], []], host=[acc]), stages,
+                 _hw(host_gbps=30.0, action_overhead_us=500.0))
+    assert r.timeline[f] == pytest.approx((0.0, 1.5))
+    assert r.timeline[evict] == pytest.approx((1.5, 2.0))
+    assert r.timeline[acc] == pytest.approx((0.0, 1.5))
+    up = Action(1, "UP", 1, None, 0, what="weights", bytes=MB25)
+    r = simulate(_sched([[], [up]]), stages, _hw(action_overhead_us=500.0))
+    assert r.timeline[up] == pytest.approx((0.0, 1.0))
+
+
 def test_roundpipe_step_grows_once_more_workers_compute_than_cores():
-    # A lowered RoundPipe run on 4 workers: with a core for each worker and host lane it
-    # replays as if unshared; with fewer, the step grows, and never beats the compute work
-    # over the cores.
+    # A lowered RoundPipe run on 4 workers: with a core for each worker's compute and two
+    # links and for each host lane it replays as if unshared; with fewer, the step grows,
+    # and never beats the compute work over the cores.
     plan, sched = _roundpipe_run(steps=2, optimizer="sync")
     hw = _hw(gpus=4)
     free = simulate(sched, plan, hw).makespan_ms
-    assert simulate(sched, plan, replace(hw, shared_cores=6)).makespan_ms == free
+    assert simulate(sched, plan, replace(hw, shared_cores=14)).makespan_ms == free
     work = sum(e - s for a, (s, e) in simulate(sched, plan, hw).timeline.items() if a.is_compute)
     spans = [simulate(sched, plan, replace(hw, shared_cores=c)).makespan_ms for c in (3, 2, 1)]
     assert free < spans[0] < spans[1] < spans[2]

@@ -55,7 +55,8 @@ class Worker(abc.ABC):
     - ``submit(stream, fn, label)``: run ``fn()`` on ``stream`` after the stream's earlier items.
     - ``record(stream, label) -> Event``: an event set when the stream's earlier items are done.
     - ``wait(stream, *events)``: the stream's later items run after ``events``.
-    - ``synchronize(timeout)``, ``check()``, ``recover()``, ``shutdown(timeout)``.
+    - ``synchronize(timeout)``, ``check()``, ``recover()``, ``shutdown(timeout)``,
+      ``stream_cpu_s()`` (each stream thread's CPU time).
     - ``alloc(nbytes | shape=, dtype=, tag=)``, ``free(tensor)``, ``free_all()``,
       ``reserve(nbytes, tag)``; ``memory_in_use``, ``peak_bytes``, ``reset_peak()``.
     - ``host_empty(shape, dtype)``: a small host buffer (pinned on CUDA unless the run's
@@ -267,6 +268,18 @@ class Worker(abc.ABC):
         if self._stopping:
             return []
         return [s for s, t in zip(STREAMS, self._threads) if not t.is_alive()]
+
+    def stream_cpu_s(self) -> dict[str, float]:
+        """The CPU seconds each stream's thread has run so far (its own clock: other threads
+        and processes do not count), for calibrating a profile on a run
+        (rpcompile.runtime.calibrate). A stream whose thread has ended reads 0."""
+        out = {}
+        for stream, thread in zip(STREAMS, self._threads):
+            try:
+                out[stream] = time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, TypeError):  # ended (or never started): no clock to read
+                out[stream] = 0.0
+        return out
 
     def busy_streams(self) -> dict[str, str]:
         """The label of the item each busy stream is running now."""

@@ -67,7 +67,23 @@ def _compute_ms(replay: _Replay, a: Action) -> float:
     if (a.kind, a.stage) not in replay.times:
         raise InvalidInput(f"no compute time for {a} (kind {a.kind}, stage {a.stage}); the plan "
                          "does not match the schedule")
-    return replay.times[(a.kind, a.stage)]
+    return replay.times[(a.kind, a.stage)] + replay.hw.action_overhead_us * 1e-3
+
+
+def _evict_ms(replay: _Replay, a: Action) -> float:
+    """EVICT frees memory: no work but the runtime's own per action."""
+    return replay.hw.action_overhead_us * 1e-3
+
+
+def _with_overhead(cost: Callable[[_Replay, Action], tuple[float, float]]
+                   ) -> Callable[[_Replay, Action], tuple[float, float]]:
+    """A host action's (work, rate) with the runtime's per-action CPU time
+    (``Hardware.action_overhead_us``) added to its work, at its full-speed rate."""
+    def with_overhead(replay: _Replay, a: Action) -> tuple[float, float]:
+        work, rate = cost(replay, a)
+        return work + replay.hw.action_overhead_us * 1e-3 * rate, rate
+    with_overhead.__doc__ = cost.__doc__
+    return with_overhead
 
 
 def _optimizer_work(replay: _Replay, a: Action) -> tuple[float, float]:
@@ -149,15 +165,15 @@ SIM_COSTS: Mapping[ActionKind, Callable[[_Replay, Action], object]] = {
     ActionKind.F: _compute_ms,
     ActionKind.T: _compute_ms,
     ActionKind.B: _compute_ms,
-    ActionKind.EVICT: lambda replay, a: 0.0,  # frees memory; takes no time
+    ActionKind.EVICT: _evict_ms,
     ActionKind.UP: lambda replay, a: _Link(d2h=False),
     ActionKind.H2D: lambda replay, a: _Link(d2h=False),
     ActionKind.D2H: lambda replay, a: _Link(d2h=True),
-    ActionKind.ACC: _memory_pass_work,
-    ActionKind.OPT: _optimizer_work,
-    ActionKind.SHADOW: _shadow_work,
-    ActionKind.REDUCE: _reduction_work,
-    ActionKind.CHECK: _check_work,
+    ActionKind.ACC: _with_overhead(_memory_pass_work),
+    ActionKind.OPT: _with_overhead(_optimizer_work),
+    ActionKind.SHADOW: _with_overhead(_shadow_work),
+    ActionKind.REDUCE: _with_overhead(_reduction_work),
+    ActionKind.CHECK: _with_overhead(_check_work),
 }
 check_registry(SIM_COSTS, "the simulator")
 # Kinds whose own end an action waiting on them sees in _waits (the rest: transfers and the

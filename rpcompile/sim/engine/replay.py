@@ -18,9 +18,10 @@ Resource model (docs/simulator.md):
     at its own full rate, and when the sum exceeds the host's bandwidth all are slowed in
     proportion (a fluid model, re-solved at every start and finish);
   * on a profile whose workers share CPU cores (``Hardware.shared_cores`` > 0: virtual
-    workers), the running computes and host-lane actions share those cores: with n of them
-    running, each progresses at min(1, shared_cores / n) of its full rate (processor
-    sharing, re-solved at every start and finish); 0 leaves every worker its own device;
+    workers), the running computes, transfers (a virtual worker's copy is a stream thread's
+    memcpy) and host-lane actions share those cores: with n of them running, each
+    progresses at min(1, shared_cores / n) of its full rate (processor sharing, re-solved at
+    every start and finish); 0 leaves every worker its own device;
   * an action starts once every edge it waits on is done (and, on an ordered stream, the
     action before it has finished).
 Ties are broken by fixed orders (worker, stream, list position), so a replay is deterministic."""
@@ -158,8 +159,9 @@ class _Replay:
         now = 0.0
         done = 0
         cores = self.hw.shared_cores
-        # The share of a core each running compute and host-lane action gets (always 1 on a
-        # profile without shared cores); a compute's end in ``running`` is at this share.
+        # The share of a core each running compute, transfer and host-lane action gets
+        # (always 1 on a profile without shared cores); a compute's end in ``running`` is at
+        # this share.
         cpu_share = 1.0
 
         def finish(i: int) -> None:
@@ -229,13 +231,15 @@ class _Replay:
                     break
 
             if cores:
-                cpu_share = self._share_cores(running, lane_busy, cpu_share, now)
+                cpu_share = self._share_cores(running, link_busy, lane_busy, cpu_share, now)
             fluids = [f for f in (*link_busy, *lane_busy) if f is not None]
             demand = sum(f.max_rate for f in fluids)
             scale = min(1.0, self.host_rate / demand) if demand > 0 else 1.0
             nxt = float("inf")
             for f in fluids:
-                f.rate = f.max_rate * (min(scale, cpu_share) if f.link < 0 else scale)
+                # A transfer's and a host action's rate: the lower of its share of the host's
+                # memory bandwidth and its share of the cores (1 without shared cores).
+                f.rate = f.max_rate * min(scale, cpu_share)
                 nxt = min(nxt, now + f.remaining / f.rate)
             for r in running:
                 if r is not None and r[1] < nxt:
@@ -268,11 +272,14 @@ class _Replay:
         return {a: (start[i], end[i]) for i, a in enumerate(self.acts)}
 
     def _share_cores(self, running: list[tuple[int, float] | None],
-                     lane_busy: list[_Fluid | None], share: float, now: float) -> float:
-        """The core share of each running compute and host-lane action once the starts at
-        ``now`` are in: min(1, shared_cores / how many run). Each running compute's end,
-        reckoned at the old ``share``, moves to what its work left takes at the new one."""
-        n = sum(r is not None for r in running) + sum(f is not None for f in lane_busy)
+                     link_busy: list[_Fluid | None], lane_busy: list[_Fluid | None],
+                     share: float, now: float) -> float:
+        """The core share of each running compute, transfer and host-lane action once the
+        starts at ``now`` are in: min(1, shared_cores / how many run). Each running compute's
+        end, reckoned at the old ``share``, moves to what its work left takes at the new
+        one."""
+        n = sum(r is not None for r in running) + sum(f is not None for f in link_busy) + \
+            sum(f is not None for f in lane_busy)
         new = min(1.0, self.hw.shared_cores / n) if n else 1.0
         if new != share:
             for w, r in enumerate(running):
