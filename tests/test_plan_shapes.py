@@ -32,6 +32,12 @@ def _eager(model, batches):
     return losses, {n: p.detach() for n, p in model.named_parameters()}
 
 
+def _assert_trained_alike(losses, masters, want_losses, want, tol):
+    """The same losses step by step and the same trained weights, within ``tol``."""
+    assert losses == pytest.approx(want_losses, abs=tol)
+    assert max(float((masters[n] - want[n]).abs().max()) for n in masters) < tol
+
+
 def test_plans_follow_the_batches_and_train_like_eager(capsys):
     model = hf_model("qwen3", seed=3)
     reference = copy.deepcopy(model)
@@ -59,8 +65,7 @@ def test_plans_follow_the_batches_and_train_like_eager(capsys):
     assert "the first batch" in notices[0] and "larger than the plan's 2 x 10" in notices[1]
     assert (compiled.plan.microbatch_size, compiled.plan.seq_len) == (3, 16)
     eager_losses, eager = _eager(reference, batches)
-    assert losses == pytest.approx(eager_losses, abs=1e-5)
-    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+    _assert_trained_alike(losses, masters, eager_losses, eager, 1e-5)
 
 
 def test_a_fixed_shape_refuses_a_larger_batch(capsys):
@@ -184,8 +189,7 @@ def test_fit_plans_at_its_first_batch_and_trains_like_eager():
     finally:
         compiled.close()
     eager_losses, eager = _eager(reference, batches)
-    assert losses == pytest.approx(eager_losses, abs=1e-5)
-    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+    _assert_trained_alike(losses, masters, eager_losses, eager, 1e-5)
 
 
 def _eager_scheduled(model, batches, lr_lambda, stale):
@@ -273,8 +277,7 @@ def test_fit_plans_anew_for_a_larger_batch_with_its_scheduler_like_eager(
     assert len(notices) == len(compiled.plans_made)
     assert "larger than the plan's 2 x 10" in notices[1]
     eager_losses, eager = _eager_scheduled(reference, batches, lr_lambda, stale=mode == "async")
-    assert losses == pytest.approx(eager_losses, abs=1e-5)
-    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+    _assert_trained_alike(losses, masters, eager_losses, eager, 1e-5)
 
     # A checkpoint saved after the new plan resumes at the new plan's shape.
     fresh = rpcompile.compile(hf_model("qwen3", seed=4), gpus=3, device="virtual",
@@ -326,8 +329,7 @@ def test_a_new_plan_in_a_fit_stream_draws_the_same_dropout_masks():
     losses, masters, plans = run(None)
     want_losses, want, want_plans = run(batches[2])
     assert plans == [(2, 10), (2, 16)] and want_plans == [(2, 16)]
-    assert losses == pytest.approx(want_losses, abs=1e-6)
-    assert max(float((masters[n] - want[n]).abs().max()) for n in masters) < 1e-6
+    _assert_trained_alike(losses, masters, want_losses, want, 1e-6)
 
 
 def test_a_step_that_fails_while_a_larger_batch_waits_runs_again_before_the_new_plan(
@@ -372,5 +374,4 @@ def test_a_step_that_fails_while_a_larger_batch_waits_runs_again_before_the_new_
     finally:
         compiled.close()
     eager_losses, eager = _eager(reference, batches)
-    assert losses == pytest.approx(eager_losses, abs=1e-5)
-    assert max(float((masters[n] - eager[n]).abs().max()) for n in masters) < 1e-5
+    _assert_trained_alike(losses, masters, eager_losses, eager, 1e-5)
