@@ -142,15 +142,16 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
             consumers.setdefault((f.src_kind, f.src_stage, f.value), []).append(
                 (f.dst_kind, f.dst_stage))
     releases = sched.releases()
-    latest, earliest = schedule_order(sched) if order is None else order
-    return tuple(_worker_peak(lst, w, stages, latest, earliest, flows_from, readers,
+    ids, latest, earliest = schedule_order(sched) if order is None else order
+    return tuple(_worker_peak(lst, w, stages, ids, latest, earliest, flows_from, readers,
                               consumers, releases, steps) for w, lst in enumerate(sched.actions))
 
 
 _NONE = 1 << 62  # no compute of that worker follows
 
-# Per action, per worker: (latest, earliest) compute-stream positions (schedule_order).
-ScheduleOrder = tuple[dict[Action, list[int]], dict[Action, list[int]]]
+# (number of each action, then per number and per worker: the latest and the earliest
+# compute-stream positions), as schedule_order gives them.
+ScheduleOrder = tuple[dict[Action, int], list[list[int]], list[list[int]]]
 
 
 def schedule_order(sched: Schedule) -> ScheduleOrder:
@@ -160,21 +161,17 @@ def schedule_order(sched: Schedule) -> ScheduleOrder:
     return _order(sched.actions, sched.host, sched.edges)
 
 
-def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, list[int]]]:
-    """Per action, per worker: ``latest``, the last compute-stream position of that worker
-    that ends before the action starts (-1: none), and ``earliest``, the first one that
-    starts after the action ends (``_NONE``: none), in the happens-before order of ``edges``
-    and the ordered streams' list order (transfer lanes may run in any order). Actions are
-    numbered first, so the order is worked out on lists of ints."""
+def _order(lists, host, edges) -> ScheduleOrder:
+    """Each action's number, and per number, per worker: ``latest``, the last
+    compute-stream position of that worker that ends before the action starts (-1: none),
+    and ``earliest``, the first one that starts after the action ends (``_NONE``: none), in
+    the happens-before order of ``edges`` and the ordered streams' list order (transfer
+    lanes may run in any order). Actions are numbered first, so the order is worked out on
+    lists of ints."""
     workers = len(lists)
     actions: list[Action] = [a for lst in lists for a in lst]
     actions += host
-    ids = {a: i for i, a in enumerate(actions)}
-    for e in edges:  # an edge may name an action no list holds: it is ordered all the same
-        for a in (e.src, e.dst):
-            if a not in ids:
-                ids[a] = len(actions)
-                actions.append(a)
+    ids = dict(zip(actions, range(len(actions))))
     n = len(actions)
     succ: list[list[int]] = [[] for _ in range(n)]
     indegree = [0] * n
@@ -189,10 +186,24 @@ def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, li
     for x, y in itertools.pairwise(ids[a] for a in host):
         succ[x].append(y)
         indegree[y] += 1
+
+    def number(a: Action) -> int:  # an action no list holds: an edge orders it all the same
+        if a not in ids:
+            ids[a] = len(actions)
+            actions.append(a)
+            succ.append([])
+            indegree.append(0)
+            where.append(None)
+        return ids[a]
+
+    get = ids.get
     for e in edges:
-        x, y = ids[e.src], ids[e.dst]
+        x, y = get(e.src), get(e.dst)
+        if x is None or y is None:
+            x, y = number(e.src), number(e.dst)
         succ[x].append(y)
         indegree[y] += 1
+    n = len(actions)
     ready = [i for i in range(n) if indegree[i] == 0]
     topo: list[int] = []
     while ready:
@@ -235,11 +246,11 @@ def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, li
                 mine = mine.copy()
                 mine[w] = p
         after[i] = mine
-    return dict(zip(actions, latest, strict=True)), dict(zip(actions, earliest, strict=True))
+    return ids, latest, earliest
 
 
-def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumers, releases,
-                 steps=None):
+def _worker_peak(lst, w, stages, ids, latest, earliest, flows_from, readers, consumers,
+                 releases, steps=None):
     stream = [a for a in lst if a.stream == "compute"]
     pos = {a: p for p, a in enumerate(stream)}
     end = 2 * len(stream)
@@ -263,10 +274,10 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
             holds.append((first, max(first, last), part, nbytes, stage))
 
     def starts(a: Action) -> int:  # the gap after the last compute ending before a starts
-        return 2 * latest[a][w] + 2
+        return 2 * latest[ids[a]][w] + 2
 
     def freed(a: Action) -> int:  # the gap before the first compute starting after a ends
-        p = earliest[a][w]
+        p = earliest[ids[a]][w]
         return end if p == _NONE else 2 * p
 
     def released(down: Action) -> int:
