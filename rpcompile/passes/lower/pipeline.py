@@ -282,8 +282,9 @@ class _KeptSchedules:
 
 _SCHEDULES_KEPT = 4
 # Other lowerings kept (kept_lowering): the partitioner's one-step screens of candidates,
-# tens of megabytes each for the largest model; a search's screens all fit.
-_LOWERINGS_KEPT = 32
+# a few megabytes each for the largest model; a search's screens (and their shared
+# first passes) all fit.
+_LOWERINGS_KEPT = 48
 _KEPT: ContextVar[_KeptSchedules | None] = ContextVar("rpcompile_runtime_schedules",
                                                       default=None)
 

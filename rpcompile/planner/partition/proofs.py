@@ -218,16 +218,28 @@ def _proof_lowering(plan: Plan, rounds: int, optimizer: str, steps: int):
     :func:`~rpcompile.passes.lower.keep_runtime_schedules`
     (:func:`~rpcompile.passes.lower.kept_lowering`: the dispatch and the lowering read no
     ``peak_bytes`` nor ``working_bytes``), so the loss-chunk variants' searches, whose
-    candidates differ only in the tail's working set, lower each candidate once."""
-    from rpcompile.passes.lower import kept_lowering, lower
+    candidates differ only in the tail's working set, lower each candidate once. The passes
+    up to the activation transfers read no gradient-slot wait: a candidate screened with
+    each set of :data:`WAIT_SETS` is lowered that far once."""
+    from rpcompile.passes.lower import LOWERING_PASSES, kept_lowering, lower
     from rpcompile.passes.schedule import build_schedule
     from rpcompile.sim.engine import paused_gc
 
-    def lowering() -> Schedule:
+    shared = LOWERING_PASSES.index("transfers") + 1
+    # What those passes read of the waits (add_activation_transfers).
+    head_waits = tuple(w for w in plan.memory_waits if w in ("window", "sent"))
+
+    def head() -> Schedule:
         with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
             compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
                                      steps=steps, kind="roundpipe", optimizer=optimizer)
-            return lower(compute, plan, validate=False)[0]
+            return lower(compute, plan, passes=LOWERING_PASSES[:shared], validate=False)[0]
+
+    def lowering() -> Schedule:
+        start = kept_lowering(replace(plan, memory_waits=head_waits),
+                              ("proof head", rounds, optimizer, steps), head).lowered
+        with paused_gc():
+            return lower(start, plan, passes=LOWERING_PASSES[shared:], validate=False)[0]
 
     return kept_lowering(plan, ("proof", rounds, optimizer, steps), lowering)
 
