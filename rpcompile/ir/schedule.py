@@ -6,6 +6,8 @@ invariant raises (ScheduleError). Its CSV, JSON and file forms are in
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import operator
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -80,11 +82,18 @@ class Schedule(ScheduleFormats):
                              f"{self.run_steps - 1} must lie within its {self.steps} steps")
         # Edges are kept in one canonical order (by the waiting action's place in the lists,
         # then as given) so that equal schedules compare equal after a CSV or JSON round trip.
+        # Every lowering pass makes a schedule whose edges mostly come in that order already:
+        # those keep their tuple.
         if self.edges:
-            place = {a: i for i, a in enumerate(self.all_actions())}
-            end = len(place)
-            edges = sorted(self.edges, key=lambda e: place.get(e.dst, end))
-            object.__setattr__(self, "edges", tuple(edges))
+            place = dict(zip(self.all_actions(), itertools.count()))
+            end, get = len(place), place.get
+            keys = [get(e.dst, end) for e in self.edges]
+            if not all(map(operator.le, keys, itertools.islice(keys, 1, None))):
+                edges = self.edges if isinstance(self.edges, tuple) else tuple(self.edges)
+                order = sorted(range(len(keys)), key=keys.__getitem__)
+                object.__setattr__(self, "edges", tuple(map(edges.__getitem__, order)))
+            elif not isinstance(self.edges, tuple):
+                object.__setattr__(self, "edges", tuple(self.edges))
 
     # -- views ---------------------------------------------------------------------------
     @property

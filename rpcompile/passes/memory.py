@@ -52,8 +52,8 @@ from rpcompile.errors import InvalidInput, RPCompileError
 from rpcompile.ir import Action, Plan, Schedule, Stage
 
 __all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "WorkerPeak", "format_bytes",
-           "host_memory", "host_ram_problem", "host_static_bytes", "worker_peaks",
-           "working_bytes"]
+           "host_memory", "host_ram_problem", "host_static_bytes", "schedule_order",
+           "worker_peaks", "working_bytes"]
 
 PARTS = ("weights", "grads", "values", "working")
 
@@ -100,7 +100,8 @@ def working_bytes(stage: Stage) -> int:
 
 
 def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
-                 steps: int | None = None) -> tuple[WorkerPeak, ...]:
+                 steps: int | None = None, order: ScheduleOrder | None = None,
+                 ) -> tuple[WorkerPeak, ...]:
     """The peak device memory of every worker over the whole lowered RoundPipe ``sched``,
     its steps overlapping as the order lets them (the next step's jobs upload and run while
     this step's last jobs drain, both steps' weights, gradient buffers and values held on
@@ -114,6 +115,10 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
     period longer, at its own steps (rpcompile.passes.lower.runtime_peaks): every step of its
     repeated part after the steps before it and before the steps after it, as in a long run;
     where the first steps lack a wait (nothing before step 0), looser, never tighter.
+
+    ``order``: ``schedule_order(sched)``, for a caller that proves one schedule under several
+    memory figures (the stages' ``peak_bytes``, the units' ``working_bytes``: the loss-chunk
+    variants of one plan): the order is the costly part and reads none of them.
 
     Raises ``ValueError`` for a schedule that is not lowered (no UP/EVICT) or is a
     weight-bound baseline: their memory is not bounded by the schedule's order.
@@ -137,29 +142,36 @@ def worker_peaks(sched: Schedule, plan: Plan | Sequence[Stage], *,
             consumers.setdefault((f.src_kind, f.src_stage, f.value), []).append(
                 (f.dst_kind, f.dst_stage))
     releases = sched.releases()
-    latest, earliest = _order(sched.actions, sched.host, sched.edges)
-    return tuple(_worker_peak(lst, w, stages, latest, earliest, flows_from, readers,
+    ids, latest, earliest = schedule_order(sched) if order is None else order
+    return tuple(_worker_peak(lst, w, stages, ids, latest, earliest, flows_from, readers,
                               consumers, releases, steps) for w, lst in enumerate(sched.actions))
 
 
 _NONE = 1 << 62  # no compute of that worker follows
 
+# (number of each action, then per number and per worker: the latest and the earliest
+# compute-stream positions), as schedule_order gives them.
+ScheduleOrder = tuple[dict[Action, int], list[list[int]], list[list[int]]]
 
-def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, list[int]]]:
-    """Per action, per worker: ``latest``, the last compute-stream position of that worker
-    that ends before the action starts (-1: none), and ``earliest``, the first one that
-    starts after the action ends (``_NONE``: none), in the happens-before order of ``edges``
-    and the ordered streams' list order (transfer lanes may run in any order). Actions are
-    numbered first, so the order is worked out on lists of ints."""
+
+def schedule_order(sched: Schedule) -> ScheduleOrder:
+    """The happens-before order :func:`worker_peaks` reads, per action and per worker: the
+    last compute-stream position that ends before the action starts, and the first that
+    starts after it ends. A function of the schedule's lists and edges alone."""
+    return _order(sched.actions, sched.host, sched.edges)
+
+
+def _order(lists, host, edges) -> ScheduleOrder:
+    """Each action's number, and per number, per worker: ``latest``, the last
+    compute-stream position of that worker that ends before the action starts (-1: none),
+    and ``earliest``, the first one that starts after the action ends (``_NONE``: none), in
+    the happens-before order of ``edges`` and the ordered streams' list order (transfer
+    lanes may run in any order). Actions are numbered first, so the order is worked out on
+    lists of ints."""
     workers = len(lists)
     actions: list[Action] = [a for lst in lists for a in lst]
     actions += host
-    ids = {a: i for i, a in enumerate(actions)}
-    for e in edges:  # an edge may name an action no list holds: it is ordered all the same
-        for a in (e.src, e.dst):
-            if a not in ids:
-                ids[a] = len(actions)
-                actions.append(a)
+    ids = dict(zip(actions, range(len(actions))))
     n = len(actions)
     succ: list[list[int]] = [[] for _ in range(n)]
     indegree = [0] * n
@@ -174,10 +186,24 @@ def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, li
     for x, y in itertools.pairwise(ids[a] for a in host):
         succ[x].append(y)
         indegree[y] += 1
+
+    def number(a: Action) -> int:  # an action no list holds: an edge orders it all the same
+        if a not in ids:
+            ids[a] = len(actions)
+            actions.append(a)
+            succ.append([])
+            indegree.append(0)
+            where.append(None)
+        return ids[a]
+
+    get = ids.get
     for e in edges:
-        x, y = ids[e.src], ids[e.dst]
+        x, y = get(e.src), get(e.dst)
+        if x is None or y is None:
+            x, y = number(e.src), number(e.dst)
         succ[x].append(y)
         indegree[y] += 1
+    n = len(actions)
     ready = [i for i in range(n) if indegree[i] == 0]
     topo: list[int] = []
     while ready:
@@ -189,31 +215,42 @@ def _order(lists, host, edges) -> tuple[dict[Action, list[int]], dict[Action, li
                 ready.append(j)
     if len(topo) != n:
         raise InvalidInput("the schedule's order has a cycle (it would deadlock)")
-    latest = [[-1] * workers for _ in range(n)]
+    # A vector is never changed once made, so an action with one predecessor (successor)
+    # shares that one's instead of copying it: most of a lowered schedule's actions.
+    never = [-1] * workers
+    latest: list[list[int]] = [never] * n
     for i in topo:
         done = latest[i]
         if where[i] is not None:
             w, p = where[i]
             if p > done[w]:
-                done = list(done)
+                done = done.copy()
                 done[w] = p
         for j in succ[i]:
-            latest[j] = list(map(max, latest[j], done))
-    earliest = [[_NONE] * workers for _ in range(n)]
+            mine = latest[j]
+            latest[j] = done if mine is never or mine is done else list(map(max, mine, done))
+    # ``after[i]``: ``earliest[i]`` with action i's own compute-stream position in it (what
+    # a predecessor of i sees through it).
+    none = [_NONE] * workers
+    earliest: list[list[int]] = [none] * n
+    after: list[list[int]] = [none] * n
     for i in reversed(topo):
-        mine = earliest[i]
+        mine = none
         for j in succ[i]:
-            theirs = earliest[j]
-            if where[j] is not None:
-                w, p = where[j]
-                if p < mine[w]:
-                    mine[w] = p
-            mine[:] = map(min, mine, theirs)
-    return dict(zip(actions, latest, strict=True)), dict(zip(actions, earliest, strict=True))
+            theirs = after[j]
+            mine = theirs if mine is none or mine is theirs else list(map(min, mine, theirs))
+        earliest[i] = mine
+        if where[i] is not None:
+            w, p = where[i]
+            if p < mine[w]:
+                mine = mine.copy()
+                mine[w] = p
+        after[i] = mine
+    return ids, latest, earliest
 
 
-def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumers, releases,
-                 steps=None):
+def _worker_peak(lst, w, stages, ids, latest, earliest, flows_from, readers, consumers,
+                 releases, steps=None):
     stream = [a for a in lst if a.stream == "compute"]
     pos = {a: p for p, a in enumerate(stream)}
     end = 2 * len(stream)
@@ -237,10 +274,10 @@ def _worker_peak(lst, w, stages, latest, earliest, flows_from, readers, consumer
             holds.append((first, max(first, last), part, nbytes, stage))
 
     def starts(a: Action) -> int:  # the gap after the last compute ending before a starts
-        return 2 * latest[a][w] + 2
+        return 2 * latest[ids[a]][w] + 2
 
     def freed(a: Action) -> int:  # the gap before the first compute starting after a ends
-        p = earliest[a][w]
+        p = earliest[ids[a]][w]
         return end if p == _NONE else 2 * p
 
     def released(down: Action) -> int:

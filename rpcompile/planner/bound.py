@@ -39,11 +39,13 @@ still holds (looser).
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections import OrderedDict
+from operator import attrgetter
 
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Plan
+from rpcompile.ir import Plan, Stage
 from rpcompile.options import MODES, check_choice
 from rpcompile.passes.lower import opt_bytes
 from rpcompile.passes.schedule import deal, roundpipe_flows
@@ -65,8 +67,8 @@ def simulated_lower_bound(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     hw = get_hardware(hardware)
     # Everything the bound reads (roundpipe_flows reads the stages and the tokens per
     # microbatch; of the units, only what they borrow: opt_bytes charges a shared
-    # parameter's update once; nothing reads the notes or memory waits).
-    key = (plan.stages, tuple(u.borrowed for u in plan.units), plan.workers,
+    # parameter's update once; nothing reads the notes, memory waits or memory figures).
+    key = (_timed_stages(plan), tuple(u.borrowed for u in plan.units), plan.workers,
            plan.microbatches, plan.microbatch_size * plan.seq_len, hw, rounds, optimizer)
     with _BOUNDS_LOCK:
         hit = _BOUNDS.get(key)
@@ -99,7 +101,7 @@ def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> fl
     unevenly start the next step's chain late), which :func:`simulated_lower_bound` cannot;
     so the partitioner climbs and orders its async replays by it. At least the bound."""
     hw = get_hardware(hardware)
-    key = ("steady", plan.stages, plan.workers, plan.microbatches,
+    key = ("steady", _timed_stages(plan), plan.workers, plan.microbatches,
            plan.microbatch_size * plan.seq_len, hw, rounds)
     with _BOUNDS_LOCK:
         hit = _BOUNDS.get(key)
@@ -168,6 +170,15 @@ _BOUNDS_LOCK = threading.Lock()
 def _transfer_ms(nbytes: int, gbps: float, latency_ms: float) -> float:
     """The least time a transfer of ``nbytes`` takes alone on a link of ``gbps``."""
     return nbytes / (gbps * 1e6) + latency_ms if nbytes else 0.0
+
+
+# Every field of a stage but its device memory figure, which neither figure here reads: the
+# loss-chunk variants of one cut (whose tail stages differ only there) share their figures.
+_STAGE_TIMING = attrgetter(*(f.name for f in dataclasses.fields(Stage) if f.name != "peak_bytes"))
+
+
+def _timed_stages(plan: Plan) -> tuple:
+    return tuple(map(_STAGE_TIMING, plan.stages))
 
 
 class _Costs:

@@ -278,6 +278,24 @@ def test_csv_and_json_round_trip(optimizer: str) -> None:
         assert Schedule.from_json(json.dumps(sched.to_json())) == sched
 
 
+def test_edges_are_kept_by_the_waiting_actions_place_then_as_given() -> None:
+    # The canonical order equal schedules share: an edge into an earlier action of the
+    # lists first, edges into one action (or into none the lists hold) in the order given.
+    plan = make_plan()
+    lowered, _ = lower(build_schedule(plan, 4, 3, rounds=1, steps=2), plan)
+    place = {a: i for i, a in enumerate(lowered.all_actions())}
+    end = len(place)
+    expected = sorted(lowered.edges, key=lambda e: place.get(e.dst, end))
+    assert list(lowered.edges) == expected
+    stray = Action(3, "F", 0, 99, 0, 0)  # no list holds it: after every other edge
+    shuffled = [Edge(a, stray, "data") for a in lowered.actions[0][:2]]
+    shuffled += list(reversed(lowered.edges))
+    again = lowered.replace(edges=shuffled)
+    rest = sorted(reversed(lowered.edges), key=lambda e: place[e.dst])
+    assert again.edges == (*rest, *shuffled[:2])
+    assert lowered.replace(edges=list(lowered.edges)).edges == lowered.edges
+
+
 def test_dump_by_extension(tmp_path) -> None:
     plan = make_plan()
     sched, _ = lower(build_schedule(plan, 4, 2, steps=2), plan)

@@ -881,3 +881,46 @@ def test_plans_that_differ_only_in_memory_figures_share_a_schedule_not_a_proof(m
         first = runtime_schedule(plan, options)
         assert runtime_schedule(grown, options) is first
         assert [runtime_peaks(p, options) for p in (plan, grown)] == fresh
+
+
+def test_screens_that_differ_only_in_memory_figures_share_their_lowering(monkeypatch):
+    # A candidate's one-step screen (fit_memory_waits) reads its memory figures only in its
+    # proof: within a compile's scope its lowering and order are made once for every plan
+    # that differs only there (loss-chunk variants), and the screens with either set of
+    # waits share the passes up to the activation transfers. Each screen is still of its
+    # own figures and waits: equal to one made afresh outside the scope.
+    import rpcompile.passes.lower as lower_package
+    from rpcompile.passes.lower import keep_runtime_schedules
+    from rpcompile.planner.bound import simulated_lower_bound
+    from rpcompile.planner.partition import fit_memory_waits
+    from tests.ir.test_ir_schedule import make_plan
+
+    plan = make_plan(workers=3, microbatches=3)
+    grown = replace(plan, stages=tuple(replace(st, peak_bytes=st.peak_bytes + (1 << 30) * i)
+                                       for i, st in enumerate(plan.stages)),
+                    units=tuple(replace(u, working_bytes=2 * u.working_bytes + 7)
+                                for u in plan.units))
+    hw = get_hardware("rtx4090x8").with_gpus(3)
+
+    def screens(p):  # capacity 0: neither set of waits fits, both are screened
+        return fit_memory_waits(p, hw, 1, "sync", capacity=0, steps=1)
+
+    fresh = [screens(p) for p in (plan, grown)]
+    assert fresh[0][2] != fresh[1][2] and fresh[0][0].memory_waits == TIGHTEST_WAITS
+    passes = []
+    real = lower_package.lower
+
+    def counted(sched, p, **kwargs):
+        passes.append(kwargs.get("passes"))
+        return real(sched, p, **kwargs)
+
+    monkeypatch.setattr(lower_package, "lower", counted)
+    with keep_runtime_schedules():
+        kept = [screens(p) for p in (plan, grown)]
+    assert kept[1][1] is kept[0][1]
+    assert [(r.memory_waits, s, peaks) for r, s, peaks in kept] == \
+        [(r.memory_waits, s, peaks) for r, s, peaks in fresh]
+    # One lowering up to the activation transfers, then the rest once per set of waits.
+    assert [p[0] for p in passes] == ["upload", "grads", "grads"]
+    assert simulated_lower_bound(plan, hw, 1, "sync") == \
+        simulated_lower_bound(grown, hw, 1, "sync")

@@ -143,7 +143,7 @@ def add_events(sched: Schedule) -> Schedule:
         dst_key = qd if qd[1] in ORDERED_STREAMS else e.dst
         groups.setdefault((src_key, dst_key), []).append((j, -i, n))
     for items in groups.values():
-        items.sort(key=lambda t: (t[0], t[1]))
+        items.sort()  # by end, then latest start; ties in edge order (n grows)
         best = -1  # latest source index among edges ending no later than this one
         for _, neg_i, n in items:
             if -neg_i > best:

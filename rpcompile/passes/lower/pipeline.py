@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import replace
@@ -27,7 +27,7 @@ from rpcompile.passes.lower.transfers import (
     grad_slots,
 )
 from rpcompile.passes.manager import PassManager, PassRecord, debug_checks, run_pass
-from rpcompile.passes.memory import WorkerPeak, worker_peaks
+from rpcompile.passes.memory import ScheduleOrder, WorkerPeak, schedule_order, worker_peaks
 from rpcompile.passes.schedule import build_schedule, runtime_cycle
 from rpcompile.passes.validate import validate as check
 
@@ -35,7 +35,9 @@ __all__ = [
     "DATA_PARALLEL_PASSES",
     "LOWERING_PASSES",
     "keep_runtime_schedules",
+    "kept_lowering",
     "lower",
+    "memory_free",
     "runtime_peaks",
     "runtime_schedule",
 ]
@@ -211,10 +213,7 @@ def _kept(kept: _KeptSchedules, plan: Plan, options: PlanOptions) -> _Kept:
 
 def _cycle_key(plan: Plan, options: PlanOptions) -> tuple:
     """Everything the runtime's schedule depends on, each as runtime_schedule resolves it:
-    the plan but its figures (predicted step, proven peaks, notes: what the search writes
-    into a plan after lowering it) and its device-memory figures (each stage's
-    ``peak_bytes``, each unit's ``working_bytes``), which no pass reads and only the proof
-    does (:func:`runtime_peaks` keeps its peaks per stage figures); the cycle of steps, the
+    the plan without what no pass reads (:func:`memory_free`); the cycle of steps, the
     update order :func:`lower` applies, and the other options it reads. Loss-chunk variants
     of one plan (rpcompile.compiler) differ only in the tail's working set: one schedule."""
     ranks = options.ranks or 1
@@ -222,57 +221,82 @@ def _cycle_key(plan: Plan, options: PlanOptions) -> tuple:
     if updates is None:
         updates = "overlap" if options.mode != "sync" else (
             "deferred" if ranks > 1 else plan.updates)
-    bare = replace(plan, predicted_step_ms=0.0, worker_peak_bytes=(), notes=(),
-                   stages=tuple(replace(st, peak_bytes=0) for st in plan.stages),
-                   units=tuple(replace(u, working_bytes=0) for u in plan.units))
-    return (bare, options.gpus, options.microbatches_per_round, options.rounds, options.mode,
+    return (memory_free(plan), options.gpus, options.microbatches_per_round, options.rounds,
+            options.mode,
             runtime_cycle(plan.stages, options.gpus, options.rounds, options.schedule_steps),
             options.chunk_bytes, updates, ranks, options.shard_optimizer and ranks > 1)
 
 
-class _Kept:
-    """One remembered runtime schedule: the lowered schedule, its records (unvalidated) and
-    its proven peaks, by the stages' ``peak_bytes`` (what the proof reads besides the
-    schedule), once asked for."""
+def memory_free(plan: Plan) -> Plan:
+    """``plan`` without what the dispatch and the lowering never read: its figures
+    (predicted step, proven peaks, notes: what the search writes into a plan after lowering
+    it) and its device-memory figures (each stage's ``peak_bytes``, each unit's
+    ``working_bytes``), which only the memory proof reads. Two plans equal here lower to
+    equal schedules."""
+    return replace(plan, predicted_step_ms=0.0, worker_peak_bytes=(), notes=(),
+                   stages=tuple(replace(st, peak_bytes=0) for st in plan.stages),
+                   units=tuple(replace(u, working_bytes=0) for u in plan.units))
 
-    def __init__(self, lowered: Schedule, records: tuple[PassRecord, ...]) -> None:
+
+class _Kept:
+    """One remembered lowered schedule: the schedule, its records (unvalidated), its
+    happens-before order (``schedule_order``, what every proof of it reads whatever the
+    memory figures) and its proven peaks, by the stages' ``peak_bytes`` (what the proof
+    reads besides the schedule), each once asked for."""
+
+    def __init__(self, lowered: Schedule, records: tuple[PassRecord, ...] = ()) -> None:
         self.lowered, self.records = lowered, records
         self.peaks: dict[tuple[int, ...], tuple[WorkerPeak, ...]] = {}
+        self._order: ScheduleOrder | None = None
+
+    def order(self) -> ScheduleOrder:
+        if self._order is None:
+            self._order = schedule_order(self.lowered)
+        return self._order
 
 
 class _KeptSchedules:
-    """The runtime schedules of one :func:`keep_runtime_schedules` scope, the least recently
-    used dropped past :data:`_SCHEDULES_KEPT` (a large model's schedule with its records is
-    hundreds of megabytes)."""
+    """The lowered schedules of one :func:`keep_runtime_schedules` scope: the runtime's
+    (a large model's with its records is hundreds of megabytes) and the other lowerings
+    (:func:`kept_lowering`), each the least recently used dropped past its cap."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self._items: OrderedDict[tuple, _Kept] = OrderedDict()
+        self._kinds: dict[str, tuple[OrderedDict[tuple, _Kept], int]] = {
+            "runtime": (OrderedDict(), _SCHEDULES_KEPT),
+            "lowering": (OrderedDict(), _LOWERINGS_KEPT)}
 
-    def get(self, key: tuple) -> _Kept | None:
-        hit = self._items.get(key)
+    def get(self, key: tuple, kind: str = "runtime") -> _Kept | None:
+        items = self._kinds[kind][0]
+        hit = items.get(key)
         if hit is not None:
-            self._items.move_to_end(key)
+            items.move_to_end(key)
         return hit
 
-    def put(self, key: tuple, kept: _Kept) -> None:
-        self._items[key] = kept
-        while len(self._items) > _SCHEDULES_KEPT:
-            self._items.popitem(last=False)
+    def put(self, key: tuple, kept: _Kept, kind: str = "runtime") -> None:
+        items, cap = self._kinds[kind]
+        items[key] = kept
+        while len(items) > cap:
+            items.popitem(last=False)
 
 
 _SCHEDULES_KEPT = 4
+# Other lowerings kept (kept_lowering): the partitioner's one-step screens of candidates,
+# a few megabytes each for the largest model; a search's screens (and their shared
+# first passes) all fit.
+_LOWERINGS_KEPT = 48
 _KEPT: ContextVar[_KeptSchedules | None] = ContextVar("rpcompile_runtime_schedules",
                                                       default=None)
 
 
 @contextmanager
 def keep_runtime_schedules() -> Iterator[None]:
-    """Within it, :func:`runtime_schedule` and :func:`runtime_peaks` remember what they
-    lowered and proved (the last few, by everything they depend on), so a later call with the
-    same inputs reuses it: the partition search proves its candidates over the runtime's
-    schedule (rpcompile.planner.partition.proofs), and :func:`rpcompile.compile` keeps the
-    winner's schedule and proof without lowering it again. Both are pure functions of those
+    """Within it, :func:`runtime_schedule`, :func:`runtime_peaks` and :func:`kept_lowering`
+    remember what they lowered and proved (the last few, by everything they depend on), so a
+    later call with the same inputs reuses it: the partition search proves its candidates
+    over the runtime's schedule (rpcompile.planner.partition.proofs), and
+    :func:`rpcompile.compile` keeps the winner's schedule and proof without lowering it
+    again. Both are pure functions of those
     inputs, so what is reused equals what would be made; outside the scope nothing is kept.
     Nested scopes share the outer one's."""
     token = _KEPT.set(_KeptSchedules()) if _KEPT.get() is None else None
@@ -281,6 +305,26 @@ def keep_runtime_schedules() -> Iterator[None]:
     finally:
         if token is not None:
             _KEPT.reset(token)
+
+
+def kept_lowering(plan: Plan, how: tuple, lowering: Callable[[], Schedule]) -> _Kept:
+    """``lowering()``, the schedule lowered for ``plan`` in the way ``how`` names (everything
+    else it depends on), with its order (``.lowered``, ``.order()``). Within
+    :func:`keep_runtime_schedules` one is kept per :func:`memory_free` plan and ``how``, so
+    a plan that differs only in memory figures (a loss-chunk variant's candidate) reuses the
+    schedule and order made for another: ``lowering`` must read nothing that
+    :func:`memory_free` drops."""
+    kept = _KEPT.get()
+    if kept is None:
+        return _Kept(lowering())
+    key = (memory_free(plan), how)
+    with kept.lock:
+        hit = kept.get(key, "lowering")
+    if hit is None:
+        hit = _Kept(lowering())
+        with kept.lock:
+            kept.put(key, hit, "lowering")
+    return hit
 
 
 def runtime_peaks(plan: Plan, options: PlanOptions) -> tuple[WorkerPeak, ...]:
@@ -298,5 +342,6 @@ def runtime_peaks(plan: Plan, options: PlanOptions) -> tuple[WorkerPeak, ...]:
     peaks = hit.peaks.get(figures)
     if peaks is None:
         peaks = hit.peaks[figures] = worker_peaks(hit.lowered, plan,
-                                                  steps=hit.lowered.run_steps)
+                                                  steps=hit.lowered.run_steps,
+                                                  order=hit.order())
     return peaks

@@ -66,13 +66,14 @@ def fit_memory_waits(plan: Plan, hardware: Hardware | str, rounds: int = 1,
     log = _SEARCH_LOG.get()
     for waits in WAIT_SETS:
         plan = replace(plan, memory_waits=waits)
-        lowered = proof_schedule(plan, rounds, optimizer, steps)
+        made = _proof_lowering(plan, rounds, optimizer, steps)
+        lowered = made.lowered
         if steps == 1:  # a screen: the one step (the search proves a plan it keeps again)
-            peaks = worker_peaks(lowered, plan)
+            peaks = worker_peaks(lowered, plan, order=made.order())
         elif steps - period >= proof_steps(plan, rounds):
             # Its first steps hold every alignment after the steps before them, and its
             # last period is their context (worker_peaks(steps=)).
-            peaks = worker_peaks(lowered, plan, steps=steps - period)
+            peaks = worker_peaks(lowered, plan, steps=steps - period, order=made.order())
         else:
             peaks = proven_peaks(plan, rounds, optimizer)
         if max(p.peak_bytes for p in peaks) <= capacity:
@@ -207,15 +208,40 @@ def proof_schedule(plan: Plan, rounds: int = 1, optimizer: str = "async",
                    steps: int | None = None) -> Schedule:
     """``plan``'s lowered schedule of ``steps`` steps (default :func:`proof_steps`),
     dispatched and lowered as the simulator runs it: what the memory proof reads."""
-    from rpcompile.passes.lower import lower
+    steps = proof_steps(plan, rounds, optimizer) if steps is None else steps
+    return _proof_lowering(plan, rounds, optimizer, steps).lowered
+
+
+def _proof_lowering(plan: Plan, rounds: int, optimizer: str, steps: int):
+    """:func:`proof_schedule` with its order (``.lowered``, ``.order()``), each made once
+    per plan but its memory figures within
+    :func:`~rpcompile.passes.lower.keep_runtime_schedules`
+    (:func:`~rpcompile.passes.lower.kept_lowering`: the dispatch and the lowering read no
+    ``peak_bytes`` nor ``working_bytes``), so the loss-chunk variants' searches, whose
+    candidates differ only in the tail's working set, lower each candidate once. The passes
+    up to the activation transfers read no gradient-slot wait: a candidate screened with
+    each set of :data:`WAIT_SETS` is lowered that far once."""
+    from rpcompile.passes.lower import LOWERING_PASSES, kept_lowering, lower
     from rpcompile.passes.schedule import build_schedule
     from rpcompile.sim.engine import paused_gc
 
-    steps = proof_steps(plan, rounds, optimizer) if steps is None else steps
-    with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
-        compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
-                                 steps=steps, kind="roundpipe", optimizer=optimizer)
-        return lower(compute, plan, validate=False)[0]
+    shared = LOWERING_PASSES.index("transfers") + 1
+    # What those passes read of the waits (add_activation_transfers).
+    head_waits = tuple(w for w in plan.memory_waits if w in ("window", "sent"))
+
+    def head() -> Schedule:
+        with paused_gc():  # the lowering allocates many small objects (rpcompile.sim.engine)
+            compute = build_schedule(plan, plan.workers, plan.microbatches, rounds=rounds,
+                                     steps=steps, kind="roundpipe", optimizer=optimizer)
+            return lower(compute, plan, passes=LOWERING_PASSES[:shared], validate=False)[0]
+
+    def lowering() -> Schedule:
+        start = kept_lowering(replace(plan, memory_waits=head_waits),
+                              ("proof head", rounds, optimizer, steps), head).lowered
+        with paused_gc():
+            return lower(start, plan, passes=LOWERING_PASSES[shared:], validate=False)[0]
+
+    return kept_lowering(plan, ("proof", rounds, optimizer, steps), lowering)
 
 
 def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
@@ -242,8 +268,8 @@ def proven_peaks(plan: Plan, rounds: int = 1, optimizer: str = "async",
                 gpus=plan.workers, microbatches=plan.microbatches, rounds=rounds,
                 mode=optimizer))
     period = dispatch_period(len(plan.stages) * rounds, plan.workers)
-    return worker_peaks(proof_schedule(plan, rounds, optimizer, steps + period), plan,
-                        steps=steps)
+    made = _proof_lowering(plan, rounds, optimizer, steps + period)
+    return worker_peaks(made.lowered, plan, steps=steps, order=made.order())
 
 
 # Replays already run, by everything a replay depends on (the plan but its notes and memory

@@ -81,19 +81,24 @@ class _StageFigures:
 
     def __init__(self, units: Sequence[UnitProfile], costing: StageCosting) -> None:
         self.units, self.costing = tuple(units), costing
-        self._stages: dict[tuple, Stage] = {}
+        self._stages: dict[tuple, Stage] = {}  # by (kind, first, last unit, saved starts)
+        self._placed: dict[tuple, Stage] = {}  # the same and the index
 
     def stage(self, index: int, kind: str, r: tuple[int, ...], tail_start: int,
-              bwd_ranges: Sequence[tuple[int, ...]]) -> Stage:
-        saved = tuple(b[0] for b in bwd_ranges if r[0] < b[0] <= r[-1]) \
-            if kind == "forward" else ()
+              saved: tuple[int, ...]) -> Stage:
+        """Stage ``index`` of ``kind`` over units ``r``; ``saved``: for a forward stage, the
+        backward stages' starts inside it."""
         key = (kind, r[0], r[-1], saved)
+        placed = self._placed.get((key, index))
+        if placed is not None:
+            return placed
         made = self._stages.get(key)
         if made is None:
             made = _make_stage(0, kind, r, self.units, self.costing, tail_start, (),
                                [(b,) for b in saved])
             self._stages[key] = made
-        return made if index == 0 else replace(made, index=index)
+        placed = self._placed[(key, index)] = made if index == 0 else replace(made, index=index)
+        return placed
 
     def plan(self, forward_bounds, backward_bounds, tail_start, hw, workers, microbatches,
              microbatch_size, seq_len, rounds, notes, optimizer) -> Plan:
@@ -101,11 +106,15 @@ class _StageFigures:
         n = len(units)
         fwd_ranges = _ranges(forward_bounds, tail_start)
         bwd_ranges = list(reversed(_ranges(backward_bounds, tail_start)))
-        specs = [("forward", r) for r in fwd_ranges] + [("tail", tuple(range(tail_start, n)))]
-        specs += [("backward", r) for r in bwd_ranges]
-        stages = tuple(self.stage(i, kind, r, tail_start, bwd_ranges)
-                       for i, (kind, r) in enumerate(specs))
-        return _timed_plan(units, stages, hw, workers, microbatches, microbatch_size,
+        starts = [b[0] for b in bwd_ranges]
+        stages = [self.stage(i, "forward", r, tail_start,
+                             tuple(b for b in starts if r[0] < b <= r[-1]))
+                  for i, r in enumerate(fwd_ranges)]
+        stages.append(self.stage(len(stages), "tail", tuple(range(tail_start, n)), tail_start,
+                                 ()))
+        stages += [self.stage(len(stages) + i, "backward", r, tail_start, ())
+                   for i, r in enumerate(bwd_ranges)]
+        return _timed_plan(units, tuple(stages), hw, workers, microbatches, microbatch_size,
                            seq_len, rounds, notes, optimizer)
 
 

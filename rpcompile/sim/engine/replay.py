@@ -159,6 +159,7 @@ class _Replay:
         now = 0.0
         done = 0
         cores = self.hw.shared_cores
+        inf = float("inf")
         # The share of a core each running compute, transfer and host-lane action gets
         # (always 1 on a profile without shared cores); a compute's end in ``running`` is at
         # this share.
@@ -215,7 +216,8 @@ class _Replay:
                     if link_busy[link] is not None or not pool:
                         continue
                     # Critical before bulk; a started bulk transfer goes on before a new one.
-                    tr = min(pool, key=lambda t: (t.bulk, not t.started, t.ready, t.order))
+                    tr = pool[0] if len(pool) == 1 else \
+                        min(pool, key=lambda t: (t.bulk, not t.started, t.ready, t.order))
                     pool.remove(tr)
                     work = tr.chunk_work
                     if not tr.started:
@@ -232,31 +234,38 @@ class _Replay:
 
             if cores:
                 cpu_share = self._share_cores(running, link_busy, lane_busy, cpu_share, now)
-            fluids = [f for f in (*link_busy, *lane_busy) if f is not None]
-            demand = sum(f.max_rate for f in fluids)
+            # The fluids in link order, then the lanes' (the order their rates are summed in).
+            fluids = [f for f in link_busy if f is not None]
+            fluids += [f for f in lane_busy if f is not None]
+            demand = sum([f.max_rate for f in fluids])
             scale = min(1.0, self.host_rate / demand) if demand > 0 else 1.0
-            nxt = float("inf")
+            share = min(scale, cpu_share)
+            nxt = inf
             for f in fluids:
                 # A transfer's and a host action's rate: the lower of its share of the host's
                 # memory bandwidth and its share of the cores (1 without shared cores).
-                f.rate = f.max_rate * min(scale, cpu_share)
-                nxt = min(nxt, now + f.remaining / f.rate)
+                rate = f.rate = f.max_rate * share
+                t = now + f.remaining / rate
+                if t < nxt:
+                    nxt = t
             for r in running:
                 if r is not None and r[1] < nxt:
                     nxt = r[1]
-            if nxt == float("inf"):
+            if nxt == inf:
                 if done < total:
                     raise SimulationError(self._deadlock(head, lane_head))
                 break
             dt = nxt - now
             now = nxt
+            due = now + _TIME_EPS
             for w in range(g):
                 r = running[w]
-                if r is not None and r[1] <= now + _TIME_EPS:
+                if r is not None and r[1] <= due:
                     running[w] = None
                     finish(r[0])
+            span = dt + _TIME_EPS
             for f in fluids:
-                if f.remaining <= f.rate * (dt + _TIME_EPS):
+                if f.remaining <= f.rate * span:
                     if f.link < 0:
                         lane_busy[-1 - f.link] = None
                         finish(f.index)
