@@ -256,7 +256,20 @@ def test_close_from_another_thread_aborts_the_step(qwen3, monkeypatch):  # noqa:
     assert trainer.steps_done == 1
 
 
-def test_keyboard_interrupt_in_dispatch_reraises_itself(qwen3, monkeypatch):  # noqa: F811
+@pytest.fixture
+def ctrl_c_raises():
+    """SIGINT raises KeyboardInterrupt in the main thread for the test's duration.
+    ``_thread.interrupt_main()`` does nothing while SIGINT is ignored, and a process inherits
+    an ignored SIGINT when a shell without job control starts it in the background (as a
+    suite run with ``&`` does), so the tests that send a Ctrl-C set Python's default."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+def test_keyboard_interrupt_in_dispatch_reraises_itself(qwen3, monkeypatch, ctrl_c_raises):  # noqa: F811
     data = batches(3, 6)
     with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual",
                                       chaos=5, timeout_s=60)) as trainer:
@@ -283,9 +296,6 @@ def test_keyboard_interrupt_in_dispatch_reraises_itself(qwen3, monkeypatch):  # 
             _thread.interrupt_main()
             release.set()
 
-        # interrupt_main() does nothing while SIGINT is ignored or at its default.
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, (
-            f"SIGINT's handler is {signal.getsignal(signal.SIGINT)!r}: an earlier test left it")
         with monkeypatch.context() as patch:
             _stall(patch, program, release)
             timer = threading.Timer(0.1, ctrl_c)
@@ -297,7 +307,8 @@ def test_keyboard_interrupt_in_dispatch_reraises_itself(qwen3, monkeypatch):  # 
         _assert_continues_like(trainer, qwen3, data, ADAMW, "sync", upto=1)
 
 
-def test_keyboard_interrupt_during_the_drain_reraises_itself(qwen3, monkeypatch):  # noqa: F811
+def test_keyboard_interrupt_during_the_drain_reraises_itself(qwen3, monkeypatch,  # noqa: F811
+                                                            ctrl_c_raises):
     # A fault aborts the steps in flight; a Ctrl-C while they are taken apart (the workers'
     # streams draining) re-raises itself once they are, the state the last committed step's.
     data = batches(3, 6)
