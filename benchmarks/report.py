@@ -183,6 +183,7 @@ BUBBLE_ROWS = {
     "gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B, v per GPU below",
     "looped-bfs": "looped BFS, same v", "roundpipe-sync": "RoundPipe, ours, one sync step",
     "roundpipe-async": "RoundPipe, ours, async steady state",
+    "roundpipe-async-host-busy": "its host update queue busy, % of the window",
 }
 
 
