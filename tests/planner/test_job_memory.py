@@ -30,10 +30,11 @@ from tests.tiny_models import hf_model, token_batch
 DTYPE = torch.bfloat16  # as a run computes: the gradients come in the weights' dtype
 
 
-def _gradient_jobs(compiled, model, batch):
-    """Per tail or backward stage of ``compiled``: (stage, measured peak bytes of one
-    microbatch's recompute and backward, planned bytes, its gradients' bytes in the weights'
-    dtype)."""
+def _jobs(compiled, model, batch):
+    """Per stage of ``compiled``: (stage, measured peak bytes of one microbatch's compute,
+    planned bytes, its gradients' bytes in the weights' dtype). A forward compute's figure is
+    its working set, its outputs included; a gradient job's adds the input gradients it
+    sends on."""
     captured = compiled.capture
     params = dict(model.named_parameters())
     mb = split_batch(bind_batch(captured, batch), 1)[0]
@@ -50,9 +51,11 @@ def _gradient_jobs(compiled, model, batch):
     for prog, stage in zip(compiled.stages, compiled.plan.stages, strict=True):
         assert prog.kind == stage.kind and prog.recompute == stage.recompute
         if prog.kind == "forward":
-            with torch.no_grad():
+            with torch.no_grad(), _PeakBytes() as meter:
                 outs = prog.graph_module(*stage_arguments(prog, captured, params, mb, values))
             values.update(zip(prog.outputs, outs))
+            # Its outputs are made inside the compute and held until it ends.
+            jobs.append((stage, meter.peak, working_bytes(stage), 0))
             continue
         with _PeakBytes() as meter:
             run_backward_microbatch(prog, captured, params, mb, values, value_grads, {}, scale,
@@ -65,6 +68,7 @@ def _gradient_jobs(compiled, model, batch):
 
 
 def _check(jobs, kinds):
+    jobs = [j for j in jobs if j[0].kind in kinds]
     assert sorted(stage.kind for stage, *_ in jobs) == kinds
     for stage, measured, planned, _ in jobs:
         what = f"{stage.kind} stage {stage.units} by {stage.recompute}"
@@ -81,12 +85,12 @@ def test_a_gradient_jobs_planned_memory_covers_its_measured_peak_and_is_close_to
     batch = token_batch(1, 16, seed=3)
     compiled = rpcompile.compile(model, gpus=2, microbatches=1, example_inputs=batch,
                                  device="virtual")
-    jobs = _gradient_jobs(compiled, model, batch)
+    jobs = _jobs(compiled, model, batch)
     assert [s.units for s, *_ in jobs if s.kind == "backward"] == [(0, 1, 2, 3)]
     # The gradients alone are most of each peak: a figure without them falls short, one
     # that adds them all to the whole working set (they grow as the activations are freed)
     # lies far above.
-    assert all(grads > 0.5 * measured for _, measured, _, grads in jobs)
+    assert all(grads > 0.5 * measured for s, measured, _, grads in jobs if s.kind != "forward")
     _check(jobs, ["backward", "tail"])
 
 
@@ -104,7 +108,26 @@ def test_a_layer_by_layer_backward_jobs_planned_memory_covers_its_measured_peak(
                       compiled.plan.microbatch_size, compiled.plan.seq_len, 1, costing)
     compiled.plan = replace(plan, memory_waits=compiled.plan.memory_waits)
     compiled.stages = split(compiled.capture, compiled.plan)
-    jobs = _gradient_jobs(compiled, model, batch)
+    jobs = _jobs(compiled, model, batch)
     assert [(s.units, s.recompute) for s, *_ in jobs if s.kind == "backward"] == [
         (tuple(range(n - 1)), "layer")]
     _check(jobs, ["backward", "tail"])
+
+
+def test_a_forward_jobs_planned_memory_covers_the_values_it_saves_for_recompute():
+    # One forward stage over every unit, backward stages of one or two layers: the forward
+    # saves the recompute input of each backward stage inside it, and holds them (and the
+    # rotary tables it makes) until it ends, beside the unit running.
+    model = hf_model("qwen3", layers=4).to(DTYPE)
+    batch = token_batch(1, 16, seed=3)
+    compiled = rpcompile.compile(model, gpus=2, microbatches=1, example_inputs=batch,
+                                 device="virtual")
+    n = len(compiled.profiles)
+    plan = build_plan(compiled.profiles, (0,), (0, 2, 3, 4), n - 1, compiled.hardware, 2, 1,
+                      compiled.plan.microbatch_size, compiled.plan.seq_len, 1, StageCosting())
+    compiled.plan = replace(plan, memory_waits=compiled.plan.memory_waits)
+    compiled.stages = split(compiled.capture, compiled.plan)
+    jobs = _jobs(compiled, model, batch)
+    (forward,) = [s for s, *_ in jobs if s.kind == "forward"]
+    assert forward.output_bytes > 3 * compiled.profiles[n - 2].output_bytes  # three saved
+    _check(jobs, ["forward"])

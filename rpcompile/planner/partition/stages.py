@@ -185,11 +185,17 @@ def _stage_reads(units, r: tuple[int, ...]) -> tuple[int, tuple[tuple[str, int],
     return sum(buffers.values()), (tuple(batch.items()) if known else None)
 
 
-def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -> int:
+def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting,
+                  saved: int = 0) -> int:
     """Device memory of one job: weights and buffers twice (the next job's prefetch shares
     the device), the fp32 gradient accumulator (not for forward stages), one microbatch's
     working set, and the dequantized copies of the stage's packed weights (held while a
     compute runs).
+
+    A forward compute keeps every value it sends out until it ends (the memory proof counts
+    them from its end): the values shared with later units that its units make, and
+    ``saved``, the recompute inputs it saves at the backward boundaries inside it (a plan's
+    figure; without it, what any plan's forward stage over ``r`` needs at least).
 
     A backward or tail job's working set is its peak over the backward's progress
     (:func:`~rpcompile.passes.cost.gradient_job_bytes`): autograd leaves every trainable
@@ -204,6 +210,7 @@ def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -
         # No autograd: only the largest transient plus the values being sent out.
         working = max((units[u].output_bytes + units[u].shared_bytes for u in r), default=0)
         working += max((units[u].working_bytes for u in r), default=0) // 4
+        working += saved + sum(units[u].shared_bytes for u in r)
         return int(weights + working * costing.activation_scale + dequantized)
     grads = trainable * costing.grad_dtype_bytes
     working = _gradient_working(units, r, _recompute(kind, r, units, costing), costing)
@@ -288,7 +295,8 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         grad_bytes=0 if kind == "forward" else trainable * costing.grad_dtype_bytes,
         input_bytes=int(in_bytes * costing.activation_scale),
         output_bytes=int(out_bytes * costing.activation_scale),
-        peak_bytes=_stage_memory(units, tuple(r), kind, costing),
+        peak_bytes=_stage_memory(units, tuple(r), kind, costing,
+                                 saved if kind == "forward" else 0),
         recompute=_recompute(kind, tuple(r), units, costing),
         shadow_bytes=trainable * costing.weight_dtype_bytes,
         buffer_bytes=buffer_bytes,
