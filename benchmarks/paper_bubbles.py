@@ -28,7 +28,9 @@ tokens). Every schedule runs through the same simulator, lowered the same way:
                          steady state: idle share of GPU time between the first compute of
                          step 2 (counting from 0) and that of the last step, an 8-step window
                          of whole dispatch periods (rpcompile.sim.steady_steps: 11 steps,
-                         steady_utilization)
+                         steady_utilization); below it, the host's ordered queue's busy
+                         share of the same window (``host_busy``: optimizer updates that the
+                         next step's uploads wait for)
   rp-async-layers        (printed only) our partitioner limited to whole layers, async steady state
   rp-partition-*         (printed only) RoundPipe's own greedy partitioner (whole layers)
 
@@ -123,11 +125,29 @@ def roundpipe_own_plan() -> dict[str, float]:
             "steady": 100 * r.bubble_steady, "async": 100 * (1 - steady_utilization(a))}
 
 
-def _roundpipe(plan, hw) -> tuple[float, float]:
-    """(sync bubble of one isolated step, async steady-state bubble), percent."""
+def _roundpipe(plan, hw) -> tuple[float, float, float]:
+    """(sync bubble of one isolated step, async steady-state bubble, the host queue's busy
+    share of the async steady state), percent."""
     sync = 100 * simulate_roundpipe(plan, hw, steps=1, optimizer="sync").bubble
     r = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
-    return sync, 100 * (1 - steady_utilization(r))
+    return sync, 100 * (1 - steady_utilization(r)), 100 * host_busy(r)
+
+
+def host_busy(r) -> float:
+    """The share of the async steady-state window (the one ``steady_utilization`` reads:
+    from the first compute of step 2 to that of the last step) in which the host's ordered
+    queue runs (optimizer updates, shadow rewrites, gradient sums): a step's uploads wait
+    for the shadows the queue writes after the step two before it commits, so a queue busy
+    most of the step holds the next step's forward jobs back."""
+    sched, tl = r.schedule, r.timeline
+    first: dict[int, float] = {}
+    for lst in sched.actions:
+        for a in lst:
+            if a.is_compute:
+                first[a.step] = min(first.get(a.step, math.inf), tl[a][0])
+    lo, hi = first[2], first[sched.steps - 1]
+    busy = sum(max(0.0, min(tl[a][1], hi) - max(tl[a][0], lo)) for a in sched.host if a in tl)
+    return busy / (hi - lo)
 
 
 def bubbles(name: str, schedules=(*SCHEDULES, *EXTRA), search=partition) -> dict[str, float]:
@@ -154,8 +174,11 @@ def bubbles(name: str, schedules=(*SCHEDULES, *EXTRA), search=partition) -> dict
                           optimizer=mode)
             print(f"{name} roundpipe-{mode}: {search_note(plan) or 'search: no note'}",
                   flush=True)
-            out[f"roundpipe-{mode}"] = _roundpipe(plan, hw)[0 if mode == "sync" else 1]
+            figures = _roundpipe(plan, hw)
+            out[f"roundpipe-{mode}"] = figures[0 if mode == "sync" else 1]
             out[f"roundpipe-{mode}-waits"] = plan.memory_waits
+            if mode == "async":
+                out["roundpipe-async-host-busy"] = figures[2]
     if "rp-async-layers" in schedules:
         layers_only = search(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
         print(f"{name} rp-async-layers: {search_note(layers_only) or 'search: no note'}",
@@ -164,7 +187,7 @@ def bubbles(name: str, schedules=(*SCHEDULES, *EXTRA), search=partition) -> dict
     if "rp-partition-sync" in schedules or "rp-partition-async" in schedules:
         greedy = partition_roundpipe(units, hw, WORKERS, MICROBATCHES, MICROBATCH_SIZE, SEQ)
         greedy = fit_memory_waits(greedy, hw)[0]  # as our plans: waits only where needed
-        out["rp-partition-sync"], out["rp-partition-async"] = _roundpipe(greedy, hw)
+        out["rp-partition-sync"], out["rp-partition-async"], _ = _roundpipe(greedy, hw)
     return out
 
 
@@ -192,6 +215,9 @@ def main() -> None:
         if f"roundpipe-{mode}" in args.schedules:
             result[f"roundpipe-{mode}-memory-waits"] = {
                 m: list(table[m][f"roundpipe-{mode}-waits"]) for m in args.models}
+    if "roundpipe-async" in args.schedules:
+        result["roundpipe-async-host-busy"] = {
+            m: round(table[m]["roundpipe-async-host-busy"], 1) for m in args.models}
 
     if "interleaved" in args.schedules or "looped-bfs" in args.schedules:
         result["virtual-stages-per-gpu"] = {m: virtual_stages(MODELS[m]) for m in args.models}
@@ -208,6 +234,10 @@ def main() -> None:
             # waits come with either): the column fits the table.
             print(f"{'  gradient slots':<18}" + "".join(
                 f"{grad_slots(table[m][s + '-waits']) or 'no wait':>{width + 2}}"
+                for m in args.models))
+        if s == "roundpipe-async":
+            print(f"{'  host busy':<18}" + "".join(
+                f"{table[m]['roundpipe-async-host-busy']:>{width + 1}.1f}%"
                 for m in args.models))
         if s in REFERENCE:
             ref = [REFERENCE[s][PAPER_MODELS.index(m)] for m in args.models]

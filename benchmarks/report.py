@@ -183,6 +183,7 @@ BUBBLE_ROWS = {
     "gpipe": "GPipe", "1f1b": "1F1B", "interleaved": "interleaved 1F1B, v per GPU below",
     "looped-bfs": "looped BFS, same v", "roundpipe-sync": "RoundPipe, ours, one sync step",
     "roundpipe-async": "RoundPipe, ours, async steady state",
+    "roundpipe-async-host-busy": "its host update queue busy, % of the window",
 }
 
 
@@ -236,13 +237,25 @@ def _paper_throughput(r: Result) -> str:
                      *[num(host.get(c)) + (" (over)" if c in over else "")
                        for c in ("rpcompile", "roundpipe-partition")]])
     link = f.get("link-gbps", {})
+    ratios, measured = f.get("ratios", {}), f.get("roundpipe-measured-async-over-sync", {})
+    keys = [f"{c} async/sync {how}" for c in ("rpcompile", "roundpipe-partition")
+            for how in ("isolated", "stream")]
+    ratio_rows = [[m, *[num(ratios[m].get(k), 3) for k in keys], num(measured.get(m), 2)]
+                  for m in models if all(k in ratios.get(m, {}) for k in keys)]
+    ratio_table = "" if not ratio_rows else (
+        "\n\nAsync / sync throughput of the same async plan: over one isolated sync step "
+        "(RoundPipe's sync mode, like for like with its measured ratio) and over sync steps "
+        "in a stream (rpcompile's sync mode):\n\n"
+        + table(["model", "ours, isolated", "ours, stream", "RoundPipe's partition, isolated",
+                 "RoundPipe's partition, stream", "RoundPipe measured (4090s)"], ratio_rows))
     return (table(["model", "ours tokens/s", "RoundPipe's partition", "1F1B", "GPipe",
                    "ours / RoundPipe's", "host GiB, ours", "host GiB, RoundPipe's"], rows)
             + f"\n\nHost memory: {f.get('host-memory', 'pinned')}, links "
             f"{num(link.get('h2d'))} / {num(link.get('d2h'))} GB/s (H2D / D2H); host RAM "
             f"{num(f.get('host-ram-gib'))} GiB ({f.get('host-ram-source', '?')}); "
             "\"over\": the plan needs more host memory than that. A weight-bound baseline "
-            "whose weights, gradients and activations do not fit the GPUs shows \"-\".")
+            "whose weights, gradients and activations do not fit the GPUs shows \"-\"."
+            + ratio_table)
 
 
 def _longest_sequence(r: Result) -> str:

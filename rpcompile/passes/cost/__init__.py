@@ -7,7 +7,7 @@ Modules, in reading order:
   saved      - what autograd saves for backward, per op
   symbolic   - helpers: sympy shapes and byte counts, pruning of Max terms
   recompute  - recompute granularity: a backward stage's working set and time, by stage or by
-               layer
+               layer, and a gradient job's peak over its backward's progress
 
 Conventions (docs/cost.md explains them with examples):
   * FLOPs follow ``torch.utils.flop_counter.FlopCounterMode``: 2 per multiply-add, counted only
@@ -26,7 +26,12 @@ Conventions (docs/cost.md explains them with examples):
 """
 
 from rpcompile.capture.types import B, S
-from rpcompile.passes.cost.recompute import RECOMPUTE, recompute_ms, recompute_working_bytes
+from rpcompile.passes.cost.recompute import (
+    RECOMPUTE,
+    gradient_job_bytes,
+    recompute_ms,
+    recompute_working_bytes,
+)
 from rpcompile.passes.cost.saved import linear_ce_scratch_bytes
 from rpcompile.passes.cost.types import NodeCost, UnitCost
 from rpcompile.passes.cost.walk import annotate_costs
@@ -38,6 +43,7 @@ __all__ = [
     "S",
     "UnitCost",
     "annotate_costs",
+    "gradient_job_bytes",
     "linear_ce_scratch_bytes",
     "recompute_ms",
     "recompute_working_bytes",

@@ -3,13 +3,16 @@ forward by stage or by layer (the figures the planner's recompute choice reads).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 from rpcompile.choices import RECOMPUTE_GRANULARITIES, check_choice
+from rpcompile.errors import InvalidInput
 
 __all__ = [
     "RECOMPUTE",
+    "gradient_job_bytes",
     "recompute_ms",
     "recompute_working_bytes",
 ]
@@ -40,6 +43,34 @@ def recompute_working_bytes(units: Sequence[Any], r: Sequence[int], recompute: s
     boundaries = sum(units[u].output_bytes + units[u].shared_bytes for u in inner)
     gradient = max(units[u].output_bytes for u in inner)
     return boundaries + gradient + max(units[u].working_bytes for u in r)
+
+
+def gradient_job_bytes(units: Sequence[Any], r: Sequence[int], recompute: str,
+                       grads: Sequence[int], activation_scale: float = 1.0) -> int:
+    """One microbatch's peak of a tail or backward stage over units ``r``: its working set
+    (:func:`recompute_working_bytes`, times ``activation_scale``) together with the parameter
+    gradients autograd leaves on their leaves, in the weights' dtype, until the microbatch's
+    backward ends. ``grads``: per unit of ``r``, in its order, the bytes of the gradients that
+    unit's backward produces (a tied weight's at the first unit of the stage to read it, in
+    backward order).
+
+    The backward runs the units last first, so when unit ``r[k]`` runs, the gradients of
+    ``r[k:]`` exist and the activations the units after it saved are freed. By "stage", the
+    units up to ``r[k]`` still hold what they saved (each counted at its whole working set, its
+    largest transient included); by "layer", the boundaries and one boundary gradient are held
+    throughout (counted whole) beside unit ``r[k]``'s own working set. The peak is the largest
+    of these sums over ``k``: never below any point of the backward, and below the sum of the
+    whole working set and every gradient wherever the two do not peak together."""
+    check_choice("recompute", recompute, RECOMPUTE)
+    if len(grads) != len(r):
+        raise InvalidInput(f"grads has {len(grads)} entries for a stage of {len(r)} units")
+    after = list(itertools.accumulate(reversed(grads)))[::-1]  # gradients of r[k:]
+    if recompute == "stage" or len(r) < 2:
+        held = itertools.accumulate(units[u].working_bytes for u in r)  # saved by r[:k + 1]
+    else:
+        kept = recompute_working_bytes(units, r, "layer") - max(units[u].working_bytes for u in r)
+        held = (kept + units[u].working_bytes for u in r)
+    return int(max(h * activation_scale + g for h, g in zip(held, after, strict=True)))
 
 
 def recompute_ms(units: Sequence[Any], r: Sequence[int], recompute: str) -> float:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 from rpcompile.errors import InvalidInput
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import Plan, Stage, UnitProfile
-from rpcompile.passes.cost import recompute_ms, recompute_working_bytes
+from rpcompile.passes.cost import gradient_job_bytes, recompute_ms
 from rpcompile.passes.memory import format_bytes
 from rpcompile.planner.bound import simulated_lower_bound, steady_estimate
 from rpcompile.planner.partition.common import PartitionError
@@ -194,41 +194,74 @@ def _stage_reads(units, r: tuple[int, ...]) -> tuple[int, tuple[tuple[str, int],
     return sum(buffers.values()), (tuple(batch.items()) if known else None)
 
 
-def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting) -> int:
+def _stage_memory(units, r: tuple[int, ...], kind: str, costing: StageCosting,
+                  saved: int = 0) -> int:
     """Device memory of one job: weights and buffers twice (the next job's prefetch shares
     the device), the fp32 gradient accumulator (not for forward stages), one microbatch's
-    working set, the dequantized copies of the stage's packed weights (held while a
-    compute runs), and for a backward or tail job its trainable parameters' gradients in the
-    compute dtype.
+    working set, and the dequantized copies of the stage's packed weights (held while a
+    compute runs).
 
-    Autograd leaves every trainable parameter's gradient, in the weights' dtype, on its leaf
-    until the microbatch's backward ends; only then are they added into the fp32 accumulator
-    (``run_backward_microbatch``). They grow while the working set shrinks; both are counted
-    whole, a bound that holds wherever in the backward the peak falls."""
+    A forward compute keeps every value it sends out until it ends (the memory proof counts
+    them from its end): the values shared with later units that its units make, and
+    ``saved``, the recompute inputs it saves at the backward boundaries inside it (a plan's
+    figure; without it, what any plan's forward stage over ``r`` needs at least).
+
+    A backward or tail job's working set is its peak over the backward's progress
+    (:func:`~rpcompile.passes.cost.gradient_job_bytes`): autograd leaves every trainable
+    parameter's gradient, in the weights' dtype, on its leaf until the microbatch's backward
+    ends (only then are they added into the fp32 accumulator, ``run_backward_microbatch``),
+    and it produces a unit's gradients after the activations the later units saved are
+    freed."""
     _, trainable = _stage_params(units, r)
     uploaded, dequantized = _stage_weight_bytes(units, r, costing)
     weights = 2 * (uploaded + _stage_reads(units, r)[0])
-    grads = 0 if kind == "forward" else trainable * costing.grad_dtype_bytes
-    if kind != "forward":
-        grads += trainable * costing.weight_dtype_bytes
     if kind == "forward":
         # No autograd: only the largest transient plus the values being sent out.
         working = max((units[u].output_bytes + units[u].shared_bytes for u in r), default=0)
         working += max((units[u].working_bytes for u in r), default=0) // 4
-    else:
-        working = recompute_working_bytes(units, r, _recompute(kind, r, units, costing))
+        working += saved + sum(units[u].shared_bytes for u in r)
+        return int(weights + working * costing.activation_scale + dequantized)
+    grads = trainable * costing.grad_dtype_bytes
+    working = _gradient_working(units, r, _recompute(kind, r, units, costing), costing)
     # A quantized stage's dequantized weights are part of each compute's working set.
-    return int(weights + grads + working * costing.activation_scale + dequantized)
+    return int(weights + grads + working + dequantized)
+
+
+def _gradient_working(units, r: tuple[int, ...], recompute: str, costing: StageCosting) -> int:
+    """A gradient job's working set with its parameters' gradients in the weights' dtype,
+    at its peak over the backward's progress."""
+    grads = [n * costing.weight_dtype_bytes for n in _unit_trainable(units, r)]
+    return gradient_job_bytes(units, r, recompute, grads, costing.activation_scale)
+
+
+def _unit_trainable(units, r: tuple[int, ...]) -> list[int]:
+    """Per unit of a stage, the trainable parameter elements whose gradients its backward
+    produces: its own, and those it borrows (tied weights). A borrowed weight's gradient
+    first appears at the last unit of the stage that reads it (the backward runs the units
+    last first), so it is counted there and not at its owner; the sum is the stage's
+    trainable elements (:func:`_stage_params`)."""
+    out = [units[u].trainable_params for u in r]
+    seen = set()
+    for k in range(len(r) - 1, -1, -1):
+        for owner, numel, is_trainable in units[r[k]].borrowed:
+            if not is_trainable or (owner, numel) in seen:
+                continue
+            seen.add((owner, numel))
+            out[k] += numel
+            if owner in r:
+                out[r.index(owner)] -= numel
+    return out
 
 
 def _recompute(kind: str, r: tuple[int, ...], units, costing: StageCosting) -> str:
     """A stage's recompute granularity: the costing's for a backward stage of several units
-    where layer recompute holds less (a stage of one large layer and a small prefix holds
-    more by layer: the boundaries and a gradient for next to nothing saved)."""
+    where layer recompute holds less, gradients included (a stage of one large layer and a
+    small prefix holds more by layer: the boundaries and a gradient for next to nothing
+    saved)."""
     if kind != "backward" or costing.recompute == "stage" or len(r) < 2:
         return "stage"
-    return ("layer" if recompute_working_bytes(units, r, "layer")
-            < recompute_working_bytes(units, r, "stage") else "stage")
+    return ("layer" if _gradient_working(units, r, "layer", costing)
+            < _gradient_working(units, r, "stage", costing) else "stage")
 
 
 def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges) -> Stage:
@@ -271,7 +304,8 @@ def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_rang
         grad_bytes=0 if kind == "forward" else trainable * costing.grad_dtype_bytes,
         input_bytes=int(in_bytes * costing.activation_scale),
         output_bytes=int(out_bytes * costing.activation_scale),
-        peak_bytes=_stage_memory(units, tuple(r), kind, costing),
+        peak_bytes=_stage_memory(units, tuple(r), kind, costing,
+                                 saved if kind == "forward" else 0),
         recompute=_recompute(kind, tuple(r), units, costing),
         shadow_bytes=trainable * costing.weight_dtype_bytes,
         buffer_bytes=buffer_bytes,
