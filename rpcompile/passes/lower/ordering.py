@@ -1,6 +1,7 @@
 """Lowering passes 4c, 4d and 5: the commit edges that close each step and bound the steps in
-flight, the data-parallel barrier between steps, and the pruning of edges that stream order or another edge already
-implies (what remains is the set of events a runtime records and waits on)."""
+flight, the data-parallel barrier between steps, and the pruning of edges that stream order or
+another edge already implies (what remains is the set of events a runtime records and waits
+on)."""
 
 from __future__ import annotations
 
