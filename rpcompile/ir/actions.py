@@ -25,6 +25,7 @@ __all__ = [
     "ORDERED_STREAMS",
     "PAYLOADS",
     "RELEASE_EDGES",
+    "STEPS_IN_FLIGHT",
     "STREAMS",
     "TRANSFER_KINDS",
     "Action",
@@ -160,8 +161,15 @@ EDGE_KINDS = (
     "shadow",  # SHADOW -> UP that reads that shadow version
     "shadow_read",  # UP -> SHADOW that overwrites the buffer the UP read (write after read)
     "commit",  # step k's last action of each ordered queue -> its last host action (commit)
+    "in_flight",  # step k's commit point -> step k+STEPS_IN_FLIGHT's first actions
     "barrier",  # data parallel: step k's commit point -> step k+1's first actions
 )
+
+# Steps a run keeps uncommitted at once (rpcompile.runtime.executor; data parallel keeps one):
+# step k+STEPS_IN_FLIGHT is submitted only once step k has committed. The lowering writes that
+# wait into the schedule (edges "in_flight", "barrier"), so the simulator and the memory proof
+# order steps as the runtime does.
+STEPS_IN_FLIGHT = 2
 
 
 # The edges from a D2H to the compute before which what it sent home is given back on the

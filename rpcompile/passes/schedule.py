@@ -17,7 +17,7 @@ import math
 from collections.abc import Iterator, Sequence
 
 from rpcompile.errors import InvalidInput, InvalidType
-from rpcompile.ir import Action, Edge, Flow, Plan, Schedule, Stage
+from rpcompile.ir import STEPS_IN_FLIGHT, Action, Edge, Flow, Plan, Schedule, Stage
 from rpcompile.options import MODES, check_choice
 
 __all__ = [
@@ -133,14 +133,18 @@ def cross_step_reach(stages: Sequence[Stage], workers: int, rounds: int = 1) -> 
     """How many steps back an edge of a RoundPipe schedule of ``stages`` may reach: the
     lowering's waits between a worker's jobs (rpcompile.passes.lower: a weight slot two jobs
     back, ``buffer``; an input two computes back, ``window`` and ``sent``; a gradient slot
-    one or two gradient jobs back, ``grad_slot`` and ``grad_pair``) run across steps, and a
-    shadow is read one step after it is written. Worked out from the dealing, so it holds for
-    any microbatch count (a job of one microbatch puts ``window`` two jobs back)."""
+    one or two gradient jobs back, ``grad_slot`` and ``grad_pair``) run across steps, a
+    shadow is read one step after it is written, and a step waits for the commit of the one
+    :data:`~rpcompile.ir.STEPS_IN_FLIGHT` steps before it (``in_flight``). Worked out from
+    the dealing, so it holds for any microbatch count (a job of one microbatch puts
+    ``window`` two jobs back)."""
     grads = {s.index for s in stages if s.kind != "forward" and s.grad_bytes}
     period = dispatch_period(len(stages) * rounds, workers)
     jobs: list[list[int]] = [[] for _ in range(workers)]
     graded: list[list[int]] = [[] for _ in range(workers)]
-    reach = 1  # a SHADOW of step k-1 -> the UPs of step k; async, UPs of k-1 -> SHADOW of k
+    # A SHADOW of step k-1 -> the UPs of step k (async, UPs of k-1 -> SHADOW of k): one step;
+    # step k's commit point -> step k+STEPS_IN_FLIGHT's first actions (in_flight): more.
+    reach = max(1, STEPS_IN_FLIGHT)
     for w, s, _r, k in itertools.islice(deal(len(stages), workers, rounds),
                                         len(stages) * rounds * (4 * period + 4)):
         for mine in (jobs[w], *((graded[w],) if s in grads else ())):

@@ -50,7 +50,7 @@ from torch import fx
 
 from rpcompile.capture.batch import split_batch
 from rpcompile.errors import InvalidInput, StateError
-from rpcompile.ir import Action, Schedule
+from rpcompile.ir import STEPS_IN_FLIGHT, Action, Schedule
 from rpcompile.options import TrainOptions, deferred_reasons, update_order
 from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES, updates_deferred
 from rpcompile.passes.schedule import dispatch_period
@@ -71,11 +71,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RUNTIME_ACTIONS", "Executor", "StepAborted", "StepFailed", "StepResult",
            "StepTimeout", "clip_grad_norm"]
-
-# Steps in flight at once: the oldest draining while the next fills the workers (one step of
-# overlap, as the schedule's edges reach; the memory proof covers two steps on a worker).
-IN_FLIGHT = 2
-
 
 # ============================================================================================
 # 1. Executor: construction and checks
@@ -142,7 +137,9 @@ class Executor(Actions):
         # reductions; its per-step collectives (the step's start, its check) run one step at
         # a time.
         self.reducer = reducer
-        self.in_flight_limit = 1 if reducer is not None else IN_FLIGHT
+        # Steps in flight at once (the schedule's in_flight edges say the same): the oldest
+        # draining while the next fills the workers.
+        self.in_flight_limit = 1 if reducer is not None else STEPS_IN_FLIGHT
         self.compiled = compiled
         self.workers = list(workers)
         self.schedule = schedule

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Action, Edge, Schedule, Stage, UnitProfile
+from rpcompile.ir import STEPS_IN_FLIGHT, Action, Edge, Schedule, Stage, UnitProfile
 from rpcompile.passes.lower import lower
 from rpcompile.passes.schedule import build_schedule
 from rpcompile.planner.partition import build_plan
@@ -400,6 +400,30 @@ def _free(plan, *, steps: int, optimizer: str) -> Schedule:
                            kind="roundpipe", optimizer=optimizer)
     low, _ = lower(sched, plan, passes=("upload", "transfers", "grads", "events"))
     return low
+
+
+def test_a_step_starts_only_once_the_step_it_waits_for_has_committed():
+    # The runtime submits step k+STEPS_IN_FLIGHT once step k has committed (its last host
+    # action): the replay of an async schedule starts none of that step's actions earlier.
+    # With host memory at 100 GB/s the host's gradient work ends each step late enough
+    # that, without the in_flight edges, step k+2's first input upload (which waits only
+    # for its worker's compute two places before) would start before step k commits.
+    hw = replace(get_hardware("rtx4090x8"), host_mem_gbps=100.0)
+    units = MODELS["qwen3-1.7b"].units(1, 2048)
+    plan = build_plan(units, [0, 10, 20], [0, 8, 15, 22], 26, hw, 4, 5, 1, 2048, 2)
+    lowered, _ = lower(build_schedule(plan, 4, 5, rounds=2, steps=4, optimizer="async"), plan)
+    assert STEPS_IN_FLIGHT == 2
+    r = simulate(lowered, plan, hw)
+    commit = {a.step: a for a in lowered.host}  # each step's last host action
+    for k in range(lowered.steps - STEPS_IN_FLIGHT):
+        later = [a for a in lowered.all_actions() if a.step == k + STEPS_IN_FLIGHT]
+        assert min(r.timeline[a][0] for a in later) >= r.timeline[commit[k]][1] - 1e-9
+    # Data parallel keeps one step in flight: its barrier orders every step after the one
+    # before, and no in_flight edge is written.
+    dp, _ = lower(build_schedule(plan, 4, 5, rounds=2, steps=4, optimizer="async"), plan,
+                  ranks=2)
+    kinds = {e.kind for e in dp.edges}
+    assert "barrier" in kinds and "in_flight" not in kinds
 
 
 def test_async_optimizer_is_not_slower_than_sync():

@@ -16,8 +16,9 @@ Each pass takes a Schedule and returns a new one, adds one concern, stamps its n
                   lane after each stage's last ACC of the step, and the step's updates after
                   all of them
   4c. commit    - edges from each step's last actions to its last host action, where the
-                  step commits; nothing else orders one step after another, so step k+1's
-                  jobs start as soon as what they read is ready (steps overlap)
+                  step commits, and from there to the first actions of the step
+                  STEPS_IN_FLIGHT later (the runtime's limit on uncommitted steps); step
+                  k+1's jobs start as soon as what they read is ready (steps overlap)
   4d. barrier   - data parallel over more than one rank only: step k+1's first actions wait
                   for step k's commit point (a rank's collectives are per step, so it runs
                   one step at a time)

@@ -1,12 +1,13 @@
-"""Lowering passes 4c, 4d and 5: the commit edges that close each step, the data-parallel
-barrier between steps, and the pruning of edges that stream order or another edge already
-implies (what remains is the set of events a runtime records and waits on)."""
+"""Lowering passes 4c, 4d and 5: the commit edges that close each step and bound the steps in
+flight, the data-parallel barrier between steps, and the pruning of edges that stream order or
+another edge already implies (what remains is the set of events a runtime records and waits
+on)."""
 
 from __future__ import annotations
 
 import itertools
 
-from rpcompile.ir import ORDERED_STREAMS, Action, Edge, Schedule
+from rpcompile.ir import ORDERED_STREAMS, STEPS_IN_FLIGHT, Action, Edge, Schedule
 from rpcompile.passes.lower.common import _once, _require_roundpipe
 
 __all__ = [
@@ -29,12 +30,19 @@ def add_commit(sched: Schedule) -> Schedule:
     always has a successor in its step: the compute that reads it, the ACC of its
     gradients), so the commit point follows all of them.
 
-    Nothing else orders one step after another: step k+1's jobs wait only for what they read
-    (the shadow of their stage, sync mode's from step k's update) and for the memory bounds
-    of their worker (``buffer``, ``grad_pair``, ``window``, ``sent``, which run across steps),
-    so step k+1's forward jobs run while step k's backward jobs drain. Step k+1's host
-    actions follow step k's commit point in the host queue: the host has at most one step
-    open, and a step commits before the next one's first update."""
+    Step k+1's jobs wait only for what they read (the shadow of their stage, sync mode's
+    from step k's update) and for the memory bounds of their worker (``buffer``,
+    ``grad_pair``, ``window``, ``sent``, which run across steps), so step k+1's forward jobs
+    run while step k's backward jobs drain. Step k+1's host actions follow step k's commit
+    point in the host queue: the host has at most one step open, and a step commits before
+    the next one's first update.
+
+    The runtime keeps at most :data:`~rpcompile.ir.STEPS_IN_FLIGHT` steps uncommitted: it
+    submits step k+STEPS_IN_FLIGHT once step k has committed. Edges (kind ``in_flight``)
+    from step k's commit point to each first action of step k+STEPS_IN_FLIGHT
+    (:func:`_step_starts`) say so, so the simulator never starts a step earlier than the
+    runtime can. Data parallel (``Schedule.ranks`` > 1) keeps one step in flight: the
+    ``barrier`` pass writes that wait instead."""
     _require_roundpipe(sched, "commit")
     by_step: dict[int, dict[tuple[int | None, str], Action]] = {}
     for q, lst in sched.queues().items():
@@ -49,6 +57,11 @@ def add_commit(sched: Schedule) -> Schedule:
             continue
         hubs.add(hub)
         edges += [Edge(a, hub, "commit") for q, a in last.items() if q != (None, "host")]
+    if sched.ranks == 1:
+        commits = {a.step: a for a in sched.host}  # each step's last host action
+        starts = _step_starts(sched)
+        for k, hub in sorted(commits.items()):
+            edges += [Edge(hub, b, "in_flight") for b in starts.get(k + STEPS_IN_FLIGHT, ())]
     # A worker's last job of step k and its first of step k+1: as within a step (pass
     # upload), the EVICT waits (landed) for the next UP, which costs no time (the next
     # compute waits for that UP) and makes the overlap of the two weight sets certain, as
@@ -83,11 +96,27 @@ def add_step_barrier(sched: Schedule) -> Schedule:
     hubs = {}
     for a in sched.host:
         hubs[a.step] = a  # the step's last host action
+    starts = _step_starts(sched)
+    # A worker's last EVICT of step k waits (landed) for its first UP of step k+1, which now
+    # waits for the commit point, which waits for that EVICT: the two weight sets never
+    # overlap across the barrier, so the edge goes.
+    edges = [e for e in sched.edges if not (e.kind == "landed" and e.src.step != e.dst.step)]
+    for k, hub in sorted(hubs.items()):
+        edges += [Edge(hub, b, "barrier") for b in starts.get(k + 1, ())]
+    return sched.replace(edges=tuple(edges), passes=(*sched.passes, "barrier"))
+
+
+def _step_starts(sched: Schedule) -> dict[int, list[Action]]:
+    """Each step's first actions outside the host queue: the first of each ordered queue,
+    and each transfer with no predecessor edge in its step. Every action of a step follows
+    one of them or a host action of the step (which follows the step before's commit point
+    in the host queue), so an edge from a commit point to each of them orders the whole
+    step after that point."""
     has_pred = {e.dst for e in sched.edges if e.src.step == e.dst.step}
     starts: dict[int, list[Action]] = {}
     for (_w, stream), lst in sched.queues().items():
         if stream == "host":
-            continue  # the host queue is ordered: step k+1's follow the commit point
+            continue  # the host queue is ordered: its steps follow the commit points
         seen: set[int] = set()
         for a in lst:
             if stream in ORDERED_STREAMS:
@@ -96,13 +125,7 @@ def add_step_barrier(sched: Schedule) -> Schedule:
                     starts.setdefault(a.step, []).append(a)
             elif a not in has_pred:
                 starts.setdefault(a.step, []).append(a)
-    # A worker's last EVICT of step k waits (landed) for its first UP of step k+1, which now
-    # waits for the commit point, which waits for that EVICT: the two weight sets never
-    # overlap across the barrier, so the edge goes.
-    edges = [e for e in sched.edges if not (e.kind == "landed" and e.src.step != e.dst.step)]
-    for k, hub in sorted(hubs.items()):
-        edges += [Edge(hub, b, "barrier") for b in starts.get(k + 1, ())]
-    return sched.replace(edges=tuple(edges), passes=(*sched.passes, "barrier"))
+    return starts
 
 
 # --------------------------------------------------------------------------------------------
