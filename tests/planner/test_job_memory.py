@@ -67,6 +67,23 @@ def _jobs(compiled, model, batch):
     return jobs
 
 
+def _jobs_of_cuts(tokens, gpus, forward_bounds, backward_bounds, costing):
+    """(compiled, :func:`_jobs`) of a 4-layer Qwen3 in bf16 on one ``tokens``-long sequence,
+    planned for ``gpus`` workers and then cut by hand at ``forward_bounds`` and
+    ``backward_bounds`` (each stage's start unit), the tail starting at the last unit."""
+    model = hf_model("qwen3", layers=4).to(DTYPE)
+    batch = token_batch(1, tokens, seed=3)
+    compiled = rpcompile.compile(model, gpus=gpus, microbatches=1, example_inputs=batch,
+                                 device="virtual")
+    n = len(compiled.profiles)
+    plan = build_plan(compiled.profiles, forward_bounds, backward_bounds, n - 1,
+                      compiled.hardware, gpus, 1, compiled.plan.microbatch_size,
+                      compiled.plan.seq_len, 1, costing)
+    compiled.plan = replace(plan, memory_waits=compiled.plan.memory_waits)
+    compiled.stages = split(compiled.capture, compiled.plan)
+    return compiled, _jobs(compiled, model, batch)
+
+
 def _check(jobs, kinds):
     jobs = [j for j in jobs if j[0].kind in kinds]
     assert sorted(stage.kind for stage, *_ in jobs) == kinds
@@ -98,17 +115,8 @@ def test_a_layer_by_layer_backward_jobs_planned_memory_covers_its_measured_peak(
     # 128 tokens: each layer's activations outweigh its gradients, so the plan's one
     # backward stage (the prefix and every layer) recomputes by layer; its gradients still
     # grow while it runs, beside one layer's activations and the boundaries.
-    model = hf_model("qwen3", layers=4).to(DTYPE)
-    batch = token_batch(1, 128, seed=3)
-    compiled = rpcompile.compile(model, gpus=1, microbatches=1, example_inputs=batch,
-                                 device="virtual")
+    compiled, jobs = _jobs_of_cuts(128, 1, (0,), (0,), StageCosting(recompute="layer"))
     n = len(compiled.profiles)
-    costing = StageCosting(recompute="layer")
-    plan = build_plan(compiled.profiles, (0,), (0,), n - 1, compiled.hardware, 1, 1,
-                      compiled.plan.microbatch_size, compiled.plan.seq_len, 1, costing)
-    compiled.plan = replace(plan, memory_waits=compiled.plan.memory_waits)
-    compiled.stages = split(compiled.capture, compiled.plan)
-    jobs = _jobs(compiled, model, batch)
     assert [(s.units, s.recompute) for s, *_ in jobs if s.kind == "backward"] == [
         (tuple(range(n - 1)), "layer")]
     _check(jobs, ["backward", "tail"])
@@ -118,16 +126,8 @@ def test_a_forward_jobs_planned_memory_covers_the_values_it_saves_for_recompute(
     # One forward stage over every unit, backward stages of one or two layers: the forward
     # saves the recompute input of each backward stage inside it, and holds them (and the
     # rotary tables it makes) until it ends, beside the unit running.
-    model = hf_model("qwen3", layers=4).to(DTYPE)
-    batch = token_batch(1, 16, seed=3)
-    compiled = rpcompile.compile(model, gpus=2, microbatches=1, example_inputs=batch,
-                                 device="virtual")
+    compiled, jobs = _jobs_of_cuts(16, 2, (0,), (0, 2, 3, 4), StageCosting())
     n = len(compiled.profiles)
-    plan = build_plan(compiled.profiles, (0,), (0, 2, 3, 4), n - 1, compiled.hardware, 2, 1,
-                      compiled.plan.microbatch_size, compiled.plan.seq_len, 1, StageCosting())
-    compiled.plan = replace(plan, memory_waits=compiled.plan.memory_waits)
-    compiled.stages = split(compiled.capture, compiled.plan)
-    jobs = _jobs(compiled, model, batch)
     (forward,) = [s for s, *_ in jobs if s.kind == "forward"]
     assert forward.output_bytes > 3 * compiled.profiles[n - 2].output_bytes  # three saved
     _check(jobs, ["forward"])
