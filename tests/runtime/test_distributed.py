@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import copy
 import datetime
+import faulthandler
 import functools
 import os
+import signal
 import socket
 import time
 
@@ -282,22 +284,35 @@ def _start(target, world: int, tmp_path, *args, timeout: float = 240.0):
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["tests.rank_server"])
     port = _free_port()
-    procs = [ctx.Process(target=target, args=(r, world, port, str(tmp_path), *args))
+    procs = [ctx.Process(target=_watched, args=(target, r, world, port, str(tmp_path), *args))
              for r in range(world)]
     for p in procs:
         p.start()
     return procs, tmp_path, timeout, time.monotonic() + timeout
 
 
+def _watched(target, *args) -> None:
+    """A rank's process: ``target(*args)``, and on SIGUSR1 (what :func:`_join` sends a rank
+    that outlives its time) the stack of every thread on standard error, which the test's
+    captured output shows."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    target(*args)
+
+
 def _join(procs: list, tmp_path, timeout: float, deadline: float) -> list[dict | None]:
     world = len(procs)
     for p in procs:
         p.join(max(1.0, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    if hung:
+        for r in hung:  # where each one is stuck, before it goes
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        time.sleep(2.0)
+        for p in procs:
             p.kill()
             p.join()
-            pytest.fail(f"a rank did not finish within {timeout} s (hang)")
+        pytest.fail(f"rank(s) {hung} did not finish within {timeout} s (hang); their threads' "
+                    "stacks are in the captured standard error")
     out = []
     for r in range(world):
         path = tmp_path / f"rank{r}.pt"
