@@ -45,9 +45,9 @@ from collections import OrderedDict
 from operator import attrgetter
 
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Plan, Stage
+from rpcompile.ir import STEPS_IN_FLIGHT, Plan, Stage
 from rpcompile.options import MODES, check_choice
-from rpcompile.passes.lower import opt_bytes
+from rpcompile.passes.lower import async_update_order, opt_bytes
 from rpcompile.passes.schedule import deal, roundpipe_flows
 from rpcompile.sim.engine import JOURNAL_BYTES_PER_PARAM
 
@@ -92,16 +92,26 @@ def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> fl
     """The async steady-state step (rpcompile.sim.steady_step_ms, over
     :func:`~rpcompile.sim.steady_steps` overlapping steps) of a replay that keeps only each
     worker's compute order, the jobs as :func:`~rpcompile.passes.schedule.deal` deals them,
-    each value's least hop between workers (a D2H and an H2D), and the wait between steps:
-    step k's job of a stage with trainable weights starts after step k-2's gradients are
-    home (that step's update writes the shadow it uploads); no uploads, host work, link
-    sharing or memory waits. Not a bound (the figure is a ratio, which a relaxed replay
-    may not lower), but it sees what an overlapping run's bubble is made of where steps
-    overlap (a job faster than the one before it waits for each microbatch; workers freed
-    unevenly start the next step's chain late), which :func:`simulated_lower_bound` cannot;
-    so the partitioner climbs and orders its async replays by it. At least the bound."""
+    each value's least hop between workers (a D2H and an H2D), the host queue and the waits
+    between steps; no link sharing or memory waits.
+
+    The host queue runs in the lowering's order (:func:`_AsyncHost`), each action alone at
+    full rate: step k's updates and shadow rewrites, then its ACCs (each after its
+    gradients' least download), then its CHECK, the step's commit point. Step k's job of a
+    stage with a shadow starts once SHADOW(stage, k-1) has run and its weights' least
+    upload after it; every job of step k after step k-2's commit point (the runtime keeps
+    two steps in flight). A plan whose host queue is busy most of the step is paced by it,
+    which compute alone cannot show.
+
+    Not a bound (the figure is a ratio, which a relaxed replay may not lower), but it sees
+    what an overlapping run's bubble is made of where steps overlap (a job faster than the
+    one before it waits for each microbatch; workers freed unevenly start the next step's
+    chain late; a host queue that writes the next step's shadows late), which
+    :func:`simulated_lower_bound` cannot; so the partitioner climbs and orders its async
+    replays by it. At least the bound."""
     hw = get_hardware(hardware)
-    key = ("steady", _timed_stages(plan), plan.workers, plan.microbatches,
+    key = ("steady", _timed_stages(plan), tuple(u.borrowed for u in plan.units),
+           plan.grad_check_passes, plan.workers, plan.microbatches,
            plan.microbatch_size * plan.seq_len, hw, rounds)
     with _BOUNDS_LOCK:
         hit = _BOUNDS.get(key)
@@ -111,6 +121,7 @@ def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> fl
     from rpcompile.sim.runs import steady_steps
 
     costs = _Costs(plan, hw, rounds)
+    host = _AsyncHost(plan, hw)
     steps = steady_steps(plan, rounds=rounds)
     warm = 1 if steps <= 4 else 2  # steady_utilization's default window
     free = [0.0] * plan.workers
@@ -118,18 +129,26 @@ def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> fl
     where: dict[tuple[int, int, int], int] = {}
     spans: list[tuple[float, float]] = []
     first: dict[int, float] = {}
-    # When step k's gradients are all home: step k + 2's uploads read the shadow written
-    # from step k's update, which the host queue runs after every ACC of step k.
-    homes: list[float] = []
-    shadowed = [st.trainable_weight_bytes > 0 for st in plan.stages]
+    queue = 0.0  # when the host queue is free
+    shadowed: dict[int, float] = {}  # stage -> when the shadow of the step before is written
+    commits: list[float] = []  # each step's commit point
     micro = range(plan.microbatches)
     for k in range(steps):
-        home = 0.0
+        # The host queue's head of step k: its updates and shadow rewrites.
+        written: dict[int, float] = {}
+        for opt_ms, rewrites in host.updates:
+            queue += opt_ms
+            for x, shadow_ms in rewrites:
+                queue += shadow_ms
+                written[x] = queue
+        homes: list[tuple[int, int, float]] = []
         for w, s, r, _k in costs.dealt(k):
             where[(s, r, k)] = w
             t = free[w]
-            if k >= 2 and shadowed[s]:
-                t = max(t, homes[k - 2])
+            if k >= STEPS_IN_FLIGHT:
+                t = max(t, commits[k - STEPS_IN_FLIGHT])
+            if s in shadowed:
+                t = max(t, shadowed[s] + costs.upload[s])
             remote = [(ends[(src, r, k)], 0.0 if where[(src, r, k)] == w else hop)
                       for src, hop in costs.remote[s]]
             c = costs.compute[s]
@@ -145,8 +164,12 @@ def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> fl
             ends[(s, r, k)] = done
             free[w] = t
             if costs.home[s] is not None:
-                home = max(home, t + costs.home[s])
-        homes.append(home)
+                homes.append((r, s, t + costs.home[s]))
+        for _r, s, home in sorted(homes):  # the ACCs in dispatch order: round, stage
+            queue = max(queue, home) + host.acc[s]
+        queue += host.check
+        commits.append(queue)
+        shadowed = written
     lo, hi = first[warm], first[steps - 1]
     busy = sum(max(0.0, min(e, hi) - max(b, lo)) for b, e in spans)
     work = plan.microbatches * rounds * sum(costs.compute)
@@ -156,6 +179,38 @@ def steady_estimate(plan: Plan, hardware: Hardware | str, rounds: int = 1) -> fl
         while len(_BOUNDS) > _BOUNDS_KEPT:
             _BOUNDS.popitem(last=False)
     return estimate
+
+
+class _AsyncHost:
+    """The least time of each action of an async step's host queue (rpcompile.sim.engine:
+    each alone at full rate, with the runtime's overhead per action), in the lowering's
+    order (:func:`~rpcompile.passes.lower.async_update_order`): ``updates``, per OPT its
+    time and the SHADOWs right after it (stage, time); ``acc``, each gradient stage's ACC;
+    ``check``, the step's CHECK."""
+
+    def __init__(self, plan: Plan, hw: Hardware) -> None:
+        host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
+        opt_rate = hw.optimizer_params_per_s * 1e-3  # parameters per ms
+        overhead = hw.action_overhead_us * 1e-3
+        # Before each update, the undo journal's copy (none when the run keeps none); an
+        # async SHADOW writes the copy no committed step reads, so it journals nothing.
+        journal = JOURNAL_BYTES_PER_PARAM if hw.undo_journal else 0
+        order = async_update_order(plan)
+        own = opt_bytes(plan, [s for s, _xs in order])
+        stages = plan.stages
+
+        def opt_ms(s: int) -> float:
+            params = own[s] / 4
+            return params / opt_rate + journal * params / host_rate + overhead
+
+        def pass_ms(nbytes: int) -> float:  # ACC and SHADOW: read two, write one
+            return 3.0 * nbytes / host_rate + overhead
+
+        self.updates = [(opt_ms(s), [(x, pass_ms(stages[x].trainable_weight_bytes))
+                                     for x in xs]) for s, xs in order]
+        self.acc = {s: pass_ms(stages[s].grad_bytes) for s, _xs in order}
+        checked = plan.grad_check_passes * sum(own.values())
+        self.check = checked / host_rate + overhead
 
 
 # Bounds already worked out, by everything they read: the partitioner meets a candidate in

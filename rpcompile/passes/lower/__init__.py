@@ -42,7 +42,12 @@ from rpcompile.passes.lower.common import (
     gradient_groups,
     trainable_parameters,
 )
-from rpcompile.passes.lower.optimizer import add_optimizer, opt_bytes, updates_deferred
+from rpcompile.passes.lower.optimizer import (
+    add_optimizer,
+    async_update_order,
+    opt_bytes,
+    updates_deferred,
+)
 from rpcompile.passes.lower.ordering import add_commit, add_events, add_step_barrier
 from rpcompile.passes.lower.pipeline import (
     DATA_PARALLEL_PASSES,
@@ -79,6 +84,7 @@ __all__ = [
     "add_reductions",
     "add_step_barrier",
     "add_weight_uploads",
+    "async_update_order",
     "grad_slots",
     "gradient_groups",
     "keep_runtime_schedules",

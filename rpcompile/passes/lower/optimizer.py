@@ -14,6 +14,7 @@ from rpcompile.passes.lower.common import _require_roundpipe, _stages, gradient_
 
 __all__ = [
     "add_optimizer",
+    "async_update_order",
     "opt_bytes",
     "updates_deferred",
 ]
@@ -147,7 +148,13 @@ def _sharing(sched: Schedule, plan: Plan | Sequence[Stage]) -> dict[int, set[int
     """Stage -> the stages whose uploads read some of its parameters' shadow (itself
     included): overlapping units, and with a Plan also a unit that borrows another's
     parameter (a tied embedding and LM head)."""
-    units = [set(range(u0, u1 + 1)) for u0, u1 in sched.stage_units]
+    return _unit_sharing(sched.stage_units, plan)
+
+
+def _unit_sharing(stage_units: Sequence[tuple[int, int]], plan: Plan | Sequence[Stage],
+                  ) -> dict[int, set[int]]:
+    """:func:`_sharing` of stages spanning ``stage_units`` (first, last unit)."""
+    units = [set(range(u0, u1 + 1)) for u0, u1 in stage_units]
     if isinstance(plan, Plan):
         for held in units:
             held |= {o for v in list(held) for o, _, _ in plan.units[v].borrowed}
@@ -186,42 +193,30 @@ def _add_async_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
         for up in lst:
             if up.kind == "UP":
                 ups.setdefault((up.stage, up.step), []).append(up)
-    # The OPTs a stage's SHADOW waits for: those over its own units, and over the units of
-    # every stage it shares a parameter with (a tied embedding is in F1's and the tail's).
-    rewriters = {x: sorted({y for z in sharing[x] for y in covering[z]} | set(ys))
-                 for x, ys in covering.items() if ys}
+    rewriters = _rewriters(sharing, covering)
     host: list[Action] = []
     shadows: dict[tuple[int, int], Action] = {}
     for k in sorted(by_step):
         accs = by_step[k]
         homes = [a.stage for a in accs if a.round == last]
-        order: list[int] = []
-        for x in sorted(rewriters):  # stages in upload order: F1, F2, ..., B1, B2, ...
-            order += [y for y in rewriters[x] if y in homes and y not in order]
-        order += [y for y in homes if y not in order]
-        updated = opt_bytes(plan, order)
-        done: set[int] = set()
-        placed: set[int] = set()
-        for s in order:
+        order = _async_order(rewriters, homes)
+        updated = opt_bytes(plan, [s for s, _xs in order])
+        for s, xs in order:
             host.append(Action(None, "OPT", s, None, None, k, bytes=updated[s]))
-            done.add(s)
-            for x, ys in rewriters.items():
-                if x in placed or not set(ys) & set(homes) <= done:
-                    continue
-                placed.add(x)
+            for x in xs:
                 sh = Action(None, "SHADOW", x, None, None, k,
                             bytes=stages[x].trainable_weight_bytes)
                 host.append(sh)
                 shadows[(x, k)] = sh
                 edges += [Edge(Action(None, "OPT", y, None, None, k, bytes=updated[y]), sh,
-                               "updated") for y in ys if y in homes]
+                               "updated") for y in rewriters[x] if y in homes]
                 edges += [Edge(up, sh, "shadow_read")
                           for z in sorted(sharing[x]) for up in ups.get((z, k - 1), ())]
         first_acc: dict[int, Action] = {}
         for a in accs:
             first_acc.setdefault(a.stage, a)
         edges += [Edge(Action(None, "OPT", s, None, None, k, bytes=updated[s]), first_acc[s],
-                       "pending") for s in order]
+                       "pending") for s, _xs in order]
         host += accs
     host = _with_checks(host, plan, grad_stages)
     for lst in sched.actions:
@@ -232,6 +227,53 @@ def _add_async_optimizer(sched: Schedule, plan: Plan | Sequence[Stage],
                     edges.append(Edge(src, up, "shadow"))
     return sched.replace(host=tuple(host), edges=tuple(edges),
                          passes=(*sched.passes, "optimizer"))
+
+
+def async_update_order(plan: Plan | Sequence[Stage]) -> tuple[tuple[int, tuple[int, ...]], ...]:
+    """An async step's updates in its host queue (:func:`_add_async_optimizer`): (gradient
+    stage whose OPT runs, the stages whose SHADOW comes right after that OPT), in queue
+    order. The gradient stages are those that send gradients home (every stage but the
+    forward ones with trainable parameters: rpcompile.passes.lower.add_gradient_downloads)."""
+    stages = _stages(plan)
+    units = [(st.units[0], st.units[-1]) for st in stages]
+    grad_stages = [st.index for st in stages if st.kind != "forward" and st.grad_bytes]
+    covering = {x: [y for y in grad_stages if _overlaps(units[x], units[y])]
+                for x in range(len(stages))}
+    order = _async_order(_rewriters(_unit_sharing(units, plan), covering), grad_stages)
+    return tuple((s, tuple(xs)) for s, xs in order)
+
+
+def _rewriters(sharing: dict[int, set[int]], covering: dict[int, list[int]],
+               ) -> dict[int, list[int]]:
+    """Stage -> the OPTs its SHADOW waits for: those over its own units (``covering``), and
+    over the units of every stage it shares a parameter with (``sharing``: a tied embedding
+    is in F1's and the tail's). Stages no gradient stage covers have no SHADOW."""
+    return {x: sorted({y for z in sharing[x] for y in covering[z]} | set(ys))
+            for x, ys in covering.items() if ys}
+
+
+def _async_order(rewriters: dict[int, list[int]], homes: Sequence[int],
+                 ) -> list[tuple[int, list[int]]]:
+    """(OPT stage, the SHADOWs right after it) of one async step whose gradient stages with
+    pending gradients are ``homes``: the OPTs in the order the next step uploads the stages
+    whose shadows they complete (F1 first), each SHADOW right after the last OPT it waits
+    for, so the shadow a job of the next step waits for is written as early as the host
+    can."""
+    pending = set(homes)
+    place: dict[int, int] = {}  # OPT stage -> its place in the queue
+    for x in sorted(rewriters):  # stages in upload order: F1, F2, ..., B1, B2, ...
+        for y in rewriters[x]:
+            if y in pending:
+                place.setdefault(y, len(place))
+    for y in homes:
+        place.setdefault(y, len(place))
+    if not place:
+        return []
+    order = sorted(place, key=place.__getitem__)
+    out: list[tuple[int, list[int]]] = [(s, []) for s in order]
+    for x, ys in rewriters.items():  # after the last of its OPTs (the first, if none)
+        out[max((place[y] for y in ys if y in pending), default=0)][1].append(x)
+    return out
 
 
 def _with_checks(host: Sequence[Action], plan: Plan | Sequence[Stage],
