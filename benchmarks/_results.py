@@ -9,7 +9,10 @@ command line, the commit (``git rev-parse HEAD``) and whether the code that runs
 from that commit, the machine (CPU, cores, RAM, GPUs, Python and torch versions), the UTC
 time the run started and its wall time. The commit, the code check and the start time are
 taken when this module is imported, which is when the script starts: what ran is the code of
-that moment, whatever is committed while it runs."""
+that moment, whatever is committed while it runs. The stamp names this repository's commit,
+so a result is written only when the ``rpcompile`` the script imported is this repository's
+(a ``PYTHONPATH`` or install pointing at another checkout would credit its figures to the
+wrong code)."""
 
 from __future__ import annotations
 
@@ -106,9 +109,26 @@ def stamp() -> dict[str, Any]:
             "seconds": round(time.perf_counter() - _STARTED, 1)}
 
 
+def foreign_package() -> Path | None:
+    """Where the imported ``rpcompile`` lives when that is outside this repository (None when
+    it is this repository's, or not imported)."""
+    module = sys.modules.get("rpcompile")
+    where = getattr(module, "__file__", None)
+    if where is None:
+        return None
+    package = Path(where).resolve().parent
+    return None if package.is_relative_to(ROOT) else package
+
+
 def write_result(path: str | Path, figures: Any) -> Path:
     """Write ``figures`` (anything JSON can hold) to ``path`` as a stamped result file, making
-    its folder; returns the path."""
+    its folder; returns the path. Raises RuntimeError when the script ran another
+    checkout's ``rpcompile`` (:func:`foreign_package`): the stamp would name code that did
+    not run."""
+    if (foreign := foreign_package()) is not None:
+        raise RuntimeError(
+            f"this run imported rpcompile from {foreign}, not from {ROOT}, whose commit the "
+            f"result would be stamped with; run it with PYTHONPATH={ROOT}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"stamp": stamp(), "figures": figures}, indent=1) + "\n")

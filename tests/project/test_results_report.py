@@ -9,6 +9,8 @@ import shutil
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -66,3 +68,21 @@ def test_a_changed_result_shows_on_the_page_and_fails_the_check(tmp_path, monkey
     assert "Unstamped" in page and "made_up" in page  # a bare file is listed and marked
     assert "9999 / " in report.README.read_text().replace(",", "")  # the README's soak row
     assert report.main(["--check"]) == 0
+
+
+def test_a_result_is_not_written_for_another_checkouts_code(tmp_path, monkeypatch):
+    """A script that imported rpcompile from another checkout (PYTHONPATH, an install) must
+    not write a result stamped with this repository's commit."""
+    helper = _results_helper()
+    other = tmp_path / "elsewhere" / "rpcompile"
+    other.mkdir(parents=True)
+    (other / "__init__.py").write_text("")
+    fake = type(sys)("rpcompile")
+    fake.__file__ = str(other / "__init__.py")
+    monkeypatch.setitem(sys.modules, "rpcompile", fake)
+    with pytest.raises(RuntimeError, match=r"imported rpcompile from .*PYTHONPATH="):
+        helper.write_result(tmp_path / "made.json", {"answer": 42})
+    assert not (tmp_path / "made.json").exists()
+    monkeypatch.undo()
+    assert helper.foreign_package() is None  # the tests' own rpcompile is this repository's
+    helper.write_result(tmp_path / "made.json", {"answer": 42})
