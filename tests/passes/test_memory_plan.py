@@ -372,7 +372,10 @@ def test_the_proof_of_one_dispatch_period_equals_the_steady_state_runs(waits):
     from rpcompile.workloads.paper import MODELS, hop_hardware, roundpipe_qwen3_1_7b_plan
 
     hw = get_hardware("rtx4090x8")
-    first = memory_first_plan(MODELS["llama3.1-8b"].units(1, 8192), hw, 8, 10, 1, 8192)
+    # Eight of Llama-3.1-8B's layers: 19 jobs on 8 workers deal a period of 8 steps, as its
+    # 32 layers' 67 jobs do, at a quarter of the proof's cost.
+    eight = replace(MODELS["llama3.1-8b"], layers=8)
+    first = memory_first_plan(eight.units(1, 8192), hw, 8, 10, 1, 8192)
     rp = roundpipe_qwen3_1_7b_plan(hop_hardware(MODELS["qwen3-1.7b"]))
     for (plan, rounds), mode in itertools.product(((first, 1), (rp, 1), (rp, 2)),
                                                   ("async", "sync")):
