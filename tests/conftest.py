@@ -11,6 +11,8 @@ processes that share this environment, so no test compares runs on different thr
 
 import os
 
+import pytest
+
 os.environ.setdefault("RPCOMPILE_DEBUG", "1")
 # Every test searches its plans: a plan from the user's cache would skip what a test checks
 # (tests of the cache name their own folder).
@@ -31,3 +33,18 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
     import torch
 
     torch.set_num_threads(1)
+
+
+@pytest.fixture
+def no_timeline_png(monkeypatch):
+    """Schedule dumps write an empty ``.png`` instead of drawing the timeline. Drawing one bar
+    per action costs seconds of CPU for a plan of a few hundred actions; a test of a command
+    that dumps a schedule but never looks at the picture needs only the file.
+    tests/ir/test_ir_schedule.py and tests/sim/test_sim.py check the drawing itself."""
+    import rpcompile._draw
+
+    def placeholder(sched, path, timeline, streams):
+        with open(path, "wb"):
+            pass
+
+    monkeypatch.setattr(rpcompile._draw, "draw_timeline", placeholder)

@@ -286,7 +286,9 @@ def _run_whole_graph(captured, ids):
 def test_replicated_capture_equals_full_export(arch):
     from rpcompile.passes.cost import annotate_costs
 
-    model = hf_model(arch, layers=10)  # gpt_oss alternates sliding/full attention: period 2
+    # The fewest layers that replicate: 2 exported + 4 copies for qwen3; gpt_oss alternates
+    # sliding/full attention (period 2), so 4 exported + 4 copies.
+    model = hf_model(arch, layers=8)
     ids = token_batch(4, 12)
     fast = capture(model, ids)
     full = capture(model, ids, replicate=False)
@@ -308,7 +310,7 @@ def test_a_fork_is_rewritten_without_touching_its_source():
     # capture itself must come out of that unchanged, and both must still compute the loss.
     from rpcompile.passes.chunked_loss import chunk_lm_loss
 
-    model = hf_model("qwen3", layers=10)
+    model = hf_model("qwen3", layers=8)  # replicated: 2 layers exported, 6 copied
     ids = token_batch(4, 12)
     source = capture(model, ids)
     nodes = [(n.name, n.target) for n in source.graph_module.graph.nodes]

@@ -371,6 +371,12 @@ def _group_compile():
                              plan=PlanOptions(recompute="stage", max_simulations=5))
 
 
+@pytest.fixture(scope="module")
+def group_profiles():
+    """The unit profiles of _group_compile(), built once for the tests that read only them."""
+    return _group_compile().profiles
+
+
 def test_compile_hands_the_partitioner_its_plan_group(monkeypatch):
     """compile() passes partition() the run's PlanOptions (the update order its training
     options need); partition given that group plans as an equal group built by hand does."""
@@ -399,11 +405,11 @@ def test_compile_hands_the_partitioner_its_plan_group(monkeypatch):
     assert same == grouped
 
 
-def test_partition_refuses_a_bad_update_order_as_compile_does():
+def test_partition_refuses_a_bad_update_order_as_compile_does(group_profiles):
     """A group whose update order compile() refuses reads the same from partition()."""
     from rpcompile.planner.partition import partition
 
-    profiles = _group_compile().profiles
+    profiles = group_profiles
     async_deferred = dict(mode="async", updates="deferred")
     with pytest.MonkeyPatch.context() as m:
         m.setattr("rpcompile.compiler.entry.capture_graph", lambda *a, **k: pytest.fail("captured"))
@@ -418,12 +424,12 @@ def test_partition_refuses_a_bad_update_order_as_compile_does():
                                                updates="overlap"), grad_check_passes=3)
 
 
-def test_longest_sequence_takes_the_plan_group():
+def test_longest_sequence_takes_the_plan_group(group_profiles):
     """rpcompile.planner.longest.longest_sequence reads the plan group (what `rpcompile
     plan` passes: its compile's)."""
     from rpcompile.planner.longest import longest_sequence
 
-    profiles = _group_compile().profiles
+    profiles = group_profiles
     search = dict(start=64, step=64, limit=256)
     found = longest_sequence(lambda s: profiles, "cpu", PlanOptions(
         gpus=2, microbatches=3, mode="sync"), **search)
@@ -455,7 +461,7 @@ def test_a_bad_choice_in_a_train_config_reads_as_from_compile(monkeypatch, capsy
     assert f"argument {flag}: {rule}\n" in capsys.readouterr().err
 
 
-def test_cost_figures_check_a_resolved_recompute_by_the_rule():
+def test_cost_figures_check_a_resolved_recompute_by_the_rule(group_profiles):
     """recompute_working_bytes and recompute_ms (public) take a stage's resolved
     granularity, checked by the choices' one rule: an unresolved "auto" is refused, not
     costed as one granularity or the other."""
@@ -463,7 +469,7 @@ def test_cost_figures_check_a_resolved_recompute_by_the_rule():
     from rpcompile.passes.cost import RECOMPUTE, recompute_ms, recompute_working_bytes
 
     assert RECOMPUTE == RECOMPUTE_GRANULARITIES == ("stage", "layer")
-    profiles = _group_compile().profiles
+    profiles = group_profiles
     rule = _said(lambda: check_choice("recompute", "auto", RECOMPUTE))
     assert rule.startswith("recompute must be one of 'stage', 'layer', got 'auto' (")
     assert _said(lambda: recompute_working_bytes(profiles, (1, 2), "auto")) == rule

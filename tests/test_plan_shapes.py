@@ -104,7 +104,8 @@ def test_an_unplanned_model_names_what_to_do_and_loads_a_checkpoint_at_its_shape
 
 
 def _compile_planned(tmp_path, **options):
-    return rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, microbatches=2,
+    # One decoder layer: the cache's checks need a searched plan, not a deep one.
+    return rpcompile.compile(hf_model("qwen3", seed=3, layers=1), gpus=2, microbatches=2,
                              example_inputs=sft_batch(4, 10, seed=1),
                              **grouped(plan_cache=tmp_path, progress=True, **options))
 
@@ -153,7 +154,7 @@ def test_a_cached_plan_skips_the_search_and_a_bad_entry_is_never_used(tmp_path, 
     assert len(searches) == 5
 
     # plan_cache=False: no cache at all.
-    rpcompile.compile(hf_model("qwen3", seed=3), gpus=2, microbatches=2,
+    rpcompile.compile(hf_model("qwen3", seed=3, layers=1), gpus=2, microbatches=2,
                       example_inputs=sft_batch(4, 10, seed=1), plan=PlanOptions(plan_cache=False))
     assert len(searches) == 6
 

@@ -32,6 +32,7 @@ def test_plan_writes_schedule_and_summary(tmp_path, capsys):
     assert summary["recompute"] == {"option": "auto", "layer_stages": []}
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_recompute_flag_forces_layer_recompute(capsys, tmp_path):
     rc = main(["plan", "--model", "qwen3-1.7b", "--layers", "8", "--seq", "4096",
                "--batch", "9", "--microbatches", "9", "--gpus", "2", "--recompute", "layer",
@@ -49,6 +50,7 @@ def test_plan_recompute_flag_forces_layer_recompute(capsys, tmp_path):
     assert line.startswith("recompute: layer by layer in B") == bool(layered)
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 @pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
 def test_plan_baselines(tmp_path, capsys, schedule):
     rc = main(["plan", "--model", "llama3.1-8b", "--layers", "8", "--seq", "256", "--gpus", "4",
@@ -92,6 +94,7 @@ def test_listings(capsys):
     assert "host RAM unknown" in lines["a800x8"]
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_reports_idle_workers_and_host_memory(tmp_path, capsys):
     rc = main(["plan", "--model", "qwen3-1.7b", "--layers", "4", "--seq", "256", "--batch", "9",
                "--host-ram", "1", "--no-fit-search", "--out", str(tmp_path)])
@@ -113,6 +116,7 @@ def test_plan_reports_idle_workers_and_host_memory(tmp_path, capsys):
     assert "proven peak over the schedule" in text
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_says_which_stage_paces_a_step_whose_workers_idle(tmp_path, capsys):
     # Four layers of Qwen3-1.7B, 16 x 2048 tokens a microbatch: the LM head and loss (one
     # unit, 151,936-word vocabulary) take about twice as long as the next slowest stage, and
@@ -142,6 +146,7 @@ def test_plan_says_which_stage_paces_a_step_whose_workers_idle(tmp_path, capsys)
     assert f"10 x {ms[k]:.2f}" in line and "B1 is one unit, which no cut divides" in line
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_default_batch_beats_the_smallest_and_says_how(tmp_path, capsys):
     # The tiny Qwen3 on 4 workers: one sequence per microbatch leaves the workers mostly idle.
     common = ["plan", "--model", "qwen3-tiny", "--seq", "256", "--gpus", "4", "--no-fit-search"]
@@ -200,6 +205,7 @@ def test_plan_help_gives_the_defaults(capsys):
     assert "--max-simulations N" in text and "``" not in text
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_longest_reports_the_limit(tmp_path, capsys):
     rc = main(["plan", "--model", "llama3.1-8b", "--layers", "4", "--seq", "2048", "--gpus", "4",
                "--hardware", "rtx4090x8", "--longest", "--batch", "5", "--out", str(tmp_path)])
@@ -248,6 +254,7 @@ def test_the_runtimes_schedule_overlaps_its_steps_and_gives_the_steady_state(mod
     assert steady_step_ms(whole) == pytest.approx(steady_step_ms(run), rel=0.02)
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
     """``plan`` replays ``Compiled.schedule`` (a fixed cut of 3 jobs on 4 workers) for the
     steady state of overlapping steps, and the same plan lowered for one step alone for the
@@ -295,6 +302,7 @@ def test_plan_reads_the_compiles_own_schedule(monkeypatch, tmp_path, capsys):
     assert f"{c.schedule.steps} steps overlapping as their edges let them" in text
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_cache_flag_and_quiet(tmp_path, capsys, monkeypatch):
     # A second plan of the same job reads the searched plan from --plan-cache DIR and says so;
     # --quiet silences the compile's lines; --plan-cache off searches again, writing nothing.
@@ -337,6 +345,7 @@ def test_listings_print_their_report_as_json(capsys):
     assert rtx["host_ram_gib"] == pytest.approx(476.84, abs=0.01)
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_json_prints_the_figures_summary_json_holds(tmp_path, capsys):
     args = ["plan", "--model", "qwen3-tiny", "--seq", "256", "--gpus", "4", "--batch", "5",
             "--no-fit-search", "--plan-cache", str(tmp_path / "plans"), "--quiet",

@@ -175,6 +175,16 @@ def test_padded_batch_on_a_graph_without_a_mask_is_refused():
                        compiled.reference_step(padded["input_ids"])[0])
 
 
+@pytest.fixture(scope="module")
+def door():
+    """One compiled model for every bad batch: a refused batch runs nothing, so each case
+    starts from a trainer that has taken no step (each case checks that it still has not)."""
+    compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
+                                 example_inputs=sft_batch(4, 12), device="virtual")
+    yield compiled
+    compiled.close()
+
+
 @pytest.mark.parametrize(
     ("batch", "match"),
     [
@@ -189,15 +199,10 @@ def test_padded_batch_on_a_graph_without_a_mask_is_refused():
         ({"input_ids": token_batch(4), "token_type_ids": token_batch(4)}, "unsupported batch keys"),
     ],
 )
-def test_bad_batches_are_refused_before_anything_runs(batch, match):
-    compiled = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=2,
-                                 example_inputs=sft_batch(4, 12), device="virtual")
-    try:
-        with pytest.raises(ValueError, match=match):
-            compiled.step(batch)
-        assert compiled.trainer().steps_done == 0
-    finally:
-        compiled.close()
+def test_bad_batches_are_refused_before_anything_runs(door, batch, match):
+    with pytest.raises(ValueError, match=match):
+        door.step(batch)
+    assert door.trainer().steps_done == 0
 
 
 def test_plain_module_without_loss_fn_names_loss_fn():

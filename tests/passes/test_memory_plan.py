@@ -151,8 +151,8 @@ def test_a_plan_that_fits_only_with_one_gradient_slot_gets_it_and_agrees_too(
 # Job counts that are not a multiple of the workers (the search picks the stage count; the test
 # moves the worker count by one where it comes out even), so
 # consecutive steps deal a worker other jobs (a dispatch period of 2 to 3 steps).
-UNEVEN = [("qwen3", 4, 3, 4, "sync"), ("llama", 4, 3, 6, "sync"), ("qwen3", 4, 2, 3, "sync"),
-          ("llama", 6, 4, 5, "sync"), ("qwen3", 4, 3, 4, "async"), ("qwen3", 4, 2, 3, "async")]
+UNEVEN = [("qwen3", 4, 3, 4, "sync"), ("llama", 4, 3, 6, "sync"), ("qwen3", 4, 3, 3, "sync"),
+          ("llama", 6, 4, 5, "sync"), ("qwen3", 4, 4, 4, "async"), ("qwen3", 4, 2, 3, "async")]
 
 
 @pytest.mark.parametrize("arch,layers,near_gpus,microbatches,mode", UNEVEN)
@@ -282,7 +282,8 @@ def test_paper_plan_fits_its_gpus_over_the_whole_schedule():
     from rpcompile.workloads.paper import MODELS
 
     units = MODELS["llama3.1-8b"].units(4, 2048)
-    options = dict(shortlist=50, search=50, refine=2)
+    # A short search: the test is of the memory proof of the plan it finds, not of its speed.
+    options = dict(shortlist=10, search=10, refine=1)
     run = PlanOptions(gpus=4, microbatches=8, mode="async")
     roomy = replace(get_hardware("rtx4090x8"), memory_gib=24.0).with_gpus(4)
     free = partition(units, roomy, run, microbatch_size=4, seq_len=2048, **options)
@@ -372,7 +373,10 @@ def test_the_proof_of_one_dispatch_period_equals_the_steady_state_runs(waits):
     from rpcompile.workloads.paper import MODELS, hop_hardware, roundpipe_qwen3_1_7b_plan
 
     hw = get_hardware("rtx4090x8")
-    first = memory_first_plan(MODELS["llama3.1-8b"].units(1, 8192), hw, 8, 10, 1, 8192)
+    # Eight of Llama-3.1-8B's layers: 19 jobs on 8 workers deal a period of 8 steps, as its
+    # 32 layers' 67 jobs do, at a quarter of the proof's cost.
+    eight = replace(MODELS["llama3.1-8b"], layers=8)
+    first = memory_first_plan(eight.units(1, 8192), hw, 8, 10, 1, 8192)
     rp = roundpipe_qwen3_1_7b_plan(hop_hardware(MODELS["qwen3-1.7b"]))
     for (plan, rounds), mode in itertools.product(((first, 1), (rp, 1), (rp, 2)),
                                                   ("async", "sync")):
