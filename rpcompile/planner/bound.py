@@ -189,28 +189,38 @@ class _AsyncHost:
     ``check``, the step's CHECK."""
 
     def __init__(self, plan: Plan, hw: Hardware) -> None:
-        host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
-        opt_rate = hw.optimizer_params_per_s * 1e-3  # parameters per ms
-        overhead = hw.action_overhead_us * 1e-3
-        # Before each update, the undo journal's copy (none when the run keeps none); an
-        # async SHADOW writes the copy no committed step reads, so it journals nothing.
-        journal = JOURNAL_BYTES_PER_PARAM if hw.undo_journal else 0
+        # An async SHADOW writes the copy no committed step reads, so it journals nothing.
+        times = _HostTimes(hw, overhead=True)
         order = async_update_order(plan)
         own = opt_bytes(plan, [s for s, _xs in order])
         stages = plan.stages
-
-        def opt_ms(s: int) -> float:
-            params = own[s] / 4
-            return params / opt_rate + journal * params / host_rate + overhead
-
-        def pass_ms(nbytes: int) -> float:  # ACC and SHADOW: read two, write one
-            return 3.0 * nbytes / host_rate + overhead
-
-        self.updates = [(opt_ms(s), [(x, pass_ms(stages[x].trainable_weight_bytes))
-                                     for x in xs]) for s, xs in order]
-        self.acc = {s: pass_ms(stages[s].grad_bytes) for s, _xs in order}
+        self.updates = [(times.opt(own[s]), [(x, times.sweep(stages[x].trainable_weight_bytes))
+                                             for x in xs]) for s, xs in order]
+        self.acc = {s: times.sweep(stages[s].grad_bytes) for s, _xs in order}
         checked = plan.grad_check_passes * sum(own.values())
-        self.check = checked / host_rate + overhead
+        self.check = checked / times.host_rate + times.overhead
+
+
+class _HostTimes:
+    """The least time of one host action alone at full rate, as rpcompile.sim.engine charges
+    it; ``overhead``: with the runtime's fixed cost per action (``Hardware.action_overhead_us``),
+    which an estimate counts and a lower bound leaves out."""
+
+    def __init__(self, hw: Hardware, *, overhead: bool) -> None:
+        self.host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
+        self.opt_rate = hw.optimizer_params_per_s * 1e-3  # parameters per ms
+        # Before each update, the undo journal's copy: none when the run keeps no journal.
+        self.journal = JOURNAL_BYTES_PER_PARAM if hw.undo_journal else 0
+        self.overhead = hw.action_overhead_us * 1e-3 if overhead else 0.0
+
+    def opt(self, nbytes: int) -> float:
+        """An OPT over ``nbytes`` of fp32 masters: the journal's copy, then the update."""
+        params = nbytes / 4
+        return params / self.opt_rate + self.journal * params / self.host_rate + self.overhead
+
+    def sweep(self, nbytes: int) -> float:
+        """An ACC or SHADOW over ``nbytes``: read two, write one."""
+        return 3.0 * nbytes / self.host_rate + self.overhead
 
 
 # Bounds already worked out, by everything they read: the partitioner meets a candidate in
@@ -367,28 +377,18 @@ def _host_queue(plan: Plan, hw: Hardware, rounds: int,
 
     Leaving actions out of an ordered queue keeps the rest in order: still a lower bound."""
     stages = plan.stages
-    host_rate = hw.host_mem_gbps * 1e6  # bytes per ms
-    opt_rate = hw.optimizer_params_per_s * 1e-3  # parameters per ms
+    # Each action alone at full rate, the undo journal's copy as the simulator charges it
+    # (none when the run keeps no journal), so the bound stays below its replay.
+    times = _HostTimes(hw, overhead=False)
     span = [(s.units[0], s.units[-1]) for s in stages]
     grad_stages = sorted({s for s, _r in home})
     covering = [[y for y in grad_stages if span[x][0] <= span[y][1] and span[y][0] <= span[x][1]]
                 for x in range(len(stages))]
 
-    # The undo journal's copy before each update, as the simulator charges it: none when
-    # the run keeps no journal (Hardware.undo_journal), so the bound stays below its replay.
-    journal = JOURNAL_BYTES_PER_PARAM if hw.undo_journal else 0
-
     # What each OPT updates (rpcompile.passes.lower.opt_bytes): a parameter shared by two
     # gradient stages (a tied embedding and LM head) is updated once, at the OPT of the last
     # of them in the queue, which is this queue's order (last-round ACCs by stage).
     own = opt_bytes(plan, grad_stages)
-
-    def opt_ms(s: int) -> float:  # the undo journal's copy, then the update
-        params = own[s] / 4
-        return params / opt_rate + journal * params / host_rate
-
-    def shadow_ms(x: int) -> float:  # the pass (the journal's copy, once a step per
-        return 3.0 * stages[x].trainable_weight_bytes / host_rate  # parameter, not counted)
 
     # Every gradient stage has a job in every round, so the last round's OPTs go by stage,
     # and SHADOW(x) comes right after the OPT of the last of its gradient stages, the largest
@@ -399,10 +399,11 @@ def _host_queue(plan: Plan, hw: Hardware, rounds: int,
             completes.setdefault(ys[-1], []).append(x)
     t = 0.0
     for (s, r) in sorted(home, key=lambda sr: (sr[1], sr[0])):
-        t = max(t, home[(s, r)]) + 3.0 * stages[s].grad_bytes / host_rate  # ACC
+        t = max(t, home[(s, r)]) + times.sweep(stages[s].grad_bytes)  # ACC
         if r != rounds - 1:
             continue
-        t += opt_ms(s)  # OPT
+        t += times.opt(own[s])  # OPT
         for x in completes.get(s, ()):
-            t += shadow_ms(x)  # SHADOW
+            # SHADOW (the journal's copy, once a step per parameter, not counted)
+            t += times.sweep(stages[x].trainable_weight_bytes)
     return t
