@@ -11,6 +11,7 @@ import sympy
 import torch
 import torch.utils.flop_counter
 from torch import nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from rpcompile.errors import RPCompileError
 
@@ -94,8 +95,11 @@ class Captured:
         changes a value in place. Planning one capture for several loss-chunk variants and
         shapes this way costs milliseconds, where capturing again costs seconds."""
         graph = copy.deepcopy(self.graph_module.graph)  # fx copies nodes, meta dicts shallowly
+        # A lazy graph module writes its Python code when it is first run or read, not at
+        # each rewrite: planning rewrites a fork's graph (chunk-loss, token-hits) and only
+        # reads it, and the stage programs split from it have their own code.
         return replace(
-            self, graph_module=torch.fx.GraphModule(self.graph_module, graph),
+            self, graph_module=_LazyGraphModule(self.graph_module, graph),
             units=list(self.units), params=dict(self.params), buffers=dict(self.buffers),
             constants=dict(self.constants), inputs=list(self.inputs),
             input_keys=list(self.input_keys), subs=dict(self.subs),

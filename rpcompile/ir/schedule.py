@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -33,6 +34,18 @@ class DryRun:
     @property
     def ok(self) -> bool:
         return not self.blocked
+
+
+_EDGE_DST = operator.attrgetter("dst")
+# The action places of the last schedule made (Schedule._places): (a weak reference to it,
+# its action tuples, the places), dropped with that schedule.
+_LAST_PLACES: list[tuple | None] = [None]
+
+
+def _forget_places(ref: weakref.ref) -> None:
+    last = _LAST_PLACES[0]
+    if last is not None and last[0] is ref:
+        _LAST_PLACES[0] = None
 
 
 @dataclass(frozen=True)
@@ -85,15 +98,30 @@ class Schedule(ScheduleFormats):
         # Every lowering pass makes a schedule whose edges mostly come in that order already:
         # those keep their tuple.
         if self.edges:
-            place = dict(zip(self.all_actions(), itertools.count()))
-            end, get = len(place), place.get
-            keys = [get(e.dst, end) for e in self.edges]
+            edges = self.edges if isinstance(self.edges, tuple) else tuple(self.edges)
+            place = self._places()
+            keys = list(map(place.get, map(_EDGE_DST, edges), itertools.repeat(len(place))))
             if not all(map(operator.le, keys, itertools.islice(keys, 1, None))):
-                edges = self.edges if isinstance(self.edges, tuple) else tuple(self.edges)
                 order = sorted(range(len(keys)), key=keys.__getitem__)
-                object.__setattr__(self, "edges", tuple(map(edges.__getitem__, order)))
-            elif not isinstance(self.edges, tuple):
-                object.__setattr__(self, "edges", tuple(self.edges))
+                edges = tuple(map(edges.__getitem__, order))
+            if edges is not self.edges:
+                object.__setattr__(self, "edges", edges)
+
+    def _places(self) -> dict[Action, int]:
+        """Action -> its place in :meth:`all_actions`. A schedule made from another by
+        changing its edges only (most lowering steps) has the same action tuples: the map
+        made for that one, while it lives, serves this one too. Only tuples are matched, by
+        identity, so nothing can have changed in between."""
+        lists = (self.actions, self.host, self.network)
+        last = _LAST_PLACES[0]
+        if last is not None and last[0]() is not None and all(map(operator.is_, last[1],
+                                                                  lists)):
+            return last[2]
+        place = dict(zip(itertools.chain(itertools.chain.from_iterable(self.actions),
+                                         self.host, self.network), itertools.count()))
+        if all(type(x) is tuple for x in (*lists, *self.actions)):
+            _LAST_PLACES[0] = (weakref.ref(self, _forget_places), lists, place)
+        return place
 
     # -- views ---------------------------------------------------------------------------
     @property
