@@ -10,6 +10,7 @@ import torch
 import torch.utils.flop_counter
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from rpcompile.capture.types import _WRAPPED
 
@@ -179,7 +180,9 @@ def _replicate(gm: torch.fx.GraphModule, params: dict[str, str], model: nn.Modul
     graph.output(torch.fx.map_arg(out.args[0], remap_tail))
     for n in graph.nodes:
         n.meta.pop("rp_unit", None)
-    return torch.fx.GraphModule(gm, graph)
+    # Its Python code is written when it is first run or read (the capture rewrites it
+    # further, and planning reads and forks it, running only the stage programs split from it).
+    return _LazyGraphModule(gm, graph)
 
 
 def _renamed_meta(meta: dict, old: str, new: str) -> dict:

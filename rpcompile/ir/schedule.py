@@ -99,29 +99,40 @@ class Schedule(ScheduleFormats):
         # those keep their tuple.
         if self.edges:
             edges = self.edges if isinstance(self.edges, tuple) else tuple(self.edges)
-            place = self._places()
-            keys = list(map(place.get, map(_EDGE_DST, edges), itertools.repeat(len(place))))
+            keys = self._edge_places(edges)
             if not all(map(operator.le, keys, itertools.islice(keys, 1, None))):
                 order = sorted(range(len(keys)), key=keys.__getitem__)
                 edges = tuple(map(edges.__getitem__, order))
             if edges is not self.edges:
                 object.__setattr__(self, "edges", edges)
 
-    def _places(self) -> dict[Action, int]:
-        """Action -> its place in :meth:`all_actions`. A schedule made from another by
-        changing its edges only (most lowering steps) has the same action tuples: the map
-        made for that one, while it lives, serves this one too. Only tuples are matched, by
-        identity, so nothing can have changed in between."""
+    def _edge_places(self, edges: tuple[Edge, ...]) -> list[int]:
+        """Each edge's waiting action's place in :meth:`all_actions` (past the end: not in
+        the lists). Found by the object's identity first (passes build their edges from the
+        listed actions, and an id hashes in C where an Action's hash is Python code), and by
+        equality for an edge that holds an equal copy (a schedule read back from a file).
+        A schedule made from another by changing its edges only (most lowering steps) has the
+        same action tuples: the places made for that one, while it lives, serve this one.
+        Only tuples are matched, by identity, so nothing can have changed in between."""
         lists = (self.actions, self.host, self.network)
         last = _LAST_PLACES[0]
         if last is not None and last[0]() is not None and all(map(operator.is_, last[1],
                                                                   lists)):
-            return last[2]
-        place = dict(zip(itertools.chain(itertools.chain.from_iterable(self.actions),
-                                         self.host, self.network), itertools.count()))
-        if all(type(x) is tuple for x in (*lists, *self.actions)):
-            _LAST_PLACES[0] = (weakref.ref(self, _forget_places), lists, place)
-        return place
+            places = last[2]
+        else:
+            places = dict(zip(map(id, itertools.chain(
+                itertools.chain.from_iterable(self.actions), self.host, self.network)),
+                itertools.count()))
+            if all(type(x) is tuple for x in (*lists, *self.actions)):
+                _LAST_PLACES[0] = (weakref.ref(self, _forget_places), lists, places)
+        keys = list(map(places.get, map(id, map(_EDGE_DST, edges))))
+        if None in keys:
+            by_value = dict(zip(self.all_actions(), itertools.count()))
+            end = len(by_value)
+            for n, key in enumerate(keys):
+                if key is None:
+                    keys[n] = by_value.get(edges[n].dst, end)
+        return keys
 
     # -- views ---------------------------------------------------------------------------
     @property
