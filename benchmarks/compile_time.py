@@ -7,7 +7,8 @@ search (``search_effort="exhaustive"``: no cap on replays, the plan proven the s
 fastest of its candidates).
 
 The exhaustive reference takes minutes per model; it runs with ``--reference`` and its figures
-are kept in the results file, so a later run without the flag compares with them.
+(with the commit that made them) are kept in the results file, so a later run without the flag
+compares with them.
 
     python benchmarks/compile_time.py [--models qwen3-1.7b ...] [--effort normal]
                                       [--reference] [--json PATH]
@@ -25,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from _results import RESULTS, write_result
+from _results import RESULTS, stamp, write_result
 
 import rpcompile
 from rpcompile.choices import SEARCH_EFFORTS
@@ -94,9 +95,10 @@ def main() -> None:
             continue
         row = {"shape": vars(WORKLOADS[name]), "build_s": round(built, 2), "effort": args.effort,
                "cold": cold, "cached": {k: cached[k] for k in ("seconds", "cpu_seconds")}}
-        if args.reference:
+        if args.reference:  # kept by later runs: it names the code that searched
             row["reference"] = {k: v for k, v in compile_once(
                 name, model, "exhaustive", False).items() if k != "passes_s"}
+            row["reference"]["commit"] = stamp()["commit"]
         elif name in kept:
             row["reference"] = kept[name]
         ref = row.get("reference")

@@ -168,6 +168,8 @@ def _compile_time(r: Result) -> str:
                      num(100 * m["of_reference"], 2) if m.get("of_reference") else "-",
                      f"{num(ref.get('replays'))}, {num(ref.get('seconds'), 0)} s" if ref else "-"])
     effort = next(iter(f["models"].values()))["effort"]
+    made = sorted({m["reference"]["commit"][:12] for m in f["models"].values()
+                   if (m.get("reference") or {}).get("commit")})
     return (table(["model", "step (sequences x tokens)", "capture s", "cost s", "partition s",
                    "cold s (CPU s)", "cached s", "replays", "proven gap", "tokens/s",
                    "exhaustive search's tokens/s", "% of it", "its replays, seconds"], rows)
@@ -175,6 +177,8 @@ def _compile_time(r: Result) -> str:
             "proven the simulator's fastest of its candidates. Cold: a fresh plan cache; "
             "cached: the same compile again, the search skipped. Peak resident memory of the "
             f"run: {num(f['max_rss_gib'], 2)} GiB."
+            + (f" The exhaustive searches ran at commit {', '.join(f'`{c}`' for c in made)}."
+               if made else "")
             + "".join(f"\n\nNot compiled: {r}" for r in refused))
 
 
