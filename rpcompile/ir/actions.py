@@ -227,6 +227,10 @@ class Action:
         # Lowering, memory proofs and the replay key dicts by Action: the hash is computed once,
         # the same value dataclass's own __hash__ gives (so set and dict orders are unchanged).
         object.__setattr__(self, "_hash", hash(self._fields()))
+        # Read millions of times per large schedule: plain attributes, not properties.
+        # ``stream``: the stream the kind runs on; ``is_compute``: a compute (F, T, B).
+        object.__setattr__(self, "stream", _STREAM_OF[self.kind])
+        object.__setattr__(self, "is_compute", self.kind in _COMPUTES)
 
     def _fields(self) -> tuple:
         return (self.worker, self.kind, self.stage, self.microbatch, self.round, self.step,
@@ -243,19 +247,11 @@ class Action:
         object.__setattr__(self, "_hash", hash(self._fields()))
 
     @property
-    def stream(self) -> str:
-        return _STREAM_OF[self.kind]
-
-    @property
     def priority(self) -> str | None:
         """``critical`` for one microbatch's tensor, ``bulk`` for weights and gradients."""
         if self.what is None:
             return None
         return "bulk" if self.what in BULK_PAYLOADS else "critical"
-
-    @property
-    def is_compute(self) -> bool:
-        return self.kind in _COMPUTES
 
     def short(self) -> str:
         """The string form without the worker, for grid cells."""
