@@ -294,6 +294,11 @@ def test_edges_are_kept_by_the_waiting_actions_place_then_as_given() -> None:
     rest = sorted(reversed(lowered.edges), key=lambda e: place[e.dst])
     assert again.edges == (*rest, *shuffled[:2])
     assert lowered.replace(edges=list(lowered.edges)).edges == lowered.edges
+    # Edges holding equal copies of the listed actions (as a file read back holds) are
+    # placed by equality, in the same order.
+    copies = [Edge(Action.parse(str(e.src)), Action.parse(str(e.dst)), e.kind)
+              for e in reversed(lowered.edges)]
+    assert lowered.replace(edges=copies).edges == tuple(rest)
 
 
 def test_dump_by_extension(tmp_path) -> None:
