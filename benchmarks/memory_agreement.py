@@ -1,5 +1,5 @@
 """Device memory, per worker: the planner's proven peak, the simulator's, and what the virtual
-workers account, on the tiny models of tests/passes/test_memory_plan.py.
+workers account, on the tiny models of tests/passes/test_memory_agreement.py.
 
 The planner proves two figures per worker over the runtime's lowered schedule
 (rpcompile.passes.memory.worker_peaks): ``peak`` (weights, gradient buffers, held values and
@@ -7,8 +7,8 @@ each compute's working set) and ``held`` (the same without working sets, which i
 virtual worker accounts: it allocates buffers, not a compute's transients). Every plan is
 lowered with the memory-bounding waits, and what a download sends home is given back at a
 compute the schedule names (Schedule.releases), so a run reaches the proof whatever the
-timing of its threads; this prints how close, over several runs (tests/passes/test_memory_plan.py
-holds them to 5 %).
+timing of its threads; this prints how close, over several runs
+(tests/passes/test_memory_agreement.py holds them to 5 %).
 
 Cases as the test's: each plan as compile() makes it (two gradient slots per worker), and
 once more with a capacity at its peak with one slot where that is lower (one slot then);

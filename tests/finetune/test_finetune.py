@@ -22,6 +22,10 @@ from rpcompile.data import IGNORE_INDEX, byte_tokenizer, prepare
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["amber", "birch", "cedar", "delta", "ember", "fjord", "grove", "heron", "inlet", "juniper"]
 
+# Every run writes schedule.png; no test here looks at it (tests/cli/test_cli.py checks that
+# `train --out` writes one, tests/ir/test_ir_schedule.py the drawing).
+pytestmark = pytest.mark.usefixtures("no_timeline_png")
+
 
 def _tiny_checkpoint(folder: Path) -> Path:
     import transformers as tf

@@ -31,6 +31,10 @@ from rpcompile.runtime.checkpoint import read_manifest
 ROOT = Path(__file__).resolve().parents[2]
 WORDS = ["amber", "birch", "cedar", "delta", "ember", "fjord", "grove", "heron"]
 
+# Every run writes schedule.png; no test here looks at it (tests/cli/test_cli.py checks that
+# `train --out` writes one, tests/ir/test_ir_schedule.py the drawing).
+pytestmark = pytest.mark.usefixtures("no_timeline_png")
+
 
 def _tiny_checkpoint(folder: Path, **config) -> Path:
     import transformers as tf

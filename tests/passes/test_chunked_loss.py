@@ -18,23 +18,20 @@ from tests.tiny_models import eager_batch_grads, hf_model, sft_batch
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "qwen3_tied", "gpt_oss"])
-def test_chunked_loss_equals_the_whole_logits_loss_and_eager(arch):
+def test_chunked_loss_equals_the_whole_logits_loss_of_eager(arch):
+    # Eager Hugging Face computes the whole logits: the chunked program's loss and every
+    # gradient must equal it.
     model = hf_model(arch)
     batch = sft_batch(6, 12, left=arch == "qwen3_tied", seed=7)
-    whole = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
-                              capture=CaptureOptions(loss_chunk_tokens=None))
     chunked = rpcompile.compile(model, gpus=3, microbatches=3, example_inputs=batch,
                                 capture=CaptureOptions(loss_chunk_tokens=5))  # 24 tokens per microbatch: 5 chunks
-    assert chunked.capture.loss_chunk_tokens == 5 and whole.capture.loss_chunk_tokens is None
+    assert chunked.capture.loss_chunk_tokens == 5
     assert "linear_cross_entropy" in chunked.stages[-1].code or any(
         "linear_cross_entropy" in s.code for s in chunked.stages)
-    loss_w, grads_w = whole.reference_step(batch)
     loss_c, grads_c = chunked.reference_step(batch)
     loss_e, grads_e = eager_batch_grads(model, batch)
-    torch.testing.assert_close(loss_c, loss_w, rtol=0, atol=1e-6)
     torch.testing.assert_close(loss_c, loss_e, rtol=0, atol=1e-6)
     for name, g in grads_e.items():
-        torch.testing.assert_close(grads_c[name], grads_w[name], rtol=1e-5, atol=1e-6, msg=name)
         torch.testing.assert_close(grads_c[name], g, rtol=1e-5, atol=1e-6, msg=name)
 
 

@@ -1270,6 +1270,7 @@ def test_simulated_nodes_replay_the_schedule_lowered_for_n_ranks(small_plan):
     assert by_link["eth25", 4] <= by_link["eth25", 2]
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_nodes_prints_scaling(capsys, tmp_path):
     import json
 

@@ -257,6 +257,7 @@ def test_with_the_journal_the_same_failure_is_undone_and_training_goes_on(compil
         assert trainer.steps_done == 2
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_plan_no_undo_journal_flag(tmp_path, capsys):
     from rpcompile.cli import main
 

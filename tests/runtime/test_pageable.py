@@ -181,6 +181,7 @@ def test_the_option_reaches_the_pin_decision_from_the_train_cli(monkeypatch, tmp
     assert "transfers: pageable host memory" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("no_timeline_png")
 def test_the_plan_summary_and_explain_name_the_assumption(tmp_path, capsys):
     common = ["plan", "--model", "qwen3-tiny", "--seq", "128", "--gpus", "2", "--batch", "3",
               "--max-simulations", "2", "--no-fit-search"]
