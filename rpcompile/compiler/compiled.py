@@ -68,7 +68,7 @@ from rpcompile.passes.lower import (
     runtime_schedule,
 )
 from rpcompile.passes.manager import PassRecord, run_pass
-from rpcompile.passes.memory import HostMemory
+from rpcompile.passes.memory import HostMemory, check_staging
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
     PartitionError,
@@ -78,7 +78,7 @@ from rpcompile.planner.partition import (
     tail_memory_bound,
 )
 from rpcompile.runtime.reference import reference_step
-from rpcompile.sim.engine import paused_gc
+from rpcompile.sim.engine import paused_gc, with_staging
 
 __all__ = [
     "Compiled",
@@ -636,6 +636,10 @@ def _finish(model, captured, unit_costs, dtype, history, options: Options, hw: H
         # proved its plan over this same schedule (keep_runtime_schedules, _plan_captured):
         # both are then taken from its proof, not made again.
         lowered = runtime_schedule(plan, run, trail=trail, validate=True)
+        # Each download's host staging slot, lent as a replay lends it, and the waits that
+        # keep a slot's holders apart: proven here, so the host figure holds for any timing.
+        lowered = run_pass(trail, "staging", lambda: with_staging(lowered, plan, hw),
+                           check_staging, always=True)
         return lowered, trail, runtime_peaks(plan, run)
 
     lowered, trail, memory = schedule_of(plan)

@@ -49,11 +49,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from rpcompile.errors import InvalidInput, RPCompileError
-from rpcompile.ir import Action, Plan, Schedule, Stage
+from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage
 
-__all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "WorkerPeak", "format_bytes",
-           "host_memory", "host_ram_problem", "host_static_bytes", "schedule_order",
-           "worker_peaks", "working_bytes"]
+__all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "WorkerPeak", "check_staging",
+           "format_bytes", "host_memory", "host_ram_problem", "host_static_bytes",
+           "schedule_order", "staging_problem", "worker_peaks", "working_bytes"]
 
 PARTS = ("weights", "grads", "values", "working")
 
@@ -346,6 +346,122 @@ def _sweep(w, stream, end, holds, outputs, upto) -> WorkerPeak:
             live.add(stage)
     action = stream[min(best_point // 2, len(stream) - 1)] if stream else None
     return WorkerPeak(w, best, held, action, parts, tuple(sorted(live)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Host staging
+# ---------------------------------------------------------------------------------------------
+
+
+def staging_problem(sched: Schedule) -> str | None:
+    """What breaks the host staging proof of ``sched`` (None: nothing): the transfer staging
+    a run holds is the sum of ``Schedule.staging_bytes``, whatever its timing, when every
+    download has a slot it fits (the slot of its :func:`~rpcompile.passes.staging.slot_step`
+    key) and every two downloads of one slot are ordered by the schedule's happens-before
+    order (edges, and list order on the ordered streams): the actions that free the earlier
+    one (:func:`~rpcompile.passes.staging.download_frees`) before the later one starts.
+    Checked for consecutive holders in a linear extension of that order (the dry run's), which
+    orders every pair. A run repeats its cycle's steps (``Schedule.step_of``), so the edges
+    that order holders must say the same for a repeated step and for its copy one cycle on
+    (``reuse`` edges into both). Reads the schedule alone, not how its slots were chosen. A
+    baseline (``stage_workers`` set) stages nothing: None."""
+    from rpcompile.passes.staging import download_frees, slot_step
+
+    if sched.stage_workers is not None:
+        return None
+    frees = download_frees(sched)
+    if not frees:
+        return None
+    if not sched.staging:
+        return "the schedule has no host staging slots (rpcompile.passes.staging.staging_slots)"
+    slot_of, sizes = dict(sched.staging), sched.staging_bytes
+    chains: dict[int, list[Action]] = {}
+    for a in frees:
+        k = slot_step(sched, a.step)
+        slot = slot_of.get(a if a.step == k else replace(a, step=k))
+        if slot is None or not 0 <= slot < len(sizes):
+            return f"the download {a} has no host staging slot"
+        if a.bytes > sizes[slot]:
+            return (f"the download {a} ({format_bytes(a.bytes)}) does not fit its staging "
+                    f"slot {slot} ({format_bytes(sizes[slot])})")
+        chains.setdefault(slot, []).append(a)
+    dry = sched.dry_run()
+    if not dry.ok:
+        return f"the schedule does not run to its end (blocked at {dry.blocked[0]})"
+    place = dry.steps
+    before = _happens_before(sched, place)
+    for slot, chain in chains.items():
+        chain.sort(key=place.__getitem__)
+        for x, y in itertools.pairwise(chain):
+            for f in frees[x]:
+                if f != y and not before(f, y):
+                    return (f"the downloads {x} and {y} share host staging slot {slot}, but "
+                            f"nothing orders {f} (which frees the first) before the second")
+    return _reuse_not_periodic(sched)
+
+
+def check_staging(sched: Schedule) -> None:
+    """Raise :class:`~rpcompile.ir.ScheduleError` naming what breaks the host staging proof
+    of ``sched`` (:func:`staging_problem`)."""
+    problem = staging_problem(sched)
+    if problem is not None:
+        raise ScheduleError(f"the host staging is not proven: {problem}")
+
+
+def _happens_before(sched: Schedule, place: dict[Action, int]):
+    """``before(a, b)``: a path of edges and ordered-stream successions leads from ``a`` to
+    ``b`` (a direct edge, else a search through the actions the dry run placed before
+    ``b``, which every path to ``b`` passes through only)."""
+    succ: dict[Action, list[Action]] = {}
+    for e in sched.edges:
+        succ.setdefault(e.src, []).append(e.dst)
+    for lst in (*([a for a in lst if a.stream == "compute"] for lst in sched.actions),
+                sched.host, sched.network):
+        for x, y in itertools.pairwise(lst):
+            succ.setdefault(x, []).append(y)
+    direct = {(e.src, e.dst) for e in sched.edges}
+
+    def before(a: Action, b: Action) -> bool:
+        if (a, b) in direct:
+            return True
+        limit = place[b]
+        seen = {a}
+        todo = [a]
+        while todo:
+            for n in succ.get(todo.pop(), ()):
+                if n == b:
+                    return True
+                if n not in seen and place.get(n, limit) < limit:
+                    seen.add(n)
+                    todo.append(n)
+        return False
+
+    return before
+
+
+def _reuse_not_periodic(sched: Schedule) -> str | None:
+    """Where the ``reuse`` edges into a repeated step differ from those into its copy one
+    cycle on (None: nowhere)."""
+    if not sched.repeat_until:
+        return None
+    period = sched.run_steps - sched.repeat_from
+
+    def moved(a: Action, d: int) -> Action:
+        return replace(a, step=a.step + d)
+
+    reuse = {(e.src, e.dst) for e in sched.edges if e.kind == "reuse"}
+    for src, dst in reuse:
+        if sched.repeat_from <= dst.step < sched.run_steps and dst.step + period < sched.steps:
+            other = (moved(src, period), moved(dst, period))
+        elif dst.step >= sched.run_steps:
+            other = (moved(src, -period), moved(dst, -period))
+        else:
+            continue
+        if other not in reuse:
+            return (f"the reuse edge {src} -> {dst} has no copy {other[0]} -> {other[1]} one "
+                    f"cycle {'on' if other[1].step > dst.step else 'back'}: a run repeats "
+                    f"steps {sched.repeat_from}..{sched.run_steps - 1}")
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
