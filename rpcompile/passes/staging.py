@@ -26,39 +26,50 @@ and by then that step's buffers are back.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import itertools
 from collections.abc import Mapping
 
 from rpcompile.errors import InvalidInput
 from rpcompile.ir import STAGING_FIT, STEPS_IN_FLIGHT, Action, Edge, Schedule
 
-__all__ = ["download_frees", "lend", "slot_step", "staging_slots"]
+__all__ = ["download_frees", "lend", "slot_step", "staging_slots", "step_key"]
+
+
+# The last download_frees answer, by the identity of the action lists it read: the staging
+# pass and the proof read the same lists (a schedule and its copy with slots share them).
+_FREES: list = [None, None, None]
 
 
 def download_frees(sched: Schedule) -> dict[Action, tuple[Action, ...]]:
     """Each download -> the actions after all of which its host buffer is free: a job's
     gradients, the ``ACC`` of that job; a value, every ``H2D`` reading it. A download no
     action reads (none in a lowered schedule) is free once it has landed: itself."""
-    acc: dict[tuple, Action] = {}
+    actions, host, got = _FREES
+    if actions is sched.actions and host is sched.host:
+        return got
+    out = _download_frees(sched)
+    _FREES[:] = [sched.actions, sched.host, out]
+    return out
+
+
+def _download_frees(sched: Schedule) -> dict[Action, tuple[Action, ...]]:
+    acc = {(a.stage, a.round, a.step): a for a in sched.host if a.kind == "ACC"}
     reads: dict[tuple, list[Action]] = {}
-    for a in sched.host:
-        if a.kind == "ACC":
-            acc[(a.stage, a.round, a.step)] = a
+    downloads: list[Action] = []
     for lst in sched.actions:
         for a in lst:
-            if a.kind == "H2D":
+            kind = a.kind
+            if kind == "H2D":
                 reads.setdefault((a.value, a.microbatch, a.round, a.step), []).append(a)
+            elif kind == "D2H":
+                downloads.append(a)
     out: dict[Action, tuple[Action, ...]] = {}
-    for lst in sched.actions:
-        for a in lst:
-            if a.kind != "D2H":
-                continue
-            if a.what == "grad":
-                got = acc.get((a.stage, a.round, a.step))
-                out[a] = (got,) if got is not None else (a,)
-            else:
-                out[a] = tuple(reads.get((a.value, a.microbatch, a.round, a.step), ())) or (a,)
+    for a in downloads:
+        if a.what == "grad":
+            got = acc.get((a.stage, a.round, a.step))
+            out[a] = (got,) if got is not None else (a,)
+        else:
+            out[a] = tuple(reads.get((a.value, a.microbatch, a.round, a.step), ())) or (a,)
     return out
 
 
@@ -76,14 +87,17 @@ def slot_step(sched: Schedule, step: int) -> int:
     return first + (step - first) % (sched.run_steps - sched.repeat_from)
 
 
-def _key(a: Action, step: int) -> Action:
-    return a if a.step == step else dataclasses.replace(a, step=step)
+def step_key(a: Action, step: int | None = None) -> tuple:
+    """``a`` as a plain tuple with its step replaced by ``step`` (default: its own): what
+    names a download, or the action freeing one, across the copies a run repeats."""
+    return (a.worker, a.kind, a.stage, a.microbatch, a.round, a.what, a.value,
+            a.step if step is None else step)
 
 
 class _Clash(Exception):
     """A download's cycle copy found its slot still lent in the replay."""
 
-    def __init__(self, key: Action) -> None:
+    def __init__(self, key: tuple) -> None:
         super().__init__(str(key))
         self.key = key
 
@@ -98,99 +112,97 @@ def staging_slots(sched: Schedule, timeline: Mapping[Action, tuple[float, float]
     if sched.stage_workers is not None:
         return sched
     frees = download_frees(sched)
-    slot_of, sizes, holders = lend(sched, timeline, frees)
-    edges = _reuse_edges(holders, frees)
-    staging = tuple(sorted(slot_of.items(), key=lambda kv: (kv[1], str(kv[0]))))
+    slot_of, sizes, _, pairs = lend(sched, timeline, frees)
+    edges = [Edge(f, y, "reuse") for f, y in pairs]
+    # The slot of each key, named by the download of the key's own step.
+    named = {}
+    for a in frees:
+        k = step_key(a)
+        if k in slot_of and k[-1] == slot_step(sched, a.step):
+            named[a] = slot_of[k]
+    staging = tuple(sorted(named.items(), key=lambda kv: (kv[1], str(kv[0]))))
     return sched.replace(edges=(*sched.edges, *edges), staging=staging,
                          staging_bytes=tuple(sizes))
 
 
 def lend(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
          frees: Mapping[Action, tuple[Action, ...]] | None = None
-         ) -> tuple[dict[Action, int], list[int], list[list[Action]]]:
-    """The slots of ``sched``'s downloads as the replay ``timeline`` lends them: (key ->
-    slot, each slot's size, each slot's holders in the order they took it). A download keeps
-    its buffer from its start until the last of :func:`download_frees` ends, and takes the
-    smallest free slot that holds it and is at most ``STAGING_FIT`` times its size, else a
-    new one of its size; a download whose key (:func:`slot_step`) has a slot takes that one.
-    A key is given a slot no other key shares where sharing would leave two holders
-    unordered by any edge the slots may add: its cycle copy finds the slot still lent, a
-    holder of a later step comes before one of an earlier step, or the waits into a repeated
-    step would differ from those into its copy one cycle later."""
+         ) -> tuple[dict[tuple, int], list[int], list[list[Action]], list[tuple[Action, Action]]]:
+    """The slots of ``sched``'s downloads as the replay ``timeline`` lends them: (key
+    (:func:`step_key` at :func:`slot_step`) -> slot, each slot's size, each slot's holders
+    in the order they took it, the (freeing action, next holder) pairs the ``reuse`` edges
+    join). A download keeps its buffer from its start until the last
+    of :func:`download_frees` ends, and takes the smallest free slot that holds it and is
+    at most ``STAGING_FIT`` times its size, else a new one of its size; a download whose
+    key has a slot takes that one. A key is given a slot no other key shares where sharing
+    would leave two holders unordered by any edge the slots may add: its cycle copy finds
+    the slot still lent, a holder of a later step comes before one of an earlier step, or
+    the waits into a repeated step would differ from those into its copy one cycle on."""
     frees = download_frees(sched) if frees is None else frees
     stays = []  # (start, freed at, bytes, download, its key)
     for a, by in frees.items():
         start = timeline[a][0]
         end = max(timeline[f][1] for f in by)
-        stays.append((start, max(start, end), a.bytes, a, _key(a, slot_step(sched, a.step))))
-    own: set[Action] = set()
+        stays.append((start, max(start, end), a.bytes, a, step_key(a, slot_step(sched, a.step))))
+    own: set[tuple] = set()
     while True:
         try:
             slot_of, sizes, holders = _assign(stays, own)
         except _Clash as clash:
             if clash.key in own:
                 raise InvalidInput(
-                    f"the staging slot of {clash.key} is still lent in the replay when its "
-                    "copy one cycle later downloads: the schedule's cycle does not order a "
-                    "download after its copy's readers") from None
+                    f"the staging slot of the download {clash.key} is still lent in the "
+                    "replay when its copy one cycle later downloads: the schedule's cycle "
+                    "does not order a download after its copy's readers") from None
             own.add(clash.key)
             continue
-        bad = _unordered(sched, holders, frees) - own
+        pairs = _reuse_pairs(holders, frees)
+        bad = _unordered(sched, holders, pairs) - own
         if not bad:
-            return slot_of, sizes, holders
+            return slot_of, sizes, holders, pairs
         own |= bad
 
 
-def _reuse_edges(holders: list[list[Action]], frees: Mapping[Action, tuple[Action, ...]]
-                 ) -> list[Edge]:
-    """A ``reuse`` edge from each action freeing a slot's holder to the slot's next holder,
-    for holders of the same or consecutive steps (further apart, the steps' commit order
-    keeps them apart)."""
-    edges: list[Edge] = []
-    seen: set[tuple[Action, Action]] = set()
+def _reuse_pairs(holders: list[list[Action]], frees: Mapping[Action, tuple[Action, ...]]
+                 ) -> list[tuple[Action, Action]]:
+    """(an action freeing a slot's holder, the slot's next holder), for holders of the same
+    or consecutive steps (further apart, the steps' commit order keeps them apart)."""
+    pairs: list[tuple[Action, Action]] = []
     for chain in holders:
         for x, y in itertools.pairwise(chain):
-            if not 0 <= y.step - x.step < STEPS_IN_FLIGHT:
-                continue
-            for f in frees[x]:
-                if f != y and (f, y) not in seen:
-                    seen.add((f, y))
-                    edges.append(Edge(f, y, "reuse"))
-    return edges
+            if 0 <= y.step - x.step < STEPS_IN_FLIGHT:
+                pairs.extend((f, y) for f in frees[x] if f != y)
+    return list(dict.fromkeys(pairs))
 
 
 def _unordered(sched: Schedule, holders: list[list[Action]],
-               frees: Mapping[Action, tuple[Action, ...]]) -> set[Action]:
+               pairs: list[tuple[Action, Action]]) -> set[tuple]:
     """The keys whose sharing a slot no reuse edge can order: a holder after one of a later
     step (an edge would run back in steps), and, in a schedule that repeats steps, the
     holders whose waits into a repeated step differ from those into its copy one cycle on
     (the run repeats the first)."""
-    bad: set[Action] = set()
+    bad: set[tuple] = set()
     for chain in holders:
         for x, y in itertools.pairwise(chain):
             if y.step < x.step:
-                bad.add(_key(y, slot_step(sched, y.step)))
+                bad.add(step_key(y, slot_step(sched, y.step)))
     if not sched.repeat_until or bad:
         return bad
     period = sched.run_steps - sched.repeat_from
-    into_repeated: dict[tuple[Action, Action], Action] = {}
-    into_copies: dict[tuple[Action, Action], Action] = {}
-    for e in _reuse_edges(holders, frees):
-        if sched.repeat_from <= e.dst.step < sched.run_steps and e.dst.step + period < sched.steps:
-            into_repeated[(_shift(e.src, period), _shift(e.dst, period))] = e.dst
-        elif e.dst.step >= sched.run_steps:
-            into_copies[(e.src, e.dst)] = e.dst
+    into_repeated: dict[tuple, Action] = {}
+    into_copies: dict[tuple, Action] = {}
+    for f, y in pairs:
+        if sched.repeat_from <= y.step < sched.run_steps and y.step + period < sched.steps:
+            into_repeated[(step_key(f, f.step + period), step_key(y, y.step + period))] = y
+        elif y.step >= sched.run_steps:
+            into_copies[(step_key(f), step_key(y))] = y
     for pair in into_repeated.keys() ^ into_copies.keys():
-        dst = into_repeated.get(pair) or into_copies[pair]
-        bad.add(_key(dst, slot_step(sched, dst.step)))
+        y = into_repeated.get(pair) or into_copies[pair]
+        bad.add(step_key(y, slot_step(sched, y.step)))
     return bad
 
 
-def _shift(a: Action, steps: int) -> Action:
-    return dataclasses.replace(a, step=a.step + steps)
-
-
-def _assign(stays, own: set[Action]):
+def _assign(stays, own: set[tuple]):
     """The replay's lending with slots fixed per key: (key -> slot, slot sizes, each slot's
     holders in the order they took it). Raises :class:`_Clash` naming a key whose slot is
     still lent when another of its downloads starts."""

@@ -55,6 +55,7 @@ from rpcompile.options import TrainOptions, deferred_reasons, update_order
 from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES, updates_deferred
 from rpcompile.passes.memory import check_staging
 from rpcompile.passes.schedule import dispatch_period
+from rpcompile.passes.staging import step_key
 from rpcompile.runtime.actions import ACTION_OF, RUNTIME_ACTIONS, Actions, clip_grad_norm
 from rpcompile.runtime.errors import EventTimeout, OptimizerError, RuntimeFault, WorkerError
 from rpcompile.runtime.lanes import INTERRUPTS, InFlight, uninterrupted
@@ -201,7 +202,7 @@ class Executor(Actions):
         # pinned on a pinned CUDA run (rpcompile.runtime.memory.HostStaging).
         self.staging = HostStaging(schedule.staging_bytes,
                                    pin=any(w.pinned for w in self.workers))
-        self._slot_of = dict(schedule.staging)
+        self._slot_of = {step_key(a): slot for a, slot in schedule.staging}
         self.steps_run = 0  # the run steps committed (the round-robin counter's position)
         # The loss scaler's scale after each step's check, by run step, which later steps'
         # backward starts from (Actions._loss_scale); before the first: the floor.

@@ -54,15 +54,18 @@ def test_a_slot_lends_one_buffer_of_its_size_one_download_at_a_time():
     pool.give(short)
     with pytest.raises(InvalidInput):
         pool.give(short)
-    own = pool.take(77)  # no slot: a buffer of its own, dropped when given back
-    assert own.numel() == 77 and pool.held_bytes == 1101
-    pool.give(own)
-    assert pool.held_bytes == 1024
+    with pytest.raises(StagingError, match="has no host staging slot"):
+        pool.take(77)
     assert pool.reclaim([c, a]) == 1 and pool.lent_bytes == 0  # a is back already
     pool.release()
     assert pool.held_bytes == 0
-    assert pool.take(24, slot=1).data_ptr() != c.data_ptr() and pool.registered == 4
+    assert pool.take(24, slot=1).data_ptr() != c.data_ptr() and pool.registered == 3
     assert pool.take(0).numel() == 0 and pool.lent_bytes == 24  # nothing to hold
+    bare = HostStaging()  # no slots (no downloads): a buffer of its own, dropped when back
+    own = bare.take(77)
+    assert own.numel() == 77 and bare.held_bytes == 77
+    bare.give(own)
+    assert bare.held_bytes == 0
 
 
 def test_a_quarantined_buffer_is_held_and_never_lent_again():

@@ -27,8 +27,8 @@ class HostStaging:
     slot, so a slot is free whenever a download takes it: what the pool holds is the sum of
     the slot sizes, the host figure, whatever the threads' timing. A download larger than
     its slot, or a slot still lent, raises :class:`StagingError` (never a buffer more).
-    A take without a slot (a pool of no slots) gets a buffer of its own, dropped when given
-    back.
+    A pool of no slots (a schedule without downloads) lends a take a buffer of its own,
+    dropped when given back.
 
     Why not ``torch.empty(..., pin_memory=True)``: torch's caching pinned allocator rounds
     each block up to a power of two (``CachingHostAllocator``: ``PowerOf2Ceil``), 39 % more
@@ -75,6 +75,9 @@ class HostStaging:
         if nbytes == 0:  # nothing to hold (and no address to know it by)
             return torch.empty(0, dtype=torch.uint8)
         buf = None
+        if slot is None and self.slots:
+            raise StagingError(f"a download of {format_bytes(nbytes)} has no host staging "
+                               "slot: the schedule gives every download of bytes one")
         if slot is not None:
             if not 0 <= slot < len(self.slots):
                 raise StagingError(f"host staging slot {slot} does not exist: the pool has "
