@@ -67,7 +67,7 @@ def check_memory(compiled: Compiled) -> None:
 
 def check_host_memory(compiled: Compiled, stacklevel: int = 3) -> HostMemory:
     """Set ``compiled.host`` (the host bytes of its runtime schedule, with the transfer
-    staging of a simulated run of it) and ``compiled.host_ram`` (``host_ram_bytes``, else
+    staging its staging slots hold) and ``compiled.host_ram`` (``host_ram_bytes``, else
     the profile's ``host_ram_gib``, else this machine's RAM), and warn
     (:class:`~rpcompile.passes.memory.HostMemoryWarning`) when the first exceeds the second:
     a warning, because compile allocates nothing and a plan (``device="virtual"``, a

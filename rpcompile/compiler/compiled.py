@@ -128,7 +128,7 @@ class Compiled(CompiledState):
     options: Options = field(default_factory=Options)  # the compile's option groups
     # The host bytes the run keeps (rpcompile.passes.memory.HostMemory: masters, optimizer
     # state, gradients, shadows, the module's own copy, the undo journal unless
-    # ``undo_journal=False``, and the transfer staging of a simulated run of ``schedule``),
+    # ``undo_journal=False``, and the transfer staging: ``schedule``'s staging slots),
     # and the RAM compile() checked it against with where that figure came from.
     host: HostMemory | None = None
     host_ram: tuple[int, str] = (0, "")

@@ -356,8 +356,7 @@ def _sweep(w, stream, end, holds, outputs, upto) -> WorkerPeak:
 def staging_problem(sched: Schedule) -> str | None:
     """What breaks the host staging proof of ``sched`` (None: nothing): the transfer staging
     a run holds is the sum of ``Schedule.staging_bytes``, whatever its timing, when every
-    download has a slot it fits (the slot of its key at
-    :func:`~rpcompile.passes.staging.slot_step`) and every two downloads of one slot are
+    download has a slot it fits (:func:`~rpcompile.passes.staging.staging_slot`) and every two downloads of one slot are
     ordered by the schedule's happens-before order (edges, and list order on the ordered
     streams): the actions that free the earlier one
     (:func:`~rpcompile.passes.staging.download_frees`) before the later one starts. Checked
@@ -367,7 +366,7 @@ def staging_problem(sched: Schedule) -> str | None:
     (``Schedule.step_of``), so the ``reuse`` edges into a repeated step must be those into
     its copy one cycle on. Reads the schedule alone, not how its slots were chosen. A
     baseline (``stage_workers`` set) stages nothing: None."""
-    from rpcompile.passes.staging import download_frees, slot_step, step_key
+    from rpcompile.passes.staging import download_frees, staging_slot, step_key
 
     if sched.stage_workers is not None:
         return None
@@ -380,7 +379,7 @@ def staging_problem(sched: Schedule) -> str | None:
     sizes = sched.staging_bytes
     chains: dict[int, list[Action]] = {}
     for a in frees:
-        slot = slot_of.get(step_key(a, slot_step(sched, a.step)))
+        slot = staging_slot(sched, slot_of, a, a.step)
         if slot is None or not 0 <= slot < len(sizes):
             return f"the download {a} has no host staging slot"
         if a.bytes > sizes[slot]:
@@ -511,9 +510,9 @@ class HostMemory:
     copy of every parameter, frozen or trainable, that the forward and the backward stage
     holding it share; async, a second copy of the trainable ones, which the next step reads
     while this step's uploads read the first, ``HostStore.add_shadow_pair``), ``transfers``:
-    the peak of
-    activations, recompute inputs and downloaded gradients staged on the host during a step
-    (0 when no run was simulated), ``model``: what the user's module still holds of its
+    the host staging of activations, recompute inputs and downloaded gradients, the sum of
+    the schedule's staging slots (``Schedule.staging_bytes``, :func:`staging_problem`; 0 when
+    not given), ``model``: what the user's module still holds of its
     own, its trainable parameters in the compute dtype (its frozen ones are views of their
     shadows, ``HostStore.build(share_frozen=True)``; ``sync_to_model`` writes the trained
     masters into the trainable ones), and the step's undo ``journal``
@@ -526,9 +525,8 @@ class HostMemory:
 
     Pinned (:attr:`pinned`), as a CUDA run allocates it: the host store's flat buffers
     (shadows, masters, gradients and the pending gradients) and the transfer staging (the
-    executor's pool, rpcompile.runtime.memory.HostStaging: one buffer per download, kept and
-    lent again to later downloads it fits, so ``transfers`` is that rule replayed over the
-    simulated step), all of exact size and registered with the driver (never rounded up, as
+    executor's pool, rpcompile.runtime.memory.HostStaging: one buffer per staging slot), all
+    of exact size and registered with the driver (never rounded up, as
     torch's caching pinned allocator would). Not pinned: the
     optimizer's state (torch's own tensors), the module and the journal. ``pageable`` (``PlanOptions.host_memory="pageable"``): the run pins nothing,
     neither the store nor the staging (rpcompile.runtime.memory.pin_host_memory), so

@@ -32,7 +32,7 @@ from collections.abc import Mapping
 from rpcompile.errors import InvalidInput
 from rpcompile.ir import STAGING_FIT, STEPS_IN_FLIGHT, Action, Edge, Schedule
 
-__all__ = ["download_frees", "lend", "slot_step", "staging_slots", "step_key"]
+__all__ = ["download_frees", "lend", "slot_step", "staging_slot", "staging_slots", "step_key"]
 
 
 # The last download_frees answer, by the identity of the action lists it read: the staging
@@ -87,6 +87,36 @@ def slot_step(sched: Schedule, step: int) -> int:
     return first + (step - first) % (sched.run_steps - sched.repeat_from)
 
 
+def _phase_step(sched: Schedule, step: int) -> int:
+    """The step naming a slot of its own for run step ``step``'s download: a download whose
+    copy one cycle on may still be on the host when that copy lands (a cycle of one step,
+    steps overlapping) has a slot per cycle phase, the phases :data:`STEPS_IN_FLIGHT`
+    or more steps apart (so the steps' commit order keeps a slot's holders apart); phase
+    ``p`` is named at :func:`slot_step` plus ``p`` cycles."""
+    k = slot_step(sched, step)
+    first = max(0, sched.repeat_from - 1)
+    if not sched.repeat_until or step < first:
+        return k
+    period = sched.run_steps - sched.repeat_from
+    phases = -(-STEPS_IN_FLIGHT // period)
+    return k + ((step - first) // period) % phases * period
+
+
+def staging_slot(sched: Schedule, slot_of: Mapping[tuple, int], a: Action,
+                 step: int) -> int | None:
+    """The staging slot download ``a`` of run step ``step`` takes, from ``slot_of`` (the
+    :func:`step_key` of each ``Schedule.staging`` entry -> its slot): its phase's own slot
+    where it has one, else its key's at :func:`slot_step`; None: none (a download of no
+    bytes)."""
+    phase = _phase_step(sched, step)
+    k = slot_step(sched, step)
+    if phase != k:
+        got = slot_of.get(step_key(a, phase))
+        if got is not None:
+            return got
+    return slot_of.get(step_key(a, k))
+
+
 def step_key(a: Action, step: int | None = None) -> tuple:
     """``a`` as a plain tuple with its step replaced by ``step`` (default: its own): what
     names a download, or the action freeing one, across the copies a run repeats."""
@@ -115,11 +145,7 @@ def staging_slots(sched: Schedule, timeline: Mapping[Action, tuple[float, float]
     slot_of, sizes, _, pairs = lend(sched, timeline, frees)
     edges = [Edge(f, y, "reuse") for f, y in pairs]
     # The slot of each key, named by the download of the key's own step.
-    named = {}
-    for a in frees:
-        k = step_key(a)
-        if k in slot_of and k[-1] == slot_step(sched, a.step):
-            named[a] = slot_of[k]
+    named = {a: slot_of[step_key(a)] for a in frees if step_key(a) in slot_of}
     staging = tuple(sorted(named.items(), key=lambda kv: (kv[1], str(kv[0]))))
     return sched.replace(edges=(*sched.edges, *edges), staging=staging,
                          staging_bytes=tuple(sizes))
@@ -139,21 +165,26 @@ def lend(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
     the slot still lent, a holder of a later step comes before one of an earlier step, or
     the waits into a repeated step would differ from those into its copy one cycle on."""
     frees = download_frees(sched) if frees is None else frees
-    stays = []  # (start, freed at, bytes, download, its key)
+    stays = []  # (start, freed at, bytes, download, its key, its phase's key)
     for a, by in frees.items():
         start = timeline[a][0]
         end = max(timeline[f][1] for f in by)
-        stays.append((start, max(start, end), a.bytes, a, step_key(a, slot_step(sched, a.step))))
-    own: set[tuple] = set()
+        stays.append((start, max(start, end), a.bytes, a, step_key(a, slot_step(sched, a.step)),
+                      step_key(a, _phase_step(sched, a.step))))
+    own: set[tuple] = set()  # keys with a slot per phase, shared by no other key
     while True:
+        keyed = [(s0, s1, n, a, phased if key in own else key)
+                 for s0, s1, n, a, key, phased in stays]
+        private = {phased for _, _, _, _, key, phased in stays if key in own}
         try:
-            slot_of, sizes, holders = _assign(stays, own)
+            slot_of, sizes, holders = _assign(keyed, private)
         except _Clash as clash:
-            if clash.key in own:
+            if clash.key in private:
                 raise InvalidInput(
                     f"the staging slot of the download {clash.key} is still lent in the "
-                    "replay when its copy one cycle later downloads: the schedule's cycle "
-                    "does not order a download after its copy's readers") from None
+                    "replay when its copy two or more steps later downloads: the schedule "
+                    "does not order a step after the commit of the step two before it "
+                    "(in_flight edges)") from None
             own.add(clash.key)
             continue
         pairs = _reuse_pairs(holders, frees)

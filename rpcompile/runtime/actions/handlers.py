@@ -44,7 +44,7 @@ from rpcompile.capture.quantized import dequantize_sites, without_dequantize
 from rpcompile.errors import MissingKey, StateError
 from rpcompile.ir import Action
 from rpcompile.passes.chunked_loss import TOKEN_HITS
-from rpcompile.passes.staging import slot_step, step_key
+from rpcompile.passes.staging import staging_slot
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.actions.copies import _chunked_copy, _same_device
 from rpcompile.runtime.actions.grads import _accumulate, clip_grad_norm
@@ -228,9 +228,10 @@ class Actions:
 
     def _staging_slot(self, run: StepState, a: Action) -> int | None:
         """The host staging slot download ``a`` of run step ``run.k`` takes: the slot of the
-        same download in the schedule step rpcompile.passes.staging.slot_step names (None
-        for a download of no bytes, which takes none)."""
-        return self._slot_of.get(step_key(a, slot_step(self.schedule, run.k)))
+        same download in the schedule step rpcompile.passes.staging.slot_step names, or its
+        cycle phase's (rpcompile.passes.staging.staging_slot; None for a download of no
+        bytes, which takes none)."""
+        return staging_slot(self.schedule, self._slot_of, a, run.k)
 
     def _give_back(self, run: StepState, a: Action, what: torch.Tensor | tuple) -> None:
         """After D2H ``a``: give back the device memory it sent home (a gradient buffer, or
