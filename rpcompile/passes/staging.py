@@ -183,7 +183,7 @@ def lend(sched: Schedule, timeline: Mapping[Action, tuple[float, float]],
                 raise InvalidInput(
                     f"the staging slot of the download {clash.key} is still lent in the "
                     "replay when its copy two or more steps later downloads: the schedule "
-                    "does not order a step after the commit of the step two before it "
+                    "does not make a step wait for the commit of the step two before it "
                     "(in_flight edges)") from None
             own.add(clash.key)
             continue
