@@ -66,7 +66,7 @@ from rpcompile.runtime.results import StepAborted, StepFailed, StepResult, StepT
 from rpcompile.runtime.step_state import StepPlan, StepState
 from rpcompile.runtime.values import bundle_names
 from rpcompile.runtime.workers import Worker
-from rpcompile.sim.engine import with_staging
+from rpcompile.sim.engine import paused_gc, with_staging
 
 if TYPE_CHECKING:
     from rpcompile.compiler import Compiled
@@ -112,7 +112,8 @@ class Executor(Actions):
         if not schedule.staging_bytes:
             # A schedule lowered by hand: its host staging slots as compile() gives them.
             schedule = with_staging(schedule, compiled.plan, compiled.hardware)
-            check_staging(schedule)
+            with paused_gc():
+                check_staging(schedule)
         kernels, skip_nonfinite = options.kernels, options.skip_nonfinite
         max_grad_norm = options.max_grad_norm
         # Updates (both modes) are the schedule's OPT actions: where they sit in the host

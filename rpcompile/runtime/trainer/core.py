@@ -41,7 +41,7 @@ from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 from rpcompile.runtime.memory import HostStore, MemoryReport, pin_host_memory
 from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import make_workers
-from rpcompile.sim.engine import with_staging
+from rpcompile.sim.engine import paused_gc, with_staging
 
 if TYPE_CHECKING:
     from rpcompile.compiler import Compiled
@@ -229,7 +229,8 @@ class Trainer(TrainerState):
         self._lowered_by = (plan, run)
         # Its host staging slots as compile() gives its own (rpcompile.passes.staging).
         staged = with_staging(runtime_schedule(plan, run), plan, compiled.hardware)
-        check_staging(staged)
+        with paused_gc():
+            check_staging(staged)
         return staged
 
     def _host_figure(self, compiled: Compiled, mode: str, world: int, shard: bool) -> HostMemory:

@@ -158,7 +158,8 @@ def with_staging(schedule: Schedule, plan: Plan | Sequence[Stage],
         timeline = {a: (float(t), float(t + 1)) for a, t in schedule.dry_run().steps.items()}
     else:
         timeline = replay_timeline(schedule, plan, hw)
-    return staging_slots(schedule, timeline)
+    with paused_gc():  # the timeline and the schedule alive: many objects for a collection
+        return staging_slots(schedule, timeline)
 
 
 def peak_host_bytes(schedule: Schedule, plan: Plan | Sequence[Stage],
