@@ -216,11 +216,11 @@ def check_exact(arch: str, workers: int, trainer_device: str, device: torch.devi
         pinned = trainer.pin_host
         losses = [trainer.step(b) for b in data]
         masters = {n: t.clone() for n, t in trainer.masters().items()}
-        # The transfer staging: exact-size buffers, registered with the driver on a pinned
-        # run (rpcompile.runtime.memory.HostStaging): torch must see them as pinned, or every
-        # download would be a synchronous pageable copy.
+        # The transfer staging: a buffer per staging slot, registered with the driver on a
+        # pinned run (rpcompile.runtime.memory.HostStaging): torch must see them as pinned,
+        # or every download would be a synchronous pageable copy. Every slot is free here.
         staging = trainer.executor.staging
-        spare = staging.take(4096)
+        spare = staging.take(min(4096, staging.slots[0]), slot=0)
         staging_pinned = spare.is_pinned()
         staging.give(spare)
         staging_figure = {"held_bytes": staging.held_bytes, "buffers": staging.registered,

@@ -23,7 +23,8 @@ steps overlapping.
 Prints one line per worker and a summary: measured / held and simulated / peak, min and max
 over all runs. Host memory too: what the run's transfer staging pool holds after each trainer
 (rpcompile.runtime.memory.HostStaging) against the plan's staging figure
-(``compiled.host.transfers``, the simulator's count of that pool).
+(``compiled.host.transfers``, the sum of the schedule's staging slots, proven for every
+timing: rpcompile.passes.staging), and the most it lent at once.
 """
 
 from __future__ import annotations
@@ -94,6 +95,7 @@ def main() -> None:
         capacity = int(1.05 * max(p.peak_bytes for p in compiled.memory))
         measured: list[list[int]] = [[] for _ in range(gpus)]
         staged: list[int] = []
+        lent: list[int] = []
         for run in range(args.runs):
             chaos = run if run % 2 else None
             with Trainer(compiled, train=replace(compiled.options.train, optimizer=sgd,
@@ -107,11 +109,13 @@ def main() -> None:
                 for w, got in enumerate(trainer.peak_bytes()):
                     measured[w].append(got)
                 staged.append(trainer.executor.staging.held_bytes)
+                lent.append(trainer.executor.staging.peak_lent_bytes)
         figure = compiled.host.transfers
         hosts.append({"arch": arch, "gpus": gpus, "microbatches": micro,
-                      "staging_figure": figure, "staging_held": staged})
+                      "staging_figure": figure, "staging_held": staged, "staging_lent": lent})
         print(f"{arch} {gpus} GPUs {micro} mb: host staging figure {figure:,} B, the pool "
-              f"held {min(staged) / figure:.3f}-{max(staged) / figure:.3f} of it", flush=True)
+              f"held {min(staged) / figure:.3f}-{max(staged) / figure:.3f} of it, lent at most "
+              f"{max(lent) / figure:.3f} of it at once", flush=True)
         for w, proof in enumerate(compiled.memory):
             row = {"arch": arch, "gpus": gpus, "microbatches": micro, "worker": w,
                    "memory_waits": list(compiled.plan.memory_waits),

@@ -345,10 +345,13 @@ def _memory_agreement(r: Result) -> str:
     if f.get("host"):
         hosts = [[h["arch"], h["gpus"], h["microbatches"], num(h["staging_figure"]),
                   f"{min(h['staging_held']) / h['staging_figure']:.3f}-"
-                  f"{max(h['staging_held']) / h['staging_figure']:.3f}"] for h in f["host"]]
-        out += ("\n\nHost transfer staging, the pool's bytes against the plan's figure:\n\n"
-                + table(["model", "workers", "microbatches", "figure B", "held / figure"],
-                        hosts))
+                  f"{max(h['staging_held']) / h['staging_figure']:.3f}",
+                  f"{max(h['staging_lent']) / h['staging_figure']:.3f}"
+                  if h.get("staging_lent") else "-"] for h in f["host"]]
+        out += ("\n\nHost transfer staging, the pool's bytes against the plan's figure (the sum "
+                "of the schedule's staging slots, proven for every timing):\n\n"
+                + table(["model", "workers", "microbatches", "figure B", "held / figure",
+                         "most lent at once / figure"], hosts))
     return out
 
 

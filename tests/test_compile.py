@@ -113,7 +113,7 @@ def test_stage_code_shows_boundaries():
         assert st.name in text
     assert [r.name for r in compiled.history] == [
         "capture", "token-hits", "cost", "partition", "split", "dispatch",
-        "upload", "transfers", "grads", "optimizer", "commit", "events"]
+        "upload", "transfers", "grads", "optimizer", "commit", "events", "staging"]
     assert compiled.schedule is compiled.history[-1].artifact  # the lowered schedule
 
 

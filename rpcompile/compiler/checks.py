@@ -4,6 +4,7 @@ host memory the run would not have."""
 from __future__ import annotations
 
 import warnings
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -66,7 +67,7 @@ def check_memory(compiled: Compiled) -> None:
 
 def check_host_memory(compiled: Compiled, stacklevel: int = 3) -> HostMemory:
     """Set ``compiled.host`` (the host bytes of its runtime schedule, with the transfer
-    staging of a simulated run of it) and ``compiled.host_ram`` (``host_ram_bytes``, else
+    staging its staging slots hold) and ``compiled.host_ram`` (``host_ram_bytes``, else
     the profile's ``host_ram_gib``, else this machine's RAM), and warn
     (:class:`~rpcompile.passes.memory.HostMemoryWarning`) when the first exceeds the second:
     a warning, because compile allocates nothing and a plan (``device="virtual"``, a
@@ -87,17 +88,13 @@ def check_host_memory(compiled: Compiled, stacklevel: int = 3) -> HostMemory:
 def _host_figure(compiled: Compiled) -> HostMemory:
     """The host bytes of ``compiled``'s runtime schedule: the static buffers of its plan and
     mode (rpcompile.passes.memory.host_memory; the journal as ``Hardware.undo_journal``
-    says) plus the transfer staging of a simulated run of the schedule. Data parallel on a
-    profile without an inter-server link cannot be replayed (its REDUCEs have no link to
-    be timed on): the static buffers alone then, and ``sharded`` at one rank's share."""
-    from rpcompile.sim.engine import peak_host_bytes
-
+    says) plus the transfer staging, the sum of the schedule's host staging slots (proven:
+    rpcompile.passes.staging), ``sharded`` at one rank's share."""
     sched, plan, hw = compiled.schedule, compiled.plan, compiled.hardware
-    peak = None
-    if sched is not None and (sched.ranks == 1 or hw.link is not None):
-        peak = peak_host_bytes(sched, plan, hw)  # simulate(...).peak_host_bytes
-    host = host_memory(plan, compiled.options.plan.mode, peak, journal=hw.undo_journal,
+    host = host_memory(plan, compiled.options.plan.mode, journal=hw.undo_journal,
                        pageable=hw.host_memory == "pageable")
+    if sched is not None:
+        host = replace(host, transfers=sum(sched.staging_bytes))
     if sched is not None and sched.sharded:
         host = host.sharded(sched.ranks)
     return host

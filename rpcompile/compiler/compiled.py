@@ -68,7 +68,7 @@ from rpcompile.passes.lower import (
     runtime_schedule,
 )
 from rpcompile.passes.manager import PassRecord, run_pass
-from rpcompile.passes.memory import HostMemory
+from rpcompile.passes.memory import HostMemory, check_staging
 from rpcompile.passes.split import StageProgram, split
 from rpcompile.planner.partition import (
     PartitionError,
@@ -78,7 +78,7 @@ from rpcompile.planner.partition import (
     tail_memory_bound,
 )
 from rpcompile.runtime.reference import reference_step
-from rpcompile.sim.engine import paused_gc
+from rpcompile.sim.engine import paused_gc, with_staging
 
 __all__ = [
     "Compiled",
@@ -128,7 +128,7 @@ class Compiled(CompiledState):
     options: Options = field(default_factory=Options)  # the compile's option groups
     # The host bytes the run keeps (rpcompile.passes.memory.HostMemory: masters, optimizer
     # state, gradients, shadows, the module's own copy, the undo journal unless
-    # ``undo_journal=False``, and the transfer staging of a simulated run of ``schedule``),
+    # ``undo_journal=False``, and the transfer staging: ``schedule``'s staging slots),
     # and the RAM compile() checked it against with where that figure came from.
     host: HostMemory | None = None
     host_ram: tuple[int, str] = (0, "")
@@ -636,6 +636,11 @@ def _finish(model, captured, unit_costs, dtype, history, options: Options, hw: H
         # proved its plan over this same schedule (keep_runtime_schedules, _plan_captured):
         # both are then taken from its proof, not made again.
         lowered = runtime_schedule(plan, run, trail=trail, validate=True)
+        # Each download's host staging slot, lent as a replay lends it, and the waits that
+        # keep a slot's holders apart, so the host figure holds for any timing; the proof
+        # (passes.memory.staging_problem) checks it under RPCOMPILE_DEBUG=1.
+        lowered = run_pass(trail, "staging", lambda: with_staging(lowered, plan, hw),
+                           check_staging)
         return lowered, trail, runtime_peaks(plan, run)
 
     lowered, trail, memory = schedule_of(plan)

@@ -163,6 +163,7 @@ EDGE_KINDS = (
     "commit",  # step k's last action of each ordered queue -> its last host action (commit)
     "in_flight",  # step k's commit point -> step k+STEPS_IN_FLIGHT's first actions
     "barrier",  # data parallel: step k's commit point -> step k+1's first actions
+    "reuse",  # what frees a staging slot's holder (ACC, every H2D) -> the slot's next D2H
 )
 
 # Steps a run keeps uncommitted at once (rpcompile.runtime.executor; data parallel keeps one):

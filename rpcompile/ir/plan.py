@@ -1,6 +1,6 @@
 """The RoundPipe plan as data: the cost of one unit for one microbatch (UnitProfile) and
 the partition of a model's units into forward stages, the fused tail and backward stages (Stage,
-Plan), with the memory-bounding waits a plan names and the transfer staging's fit rule.
+Plan), with the memory-bounding waits a plan names and the host staging slots' fit rule.
 
 Sections, in reading order:
   1. UnitProfile  - numeric cost of one unit (prefix, one decoder layer, tail) for one microbatch
@@ -159,10 +159,10 @@ class Stage:
 BOUNDED_WAITS = ("window", "sent", "grad_pair")
 TIGHTEST_WAITS = ("window", "sent", "grad_slot")
 
-# The transfer staging's rule (rpcompile.runtime.memory.HostStaging, replayed by the
-# simulator): a download takes the smallest free host buffer that holds it, if that buffer
-# is at most this many times its size (a shorter batch fits the buffers of a longer one; an
-# activation does not tie up a gradient's much larger buffer); else a buffer of its own.
+# The host staging slots' rule (rpcompile.passes.staging): in the replay the slots come
+# from, a download takes the smallest free slot that holds it, if that slot is at most this
+# many times its size (an activation does not tie up a gradient's much larger buffer); else
+# a slot of its own.
 STAGING_FIT = 2
 
 

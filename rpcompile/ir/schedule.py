@@ -64,7 +64,9 @@ class Schedule(ScheduleFormats):
     the runtime's schedule, rpcompile.passes.schedule.runtime_cycle): steps ``repeat_from ..
     repeat_until-1`` over and over; the steps after ``repeat_until`` (0: none) are never run
     as such, they give the last repeated step the waits into the step after it that a long
-    run has.
+    run has. ``staging``: the host staging slot of each download (of the steps
+    rpcompile.passes.staging.slot_step names), ``staging_bytes`` each slot's size (both empty
+    until the ``staging`` pass assigns them; rpcompile.passes.staging).
     """
 
     kind: str
@@ -86,6 +88,8 @@ class Schedule(ScheduleFormats):
     sharded: bool = False
     repeat_from: int = 0
     repeat_until: int = 0
+    staging: tuple[tuple[Action, int], ...] = ()
+    staging_bytes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.sharded and self.ranks < 2:

@@ -188,6 +188,8 @@ class ScheduleFormats:
             **({"sharded": True} if self.sharded else {}),
             **({"repeat_from": self.repeat_from} if self.repeat_from else {}),
             **({"repeat_until": self.repeat_until} if self.repeat_until else {}),
+            **({"staging": [[str(a), slot] for a, slot in self.staging],
+                "staging_bytes": list(self.staging_bytes)} if self.staging_bytes else {}),
         }
 
     @classmethod
@@ -206,4 +208,6 @@ class ScheduleFormats:
             ranks=int(meta.get("ranks", 1)), sharded=bool(meta.get("sharded", False)),
             repeat_from=int(meta.get("repeat_from", 0)),
             repeat_until=int(meta.get("repeat_until", 0)),
+            staging=tuple((Action.parse(a), int(slot)) for a, slot in meta.get("staging", ())),
+            staging_bytes=tuple(int(n) for n in meta.get("staging_bytes", ())),
         )

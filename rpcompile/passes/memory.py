@@ -49,11 +49,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from rpcompile.errors import InvalidInput, RPCompileError
-from rpcompile.ir import Action, Plan, Schedule, Stage
+from rpcompile.ir import Action, Plan, Schedule, ScheduleError, Stage
 
-__all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "WorkerPeak", "format_bytes",
-           "host_memory", "host_ram_problem", "host_static_bytes", "schedule_order",
-           "worker_peaks", "working_bytes"]
+__all__ = ["HostMemory", "HostMemoryError", "HostMemoryWarning", "WorkerPeak", "check_staging",
+           "format_bytes", "host_memory", "host_ram_problem", "host_static_bytes",
+           "schedule_order", "staging_problem", "worker_peaks", "working_bytes"]
 
 PARTS = ("weights", "grads", "values", "working")
 
@@ -349,6 +349,152 @@ def _sweep(w, stream, end, holds, outputs, upto) -> WorkerPeak:
 
 
 # ---------------------------------------------------------------------------------------------
+# Host staging
+# ---------------------------------------------------------------------------------------------
+
+
+def staging_problem(sched: Schedule) -> str | None:
+    """What breaks the host staging proof of ``sched`` (None: nothing): the transfer staging
+    a run holds is the sum of ``Schedule.staging_bytes``, whatever its timing, when every
+    download has a slot it fits (:func:`~rpcompile.passes.staging.staging_slot`) and every two downloads of one slot are
+    ordered by the schedule's happens-before order (edges, and list order on the ordered
+    streams): the actions that free the earlier one
+    (:func:`~rpcompile.passes.staging.download_frees`) before the later one starts. Checked
+    for consecutive holders, which orders every pair; a slot's holders are taken in step
+    order, within a step in the order their ``reuse`` edges link them, and a pair no direct
+    edge orders is searched for a path. A run repeats its cycle's steps
+    (``Schedule.step_of``), so the ``reuse`` edges into a repeated step must be those into
+    its copy one cycle on. Reads the schedule alone, not how its slots were chosen. A
+    baseline (``stage_workers`` set) stages nothing: None."""
+    from rpcompile.passes.staging import download_frees, staging_slot, step_key
+
+    if sched.stage_workers is not None:
+        return None
+    frees = {a: by for a, by in download_frees(sched).items() if a.bytes > 0}
+    if not frees:
+        return None
+    if not sched.staging:
+        return "the schedule has no host staging slots (rpcompile.passes.staging.staging_slots)"
+    slot_of = {step_key(a): slot for a, slot in sched.staging}
+    sizes = sched.staging_bytes
+    chains: dict[int, list[Action]] = {}
+    for a in frees:
+        slot = staging_slot(sched, slot_of, a, a.step)
+        if slot is None or not 0 <= slot < len(sizes):
+            return f"the download {a} has no host staging slot"
+        if a.bytes > sizes[slot]:
+            return (f"the download {a} ({format_bytes(a.bytes)}) does not fit its staging "
+                    f"slot {slot} ({format_bytes(sizes[slot])})")
+        chains.setdefault(slot, []).append(a)
+    reuse = {(e.src, e.dst) for e in sched.edges if e.kind == "reuse"}
+    freed_by: dict[Action, list[Action]] = {}
+    for a, by in frees.items():
+        for f in by:
+            freed_by.setdefault(f, []).append(a)
+    links: dict[Action, set[Action]] = {}  # holder -> the holders its frees' reuse edges reach
+    for f, y in reuse:
+        for x in freed_by.get(f, ()):
+            links.setdefault(x, set()).add(y)
+    path = _PathSearch(sched)
+    for slot, chain in chains.items():
+        for x, y in itertools.pairwise(_holder_order(chain, links)):
+            for f in frees[x]:
+                if f != y and (f, y) not in reuse and not path(f, y):
+                    return (f"the downloads {x} and {y} share host staging slot {slot}, but "
+                            f"nothing orders {f} (which frees the first) before the second")
+    return _reuse_not_periodic(sched, reuse)
+
+
+def check_staging(sched: Schedule) -> None:
+    """Raise :class:`~rpcompile.ir.ScheduleError` naming what breaks the host staging proof
+    of ``sched`` (:func:`staging_problem`)."""
+    problem = staging_problem(sched)
+    if problem is not None:
+        raise ScheduleError(f"the host staging is not proven: {problem}")
+
+
+def _holder_order(chain: list[Action], links: dict[Action, set[Action]]) -> list[Action]:
+    """A slot's holders by step, and within a step following the reuse links (a holder
+    no other of its step links to first): the order whose consecutive pairs the proof
+    checks. Any order is sound (the check then orders them all); this one is the order the
+    links were made in."""
+    out: list[Action] = []
+    for _, group in itertools.groupby(sorted(chain, key=lambda a: a.step), lambda a: a.step):
+        group = list(group)
+        members = set(group)
+        linked = {y for x in group for y in links.get(x, ()) if y in members and y != x}
+        todo = [a for a in group if a not in linked] or group[:1]
+        seen: set[Action] = set()
+        while todo:
+            x = todo.pop()
+            if x in seen:
+                continue
+            seen.add(x)
+            out.append(x)
+            todo.extend(y for y in links.get(x, ()) if y in members and y not in seen)
+        out.extend(a for a in group if a not in seen)
+    return out
+
+
+class _PathSearch:
+    """``search(a, b)``: a path of edges and ordered-stream successions leads from ``a`` to
+    ``b``. The graph is built on the first search (the proof rarely needs one: a slot's
+    consecutive holders are mostly ordered by a direct reuse edge); a search goes through
+    the actions the dry run placed before ``b`` only (a linear extension of the order)."""
+
+    def __init__(self, sched: Schedule) -> None:
+        self.sched = sched
+        self.succ: dict[Action, list[Action]] | None = None
+        self.place: dict[Action, int] = {}
+
+    def __call__(self, a: Action, b: Action) -> bool:
+        if self.succ is None:
+            self.succ = {}
+            for e in self.sched.edges:
+                self.succ.setdefault(e.src, []).append(e.dst)
+            lists = [[x for x in lst if x.stream == "compute"] for lst in self.sched.actions]
+            for lst in (*lists, self.sched.host, self.sched.network):
+                for x, y in itertools.pairwise(lst):
+                    self.succ.setdefault(x, []).append(y)
+            self.place = self.sched.dry_run().steps
+        limit = self.place.get(b)
+        if limit is None:
+            return False
+        seen, todo = {a}, [a]
+        while todo:
+            for n in self.succ.get(todo.pop(), ()):
+                if n == b:
+                    return True
+                if n not in seen and self.place.get(n, limit) < limit:
+                    seen.add(n)
+                    todo.append(n)
+        return False
+
+
+def _reuse_not_periodic(sched: Schedule, reuse: set[tuple[Action, Action]]) -> str | None:
+    """Where the ``reuse`` edges into a repeated step differ from those into its copy one
+    cycle on (None: nowhere)."""
+    from rpcompile.passes.staging import step_key
+
+    if not sched.repeat_until:
+        return None
+    period = sched.run_steps - sched.repeat_from
+    keys = {(step_key(f), step_key(y)) for f, y in reuse}
+    for f, y in reuse:
+        if sched.repeat_from <= y.step < sched.run_steps and y.step + period < sched.steps:
+            d = period
+        elif y.step >= sched.run_steps:
+            d = -period
+        else:
+            continue
+        if (step_key(f, f.step + d), step_key(y, y.step + d)) not in keys:
+            return (f"the reuse edge {f} -> {y} has no copy one cycle "
+                    f"{'on' if d > 0 else 'back'} (steps {f.step + d} -> {y.step + d}): a "
+                    f"run repeats steps {sched.repeat_from}..{sched.run_steps - 1}")
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 # Host memory
 # ---------------------------------------------------------------------------------------------
 
@@ -364,9 +510,9 @@ class HostMemory:
     copy of every parameter, frozen or trainable, that the forward and the backward stage
     holding it share; async, a second copy of the trainable ones, which the next step reads
     while this step's uploads read the first, ``HostStore.add_shadow_pair``), ``transfers``:
-    the peak of
-    activations, recompute inputs and downloaded gradients staged on the host during a step
-    (0 when no run was simulated), ``model``: what the user's module still holds of its
+    the host staging of activations, recompute inputs and downloaded gradients, the sum of
+    the schedule's staging slots (``Schedule.staging_bytes``, :func:`staging_problem`; 0 when
+    not given), ``model``: what the user's module still holds of its
     own, its trainable parameters in the compute dtype (its frozen ones are views of their
     shadows, ``HostStore.build(share_frozen=True)``; ``sync_to_model`` writes the trained
     masters into the trainable ones), and the step's undo ``journal``
@@ -379,9 +525,8 @@ class HostMemory:
 
     Pinned (:attr:`pinned`), as a CUDA run allocates it: the host store's flat buffers
     (shadows, masters, gradients and the pending gradients) and the transfer staging (the
-    executor's pool, rpcompile.runtime.memory.HostStaging: one buffer per download, kept and
-    lent again to later downloads it fits, so ``transfers`` is that rule replayed over the
-    simulated step), all of exact size and registered with the driver (never rounded up, as
+    executor's pool, rpcompile.runtime.memory.HostStaging: one buffer per staging slot), all
+    of exact size and registered with the driver (never rounded up, as
     torch's caching pinned allocator would). Not pinned: the
     optimizer's state (torch's own tensors), the module and the journal. ``pageable`` (``PlanOptions.host_memory="pageable"``): the run pins nothing,
     neither the store nor the staging (rpcompile.runtime.memory.pin_host_memory), so

@@ -61,7 +61,7 @@ from dataclasses import dataclass, replace
 
 from rpcompile.errors import InvalidInput, InvalidType
 from rpcompile.hardware import Hardware, get_hardware
-from rpcompile.ir import Plan, Schedule, UnitProfile
+from rpcompile.ir import Plan, UnitProfile
 from rpcompile.options import PlanOptions
 from rpcompile.passes.memory import HostMemory, format_bytes, host_memory, worker_peaks
 from rpcompile.passes.schedule import dispatch_period
@@ -146,15 +146,19 @@ def _alone(plan: Plan, capacity: int) -> str:
 
 def host_need(plan: Plan, hardware: Hardware | str, rounds: int = 1,
               optimizer: str = "async", sched=None) -> HostMemory:
-    """The host memory of ``plan``'s schedule (``sched``, default its
-    :func:`~rpcompile.planner.partition.proof_schedule`, the dispatch period
-    :func:`proven_peaks` proves): its static buffers and the transfer staging of one
-    simulated run, with the undo journal as ``hardware.undo_journal`` says; the figure
-    ``compile()`` checks (``Compiled.host``) for the runtime's schedule."""
+    """The host memory of ``plan``'s schedule (``sched``, default the runtime's,
+    :func:`~rpcompile.passes.lower.runtime_schedule`, whose repeated steps its staging slots
+    follow): its static buffers and the transfer staging, the slots one simulated run of it
+    gives, with the undo journal as ``hardware.undo_journal`` says; the figure ``compile()``
+    checks (``Compiled.host``)."""
+    from rpcompile.passes.lower import runtime_schedule
     from rpcompile.sim import simulate
 
     hw = get_hardware(hardware)
-    sched = proof_schedule(plan, rounds, optimizer) if sched is None else sched
+    if sched is None:
+        sched = runtime_schedule(plan, PlanOptions(gpus=plan.workers,
+                                                   microbatches=plan.microbatches,
+                                                   rounds=rounds, mode=optimizer))
     return host_memory(plan, optimizer, simulate(sched, plan, hw).peak_host_bytes,
                        journal=hw.undo_journal, pageable=hw.host_memory == "pageable")
 
@@ -204,10 +208,8 @@ def longest_sequence(
     ram = max(0, int(host_ram_bytes or 0))
     proofs = replays = 0
     hosts: dict[int, HostMemory] = {}
-    # Each length is proven once (the host search meets lengths the GPU search proved), and
-    # the last proof's schedule is kept for the host replay that usually follows it.
+    # Each length is proven once (the host search meets lengths the GPU search proved).
     attempts: dict[int, tuple[Plan | None, str]] = {}
-    proven: dict[int, Schedule] = {}
 
     def gpu_attempt(seq: int) -> tuple[Plan | None, str]:
         if seq not in attempts:
@@ -223,8 +225,6 @@ def longest_sequence(
         steps = proof_steps(plan, rounds, optimizer)
         period = dispatch_period(len(plan.stages) * rounds, plan.workers)
         sched = proof_schedule(plan, rounds, optimizer, steps + period)
-        proven.clear()
-        proven[seq] = sched
         peaks = worker_peaks(sched, plan, steps=steps)  # as proven_peaks
         proofs += 1
         top = max(peaks, key=lambda p: p.peak_bytes)
@@ -238,8 +238,7 @@ def longest_sequence(
         nonlocal replays
         if plan.seq_len not in hosts:
             replays += 1
-            hosts[plan.seq_len] = host_need(plan, hw, rounds, optimizer,
-                                            proven.get(plan.seq_len))
+            hosts[plan.seq_len] = host_need(plan, hw, rounds, optimizer)
         return hosts[plan.seq_len]
 
     def host_why(host: HostMemory) -> str:

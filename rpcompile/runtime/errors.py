@@ -12,6 +12,7 @@ __all__ = [
     "EventTimeout",
     "OptimizerError",
     "RuntimeFault",
+    "StagingError",
     "UpstreamFailed",
     "WorkerAborted",
     "WorkerError",
@@ -104,6 +105,11 @@ class UpstreamFailed(RuntimeFault):
         self.cause = cause
         super().__init__(f"event {event!r} failed upstream: {type(cause).__name__}: {cause}")
         self.__cause__ = cause
+
+
+class StagingError(RuntimeFault):
+    """A download does not fit its host staging slot (a batch larger than the plan's: plan
+    for it), or its slot is still lent (a schedule whose slots nothing orders)."""
 
 
 class EventTimeout(RuntimeFault, TimeoutError):

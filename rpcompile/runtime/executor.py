@@ -53,7 +53,9 @@ from rpcompile.errors import InvalidInput, StateError
 from rpcompile.ir import STEPS_IN_FLIGHT, Action, Schedule
 from rpcompile.options import TrainOptions, deferred_reasons, update_order
 from rpcompile.passes.lower import DATA_PARALLEL_PASSES, LOWERING_PASSES, updates_deferred
+from rpcompile.passes.memory import check_staging
 from rpcompile.passes.schedule import dispatch_period
+from rpcompile.passes.staging import step_key
 from rpcompile.runtime.actions import ACTION_OF, RUNTIME_ACTIONS, Actions, clip_grad_norm
 from rpcompile.runtime.errors import EventTimeout, OptimizerError, RuntimeFault, WorkerError
 from rpcompile.runtime.lanes import INTERRUPTS, InFlight, uninterrupted
@@ -64,6 +66,7 @@ from rpcompile.runtime.results import StepAborted, StepFailed, StepResult, StepT
 from rpcompile.runtime.step_state import StepPlan, StepState
 from rpcompile.runtime.values import bundle_names
 from rpcompile.runtime.workers import Worker
+from rpcompile.sim.engine import paused_gc, with_staging
 
 if TYPE_CHECKING:
     from rpcompile.compiler import Compiled
@@ -106,6 +109,11 @@ class Executor(Actions):
                  reducer: DataParallel | None = None) -> None:
         options = TrainOptions() if options is None else options
         self.options = options
+        if not schedule.staging_bytes:
+            # A schedule lowered by hand: its host staging slots as compile() gives them.
+            schedule = with_staging(schedule, compiled.plan, compiled.hardware)
+            with paused_gc():
+                check_staging(schedule)
         kernels, skip_nonfinite = options.kernels, options.skip_nonfinite
         max_grad_norm = options.max_grad_norm
         # Updates (both modes) are the schedule's OPT actions: where they sit in the host
@@ -191,9 +199,11 @@ class Executor(Actions):
         self._step_lock = threading.Lock()
         self._closed = ""  # why steps are refused (set by abort())
         self.abandoned: list[Worker] = []  # replaced workers whose threads were stuck
-        # The host side of every download: exact-size buffers, pinned on a pinned CUDA run,
-        # lent again to later downloads they fit (rpcompile.runtime.memory.HostStaging).
-        self.staging = HostStaging(pin=any(w.pinned for w in self.workers))
+        # The host side of every download: one buffer per staging slot of the schedule,
+        # pinned on a pinned CUDA run (rpcompile.runtime.memory.HostStaging).
+        self.staging = HostStaging(schedule.staging_bytes,
+                                   pin=any(w.pinned for w in self.workers))
+        self._slot_of = {step_key(a): slot for a, slot in schedule.staging}
         self.steps_run = 0  # the run steps committed (the round-robin counter's position)
         # The loss scaler's scale after each step's check, by run step, which later steps'
         # backward starts from (Actions._loss_scale); before the first: the floor.

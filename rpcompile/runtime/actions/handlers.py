@@ -44,6 +44,7 @@ from rpcompile.capture.quantized import dequantize_sites, without_dequantize
 from rpcompile.errors import MissingKey, StateError
 from rpcompile.ir import Action
 from rpcompile.passes.chunked_loss import TOKEN_HITS
+from rpcompile.passes.staging import staging_slot
 from rpcompile.runtime import kernels as _kernels
 from rpcompile.runtime.actions.copies import _chunked_copy, _same_device
 from rpcompile.runtime.actions.grads import _accumulate, clip_grad_norm
@@ -191,7 +192,8 @@ class Actions:
         worker = self.workers[a.worker]
         if a.what == "grad":
             job = run.grads.pop((a.worker, a.stage, a.round))
-            buf, (host,) = self.staging.carve([job.flat], run.flight.taken)
+            buf, (host,) = self.staging.carve([job.flat], run.flight.taken,
+                                              self._staging_slot(run, a))
             _chunked_copy(worker, [(host, job.flat)], a.chunks)
             flag = worker.host_empty(job.flag.shape, job.flag.dtype)
             worker.copy_(flag, job.flag)
@@ -208,7 +210,7 @@ class Actions:
         moved: list[torch.Tensor] = []
         for v in device.values():
             copy_to(v, lambda t: moved.append(t) or t)
-        buf, views = self.staging.carve(moved, run.flight.taken)
+        buf, views = self.staging.carve(moved, run.flight.taken, self._staging_slot(run, a))
         slots = iter(views)
 
         def download(t: torch.Tensor) -> torch.Tensor:
@@ -223,6 +225,13 @@ class Actions:
             run.host_values[hkey] = staged
             run.host_bufs[hkey] = buf
         self._give_back(run, a, key)
+
+    def _staging_slot(self, run: StepState, a: Action) -> int | None:
+        """The host staging slot download ``a`` of run step ``run.k`` takes: the slot of the
+        same download in the schedule step rpcompile.passes.staging.slot_step names, or its
+        cycle phase's (rpcompile.passes.staging.staging_slot; None for a download of no
+        bytes, which takes none)."""
+        return staging_slot(self.schedule, self._slot_of, a, run.k)
 
     def _give_back(self, run: StepState, a: Action, what: torch.Tensor | tuple) -> None:
         """After D2H ``a``: give back the device memory it sent home (a gradient buffer, or

@@ -35,7 +35,8 @@ weights in the compute dtype (:meth:`StageBuffers.packed_views`,
 Modules: ``layout`` (where each parameter lives: ParamSlot, Segment, StageLayout,
 PackedLayout, StageBuffers, contiguous runs, shard bounds), ``store`` (HostStore: build, shadow
 refresh, gradient accumulation, masters for the optimizer), ``report`` (MemoryReport),
-``staging`` (HostStaging: the transfers' host buffers, exact size, kept for reuse), ``pinned``
+``staging`` (HostStaging: the downloads' host buffers, one per staging slot of the
+schedule, kept for reuse), ``pinned``
 (exact-size, optionally pinned, flat buffers).
 
 **Sharded masters** (data parallel with ``shard_optimizer``, :meth:`HostStore.shard_masters`):

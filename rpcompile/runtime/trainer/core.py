@@ -27,7 +27,13 @@ from rpcompile.passes.lower import (
     runtime_schedule,
     updates_deferred,
 )
-from rpcompile.passes.memory import HostMemory, HostMemoryError, host_memory, host_ram_problem
+from rpcompile.passes.memory import (
+    HostMemory,
+    HostMemoryError,
+    check_staging,
+    host_memory,
+    host_ram_problem,
+)
 from rpcompile.runtime.errors import OptimizerError
 from rpcompile.runtime.executor import Executor, StepFailed, StepResult
 from rpcompile.runtime.kernels import host_backend
@@ -35,6 +41,7 @@ from rpcompile.runtime.loss_scale import DynamicLossScaler, LossScaleConfig
 from rpcompile.runtime.memory import HostStore, MemoryReport, pin_host_memory
 from rpcompile.runtime.optim import OptimizerDriver
 from rpcompile.runtime.workers import make_workers
+from rpcompile.sim.engine import paused_gc, with_staging
 
 if TYPE_CHECKING:
     from rpcompile.compiler import Compiled
@@ -220,17 +227,20 @@ class Trainer(TrainerState):
         run = replace(run, gpus=compiled.workers, microbatches=compiled.microbatches,
                       rounds=compiled.rounds)
         self._lowered_by = (plan, run)
-        return runtime_schedule(plan, run)
+        # Its host staging slots as compile() gives its own (rpcompile.passes.staging).
+        staged = with_staging(runtime_schedule(plan, run), plan, compiled.hardware)
+        with paused_gc():
+            check_staging(staged)
+        return staged
 
     def _host_figure(self, compiled: Compiled, mode: str, world: int, shard: bool) -> HostMemory:
         """The host bytes this trainer's run keeps: the plan's static buffers in this mode,
-        with or without the undo journal, the transfer staging compile() simulated
-        (``compiled.host``), at one rank's share when sharded."""
+        with or without the undo journal, the transfer staging (the sum of this run's
+        schedule's host staging slots: ``Schedule.staging_bytes``), at one rank's share when
+        sharded."""
         host = host_memory(compiled.plan, mode, journal=self.plan_options.undo_journal,
                            pageable=self.plan_options.host_memory == "pageable")
-        kept = getattr(compiled, "host", None)
-        if kept is not None:
-            host = replace(host, transfers=kept.transfers)
+        host = replace(host, transfers=sum(self.schedule.staging_bytes))
         return host.sharded(world) if shard and world > 1 else host
 
     def _check_host_ram(self) -> None:

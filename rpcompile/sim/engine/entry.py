@@ -1,6 +1,7 @@
 """The simulator's entry points: compute_times() (milliseconds per compute action, from stage
 costs or per-unit times), simulate() (replay, then measure), replay_timeline() (the
-replay alone), and paused_gc() (the collector off while a replay's objects are alive)."""
+replay alone), with_staging() (a schedule's host staging slots, from its replay), and
+paused_gc() (the collector off while a replay's objects are alive)."""
 
 from __future__ import annotations
 
@@ -29,6 +30,7 @@ __all__ = [
     "paused_gc",
     "replay_timeline",
     "simulate",
+    "with_staging",
 ]
 
 
@@ -136,6 +138,28 @@ def replay_timeline(schedule: Schedule, plan: Plan | Sequence[Stage],
                          "was built from")
     with paused_gc():
         return _run(schedule, plan, hw, compute_times(schedule, plan))
+
+
+def with_staging(schedule: Schedule, plan: Plan | Sequence[Stage],
+                 hardware: Hardware | str) -> Schedule:
+    """``schedule`` with its host staging slots and their ``reuse`` waits
+    (rpcompile.passes.staging.staging_slots), lent as a replay of it on ``hardware`` lends
+    its downloads' buffers, so that replay and its step time are unchanged and the
+    simulator's host figure (:func:`peak_host_bytes`) is the slots' sum. A data-parallel
+    schedule on a profile without an inter-server link cannot be timed: lent in the order of
+    its dry run (unit steps). Returned as it is when it has slots already or is a baseline's
+    (``stage_workers`` set: no pool)."""
+    from rpcompile.passes.staging import staging_slots
+
+    if schedule.staging_bytes or schedule.stage_workers is not None:
+        return schedule
+    hw = get_hardware(hardware)
+    if schedule.ranks > 1 and hw.link is None:
+        timeline = {a: (float(t), float(t + 1)) for a, t in schedule.dry_run().steps.items()}
+    else:
+        timeline = replay_timeline(schedule, plan, hw)
+    with paused_gc():  # the timeline and the schedule alive: many objects for a collection
+        return staging_slots(schedule, timeline)
 
 
 def peak_host_bytes(schedule: Schedule, plan: Plan | Sequence[Stage],

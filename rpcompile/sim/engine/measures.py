@@ -4,18 +4,17 @@ included)."""
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Mapping
 
 from rpcompile.hardware import Hardware
 from rpcompile.ir import (
-    STAGING_FIT,
     Action,
     Schedule,
     Stage,
     UnitProfile,
 )
 from rpcompile.passes.memory import working_bytes
+from rpcompile.passes.staging import lend
 from rpcompile.sim.engine.costs import _COMPUTE_STREAM_KINDS, _TIMED_KINDS
 from rpcompile.sim.result import SimResult, busy_split
 
@@ -242,9 +241,10 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
     unit profiles: each stage's shadow and accumulator); a baseline adds the bf16
     weights of frozen parameters. Dynamic: activations between
     their D2H start and the end of the last H2D reading them, and a job's gradients between
-    their D2H start and the end of their ACC; for RoundPipe counted as the runtime's staging
-    pool holds them (:func:`_staging_pool`: buffers kept and lent again, best fit), for a
-    baseline as the peak of their sum."""
+    their D2H start and the end of their ACC; for RoundPipe the sum of the host staging slots
+    the runtime lends them (``Schedule.staging_bytes``, rpcompile.passes.staging: proven to
+    hold whatever the timing; a schedule without slots, those this replay gives), for a
+    baseline the peak of their sum."""
     if sched.stage_workers is None and units is not None:
         # Masters, Adam moments, gradients and shadows, every parameter once (the runtime's
         # host store): rpcompile.passes.memory.HostMemory.
@@ -258,6 +258,12 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
     else:
         static = 0 if units is None else sum(12 * u.trainable_params + 2 * u.frozen_params
                                              for u in units)
+    if sched.stage_workers is None:
+        # The runtime lends each download the host staging slot the schedule gives it (a
+        # buffer of the slot's size: HostStaging); a schedule without slots is counted with
+        # the slots this replay would give it (rpcompile.passes.staging.lend).
+        sizes = sched.staging_bytes or lend(sched, timeline)[1]
+        return static + sum(sizes)
     stays: list[tuple[float, float, int]] = []  # each download on the host: start, end, bytes
     last_read: dict[tuple, float] = {}
     acc_end: dict[tuple, float] = {}
@@ -279,38 +285,4 @@ def _host_memory(sched: Schedule, stages: tuple[Stage, ...],
             else:
                 free = max(end, last_read.get((a.value, a.microbatch, a.round, a.step), end))
             stays.append((start, free, a.bytes))
-    if sched.stage_workers is None:
-        # The runtime stages each download in a buffer it keeps and lends again (the
-        # smallest free one that holds it, within STAGING_FIT; HostStaging): what it holds
-        # is this rule replayed over the step.
-        return static + _staging_pool(stays)
     return static + _peak([e for start, end, n in stays for e in ((start, 1, n), (end, 0, -n))])
-
-
-def _staging_pool(stays: list[tuple[float, float, int]]) -> int:
-    """The bytes a pool holds that lends each download (start, end, bytes) the smallest free
-    buffer at least its size and at most ``STAGING_FIT`` times it, or makes one of exactly
-    its size, and keeps every buffer
-    (rpcompile.runtime.memory.HostStaging); at equal times, buffers come back first."""
-    # (time, order, download): at equal times buffers come back (0) before they are taken
-    # (1), except a download's own return when it stays no time at all (2: after its take).
-    events = sorted([(start, 1, i) for i, (start, _, _) in enumerate(stays)]
-                    + [(end, 0 if end > start else 2, i) for i, (start, end, _)
-                       in enumerate(stays)])
-    free: list[int] = []  # sizes of the free buffers, sorted
-    lent: dict[int, int] = {}  # download -> the size of the buffer it holds
-    made = 0
-    for _, order, i in events:
-        nbytes = stays[i][2]
-        if nbytes <= 0:
-            continue
-        if order != 1:
-            bisect.insort(free, lent.pop(i))
-            continue
-        j = bisect.bisect_left(free, nbytes)
-        if j < len(free) and free[j] <= STAGING_FIT * nbytes:
-            lent[i] = free.pop(j)
-        else:
-            lent[i] = nbytes
-            made += nbytes
-    return made
