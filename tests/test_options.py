@@ -350,15 +350,21 @@ def test_group_values_reach_the_trainer_and_its_executor():
 
 def test_runtime_schedule_reads_the_plan_options():
     """runtime_schedule given the compile's PlanOptions lowers the very schedule compile()
-    kept, and so does an equal group built by hand."""
+    kept (before the staging pass gives its downloads their host slots), and so does an equal
+    group built by hand."""
     from rpcompile.passes.lower import runtime_schedule
+    from rpcompile.sim.engine import with_staging
 
     c = rpcompile.compile(hf_model("qwen3", layers=2), gpus=2, microbatches=3, rounds=2,
                           example_inputs=token_batch(6), device="virtual",
                           plan=PlanOptions(chunk_bytes=8192))
-    assert runtime_schedule(c.plan, c.options.plan) == c.schedule
-    assert runtime_schedule(c.plan, PlanOptions(gpus=2, microbatches=3, rounds=2, mode="sync",
-                                                chunk_bytes=8192)) == c.schedule
+    for options in (c.options.plan, PlanOptions(gpus=2, microbatches=3, rounds=2, mode="sync",
+                                                chunk_bytes=8192)):
+        lowered = runtime_schedule(c.plan, options)
+        assert lowered == c.schedule.replace(
+            edges=tuple(e for e in c.schedule.edges if e.kind != "reuse"), staging=(),
+            staging_bytes=())
+        assert with_staging(lowered, c.plan, c.hardware) == c.schedule
 
 
 # -- the planner's entries take the plan group; every other door checks by the same rule -----
