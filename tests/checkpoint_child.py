@@ -2,16 +2,18 @@
 ``--every`` steps (CheckpointManager), logging each step's loss; ``--resume`` continues from
 the newest complete checkpoint. ``--kill-in-write N`` SIGKILLs itself in the middle of the
 checkpoint write at step N (the tensor file written, the manifest not yet); ``--kill-after N``
-right after step N (between writes). The test forks each child from the suite's fork server
-(tests/rank_server.py) and runs :func:`forked` in it."""
+right after step N (between writes)."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import signal
+import sys
 import warnings
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
@@ -21,17 +23,7 @@ from rpcompile.runtime.checkpoint import CheckpointManager, writing
 from tests.tiny_models import hf_model, token_batch
 
 
-def forked(root: str, *args: str) -> None:
-    """A child's process: :func:`main` on ``--root root`` and ``args``, its standard output
-    discarded and its standard error appended to ``root/stderr.txt``."""
-    Path(root).mkdir(exist_ok=True)
-    with open(Path(root) / "stderr.txt", "a") as err, open(os.devnull, "w") as null:
-        os.dup2(err.fileno(), 2)
-        os.dup2(null.fileno(), 1)
-    main(["--root", root, *args])
-
-
-def main(argv: list[str]) -> None:
+def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--root", required=True)
     ap.add_argument("--steps", type=int, default=8)
@@ -40,7 +32,7 @@ def main(argv: list[str]) -> None:
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--kill-in-write", type=int, default=-1)
     ap.add_argument("--kill-after", type=int, default=-1)
-    args = ap.parse_args(argv)
+    args = ap.parse_args()
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = hf_model("qwen3", layers=2)
@@ -78,3 +70,7 @@ def main(argv: list[str]) -> None:
     masters = {k: v.clone() for k, v in compiled.trainer().masters().items()}
     save_file(masters, str(root / "final.safetensors"))
     compiled.close()
+
+
+if __name__ == "__main__":
+    main()

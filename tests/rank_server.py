@@ -1,13 +1,10 @@
-"""Preloaded by the forkserver that starts tests/runtime/test_distributed.py's ranks and
-tests/runtime/test_checkpoint.py's training children (forked from it, not spawned): the
-imports (torch, transformers, rpcompile, the modules that hold their targets) and the first
+"""Preloaded by the forkserver that starts tests/runtime/test_distributed.py's ranks (forked from it,
+not spawned): the imports (torch, transformers, rpcompile, the test module) and the first
 compile in a process (several times the cost of a later one: torch.export's shape and
-dispatch caches fill) are paid once for the session, not once per process. Both tests name
-this one module: a process has one fork server, started by whichever test comes first.
-
-The compile is of the ranks' tiny Qwen3 on a batch of one rank's shape, from weights no test
-uses, and it is closed (every thread it started is joined) before the server forks: a forked
-process starts with one thread (and a rank with a fresh process group of its own), as a
+dispatch caches fill) are paid once for the session, not once per rank. The compile is of
+the ranks' tiny Qwen3 on a batch of one rank's shape, from weights no test uses, and it is
+closed (every thread it started is joined) before the server
+forks: a forked rank starts with one thread and a fresh process group of its own, as a
 spawned one does; what its cases compute is the same (a rank's later cases already compile
 after an earlier one in the same process)."""
 
@@ -19,8 +16,7 @@ import warnings
 import torch
 
 import rpcompile
-import tests.checkpoint_child
-import tests.runtime.test_distributed  # noqa: F401  (the targets, unpickled by reference)
+import tests.runtime.test_distributed  # noqa: F401  (the ranks' targets, unpickled by reference)
 from tests.tiny_models import hf_model, sft_batch
 
 torch.set_num_threads(1)  # as every rank sets: no intra-op thread pool to fork with

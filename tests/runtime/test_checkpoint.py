@@ -7,10 +7,11 @@ key named and nothing changed."""
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -23,8 +24,9 @@ import rpcompile
 from rpcompile.capture.tracing import tracer_waiting
 from rpcompile.options import TrainOptions
 from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager, read_manifest
-from tests import checkpoint_child
 from tests.tiny_models import hf_model, token_batch
+
+CHILD = Path(__file__).parents[1] / "checkpoint_child.py"
 
 
 def make(mode="sync", layers=2):
@@ -439,25 +441,25 @@ def test_a_write_the_file_system_refuses_keeps_the_previous_checkpoint(tmp_path,
         compiled.close()
 
 
-def _start_child(root: Path, *args: str) -> multiprocessing.Process:
-    """tests/checkpoint_child.py in the background, in a new process forked from the suite's
-    fork server (tests/rank_server.py: the imports and a first compile paid once, one
-    thread), its stderr in ``root/stderr.txt``."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.rank_server"])
-    child = ctx.Process(target=checkpoint_child.forked, args=(str(root), *args))
-    child.start()
-    return child
+def _start_child(root: Path, *args: str) -> subprocess.Popen:
+    """tests/checkpoint_child.py in the background on one thread, its stderr in
+    ``root/stderr.txt``."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    root.mkdir(exist_ok=True)
+    with (root / "stderr.txt").open("a") as err:
+        return subprocess.Popen([sys.executable, str(CHILD), "--root", str(root), *args],
+                                stdout=subprocess.DEVNULL, stderr=err, env=env)
 
 
-def _ended(root: Path, child: multiprocessing.Process) -> tuple[int, str]:
+def _ended(root: Path, child: subprocess.Popen) -> tuple[int, str]:
     """The child's exit status once it ends (a hang fails the test), and its stderr's end."""
-    child.join(timeout=300)
-    if child.is_alive():
+    try:
+        child.wait(timeout=300)
+    except subprocess.TimeoutExpired:
         child.kill()
-        child.join()
+        child.wait()
         pytest.fail(f"the child in {root} did not end within 300 s (hang)")
-    return child.exitcode, (root / "stderr.txt").read_text()[-3000:]
+    return child.returncode, (root / "stderr.txt").read_text()[-3000:]
 
 
 def _losses(root: Path) -> dict[int, str]:
@@ -476,8 +478,8 @@ def _final(root: Path) -> dict[str, torch.Tensor]:
 
 
 def test_sigkill_then_resume_is_bit_identical(tmp_path):
-    """Each run is its own process; the independent ones run at once (each child is one
-    thread: one at a time would leave a core idle)."""
+    """Each run is its own process, as before; the independent ones run at once (each child
+    is one thread: one at a time left a core idle)."""
     steps = ["--steps", "7", "--every", "2"]
     cases = {"in_write": ["--kill-in-write", "4"], "between": ["--kill-after", "2"],
              "random": []}
@@ -487,14 +489,14 @@ def test_sigkill_then_resume_is_bit_identical(tmp_path):
     root = tmp_path / "random"
     child = children["random"]
     deadline = time.monotonic() + 200
-    while time.monotonic() < deadline and child.is_alive():
+    while time.monotonic() < deadline and child.poll() is None:
         log = root / "losses.txt"
         if log.exists() and len(log.read_text().splitlines()) >= 3:
             break
         time.sleep(0.01)
     time.sleep(random.Random(0).uniform(0.0, 0.3))
-    child.kill()  # SIGKILL
-    child.join()
+    child.send_signal(signal.SIGKILL)
+    child.wait()
     code, err = _ended(clean, children["clean"])
     assert code == 0, err
     for name in ("in_write", "between"):
