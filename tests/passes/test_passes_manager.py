@@ -30,13 +30,17 @@ def test_the_history_lists_every_pass_in_order_with_time_and_artifact(monkeypatc
     monkeypatch.setenv("RPCOMPILE_DEBUG", "0")
     c = _compile()
     names = [r.name for r in c.history]
-    assert names == FRONT + list(LOWERING_PASSES)
+    assert names == FRONT + list(LOWERING_PASSES) + ["staging"]
     assert all(r.elapsed_ms >= 0 for r in c.history)
-    lowering = c.history[len(FRONT):]
-    # Each lowering record holds the schedule that pass produced, the last the compiled one.
+    lowering = c.history[len(FRONT):-1]
+    # Each lowering record holds the schedule that pass produced; the staging pass's record
+    # holds the compiled one: the last lowering's with its host slots and reuse waits.
     assert all(isinstance(r.artifact, Schedule) and r.artifact.passes[-1] == r.name
                for r in lowering)
-    assert lowering[-1].artifact == c.schedule
+    assert c.history[-1].artifact is c.schedule
+    assert lowering[-1].artifact == c.schedule.replace(
+        edges=tuple(e for e in c.schedule.edges if e.kind != "reuse"), staging=(),
+        staging_bytes=())
     # Without debug the compile's own checks do not run; the validation of the schedule that
     # runs, the last lowering pass's, always does.
     assert all(r.check_ms == 0.0 for r in c.history[:len(FRONT)])
@@ -52,7 +56,7 @@ def test_a_replan_keeps_the_front_passes_and_records_its_own(monkeypatch):
     # capture, chunk-loss, token-hits and cost are kept (not re-run); the planning passes are
     # new.
     assert [r.name for r in again.history] == ["capture", "chunk-loss", *FRONT[1:],
-                                               *LOWERING_PASSES]
+                                               *LOWERING_PASSES, "staging"]
     assert again.history[3] is c.history[3]
     assert again.history[-1].artifact == again.schedule
 

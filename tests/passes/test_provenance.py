@@ -13,7 +13,13 @@ from rpcompile.passes.manager import PassInvariantError
 from tests.tiny_models import hf_model, token_batch
 
 PASSES = ["capture", "token-hits", "cost", "partition", "split", "dispatch",
-          "upload", "transfers", "grads", "optimizer", "commit", "events"]
+          "upload", "transfers", "grads", "optimizer", "commit", "events", "staging"]
+
+
+def without_staging(sched):
+    """``sched`` without its host staging slots and their ``reuse`` waits."""
+    return sched.replace(edges=tuple(e for e in sched.edges if e.kind != "reuse"), staging=(),
+                         staging_bytes=())
 
 
 def _compile():
@@ -39,7 +45,11 @@ def test_every_pass_is_recorded_in_order_with_its_artifact(monkeypatch):
     assert by["partition"] is c.plan and isinstance(c.plan, Plan)
     assert by["split"] is c.stages
     assert isinstance(by["dispatch"], Schedule)
-    assert by["events"] == c.schedule  # the last lowering pass gives the compiled schedule
+    # The last lowering pass gives the compiled schedule; the staging pass adds its downloads'
+    # host slots and the waits that keep a slot's holders apart (rpcompile.passes.staging).
+    assert by["staging"] is c.schedule
+    assert by["events"] == without_staging(c.schedule)
+    assert by["staging"].passes == by["events"].passes
     assert all(r.elapsed_ms >= 0 for r in c.history)
     assert c.history[0].elapsed_ms > 0 and c.history[0].check_ms > 0  # checked under debug
 
