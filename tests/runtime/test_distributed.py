@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import time
+from multiprocessing import forkserver
 
 import pytest
 import torch
@@ -276,13 +277,35 @@ def _spawn(target, world: int, tmp_path, *args, timeout: float = 240.0) -> list[
     return _join(*_start(target, world, tmp_path, *args, timeout=timeout))
 
 
+def _fork_server():
+    """The forkserver context of the ranks, its server started (once per process) with
+    ``OMP_NUM_THREADS=1``. ``torch.set_num_threads(1)`` covers only the calling thread: under
+    OpenMP's default a virtual worker's thread runs MKL's parallel regions on two threads,
+    and every thread that ran one keeps an idle helper thread. With one OpenMP thread per
+    thread none exists, so the server can wait until it runs a single native thread before
+    it forks (tests/rank_server.py). This process's own environment is left as it was."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.rank_server"])
+    one = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    saved = {k: os.environ.get(k) for k in one}
+    os.environ.update(one)
+    try:
+        forkserver.ensure_running()  # a no-op once the server runs
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx
+
+
 def _start(target, world: int, tmp_path, *args, timeout: float = 240.0):
     """Start the ranks of :func:`_spawn` (the caller may work meanwhile); :func:`_join` them.
     The ranks are forked from a server started once for the session (tests/rank_server.py:
     the imports and a first compile done there), each a new process with its own process
     group, as a spawned one would be."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["tests.rank_server"])
+    ctx = _fork_server()
     port = _free_port()
     procs = [ctx.Process(target=_watched, args=(target, r, world, port, str(tmp_path), *args))
              for r in range(world)]
