@@ -1171,9 +1171,13 @@ def test_train_under_torchrun_equals_one_process_and_resumes_on_one_rank(tmp_pat
 
 
 def test_train_shard_optimizer_under_torchrun_equals_one_process(tmp_path, capsys):
-    """``rpcompile train --shard-optimizer`` on 2 ranks: every rank takes part in the
-    evaluations, the checkpoints and final/ (the masters gathered, rank 0 writes); the eval
-    losses and final/'s weights equal one process training the same global batches."""
+    """``rpcompile train --shard-optimizer --checkpoint-per-rank`` on 2 ranks: every rank
+    takes part in the evaluations, the checkpoints (each rank writes its shard's file, rank 0
+    the manifest) and final/ (the masters gathered, rank 0 writes); the eval losses and
+    final/'s weights equal one process training the same global batches, and the step-2
+    checkpoint resumes on 3 ranks (another cut of the shards) to the one-process losses.
+    (A sharded checkpoint that rank 0 writes whole is checked in
+    test_ranks_train_like_one_process_and_eager_on_the_global_batch's zero1 cases.)"""
 
     from safetensors.torch import load_file
 
@@ -1181,7 +1185,7 @@ def test_train_shard_optimizer_under_torchrun_equals_one_process(tmp_path, capsy
     args, env = _train_args(tmp_path, lr="5e-5")
     args[args.index("--eval-every") + 1] = "2"
     two, one = tmp_path / "two", tmp_path / "one"
-    _torchrun([*args, "--shard-optimizer"], two, env, tmp_path)
+    _torchrun([*args, "--shard-optimizer", "--checkpoint-per-rank"], two, env, tmp_path)
     assert _one_process([*args, "--out", str(one)]) == 0
     got, want = _records(two), _records(one)
     evals = [r["eval_loss"] for r in want if "eval_loss" in r]
@@ -1194,8 +1198,13 @@ def test_train_shard_optimizer_under_torchrun_equals_one_process(tmp_path, capsy
                   if p.name.startswith("step-")) == ["step-00000002", "step-00000004"]
     from rpcompile.runtime.checkpoint import read_manifest
 
-    manifest = read_manifest(two / "checkpoints" / "step-00000004")
-    assert manifest["sharded"] and manifest["ranks"] == 2
+    for step in ("step-00000002", "step-00000004"):
+        folder = two / "checkpoints" / step
+        assert sorted(p.name for p in folder.iterdir()) == [
+            "manifest.json", "shard-00000-of-00002.safetensors",
+            "shard-00001-of-00002.safetensors"]
+        manifest = read_manifest(folder)
+        assert manifest["sharded"] and manifest["ranks"] == 2
     sharded = load_file(str(two / "final" / "model.safetensors"))
     single = load_file(str(one / "final" / "model.safetensors"))
     assert sharded.keys() == single.keys()
@@ -1203,26 +1212,14 @@ def test_train_shard_optimizer_under_torchrun_equals_one_process(tmp_path, capsy
                       .abs().max()) for k in single)
     assert moved > 1e-5  # the weights trained: the comparison below is not of untouched ones
     assert max(float((sharded[k] - single[k]).abs().max()) for k in single) < 1e-6
-    # --checkpoint-per-rank: each rank writes its shard's file, rank 0 the manifest; the run
-    # is the same, and its step-2 checkpoint resumes on 2 ranks (the same) and on 3 (another
-    # cut of the shards) to the one-process run's losses.
-    per_rank = tmp_path / "per-rank"
-    _torchrun([*args, "--shard-optimizer", "--checkpoint-per-rank"], per_rank, env, tmp_path)
-    assert [r.get("loss") for r in _records(per_rank)] == [r.get("loss") for r in got]
-    for step in ("step-00000002", "step-00000004"):
-        folder = per_rank / "checkpoints" / step
-        assert sorted(p.name for p in folder.iterdir()) == [
-            "manifest.json", "shard-00000-of-00002.safetensors",
-            "shard-00001-of-00002.safetensors"]
-    for ranks in (2, 3):
-        resumed = tmp_path / f"resumed-{ranks}"
-        _torchrun(["train", "--resume", str(per_rank / "checkpoints" / "step-00000002")],
-                  resumed, env, tmp_path, ranks=ranks)
-        after = {r["step"]: r["loss"] for r in _records(resumed) if "loss" in r}
-        assert sorted(after) == [3, 4], ranks
-        for b in want:
-            if b["step"] > 2 and "loss" in b:
-                assert after[b["step"]] == pytest.approx(b["loss"], abs=1e-6), ranks
+    resumed = tmp_path / "resumed-3"
+    _torchrun(["train", "--resume", str(two / "checkpoints" / "step-00000002")],
+              resumed, env, tmp_path, ranks=3)
+    after = {r["step"]: r["loss"] for r in _records(resumed) if "loss" in r}
+    assert sorted(after) == [3, 4]
+    for b in want:
+        if b["step"] > 2 and "loss" in b:
+            assert after[b["step"]] == pytest.approx(b["loss"], abs=1e-6)
     # Without --shard-optimizer the CLI refuses --checkpoint-per-rank (exit status 2, the
     # error on stderr) before it starts anything: an argument check of the CLI's own main,
     # with no process group (the subprocess it ran in proved nothing more).
