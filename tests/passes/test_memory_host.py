@@ -17,6 +17,7 @@ from rpcompile.passes.memory import staging_problem
 from rpcompile.passes.staging import slot_step, staging_slots
 from rpcompile.sim import simulate
 from rpcompile.sim.engine import replay_timeline
+from tests.schedules import without_staging
 from tests.tiny_models import hf_model, token_batch
 
 
@@ -31,15 +32,10 @@ def compiled(request):
                                  example_inputs=token_batch(2 * microbatches))
 
 
-def _unstaged(sched: Schedule) -> Schedule:
-    return sched.replace(edges=tuple(e for e in sched.edges if e.kind != "reuse"), staging=(),
-                         staging_bytes=())
-
-
 def test_slots_keep_the_replay_and_make_the_host_figure(compiled):
     sched = compiled.schedule
     assert sched.staging_bytes and staging_problem(sched) is None
-    bare = _unstaged(sched)
+    bare = without_staging(sched)
     # The waits the slots add were met in the replay they came from: the same timeline.
     assert replay_timeline(bare, compiled.plan, compiled.hardware) == replay_timeline(
         sched, compiled.plan, compiled.hardware)
@@ -80,7 +76,7 @@ def _ordered(sched: Schedule, src, dst) -> bool:
 
 def test_the_proof_refuses_any_missing_reuse_edge(compiled):
     sched = compiled.schedule
-    bare = _unstaged(sched)
+    bare = without_staging(sched)
     reuse = [e for e in sched.edges if e.kind == "reuse"]
     refused = 0
     for cut in reuse:

@@ -16,6 +16,7 @@ from rpcompile.passes.manager import (
     run_pass,
 )
 from tests.option_groups import grouped
+from tests.schedules import without_staging
 from tests.tiny_models import hf_model, token_batch
 
 FRONT = ["capture", "token-hits", "cost", "partition", "split", "dispatch"]
@@ -38,9 +39,7 @@ def test_the_history_lists_every_pass_in_order_with_time_and_artifact(monkeypatc
     assert all(isinstance(r.artifact, Schedule) and r.artifact.passes[-1] == r.name
                for r in lowering)
     assert c.history[-1].artifact is c.schedule
-    assert lowering[-1].artifact == c.schedule.replace(
-        edges=tuple(e for e in c.schedule.edges if e.kind != "reuse"), staging=(),
-        staging_bytes=())
+    assert lowering[-1].artifact == without_staging(c.schedule)
     # Without debug the compile's own checks do not run; the validation of the schedule that
     # runs, the last lowering pass's, always does.
     assert all(r.check_ms == 0.0 for r in c.history[:len(FRONT)])

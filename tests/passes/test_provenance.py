@@ -10,16 +10,11 @@ import pytest
 import rpcompile
 from rpcompile.ir import Plan, Schedule
 from rpcompile.passes.manager import PassInvariantError
+from tests.schedules import without_staging
 from tests.tiny_models import hf_model, token_batch
 
 PASSES = ["capture", "token-hits", "cost", "partition", "split", "dispatch",
           "upload", "transfers", "grads", "optimizer", "commit", "events", "staging"]
-
-
-def without_staging(sched):
-    """``sched`` without its host staging slots and their ``reuse`` waits."""
-    return sched.replace(edges=tuple(e for e in sched.edges if e.kind != "reuse"), staging=(),
-                         staging_bytes=())
 
 
 def _compile():
