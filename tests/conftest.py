@@ -48,3 +48,16 @@ def no_timeline_png(monkeypatch):
             pass
 
     monkeypatch.setattr(rpcompile._draw, "draw_timeline", placeholder)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _capture_cache():
+    """compile() reuses the capture of a model an earlier test captured already, built the
+    same way and given the same example batch (tests/capture_cache.py says what the key holds,
+    and how to turn the cache off or check every hit against a fresh capture)."""
+    import rpcompile.compiler.entry as entry
+    from tests.capture_cache import cached
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(entry, "capture_graph", cached(entry.capture_graph))
+        yield
