@@ -171,15 +171,16 @@ def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, capacity, budget
 
 def class_bound(job_ms: Sequence[float], workers: int, microbatches: int,
                 rounds: int = 1) -> float:
-    """The busiest class of workers' compute per step, spread over the class: no steady
-    step of round-robin dispatch is shorter.
+    """The busiest class of workers' compute per step, spread over the class: the steps of
+    a long run of round-robin dispatch average no less.
 
     ``job_ms``: each stage's compute per microbatch, in dispatch order. The counter deals
     J = stages x rounds jobs a step and never restarts (rpcompile.passes.schedule.deal), so
     job j of every step goes to a worker w = j + k J (mod ``workers``): with
     g = gcd(J, workers) > 1 the workers fall into g classes, and class c (workers/g of them)
-    only ever runs the jobs j = c (mod g). Its jobs' time, ``microbatches`` times over,
-    shared by its workers, is a step's least length; the other classes idle for the rest.
+    only ever runs the jobs j = c (mod g). Its jobs' time, ``microbatches`` times over
+    (each job runs every microbatch of its round), shared by its workers, is what a step
+    takes at least; the other classes idle for the rest.
     With g = 1 every worker runs every job in turn and this is a step's compute over all the
     workers."""
     jobs = len(job_ms) * rounds
