@@ -4,7 +4,8 @@
 ``--max-simulations N`` caps the partitioner's replays per search (default: the normal
 search effort's, rpcompile.planner.partition.SEARCH_BUDGETS): a capped search that stops before its proof
 says so in the plan's notes, with the most a candidate it did not replay could be faster.
-``--refine N`` caps the async boundary refinement's replays (default 16; 0 turns it off)."""
+``--refine N`` caps the async boundary refinement's replays (default 16; 0 turns it off, and
+the class balancing that follows it: docs/partition.md, section 6)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,8 @@ def add_search_caps(ap: argparse.ArgumentParser) -> None:
                          "own cap; a search stopped before its proof says so)")
     ap.add_argument("--refine", type=int, default=None, metavar="N",
                     help="cap the async boundary refinement's simulator replays (default: "
-                         "the partitioner's 16; 0 turns it off)")
+                         "the partitioner's 16; 0 turns it and the class balancing "
+                         "after it off)")
 
 
 def capped_partition(args: argparse.Namespace) -> Callable[..., Any]:

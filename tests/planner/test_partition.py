@@ -24,7 +24,7 @@ from rpcompile.planner.partition import (
 )
 from rpcompile.planner.partition import search as search_module
 from rpcompile.planner.partition.cuts import _all_cuts
-from rpcompile.planner.partition.local import _bounds, _search
+from rpcompile.planner.partition.local import _balance, _bounds, _refine, _search, class_bound
 from rpcompile.planner.partition.search import _layer_starts, _tail_starts
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_roundpipe, steady_step_ms, steady_steps, steady_utilization
@@ -109,7 +109,8 @@ def test_block_plan_is_no_slower_than_the_layer_plan_and_refinement_only_helps()
                                 optimizer="async")
     assert steady_step_ms(result) == pytest.approx(refined.predicted_step_ms)
     if refined.stages != blocks.stages:
-        assert any("refined in the simulator" in note for note in refined.notes)
+        assert any(("refined in the simulator" in note or "balanced in the simulator" in note)
+                   for note in refined.notes)
 
 
 def test_cuts_always_include_every_grid_piece_its_own_stage():
@@ -346,3 +347,109 @@ def test_async_search_is_no_slower_than_roundpipes_greedy_partition():
     plan = partition(units, hw, PlanOptions(gpus=3, microbatches=3, mode="async"))
     assert plan.predicted_step_ms <= greedy_ms * (1 + 1e-9)
     assert plan.tail.units == greedy.tail.units
+
+
+def _halves(layers: int) -> list[UnitProfile]:
+    """A model of attention and MLP blocks (1 : 3 in time), its tail as long as one layer:
+    stage times come in few sizes, so the worker classes of round-robin dispatch are easy
+    to unbalance and hard to balance with one boundary moved at a time."""
+    units = [UnitProfile("prefix", 0.0, 0.0, 1000, output_bytes=10**6)]
+    for i in range(layers):
+        units += [UnitProfile(f"layers.{i}.{kind}", fwd, bwd, 10**6, output_bytes=10**6,
+                              group=f"layers.{i}")
+                  for kind, fwd, bwd in (("attn", 10.0, 30.0), ("mlp", 30.0, 90.0))]
+    return [*units, UnitProfile("tail", 40.0, 80.0, 10**6)]
+
+
+# (forward starts, backward starts) of plans the refinement cannot improve, and how the
+# class-balancing step improves them: re-cut with one forward stage more (10 jobs a step on
+# 4 workers, two classes of which one runs the longer jobs, become 11: one class), or with
+# runs of boundaries shifted together on both sides (14 jobs, stage counts kept).
+_UNBALANCED = {
+    "forward count": (((0,), (0, 3, 5, 8, 9, 11, 13, 15)), 0.25),
+    "runs": (((0, 6, 10, 13), (0, 2, 3, 5, 7, 9, 11, 13, 15)), 0.75),
+}
+
+
+@pytest.mark.parametrize("case", sorted(_UNBALANCED))
+def test_class_balancing_reaches_what_single_boundary_moves_cannot(case):
+    """From each plan no single boundary moved by 1 or 2 units shortens the simulated steady
+    state (the refinement returns it unchanged, and it keeps stage counts); the
+    class-balancing step finds a plan whose steady-state bubble, simulated here on its own,
+    is at most ``ratio`` of the plan's, and whose busiest worker class has no more compute
+    (less, where the stage count changes the classes). No steady step is shorter than that
+    class's compute (class_bound). Repeatable, and within its cap of runs."""
+    (fwd, bwd), ratio = _UNBALANCED[case]
+    hw = get_hardware("rtx4090x8")
+    units = _halves(8)
+    tail, workers, microbatches = len(units) - 1, 4, 8
+    figures = search_module._StageFigures(units, StageCosting())
+    cap = limit = hw.usable_memory_bytes
+
+    def make(fwd, bwd, t, notes=()):
+        return figures.plan(fwd, bwd, t, hw, workers, microbatches, 1, 2048, 1, notes, "async")
+
+    def recut(count, t):  # the forward side's min-max cut into ``count`` stages
+        cost = [u.forward_ms for u in units[:t]]
+        cut = _all_cuts(units, cost, "forward", StageCosting(), limit, 8).get(count)
+        return None if cut is None else cut[1]
+
+    def simulated(plan):  # (steady step, bubble) of the simulator alone
+        result = simulate_roundpipe(plan, hw, steps=steady_steps(plan), optimizer="async")
+        return steady_step_ms(result), 1 - steady_utilization(result)
+
+    def busiest(plan):
+        return class_bound([s.compute_ms for s in plan.stages], workers, microbatches)
+
+    (ms, bubble, _peaks), plan = search_module._simulated_ms(make(fwd, bwd, tail), hw, 1,
+                                                            "async", cap)
+    plan = replace(plan, predicted_step_ms=ms)
+    assert _refine(plan, bubble, make, hw, 1, limit, cap, 16, 0.0) == (plan, bubble)
+    balanced = _balance(plan, bubble, make, figures.job_ms, recut, hw, 1, limit, cap, 4, 0.0)
+    assert _balance(plan, bubble, make, figures.job_ms, recut, hw, 1, limit, cap, 4,
+                    0.0) == balanced
+    base_step, base_bubble = simulated(plan)
+    step, steady_bubble = simulated(balanced)
+    assert base_bubble == pytest.approx(bubble)
+    assert step == pytest.approx(balanced.predicted_step_ms) and step < base_step
+    assert steady_bubble < ratio * base_bubble
+    fwd2, bwd2, _t = _bounds(balanced)
+    if case == "forward count":
+        assert (len(fwd2), bwd2) == (len(fwd) + 1, bwd)
+        assert busiest(balanced) < busiest(plan)
+    else:
+        assert (len(fwd2), len(bwd2)) == (len(fwd), len(bwd))
+        assert sum(a != b for a, b in zip(bwd, bwd2, strict=True)) >= 2  # a run moved
+        assert busiest(balanced) <= busiest(plan)
+    for p, ms in ((plan, base_step), (balanced, step)):
+        assert busiest(p) <= ms
+    note = balanced.notes[-1]
+    assert note.startswith("worker classes balanced in the simulator")
+    assert 1 <= int(note.split(", ")[1].split(" run")[0]) <= 4
+
+
+@pytest.mark.parametrize("target", [0.0, 1.0])
+def test_class_balancing_runs_only_above_the_target_bubble(monkeypatch, target):
+    """The step runs after the refinement, and only while the plan's steady-state bubble is
+    above ``target_bubble``: a plan already below it (every paper workload's but
+    GPT-OSS-20B's) is the plan the refinement left."""
+    calls = []
+    real = search_module._balance
+
+    def recording(plan, bubble, *args):
+        calls.append(bubble)
+        return real(plan, bubble, *args)
+
+    monkeypatch.setattr(search_module, "_balance", recording)
+    units = _halves(3)
+    options = PlanOptions(gpus=4, microbatches=4, mode="async", progress=False)
+    args = dict(microbatch_size=1, seq_len=2048, shortlist=4, search=0, refine=1,
+                target_bubble=target)
+    plan = partition(units, "rtx4090x8", options, **args)
+    if target == 1.0:
+        assert calls == []
+        assert plan == partition(units, "rtx4090x8", options, **args, balance=0)
+        assert not any(n.startswith("worker classes") for n in plan.notes)
+    else:
+        assert len(calls) == 1 and calls[0] > target
+        assert any(n.startswith("worker classes") for n in plan.notes)

@@ -25,9 +25,9 @@ class SearchConfig:
     """What one partition search is asked for, fixed for its whole run: the units and the
     hardware, the run's shape (workers, microbatches per round and their size, sequence
     length, rounds), the optimizer mode, the search's tuning (tail layers, shortlist, replay
-    cap, async refinement, local-search budget) and how every candidate is lowered
-    (``lowering``: the update order and the step check's passes). The recompute choice and the
-    memory limits vary within a search and are passed beside it."""
+    cap, async refinement and class balancing, local-search budget) and how every candidate
+    is lowered (``lowering``: the update order and the step check's passes). The recompute
+    choice and the memory limits vary within a search and are passed beside it."""
 
     units: tuple[Any, ...]
     hw: Any
@@ -41,6 +41,7 @@ class SearchConfig:
     max_simulations: Any
     optimizer: str
     refine: int
+    balance: int
     target_bubble: float
     search: int
     lowering: dict[str, Any]

@@ -72,6 +72,7 @@ def partition(
     max_tail_layers: int = 3,
     shortlist: int | None = None,
     refine: int = 16,
+    balance: int = 4,
     target_bubble: float = 0.01,
     search: int | None = None,
 ) -> Plan:
@@ -84,8 +85,8 @@ def partition(
     ``progress``; ``hardware`` is not read from it: the ``hardware`` argument is the profile
     the plan is timed on, for ``compile`` its planning hardware. ``grad_check_passes`` (from
     the training options), ``costing``, ``microbatch_size``, ``seq_len`` and the search's
-    tuning (``max_tail_layers``, ``shortlist``, ``refine``, ``target_bubble``, ``search``)
-    are keywords.
+    tuning (``max_tail_layers``, ``shortlist``, ``refine``, ``balance``, ``target_bubble``,
+    ``search``) are keywords.
 
     The last unit is the tail (final norm, LM head, loss); the fused tail stage may also take
     up to ``max_tail_layers`` layers (units, or blocks of one layer) before it. Candidates are
@@ -105,7 +106,11 @@ def partition(
     makespan (fill and drain included). When units are blocks of layers (``UnitProfile.group``)
     candidates are cut both between any units and between whole layers only. In async mode
     the winner's boundaries are then refined in the simulator (at most ``refine`` runs, until
-    the steady-state bubble is below ``target_bubble``; ``refine=0`` turns it off). Raises
+    the steady-state bubble is below ``target_bubble``; ``refine=0`` turns it off). When the
+    bubble is still above ``target_bubble`` after that, the worker classes of round-robin
+    dispatch are balanced: runs of consecutive boundaries shifted together and the forward
+    side cut with one stage fewer or more, pre-scored by arithmetic and the steady-state
+    estimate, at most ``balance`` more runs (``balance=0`` turns that off). Raises
     :class:`PartitionError` when some unit cannot fit the GPU even alone.
 
     ``recompute``: how backward stages recompute their forward (rpcompile.passes.cost):
@@ -157,7 +162,7 @@ def partition(
     fit = capacity if capacity_bytes is None else min(capacity, int(capacity_bytes))
     args = SearchConfig(units, hw, workers, microbatches, microbatch_size, seq_len, rounds,
                         max_tail_layers, shortlist, max_simulations, optimizer, refine,
-                        target_bubble, search, lowering)
+                        balance, target_bubble, search, lowering)
     log = _SearchLog(StatusLine("rpcompile: search", po.progress, unit=" replays"))
     token = _SEARCH_LOG.set(log)
     try:

@@ -1,10 +1,12 @@
 """Local search over stage boundaries: an iterated climb scored by the lower bound, which
-proposes candidates to the replays, and the refinement of the winner's boundaries in the
-simulator (async)."""
+proposes candidates to the replays; the refinement of the winner's boundaries in the
+simulator (async); and, where the refined plan's bubble is still above the target, the
+balancing of round-robin dispatch's worker classes."""
 
 from __future__ import annotations
 
 import itertools
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import replace
@@ -114,8 +116,10 @@ def _search(seeds: Sequence[Plan], make, limit: int, budget: int, rng: random.Ra
             pool = sorted([*pool, result])[:2 * keep]
     found = [built[(f, b, t)] for v, f, b, t in pool if v < float("inf")]
     return _distinct(found)[:keep]
+
+
 def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, capacity, budget,
-            target_bubble) -> Plan:
+            target_bubble) -> tuple[Plan, float]:
     """Move single stage boundaries by 1 or 2 units while the simulated steady state improves.
 
     Round-robin dispatch is sensitive to small differences between consecutive jobs (a job
@@ -124,6 +128,7 @@ def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, capacity, budget
     improvement, forward boundaries then backward ones, at most ``budget`` simulations in
     all (the one that scored ``plan`` included); stops early once the steady-state bubble is
     below ``target_bubble``. ``make(forward, backward, tail, notes)`` builds a plan.
+    Returns the plan and its simulated steady-state bubble.
     """
     fwd, bwd, tail = _bounds(plan)
     sides = [fwd, bwd]
@@ -158,6 +163,111 @@ def _refine(plan: Plan, bubble: float, make, hw, rounds, limit, capacity, budget
             if spent >= budget:
                 break
     if best is plan:
-        return plan
+        return plan, bubble
     return replace(best, predicted_step_ms=best_ms,
-                   notes=(*plan.notes, f"boundaries refined in the simulator ({spent} runs)"))
+                   notes=(*plan.notes, f"boundaries refined in the simulator ({spent} runs)")
+                   ), bubble
+
+
+def class_bound(job_ms: Sequence[float], workers: int, microbatches: int,
+                rounds: int = 1) -> float:
+    """The busiest class of workers' compute per step, spread over the class: the steps of
+    a long run of round-robin dispatch average no less.
+
+    ``job_ms``: each stage's compute per microbatch, in dispatch order. The counter deals
+    J = stages x rounds jobs a step and never restarts (rpcompile.passes.schedule.deal), so
+    job j of every step goes to a worker w = j + k J (mod ``workers``): with
+    g = gcd(J, workers) > 1 the workers fall into g classes, and class c (workers/g of them)
+    only ever runs the jobs j = c (mod g). Its jobs' time, ``microbatches`` times over
+    (each job runs every microbatch of its round), shared by its workers, is what a step
+    takes at least; the other classes idle for the rest.
+    With g = 1 every worker runs every job in turn and this is a step's compute over all the
+    workers."""
+    jobs = len(job_ms) * rounds
+    g = math.gcd(jobs, workers)
+    sums = [0.0] * g
+    for j in range(jobs):
+        sums[j % g] += job_ms[j % len(job_ms)]
+    return microbatches * max(sums) * g / workers
+
+
+# The class-balancing step's estimates of the steady state at most: its candidates are the
+# pairs of a forward and a backward side (below), at most a few thousand pre-scored by
+# arithmetic; the estimate (steady_estimate) is ~10 ms a plan on a 50-unit model.
+BALANCE_ESTIMATES = 1024
+
+
+def _balance(plan: Plan, bubble: float, make, job_ms, recut, hw, rounds, limit, capacity,
+             budget, target_bubble) -> Plan:
+    """Balance the worker classes of round-robin dispatch (:func:`class_bound`), in the
+    simulator.
+
+    When the job count shares a factor g with the workers, class c only runs jobs
+    j = c (mod g), and the class with the most work paces every step. Moving one boundary
+    moves a unit between two neighbouring stages, which are in different classes, but makes
+    one of them longer than the rest; shifting a run of consecutive boundaries together
+    moves the unit between the stages at the run's two ends and leaves the stages inside it
+    as long as they were. A stage count that makes g larger (or 1) changes the classes
+    themselves.
+
+    Candidates: each forward side among the plan's and the min-max cuts with one forward
+    stage fewer or more (``recut(count, tail)``, None where none fits), each with a run of
+    1 to 4 consecutive boundaries shifted by one unit (or none), paired with the plan's
+    backward side shifted the same ways (or not). Where the job count gives more than one
+    class, only the backward sides with the lowest :func:`class_bound` are kept (cheap:
+    ``job_ms(forward, backward, tail)`` gives the stage times); where it gives one, the
+    backward side is the plan's. The :data:`BALANCE_ESTIMATES` first by that bound (fixed
+    order on ties) are timed by the steady-state estimate (``make``), and those the estimate
+    ranks below the plan's own estimate are replayed, lowest first: at most ``budget``
+    simulations, stopping once the steady-state bubble is below ``target_bubble``. A replay
+    that gives a shorter steady-state step and fits ``capacity`` becomes the plan; the
+    notes say how many candidates were estimated and replayed."""
+    fwd, bwd, tail = _bounds(plan)
+    workers, microbatches = plan.workers, plan.microbatches
+
+    def shifted(bounds: tuple[int, ...]) -> list[tuple[int, ...]]:
+        out = [bounds]
+        for k, i, d in itertools.product(range(1, 5), range(1, len(bounds)), (-1, 1)):
+            if i + k <= len(bounds):
+                moved = (*bounds[:i], *(b + d for b in bounds[i:i + k]), *bounds[i + k:])
+                if all(a < b for a, b in itertools.pairwise((*moved, tail))):
+                    out.append(moved)
+        return out
+
+    heads = [fwd, *(c for p in (len(fwd) - 1, len(fwd) + 1) if (c := recut(p, tail)))]
+    fronts = list(dict.fromkeys(m for head in heads for m in shifted(tuple(head))))
+    backs = shifted(bwd)
+    ranked: list[tuple[float, int, tuple[int, ...], tuple[int, ...]]] = []
+    for front in fronts:
+        if math.gcd((len(front) + 1 + len(bwd)) * rounds, workers) == 1:
+            pairs = [(class_bound(job_ms(front, bwd, tail), workers, microbatches, rounds),
+                      bwd)]
+        else:
+            pairs = [(class_bound(job_ms(front, back, tail), workers, microbatches, rounds),
+                      back) for back in backs]
+            least = min(v for v, _back in pairs)
+            pairs = [(v, back) for v, back in pairs if v <= least * (1 + 1e-9)]
+        ranked += [(round(v, 6), len(ranked) + n, front, back)
+                   for n, (v, back) in enumerate(pairs) if (front, back) != (fwd, bwd)]
+    ranked = sorted(ranked)[:BALANCE_ESTIMATES]
+    own = round(make(fwd, bwd, tail, plan.notes).predicted_step_ms, 6)
+    timed = []
+    for _v, order, front, back in ranked:
+        candidate = make(front, back, tail, plan.notes)
+        if all(st.peak_bytes <= limit for st in candidate.stages) \
+                and (estimate := round(candidate.predicted_step_ms, 6)) < own:
+            timed.append((estimate, order, candidate))
+    best, best_ms, spent = plan, plan.predicted_step_ms, 0
+    for _estimate, _order, candidate in sorted(timed, key=lambda e: e[:2]):
+        if spent >= budget or bubble <= target_bubble:
+            break
+        (ms, trial_bubble, peaks), ran = _simulated_ms(candidate, hw, rounds, "async",
+                                                       capacity)
+        spent += 1
+        if ms < best_ms - 1e-6 and max(p.peak_bytes for p in peaks) <= capacity:
+            best, best_ms, bubble = ran, ms, trial_bubble
+            best = replace(best, worker_peak_bytes=tuple(p.peak_bytes for p in peaks))
+    runs = f"{len(ranked)} candidates estimated, {spent} run{'s' * (spent != 1)}"
+    said = (f"worker classes balanced in the simulator ({runs})" if best is not plan
+            else f"worker classes: no faster plan ({runs})")
+    return replace(best, predicted_step_ms=best_ms, notes=(*plan.notes, said))

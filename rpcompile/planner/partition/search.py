@@ -22,7 +22,7 @@ from rpcompile.planner.partition.common import (
     _NoPlanFits,
 )
 from rpcompile.planner.partition.cuts import _all_cuts
-from rpcompile.planner.partition.local import _bounds, _refine, _search
+from rpcompile.planner.partition.local import _balance, _bounds, _refine, _search
 from rpcompile.planner.partition.proofs import _simulated_ms, _sync_period_proof
 from rpcompile.planner.partition.stages import StageCosting, _stage_memory, _StageFigures
 
@@ -54,6 +54,7 @@ def _partition(cfg: SearchConfig, costing: StageCosting, limit: int, capacity: i
     max_tail_layers, shortlist = cfg.max_tail_layers, cfg.shortlist
     max_simulations = cfg.max_simulations
     optimizer, refine, target_bubble = cfg.optimizer, cfg.refine, cfg.target_bubble
+    balance = cfg.balance
     search, lowering = cfg.search, cfg.lowering
     n = len(units)
 
@@ -67,6 +68,9 @@ def _partition(cfg: SearchConfig, costing: StageCosting, limit: int, capacity: i
     # Per grid: (forward starts, backward starts, tail start) of every grid piece its own
     # stage on both sides, one per tail start (replayed whatever the cap, _best_simulated).
     finest: list[list[tuple[tuple[int, ...], tuple[int, ...], int]]] = [[] for _ in grids]
+    # Per tail start: the forward side's min-max cuts anywhere, by stage count (the class
+    # balancing below re-cuts the plan's forward side with one stage fewer or more).
+    forward_cuts: dict[int, dict[int, tuple[float, tuple[int, ...]]]] = {}
     for (g, grid), t in itertools.product(enumerate(grids), _tail_starts(units, max_tail_layers)):
         # units 0..t-1 are cut into forward and backward stages, t..n-1 are the tail
         if grid is not None and t not in grid:
@@ -87,6 +91,8 @@ def _partition(cfg: SearchConfig, costing: StageCosting, limit: int, capacity: i
         bwd_cuts = _all_cuts(units, bwd_cost, "backward", costing, limit, 4 * workers, starts)
         if not fwd_cuts or not bwd_cuts:
             continue
+        if grid is None:
+            forward_cuts[t] = fwd_cuts
         finest[g].append((fwd_cuts[max(fwd_cuts)][1], bwd_cuts[max(bwd_cuts)][1], t))
         for p, (f_max, f_bounds) in fwd_cuts.items():
             for q, (b_max, b_bounds) in bwd_cuts.items():
@@ -160,7 +166,15 @@ def _partition(cfg: SearchConfig, costing: StageCosting, limit: int, capacity: i
                                                 max_simulations, firsts)
     best = replace(best, notes=(*best.notes, search_note))
     if optimizer == "async" and refine > 0:
-        best = _refine(best, bubble, make, hw, rounds, limit, capacity, refine, target_bubble)
+        best, bubble = _refine(best, bubble, make, hw, rounds, limit, capacity, refine,
+                               target_bubble)
+        if bubble > target_bubble and balance > 0:
+            def recut(count: int, t: int) -> tuple[int, ...] | None:
+                cut = forward_cuts.get(t, {}).get(count)
+                return None if cut is None else cut[1]
+
+            best = _balance(best, bubble, make, figures.job_ms, recut, hw, rounds, limit,
+                            capacity, balance, target_bubble)
     return best
 
 

@@ -83,6 +83,7 @@ class _StageFigures:
         self.units, self.costing = tuple(units), costing
         self._stages: dict[tuple, Stage] = {}  # by (kind, first, last unit, saved starts)
         self._placed: dict[tuple, Stage] = {}  # the same and the index
+        self._ms: dict[tuple, float] = {}  # compute ms by (kind, first, last unit)
 
     def stage(self, index: int, kind: str, r: tuple[int, ...], tail_start: int,
               saved: tuple[int, ...]) -> Stage:
@@ -99,6 +100,22 @@ class _StageFigures:
             self._stages[key] = made
         placed = self._placed[(key, index)] = made if index == 0 else replace(made, index=index)
         return placed
+
+    def job_ms(self, forward_bounds, backward_bounds, tail_start) -> list[float]:
+        """``Stage.compute_ms`` of each stage of the plan these cuts build, in dispatch order
+        (F1..Fp, the tail, B2..Bq), without building or timing the plan."""
+        n = len(self.units)
+        ranges = [("forward", r) for r in _ranges(forward_bounds, tail_start)]
+        ranges.append(("tail", tuple(range(tail_start, n))))
+        ranges += [("backward", r) for r in reversed(_ranges(backward_bounds, tail_start))]
+        out = []
+        for kind, r in ranges:
+            key = (kind, r[0], r[-1])
+            ms = self._ms.get(key)
+            if ms is None:
+                ms = self._ms[key] = _stage_ms(kind, r, self.units, self.costing)
+            out.append(ms)
+        return out
 
     def plan(self, forward_bounds, backward_bounds, tail_start, hw, workers, microbatches,
              microbatch_size, seq_len, rounds, notes, optimizer) -> Plan:
@@ -264,11 +281,15 @@ def _recompute(kind: str, r: tuple[int, ...], units, costing: StageCosting) -> s
             < _gradient_working(units, r, "stage", costing) else "stage")
 
 
-def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges) -> Stage:
+def _stage_ms(kind: str, r: tuple[int, ...], units, costing: StageCosting) -> float:
+    """One microbatch's compute time of a stage of ``kind`` over units ``r``."""
     if kind == "forward":
-        ms = sum(units[u].forward_ms for u in r)
-    else:
-        ms = recompute_ms(units, r, _recompute(kind, r, units, costing))
+        return sum(units[u].forward_ms for u in r)
+    return recompute_ms(units, r, _recompute(kind, r, units, costing))
+
+
+def _make_stage(index, kind, r, units, costing, tail_start, fwd_ranges, bwd_ranges) -> Stage:
+    ms = _stage_ms(kind, r, units, costing)
     _, trainable = _stage_params(units, r)
     buffer_bytes, batch_inputs = _stage_reads(units, r)
     first = r[0]
