@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import rpcompile
+from rpcompile.capture.core import capture
 from rpcompile.capture.tracing import tracer_waiting
 from rpcompile.options import TrainOptions
 from rpcompile.runtime.checkpoint import CheckpointError, CheckpointManager, read_manifest
@@ -109,6 +110,8 @@ def test_an_update_running_while_another_model_compiles_is_bit_identical(monkeyp
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    # The compile below must export, not reuse the suite's capture of the same model.
+    monkeypatch.setattr("rpcompile.compiler.entry.capture_graph", capture)
     stepping = threading.Thread(target=busy.step, args=(data[1],))
     stepping.start()  # its update (an OPT of the step) runs on that thread
     assert started.wait(20)
