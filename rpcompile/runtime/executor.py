@@ -18,7 +18,9 @@ stream thread, an interrupt, ``close()`` from another thread) aborts every step 
 committed: every wait gives up within a poll, every lane drains, workers stuck past the
 deadline are replaced, device memory is freed, the driver puts the open step's updates back,
 the loss scaler is put back, and :class:`StepFailed` is raised naming the failing action and
-the steps discarded with it. Masters, optimizer state, pending gradients, shadows, the loss
+the steps discarded with it. A step whose commit had begun on the host queue when the failure
+came stands (the host runs the commit to its end): its result is handed back first, and the
+failure at the next finish(). Masters, optimizer state, pending gradients, shadows, the loss
 scaler and the step counter are then those of the last committed step, and a retry of the
 same batches runs bit for bit as they would have. ``KeyboardInterrupt``/``SystemExit`` abort
 the same way and re-raise as themselves.
@@ -195,6 +197,9 @@ class Executor(Actions):
         # a step may commit long before the caller asks for it (its loop is slow), and its
         # result waits here.
         self._unreported: collections.deque[StepState] = collections.deque()
+        # The failure of the steps in flight, raised once the results of the steps that
+        # committed as it came (their commit had begun) are handed back (_fail).
+        self._failed_after: BaseException | None = None
         self._last_commit = 0.0
         self._step_lock = threading.Lock()
         self._closed = ""  # why steps are refused (set by abort())
@@ -282,6 +287,7 @@ class Executor(Actions):
                     pass
             self._finished.clear()
             self._unreported.clear()
+            self._failed_after = None
         finally:
             self._step_lock.release()
         return True
@@ -344,6 +350,7 @@ class Executor(Actions):
         with self._driving("step()"):
             if self._closed:
                 raise StateError(f"cannot run a step: {self._closed}")
+            self._raise_failed_after()
             if self.in_flight or self._finished or self._unreported:
                 raise StateError(
                     "step() was called with steps of a stream still in flight (or their "
@@ -351,7 +358,9 @@ class Executor(Actions):
                     "first")
             self._start(batch)
             self._flight.end_steps()
-            return self._finish()
+            result = self._finish()
+            self._raise_failed_after()  # it committed as a failure came: the step stands
+            return result
 
     def start(self, batch: Mapping[str, torch.Tensor],
               after_commit: Callable[[], object] | None = None) -> int:
@@ -363,6 +372,7 @@ class Executor(Actions):
         with self._driving("a step"):
             if self._closed:
                 raise StateError(f"cannot run a step: {self._closed}")
+            self._raise_failed_after()
             if self.in_flight >= self.in_flight_limit:
                 raise StateError(f"{self.in_flight} steps are in flight, the most at once: "
                                    "finish() the oldest before starting another")
@@ -499,11 +509,23 @@ class Executor(Actions):
     def _finish(self) -> StepResult:
         if self._finished:
             return self._finished.popleft()
-        return self._await_oldest()
+        self._raise_failed_after()
+        first, *late = self._await_oldest()
+        self._finished.extend(late)
+        return first
 
-    def _await_oldest(self) -> StepResult:
+    def _raise_failed_after(self) -> None:
+        """Raise the failure that came as the steps before it committed, once their results
+        are handed back."""
+        if self._failed_after is not None and not self._finished:
+            error, self._failed_after = self._failed_after, None
+            raise error
+
+    def _await_oldest(self) -> list[StepResult]:
         """Wait for the oldest step not yet handed back to commit (it may have already) and
-        return its result; the run of steps ends after the last one (the workers idle)."""
+        return its result (and, when a failure came as it committed, those of the steps after
+        it that committed too: :meth:`_fail`); the run of steps ends after the last one (the
+        workers idle)."""
         if not self._unreported:
             raise StateError("no step in flight to finish: start() one first")
         state = self._unreported[0]
@@ -517,7 +539,9 @@ class Executor(Actions):
             interrupts.append(exc)
             flight.aborted = True
         if not state.committed.is_set():
-            self._fail(flight, interrupts)
+            # Raises, unless this step committed as the failure came: then its result and
+            # those of any after it that did too, and the failure after them (_failed_after).
+            return self._fail(flight, interrupts)
         self._unreported.popleft()
         result = state.result
         if not flight.steps and not self._unreported:  # the workers are idle: the run ends
@@ -528,7 +552,7 @@ class Executor(Actions):
             with flight.lock:
                 if flight.root is None:
                     flight.root = ("the caller", interrupts[0])
-        return result
+        return [result]
 
     def _drain(self) -> None:
         """Let every step in flight commit (their results wait for :meth:`finish`); the
@@ -536,7 +560,10 @@ class Executor(Actions):
         if self._flight is not None:
             self._flight.end_steps()
         while self._unreported:
-            self._finished.append(self._await_oldest())
+            self._finished.extend(self._await_oldest())
+        if self._failed_after is not None:  # the results wait for finish(); the failure not
+            error, self._failed_after = self._failed_after, None
+            raise error
 
     def _close(self, flight: InFlight) -> tuple[int, ...]:
         """End a run of steps that all committed: stop the host's lanes, give back what the
@@ -569,15 +596,24 @@ class Executor(Actions):
     # 3. failure
     # ========================================================================================
 
-    def _fail(self, flight: InFlight, interrupts: list[BaseException] | None = None) -> None:
+    def _fail(self, flight: InFlight,
+              interrupts: list[BaseException] | None = None) -> list[StepResult]:
         """Take every step in flight apart (see the module doc) and raise: the interrupt that
-        came, else :class:`StepFailed` (:class:`StepTimeout` for the watchdog)."""
+        came, else :class:`StepFailed` (:class:`StepTimeout` for the watchdog).
+
+        A step whose commit had begun on the host queue when the failure came runs it to the
+        end (the lanes drain): it stands, like every step before it. Steps commit in order,
+        so those are the oldest not handed back: this returns their results, and the failure
+        waits in ``_failed_after`` until finish() has handed them back. The steps discarded
+        are those still uncommitted once the lanes drained."""
         interrupts = [] if interrupts is None else interrupts
         flight.aborted = True
-        discarded = sorted(flight.steps)
-        # Steps commit in order: the ones not handed back yet are the ones discarded.
-        self._unreported.clear()
         stuck = uninterrupted(flight.drain, interrupts, flight)
+        late = []
+        while self._unreported and self._unreported[0].committed.is_set():
+            late.append(self._unreported.popleft().result)
+        self._unreported.clear()
+        discarded = sorted(flight.steps)
         try:
             uninterrupted(lambda: flight.take_apart(self._replace, self.timeout_s or 60.0),
                           interrupts, flight)
@@ -596,12 +632,16 @@ class Executor(Actions):
             self._flight = None
             self._driver_thread = None
         interrupt = interrupts[0] if interrupts else flight.interrupt()
-        if interrupt is not None:
+        if interrupt is None:
+            interrupt = self._timeout_error(flight, stuck, discarded) \
+                if stuck or (flight.timed_out and not flight.roots() and flight.root is None) \
+                else self._step_error(flight, discarded)
+        if late:
+            self._failed_after = interrupt
+            return late
+        if isinstance(interrupt, INTERRUPTS):
             raise interrupt
-        error = self._timeout_error(flight, stuck, discarded) \
-            if stuck or (flight.timed_out and not flight.roots() and flight.root is None) \
-            else self._step_error(flight, discarded)
-        raise error from error.__cause__
+        raise interrupt from interrupt.__cause__
 
     def _discard(self, flight: InFlight) -> None:
         """The host's side of the steps in flight goes back to the last committed step: the

@@ -280,3 +280,49 @@ def test_ending_a_stream_commits_the_steps_in_flight_and_takes_no_more(qwen3):  
         results += list(stream)
         assert len(taken) == len(results) == trainer.steps_done < len(data)
         assert [r.step for r in results] == list(range(len(results)))
+
+
+def test_a_step_whose_commit_began_as_the_next_step_failed_stands(qwen3, monkeypatch):  # noqa: F811
+    # Step FAIL_AT - 1 commits on the host queue; step FAIL_AT's backward fails just as that
+    # commit begins. The commit runs to its end, so the step stands: its result comes back,
+    # the failure after it names only the later steps, and only those run again.
+    data = batches(5, 6)
+    states, losses, masters = _straight(qwen3, data, "async")
+    commit, backward = Executor._commit, Executor._do_B
+    began = threading.Event()
+
+    def slow_commit(self, state):
+        if state.k == FAIL_AT - 1:
+            began.set()
+            time.sleep(0.5)  # the failure lands here
+        return commit(self, state)
+
+    def failing_backward(self, run, a):
+        if run.k == FAIL_AT:
+            began.wait(30)
+            raise RuntimeError("planted: a backward job")
+        return backward(self, run, a)
+
+    with Trainer(qwen3, train=replace(qwen3.options.train, optimizer=ADAMW, device="virtual"),
+                 plan=replace(qwen3.options.plan, mode="async")) as trainer:
+        got = []
+        with monkeypatch.context() as patch:
+            patch.setattr(Executor, "_commit", slow_commit)
+            patch.setattr(Executor, "_do_B", failing_backward)
+            stream = trainer.fit(data)
+            with pytest.raises(StepFailed) as info:
+                while True:
+                    got.append(next(stream))
+        assert [r.step for r in got] == list(range(FAIL_AT))
+        assert info.value.discarded == (FAIL_AT, FAIL_AT + 1)
+        assert trainer.steps_done == stream.committed == FAIL_AT
+        masters_now, opt_now = _snapshot(trainer)
+        for name, value in states[FAIL_AT][0].items():
+            assert torch.equal(masters_now[name], value), name
+        _assert_same_optimizer_state(states[FAIL_AT][1], opt_now)
+        got += list(stream)
+        assert [r.step for r in got] == list(range(len(data)))
+        for k, (r, want) in enumerate(zip(got, losses)):
+            assert torch.equal(r.loss, want), f"step {k}"
+        for name, value in trainer.masters().items():
+            assert torch.equal(value, masters[name]), name
