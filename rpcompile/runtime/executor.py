@@ -372,7 +372,9 @@ class Executor(Actions):
         with self._driving("a step"):
             if self._closed:
                 raise StateError(f"cannot run a step: {self._closed}")
-            self._raise_failed_after()
+            if self._failed_after is not None:
+                raise StateError("the steps after the last committed one failed: finish() "
+                                 "raises that failure; take it before starting another step")
             if self.in_flight >= self.in_flight_limit:
                 raise StateError(f"{self.in_flight} steps are in flight, the most at once: "
                                    "finish() the oldest before starting another")
@@ -513,6 +515,12 @@ class Executor(Actions):
         first, *late = self._await_oldest()
         self._finished.extend(late)
         return first
+
+    @property
+    def failure_held(self) -> bool:
+        """Whether a failure waits for :meth:`finish` (it came as the steps before it
+        committed, and their results were handed back first)."""
+        return self._failed_after is not None
 
     def _raise_failed_after(self) -> None:
         """Raise the failure that came as the steps before it committed, once their results

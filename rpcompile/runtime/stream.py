@@ -93,6 +93,12 @@ class StepStream(Iterator[StepResult]):
         if self._trainer._refused:
             raise StateError(self._trainer._refused)
         self._requeue()
+        if self._trainer.executor.failure_held:  # it came as the steps before it committed
+            try:
+                self._trainer.executor.finish()
+            except BaseException as exc:
+                self._trainer._failed(exc)
+                raise
         self._fill(replan=True)
         trainer = self._trainer  # a new plan's, when the fill re-planned
         executor = trainer.executor
@@ -136,7 +142,7 @@ class StepStream(Iterator[StepResult]):
         new plan's trainer (``replan`` is off in the fill after a result, so that a re-plan,
         its notice and its failure come from ``next()`` itself)."""
         executor = self._trainer.executor
-        while executor.in_flight < executor.in_flight_limit:
+        while executor.in_flight < executor.in_flight_limit and not executor.failure_held:
             batch = self._take()
             if batch is None:
                 return

@@ -314,7 +314,7 @@ def test_a_step_whose_commit_began_as_the_next_step_failed_stands(qwen3, monkeyp
                 while True:
                     got.append(next(stream))
         assert [r.step for r in got] == list(range(FAIL_AT))
-        assert info.value.discarded == (FAIL_AT, FAIL_AT + 1)
+        assert info.value.discarded in ((FAIL_AT,), (FAIL_AT, FAIL_AT + 1))  # in flight then
         assert trainer.steps_done == stream.committed == FAIL_AT
         masters_now, opt_now = _snapshot(trainer)
         for name, value in states[FAIL_AT][0].items():
