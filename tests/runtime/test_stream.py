@@ -110,8 +110,9 @@ def test_a_fault_with_two_steps_in_flight_discards_both_and_the_retry_is_exact(
             assert fired == [FAIL_AT]
             committed = len(got)
             assert committed in (FAIL_AT - 1, FAIL_AT)
-            if isinstance(info.value, StepFailed):  # both steps in flight are discarded
-                assert info.value.discarded == (committed, committed + 1)
+            if isinstance(info.value, StepFailed):  # the steps in flight are discarded: both,
+                # or the later one alone when the earlier's commit had begun as the fault came
+                assert info.value.discarded in ((committed, committed + 1), (committed,))
             # The state is the last committed step's, bit for bit.
             masters_now, opt_now = _snapshot(trainer)
             for name, value in states[committed][0].items():
