@@ -42,6 +42,26 @@ def _straight(compiled, data, mode):
         return states, losses, trainer.masters()
 
 
+def _assert_at_step(trainer, states, k):
+    """The masters, pending gradients and optimizer state are those after ``k`` steps of the
+    straight run, bit for bit."""
+    masters_now, opt_now = _snapshot(trainer)
+    for name, value in states[k][0].items():
+        assert torch.equal(masters_now[name], value), name
+    _assert_same_optimizer_state(states[k][1], opt_now)
+
+
+def _assert_runs_on_exactly(trainer, stream, got, losses, masters):
+    """The rest of ``stream`` (the discarded batches again, then the others) gives, after the
+    results ``got`` so far, every step's loss and the final masters of the straight run."""
+    got = got + list(stream)
+    assert [r.step for r in got] == list(range(len(losses)))
+    for k, (r, want) in enumerate(zip(got, losses)):
+        assert torch.equal(r.loss, want), f"step {k}"
+    for name, value in trainer.masters().items():
+        assert torch.equal(value, masters[name]), name
+
+
 def _plant(patch, where, trainer, release):
     """Make the first action of ``where`` in run step FAIL_AT fail (or stall); returns the
     steps it fired in."""
@@ -114,19 +134,11 @@ def test_a_fault_with_two_steps_in_flight_discards_both_and_the_retry_is_exact(
                 # or the later one alone when the earlier's commit had begun as the fault came
                 assert info.value.discarded in ((committed, committed + 1), (committed,))
             # The state is the last committed step's, bit for bit.
-            masters_now, opt_now = _snapshot(trainer)
-            for name, value in states[committed][0].items():
-                assert torch.equal(masters_now[name], value), name
-            _assert_same_optimizer_state(states[committed][1], opt_now)
+            _assert_at_step(trainer, states, committed)
             assert trainer.steps_done == stream.committed == committed
             assert all(w.memory_in_use == 0 for w in trainer.workers)
             # The same stream runs the discarded batches again, then the rest.
-            got += list(stream)
-            assert [r.step for r in got] == list(range(len(data)))
-            for k, (r, want) in enumerate(zip(got, losses)):
-                assert torch.equal(r.loss, want), f"step {k}"
-            for name, value in trainer.masters().items():
-                assert torch.equal(value, masters[name]), name
+            _assert_runs_on_exactly(trainer, stream, got, losses, masters)
     finally:
         release.set()
 
@@ -317,13 +329,5 @@ def test_a_step_whose_commit_began_as_the_next_step_failed_stands(qwen3, monkeyp
         assert [r.step for r in got] == list(range(FAIL_AT))
         assert info.value.discarded in ((FAIL_AT,), (FAIL_AT, FAIL_AT + 1))  # in flight then
         assert trainer.steps_done == stream.committed == FAIL_AT
-        masters_now, opt_now = _snapshot(trainer)
-        for name, value in states[FAIL_AT][0].items():
-            assert torch.equal(masters_now[name], value), name
-        _assert_same_optimizer_state(states[FAIL_AT][1], opt_now)
-        got += list(stream)
-        assert [r.step for r in got] == list(range(len(data)))
-        for k, (r, want) in enumerate(zip(got, losses)):
-            assert torch.equal(r.loss, want), f"step {k}"
-        for name, value in trainer.masters().items():
-            assert torch.equal(value, masters[name]), name
+        _assert_at_step(trainer, states, FAIL_AT)
+        _assert_runs_on_exactly(trainer, stream, got, losses, masters)
