@@ -213,13 +213,13 @@ def _differences(hit: Any, fresh: Any) -> list[str]:
     a, b = list(hit.graph_module.graph.nodes), list(fresh.graph_module.graph.nodes)
     if len(a) != len(b):
         out.append(f"{len(a)} nodes vs {len(b)}")
+    def seen(n):  # what a pass reads of a node
+        return (n.op, n.name, str(n.target), repr(n.args), repr(n.kwargs),
+                repr(n.meta.get("val")), repr(n.meta.get("nn_module_stack")),
+                {k: repr(v) for k, v in n.meta.items() if k.startswith("rp_")})
+
     for x, y in zip(a, b, strict=False):
-        left = (x.op, x.name, str(x.target), repr(x.args), repr(x.kwargs),
-                repr(x.meta.get("val")), repr(x.meta.get("nn_module_stack")),
-                {k: repr(v) for k, v in x.meta.items() if k.startswith("rp_")})
-        right = (y.op, y.name, str(y.target), repr(y.args), repr(y.kwargs),
-                 repr(y.meta.get("val")), repr(y.meta.get("nn_module_stack")),
-                 {k: repr(v) for k, v in y.meta.items() if k.startswith("rp_")})
+        left, right = seen(x), seen(y)
         if left != right:
             out.append(f"node {x.name}: {left} vs {right}")
             break
