@@ -28,9 +28,11 @@ async plan (slow: minutes per model). Prints and writes to JSON, per plan:
   async / sync         one isolated sync step's time over the async steady step's
 
 and, per model, the ceiling: the least long-run time per async step that any RoundPipe plan
-of the model's attention and MLP blocks can have (``ceiling``, below), the tail start that
-gives it, and the greedy partition's async step over it: how far any partitioner could beat
-the greedy partition on this workload.
+of the model's attention and MLP blocks can have
+(``rpcompile.planner.partition.async_step_floor``: the larger of one step's compute over the
+workers and half the least span of one step's computes, at the best tail start), the tail
+length that gives it, and the greedy partition's async step over it: how far any
+partitioner could beat the greedy partition on this workload.
 
 Run it from the tree to measure (``PYTHONPATH=<tree> python3 benchmarks/async_barrier.py``).
 """
@@ -45,7 +47,7 @@ from _results import write_result
 from paper_bubbles import MICROBATCH_SIZE, MICROBATCHES, SEQ, WORKERS, paper_hardware
 
 from rpcompile.options import PlanOptions
-from rpcompile.planner.partition import build_plan, fit_memory_waits, partition
+from rpcompile.planner.partition import async_step_floor, fit_memory_waits, partition
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import (
     simulate_roundpipe,
@@ -78,39 +80,6 @@ def figures(plan, hw) -> dict[str, float]:
             "sync_steady_step_ms": steady_step_ms(stream),
             "sync_steady_bubble_pct": 100 * (1 - steady_utilization(stream)),
             "async_over_sync": one.makespan_ms / steady_step_ms(steady)}
-
-
-def ceiling(units, hw) -> tuple[float, int]:
-    """(the least long-run time per async step, ms, of any RoundPipe plan of ``units`` on
-    ``WORKERS`` workers with ``MICROBATCHES`` microbatches in one round, every stage with
-    trainable weights; the first unit of the fused tail that gives it).
-
-    For each tail start, two limits hold whatever the other cuts:
-
-    - the workers: one step's compute over the workers. With stage recompute (the least
-      compute) a step's compute depends on the tail start only: the tail's layers are not
-      recomputed.
-    - the staleness chain: step k's jobs upload the shadow written from step k-2's update,
-      which follows every gradient of step k-2, so step k starts after step k-2's last
-      compute. Within a step each job's microbatch waits for the same microbatch of the job
-      before it and for its own previous microbatch, so a step's computes span at least
-      every job's one-microbatch compute plus ``MICROBATCHES - 1`` of its longest job, which
-      is at least the longest stage of the finest cut (every unit its own stage). Two steps
-      start per span.
-
-    Hops, uploads and host work are left out, so the ceiling is below what a plan reaches."""
-    n = len(units)
-    best: tuple[float, int] | None = None
-    for tail in range(n - 1, 0, -1):
-        finest = build_plan(units, list(range(tail)), list(range(tail)), tail, hw, WORKERS,
-                            MICROBATCHES, MICROBATCH_SIZE, SEQ)
-        per_microbatch = [st.compute_ms for st in finest.stages]
-        work = MICROBATCHES * sum(per_microbatch) / WORKERS
-        chain = (sum(per_microbatch) + (MICROBATCHES - 1) * max(per_microbatch)) / 2
-        if best is None or max(work, chain) < best[0]:
-            best = (max(work, chain), tail)
-    assert best is not None
-    return best
 
 
 def main() -> None:
@@ -155,12 +124,14 @@ def main() -> None:
             print(f"{'':33s} bound's cycle: {row['bound_cycle_steps']} steps through stages "
                   f"{' '.join(map(str, row['bound_cycle_stages']))}"
                   f"{', stale' if row['bound_stale'] else ''}", flush=True)
-        ms, tail = ceiling(blocks, hw)
+        floor = async_step_floor(blocks, hw, WORKERS, MICROBATCHES,
+                                 microbatch_size=MICROBATCH_SIZE, seq_len=SEQ)
         greedy = out[name]["roundpipe-greedy"]["async_step_ms"]
-        ceilings[name] = {"step_ms": ms, "tail_units": len(blocks) - tail,
-                          "greedy_over_ceiling": greedy / ms}
-        print(f"{name:14s} ceiling: no plan's async step below {ms:9.1f} ms (a tail of "
-              f"{len(blocks) - tail} units), greedy / ceiling {greedy / ms:.3f}", flush=True)
+        ceilings[name] = {"step_ms": floor.step_ms, "tail_units": floor.tail_units,
+                          "greedy_over_ceiling": greedy / floor.step_ms}
+        print(f"{name:14s} ceiling: no plan's async step below {floor.step_ms:9.1f} ms (a tail "
+              f"of {floor.tail_units} units, set by the {floor.limit}), greedy / ceiling "
+              f"{greedy / floor.step_ms:.3f}", flush=True)
     if "qwen3-1.7b" in out:
         print(f"RoundPipe's artifact on its own Qwen3-1.7B partition: sync bubble "
               f"{ROUNDPIPE_QWEN3_1_7B_BUBBLES['sync']:.2f} % (gaps "

@@ -26,18 +26,27 @@ A plan that needs more is marked "over the host RAM!" (rpcompile.passes.memory.h
 the check compile() and ``rpcompile plan`` make), and the JSON lists it under "over-host-ram".
 The weight-bound baselines keep their weights on the GPUs and have no host figure.
 
-Each RoundPipe line also gives two async / sync throughput ratios of the same plan (the
+Each RoundPipe line also gives three async / sync throughput ratios of the same plan (the
 async plan the line runs), beside the ratio RoundPipe measured on real 4090s (1.16 / 1.29 /
 1.44 / 1.32 / 1.14):
 
   async/sync stream    over its sync mode as rpcompile runs it: steps in a stream, each job
                        waiting for the updated shadow of its stage
-  async/sync isolated  over one isolated sync step (fill, drain and the last update included,
-                       as ``async_barrier.py``'s ``sync_step_ms``): RoundPipe's sync mode,
-                       the like-for-like figure to its measured ratio
+  async/sync isolated  over one isolated sync step in rpcompile's update order (each stage
+                       updated as its gradients are home, while later backward jobs
+                       compute; as ``async_barrier.py``'s ``sync_step_ms``)
+  async/sync deferred  over one isolated sync step whose updates all follow the step's last
+                       gradient (``Plan.updates="deferred"``). That is RoundPipe's sync mode:
+                       its ``step(is_async=False)`` runs the optimizer over every parameter
+                       once the last gradient is home, and returns when the updated weights
+                       are copied back. The like-for-like figure to its measured ratio, but
+                       for its sync runs' retuned accumulation counts, which the paper does
+                       not give
 
 and each workload's rpcompile / roundpipe-partition ratio (both async, the same overlapping
-schedule).
+schedule), and the floor: the least long-run async step any plan of the workload's units
+can have (``rpcompile.planner.partition.async_step_floor``), with the greedy partition's
+step over it, the most any partition could gain over the greedy one.
 
 Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B (paper: about
 8,900 tokens/s).
@@ -59,6 +68,7 @@ half the pinned 25), the partitioner searching on the same figures. The output a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import time
 from pathlib import Path
@@ -68,6 +78,7 @@ from _search import add_search_caps, capped_partition  # benchmarks/_search.py, 
 
 from rpcompile.hardware import get_hardware, host_ram
 from rpcompile.passes.memory import host_memory, host_ram_problem, worker_peaks
+from rpcompile.planner.partition import async_step_floor
 from rpcompile.planner.partition_baseline import partition_roundpipe
 from rpcompile.sim import simulate_pipeline, simulate_roundpipe, steady_step_ms, steady_steps
 from rpcompile.workloads.paper import MODELS, PAPER_MODELS, WORKLOADS
@@ -99,7 +110,8 @@ def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8,
                            ram: tuple[int, str] = (0, ""), memory: str = "pinned",
                            ) -> tuple[float, str, object, dict[str, float]]:
     """(tokens/s, note, host memory, the same plan's sync tokens/s: {"stream": its steps in a
-    stream, "isolated": one isolated step}) of one workload with a RoundPipe plan from
+    stream, "isolated": one isolated step, "deferred": one isolated step with every update
+    after the last gradient}) of one workload with a RoundPipe plan from
     ``partitioner``; ``ram``: the server's (bytes, source), 0 for no check; ``memory``: the
     run's host memory (the partitioner and the replay time transfers at its bandwidth)."""
     w = WORKLOADS[name]
@@ -125,9 +137,24 @@ def roundpipe_tokens_per_s(name: str, partitioner, gpus: int = 8,
     stream = simulate_roundpipe(plan, hw, steps=steady_steps(plan, rounds=w.rounds),
                                 optimizer="sync", rounds=w.rounds)
     isolated = simulate_roundpipe(plan, hw, steps=1, optimizer="sync", rounds=w.rounds)
+    deferred = simulate_roundpipe(dataclasses.replace(plan, updates="deferred"), hw, steps=1,
+                                  optimizer="sync", rounds=w.rounds)
     sync = {"stream": w.tokens_per_step / (steady_step_ms(stream) / 1e3),
-            "isolated": w.tokens_per_step / (isolated.makespan_ms / 1e3)}
+            "isolated": w.tokens_per_step / (isolated.makespan_ms / 1e3),
+            "deferred": w.tokens_per_step / (deferred.makespan_ms / 1e3)}
     return w.tokens_per_step / (steady_step_ms(r) / 1e3), note, host, sync
+
+
+def floor_of(name: str, memory: str = "pinned") -> tuple[float, object]:
+    """(tokens/s at the floor, the floor) of one workload: no RoundPipe plan of its units
+    runs faster in the async steady state."""
+    w = WORKLOADS[name]
+    hw = profile(memory)
+    units = MODELS[name].units(w.microbatch_size, w.seq_len)
+    floor = async_step_floor(units, hw, hw.gpus, w.microbatches, rounds=w.rounds,
+                             microbatch_size=max(1, round(w.microbatch_size)),
+                             seq_len=w.seq_len)
+    return w.tokens_per_step / (floor.step_ms / 1e3), floor
 
 
 def pipeline_tokens_per_s(name: str, kind: str,
@@ -160,10 +187,12 @@ def main() -> None:
                          "profile's pageable bandwidth; default: pinned)")
     ap.add_argument("--json", type=Path, default=None,
                     help="where to write {model: {config: tokens_per_s or null}}, plus "
-                         "host-gib: {model: {config: GiB}}, host-ram-gib, host-ram-source and "
-                         "over-host-ram: {model: [config, ...]}, host-memory, link-gbps "
-                         "(default: results/paper_throughput.json, with --host-memory "
-                         "pageable results/paper_throughput_pageable.json)")
+                         "ratios, floor: {model: {step_ms, tail_units, limit, config: "
+                         "step over the floor's}}, host-gib: {model: {config: GiB}}, "
+                         "host-ram-gib, host-ram-source and over-host-ram: {model: "
+                         "[config, ...]}, host-memory, link-gbps (default: "
+                         "results/paper_throughput.json, with --host-memory pageable "
+                         "results/paper_throughput_pageable.json)")
     ap.add_argument("--png", type=str, default=None,
                     help="grouped bar chart ('' to skip; default: beside the JSON, .png)")
     args = ap.parse_args()
@@ -182,6 +211,7 @@ def main() -> None:
     host_gib: dict[str, dict[str, float]] = {}
     over: dict[str, list[str]] = {}
     ratios: dict[str, dict[str, float]] = {}
+    floors: dict[str, dict[str, float | int | str]] = {}
     for name in args.models:
         row: dict[str, float | None] = {}
         notes = {}
@@ -205,15 +235,25 @@ def main() -> None:
         for k in over[name]:
             print(f"  {k}: {problems[k]}")
         ratios[name] = {f"{k} async/sync {how}": round(row[k] / sync[k][how], 3)
-                        for k in sync for how in ("stream", "isolated")}
+                        for k in sync for how in ("stream", "isolated", "deferred")}
         ratios[name]["rpcompile/roundpipe-partition"] = round(
             row["rpcompile"] / row["roundpipe-partition"], 3)
         for k in sync:
             print(f"  {k}: async/sync stream {ratios[name][f'{k} async/sync stream']:.3f}, "
-                  f"async/sync isolated {ratios[name][f'{k} async/sync isolated']:.3f} "
-                  f"(RoundPipe measured {ROUNDPIPE_ASYNC_OVER_SYNC[name]:.2f}, isolated)")
+                  f"isolated {ratios[name][f'{k} async/sync isolated']:.3f}, deferred "
+                  f"{ratios[name][f'{k} async/sync deferred']:.3f} (RoundPipe measured "
+                  f"{ROUNDPIPE_ASYNC_OVER_SYNC[name]:.2f}, its sync mode as deferred)")
+        at_floor, floor = floor_of(name, args.host_memory)
+        floors[name] = {"step_ms": round(floor.step_ms, 1), "tail_units": floor.tail_units,
+                        "limit": floor.limit,
+                        "roundpipe-partition": round(at_floor / row["roundpipe-partition"], 3),
+                        "rpcompile": round(at_floor / row["rpcompile"], 3)}
         print(f"  rpcompile/roundpipe-partition "
-              f"{ratios[name]['rpcompile/roundpipe-partition']:.3f}", flush=True)
+              f"{ratios[name]['rpcompile/roundpipe-partition']:.3f}; floor "
+              f"{floor.step_ms:,.1f} ms per step (a tail of {floor.tail_units} units, set by "
+              f"the {floor.limit}): no partition beats roundpipe-partition by more than "
+              f"{floors[name]['roundpipe-partition']:.3f}x (rpcompile at "
+              f"{floors[name]['rpcompile']:.3f}x the floor's step)", flush=True)
 
     calib = roundpipe_tokens_per_s("qwen3-1.7b", partition_roundpipe, gpus=1,
                                    memory=args.host_memory)[0]
@@ -221,7 +261,7 @@ def main() -> None:
           f"(paper: about {CALIBRATION_TOKENS_PER_S:,.0f})")
 
     write_result(args.json, {
-        **result, "ratios": ratios,
+        **result, "ratios": ratios, "floor": floors,
         "roundpipe-measured-async-over-sync": {m: ROUNDPIPE_ASYNC_OVER_SYNC[m]
                                                for m in args.models},
         "host-gib": host_gib, "host-ram-gib": round(ram[0] / 2**30, 1),

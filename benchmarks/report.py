@@ -243,15 +243,31 @@ def _paper_throughput(r: Result) -> str:
     link = f.get("link-gbps", {})
     ratios, measured = f.get("ratios", {}), f.get("roundpipe-measured-async-over-sync", {})
     keys = [f"{c} async/sync {how}" for c in ("rpcompile", "roundpipe-partition")
-            for how in ("isolated", "stream")]
+            for how in ("deferred", "isolated", "stream")]
     ratio_rows = [[m, *[num(ratios[m].get(k), 3) for k in keys], num(measured.get(m), 2)]
                   for m in models if all(k in ratios.get(m, {}) for k in keys)]
     ratio_table = "" if not ratio_rows else (
-        "\n\nAsync / sync throughput of the same async plan: over one isolated sync step "
-        "(RoundPipe's sync mode, like for like with its measured ratio) and over sync steps "
-        "in a stream (rpcompile's sync mode):\n\n"
-        + table(["model", "ours, isolated", "ours, stream", "RoundPipe's partition, isolated",
+        "\n\nAsync / sync throughput of the same async plan, over one isolated sync step with "
+        "every update after the step's last gradient (deferred: RoundPipe's sync mode, like "
+        "for like with its measured ratio but for its sync runs' retuned accumulation "
+        "counts), over one isolated sync step in rpcompile's update order (isolated), and over "
+        "sync steps in a stream (stream: rpcompile's sync mode):\n\n"
+        + table(["model", "ours, deferred", "ours, isolated", "ours, stream",
+                 "RoundPipe's partition, deferred", "RoundPipe's partition, isolated",
                  "RoundPipe's partition, stream", "RoundPipe measured (4090s)"], ratio_rows))
+    floors = f.get("floor", {})
+    floor_rows = [[m, num(floors[m]["step_ms"]), floors[m]["tail_units"], floors[m]["limit"],
+                   num(floors[m]["roundpipe-partition"], 3) + "x",
+                   num(floors[m]["rpcompile"], 3) + "x"] for m in models if m in floors]
+    if floor_rows:
+        ratio_table += (
+            "\n\nFloor: the least long-run async step any plan of the workload's units can "
+            "have (`rpcompile.planner.partition.async_step_floor`), set by the workers (one "
+            "step's compute over them) or the chain (a step waits for the update two steps "
+            "before). A plan's step over the floor's is the most any partition could gain "
+            "over it:\n\n"
+            + table(["model", "floor ms", "tail units", "set by",
+                     "RoundPipe's partition / floor", "ours / floor"], floor_rows))
     return (table(["model", "ours tokens/s", "RoundPipe's partition", "1F1B", "GPipe",
                    "ours / RoundPipe's", "host GiB, ours", "host GiB, RoundPipe's"], rows)
             + f"\n\nHost memory: {f.get('host-memory', 'pinned')}, links "

@@ -10,6 +10,7 @@ Modules, in reading order:
   search        the best-first replay of one stage limit's candidates
   local         the local search on the bound, and the async refinement in the simulator
   proofs        the memory-bounding waits, replays, and proven peaks over the runtime's steps
+  floor         the least async step any plan of the units can have, whatever its cuts
   cuts          contiguous min-max partition (exact dynamic programme) under a memory limit
   stages        stage figures: compute time, transfer bytes and device memory of a stage
   common        the error raised when no plan fits, and the record of one search
@@ -34,6 +35,7 @@ from rpcompile.planner.partition.entry import (
     partition,
     tail_memory_bound,
 )
+from rpcompile.planner.partition.floor import AsyncFloor, async_step_floor
 from rpcompile.planner.partition.memory_first import (
     MEMORY_FIRST_NOTE,
     memory_first_note,
@@ -54,9 +56,11 @@ __all__ = [
     "SEARCH_BUDGETS",
     "TAIL_MEMORY_NOTE",
     "WAIT_SETS",
+    "AsyncFloor",
     "PartitionError",
     "SearchBudget",
     "StageCosting",
+    "async_step_floor",
     "build_plan",
     "fit_memory_waits",
     "memory_first_note",
