@@ -51,8 +51,9 @@ step over it, the most any partition could gain over the greedy one.
 Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B (paper: about
 8,900 tokens/s).
 
-``--max-simulations N`` and ``--refine N`` cap the partitioner's search (benchmarks/_search.py);
-a capped search that stops before its proof says so, printed with the line.
+``--max-simulations N`` and ``--refine N`` cap the partitioner's search, and
+``--max-tail-layers N`` widens its fused tails (benchmarks/_search.py); a capped search that
+stops before its proof says so, printed with the line.
 
 ``--host-memory pageable`` plans and replays every configuration as a run from pageable host
 memory (PlanOptions.host_memory="pageable", RoundPipe's pin_model="off"): every host<->GPU
@@ -61,7 +62,8 @@ half the pinned 25), the partitioner searching on the same figures. The output a
 ("host-memory", "link-gbps") say which it assumed; the host bytes are the same either way.
 
     python benchmarks/paper_throughput.py [--models ...] [--max-simulations N] [--refine N]
-                                          [--host-ram-gib G] [--host-memory pinned|pageable]
+                                          [--max-tail-layers N] [--host-ram-gib G]
+                                          [--host-memory pinned|pageable]
                                           [--json PATH] [--png PATH]
 """
 
