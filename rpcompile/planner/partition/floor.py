@@ -29,6 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from rpcompile.errors import InvalidInput
 from rpcompile.hardware import Hardware, get_hardware
 from rpcompile.ir import UnitProfile
 from rpcompile.planner.partition.common import PartitionError
@@ -64,7 +65,7 @@ def async_step_floor(units: Sequence[UnitProfile], hardware: Hardware | str, wor
     hw = get_hardware(hardware)
     n = len(units)
     if n < 2:
-        raise ValueError(f"a RoundPipe plan needs at least 2 units (a stage and a tail), got {n}")
+        raise InvalidInput(f"a RoundPipe plan needs at least 2 units (a stage and a tail), got {n}")
     if capacity is None:
         capacity = hw.usable_memory_bytes
     best: AsyncFloor | None = None
