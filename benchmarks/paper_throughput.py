@@ -44,9 +44,9 @@ async plan the line runs), beside the ratio RoundPipe measured on real 4090s (1.
                        not give
 
 and each workload's rpcompile / roundpipe-partition ratio (both async, the same overlapping
-schedule), and the floor: the least long-run async step any plan of the workload's units
-can have (``rpcompile.planner.partition.async_step_floor``), with the greedy partition's
-step over it, the most any partition could gain over the greedy one.
+schedule), and the floor: a lower bound on the long-run async step of every plan of the
+workload's units (``rpcompile.planner.partition.async_step_floor``), with the greedy
+partition's step over it, the most any partition could gain over the greedy one.
 
 Also prints the calibration point: RoundPipe on ONE RTX 4090 training Qwen3-1.7B (paper: about
 8,900 tokens/s).
@@ -244,7 +244,7 @@ def main() -> None:
             print(f"  {k}: async/sync stream {ratios[name][f'{k} async/sync stream']:.3f}, "
                   f"isolated {ratios[name][f'{k} async/sync isolated']:.3f}, deferred "
                   f"{ratios[name][f'{k} async/sync deferred']:.3f} (RoundPipe measured "
-                  f"{ROUNDPIPE_ASYNC_OVER_SYNC[name]:.2f}, its sync mode as deferred)")
+                  f"{ROUNDPIPE_ASYNC_OVER_SYNC[name]:.2f}: compare with deferred, its sync mode)")
         at_floor, floor = floor_of(name, args.host_memory)
         floors[name] = {"step_ms": round(floor.step_ms, 1), "tail_units": floor.tail_units,
                         "limit": floor.limit,

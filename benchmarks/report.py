@@ -261,8 +261,9 @@ def _paper_throughput(r: Result) -> str:
                    num(floors[m]["rpcompile"], 3) + "x"] for m in models if m in floors]
     if floor_rows:
         ratio_table += (
-            "\n\nFloor: the least long-run async step any plan of the workload's units can "
-            "have (`rpcompile.planner.partition.async_step_floor`), set by the workers (one "
+            "\n\nFloor: a lower bound on the long-run async step of every plan of the "
+            "workload's units (`rpcompile.planner.partition.async_step_floor`), set by the "
+            "workers (one "
             "step's compute over them) or the chain (a step waits for the update two steps "
             "before). A plan's step over the floor's is the most any partition could gain "
             "over it:\n\n"
@@ -474,8 +475,8 @@ def _async_barrier(r: Result) -> str:
                  "bound for the plan %", "sync step ms", "sync bubble %", "sync gaps %",
                  "async / sync"], rows)
     if ceilings:
-        out += ("\n\nCeiling: the least async step any plan of the model's blocks whose tail "
-                "fits the GPU can have (`rpcompile.planner.partition.async_step_floor`: a "
+        out += ("\n\nCeiling: a lower bound on the async step of every plan of the model's "
+                "blocks whose tail fits the GPU (`rpcompile.planner.partition.async_step_floor`: a "
                 "step's compute over the workers, and two steps per chain of one step's jobs, "
                 "since a step uploads the shadow of the update two steps before).\n\n"
                 + table(["model", "ceiling ms", "tail units", "greedy / ceiling"],
@@ -754,7 +755,8 @@ def headline_rows(results: list[Result]) -> list[list[str]]:
 
     add("paper_throughput", "simulated async steps over RoundPipe's sync mode (its whole "
         "optimizer after each step's last gradient), 5 paper workloads; RoundPipe measured "
-        "1.14-1.44x on 4090s", over_roundpipe_sync,
+        "1.14-1.44x on 4090s, its sync runs with accumulation counts of their own",
+        over_roundpipe_sync,
         "python benchmarks/paper_throughput.py --max-simulations 4 --refine 0")
 
     def longest(f):

@@ -10,7 +10,7 @@ Modules, in reading order:
   search        the best-first replay of one stage limit's candidates
   local         the local search on the bound, and the async refinement in the simulator
   proofs        the memory-bounding waits, replays, and proven peaks over the runtime's steps
-  floor         the least async step any plan of the units can have, whatever its cuts
+  floor         a lower bound on every plan's async step, whatever its cuts
   cuts          contiguous min-max partition (exact dynamic programme) under a memory limit
   stages        stage figures: compute time, transfer bytes and device memory of a stage
   common        the error raised when no plan fits, and the record of one search

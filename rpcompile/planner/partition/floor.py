@@ -1,27 +1,29 @@
-"""The floor: the least long-run time per async step that any RoundPipe plan of a model's
-units can have, whatever its cuts. It says how far any partition could beat a given one.
+"""The floor: a lower bound on the long-run time per async step of every RoundPipe plan of a
+model's units, whatever its cuts. It says how far any partition could beat a given one. It
+is a bound, not a plan: round-robin dispatch may pace a plan well above it.
 
-For each start of the fused tail, two limits hold whatever the other cuts:
+For each tail start, two limits hold whatever the other cuts:
 
 - **The workers.** One step's compute spread over the workers. A stage's time per
   microbatch is the sum of its units' (``rpcompile.passes.cost.recompute_ms``; layer
-  recompute only adds), so a step's compute depends on the tail start alone: units before
-  the tail run forward, then recompute and backward; the tail's run once forward and
+  recompute only adds), so a step's least compute depends on the tail start alone: units
+  before the tail run forward, then recompute and backward; the tail's run once forward and
   backward.
-- **The staleness chain.** Step k's jobs upload the shadow written from step k-2's update,
-  which follows every gradient of step k-2, so step k starts after step k-2's last compute.
-  Within a round each job's microbatch waits for the same microbatch of the job before it
-  and for its own previous microbatch, so a step's computes span at least every stage's
-  one-microbatch compute plus ``microbatches - 1`` of its longest stage, which is at least
-  the longest stage of the finest cut (every unit its own stage). Two steps start per span.
+- **The staleness chain.** The runtime keeps at most two steps in flight
+  (``rpcompile.ir.STEPS_IN_FLIGHT``): the schedule's ``in_flight`` edges start no action of
+  step k before step k-2's commit point, which follows its last compute. Within a round each
+  job's microbatch waits for the same microbatch of the job before it and for its own
+  previous microbatch, so a step's computes span at least every stage's one-microbatch
+  compute plus ``microbatches - 1`` of its longest stage, which is at least the longest stage
+  of the finest cut (every unit its own stage). Two steps start per span.
 
 Tail starts whose tail does not fit the device are left out: the fused tail is one stage
 whatever the other cuts, and its working set for one microbatch (``Stage.peak_bytes``, the
 figure the partitioner rules tails out by) must fit the device's usable memory.
 
-Hops, uploads, host work and memory waits are left out: they only add, so the simulated
-steady step (``rpcompile.sim.steady_step_ms``) of every plan whose tail fits is at least the
-floor.
+Hops, uploads, host work and memory waits are left out: they only add, so over a long run
+the simulated steady step (``rpcompile.sim.steady_step_ms``) of every plan whose tail fits is
+at least the floor.
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ __all__ = ["AsyncFloor", "async_step_floor"]
 
 @dataclass(frozen=True)
 class AsyncFloor:
-    """The least async step of any plan (:func:`async_step_floor`)."""
+    """A lower bound on every plan's async step (:func:`async_step_floor`)."""
 
     step_ms: float     # no plan's long-run time per async step is below this
     tail_units: int    # the tail length that gives it
@@ -57,11 +59,11 @@ def async_step_floor(units: Sequence[UnitProfile], hardware: Hardware | str, wor
                      microbatches: int, *, rounds: int = 1, microbatch_size: int = 1,
                      seq_len: int = 1, costing: StageCosting | None = None,
                      capacity: int | None = None) -> AsyncFloor:
-    """The least long-run time per async step (ms) of any RoundPipe plan of ``units`` on
-    ``workers`` workers, ``microbatches`` per round and ``rounds`` rounds per step whose
-    fused tail fits ``capacity`` bytes (default: the hardware's usable memory; the module doc
-    says why it holds). Every tail start from one unit to all but the first is tried.
-    Raises ``PartitionError`` when no tail fits."""
+    """A lower bound on the long-run time per async step (ms) of every RoundPipe plan of
+    ``units`` on ``workers`` workers, ``microbatches`` per round and ``rounds`` rounds per
+    step whose fused tail fits ``capacity`` bytes (default: the hardware's usable memory; the
+    module doc says why it holds). Every tail start from one unit to all but the first is
+    tried. Raises ``PartitionError`` when no tail fits."""
     hw = get_hardware(hardware)
     n = len(units)
     if n < 2:
