@@ -740,18 +740,20 @@ def headline_rows(results: list[Result]) -> list[list[str]]:
     add("paper_bubbles", "GPipe and 1F1B bubbles against the RoundPipe paper's simulator "
         "(5 models)", paper_gap, "python benchmarks/paper_bubbles.py --schedules gpipe 1f1b")
 
-    def gain(f):
-        g = [f[m]["rpcompile"] / f[m]["roundpipe-partition"] for m in PAPER_ORDER if m in f]
+    def span(g: list[float]) -> str:
         return f"{min(g):.2f}-{max(g):.2f}x" if g else "-"
+
+    def gain(f):
+        return span([f[m]["rpcompile"] / f[m]["roundpipe-partition"] for m in PAPER_ORDER
+                     if m in f])
 
     add("paper_throughput", "predicted tokens/s on 8x RTX 4090, our partition over "
         "RoundPipe's (5 paper workloads)", gain,
         "python benchmarks/paper_throughput.py --max-simulations 4 --refine 0")
 
     def over_roundpipe_sync(f):
-        g = [f["ratios"][m]["rpcompile async/sync deferred"] for m in PAPER_ORDER
-             if "rpcompile async/sync deferred" in f.get("ratios", {}).get(m, {})]
-        return f"{min(g):.2f}-{max(g):.2f}x" if g else "-"
+        return span([f["ratios"][m]["rpcompile async/sync deferred"] for m in PAPER_ORDER
+                     if "rpcompile async/sync deferred" in f.get("ratios", {}).get(m, {})])
 
     add("paper_throughput", "simulated async steps over RoundPipe's sync mode (its whole "
         "optimizer after each step's last gradient), 5 paper workloads; RoundPipe measured "

@@ -372,7 +372,7 @@ class Executor(Actions):
         with self._driving("a step"):
             if self._closed:
                 raise StateError(f"cannot run a step: {self._closed}")
-            if self._failed_after is not None:
+            if self.failure_held:
                 raise StateError("the steps after the last committed one failed: finish() "
                                  "raises that failure; take it before starting another step")
             if self.in_flight >= self.in_flight_limit:
@@ -522,10 +522,11 @@ class Executor(Actions):
         committed, and their results were handed back first)."""
         return self._failed_after is not None
 
-    def _raise_failed_after(self) -> None:
-        """Raise the failure that came as the steps before it committed, once their results
-        are handed back."""
-        if self._failed_after is not None and not self._finished:
+    def _raise_failed_after(self, *, results_first: bool = True) -> None:
+        """Raise the failure that came as the steps before it committed: once their results
+        are handed back, or (``results_first=False``) now, their results waiting for
+        :meth:`finish`."""
+        if self._failed_after is not None and not (results_first and self._finished):
             error, self._failed_after = self._failed_after, None
             raise error
 
@@ -569,9 +570,7 @@ class Executor(Actions):
             self._flight.end_steps()
         while self._unreported:
             self._finished.extend(self._await_oldest())
-        if self._failed_after is not None:  # the results wait for finish(); the failure not
-            error, self._failed_after = self._failed_after, None
-            raise error
+        self._raise_failed_after(results_first=False)
 
     def _close(self, flight: InFlight) -> tuple[int, ...]:
         """End a run of steps that all committed: stop the host's lanes, give back what the
